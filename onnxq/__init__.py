@@ -1,0 +1,34 @@
+"""onnxq: post-training quantization for ONNX models.
+
+    import onnxq
+    result = onnxq.quantize("model.onnx", "model.int8.onnx", config="U8S8",
+                            calibration_data="samples/")
+    print(onnxq.format_summary(result.summary))
+"""
+
+from onnxq.config import (
+    Config,
+    QuantizationConfig,
+    QuantizationSpec,
+    get_preset,
+    load_config,
+)
+from onnxq.errors import OnnxqError
+from onnxq.quantize import ModelQuantizer, QuantizationResult, quantize
+from onnxq.report import Summary, format_summary
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "ModelQuantizer",
+    "OnnxqError",
+    "QuantizationConfig",
+    "QuantizationResult",
+    "QuantizationSpec",
+    "Summary",
+    "format_summary",
+    "get_preset",
+    "load_config",
+    "quantize",
+]

@@ -1,0 +1,68 @@
+"""Stage 2, calibrate: stream calibration batches through onnxruntime into observers.
+
+One session exposes every tensor to calibrate; each batch updates one observer per
+tensor and is then dropped, so memory does not grow with the number of samples.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from tqdm import tqdm
+
+from onnxq.calibrate.data import iter_batches, model_inputs
+from onnxq.calibrate.observers import Observer, make_observer
+from onnxq.calibrate.session import exposed_session
+from onnxq.config.resolve import ResolvedSpec
+from onnxq.config.spec import CalibrationConfig
+from onnxq.errors import CalibrationDataError
+
+
+@dataclass
+class CalibrationResult:
+    """Calibrated range per tensor, and how much data produced it."""
+
+    ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
+    num_samples: int = 0
+    num_batches: int = 0
+
+
+def _progress(enabled: bool | None) -> bool:
+    return sys.stderr.isatty() if enabled is None else enabled
+
+
+def calibrate(
+    model: ir.Model,
+    tensors: dict[str, ResolvedSpec],
+    data: Any,
+    options: CalibrationConfig,
+    progress: bool | None = None,
+) -> CalibrationResult:
+    """Run the calibration data through the model and return a range for each tensor."""
+    result = CalibrationResult()
+    if not tensors:
+        return result
+    observers: dict[str, Observer] = {name: make_observer(spec) for name, spec in tensors.items()}
+    inputs = model_inputs(model)
+    names = list(observers)
+    bar = tqdm(
+        desc="calibrating", unit="sample", total=options.max_samples, file=sys.stderr,
+        disable=not _progress(progress), leave=False,
+    )
+    with exposed_session(model, names, options.providers) as session, bar:
+        for feed in iter_batches(data, inputs, options.batch_size, options.max_samples):
+            outputs = session.run(names, feed)
+            for name, value in zip(names, outputs):
+                observers[name].update(np.asarray(value))
+            rows = len(next(iter(feed.values())))
+            result.num_samples += rows
+            result.num_batches += 1
+            bar.update(rows)
+    if result.num_batches == 0:
+        raise CalibrationDataError("calibration data is empty; give at least one sample")
+    result.ranges = {name: obs.compute_range() for name, obs in observers.items()}
+    return result

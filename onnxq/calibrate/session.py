@@ -1,0 +1,67 @@
+"""An onnxruntime session over the model with the tensors to calibrate exposed as outputs."""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnxruntime as ort
+import onnx_ir as ir
+
+from onnxq.errors import OnnxqError
+
+# Above this many bytes of weights the model goes to onnxruntime through a file with
+# external data instead of one serialized protobuf (which is limited to 2 GB).
+INLINE_LIMIT = 1 << 30
+
+
+def check_providers(providers: list[str]) -> list[str]:
+    """Reject execution providers this onnxruntime build does not have."""
+    available = ort.get_available_providers()
+    for p in providers:
+        if p not in available:
+            raise OnnxqError(
+                f"execution provider {p!r} is not available in this onnxruntime; available: {', '.join(available)}"
+            )
+    return providers
+
+
+def _weight_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def session_options(threads: int = 0) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.log_severity_level = 3
+    options.intra_op_num_threads = threads
+    return options
+
+
+@contextlib.contextmanager
+def exposed_session(
+    model: ir.Model, tensor_names: list[str], providers: list[str]
+) -> Iterator[ort.InferenceSession]:
+    """Yield a session whose outputs include `tensor_names`; the model is left unchanged."""
+    graph = model.graph
+    values = {v.name: v for v in graph.inputs}
+    values.update({o.name: o for n in graph for o in n.outputs if o.name})
+    present = {v.name for v in graph.outputs}
+    added = [values[name] for name in tensor_names if name not in present]
+    graph.outputs.extend(added)
+    try:
+        with tempfile.TemporaryDirectory(prefix="onnxq-calib-") as tmp:
+            if _weight_bytes(model) > INLINE_LIMIT:
+                path = Path(tmp) / "calib.onnx"
+                ir.save(model, path, external_data="calib.onnx.data")
+                source: str | bytes = str(path)
+            else:
+                source = ir.to_proto(model).SerializeToString()
+            session = ort.InferenceSession(source, session_options(), providers=check_providers(providers))
+            del source
+            yield session
+    finally:
+        for value in added:
+            graph.outputs.remove(value)

@@ -1,0 +1,98 @@
+"""Resolve the effective quantization config of one node: node > op type > global.
+
+Field by field: a field left `None` at one level falls back to the next level, then to
+`SPEC_DEFAULTS`. A tensor class with no spec at any level, or resolved to dtype
+`float32`, is not quantized (its resolved spec is `None`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+from onnxq.config.spec import (
+    SPEC_DEFAULTS,
+    Config,
+    DType,
+    QuantizationConfig,
+    QuantizationSpec,
+)
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """A spec with every field decided; what the calibrator and emitter consume."""
+
+    dtype: DType
+    symmetric: bool
+    qscheme: str
+    ch_axis: int | None
+    group_size: int | None
+    calib_method: str
+    percentile: float
+    num_bins: int
+    calib_options: tuple[tuple[str, object], ...]
+    scale_type: str
+    round_method: str
+    is_dynamic: bool
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Resolved specs of one node; `None` means that tensor class stays float."""
+
+    input_tensors: ResolvedSpec | None
+    output_tensors: ResolvedSpec | None
+    weight: ResolvedSpec | None
+    bias: ResolvedSpec | None
+    target_device: str | None = None
+
+
+def merge_specs(levels: list[QuantizationSpec | None]) -> ResolvedSpec | None:
+    """Merge specs field by field, highest priority first; `None` if no level has one."""
+    present = [s for s in levels if s is not None]
+    if not present:
+        return None
+    values = {}
+    for f in fields(QuantizationSpec):
+        chosen = next((getattr(s, f.name) for s in present if getattr(s, f.name) is not None), None)
+        values[f.name] = SPEC_DEFAULTS[f.name] if chosen is None else chosen
+    if DType(values["dtype"]) is DType.FLOAT32:
+        return None
+    values["dtype"] = DType(values["dtype"])
+    for name in ("qscheme", "calib_method", "scale_type", "round_method"):
+        values[name] = str(values[name])
+    values["calib_options"] = tuple(sorted((values["calib_options"] or {}).items()))
+    return ResolvedSpec(**values)
+
+
+def is_excluded(config: Config, node_name: str) -> bool:
+    """True if `node_name` equals an exclude entry or fully matches it as a regex."""
+    for pattern in config.exclude:
+        if pattern == node_name:
+            return True
+        try:
+            if re.fullmatch(pattern, node_name):
+                return True
+        except re.error:
+            continue
+    return False
+
+
+def resolve_node_config(config: Config, node_name: str, op_type: str) -> ResolvedConfig | None:
+    """Effective config of a node, or `None` if the node is excluded or kept in float."""
+    if is_excluded(config, node_name):
+        return None
+    node_level = config.layer_quant_config.get(node_name)
+    type_level = config.layer_type_quant_config.get(op_type)
+    if node_level is None and type_level is None and op_type in config.float_op_types:
+        return None
+    levels: list[QuantizationConfig | None] = [node_level, type_level, config.global_quant_config]
+    present = [lv for lv in levels if lv is not None]
+    return ResolvedConfig(
+        input_tensors=merge_specs([lv.input_tensors for lv in present]),
+        output_tensors=merge_specs([lv.output_tensors for lv in present]),
+        weight=merge_specs([lv.weight for lv in present]),
+        bias=merge_specs([lv.bias for lv in present]),
+        target_device=next((lv.target_device for lv in present if lv.target_device), None),
+    )

@@ -1,0 +1,168 @@
+"""Configuration dataclasses, in the shape AMD Quark users know.
+
+A `Config` holds a global `QuantizationConfig`, per-op-type and per-node overrides and
+an exclude list. Every field of a `QuantizationSpec` may be left `None`, meaning
+"inherit from the next level" (node > op type > global > built-in default); see
+`onnxq.config.resolve`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class DType(str, Enum):
+    """Target data type of a quantized tensor. `float32` means: leave in float."""
+
+    INT8 = "int8"
+    UINT8 = "uint8"
+    INT32 = "int32"
+    FLOAT32 = "float32"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class QScheme(str, Enum):
+    PER_TENSOR = "per_tensor"
+    PER_CHANNEL = "per_channel"
+    PER_GROUP = "per_group"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CalibMethod(str, Enum):
+    """Names of the registered observers (`onnxq.calibrate.observers`)."""
+
+    MINMAX = "minmax"
+    PERCENTILE = "percentile"
+    MINMSE = "minmse"
+    ENTROPY = "entropy"
+    NONOVERFLOW = "nonoverflow"
+    IFMR = "ifmr"
+    HFMG = "hfmg"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ScaleType(str, Enum):
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    POWER_OF_TWO = "power_of_two"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RoundMethod(str, Enum):
+    """How offline-quantized tensors (weights, bias) are rounded.
+
+    QuantizeLinear in onnxruntime always rounds half to even, so activations only
+    accept `half_even`.
+    """
+
+    HALF_EVEN = "half_even"
+    HALF_UP = "half_up"
+    FLOOR = "floor"
+    CEIL = "ceil"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class QuantFormat(str, Enum):
+    QDQ = "qdq"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class QuantizationSpec:
+    """How one class of tensor (input, output, weight or bias) is quantized.
+
+    `None` in any field means "inherit from the next level of configuration".
+    """
+
+    dtype: DType | None = None
+    symmetric: bool | None = None
+    qscheme: QScheme | None = None
+    ch_axis: int | None = None
+    group_size: int | None = None
+    calib_method: CalibMethod | None = None
+    percentile: float | None = None
+    num_bins: int | None = None
+    # Method-specific options, checked by the observer's own options dataclass.
+    calib_options: dict[str, Any] | None = None
+    scale_type: ScaleType | None = None
+    round_method: RoundMethod | None = None
+    is_dynamic: bool | None = None
+
+
+@dataclass
+class QuantizationConfig:
+    """Specs for the four tensor classes of a node. A `None` spec inherits."""
+
+    input_tensors: QuantizationSpec | None = None
+    output_tensors: QuantizationSpec | None = None
+    weight: QuantizationSpec | None = None
+    bias: QuantizationSpec | None = None
+    target_device: str | None = None
+
+
+@dataclass
+class CalibrationConfig:
+    """How calibration data is fed: sample cap, batch size, onnxruntime providers."""
+
+    max_samples: int | None = None
+    batch_size: int = 8
+    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+
+
+@dataclass
+class Config:
+    """The whole recipe: what to quantize, how, and which passes run first."""
+
+    global_quant_config: QuantizationConfig = field(default_factory=QuantizationConfig)
+    layer_type_quant_config: dict[str, QuantizationConfig] = field(default_factory=dict)
+    layer_quant_config: dict[str, QuantizationConfig] = field(default_factory=dict)
+    exclude: list[str] = field(default_factory=list)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    quant_format: QuantFormat = QuantFormat.QDQ
+    # Absorb Relu/Clip that follow a quantized op into the op's output quantization.
+    fuse_activations: bool = True
+    # Op types kept in float unless a layer or op-type override says otherwise.
+    float_op_types: list[str] = field(
+        default_factory=lambda: [
+            "Softmax",
+            "LayerNormalization",
+            "BatchNormalization",
+            "InstanceNormalization",
+            "GroupNormalization",
+        ]
+    )
+    pre_quant_opt_config: list[dict[str, Any]] = field(default_factory=list)
+    algo_config: list[dict[str, Any]] = field(default_factory=list)
+
+
+# Values a fully resolved spec takes where no level of the config set a field.
+SPEC_DEFAULTS: dict[str, Any] = {
+    "dtype": DType.INT8,
+    "symmetric": True,
+    "qscheme": QScheme.PER_TENSOR,
+    "ch_axis": None,
+    "group_size": None,
+    "calib_method": CalibMethod.MINMAX,
+    "percentile": 99.999,
+    "num_bins": 2048,
+    "calib_options": None,
+    "scale_type": ScaleType.FLOAT32,
+    "round_method": RoundMethod.HALF_EVEN,
+    "is_dynamic": False,
+}
+
+TENSOR_CLASSES: tuple[str, ...] = ("input_tensors", "output_tensors", "weight", "bias")

@@ -1,0 +1,213 @@
+"""Decide, before calibration, how every tensor of the model will be quantized.
+
+The plan names the activation tensors to calibrate (and the spec each is calibrated
+for), the weights, biases and constants to quantize offline, the activations absorbed
+into the op before them, and the nodes left in float with the reason why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import onnx_ir as ir
+
+from onnxq.config.resolve import ResolvedConfig, ResolvedSpec, resolve_node_config
+from onnxq.config.spec import Config, QScheme
+from onnxq.emit.rules import FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
+from onnxq.graph.fold import constant_array
+
+FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+
+
+class Kind(Enum):
+    ACTIVATION = "activation"  # calibrated, Q/DQ inserted at run time
+    WEIGHT = "weight"  # quantized offline, stored as integers + DequantizeLinear
+    BIAS = "bias"  # int32, scale = input scale x weight scale
+    CONSTANT = "constant"  # constant input of an activation op: offline, per-tensor
+
+
+@dataclass
+class TensorPlan:
+    """How one tensor is quantized."""
+
+    name: str
+    kind: Kind
+    spec: ResolvedSpec
+    axis: int | None = None  # per-channel axis (weights)
+    alias_of: str | None = None  # shares the parameters of this activation
+    bias_inputs: tuple[str, str] | None = None  # (activation, weight) whose scales make the bias scale
+    consumers: list[tuple[str, int]] = field(default_factory=list)  # (node name, input index) fed DQ
+    all_consumers: bool = False  # producer is quantized: every consumer and graph output gets DQ
+
+
+@dataclass
+class QuantPlan:
+    tensors: dict[str, TensorPlan] = field(default_factory=dict)
+    quantized_nodes: dict[str, str] = field(default_factory=dict)  # name -> op type
+    float_nodes: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (op, reason)
+    fused_activations: dict[str, str] = field(default_factory=dict)  # activation node -> producer
+
+    def calibrated_tensors(self) -> dict[str, ResolvedSpec]:
+        """Activation tensors that need an observer, in a stable order."""
+        return {
+            t.name: t.spec
+            for t in self.tensors.values()
+            if t.kind is Kind.ACTIVATION and t.alias_of is None
+        }
+
+    def root_of(self, name: str) -> str:
+        """The calibrated tensor whose parameters `name` uses."""
+        while self.tensors[name].alias_of is not None:
+            name = self.tensors[name].alias_of
+        return name
+
+
+def _is_float(value: ir.Value | None) -> bool:
+    return value is not None and value.dtype in FLOAT_TYPES
+
+
+def _fusable_activation(value: ir.Value, config: Config) -> ir.Node | None:
+    """The Relu/Clip that alone consumes `value` and can be absorbed into its producer."""
+    if not config.fuse_activations or value.is_graph_output():
+        return None
+    consumers = value.consumers()
+    if len(consumers) != 1:
+        return None
+    act = consumers[0]
+    if act.op_type not in FUSABLE_ACTIVATIONS or act.domain not in ("", "ai.onnx"):
+        return None
+    if act.op_type == "Clip" and any(
+        v is not None and constant_array(v) is None for v in act.inputs[1:]
+    ):
+        return None
+    if resolve_node_config(config, act.name or "", act.op_type) is None:
+        return None
+    return act
+
+
+class _Planner:
+    def __init__(self, model: ir.Model, config: Config) -> None:
+        self.graph = model.graph
+        self.config = config
+        self.plan = QuantPlan()
+
+    def add_use(self, value: ir.Value, kind: Kind, spec: ResolvedSpec, node: ir.Node, index: int,
+                axis: int | None = None) -> TensorPlan:
+        tensor = self.plan.tensors.get(value.name)
+        if tensor is None:
+            tensor = TensorPlan(value.name, kind, spec, axis=axis)
+            self.plan.tensors[value.name] = tensor
+        tensor.consumers.append((node.name, index))
+        return tensor
+
+    def add_output(self, value: ir.Value, spec: ResolvedSpec, alias_of: str | None = None) -> None:
+        tensor = self.plan.tensors.get(value.name)
+        if tensor is None:
+            tensor = TensorPlan(value.name, Kind.ACTIVATION, spec)
+            self.plan.tensors[value.name] = tensor
+        tensor.spec = spec
+        tensor.alias_of = alias_of
+        tensor.all_consumers = True
+
+    def run(self) -> QuantPlan:
+        for node in self.graph:
+            if node.name in self.plan.fused_activations:
+                continue
+            self.plan_node(node)
+        return self.plan
+
+    def float_node(self, node: ir.Node, reason: str) -> None:
+        self.plan.float_nodes[node.name] = (node.op_type, reason)
+
+    def plan_node(self, node: ir.Node) -> None:
+        rule = OP_RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if rule is None:
+            self.float_node(node, f"no quantized kernel rule for {node.domain or 'ai.onnx'}::{node.op_type}")
+            return
+        cfg = resolve_node_config(self.config, node.name, node.op_type)
+        if cfg is None:
+            self.float_node(node, "excluded or kept in float by config")
+            return
+        if rule.output is OutputMode.SHARED:
+            self.plan_shared(node, cfg)
+        else:
+            self.plan_compute(node, rule, cfg)
+
+    def plan_shared(self, node: ir.Node, cfg: ResolvedConfig) -> None:
+        data = node.inputs[0] if node.inputs else None
+        if data is None or data.name not in self.plan.tensors or constant_array(data) is not None:
+            self.float_node(node, "input is not quantized (data movement op stays float)")
+            return
+        source = self.plan.tensors[data.name]
+        if source.kind is not Kind.ACTIVATION:
+            self.float_node(node, "input is not an activation")
+            return
+        source.consumers.append((node.name, 0))
+        for out in node.outputs:
+            if _is_float(out):
+                self.add_output(out, source.spec, alias_of=data.name)
+        self.plan.quantized_nodes[node.name] = node.op_type
+
+    def plan_compute(self, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> None:
+        weight_index = self.plan_weight(node, rule, cfg)
+        act_spec = cfg.input_tensors
+        quantized_inputs = []
+        if act_spec is not None:
+            indices = rule.activation_inputs or tuple(range(len(node.inputs)))
+            for i in indices:
+                value = node.inputs[i] if i < len(node.inputs) else None
+                if i == weight_index or not _is_float(value):
+                    continue
+                kind = Kind.CONSTANT if constant_array(value) is not None else Kind.ACTIVATION
+                self.add_use(value, kind, act_spec, node, i)
+                quantized_inputs.append(i)
+        if weight_index is None and not quantized_inputs:
+            self.float_node(node, "no tensor of this node is configured for quantization")
+            return
+        self.plan.quantized_nodes[node.name] = node.op_type
+        if act_spec is not None and weight_index is not None and rule.bias_input is not None:
+            self.plan_bias(node, rule, cfg, weight_index)
+        out_spec = cfg.output_tensors
+        if out_spec is None or not quantized_inputs:
+            return
+        for out in node.outputs:
+            if not _is_float(out):
+                continue
+            act = _fusable_activation(out, self.config)
+            if act is not None:
+                self.plan.fused_activations[act.name] = node.name
+                self.plan.quantized_nodes[act.name] = act.op_type
+                out = act.outputs[0]
+            self.add_output(out, out_spec)
+
+    def plan_weight(self, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> int | None:
+        i = rule.weight_input
+        if i is None or i >= len(node.inputs) or cfg.weight is None:
+            return None
+        value = node.inputs[i]
+        array = constant_array(value)
+        if array is None or not _is_float(value):
+            return None
+        axis = None
+        if cfg.weight.qscheme != QScheme.PER_TENSOR.value:
+            axis = cfg.weight.ch_axis if cfg.weight.ch_axis is not None else rule.weight_axis(node, array.ndim)
+            axis %= max(array.ndim, 1)
+        self.add_use(value, Kind.WEIGHT, cfg.weight, node, i, axis=axis)
+        return i
+
+    def plan_bias(self, node: ir.Node, rule: OpRule, cfg: ResolvedConfig, weight_index: int) -> None:
+        i = rule.bias_input
+        if cfg.bias is None or i >= len(node.inputs) or node.inputs[i] is None:
+            return
+        bias, act, weight = node.inputs[i], node.inputs[0], node.inputs[weight_index]
+        array = constant_array(bias)
+        if array is None or array.ndim != 1 or act.name not in self.plan.tensors:
+            return
+        tensor = self.add_use(bias, Kind.BIAS, cfg.bias, node, i, axis=0 if array.size > 1 else None)
+        tensor.bias_inputs = (act.name, weight.name)
+
+
+def plan_quantization(model: ir.Model, config: Config) -> QuantPlan:
+    """Walk the graph in topological order and decide what each tensor becomes."""
+    return _Planner(model, config).run()

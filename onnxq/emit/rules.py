@@ -1,0 +1,88 @@
+"""Which inputs and outputs of each op type are quantized, and how.
+
+One table entry per op type; the planner reads it instead of branching on op types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import onnx_ir as ir
+
+
+class OutputMode(Enum):
+    OWN = "own"  # the output gets its own calibrated range
+    SHARED = "shared"  # the output reuses the range of input 0 (data movement, max)
+
+
+def _attr_int(node: ir.Node, name: str, default: int) -> int:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.as_int()
+
+
+def _conv_axis(node: ir.Node, rank: int) -> int:
+    return 0
+
+
+def _conv_transpose_axis(node: ir.Node, rank: int) -> int:
+    return 1
+
+
+def _gemm_axis(node: ir.Node, rank: int) -> int:
+    return 0 if _attr_int(node, "transB", 0) else 1
+
+
+def _matmul_axis(node: ir.Node, rank: int) -> int:
+    return rank - 1
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """How to quantize one op type.
+
+    activation_inputs: input indices quantized as activations (None: all inputs).
+    weight_input / bias_input: indices of the weight and bias when they are constants.
+    weight_axis: the output-channel axis of the weight, for per-channel quantization.
+    output: OWN (calibrated) or SHARED (same parameters as input 0).
+    """
+
+    activation_inputs: tuple[int, ...] | None
+    output: OutputMode
+    weight_input: int | None = None
+    bias_input: int | None = None
+    weight_axis: Callable[[ir.Node, int], int] | None = None
+
+
+_SHARED = OpRule(activation_inputs=(0,), output=OutputMode.SHARED)
+
+OP_RULES: dict[str, OpRule] = {
+    "Conv": OpRule((0,), OutputMode.OWN, weight_input=1, bias_input=2, weight_axis=_conv_axis),
+    "ConvTranspose": OpRule(
+        (0,), OutputMode.OWN, weight_input=1, bias_input=2, weight_axis=_conv_transpose_axis
+    ),
+    "Gemm": OpRule((0, 1), OutputMode.OWN, weight_input=1, bias_input=2, weight_axis=_gemm_axis),
+    "MatMul": OpRule((0, 1), OutputMode.OWN, weight_input=1, weight_axis=_matmul_axis),
+    "Add": OpRule(None, OutputMode.OWN),
+    "Mul": OpRule(None, OutputMode.OWN),
+    "Concat": OpRule(None, OutputMode.OWN),
+    "AveragePool": OpRule((0,), OutputMode.OWN),
+    "GlobalAveragePool": OpRule((0,), OutputMode.OWN),
+    "MaxPool": _SHARED,
+    "GlobalMaxPool": _SHARED,
+    "Resize": _SHARED,
+    "Reshape": _SHARED,
+    "Flatten": _SHARED,
+    "Transpose": _SHARED,
+    "Squeeze": _SHARED,
+    "Unsqueeze": _SHARED,
+    "Slice": _SHARED,
+    "Split": _SHARED,
+    "Gather": _SHARED,
+    "Identity": _SHARED,
+    "Dropout": _SHARED,
+}
+
+# Activations that a preceding quantized op absorbs (calibrated after the activation).
+FUSABLE_ACTIVATIONS = {"Relu", "Clip"}

@@ -1,0 +1,58 @@
+"""Offline quantization of weights, constants and biases (pure numpy, no graph)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxq.config.resolve import ResolvedSpec
+from onnxq.qmath import compute_qparams, int_type, quantize
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """Integer data plus the parameters that dequantize it: (q - zero_point) * scale."""
+
+    data: np.ndarray
+    scale: np.ndarray
+    zero_point: np.ndarray
+    axis: int | None  # per-channel axis of scale/zero_point, None for per-tensor
+
+
+def channel_range(w: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Min and max over everything but `axis` (over everything when axis is None)."""
+    w = np.asarray(w, dtype=np.float64)
+    if axis is None or w.ndim == 0:
+        return np.asarray(w.min()), np.asarray(w.max())
+    axes = tuple(i for i in range(w.ndim) if i != axis)
+    return w.min(axis=axes), w.max(axis=axes)
+
+
+def quantize_weight(w: np.ndarray, spec: ResolvedSpec, axis: int | None) -> QuantizedTensor:
+    """Quantize a weight per tensor (axis None) or per channel along `axis`, min/max range."""
+    rmin, rmax = channel_range(w, axis)
+    scale, zp = compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type)
+    q = quantize(w, scale, zp, spec.dtype, axis=axis, round_method=spec.round_method)
+    return QuantizedTensor(q, np.asarray(scale), np.asarray(zp), axis if np.ndim(scale) else None)
+
+
+def quantize_bias(
+    bias: np.ndarray, input_scale: np.ndarray, weight_scale: np.ndarray, spec: ResolvedSpec
+) -> QuantizedTensor | None:
+    """Quantize a bias with scale = input_scale x weight_scale and zero point 0.
+
+    Returns None when a value would overflow the bias dtype (the bias then stays float).
+    """
+    scale = np.asarray(input_scale, dtype=np.float64) * np.asarray(weight_scale, dtype=np.float64)
+    if scale.size > 1 and scale.size != bias.size:
+        if bias.size % scale.size:
+            return None
+        scale = np.tile(scale, bias.size // scale.size)  # grouped ConvTranspose: scales repeat
+    scale32 = scale.astype(np.float32)
+    info = int_type(spec.dtype)
+    ratio = np.rint(np.asarray(bias, dtype=np.float64) / scale32.astype(np.float64))
+    if np.any(ratio > info.qmax) or np.any(ratio < info.qmin):
+        return None
+    zp = np.zeros(scale32.shape, dtype=info.np_dtype)
+    return QuantizedTensor(ratio.astype(info.np_dtype), scale32, zp, 0 if scale32.ndim else None)

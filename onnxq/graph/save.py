@@ -1,0 +1,44 @@
+"""Save a model atomically: write a temporary file beside the target, then rename."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx_ir as ir
+
+from onnxq.errors import OnnxqError
+
+# Weights above this size go to an external data file (protobuf cannot exceed 2 GB).
+EXTERNAL_DATA_LIMIT = 1800 * 1024 * 1024
+
+
+def check_output_path(output: str | os.PathLike, source: str | os.PathLike | None) -> Path:
+    """Refuse to overwrite the input model; create the output folder if needed."""
+    out = Path(output)
+    if source is not None and isinstance(source, str | os.PathLike):
+        src = Path(source)
+        if out.resolve() == src.resolve() or (out.exists() and src.exists() and out.samefile(src)):
+            raise OnnxqError(f"output {out} is the input model; choose another output path")
+    if out.is_dir():
+        raise OnnxqError(f"output {out} is a directory; give a file name such as {out / 'model.int8.onnx'}")
+    return out
+
+
+def weight_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def save_model(model: ir.Model, output: str | os.PathLike) -> Path:
+    """Write `model` to `output` atomically; large models get `<name>.data` beside them."""
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    external = f"{out.name}.data" if weight_bytes(model) > EXTERNAL_DATA_LIMIT else None
+    try:
+        ir.save(model, tmp, external_data=external)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out

@@ -1,0 +1,149 @@
+"""Quantization arithmetic shared by observers and emitters.
+
+Ranges become (scale, zero point) here, and tensors are quantized and dequantized here,
+so every stage agrees on one definition. Integer ranges come from the dtype table, never
+from hard-coded 8-bit constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from onnxq.config.spec import DType
+
+
+@dataclass(frozen=True)
+class IntType:
+    """An integer quantization type: its range, numpy dtype and ONNX element type."""
+
+    name: str
+    qmin: int
+    qmax: int
+    np_dtype: type
+    onnx_type: int
+
+    @property
+    def signed(self) -> bool:
+        return self.qmin < 0
+
+    @property
+    def bits(self) -> int:
+        return int(np.log2(self.qmax - self.qmin + 1))
+
+
+INT_TYPES: dict[DType, IntType] = {
+    DType.INT8: IntType("int8", -128, 127, np.int8, onnx.TensorProto.INT8),
+    DType.UINT8: IntType("uint8", 0, 255, np.uint8, onnx.TensorProto.UINT8),
+    DType.INT32: IntType("int32", -(2**31), 2**31 - 1, np.int32, onnx.TensorProto.INT32),
+}
+
+# Smallest scale we emit: keeps bias = x / (s_in * s_w) finite for all-but-zero tensors.
+MIN_SCALE = 2.0**-40
+
+
+def int_type(dtype: DType | str) -> IntType:
+    """The IntType of an integer dtype; raises KeyError for float dtypes."""
+    return INT_TYPES[DType(dtype)]
+
+
+def symmetric_zero_point(info: IntType) -> int:
+    """Zero point of symmetric quantization: 0 for signed, mid-range for unsigned."""
+    return 0 if info.signed else (info.qmax + info.qmin + 1) // 2
+
+
+def symmetric_divisor(info: IntType) -> int:
+    """Number of quantization steps between 0 and the largest magnitude (127 for 8-bit)."""
+    return (info.qmax - info.qmin) // 2
+
+
+def round_scale(scale: np.ndarray, scale_type: str) -> np.ndarray:
+    """Apply the scale type: power_of_two rounds up to 2^k, float16 to a float16 value."""
+    scale = np.maximum(np.asarray(scale, dtype=np.float64), MIN_SCALE)
+    if scale_type == "power_of_two":
+        return np.exp2(np.ceil(np.log2(scale)))
+    if scale_type == "float16":
+        lo = float(np.finfo(np.float16).smallest_subnormal)
+        hi = float(np.finfo(np.float16).max)
+        s16 = np.clip(scale, lo, hi).astype(np.float16)
+        s16 = np.where(s16.astype(np.float64) < np.minimum(scale, hi), np.nextafter(s16, np.float16(np.inf)), s16)
+        return s16.astype(np.float64)
+    return scale
+
+
+def compute_qparams(
+    rmin: np.ndarray | float,
+    rmax: np.ndarray | float,
+    dtype: DType | str,
+    symmetric: bool,
+    scale_type: str = "float32",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Scale (float32) and zero point (in the dtype) covering [rmin, rmax] and zero.
+
+    Works on scalars (per-tensor) and arrays (per-channel). Symmetric quantization maps
+    the largest magnitude to `symmetric_divisor` steps; asymmetric spreads [rmin, rmax]
+    over the whole integer range with a rounded zero point.
+    """
+    info = int_type(dtype)
+    rmin = np.minimum(np.asarray(rmin, dtype=np.float64), 0.0)
+    rmax = np.maximum(np.asarray(rmax, dtype=np.float64), 0.0)
+    if symmetric:
+        absmax = np.maximum(-rmin, rmax)
+        scale = round_scale(np.where(absmax > 0, absmax / symmetric_divisor(info), 1.0), scale_type)
+        zp = np.full(scale.shape, symmetric_zero_point(info), dtype=np.float64)
+    else:
+        span = rmax - rmin
+        scale = round_scale(np.where(span > 0, span / (info.qmax - info.qmin), 1.0), scale_type)
+        zp = np.clip(np.rint(info.qmin - rmin / scale), info.qmin, info.qmax)
+    return scale.astype(np.float32), zp.astype(info.np_dtype)
+
+
+def _round(x: np.ndarray, round_method: str) -> np.ndarray:
+    if round_method == "half_even":
+        return np.rint(x)
+    if round_method == "half_up":
+        return np.sign(x) * np.floor(np.abs(x) + 0.5)
+    if round_method == "floor":
+        return np.floor(x)
+    if round_method == "ceil":
+        return np.ceil(x)
+    raise ValueError(f"unknown round_method {round_method!r}")
+
+
+def broadcast_param(param: np.ndarray, rank: int, axis: int | None) -> np.ndarray:
+    """Reshape a per-channel parameter so it broadcasts along `axis` of a rank-`rank` tensor."""
+    param = np.asarray(param)
+    if axis is None or param.ndim == 0:
+        return param
+    shape = [1] * rank
+    shape[axis % rank] = param.size
+    return param.reshape(shape)
+
+
+def quantize(
+    x: np.ndarray,
+    scale: np.ndarray,
+    zero_point: np.ndarray,
+    dtype: DType | str,
+    axis: int | None = None,
+    round_method: str = "half_even",
+) -> np.ndarray:
+    """Quantize like ONNX QuantizeLinear: saturate(round(x / scale) + zero_point)."""
+    info = int_type(dtype)
+    x = np.asarray(x, dtype=np.float64)
+    s = broadcast_param(np.asarray(scale, dtype=np.float64), x.ndim, axis)
+    z = broadcast_param(np.asarray(zero_point, dtype=np.float64), x.ndim, axis)
+    q = _round(x / s, round_method) + z
+    return np.clip(q, info.qmin, info.qmax).astype(info.np_dtype)
+
+
+def dequantize(
+    q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int | None = None
+) -> np.ndarray:
+    """Dequantize like ONNX DequantizeLinear: (q - zero_point) * scale, in float32."""
+    q = np.asarray(q)
+    s = broadcast_param(np.asarray(scale, dtype=np.float32), q.ndim, axis)
+    z = broadcast_param(np.asarray(zero_point), q.ndim, axis).astype(np.int64)
+    return ((q.astype(np.int64) - z).astype(np.float32) * s).astype(np.float32)

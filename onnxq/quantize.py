@@ -1,0 +1,127 @@
+"""`quantize()`: the whole pipeline, top to bottom — load, calibrate, optimise, emit, save."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from onnxq.calibrate.runner import calibrate
+from onnxq.config import Config, config_from_dict, get_preset, load_config, validate_config
+from onnxq.config.presets import PRESETS
+from onnxq.emit.plan import QuantPlan, plan_quantization
+from onnxq.emit.qdq import emit_qdq
+from onnxq.errors import ConfigError
+from onnxq.graph.load import load_model
+from onnxq.graph.save import check_output_path, save_model, weight_bytes
+from onnxq.optimize import run_passes
+from onnxq.report import Summary
+
+ModelSource = str | os.PathLike | onnx.ModelProto | ir.Model
+DEFAULT_PRESET = "U8S8"
+
+
+@dataclass
+class QuantizationResult:
+    """The quantized model, the summary, and the calibrated range of every tensor."""
+
+    ir_model: ir.Model
+    summary: Summary
+    ranges: dict[str, tuple[float, float]]
+    plan: QuantPlan
+
+    @functools.cached_property
+    def model(self) -> onnx.ModelProto:
+        return ir.to_proto(self.ir_model)
+
+
+def as_config(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> Config:
+    """Accept a Config, a dict, a preset name or a YAML/JSON path (None: the U8S8 preset)."""
+    if config is None:
+        return get_preset(DEFAULT_PRESET)
+    if isinstance(config, Config):
+        validate_config(config)
+        return config
+    if isinstance(config, Mapping):
+        return config_from_dict(config)
+    if isinstance(config, str) and config in PRESETS:
+        return get_preset(config)
+    if Path(config).exists():
+        return load_config(config)
+    raise ConfigError(f"config {str(config)!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
+
+
+def _size(source: Any, model: ir.Model) -> int:
+    if isinstance(source, str | os.PathLike) and Path(source).is_file():
+        return Path(source).stat().st_size
+    return weight_bytes(model)
+
+
+def quantize(
+    model: ModelSource,
+    output: str | os.PathLike | None = None,
+    config: Config | Mapping[str, Any] | str | os.PathLike | None = None,
+    calibration_data: Any = None,
+    *,
+    progress: bool | None = None,
+) -> QuantizationResult:
+    """Quantize `model` and, when `output` is given, save it there atomically.
+
+    `calibration_data` is a path (.npz, .npy or a folder of them), a dict of arrays with
+    samples on axis 0, an iterable of feed dicts, or a `CalibrationDataReader`.
+    """
+    config = as_config(config)
+    if output is not None:
+        check_output_path(output, model if isinstance(model, str | os.PathLike) else None)
+    summary = Summary()
+
+    with summary.stage("load"):
+        ir_model, loaded = load_model(model)
+    summary.source, summary.opset = loaded.source, (loaded.original_opset, loaded.opset)
+    summary.notes.extend(loaded.notes)
+    summary.size_before = _size(model, ir_model)
+
+    with summary.stage("optimise"):
+        summary.notes.extend(run_passes(ir_model, config.pre_quant_opt_config))
+        plan = plan_quantization(ir_model, config)
+
+    with summary.stage("calibrate"):
+        calibration = calibrate(
+            ir_model, plan.calibrated_tensors(), calibration_data, config.calibration, progress
+        )
+    summary.calibration_samples = calibration.num_samples
+    summary.calibrated_tensors = len(calibration.ranges)
+
+    with summary.stage("emit"):
+        emitted = emit_qdq(ir_model, plan, calibration.ranges)
+    summary.quantized_by_op = dict(sorted(Counter(plan.quantized_nodes.values()).items()))
+    summary.float_nodes = plan.float_nodes
+    summary.fused_activations = len(emitted.removed_activations)
+    summary.kept_activations = emitted.kept_activations
+    summary.float_biases = emitted.float_biases
+
+    if output is not None:
+        with summary.stage("save"):
+            summary.output = str(save_model(ir_model, output))
+    summary.size_after = _size(output, ir_model) if output is not None else weight_bytes(ir_model)
+    return QuantizationResult(ir_model, summary, calibration.ranges, plan)
+
+
+class ModelQuantizer:
+    """Quark-style entry point: `ModelQuantizer(config).quantize_model(in, out, reader)`."""
+
+    def __init__(self, config: Config | Mapping[str, Any] | str | None = None) -> None:
+        self.config = as_config(config)
+
+    def quantize_model(
+        self, model_input: ModelSource, model_output: str | os.PathLike | None = None,
+        calibration_data_reader: Any = None,
+    ) -> QuantizationResult:
+        return quantize(model_input, model_output, self.config, calibration_data_reader)

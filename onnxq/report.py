@@ -1,0 +1,70 @@
+"""The quantization summary: what was quantized, what stayed float and why, and timings."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Summary:
+    """Everything a user needs to trust the result, printable with `format_summary`."""
+
+    source: str = ""
+    output: str | None = None
+    opset: tuple[int, int] = (0, 0)
+    quantized_by_op: dict[str, int] = field(default_factory=dict)
+    float_nodes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    fused_activations: int = 0
+    kept_activations: list[str] = field(default_factory=list)
+    float_biases: list[str] = field(default_factory=list)
+    calibration_samples: int = 0
+    calibrated_tensors: int = 0
+    size_before: int = 0
+    size_after: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def format_summary(s: Summary) -> str:
+    """A human-readable multi-line summary."""
+    lines = [f"onnxq: {s.source} -> {s.output or '(not saved)'}"]
+    if s.opset[0] != s.opset[1]:
+        lines.append(f"  opset upgraded {s.opset[0]} -> {s.opset[1]}")
+    total_q = sum(s.quantized_by_op.values())
+    by_op = ", ".join(f"{op} {n}" for op, n in sorted(s.quantized_by_op.items()))
+    lines.append(f"  quantized nodes: {total_q} ({by_op})" if total_q else "  quantized nodes: 0")
+    if s.fused_activations:
+        lines.append(f"  Relu/Clip absorbed into the preceding op: {s.fused_activations}")
+    if s.kept_activations:
+        lines.append(f"  Relu/Clip kept (activation range not zero-based): {len(s.kept_activations)}")
+    reasons = Counter((op, why) for op, why in s.float_nodes.values())
+    if reasons:
+        lines.append(f"  left in float: {len(s.float_nodes)} nodes")
+        for (op, why), n in sorted(reasons.items()):
+            lines.append(f"    {op} x{n}: {why}")
+    for bias in s.float_biases:
+        lines.append(f"  bias kept in float: {bias}")
+    lines.append(f"  calibration: {s.calibration_samples} samples, {s.calibrated_tensors} tensors")
+    if s.size_before:
+        ratio = s.size_after / s.size_before if s.size_before else 0
+        lines.append(f"  size: {_mb(s.size_before)} -> {_mb(s.size_after)} ({ratio:.0%})")
+    timing = ", ".join(f"{k} {v:.2f}s" for k, v in s.stage_seconds.items())
+    lines.append(f"  time: {timing}")
+    lines.extend(f"  note: {n}" for n in s.notes)
+    return "\n".join(lines)
