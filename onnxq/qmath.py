@@ -79,23 +79,27 @@ def compute_qparams(
     dtype: DType | str,
     symmetric: bool,
     scale_type: str = "float32",
+    min_scale: np.ndarray | float = MIN_SCALE,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Scale (float32) and zero point (in the dtype) covering [rmin, rmax] and zero.
 
     Works on scalars (per-tensor) and arrays (per-channel). Symmetric quantization maps
     the largest magnitude to `symmetric_divisor` steps; asymmetric spreads [rmin, rmax]
-    over the whole integer range with a rounded zero point.
+    over the whole integer range with a rounded zero point. `min_scale` raises scales
+    that would be smaller (used to keep int32 biases in range).
     """
     info = int_type(dtype)
     rmin = np.minimum(np.asarray(rmin, dtype=np.float64), 0.0)
     rmax = np.maximum(np.asarray(rmax, dtype=np.float64), 0.0)
     if symmetric:
         absmax = np.maximum(-rmin, rmax)
-        scale = round_scale(np.where(absmax > 0, absmax / symmetric_divisor(info), 1.0), scale_type)
+        scale = np.where(absmax > 0, absmax / symmetric_divisor(info), 1.0)
+        scale = round_scale(np.maximum(scale, min_scale), scale_type)
         zp = np.full(scale.shape, symmetric_zero_point(info), dtype=np.float64)
     else:
         span = rmax - rmin
-        scale = round_scale(np.where(span > 0, span / (info.qmax - info.qmin), 1.0), scale_type)
+        scale = np.where(span > 0, span / (info.qmax - info.qmin), 1.0)
+        scale = round_scale(np.maximum(scale, min_scale), scale_type)
         zp = np.clip(np.rint(info.qmin - rmin / scale), info.qmin, info.qmax)
     return scale.astype(np.float32), zp.astype(info.np_dtype)
 

@@ -12,11 +12,15 @@ from dataclasses import dataclass, fields
 
 from onnxq.config.spec import (
     SPEC_DEFAULTS,
+    TENSOR_CLASSES,
     Config,
     DType,
     QuantizationConfig,
     QuantizationSpec,
 )
+
+
+BIAS_DEFAULTS = {**SPEC_DEFAULTS, "dtype": DType.INT32, "symmetric": True}
 
 
 @dataclass(frozen=True)
@@ -48,15 +52,21 @@ class ResolvedConfig:
     target_device: str | None = None
 
 
-def merge_specs(levels: list[QuantizationSpec | None]) -> ResolvedSpec | None:
-    """Merge specs field by field, highest priority first; `None` if no level has one."""
+def merge_specs(
+    levels: list[QuantizationSpec | None], tensor_class: str = "input_tensors"
+) -> ResolvedSpec | None:
+    """Merge specs field by field, highest priority first; `None` if no level has one.
+
+    Fields no level sets take the defaults of the tensor class (bias: int32 symmetric).
+    """
+    defaults = BIAS_DEFAULTS if tensor_class == "bias" else SPEC_DEFAULTS
     present = [s for s in levels if s is not None]
     if not present:
         return None
     values = {}
     for f in fields(QuantizationSpec):
         chosen = next((getattr(s, f.name) for s in present if getattr(s, f.name) is not None), None)
-        values[f.name] = SPEC_DEFAULTS[f.name] if chosen is None else chosen
+        values[f.name] = defaults[f.name] if chosen is None else chosen
     if DType(values["dtype"]) is DType.FLOAT32:
         return None
     values["dtype"] = DType(values["dtype"])
@@ -89,10 +99,8 @@ def resolve_node_config(config: Config, node_name: str, op_type: str) -> Resolve
         return None
     levels: list[QuantizationConfig | None] = [node_level, type_level, config.global_quant_config]
     present = [lv for lv in levels if lv is not None]
+    specs = {tc: merge_specs([getattr(lv, tc) for lv in present], tc) for tc in TENSOR_CLASSES}
     return ResolvedConfig(
-        input_tensors=merge_specs([lv.input_tensors for lv in present]),
-        output_tensors=merge_specs([lv.output_tensors for lv in present]),
-        weight=merge_specs([lv.weight for lv in present]),
-        bias=merge_specs([lv.bias for lv in present]),
+        **specs,
         target_device=next((lv.target_device for lv in present if lv.target_device), None),
     )

@@ -15,7 +15,13 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.emit.plan import Kind, QuantPlan, TensorPlan
-from onnxq.emit.weights import QuantizedTensor, quantize_bias, quantize_weight
+from onnxq.emit.weights import (
+    QuantizedTensor,
+    bias_safe_weight_scale,
+    quantize_bias,
+    quantize_weight,
+)
+from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.qmath import compute_qparams, int_type
 
@@ -34,40 +40,6 @@ class EmitReport:
     qparams: dict[str, tuple[float, int]] = field(default_factory=dict)
 
 
-class _GraphEditor:
-    """Creates uniquely named initializers and nodes in one graph."""
-
-    def __init__(self, graph: ir.Graph) -> None:
-        self.graph = graph
-        self.taken: set[str] = {v.name for v in graph.inputs} | set(graph.initializers)
-        for node in graph:
-            self.taken.add(node.name)
-            self.taken.update(o.name for o in node.outputs if o.name)
-
-    def unique(self, base: str) -> str:
-        name, i = base, 1
-        while name in self.taken:
-            name, i = f"{base}_{i}", i + 1
-        self.taken.add(name)
-        return name
-
-    def initializer(self, base: str, array: np.ndarray) -> ir.Value:
-        name = self.unique(base)
-        value = ir.Value(name=name, const_value=ir.tensor(np.array(array, order="C"), name=name))
-        value.shape = ir.Shape(np.shape(array))
-        value.dtype = value.const_value.dtype
-        self.graph.register_initializer(value)
-        return value
-
-    def add_node(self, op_type: str, inputs: list[ir.Value], base: str, attributes: dict | None = None,
-                 dtype: ir.DataType | None = None, shape: ir.Shape | None = None) -> ir.Value:
-        out = ir.Value(name=self.unique(f"{base}_{'q' if op_type == 'QuantizeLinear' else 'dq'}"))
-        out.dtype, out.shape = dtype, shape
-        node = ir.node(op_type, inputs, attributes or {}, outputs=[out], name=self.unique(f"{base}_{op_type}"))
-        self.graph.append(node)
-        return out
-
-
 @dataclass
 class _Params:
     scale: ir.Value
@@ -81,7 +53,7 @@ class _Emitter:
         self.graph = model.graph
         self.plan = plan
         self.ranges = ranges
-        self.edit = _GraphEditor(self.graph)
+        self.edit = GraphEditor(self.graph)
         self.report = EmitReport()
         self.values: dict[str, ir.Value] = {v.name: v for v in self.graph.inputs}
         self.values.update(self.graph.initializers)
@@ -90,6 +62,9 @@ class _Emitter:
             self.nodes[node.name] = node
             self.values.update({o.name: o for o in node.outputs if o.name})
         self.params: dict[str, _Params] = {}
+        self.bias_of: dict[str, TensorPlan] = {
+            t.bias_inputs[1]: t for t in plan.tensors.values() if t.bias_inputs is not None
+        }
         self.weight_scales: dict[str, np.ndarray] = {}
 
     # -- activations -----------------------------------------------------------------
@@ -132,9 +107,9 @@ class _Emitter:
     def quantize_activation(self, tensor: TensorPlan) -> None:
         value = self.values[tensor.name]
         p = self.activation_params(tensor.name)
-        q = self.edit.add_node("QuantizeLinear", [value, p.scale, p.zero_point], tensor.name,
+        q = self.edit.add_node("QuantizeLinear", [value, p.scale, p.zero_point], f"{tensor.name}_q",
                                dtype=p.zero_point.dtype, shape=value.shape)
-        dq = self.edit.add_node("DequantizeLinear", [q, p.scale, p.zero_point], tensor.name,
+        dq = self.edit.add_node("DequantizeLinear", [q, p.scale, p.zero_point], f"{tensor.name}_dq",
                                 dtype=value.dtype, shape=value.shape)
         if tensor.all_consumers:
             for use in list(value.uses()):
@@ -159,16 +134,30 @@ class _Emitter:
         scale = self.edit.initializer(f"{tensor.name}_scale", qt.scale.astype(np.float32))
         zp = self.edit.initializer(f"{tensor.name}_zero_point", qt.zero_point)
         attrs = {"axis": qt.axis} if qt.axis is not None else {}
-        dq = self.edit.add_node("DequantizeLinear", [data, scale, zp], tensor.name, attrs,
+        dq = self.edit.add_node("DequantizeLinear", [data, scale, zp], f"{tensor.name}_dq", attrs,
                                 dtype=value.dtype, shape=value.shape)
         for node_name, index in tensor.consumers:
             self.nodes[node_name].replace_input_with(index, dq)
         if not value.uses() and not value.is_graph_output():
             self.graph.initializers.pop(value.name, None)
 
+    def weight_scale_floor(self, tensor: TensorPlan, array: np.ndarray) -> np.ndarray | float:
+        """Per-channel lower bound on a weight's scale so that its bias fits int32."""
+        bias = self.bias_of.get(tensor.name)
+        if bias is None:
+            return 0.0
+        channels = array.shape[tensor.axis] if tensor.axis is not None else 1
+        s_in = float(self.activation_params(bias.bias_inputs[0]).scale_array)
+        b = constant_array(self.values[bias.name])
+        return bias_safe_weight_scale(b, s_in, channels, bias.spec)
+
     def quantize_offline(self, tensor: TensorPlan) -> None:
         array = constant_array(self.values[tensor.name])
-        qt = quantize_weight(array, tensor.spec, tensor.axis if tensor.kind is Kind.WEIGHT else None)
+        if tensor.kind is Kind.WEIGHT:
+            floor = self.weight_scale_floor(tensor, array)
+            qt = quantize_weight(array, tensor.spec, tensor.axis, floor)
+        else:
+            qt = quantize_weight(array, tensor.spec, None)
         if tensor.kind is Kind.WEIGHT:
             self.weight_scales[tensor.name] = qt.scale
             self.report.weights += 1

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnxq.config.resolve import ResolvedSpec
-from onnxq.qmath import compute_qparams, int_type, quantize
+from onnxq.qmath import MIN_SCALE, compute_qparams, int_type, quantize
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,35 @@ def channel_range(w: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarr
     return w.min(axis=axes), w.max(axis=axes)
 
 
-def quantize_weight(w: np.ndarray, spec: ResolvedSpec, axis: int | None) -> QuantizedTensor:
-    """Quantize a weight per tensor (axis None) or per channel along `axis`, min/max range."""
+def quantize_weight(
+    w: np.ndarray, spec: ResolvedSpec, axis: int | None, min_scale: np.ndarray | float = MIN_SCALE
+) -> QuantizedTensor:
+    """Quantize a weight per tensor (axis None) or per channel along `axis`, min/max range.
+
+    `min_scale` (per channel or scalar) floors the scale; see `bias_safe_weight_scale`.
+    """
     rmin, rmax = channel_range(w, axis)
-    scale, zp = compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type)
+    scale, zp = compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type, min_scale)
     q = quantize(w, scale, zp, spec.dtype, axis=axis, round_method=spec.round_method)
     return QuantizedTensor(q, np.asarray(scale), np.asarray(zp), axis if np.ndim(scale) else None)
+
+
+def bias_safe_weight_scale(
+    bias: np.ndarray, input_scale: float, channels: int, bias_spec: ResolvedSpec
+) -> np.ndarray:
+    """Smallest weight scale per output channel that keeps bias / (s_in * s_w) in range.
+
+    Channels whose weights are almost zero get tiny scales, and their bias would overflow
+    int32; raising such a channel's weight scale costs nothing (its weights round to the
+    same few levels) and keeps the bias quantizable. Half the int32 range is left free
+    for accumulation.
+    """
+    limit = int_type(bias_spec.dtype).qmax / 2
+    floor = np.abs(np.asarray(bias, dtype=np.float64).reshape(-1)) / (float(input_scale) * limit)
+    if floor.size == channels or channels == 1:
+        return np.maximum(floor if channels > 1 else floor.max(initial=0.0), MIN_SCALE)
+    # grouped ConvTranspose: one weight scale serves several bias entries
+    return np.maximum(floor.reshape(-1, channels).max(axis=0), MIN_SCALE)
 
 
 def quantize_bias(

@@ -11,6 +11,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx.reference import ReferenceEvaluator
 
+from onnxq.graph.edit import make_initializer
+
 # Ops never folded: random, already-quantized weights (folding would dequantize them), or
 # with side inputs we do not evaluate.
 NO_FOLD = {
@@ -75,10 +77,7 @@ def fold_constants(model: ir.Model) -> int:
                 break
         else:
             for output, result in zip(node.outputs, results):
-                array = np.asarray(result)
-                new = ir.Value(name=output.name, const_value=ir.tensor(array, name=output.name))
-                new.shape = ir.Shape(array.shape)
-                new.dtype = new.const_value.dtype
+                new = make_initializer(output.name, np.asarray(result))
                 output.replace_all_uses_with(new)
                 output.name = None
                 graph.register_initializer(new)

@@ -108,6 +108,16 @@ def _remove_initializer_inputs(graph: ir.Graph) -> int:
     return len(initializer_inputs)
 
 
+def _binary_sum_to_add(graph: ir.Graph) -> None:
+    """Rewrite two-input Sum (old exporters' residual add) as Add, which has int8 kernels."""
+    for node in list(graph):
+        if node.op_type == "Sum" and node.domain in ("", "ai.onnx") and len(node.inputs) == 2:
+            add = ir.node("Add", list(node.inputs), name=node.name)
+            ir.convenience.replace_nodes_and_values(
+                graph, node, [node], [add], list(node.outputs), list(add.outputs)
+            )
+
+
 def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[ir.Model, LoadReport]:
     """Read, check and normalise a model; the caller's file or proto is never modified.
 
@@ -128,8 +138,10 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[
     if original < MIN_OPSET:
         report.notes.append(f"upgraded opset {original} -> {MIN_OPSET}")
     report.initializer_inputs_removed = _remove_initializer_inputs(model.graph)
+    ir_passes.NameFixPass()(model)  # every node and value gets a unique name
     ir_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
     report.folded_nodes = fold_constants(model)
+    _binary_sum_to_add(model.graph)
     ir_passes.RemoveUnusedNodesPass()(model)
     ir_passes.ShapeInferencePass(strict_mode=False)(model)
     ir_passes.TopologicalSortPass()(model)

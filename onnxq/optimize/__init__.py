@@ -1,8 +1,10 @@
 """Stage 3, optimise: passes that rewrite initializers before quantization.
 
-Each pass is one module with one entry point `run(model, options) -> str`, registered by
+Each pass is one module with one entry point `fn(model, options) -> str`, registered by
 name in `PASSES`; `Config.pre_quant_opt_config` lists `{"name": ..., **options}` entries
 applied in order. The returned string says what the pass changed, for the summary.
+Passes in `DEFAULT_PASSES` run first unless the list names them (to configure them, or
+to turn them off with `enabled: false`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import onnx_ir as ir
+import onnx_ir.passes.common as ir_passes
 
 from onnxq.errors import ConfigError
 
 PassFn = Callable[[ir.Model, Mapping[str, Any]], str]
 PASSES: dict[str, PassFn] = {}
+DEFAULT_PASSES = ("fold_batchnorm",)
 
 
 def register_pass(name: str) -> Callable[[PassFn], PassFn]:
@@ -38,12 +42,20 @@ def check_pass_name(name: str) -> None:
 
 def run_passes(model: ir.Model, entries: list[Mapping[str, Any]]) -> list[str]:
     """Apply the configured passes in order; returns one report line per pass."""
+    for entry in entries:
+        if not isinstance(entry.get("name"), str):
+            raise ConfigError("each pre_quant_opt_config entry needs a 'name' key naming the pass")
+        check_pass_name(entry["name"])
+    named = {entry["name"] for entry in entries}
+    entries = [{"name": d} for d in DEFAULT_PASSES if d not in named] + list(entries)
     reports = []
     for entry in entries:
-        name = entry.get("name")
-        if not isinstance(name, str):
-            raise ConfigError("each pre_quant_opt_config entry needs a 'name' key naming the pass")
-        check_pass_name(name)
-        options = {k: v for k, v in entry.items() if k != "name"}
-        reports.append(f"{name}: {PASSES[name](model, options)}")
+        options = {k: v for k, v in entry.items() if k not in ("name", "enabled")}
+        if entry.get("enabled", True):
+            reports.append(f"{entry['name']}: {PASSES[entry['name']](model, options)}")
+    ir_passes.RemoveUnusedNodesPass()(model)  # drops initializers the passes replaced
     return reports
+
+
+# Importing the pass modules fills the registry.
+from onnxq.optimize import fold_batchnorm  # noqa: E402, F401

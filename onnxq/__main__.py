@@ -1,0 +1,3 @@
+from onnxq.cli import main
+
+raise SystemExit(main())

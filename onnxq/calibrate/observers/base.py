@@ -1,0 +1,108 @@
+"""The observer interface: one observer per calibrated tensor, fed batch by batch."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import numpy as np
+
+from onnxq import qmath
+from onnxq.calibrate.observers.histogram import StreamingHistogram, finite_values
+from onnxq.calibrate.observers.options import parse_options
+from onnxq.config.resolve import ResolvedSpec
+from onnxq.errors import ConfigError
+
+
+class Observer(abc.ABC):
+    """Collects statistics of one tensor and turns them into a calibration range.
+
+    State is O(num_bins) whatever the amount of data; `update` never keeps its input.
+    Non-finite values are ignored. Subclasses set `name` (via `register_observer`) and
+    `options_class` (a frozen dataclass of method options, or None).
+    """
+
+    name: ClassVar[str] = ""
+    options_class: ClassVar[type | None] = None
+
+    def __init__(self, spec: ResolvedSpec) -> None:
+        self.spec = spec
+        self.info = qmath.int_type(spec.dtype)
+        self.options: Any = parse_options(self.options_class, self.name, spec.calib_options)
+
+    @abc.abstractmethod
+    def update(self, x: np.ndarray) -> None:
+        """Fold one batch of the tensor (any shape) into the statistics."""
+
+    @abc.abstractmethod
+    def compute_range(self) -> tuple[float, float]:
+        """The calibrated (rmin, rmax); (-a, a) for symmetric specs; (0, 0) if no data."""
+
+    @abc.abstractmethod
+    def _merge(self, other: Observer) -> None:
+        """Fold the statistics of `other` (same class, already checked) into self."""
+
+    @property
+    @abc.abstractmethod
+    def num_values(self) -> int:
+        """Number of finite values seen so far."""
+
+    def merge(self, other: Observer) -> None:
+        """Fold another observer of the same tensor and class into self, exactly."""
+        if type(other) is not type(self) or other.spec != self.spec:
+            raise TypeError(
+                f"cannot merge a {type(other).__name__} into a {type(self).__name__} "
+                "with a different spec"
+            )
+        self._merge(other)
+
+
+class HistogramObserver(Observer):
+    """An observer whose state is one `StreamingHistogram` plus the signed data range."""
+
+    def __init__(self, spec: ResolvedSpec) -> None:
+        super().__init__(spec)
+        self.hist = StreamingHistogram(self._num_bins(), symmetric=self._folded())
+        self.data_min = np.inf
+        self.data_max = -np.inf
+
+    def _num_bins(self) -> int:
+        """Bin count of the histogram; spec.num_bins unless the method says otherwise."""
+        if int(self.spec.num_bins) < 2:
+            raise ConfigError(f"num_bins must be at least 2, got {self.spec.num_bins}")
+        return int(self.spec.num_bins)
+
+    def _folded(self) -> bool:
+        """True to histogram |x| (symmetric search), False for signed x."""
+        return bool(self.spec.symmetric)
+
+    def update(self, x: np.ndarray) -> None:
+        flat = finite_values(x)
+        if flat.size == 0:
+            return
+        self.data_min = min(self.data_min, float(flat.min()))
+        self.data_max = max(self.data_max, float(flat.max()))
+        self.hist.update(flat)
+
+    def _merge(self, other: Observer) -> None:
+        assert isinstance(other, HistogramObserver)
+        self.hist.merge(other.hist)
+        self.data_min = min(self.data_min, other.data_min)
+        self.data_max = max(self.data_max, other.data_max)
+
+    @property
+    def num_values(self) -> int:
+        return self.hist.total
+
+    def compute_range(self) -> tuple[float, float]:
+        if self.hist.is_empty:
+            return 0.0, 0.0
+        rmin, rmax = self._range()
+        if self.spec.symmetric:
+            a = max(-rmin, rmax, 0.0)
+            return -a, a
+        return float(rmin), float(rmax)
+
+    @abc.abstractmethod
+    def _range(self) -> tuple[float, float]:
+        """The range from a non-empty histogram (symmetrised by `compute_range` if needed)."""

@@ -1,0 +1,203 @@
+"""Command line: `onnxq quantize`, `onnxq presets`, `onnxq inspect`.
+
+Flags override the config file, which overrides the preset. A user mistake prints one
+line on stderr and exits with status 2; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from typing import Any
+
+from onnxq.config import PRESETS, config_to_yaml, get_preset
+from onnxq.config.compose import compose_config
+from onnxq.errors import OnnxqError
+
+EXIT_USAGE = 2
+
+
+def _spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Translate quantize flags into a dict of the config-file shape."""
+    activation: dict[str, Any] = {}
+    weight: dict[str, Any] = {}
+    if args.calib_method:
+        activation["calib_method"] = args.calib_method
+    if args.percentile is not None:
+        activation["percentile"] = args.percentile
+    if args.activation_type:
+        activation["dtype"] = args.activation_type
+    if args.weight_type:
+        weight["dtype"] = args.weight_type
+    if args.per_tensor:
+        weight["qscheme"] = "per_tensor"
+    if args.per_channel:
+        weight["qscheme"] = "per_channel"
+    out: dict[str, Any] = {}
+    global_cfg: dict[str, Any] = {}
+    if activation:
+        global_cfg["input_tensors"] = dict(activation)
+        global_cfg["output_tensors"] = dict(activation)
+    if weight:
+        global_cfg["weight"] = weight
+    if global_cfg:
+        out["global_quant_config"] = global_cfg
+    if args.exclude:
+        out["exclude"] = list(args.exclude)
+    calibration = {
+        k: v
+        for k, v in (
+            ("max_samples", args.max_samples),
+            ("batch_size", args.batch_size),
+            ("providers", args.providers),
+        )
+        if v is not None
+    }
+    if calibration:
+        out["calibration"] = calibration
+    return out
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from onnxq.quantize import quantize
+    from onnxq.report import format_summary
+
+    config = compose_config(args.preset, args.config, _spec_overrides(args))
+    progress = False if args.quiet else None
+    result = quantize(args.input, args.output, config, args.calib_data, progress=progress)
+    if not args.quiet:
+        print(format_summary(result.summary))
+    return 0
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    if args.show:
+        print(config_to_yaml(get_preset(args.show)), end="")
+        return 0
+    width = max(len(name) for name in PRESETS)
+    for name, preset in PRESETS.items():
+        print(f"{name:<{width}}  {preset.description}")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from onnxq.emit.plan import plan_quantization
+    from onnxq.graph.load import load_model
+    from onnxq.optimize import run_passes
+
+    model, report = load_model(args.model)
+    graph = model.graph
+    print(f"model: {report.source}")
+    print(f"opset: {report.original_opset}" + (f" (normalised to {report.opset})" if report.opset != report.original_opset else ""))
+    for label, values in (("inputs", graph.inputs), ("outputs", graph.outputs)):
+        print(f"{label}:")
+        for v in values:
+            dims = "?" if v.shape is None else "[" + ",".join(str(d) for d in v.shape) + "]"
+            print(f"  {v.name}: {v.dtype.name if v.dtype else '?'} {dims}")
+    ops = Counter(n.op_type for n in graph)
+    print(f"nodes: {sum(ops.values())} (" + ", ".join(f"{op} {n}" for op, n in ops.most_common()) + ")")
+    config = compose_config(args.preset, args.config)
+    for note in run_passes(model, config.pre_quant_opt_config):
+        print(f"pass {note}")
+    plan = plan_quantization(model, config)
+    quantized = Counter(plan.quantized_nodes.values())
+    print(f"would quantize: {sum(quantized.values())} nodes (" + ", ".join(f"{op} {n}" for op, n in sorted(quantized.items())) + ")")
+    reasons = Counter(plan.float_nodes.values())
+    for (op, why), n in sorted(reasons.items()):
+        print(f"  float: {op} x{n}: {why}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import numpy as np
+
+    from onnxq.errors import CalibrationDataError
+    from onnxq.evaluate import compare_models, format_comparison
+
+    data: object = args.data
+    labels = None
+    if args.labels is not None:
+        path = Path(args.data)
+        if path.suffix != ".npz" or not path.is_file():
+            raise CalibrationDataError("--labels KEY needs --data to be one .npz file holding that key")
+        with np.load(path) as npz:
+            if args.labels not in npz.files:
+                raise CalibrationDataError(f"{path} has no array {args.labels!r}; keys: {', '.join(npz.files)}")
+            arrays = {k: npz[k] for k in npz.files}
+        labels = arrays.pop(args.labels)
+        data = arrays
+    for model in (args.float_model, args.quant_model):
+        if not Path(model).is_file():
+            raise CalibrationDataError(f"model file not found: {model}")
+    result = compare_models(args.float_model, args.quant_model, data, labels, args.max_samples)
+    print(format_comparison(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="onnxq", description="Post-training quantization for ONNX models.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    q = sub.add_parser("quantize", help="quantize a model with calibration data")
+    q.add_argument("input", help="float ONNX model")
+    q.add_argument("output", help="where to write the quantized model")
+    q.add_argument("--preset", help=f"starting recipe ({', '.join(PRESETS)}; default U8S8)")
+    q.add_argument("--config", help="YAML/JSON config file, applied over the preset")
+    q.add_argument("--calib-data", help="calibration data: .npz, .npy or a folder of them")
+    q.add_argument("--calib-method", help="activation calibration method (minmax, percentile, ...)")
+    q.add_argument("--percentile", type=float, help="percentile for --calib-method percentile")
+    granularity = q.add_mutually_exclusive_group()
+    granularity.add_argument("--per-tensor", action="store_true", help="one weight scale per tensor")
+    granularity.add_argument("--per-channel", action="store_true", help="one weight scale per output channel")
+    q.add_argument("--activation-type", help="activation dtype (uint8, int8)")
+    q.add_argument("--weight-type", help="weight dtype (int8, uint8)")
+    q.add_argument("--exclude", nargs="+", metavar="NAME", help="node names or regexes to keep in float")
+    q.add_argument("--max-samples", type=int, help="use at most N calibration samples")
+    q.add_argument("--batch-size", type=int, help="calibration batch size (dynamic-batch models)")
+    q.add_argument("--providers", nargs="+", help="onnxruntime execution providers for calibration")
+    q.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    q.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    q.set_defaults(func=_cmd_quantize)
+
+    p = sub.add_parser("presets", help="list the named presets")
+    p.add_argument("--show", metavar="NAME", help="print one preset as YAML")
+    p.set_defaults(func=_cmd_presets)
+
+    c = sub.add_parser("compare", help="compare a quantized model with its float original")
+    c.add_argument("float_model")
+    c.add_argument("quant_model")
+    c.add_argument("--data", required=True, help="inputs: .npz, .npy or a folder of them")
+    c.add_argument("--labels", metavar="KEY", help="array in the --data .npz holding class labels")
+    c.add_argument("--max-samples", type=int)
+    c.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    c.set_defaults(func=_cmd_compare)
+
+    i = sub.add_parser("inspect", help="describe a model and what would be quantized")
+    i.add_argument("model")
+    i.add_argument("--preset")
+    i.add_argument("--config")
+    i.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    i.set_defaults(func=_cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except OnnxqError as exc:
+        if args.debug:
+            raise
+        print(f"onnxq: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("onnxq: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

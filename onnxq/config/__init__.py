@@ -1,0 +1,54 @@
+"""Quantization configs: dataclasses, YAML/JSON files, validation, presets, resolution."""
+
+from onnxq.config.io import (
+    config_from_dict,
+    config_to_dict,
+    config_to_json,
+    config_to_yaml,
+    load_config,
+    save_config,
+    spec_from_dict,
+)
+from onnxq.config.presets import PRESETS, Preset, get_preset
+from onnxq.config.resolve import ResolvedConfig, ResolvedSpec, resolve_node_config
+from onnxq.config.spec import (
+    CalibMethod,
+    CalibrationConfig,
+    Config,
+    DType,
+    QScheme,
+    QuantFormat,
+    QuantizationConfig,
+    QuantizationSpec,
+    RoundMethod,
+    ScaleType,
+)
+from onnxq.config.validate import validate_config, validate_node_configs
+
+__all__ = [
+    "PRESETS",
+    "CalibMethod",
+    "CalibrationConfig",
+    "Config",
+    "DType",
+    "Preset",
+    "QScheme",
+    "QuantFormat",
+    "QuantizationConfig",
+    "QuantizationSpec",
+    "ResolvedConfig",
+    "ResolvedSpec",
+    "RoundMethod",
+    "ScaleType",
+    "config_from_dict",
+    "config_to_dict",
+    "config_to_json",
+    "config_to_yaml",
+    "get_preset",
+    "load_config",
+    "resolve_node_config",
+    "save_config",
+    "spec_from_dict",
+    "validate_config",
+    "validate_node_configs",
+]

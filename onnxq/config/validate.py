@@ -1,0 +1,218 @@
+"""Reject invalid combinations of settings when the config is loaded, not deep in a pass.
+
+Each spec is checked as written at its level (where `None` means "inherit", so only the
+fields it sets are judged) and again as resolved: the global config alone, and each
+op-type or node override merged over it. Errors are one line: what is wrong, where
+(`layer_quant_config['conv1'].weight`) and how to fix it.
+
+A node override may also land on an op type with its own override; which one is only
+known with the model, so `validate_node_configs` checks those combinations per node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import fields
+from enum import Enum
+from typing import Any
+
+from onnxq.config.resolve import merge_specs, resolve_node_config
+from onnxq.config.spec import TENSOR_CLASSES, Config, QuantFormat, QuantizationConfig
+from onnxq.errors import ConfigError
+
+ACTIVATIONS = ("input_tensors", "output_tensors")
+
+# A rule gets (spec values as plain data, tensor class, resolved?) and returns None or
+# (problem, fix). When `resolved` is False a `None` value means "inherited": not judged.
+Rule = Callable[[dict[str, Any], str, bool], tuple[str, str] | None]
+
+
+def validate_config(config: Config) -> None:
+    """Raise `ConfigError` for wrong value types or invalid combinations in `config`."""
+    from onnxq.config.io import check_types  # io imports this module
+
+    check_types(config)
+    _check_top_level(config)
+    for where, level in _levels(config):
+        for tensor_class in TENSOR_CLASSES:
+            spec = getattr(level, tensor_class)
+            if spec is not None:
+                check_spec(_plain_values(spec), tensor_class, f"{where}.{tensor_class}")
+    for where, stack in _merged_levels(config):
+        for tensor_class in TENSOR_CLASSES:
+            resolved = merge_specs([getattr(level, tensor_class) for level in stack], tensor_class)
+            if resolved is not None:
+                path = f"{where}.{tensor_class}" + _merged_note(where)
+                check_spec(_plain_values(resolved), tensor_class, path, resolved=True)
+
+
+def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> None:
+    """Check the resolved config of each `(node name, op type)` of a model.
+
+    Catches conflicts between a node override and its op type's override, which
+    `validate_config` cannot see without the model.
+    """
+    for name, op_type in nodes:
+        resolved = resolve_node_config(config, name, op_type)
+        if resolved is None:
+            continue
+        for tensor_class in TENSOR_CLASSES:
+            spec = getattr(resolved, tensor_class)
+            if spec is not None:
+                path = f"node {name!r} ({op_type}).{tensor_class} as resolved"
+                check_spec(_plain_values(spec), tensor_class, path, resolved=True)
+
+
+def check_spec(
+    values: dict[str, Any], tensor_class: str, path: str, resolved: bool = False
+) -> None:
+    """Raise `ConfigError` for the first rule that one spec's `values` break."""
+    for rule in SPEC_RULES:
+        found = rule(values, tensor_class, resolved)
+        if found is not None:
+            problem, fix = found
+            raise ConfigError(f"{problem} in {path}; {fix}")
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
+
+
+def _plain_values(spec: Any) -> dict[str, Any]:
+    return {f.name: _plain(getattr(spec, f.name)) for f in fields(spec)}
+
+
+def _levels(config: Config) -> list[tuple[str, QuantizationConfig]]:
+    """Every `QuantizationConfig` in `config`, with its path."""
+    levels = [("global_quant_config", config.global_quant_config)]
+    for attr in ("layer_type_quant_config", "layer_quant_config"):
+        levels += [(f"{attr}[{key!r}]", qc) for key, qc in getattr(config, attr).items()]
+    return levels
+
+
+def _merged_levels(config: Config) -> list[tuple[str, list[QuantizationConfig]]]:
+    """The global config alone, and each override over it, highest priority first."""
+    base = config.global_quant_config
+    return [(where, [base] if level is base else [level, base]) for where, level in _levels(config)]
+
+
+def _merged_note(where: str) -> str:
+    return "" if where == "global_quant_config" else " (merged over global_quant_config)"
+
+
+def _check_top_level(config: Config) -> None:
+    calibration = config.calibration
+    if calibration.batch_size < 1:
+        raise ConfigError(
+            f"invalid batch_size {calibration.batch_size} in calibration; use 1 or more"
+        )
+    if calibration.max_samples is not None and calibration.max_samples < 1:
+        raise ConfigError(
+            f"invalid max_samples {calibration.max_samples} in calibration; "
+            "use 1 or more, or remove it to use every sample"
+        )
+    if _plain(config.quant_format) != QuantFormat.QDQ.value:
+        raise ConfigError(
+            f"unsupported quant_format '{_plain(config.quant_format)}' in config; "
+            "only qdq (QuantizeLinear/DequantizeLinear pairs) is supported"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# spec rules
+
+
+def _group_size_positive(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    if v["group_size"] is not None and v["group_size"] <= 0:
+        return f"invalid group_size {v['group_size']}", "use a positive integer such as 128"
+    return None
+
+
+def _group_size_needs_per_group(
+    v: dict[str, Any], tc: str, resolved: bool
+) -> tuple[str, str] | None:
+    if v["group_size"] is not None and v["qscheme"] in ("per_tensor", "per_channel"):
+        return (
+            f"group_size {v['group_size']} with qscheme {v['qscheme']}",
+            "group_size only applies to per_group: set qscheme: per_group or remove group_size",
+        )
+    return None
+
+
+def _per_group_needs_group_size(
+    v: dict[str, Any], tc: str, resolved: bool
+) -> tuple[str, str] | None:
+    if resolved and v["qscheme"] == "per_group" and v["group_size"] is None:
+        return "qscheme per_group without group_size", "set group_size, e.g. 128"
+    return None
+
+
+def _activation_per_channel_needs_axis(
+    v: dict[str, Any], tc: str, resolved: bool
+) -> tuple[str, str] | None:
+    if resolved and tc in ACTIVATIONS and v["qscheme"] == "per_channel" and v["ch_axis"] is None:
+        return (
+            "qscheme per_channel without ch_axis",
+            "set ch_axis (only weights get their axis inferred from the op type)",
+        )
+    return None
+
+
+def _activation_rounds_half_even(
+    v: dict[str, Any], tc: str, resolved: bool
+) -> tuple[str, str] | None:
+    if tc in ACTIVATIONS and v["round_method"] not in (None, "half_even"):
+        return (
+            f"round_method {v['round_method']}",
+            "QuantizeLinear rounds activations half to even at run time: "
+            "use round_method: half_even or remove it",
+        )
+    return None
+
+
+def _int32_only_for_bias(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    if tc != "bias" and v["dtype"] == "int32":
+        return "dtype int32", "int32 is only for bias: use int8 or uint8"
+    return None
+
+
+def _bias_dtype(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    if tc == "bias" and v["dtype"] not in (None, "int32", "float32"):
+        return (
+            f"bias dtype {v['dtype']}",
+            "set dtype: int32 (or float32 to keep bias in float)",
+        )
+    return None
+
+
+def _percentile_range(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    p = v["percentile"]
+    if p is not None and not 0 < p <= 100:
+        return f"invalid percentile {p}", "use a value in (0, 100], e.g. 99.999"
+    return None
+
+
+def _num_bins_min(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    if v["num_bins"] is not None and v["num_bins"] < 2:
+        return f"invalid num_bins {v['num_bins']}", "use 2 or more, e.g. 2048"
+    return None
+
+
+def _weight_static(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    if tc == "weight" and v["is_dynamic"] is True:
+        return "is_dynamic true", "weights are always quantized statically: remove is_dynamic"
+    return None
+
+
+SPEC_RULES: tuple[Rule, ...] = (
+    _int32_only_for_bias,
+    _bias_dtype,
+    _group_size_positive,
+    _group_size_needs_per_group,
+    _per_group_needs_group_size,
+    _activation_per_channel_needs_axis,
+    _activation_rounds_half_even,
+    _percentile_range,
+    _num_bins_min,
+    _weight_static,
+)

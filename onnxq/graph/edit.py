@@ -1,0 +1,73 @@
+"""Small graph-editing helpers shared by the optimise and emit stages."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+
+def make_initializer(name: str, array: np.ndarray) -> ir.Value:
+    """An initializer value holding `array` (0-d arrays stay 0-d)."""
+    value = ir.Value(name=name, const_value=ir.tensor(np.array(array, order="C"), name=name))
+    value.shape = ir.Shape(np.shape(array))
+    value.dtype = value.const_value.dtype
+    return value
+
+
+class GraphEditor:
+    """Creates uniquely named initializers and nodes in one graph."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self.graph = graph
+        self.taken: set[str] = {v.name for v in graph.inputs} | set(graph.initializers)
+        for node in graph:
+            self.taken.add(node.name)
+            self.taken.update(o.name for o in node.outputs if o.name)
+
+    def unique(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.taken:
+            name, i = f"{base}_{i}", i + 1
+        self.taken.add(name)
+        return name
+
+    def initializer(self, base: str, array: np.ndarray) -> ir.Value:
+        value = make_initializer(self.unique(base), array)
+        self.graph.register_initializer(value)
+        return value
+
+    def add_node(
+        self,
+        op_type: str,
+        inputs: list[ir.Value],
+        output_name: str,
+        attributes: dict | None = None,
+        dtype: ir.DataType | None = None,
+        shape: ir.Shape | None = None,
+    ) -> ir.Value:
+        """Append a node with one output named `output_name` (made unique); return the output."""
+        out = ir.Value(name=self.unique(output_name))
+        out.dtype, out.shape = dtype, shape
+        node = ir.node(op_type, inputs, attributes or {}, outputs=[out], name=self.unique(f"{out.name}_{op_type}"))
+        self.graph.append(node)
+        return out
+
+
+def set_constant(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, base: str) -> None:
+    """Make input `index` of `node` the constant `array`.
+
+    An initializer used only by this node is rewritten in place (its name is kept);
+    otherwise a new, uniquely named initializer is created and the old one left to others.
+    """
+    current = node.inputs[index] if index < len(node.inputs) else None
+    if current is not None and current.const_value is not None and len(current.uses()) == 1:
+        current.const_value = ir.tensor(np.array(array, order="C"), name=current.name)
+        current.shape = ir.Shape(np.shape(array))
+        return
+    editor = GraphEditor(graph)
+    value = editor.initializer(base, array)
+    if index >= len(node.inputs):
+        node.resize_inputs(index + 1)
+    node.replace_input_with(index, value)
+    if current is not None and current.const_value is not None and not current.uses():
+        graph.initializers.pop(current.name, None)

@@ -1,0 +1,103 @@
+"""Fold inference-mode BatchNormalization into the Conv, ConvTranspose or Gemm before it.
+
+BN(y) = s * (y - mean) + beta with s = gamma / sqrt(var + eps), applied per output
+channel, so it can be absorbed by scaling that channel's weights and rewriting its bias.
+The float model computes the same function afterwards, and the quantizer sees one
+weight tensor instead of a weight plus a float affine op it cannot quantize.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxq.graph.edit import set_constant
+from onnxq.graph.fold import constant_array
+from onnxq.optimize import register_pass
+
+FOLDABLE = {"Conv", "ConvTranspose", "Gemm"}
+
+
+def _attr(node: ir.Node, name: str, default: Any) -> Any:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _bn_scale_shift(bn: ir.Node) -> tuple[np.ndarray, np.ndarray] | None:
+    params = [constant_array(v) for v in bn.inputs[1:5]]
+    if any(p is None for p in params):
+        return None
+    gamma, beta, mean, var = (p.astype(np.float64) for p in params)
+    scale = gamma / np.sqrt(var + float(_attr(bn, "epsilon", 1e-5)))
+    return scale, beta - mean * scale
+
+
+def _scaled_weight(node: ir.Node, w: np.ndarray, scale: np.ndarray) -> np.ndarray | None:
+    """The weight with output channel c multiplied by scale[c], or None if not foldable."""
+    if node.op_type == "Conv":
+        return w * scale.reshape((-1,) + (1,) * (w.ndim - 1))
+    if node.op_type == "ConvTranspose":
+        group = int(_attr(node, "group", 1))
+        per_group = w.shape[1]
+        grouped = w.reshape((group, w.shape[0] // group, per_group) + w.shape[2:])
+        s = scale.reshape((group, 1, per_group) + (1,) * (w.ndim - 2))
+        return (grouped * s).reshape(w.shape)
+    if _attr(node, "beta", 1.0) != 1.0 or w.ndim != 2:  # Gemm
+        return None
+    return w * (scale[:, None] if _attr(node, "transB", 0) else scale[None, :])
+
+
+def _fold(graph: ir.Graph, node: ir.Node, bn: ir.Node) -> bool:
+    scale_shift = _bn_scale_shift(bn)
+    w = constant_array(node.inputs[1])
+    if scale_shift is None or w is None:
+        return False
+    scale, shift = scale_shift
+    bias_value = node.inputs[2] if len(node.inputs) > 2 else None
+    b = constant_array(bias_value) if bias_value is not None else np.zeros(scale.shape)
+    if b is None or b.size not in (1, scale.size):
+        return False
+    new_w = _scaled_weight(node, w.astype(np.float64), scale)
+    if new_w is None:
+        return False
+    new_b = np.broadcast_to(b.reshape(-1), scale.shape) * scale + shift
+    set_constant(graph, node, 1, new_w.astype(w.dtype), f"{node.name}_bn_weight")
+    set_constant(graph, node, 2, new_b.astype(w.dtype), f"{node.name}_bn_bias")
+    out, bn_out = node.outputs[0], bn.outputs[0]
+    name = bn_out.name
+    bn_out.replace_all_uses_with(out, replace_graph_outputs=True)
+    graph.remove(bn, safe=True)
+    bn_out.name = None
+    out.name = name
+    return True
+
+
+@register_pass("fold_batchnorm")
+def fold_batchnorm(model: ir.Model, options: Mapping[str, Any]) -> str:
+    """Fold every BN that alone consumes a Conv/ConvTranspose/Gemm output.
+
+    Options: `skip_fusion_layers` (node names of BNs or producers to leave alone).
+    """
+    skip = set(options.get("skip_fusion_layers", ()))
+    graph = model.graph
+    folded, kept = 0, []
+    for bn in [n for n in graph if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]:
+        producer = bn.inputs[0].producer()
+        ok = (
+            bn.name not in skip
+            and producer is not None
+            and producer.op_type in FOLDABLE
+            and producer.name not in skip
+            and len(bn.outputs) == 1
+            and len(producer.outputs[0].uses()) == 1
+            and not producer.outputs[0].is_graph_output()
+        )
+        if ok and _fold(graph, producer, bn):
+            folded += 1
+        else:
+            kept.append(bn.name)
+    note = f"{folded} BatchNormalization folded"
+    return note + (f", {len(kept)} kept (no foldable producer): {', '.join(kept[:5])}" if kept else "")

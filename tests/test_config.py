@@ -1,0 +1,900 @@
+"""Config: resolution, YAML/JSON round trips, strict parsing, validation, presets."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from onnxq.config import (
+    PRESETS,
+    CalibMethod,
+    CalibrationConfig,
+    Config,
+    DType,
+    QScheme,
+    QuantizationConfig,
+    QuantizationSpec,
+    RoundMethod,
+    config_from_dict,
+    config_to_dict,
+    config_to_yaml,
+    get_preset,
+    load_config,
+    resolve_node_config,
+    save_config,
+    spec_from_dict,
+    validate_config,
+    validate_node_configs,
+)
+from onnxq.config.spec import SPEC_DEFAULTS
+from onnxq.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def load_text(tmp_path: Path, text: str) -> Config:
+    return load_config(write(tmp_path, text))
+
+
+def three_level_config() -> Config:
+    return Config(
+        global_quant_config=QuantizationConfig(
+            input_tensors=QuantizationSpec(dtype=DType.UINT8, symmetric=False),
+            weight=QuantizationSpec(dtype=DType.INT8, symmetric=True, qscheme=QScheme.PER_CHANNEL),
+            target_device="cpu",
+        ),
+        layer_type_quant_config={
+            "Conv": QuantizationConfig(
+                weight=QuantizationSpec(symmetric=False, calib_method=CalibMethod.PERCENTILE)
+            )
+        },
+        layer_quant_config={
+            "conv1": QuantizationConfig(
+                weight=QuantizationSpec(dtype=DType.UINT8),
+                input_tensors=QuantizationSpec(dtype=DType.INT8),
+            )
+        },
+    )
+
+
+def rich_config() -> Config:
+    """A config that sets something in every kind of field, for round trips."""
+    config = three_level_config()
+    config.exclude = ["head/.*", "fc_out"]
+    config.calibration = CalibrationConfig(
+        max_samples=64, batch_size=4, providers=["CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
+    config.fuse_activations = False
+    config.float_op_types = ["Softmax"]
+    config.global_quant_config.output_tensors = QuantizationSpec(
+        dtype=DType.UINT8,
+        calib_method=CalibMethod.PERCENTILE,
+        percentile=99.99,
+        num_bins=1024,
+        calib_options={"symmetric_range": True, "levels": [1, 2]},
+    )
+    config.global_quant_config.bias = QuantizationSpec(dtype=DType.INT32)
+    config.layer_quant_config["matmul7"] = QuantizationConfig(
+        weight=QuantizationSpec(qscheme=QScheme.PER_GROUP, group_size=64, ch_axis=1)
+    )
+    config.pre_quant_opt_config = [{"name": "fold_constants"}, {"name": "fuse_bn", "eps": 1e-5}]
+    config.algo_config = [{"name": "smooth_quant", "alpha": 0.5}]
+    return config
+
+
+# ---------------------------------------------------------------------------------------
+# resolution
+
+
+def test_node_beats_op_type_beats_global_field_by_field():
+    config = three_level_config()
+    conv1 = resolve_node_config(config, "conv1", "Conv")
+    assert conv1.weight.dtype is DType.UINT8  # node
+    assert conv1.weight.symmetric is False  # op type
+    assert conv1.weight.calib_method == "percentile"  # op type
+    assert conv1.weight.qscheme == "per_channel"  # global
+    assert conv1.input_tensors.dtype is DType.INT8  # node
+    assert conv1.input_tensors.symmetric is False  # global
+
+    conv2 = resolve_node_config(config, "conv2", "Conv")
+    assert (conv2.weight.dtype, conv2.weight.symmetric) == (DType.INT8, False)
+
+    matmul = resolve_node_config(config, "conv1_like", "MatMul")
+    assert (matmul.weight.dtype, matmul.weight.symmetric) == (DType.INT8, True)
+    assert matmul.weight.calib_method == "minmax"
+
+
+def test_unset_fields_fall_back_to_spec_defaults():
+    config = Config(
+        global_quant_config=QuantizationConfig(weight=QuantizationSpec(dtype=DType.UINT8))
+    )
+    weight = resolve_node_config(config, "n", "Conv").weight
+    assert weight.dtype is DType.UINT8
+    for name in ("symmetric", "ch_axis", "group_size", "percentile", "num_bins", "is_dynamic"):
+        assert getattr(weight, name) == SPEC_DEFAULTS[name]
+    assert weight.qscheme == str(SPEC_DEFAULTS["qscheme"])
+    assert weight.round_method == "half_even"
+    assert weight.calib_options == ()
+
+
+def test_tensor_class_without_any_spec_stays_float():
+    config = Config(
+        global_quant_config=QuantizationConfig(weight=QuantizationSpec(dtype=DType.INT8))
+    )
+    resolved = resolve_node_config(config, "n", "Conv")
+    assert resolved.weight is not None
+    assert resolved.input_tensors is None
+    assert resolved.output_tensors is None
+    assert resolved.bias is None
+
+
+def test_target_device_falls_back_to_global():
+    config = three_level_config()
+    assert resolve_node_config(config, "conv1", "Conv").target_device == "cpu"
+    config.layer_quant_config["conv1"].target_device = "npu"
+    assert resolve_node_config(config, "conv1", "Conv").target_device == "npu"
+
+
+@pytest.mark.parametrize(
+    ("node", "excluded"),
+    [
+        ("fc_out", True),  # exact name
+        ("head/conv", True),  # regex, full match
+        ("head/", True),
+        ("my_head/conv", False),  # full match, not search
+        ("fc_out_2", False),
+        ("conv[", True),  # not a valid regex: compared as a plain name
+        ("conv1", False),
+    ],
+)
+def test_exclude_by_name_and_regex(node, excluded):
+    config = get_preset("U8S8")
+    config.exclude = ["fc_out", "head/.*", "conv["]
+    resolved = resolve_node_config(config, node, "Conv")
+    assert (resolved is None) is excluded
+
+
+def test_exclude_beats_node_override():
+    config = three_level_config()
+    config.exclude = ["conv1"]
+    assert resolve_node_config(config, "conv1", "Conv") is None
+
+
+def test_float_op_types_stay_float_unless_overridden():
+    config = get_preset("U8S8")
+    assert "Softmax" in config.float_op_types
+    assert resolve_node_config(config, "sm", "Softmax") is None
+    assert resolve_node_config(config, "conv", "Conv") is not None
+
+    by_node = get_preset("U8S8")
+    by_node.layer_quant_config["sm"] = QuantizationConfig()
+    assert resolve_node_config(by_node, "sm", "Softmax").input_tensors.dtype is DType.UINT8
+    assert resolve_node_config(by_node, "other_sm", "Softmax") is None
+
+    by_type = get_preset("U8S8")
+    by_type.layer_type_quant_config["Softmax"] = QuantizationConfig(
+        output_tensors=QuantizationSpec(dtype=DType.INT8)
+    )
+    resolved = resolve_node_config(by_type, "sm", "Softmax")
+    assert resolved.output_tensors.dtype is DType.INT8
+    assert resolved.input_tensors.dtype is DType.UINT8
+
+
+def test_dtype_float32_disables_a_tensor_class():
+    config = get_preset("U8S8")
+    config.global_quant_config.output_tensors = QuantizationSpec(dtype=DType.FLOAT32)
+    config.layer_quant_config["conv1"] = QuantizationConfig(
+        weight=QuantizationSpec(dtype=DType.FLOAT32)
+    )
+    conv1 = resolve_node_config(config, "conv1", "Conv")
+    assert conv1.output_tensors is None
+    assert conv1.weight is None
+    assert conv1.input_tensors is not None
+    assert conv1.bias is not None
+    conv2 = resolve_node_config(config, "conv2", "Conv")
+    assert conv2.weight is not None
+    assert conv2.output_tensors is None
+
+
+def test_override_can_reenable_a_float32_class():
+    config = get_preset("U8S8")
+    config.global_quant_config.output_tensors = QuantizationSpec(dtype=DType.FLOAT32)
+    config.layer_type_quant_config["Conv"] = QuantizationConfig(
+        output_tensors=QuantizationSpec(dtype=DType.UINT8)
+    )
+    assert resolve_node_config(config, "c", "Conv").output_tensors.dtype is DType.UINT8
+    assert resolve_node_config(config, "m", "MatMul").output_tensors is None
+
+
+# ---------------------------------------------------------------------------------------
+# round trips
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
+def test_preset_file_round_trip(tmp_path, name, suffix):
+    config = get_preset(name)
+    path = tmp_path / f"{name}{suffix}"
+    save_config(config, path)
+    assert load_config(path) == config
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_text_round_trip(name):
+    config = get_preset(name)
+    assert config_from_dict(yaml.safe_load(config_to_yaml(config))) == config
+    assert config_from_dict(json.loads(json.dumps(config_to_dict(config)))) == config
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_rich_config_round_trip(tmp_path, suffix):
+    config = rich_config()
+    path = tmp_path / f"rich{suffix}"
+    save_config(config, path)
+    loaded = load_config(path)
+    assert loaded == config
+    assert loaded.pre_quant_opt_config == [
+        {"name": "fold_constants"},
+        {"name": "fuse_bn", "eps": 1e-5},
+    ]
+
+
+def test_saved_json_is_json(tmp_path):
+    path = tmp_path / "c.json"
+    save_config(get_preset("S8S8"), path)
+    assert json.loads(path.read_text())["global_quant_config"]["weight"]["qscheme"] == "per_channel"
+
+
+def test_to_dict_is_plain_and_omits_unset_spec_fields():
+    d = config_to_dict(get_preset("U8S8"))
+    weight = d["global_quant_config"]["weight"]
+    assert weight == {
+        "dtype": "int8",
+        "symmetric": True,
+        "qscheme": "per_channel",
+        "calib_method": "minmax",
+    }
+    assert type(weight["dtype"]) is str  # not the str-based enum
+    assert d["quant_format"] == "qdq"
+    assert "max_samples" not in d["calibration"]
+    assert "target_device" not in d["global_quant_config"]
+    assert "ch_axis:" not in config_to_yaml(get_preset("U8S8"))
+
+
+def test_config_to_dict_does_not_share_state():
+    config = rich_config()
+    d = config_to_dict(config)
+    loaded = config_from_dict(d)
+    d["pre_quant_opt_config"][0]["name"] = "changed"
+    d["global_quant_config"]["output_tensors"]["calib_options"]["levels"].append(3)
+    assert loaded == config
+
+
+# ---------------------------------------------------------------------------------------
+# strict parsing
+
+
+def test_unknown_key_names_path_and_suggestion():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"global_quant_config": {"weight": {"symetric": True}}})
+    assert str(e.value) == (
+        "unknown key 'symetric' in global_quant_config.weight; did you mean 'symmetric'?"
+    )
+
+
+def test_unknown_key_in_layer_override_names_the_layer():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"layer_quant_config": {"conv1": {"weights": {}}}})
+    assert str(e.value) == (
+        "unknown key 'weights' in layer_quant_config['conv1']; did you mean 'weight'?"
+    )
+
+
+def test_unknown_top_level_key_without_close_match_lists_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"zzz": 1})
+    message = str(e.value)
+    assert message.startswith("unknown key 'zzz' in config; valid keys: global_quant_config, ")
+    assert "algo_config" in message
+    assert "did you mean" not in message
+
+
+def test_unknown_key_in_calibration():
+    with pytest.raises(ConfigError, match=r"in calibration; did you mean 'batch_size'\?"):
+        config_from_dict({"calibration": {"batchsize": 2}})
+
+
+def test_bad_enum_value_lists_valid_values():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"global_quant_config": {"weight": {"dtype": "int9"}}})
+    assert str(e.value) == (
+        "invalid dtype 'int9' in global_quant_config.weight; "
+        "valid values: int8, uint8, int32, float32"
+    )
+
+
+def test_bad_enum_value_suggests_close_one():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"global_quant_config": {"input_tensors": {"qscheme": "per_chanel"}}})
+    assert str(e.value) == (
+        "invalid qscheme 'per_chanel' in global_quant_config.input_tensors; "
+        "did you mean 'per_channel'? valid values: per_tensor, per_channel, per_group"
+    )
+
+
+def test_enum_values_are_case_insensitive():
+    config = config_from_dict(
+        {
+            "global_quant_config": {
+                "weight": {"dtype": "INT8", "qscheme": "Per_Channel", "calib_method": "MinMax"}
+            },
+            "quant_format": "QDQ",
+        }
+    )
+    weight = config.global_quant_config.weight
+    assert (weight.dtype, weight.qscheme, weight.calib_method) == (
+        DType.INT8,
+        QScheme.PER_CHANNEL,
+        CalibMethod.MINMAX,
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"global_quant_config": {"weight": {"symmetric": "yes"}}},
+            "global_quant_config.weight.symmetric must be true or false, got str 'yes'",
+        ),
+        (
+            {"layer_quant_config": ["conv1"]},
+            "layer_quant_config must be a mapping, got list ['conv1']",
+        ),
+        (
+            {"global_quant_config": {"weight": [1]}},
+            "global_quant_config.weight must be a mapping, got list [1]",
+        ),
+        (
+            {"layer_type_quant_config": {"Conv": {"weight": {"ch_axis": True}}}},
+            "layer_type_quant_config['Conv'].weight.ch_axis must be an integer, got bool True",
+        ),
+        (
+            {"global_quant_config": {"output_tensors": {"percentile": "99"}}},
+            "global_quant_config.output_tensors.percentile must be a number, got str '99'",
+        ),
+        ({"exclude": "conv1"}, "exclude must be a list, got str 'conv1'"),
+        ({"exclude": ["a", 3]}, "exclude[1] must be a string, got int 3"),
+        ({"calibration": {"batch_size": None}}, "calibration.batch_size must be an integer"),
+        ({"pre_quant_opt_config": [["fold"]]}, "pre_quant_opt_config[0] must be a mapping"),
+        ({"layer_quant_config": {1: {}}}, "key 1 in layer_quant_config must be a string"),
+        (["global_quant_config"], "config must be a mapping, got list"),
+    ],
+)
+def test_wrong_value_types_name_the_path(data, message):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(data)
+    assert str(e.value).startswith(message)
+
+
+def test_ints_are_accepted_for_floats():
+    config = config_from_dict({"global_quant_config": {"output_tensors": {"percentile": 100}}})
+    assert config.global_quant_config.output_tensors.percentile == 100.0
+    assert isinstance(config.global_quant_config.output_tensors.percentile, float)
+
+
+def test_passthrough_lists_keep_their_content():
+    passes = [{"name": "fuse_bn", "options": {"eps": 1e-5, "nested": [1, {"a": None}]}}]
+    config = config_from_dict({"pre_quant_opt_config": passes, "algo_config": [{"x": 1}]})
+    assert config.pre_quant_opt_config == passes
+    assert config.algo_config == [{"x": 1}]
+
+
+def test_spec_from_dict():
+    spec = spec_from_dict({"dtype": "uint8", "symmetric": False})
+    assert spec == QuantizationSpec(dtype=DType.UINT8, symmetric=False)
+    with pytest.raises(ConfigError, match=r"^unknown key 'dtpe' in spec; did you mean 'dtype'\?$"):
+        spec_from_dict({"dtpe": "int8"})
+
+
+def test_empty_dict_gives_default_config():
+    assert config_from_dict({}) == Config()
+
+
+# ---------------------------------------------------------------------------------------
+# files
+
+
+def test_load_yaml_file(tmp_path):
+    config = load_text(
+        tmp_path,
+        """
+        global_quant_config:
+          weight: {dtype: int8, qscheme: per_channel}
+        layer_type_quant_config:
+          MatMul:
+            weight: {qscheme: per_tensor}
+        exclude: [fc_out]
+        """,
+    )
+    assert config.global_quant_config.weight.qscheme is QScheme.PER_CHANNEL
+    assert config.layer_type_quant_config["MatMul"].weight.qscheme is QScheme.PER_TENSOR
+    assert config.exclude == ["fc_out"]
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=r"^config file .*nope\.yaml not found$"):
+        load_config(path)
+
+
+def test_unsupported_suffix(tmp_path):
+    path = write(tmp_path, "{}", "config.toml")
+    with pytest.raises(
+        ConfigError, match=r"unsupported suffix '\.toml'; use \.yaml, \.yml or \.json"
+    ):
+        load_config(path)
+
+
+def test_unreadable_file(tmp_path):
+    path = tmp_path / "dir.yaml"
+    path.mkdir()
+    with pytest.raises(ConfigError, match=r"^cannot read config file .*dir\.yaml: "):
+        load_config(path)
+
+
+def test_non_utf8_file(tmp_path):
+    path = tmp_path / "latin.yaml"
+    path.write_bytes(b"exclude: [caf\xe9]\n")
+    with pytest.raises(ConfigError, match=r"^cannot read config file .*latin\.yaml: not UTF-8"):
+        load_config(path)
+
+
+def test_yaml_parse_error_is_one_line_with_position(tmp_path):
+    path = write(tmp_path, "global_quant_config:\n  weight: [int8\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    message = str(e.value)
+    assert message.startswith(f"cannot parse config file {path}: ")
+    assert "(line " in message
+    assert "\n" not in message
+
+
+def test_json_parse_error_is_one_line_with_position(tmp_path):
+    path = write(tmp_path, '{"exclude": [}', "c.json")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value).startswith(f"cannot parse config file {path}: ")
+    assert "(line 1, column 14)" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("c.yaml", "exclude: [a]\nexclude: [b]\n"),
+        ("c.json", '{"exclude": ["a"], "exclude": ["b"]}'),
+    ],
+)
+def test_duplicate_keys_are_rejected(tmp_path, name, text):
+    with pytest.raises(ConfigError, match=r"cannot parse config file .*duplicate key 'exclude'"):
+        load_config(write(tmp_path, text, name))
+
+
+@pytest.mark.parametrize("name", ["c.yaml", "c.json"])
+def test_empty_file(tmp_path, name):
+    with pytest.raises(ConfigError, match=r"the config file is empty$"):
+        load_config(write(tmp_path, "\n", name))
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    path = write(tmp_path, "- a\n- b\n")
+    with pytest.raises(ConfigError, match=r"config must be a mapping, got list"):
+        load_config(path)
+
+
+def test_load_errors_start_with_the_file_name(tmp_path):
+    path = write(tmp_path, "global_quant_config:\n  weight:\n    symetric: true\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == (
+        f"{path}: unknown key 'symetric' in global_quant_config.weight; did you mean 'symmetric'?"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# validation at load time
+
+INVALID = {
+    "group_size_with_per_tensor": (
+        """
+        global_quant_config:
+          weight: {qscheme: per_tensor, group_size: 32}
+        """,
+        "group_size 32 with qscheme per_tensor in global_quant_config.weight; "
+        "group_size only applies to per_group",
+    ),
+    "group_size_with_per_channel": (
+        """
+        layer_quant_config:
+          conv1:
+            weight: {qscheme: per_channel, group_size: 32}
+        """,
+        "group_size 32 with qscheme per_channel in layer_quant_config['conv1'].weight;",
+    ),
+    "group_size_inherits_per_tensor": (
+        """
+        global_quant_config:
+          weight: {qscheme: per_tensor}
+        layer_type_quant_config:
+          MatMul:
+            weight: {group_size: 128}
+        """,
+        "group_size 128 with qscheme per_tensor in layer_type_quant_config['MatMul'].weight "
+        "(merged over global_quant_config)",
+    ),
+    "group_size_with_default_qscheme": (
+        """
+        global_quant_config:
+          weight: {group_size: 128}
+        """,
+        "group_size 128 with qscheme per_tensor in global_quant_config.weight",
+    ),
+    "per_group_without_group_size": (
+        """
+        global_quant_config:
+          weight: {qscheme: per_group}
+        """,
+        "qscheme per_group without group_size in global_quant_config.weight; set group_size",
+    ),
+    "per_group_override_without_group_size": (
+        """
+        global_quant_config:
+          weight: {qscheme: per_channel}
+        layer_quant_config:
+          fc:
+            weight: {qscheme: per_group}
+        """,
+        "qscheme per_group without group_size in layer_quant_config['fc'].weight "
+        "(merged over global_quant_config)",
+    ),
+    "group_size_zero": (
+        """
+        global_quant_config:
+          weight: {qscheme: per_group, group_size: 0}
+        """,
+        "invalid group_size 0 in global_quant_config.weight; use a positive integer",
+    ),
+    "group_size_negative_at_node": (
+        """
+        global_quant_config:
+          weight: {qscheme: per_group, group_size: 64}
+        layer_quant_config:
+          fc:
+            weight: {group_size: -8}
+        """,
+        "invalid group_size -8 in layer_quant_config['fc'].weight;",
+    ),
+    "input_per_channel_without_axis": (
+        """
+        global_quant_config:
+          input_tensors: {qscheme: per_channel}
+        """,
+        "qscheme per_channel without ch_axis in global_quant_config.input_tensors; set ch_axis",
+    ),
+    "output_per_channel_without_axis_at_op_type": (
+        """
+        layer_type_quant_config:
+          Conv:
+            output_tensors: {dtype: uint8, qscheme: per_channel}
+        """,
+        "qscheme per_channel without ch_axis in layer_type_quant_config['Conv'].output_tensors",
+    ),
+    "input_round_half_up": (
+        """
+        global_quant_config:
+          input_tensors: {round_method: half_up}
+        """,
+        "round_method half_up in global_quant_config.input_tensors; "
+        "QuantizeLinear rounds activations half to even",
+    ),
+    "output_round_floor_at_node": (
+        """
+        layer_quant_config:
+          relu3:
+            output_tensors: {round_method: floor}
+        """,
+        "round_method floor in layer_quant_config['relu3'].output_tensors;",
+    ),
+    "input_int32": (
+        """
+        global_quant_config:
+          input_tensors: {dtype: int32}
+        """,
+        "dtype int32 in global_quant_config.input_tensors; int32 is only for bias",
+    ),
+    "output_int32": (
+        """
+        layer_type_quant_config:
+          Add:
+            output_tensors: {dtype: int32}
+        """,
+        "dtype int32 in layer_type_quant_config['Add'].output_tensors;",
+    ),
+    "weight_int32": (
+        """
+        layer_quant_config:
+          conv1:
+            weight: {dtype: int32}
+        """,
+        "dtype int32 in layer_quant_config['conv1'].weight; int32 is only for bias",
+    ),
+    "bias_int8": (
+        """
+        global_quant_config:
+          bias: {dtype: int8}
+        """,
+        "bias dtype int8 in global_quant_config.bias; set dtype: int32",
+    ),
+    "bias_uint8_at_op_type": (
+        """
+        global_quant_config:
+          bias: {dtype: int32}
+        layer_type_quant_config:
+          Gemm:
+            bias: {dtype: uint8}
+        """,
+        "bias dtype uint8 in layer_type_quant_config['Gemm'].bias;",
+    ),
+    "percentile_zero": (
+        """
+        global_quant_config:
+          input_tensors: {calib_method: percentile, percentile: 0}
+        """,
+        "invalid percentile 0.0 in global_quant_config.input_tensors; use a value in (0, 100]",
+    ),
+    "percentile_above_100": (
+        """
+        layer_quant_config:
+          conv1:
+            output_tensors: {percentile: 100.5}
+        """,
+        "invalid percentile 100.5 in layer_quant_config['conv1'].output_tensors;",
+    ),
+    "num_bins_one": (
+        """
+        global_quant_config:
+          input_tensors: {calib_method: entropy, num_bins: 1}
+        """,
+        "invalid num_bins 1 in global_quant_config.input_tensors; use 2 or more",
+    ),
+    "batch_size_zero": (
+        """
+        calibration: {batch_size: 0}
+        """,
+        "invalid batch_size 0 in calibration; use 1 or more",
+    ),
+    "max_samples_zero": (
+        """
+        calibration: {max_samples: 0}
+        """,
+        "invalid max_samples 0 in calibration; use 1 or more",
+    ),
+    "dynamic_weight": (
+        """
+        global_quant_config:
+          weight: {dtype: int8, is_dynamic: true}
+        """,
+        "is_dynamic true in global_quant_config.weight; weights are always quantized statically",
+    ),
+    "dynamic_weight_at_node": (
+        """
+        layer_quant_config:
+          fc:
+            weight: {is_dynamic: true}
+        """,
+        "is_dynamic true in layer_quant_config['fc'].weight;",
+    ),
+    "quant_format_qoperator": (
+        """
+        quant_format: qoperator
+        """,
+        "invalid quant_format 'qoperator' in config; valid values: qdq",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID))
+def test_invalid_combination_fails_at_load_time(tmp_path, case):
+    text, expected = INVALID[case]
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: {expected}"), message
+    assert "\n" not in message
+
+
+VALID = {
+    "weight_per_channel_without_axis": """
+        global_quant_config:
+          weight: {qscheme: per_channel}
+        """,
+    "per_group_with_group_size": """
+        global_quant_config:
+          weight: {qscheme: per_group, group_size: 128}
+        """,
+    "node_per_group_inherits_group_size": """
+        global_quant_config:
+          weight: {qscheme: per_group, group_size: 128}
+        layer_quant_config:
+          fc:
+            weight: {qscheme: per_group, dtype: uint8}
+        """,
+    "activation_per_channel_with_axis": """
+        global_quant_config:
+          input_tensors: {qscheme: per_channel, ch_axis: 1}
+        """,
+    "weight_round_half_up": """
+        global_quant_config:
+          weight: {round_method: half_up}
+        """,
+    "activation_round_half_even": """
+        global_quant_config:
+          output_tensors: {round_method: half_even}
+        """,
+    "bias_float32": """
+        global_quant_config:
+          bias: {dtype: float32}
+        """,
+    "percentile_100": """
+        global_quant_config:
+          input_tensors: {percentile: 100}
+        """,
+    "num_bins_2_and_max_samples_1": """
+        global_quant_config:
+          input_tensors: {num_bins: 2}
+        calibration: {max_samples: 1, batch_size: 1}
+        """,
+    "dynamic_activations": """
+        global_quant_config:
+          input_tensors: {is_dynamic: true}
+        """,
+}
+
+
+@pytest.mark.parametrize("case", sorted(VALID))
+def test_valid_combination_loads(tmp_path, case):
+    assert isinstance(load_text(tmp_path, VALID[case]), Config)
+
+
+def test_validate_config_checks_configs_built_in_code():
+    config = get_preset("U8S8")
+    validate_config(config)
+    config.layer_quant_config["conv1"] = QuantizationConfig(
+        input_tensors=QuantizationSpec(round_method=RoundMethod.CEIL)
+    )
+    with pytest.raises(ConfigError, match=r"^round_method ceil in layer_quant_config\['conv1'\]"):
+        validate_config(config)
+
+
+def test_validate_config_catches_wrong_types_built_in_code():
+    config = get_preset("U8S8")
+    config.global_quant_config.weight.dtype = "int9"
+    with pytest.raises(ConfigError, match=r"^invalid dtype 'int9' in global_quant_config\.weight"):
+        validate_config(config)
+
+
+def test_validate_node_configs_catches_node_over_op_type_conflicts():
+    config = Config(
+        global_quant_config=QuantizationConfig(weight=QuantizationSpec(dtype=DType.INT8)),
+        layer_type_quant_config={
+            "MatMul": QuantizationConfig(
+                weight=QuantizationSpec(qscheme=QScheme.PER_GROUP, group_size=32)
+            )
+        },
+        layer_quant_config={
+            "fc": QuantizationConfig(weight=QuantizationSpec(qscheme=QScheme.PER_CHANNEL))
+        },
+    )
+    validate_config(config)  # fc might be any op type: only the model can tell
+    validate_node_configs(config, [("fc", "Gemm"), ("mm", "MatMul")])
+    with pytest.raises(ConfigError) as e:
+        validate_node_configs(config, [("fc", "MatMul")])
+    assert str(e.value).startswith(
+        "group_size 32 with qscheme per_channel in node 'fc' (MatMul).weight as resolved;"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# presets
+
+
+def test_preset_table():
+    assert {"U8S8", "S8S8", "A8W8"} <= set(PRESETS)
+    for name, preset in PRESETS.items():
+        assert preset.name == name
+        assert preset.description and "\n" not in preset.description
+        assert isinstance(preset.build(), Config)
+        validate_config(preset.build())
+
+
+def test_u8s8_numerics():
+    g = get_preset("U8S8").global_quant_config
+    for spec in (g.input_tensors, g.output_tensors):
+        assert (spec.dtype, spec.symmetric, spec.calib_method) == (
+            DType.UINT8,
+            False,
+            CalibMethod.MINMAX,
+        )
+    assert (g.weight.dtype, g.weight.symmetric, g.weight.qscheme) == (
+        DType.INT8,
+        True,
+        QScheme.PER_CHANNEL,
+    )
+    assert g.weight.ch_axis is None  # inferred from the op type
+    assert g.bias.dtype is DType.INT32
+
+
+@pytest.mark.parametrize("name", ["S8S8", "A8W8"])
+def test_symmetric_int8_presets(name):
+    g = get_preset(name).global_quant_config
+    for spec in (g.input_tensors, g.output_tensors):
+        assert (spec.dtype, spec.symmetric, spec.calib_method) == (
+            DType.INT8,
+            True,
+            CalibMethod.MINMAX,
+        )
+    assert (g.weight.dtype, g.weight.symmetric, g.weight.qscheme) == (
+        DType.INT8,
+        True,
+        QScheme.PER_CHANNEL,
+    )
+    assert g.bias.dtype is DType.INT32
+
+
+def test_a8w8_matches_s8s8_and_names_its_target():
+    assert get_preset("A8W8") == get_preset("S8S8")
+    assert "accelerator" in PRESETS["A8W8"].description
+
+
+def test_get_preset_returns_a_fresh_config():
+    first = get_preset("U8S8")
+    first.global_quant_config.weight.dtype = DType.UINT8
+    first.exclude.append("x")
+    again = get_preset("U8S8")
+    assert again.global_quant_config.weight.dtype is DType.INT8
+    assert again.exclude == []
+
+
+def test_get_preset_is_case_insensitive():
+    assert get_preset("u8s8") == get_preset("U8S8")
+
+
+def test_unknown_preset_suggests_and_lists():
+    with pytest.raises(ConfigError) as e:
+        get_preset("U8S9")
+    assert str(e.value) == (
+        "unknown preset 'U8S9'; did you mean 'U8S8'? available: " + ", ".join(PRESETS)
+    )
+
+
+def test_unknown_preset_without_close_match_lists_presets():
+    with pytest.raises(ConfigError) as e:
+        get_preset("fp8")
+    assert str(e.value) == "unknown preset 'fp8'; available: " + ", ".join(PRESETS)
+
+
+def test_bias_without_dtype_resolves_to_int32():
+    config = config_from_dict({"global_quant_config": {"bias": {"symmetric": True}}})
+    resolved = resolve_node_config(config, "conv1", "Conv")
+    assert resolved.bias is not None and resolved.bias.dtype.value == "int32"
