@@ -14,7 +14,14 @@ import onnx
 import onnx_ir as ir
 
 from onnxq.calibrate.runner import calibrate
-from onnxq.config import Config, config_from_dict, get_preset, load_config, validate_config
+from onnxq.config import (
+    Config,
+    config_from_dict,
+    get_preset,
+    load_config,
+    validate_config,
+    validate_node_configs,
+)
 from onnxq.config.presets import PRESETS
 from onnxq.emit.plan import QuantPlan, plan_quantization
 from onnxq.emit.qdq import emit_qdq
@@ -87,6 +94,7 @@ def quantize(
     summary.source, summary.opset = loaded.source, (loaded.original_opset, loaded.opset)
     summary.notes.extend(loaded.notes)
     summary.size_before = _size(model, ir_model)
+    validate_node_configs(config, [(node.name, node.op_type) for node in ir_model.graph])
 
     with summary.stage("optimise"):
         summary.notes.extend(run_passes(ir_model, config.pre_quant_opt_config))

@@ -7,8 +7,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import onnxruntime as ort
 import onnx_ir as ir
+import onnxruntime as ort
 
 from onnxq.errors import OnnxqError
 

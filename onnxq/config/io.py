@@ -242,7 +242,7 @@ def read_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
     if data is None:
         raise ConfigError(f"{p}: the config file is empty")
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the config file must hold a mapping at the top level")
+        raise ConfigError(f"{p}: config must be a mapping, got {type(data).__name__}")
     return data
 
 

@@ -19,7 +19,6 @@ from onnxq.config.spec import (
     QuantizationSpec,
 )
 
-
 BIAS_DEFAULTS = {**SPEC_DEFAULTS, "dtype": DType.INT32, "symmetric": True}
 
 

@@ -15,6 +15,7 @@ import onnx_ir as ir
 from onnxq.config.resolve import ResolvedConfig, ResolvedSpec, resolve_node_config
 from onnxq.config.spec import Config, QScheme
 from onnxq.emit.rules import FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
+from onnxq.errors import ConfigError
 from onnxq.graph.fold import constant_array
 
 FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
@@ -189,6 +190,11 @@ class _Planner:
         array = constant_array(value)
         if array is None or not _is_float(value):
             return None
+        if cfg.weight.qscheme == QScheme.PER_GROUP.value:
+            raise ConfigError(
+                f"per_group weight quantization (node {node.name!r}) needs block-wise "
+                "DequantizeLinear (opset 21), which onnxq does not emit yet; use per_channel"
+            )
         axis = None
         if cfg.weight.qscheme != QScheme.PER_TENSOR.value:
             axis = cfg.weight.ch_axis if cfg.weight.ch_axis is not None else rule.weight_axis(node, array.ndim)

@@ -72,15 +72,13 @@ def fold_constants(model: ir.Model) -> int:
         results = _evaluate(node, opset)
         if results is None or any(np.asarray(r).size > MAX_FOLD_ELEMENTS for r in results):
             continue
+        if any(output.is_graph_output() for output in node.outputs):
+            continue
         for output, result in zip(node.outputs, results):
-            if output.is_graph_output():
-                break
-        else:
-            for output, result in zip(node.outputs, results):
-                new = make_initializer(output.name, np.asarray(result))
-                output.replace_all_uses_with(new)
-                output.name = None
-                graph.register_initializer(new)
-            graph.remove(node, safe=True)
-            folded += 1
+            new = make_initializer(output.name, np.asarray(result))
+            output.replace_all_uses_with(new)
+            output.name = None
+            graph.register_initializer(new)
+        graph.remove(node, safe=True)
+        folded += 1
     return folded

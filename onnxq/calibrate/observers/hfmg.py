@@ -31,7 +31,9 @@ class HfmgOptions:
         check_bool_or_none("hfmg", "asymmetric", self.asymmetric)
 
 
-def trim_path(counts: np.ndarray, edges: np.ndarray, start: int, end: int, two_sided: bool) -> np.ndarray:
+def trim_path(
+    counts: np.ndarray, edges: np.ndarray, start: int, end: int, two_sided: bool
+) -> np.ndarray:
     """Bin windows [start, end] visited when trimming one bin at a time.
 
     Two-sided: trim the end whose trimmed tail (so far plus its next bin) would hold
@@ -55,11 +57,12 @@ def trim_path(counts: np.ndarray, edges: np.ndarray, start: int, end: int, two_s
 @register_observer("hfmg")
 class HfmgObserver(HistogramObserver):
     """Trims the histogram's ends one bin at a time, keeping the trimmed tail masses in
-    balance (in the spirit of PyTorch's HistogramObserver), and returns the window of least estimated quantization
-    error along that path. Unlike PyTorch it does not stop at the first rise: zero-point
-    and power-of-two scale rounding make the error curve bumpy, so the whole path (at
-    most num_of_bins windows, evaluated in one vector operation) is scored.
-    Symmetric search trims |x| from the top only."""
+    balance (in the spirit of PyTorch's HistogramObserver), and returns the window of
+    least estimated quantization error along that path. Unlike PyTorch it does not stop
+    at the first rise: zero-point and power-of-two scale rounding make the error curve
+    bumpy, so the whole path (at most num_of_bins windows, scored in one vector
+    operation) is searched. Symmetric search trims |x| from the top only. The option
+    `asymmetric` picks the search (None: follow spec.symmetric)."""
 
     options_class = HfmgOptions
 

@@ -111,7 +111,9 @@ class StreamingHistogram:
 
     def edges(self) -> np.ndarray:
         """The `num_bins + 1` bin edges (exact: integer multiples of the bin width)."""
-        return np.ldexp(np.arange(self._start, self._start + self.num_bins + 1, dtype=np.float64), self._exp)
+        return np.ldexp(
+            np.arange(self._start, self._start + self.num_bins + 1, dtype=np.float64), self._exp
+        )
 
     def centers(self) -> np.ndarray:
         """Bin centres."""
@@ -179,7 +181,9 @@ class StreamingHistogram:
         old = np.flatnonzero(self._counts)
         shift = min(exp - self._exp, 62)  # global indices are < 2**41, so 62 means "all"
         new = ((old + self._start) >> shift) - start
-        assert new.size == 0 or (new[0] >= 0 and new[-1] < self.num_bins), "grid does not cover data"
+        assert new.size == 0 or (new[0] >= 0 and new[-1] < self.num_bins), (
+            "grid does not cover data"
+        )
         out = np.zeros(self.num_bins, dtype=np.int64)
         np.add.at(out, new, self._counts[old])
         return out

@@ -28,7 +28,9 @@ class IfmrOptions:
         for key in ("max_percentile", "min_percentile"):
             value = check_number("ifmr", key, getattr(self, key))
             if not 0.5 < value <= 1.0:
-                raise ConfigError(f"calib option '{key}' for method 'ifmr' must be in (0.5, 1], got {value}")
+                raise ConfigError(
+                    f"calib option '{key}' for method 'ifmr' must be in (0.5, 1], got {value}"
+                )
         start = check_number("ifmr", "search_range_start", self.search_range_start)
         end = check_number("ifmr", "search_range_end", self.search_range_end)
         step = check_number("ifmr", "search_step", self.search_step)
@@ -37,13 +39,17 @@ class IfmrOptions:
                 f"ifmr needs 0 < search_range_start <= search_range_end, got {start} and {end}"
             )
         if step <= 0 or (end - start) / step > 100_000:
-            raise ConfigError(f"calib option 'search_step' for method 'ifmr' must be > 0 and "
-                              f"give at most 100000 steps, got {step}")
+            raise ConfigError(
+                f"calib option 'search_step' for method 'ifmr' must be > 0 and "
+                f"give at most 100000 steps, got {step}"
+            )
         check_bool_or_none("ifmr", "asymmetric", self.asymmetric)
 
     def factors(self) -> np.ndarray:
         """The clip factors start, start + step, ..., up to end (inclusive)."""
-        count = int(np.floor((self.search_range_end - self.search_range_start) / self.search_step + 1e-9))
+        count = int(
+            np.floor((self.search_range_end - self.search_range_start) / self.search_step + 1e-9)
+        )
         return self.search_range_start + self.search_step * np.arange(count + 1)
 
 

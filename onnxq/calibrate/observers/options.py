@@ -33,11 +33,15 @@ def parse_options(cls: type | None, method: str, pairs: Any) -> Any:
 def check_bool_or_none(method: str, key: str, value: Any) -> None:
     """Raise ConfigError unless `value` is True, False or None."""
     if value is not None and not isinstance(value, bool):
-        raise ConfigError(f"calib option '{key}' for method '{method}' must be true, false or null, got {value!r}")
+        raise ConfigError(
+            f"calib option '{key}' for method '{method}' must be true, false or null, got {value!r}"
+        )
 
 
 def check_number(method: str, key: str, value: Any) -> float:
     """`value` as a float; ConfigError if it is not a real number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"calib option '{key}' for method '{method}' must be a number, got {value!r}")
+        raise ConfigError(
+            f"calib option '{key}' for method '{method}' must be a number, got {value!r}"
+        )
     return float(value)

@@ -59,7 +59,9 @@ class HistogramErrorModel:
         under = np.maximum(lo * lo * a0 - 2 * lo * a1 + a2, 0.0)
         over = np.maximum((t2 - b2) - 2 * hi * (t1 - b1) + hi * hi * (t0 - b0), 0.0)
         # Exact zeros are always representable (the range includes 0): no rounding noise.
-        inside = np.maximum(b0 - a0 - self._zeros, 0.0) * np.asarray(step, dtype=np.float64) ** 2 / 12
+        inside = (
+            np.maximum(b0 - a0 - self._zeros, 0.0) * np.asarray(step, dtype=np.float64) ** 2 / 12
+        )
         return under + over + inside
 
 
