@@ -84,7 +84,7 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from onnxq.emit.plan import plan_quantization
     from onnxq.graph.load import load_model
-    from onnxq.optimize import run_passes
+    from onnxq.optimize import PassContext, run_passes
 
     model, report = load_model(args.model)
     graph = model.graph
@@ -98,7 +98,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     ops = Counter(n.op_type for n in graph)
     print(f"nodes: {sum(ops.values())} (" + ", ".join(f"{op} {n}" for op, n in ops.most_common()) + ")")
     config = compose_config(args.preset, args.config)
-    for note in run_passes(model, config.pre_quant_opt_config):
+    for note in run_passes(model, config.pre_quant_opt_config, PassContext(None, config.calibration)):
         print(f"pass {note}")
     plan = plan_quantization(model, config)
     quantized = Counter(plan.quantized_nodes.values())

@@ -13,6 +13,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
+from onnxq.calibrate.data import CalibrationSource
 from onnxq.calibrate.runner import calibrate
 from onnxq.config import (
     Config,
@@ -28,7 +29,7 @@ from onnxq.emit.qdq import emit_qdq
 from onnxq.errors import ConfigError
 from onnxq.graph.load import load_model
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
-from onnxq.optimize import run_passes
+from onnxq.optimize import PassContext, check_config_entries, run_algorithms, run_passes
 from onnxq.report import Summary
 
 ModelSource = str | os.PathLike | onnx.ModelProto | ir.Model
@@ -85,6 +86,9 @@ def quantize(
     samples on axis 0, an iterable of feed dicts, or a `CalibrationDataReader`.
     """
     config = as_config(config)
+    check_config_entries(config.pre_quant_opt_config, config.algo_config)
+    data = CalibrationSource(calibration_data)
+    ctx = PassContext(data, config.calibration, progress)
     if output is not None:
         check_output_path(output, model if isinstance(model, str | os.PathLike) else None)
     summary = Summary()
@@ -97,15 +101,16 @@ def quantize(
     validate_node_configs(config, [(node.name, node.op_type) for node in ir_model.graph])
 
     with summary.stage("optimise"):
-        summary.notes.extend(run_passes(ir_model, config.pre_quant_opt_config))
+        summary.notes.extend(run_passes(ir_model, config.pre_quant_opt_config, ctx))
         plan = plan_quantization(ir_model, config)
 
     with summary.stage("calibrate"):
-        calibration = calibrate(
-            ir_model, plan.calibrated_tensors(), calibration_data, config.calibration, progress
-        )
+        calibration = calibrate(ir_model, plan.calibrated_tensors(), data, config.calibration, progress)
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)
+
+    with summary.stage("optimise"):
+        summary.notes.extend(run_algorithms(ir_model, plan, calibration.ranges, config.algo_config, ctx))
 
     with summary.stage("emit"):
         emitted = emit_qdq(ir_model, plan, calibration.ranges)

@@ -134,6 +134,35 @@ def raw_feeds(source: Any, inputs: list[InputSpec]) -> Iterator[Mapping[str, Any
     )
 
 
+class CalibrationSource:
+    """Calibration data that may be read several times (calibration, then algorithms).
+
+    Paths, dicts of arrays and sequences can be re-read; a reader with `rewind()` is
+    rewound; a one-shot iterator or reader can be read once, and a second read is a
+    clear error rather than silently empty data.
+    """
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.reads = 0
+
+    @property
+    def replayable(self) -> bool:
+        s = self.source
+        return isinstance(s, str | os.PathLike | Mapping | list | tuple) or hasattr(s, "rewind")
+
+    def feeds(self, inputs: list[InputSpec], purpose: str = "calibration") -> Iterator[Mapping[str, Any]]:
+        if self.reads and not self.replayable:
+            raise CalibrationDataError(
+                f"{purpose} needs another pass over the calibration data, but a "
+                f"{type(self.source).__name__} can be read only once; pass a path, a dict of arrays or a list of feeds"
+            )
+        if self.reads and hasattr(self.source, "rewind"):
+            self.source.rewind()
+        self.reads += 1
+        return raw_feeds(self.source, inputs)
+
+
 def check_feed(feed: Mapping[str, Any], inputs: list[InputSpec]) -> Feed:
     """Validate one feed against the model inputs; returns arrays with a batch axis."""
     if not isinstance(feed, Mapping):
@@ -204,13 +233,16 @@ def _fixed_batch(inputs: list[InputSpec]) -> int | None:
 
 
 def iter_batches(
-    source: Any, inputs: list[InputSpec], batch_size: int, max_samples: int | None
+    source: Any, inputs: list[InputSpec], batch_size: int, max_samples: int | None,
+    purpose: str = "calibration",
 ) -> Iterator[Feed]:
     """Validated batches of up to `batch_size` samples (the model's fixed batch if it has one)."""
+    if not isinstance(source, CalibrationSource):
+        source = CalibrationSource(source)
     fixed = _fixed_batch(inputs)
     target = fixed or max(batch_size, 1)
     seen, pending, pending_rows = 0, [], 0
-    for raw in raw_feeds(source, inputs):
+    for raw in source.feeds(inputs, purpose):
         feed = check_feed(raw, inputs)
         if max_samples is not None:
             room = max_samples - seen

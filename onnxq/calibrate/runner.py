@@ -7,6 +7,7 @@ tensor and is then dropped, so memory does not grow with the number of samples.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,27 @@ def _progress(enabled: bool | None) -> bool:
     return sys.stderr.isatty() if enabled is None else enabled
 
 
+def stream_tensors(
+    model: ir.Model,
+    names: list[str],
+    data: Any,
+    options: CalibrationConfig,
+    progress: bool | None = None,
+    purpose: str = "calibrating",
+) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """Yield (rows, {tensor: value}) for each calibration batch; nothing is kept."""
+    inputs = model_inputs(model)
+    bar = tqdm(
+        desc=purpose, unit="sample", total=options.max_samples, file=sys.stderr,
+        disable=not _progress(progress), leave=False,
+    )
+    with exposed_session(model, names, options.providers) as session, bar:
+        for feed in iter_batches(data, inputs, options.batch_size, options.max_samples, purpose):
+            rows = len(next(iter(feed.values())))
+            yield rows, dict(zip(names, session.run(names, feed)))
+            bar.update(rows)
+
+
 def calibrate(
     model: ir.Model,
     tensors: dict[str, ResolvedSpec],
@@ -47,21 +69,11 @@ def calibrate(
     if not tensors:
         return result
     observers: dict[str, Observer] = {name: make_observer(spec) for name, spec in tensors.items()}
-    inputs = model_inputs(model)
-    names = list(observers)
-    bar = tqdm(
-        desc="calibrating", unit="sample", total=options.max_samples, file=sys.stderr,
-        disable=not _progress(progress), leave=False,
-    )
-    with exposed_session(model, names, options.providers) as session, bar:
-        for feed in iter_batches(data, inputs, options.batch_size, options.max_samples):
-            outputs = session.run(names, feed)
-            for name, value in zip(names, outputs):
-                observers[name].update(np.asarray(value))
-            rows = len(next(iter(feed.values())))
-            result.num_samples += rows
-            result.num_batches += 1
-            bar.update(rows)
+    for rows, values in stream_tensors(model, list(observers), data, options, progress):
+        for name, value in values.items():
+            observers[name].update(np.asarray(value))
+        result.num_samples += rows
+        result.num_batches += 1
     if result.num_batches == 0:
         raise CalibrationDataError("calibration data is empty; give at least one sample")
     result.ranges = {name: obs.compute_range() for name, obs in observers.items()}

@@ -1,25 +1,53 @@
-"""Stage 3, optimise: passes that rewrite initializers before quantization.
+"""Stage 3, optimise: rewrite initializers before or during quantization.
 
-Each pass is one module with one entry point `fn(model, options) -> str`, registered by
-name in `PASSES`; `Config.pre_quant_opt_config` lists `{"name": ..., **options}` entries
-applied in order. The returned string says what the pass changed, for the summary.
-Passes in `DEFAULT_PASSES` run first unless the list names them (to configure them, or
-to turn them off with `enabled: false`).
+Two registries, one module per entry:
+- `PASSES` run before calibration (`Config.pre_quant_opt_config`, applied in order):
+  `fn(model, options, ctx) -> str`. Passes in `DEFAULT_PASSES` run first unless the list
+  names them (to configure them, or to turn them off with `enabled: false`).
+- `ALGORITHMS` run after calibration, before emission (`Config.algo_config`):
+  `fn(model, plan, ranges, options, ctx) -> str`; they see what will be quantized and how.
+Each returns one line saying what it changed, for the summary. `ctx` streams calibration
+data through the model for passes that need activation statistics.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 
-from onnxq.errors import ConfigError
+from onnxq.calibrate.data import CalibrationSource
+from onnxq.calibrate.runner import stream_tensors
+from onnxq.config.spec import CalibrationConfig
+from onnxq.errors import CalibrationDataError, ConfigError
 
-PassFn = Callable[[ir.Model, Mapping[str, Any]], str]
+
+@dataclass
+class PassContext:
+    """What a pass may use besides the model: the calibration data and its settings."""
+
+    data: CalibrationSource | None
+    calibration: CalibrationConfig
+    progress: bool | None = None
+
+    def stream(
+        self, model: ir.Model, names: list[str], purpose: str
+    ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """Yield (rows, {tensor: batch value}) over the calibration data; nothing is kept."""
+        if self.data is None or self.data.source is None:
+            raise CalibrationDataError(f"{purpose} needs calibration data; pass --calib-data PATH")
+        return stream_tensors(model, names, self.data, self.calibration, self.progress, purpose)
+
+
+PassFn = Callable[[ir.Model, Mapping[str, Any], PassContext], str]
+AlgoFn = Callable[..., str]
 PASSES: dict[str, PassFn] = {}
+ALGORITHMS: dict[str, AlgoFn] = {}
 DEFAULT_PASSES = ("fold_batchnorm",)
 
 
@@ -31,31 +59,59 @@ def register_pass(name: str) -> Callable[[PassFn], PassFn]:
     return decorate
 
 
-def check_pass_name(name: str) -> None:
-    """ConfigError with a suggestion when `name` is not a registered pass."""
-    if name in PASSES:
-        return
-    close = difflib.get_close_matches(name, PASSES, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; available: {', '.join(sorted(PASSES)) or 'none yet'}"
-    raise ConfigError(f"unknown pre-quantization pass {name!r}{hint}")
+def register_algorithm(name: str) -> Callable[[AlgoFn], AlgoFn]:
+    def decorate(fn: AlgoFn) -> AlgoFn:
+        ALGORITHMS[name] = fn
+        return fn
+
+    return decorate
 
 
-def run_passes(model: ir.Model, entries: list[Mapping[str, Any]]) -> list[str]:
-    """Apply the configured passes in order; returns one report line per pass."""
+def _check_entries(entries: list[Mapping[str, Any]], table: Mapping[str, Any], what: str) -> None:
     for entry in entries:
-        if not isinstance(entry.get("name"), str):
-            raise ConfigError("each pre_quant_opt_config entry needs a 'name' key naming the pass")
-        check_pass_name(entry["name"])
+        name = entry.get("name") if isinstance(entry, Mapping) else None
+        if not isinstance(name, str):
+            raise ConfigError(f"each {what} entry needs a 'name' key; available: {', '.join(sorted(table))}")
+        if name not in table:
+            close = difflib.get_close_matches(name, table, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; available: {', '.join(sorted(table)) or 'none'}"
+            raise ConfigError(f"unknown {what} {name!r}{hint}")
+
+
+def _options(entry: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if k not in ("name", "enabled")}
+
+
+def run_passes(model: ir.Model, entries: list[Mapping[str, Any]], ctx: PassContext) -> list[str]:
+    """Apply the configured pre-quantization passes in order; one report line per pass."""
+    _check_entries(entries, PASSES, "pre_quant_opt_config pass")
     named = {entry["name"] for entry in entries}
     entries = [{"name": d} for d in DEFAULT_PASSES if d not in named] + list(entries)
-    reports = []
-    for entry in entries:
-        options = {k: v for k, v in entry.items() if k not in ("name", "enabled")}
-        if entry.get("enabled", True):
-            reports.append(f"{entry['name']}: {PASSES[entry['name']](model, options)}")
+    reports = [
+        f"{e['name']}: {PASSES[e['name']](model, _options(e), ctx)}" for e in entries if e.get("enabled", True)
+    ]
     ir_passes.RemoveUnusedNodesPass()(model)  # drops initializers the passes replaced
     return reports
 
 
-# Importing the pass modules fills the registry.
+def run_algorithms(
+    model: ir.Model, plan: Any, ranges: Mapping[str, tuple[float, float]],
+    entries: list[Mapping[str, Any]], ctx: PassContext,
+) -> list[str]:
+    """Apply the configured post-calibration algorithms in order; one report line each."""
+    _check_entries(entries, ALGORITHMS, "algo_config algorithm")
+    return [
+        f"{e['name']}: {ALGORITHMS[e['name']](model, plan, ranges, _options(e), ctx)}"
+        for e in entries
+        if e.get("enabled", True)
+    ]
+
+
+def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping[str, Any]]) -> None:
+    """Fail early (before loading the model) on unknown pass or algorithm names."""
+    _check_entries(pre_quant, PASSES, "pre_quant_opt_config pass")
+    _check_entries(algos, ALGORITHMS, "algo_config algorithm")
+
+
+# Importing the modules fills the registries.
 from onnxq.optimize import fold_batchnorm  # noqa: E402, F401

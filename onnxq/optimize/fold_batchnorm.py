@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
-from onnxq.optimize import register_pass
+from onnxq.optimize import PassContext, register_pass
 
 FOLDABLE = {"Conv", "ConvTranspose", "Gemm"}
 
@@ -76,7 +76,7 @@ def _fold(graph: ir.Graph, node: ir.Node, bn: ir.Node) -> bool:
 
 
 @register_pass("fold_batchnorm")
-def fold_batchnorm(model: ir.Model, options: Mapping[str, Any]) -> str:
+def fold_batchnorm(model: ir.Model, options: Mapping[str, Any], ctx: PassContext) -> str:
     """Fold every BN that alone consumes a Conv/ConvTranspose/Gemm output.
 
     Options: `skip_fusion_layers` (node names of BNs or producers to leave alone).
@@ -99,5 +99,7 @@ def fold_batchnorm(model: ir.Model, options: Mapping[str, Any]) -> str:
             folded += 1
         else:
             kept.append(bn.name)
+    if not folded and not kept:
+        return "no BatchNormalization"
     note = f"{folded} BatchNormalization folded"
     return note + (f", {len(kept)} kept (no foldable producer): {', '.join(kept[:5])}" if kept else "")
