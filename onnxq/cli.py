@@ -18,6 +18,19 @@ from onnxq.errors import OnnxqError
 EXIT_USAGE = 2
 
 
+def _key_values(items: list[str]) -> dict[str, Any]:
+    """Parse KEY=VALUE flags; values are YAML scalars (numbers, true/false, strings)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise OnnxqError(f"--calib-option expects KEY=VALUE, got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def _spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Translate quantize flags into a dict of the config-file shape."""
     activation: dict[str, Any] = {}
@@ -26,6 +39,10 @@ def _spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
         activation["calib_method"] = args.calib_method
     if args.percentile is not None:
         activation["percentile"] = args.percentile
+    if args.num_bins is not None:
+        activation["num_bins"] = args.num_bins
+    if args.calib_option:
+        activation["calib_options"] = _key_values(args.calib_option)
     if args.activation_type:
         activation["dtype"] = args.activation_type
     if args.weight_type:
@@ -51,6 +68,9 @@ def _spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
             ("max_samples", args.max_samples),
             ("batch_size", args.batch_size),
             ("providers", args.providers),
+            ("max_memory_mb", args.max_calib_memory),
+            ("save_ranges", args.save_ranges),
+            ("load_ranges", args.load_ranges),
         )
         if v is not None
     }
@@ -150,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calib-data", help="calibration data: .npz, .npy or a folder of them")
     q.add_argument("--calib-method", help="activation calibration method (minmax, percentile, ...)")
     q.add_argument("--percentile", type=float, help="percentile for --calib-method percentile")
+    q.add_argument("--num-bins", type=int, help="histogram bins for histogram-based methods")
+    q.add_argument("--calib-option", action="append", metavar="KEY=VALUE",
+                   help="method-specific option, e.g. search_step=0.02 for ifmr (repeatable)")
+    q.add_argument("--max-calib-memory", type=int, metavar="MIB",
+                   help="bound on activations held per batch; calibrates in groups above it")
+    q.add_argument("--save-ranges", metavar="FILE.json", help="write calibrated ranges to a file")
+    q.add_argument("--load-ranges", metavar="FILE.json", help="use saved ranges, skip calibration")
     granularity = q.add_mutually_exclusive_group()
     granularity.add_argument("--per-tensor", action="store_true", help="one weight scale per tensor")
     granularity.add_argument("--per-channel", action="store_true", help="one weight scale per output channel")

@@ -14,7 +14,8 @@ import onnx
 import onnx_ir as ir
 
 from onnxq.calibrate.data import CalibrationSource
-from onnxq.calibrate.runner import calibrate
+from onnxq.calibrate.ranges_io import load_ranges, save_ranges
+from onnxq.calibrate.runner import CalibrationResult, calibrate
 from onnxq.config import (
     Config,
     config_from_dict,
@@ -72,6 +73,22 @@ def _size(source: Any, model: ir.Model) -> int:
     return weight_bytes(model)
 
 
+def _calibrate_or_load(
+    model: ir.Model, plan: QuantPlan, data: CalibrationSource, config: Config, progress: bool | None
+) -> CalibrationResult:
+    """Calibrate, or take ranges from `calibration.load_ranges`; save them if asked."""
+    tensors = plan.calibrated_tensors()
+    options = config.calibration
+    if options.load_ranges:
+        ranges, samples = load_ranges(options.load_ranges, list(tensors))
+        result = CalibrationResult(ranges, samples, 0, 0)
+    else:
+        result = calibrate(model, tensors, data, options, progress)
+    if options.save_ranges:
+        save_ranges(options.save_ranges, result.ranges, tensors, result.num_samples)
+    return result
+
+
 def quantize(
     model: ModelSource,
     output: str | os.PathLike | None = None,
@@ -105,9 +122,10 @@ def quantize(
         plan = plan_quantization(ir_model, config)
 
     with summary.stage("calibrate"):
-        calibration = calibrate(ir_model, plan.calibrated_tensors(), data, config.calibration, progress)
+        calibration = _calibrate_or_load(ir_model, plan, data, config, progress)
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)
+    summary.calibration_passes = calibration.num_passes
 
     with summary.stage("optimise"):
         summary.notes.extend(run_algorithms(ir_model, plan, calibration.ranges, config.algo_config, ctx))

@@ -23,6 +23,7 @@ class Summary:
     float_biases: list[str] = field(default_factory=list)
     calibration_samples: int = 0
     calibrated_tensors: int = 0
+    calibration_passes: int = 1
     size_before: int = 0
     size_after: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
@@ -60,7 +61,8 @@ def format_summary(s: Summary) -> str:
             lines.append(f"    {op} x{n}: {why}")
     for bias in s.float_biases:
         lines.append(f"  bias kept in float: {bias}")
-    lines.append(f"  calibration: {s.calibration_samples} samples, {s.calibrated_tensors} tensors")
+    passes = f" in {s.calibration_passes} passes" if s.calibration_passes > 1 else ""
+    lines.append(f"  calibration: {s.calibration_samples} samples, {s.calibrated_tensors} tensors{passes}")
     if s.size_before:
         ratio = s.size_after / s.size_before if s.size_before else 0
         lines.append(f"  size: {_mb(s.size_before)} -> {_mb(s.size_after)} ({ratio:.0%})")

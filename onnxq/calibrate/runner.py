@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ class CalibrationResult:
     ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
     num_samples: int = 0
     num_batches: int = 0
+    num_passes: int = 1
 
 
 def _progress(enabled: bool | None) -> bool:
@@ -57,6 +58,35 @@ def stream_tensors(
             bar.update(rows)
 
 
+def tensor_groups(model: ir.Model, names: list[str], data: Any, options: CalibrationConfig) -> list[list[str]]:
+    """Split `names` so one batch of each group's tensors fits `options.max_memory_mb`.
+
+    Sizes are measured on one probe sample, so symbolic dimensions (sequence lengths) are
+    real. Without a bound, everything is calibrated in one pass.
+    """
+    if options.max_memory_mb is None or not names:
+        return [names]
+    limit = options.max_memory_mb * 2**20
+    probe = replace(options, max_samples=1, batch_size=1)
+    batches = stream_tensors(model, names, data, probe, progress=False, purpose="sizing calibration")
+    try:
+        _, values = next(batches)
+    except StopIteration:
+        raise CalibrationDataError("calibration data is empty; give at least one sample") from None
+    finally:
+        batches.close()
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name in names:
+        size = values[name].nbytes * max(options.batch_size, 1)
+        if groups[-1] and used + size > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    return groups
+
+
 def calibrate(
     model: ir.Model,
     tensors: dict[str, ResolvedSpec],
@@ -64,17 +94,26 @@ def calibrate(
     options: CalibrationConfig,
     progress: bool | None = None,
 ) -> CalibrationResult:
-    """Run the calibration data through the model and return a range for each tensor."""
+    """Run the calibration data through the model and return a range for each tensor.
+
+    Tensors are calibrated in one pass, or in groups over several passes when
+    `options.max_memory_mb` bounds the activations held per batch.
+    """
     result = CalibrationResult()
     if not tensors:
         return result
     observers: dict[str, Observer] = {name: make_observer(spec) for name, spec in tensors.items()}
-    for rows, values in stream_tensors(model, list(observers), data, options, progress):
-        for name, value in values.items():
-            observers[name].update(np.asarray(value))
-        result.num_samples += rows
-        result.num_batches += 1
+    groups = tensor_groups(model, list(observers), data, options)
+    for index, group in enumerate(groups):
+        purpose = "calibrating" if len(groups) == 1 else f"calibrating {index + 1}/{len(groups)}"
+        for rows, values in stream_tensors(model, group, data, options, progress, purpose):
+            for name, value in values.items():
+                observers[name].update(np.asarray(value))
+            if index == 0:
+                result.num_samples += rows
+                result.num_batches += 1
     if result.num_batches == 0:
         raise CalibrationDataError("calibration data is empty; give at least one sample")
     result.ranges = {name: obs.compute_range() for name, obs in observers.items()}
+    result.num_passes = len(groups)
     return result

@@ -121,6 +121,12 @@ class CalibrationConfig:
     max_samples: int | None = None
     batch_size: int = 8
     providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    # Bound on the exposed activations held per batch (MiB); above it, tensors are
+    # calibrated in groups over several passes of the data.
+    max_memory_mb: int | None = None
+    # Write calibrated ranges to this JSON file / take ranges from it and skip calibration.
+    save_ranges: str | None = None
+    load_ranges: str | None = None
 
 
 @dataclass
