@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from onnxq import qmath
-from onnxq.calibrate.observers.base import Observer
-from onnxq.calibrate.observers.histogram import finite_values
+from onnxq.calibrate.observers.minmax import MinMaxObserver
 from onnxq.calibrate.observers.registry import register_observer
-from onnxq.config.resolve import ResolvedSpec
 
 
 def pow2_cover(value: float, steps: int) -> int:
@@ -24,38 +20,15 @@ def pow2_cover(value: float, steps: int) -> int:
 
 
 @register_observer("nonoverflow")
-class NonOverflowObserver(Observer):
+class NonOverflowObserver(MinMaxObserver):
     """Symmetric: (-2^k D, 2^k D), D = symmetric_divisor, minimal k with 2^k D >= absmax.
 
     Asymmetric: the smallest power-of-two scale s for which an integer zero point
     zp in [qmin, qmax] puts [min(x, 0), max(x, 0)] inside [s (qmin - zp), s (qmax - zp)];
     of the valid zero points, the one nearest the min/max zero point (so qmin for data
     >= 0). The returned range is exactly that interval, so `compute_qparams` gives back
-    this s and zp.
+    this s and zp. The running min/max state is MinMax's.
     """
-
-    def __init__(self, spec: ResolvedSpec) -> None:
-        super().__init__(spec)
-        self.min = np.inf
-        self.max = -np.inf
-        self._count = 0
-
-    def update(self, x: np.ndarray) -> None:
-        flat = finite_values(x)
-        if flat.size:
-            self.min = min(self.min, float(flat.min()))
-            self.max = max(self.max, float(flat.max()))
-            self._count += flat.size
-
-    def _merge(self, other: Observer) -> None:
-        assert isinstance(other, NonOverflowObserver)
-        self.min = min(self.min, other.min)
-        self.max = max(self.max, other.max)
-        self._count += other._count
-
-    @property
-    def num_values(self) -> int:
-        return self._count
 
     def compute_range(self) -> tuple[float, float]:
         lo, hi = min(self.min, 0.0), max(self.max, 0.0)
