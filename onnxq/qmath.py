@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import onnx
 
@@ -35,10 +36,71 @@ class IntType:
 
 
 INT_TYPES: dict[DType, IntType] = {
+    DType.INT4: IntType("int4", -8, 7, ml_dtypes.int4, onnx.TensorProto.INT4),
+    DType.UINT4: IntType("uint4", 0, 15, ml_dtypes.uint4, onnx.TensorProto.UINT4),
     DType.INT8: IntType("int8", -128, 127, np.int8, onnx.TensorProto.INT8),
     DType.UINT8: IntType("uint8", 0, 255, np.uint8, onnx.TensorProto.UINT8),
+    DType.INT16: IntType("int16", -(2**15), 2**15 - 1, np.int16, onnx.TensorProto.INT16),
+    DType.UINT16: IntType("uint16", 0, 2**16 - 1, np.uint16, onnx.TensorProto.UINT16),
     DType.INT32: IntType("int32", -(2**31), 2**31 - 1, np.int32, onnx.TensorProto.INT32),
+    DType.UINT32: IntType("uint32", 0, 2**32 - 1, np.uint32, onnx.TensorProto.UINT32),
 }
+
+
+@dataclass(frozen=True)
+class Float8Type:
+    """A float8 quantization type: QuantizeLinear saturates to +-max_value."""
+
+    name: str
+    max_value: float
+    np_dtype: type
+    onnx_type: int
+    exponent_bits: int
+    mantissa_bits: int
+
+
+FLOAT8_TYPES: dict[DType, Float8Type] = {
+    DType.FLOAT8_E4M3FN: Float8Type(
+        "float8_e4m3fn", 448.0, ml_dtypes.float8_e4m3fn, onnx.TensorProto.FLOAT8E4M3FN, 4, 3
+    ),
+    DType.FLOAT8_E5M2: Float8Type(
+        "float8_e5m2", 57344.0, ml_dtypes.float8_e5m2, onnx.TensorProto.FLOAT8E5M2, 5, 2
+    ),
+}
+
+# Target float types (the tensor is converted, not quantized) and Brevitas-style
+# (exponent_bits, mantissa_bits) descriptions of every standard float type.
+FLOAT_TARGETS = {DType.FLOAT16, DType.BFLOAT16}
+FLOAT_BY_BITS: dict[tuple[int, int], DType] = {
+    (4, 3): DType.FLOAT8_E4M3FN,
+    (5, 2): DType.FLOAT8_E5M2,
+    (5, 10): DType.FLOAT16,
+    (8, 7): DType.BFLOAT16,
+    (8, 23): DType.FLOAT32,
+}
+
+
+def float_dtype_from_bits(exponent_bits: int, mantissa_bits: int) -> DType | None:
+    """The standard float dtype with these exponent/mantissa widths, or None."""
+    return FLOAT_BY_BITS.get((exponent_bits, mantissa_bits))
+
+
+def is_integer(dtype: DType | str) -> bool:
+    return DType(dtype) in INT_TYPES
+
+
+def is_float8(dtype: DType | str) -> bool:
+    return DType(dtype) in FLOAT8_TYPES
+
+
+def qdq_opset(dtype: DType | str) -> int:
+    """The lowest ai.onnx opset whose QuantizeLinear/DequantizeLinear take this dtype."""
+    d = DType(dtype)
+    if d in (DType.INT4, DType.UINT4, DType.INT16, DType.UINT16):
+        return 21
+    if d in FLOAT8_TYPES:
+        return 19
+    return 13
 
 # Smallest scale we emit: keeps bias = x / (s_in * s_w) finite for all-but-zero tensors.
 MIN_SCALE = 2.0**-40

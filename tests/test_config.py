@@ -320,7 +320,8 @@ def test_bad_enum_value_lists_valid_values():
         config_from_dict({"global_quant_config": {"weight": {"dtype": "int9"}}})
     assert str(e.value) == (
         "invalid dtype 'int9' in global_quant_config.weight; "
-        "valid values: int8, uint8, int32, float32"
+        "valid values: int4, uint4, int8, uint8, int16, uint16, int32, uint32, "
+        "float8_e4m3fn, float8_e5m2, float16, bfloat16, float32"
     )
 
 

@@ -35,6 +35,8 @@ class ResolvedSpec:
     percentile: float
     num_bins: int
     calib_options: tuple[tuple[str, object], ...]
+    exponent_bits: int | None
+    mantissa_bits: int | None
     scale_type: str
     round_method: str
     is_dynamic: bool

@@ -14,11 +14,25 @@ from typing import Any
 
 
 class DType(str, Enum):
-    """Target data type of a quantized tensor. `float32` means: leave in float."""
+    """Target data type of a tensor. `float32` means: leave in float.
 
+    Integer types are quantized with a scale and zero point; `float16`/`bfloat16` convert
+    the tensor (and the op computing it) to that float type; the float8 types quantize
+    through QuantizeLinear/DequantizeLinear with a scale and a float8 zero point.
+    """
+
+    INT4 = "int4"
+    UINT4 = "uint4"
     INT8 = "int8"
     UINT8 = "uint8"
+    INT16 = "int16"
+    UINT16 = "uint16"
     INT32 = "int32"
+    UINT32 = "uint32"
+    FLOAT8_E4M3FN = "float8_e4m3fn"
+    FLOAT8_E5M2 = "float8_e5m2"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
     FLOAT32 = "float32"
 
     def __str__(self) -> str:
@@ -98,6 +112,9 @@ class QuantizationSpec:
     num_bins: int | None = None
     # Method-specific options, checked by the observer's own options dataclass.
     calib_options: dict[str, Any] | None = None
+    # Brevitas-style float description; maps onto a standard float dtype (see qmath).
+    exponent_bits: int | None = None
+    mantissa_bits: int | None = None
     scale_type: ScaleType | None = None
     round_method: RoundMethod | None = None
     is_dynamic: bool | None = None
@@ -166,6 +183,8 @@ SPEC_DEFAULTS: dict[str, Any] = {
     "percentile": 99.999,
     "num_bins": 2048,
     "calib_options": None,
+    "exponent_bits": None,
+    "mantissa_bits": None,
     "scale_type": ScaleType.FLOAT32,
     "round_method": RoundMethod.HALF_EVEN,
     "is_dynamic": False,

@@ -1,0 +1,316 @@
+"""Empirical bias correction (Nagel et al., "Data-Free Quantization", ICCV 2019, sec. 4.2).
+
+Rounding weights shifts the mean of every output channel: E[y_q - y] = (W_q - W) E[x].
+This algorithm runs after calibration, quantizes each weight exactly as the emitter will
+(same spec, axis and bias-safe scale floor), measures E[x] of the layer's input on the
+calibration data (one streaming pass for all layers, sums only) and subtracts the expected
+error from the bias.
+
+- Gemm / MatMul: the error is (W_q - W) applied to the per-channel mean of the input.
+- Conv: the error is conv(E[x], W_q - W) averaged over output positions, with E[x] the
+  mean input image, so zero padding is accounted for exactly. Inputs whose spatial size
+  varies between batches fall back to per-channel means (exact except at padded borders).
+- Bias: Conv and Gemm without one get one (quantized like the model's other biases);
+  a MatMul is corrected through the Add of a constant [N] vector that alone consumes
+  its output, and skipped without one (adding an Add would add a quantized op).
+- Layers whose weight or bias initializer is shared with other nodes are skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+from onnxq.emit.plan import Kind, QuantPlan, TensorPlan
+from onnxq.emit.weights import bias_safe_weight_scale, quantize_weight
+from onnxq.graph.edit import GraphEditor, set_constant
+from onnxq.graph.fold import constant_array
+from onnxq.optimize import PassContext, register_algorithm
+from onnxq.optimize.options import parse_options
+from onnxq.qmath import compute_qparams, dequantize
+
+OP_TYPES = ("Conv", "Gemm", "MatMul")
+
+
+@dataclass(frozen=True)
+class BiasCorrectionOptions:
+    """Options of the `bias_correction` algorithm.
+
+    op_types: layer types to correct. skip_layers: node names left alone.
+    add_bias: give Conv/Gemm layers without a bias one to hold the correction.
+    """
+
+    op_types: tuple[str, ...] = OP_TYPES
+    skip_layers: tuple[str, ...] = field(default_factory=tuple)
+    add_bias: bool = True
+
+
+@dataclass
+class Layer:
+    """One layer to correct: its node, weight plan, input and where its bias lives."""
+
+    node: ir.Node
+    weight: TensorPlan
+    bias_node: ir.Node  # the node holding the bias: the layer itself or a MatMul's Add
+    bias_index: int
+    channel_axis: int  # channel axis of the input
+
+
+def _attr(node: ir.Node, name: str, default: Any) -> Any:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _bias_add(node: ir.Node, channels: int) -> tuple[ir.Node, int] | None:
+    """The Add of a constant [channels] vector that alone consumes a MatMul's output."""
+    out = node.outputs[0]
+    if out.is_graph_output() or len(out.uses()) != 1:
+        return None
+    add = out.uses()[0].node
+    if add.op_type != "Add" or len(add.inputs) != 2:
+        return None
+    index = 1 - out.uses()[0].idx
+    c = constant_array(add.inputs[index])
+    if c is None or c.size != channels or c.shape[-1:] != (channels,):
+        return None
+    return add, index
+
+
+def _shared(value: ir.Value | None) -> bool:
+    return value is not None and len(value.uses()) > 1
+
+
+def find_layers(graph: ir.Graph, plan: QuantPlan, opts: BiasCorrectionOptions) -> tuple[list[Layer], list[str]]:
+    """The quantized layers whose bias can take a correction, and why others cannot."""
+    layers, skipped = [], []
+    for node in graph:
+        if node.op_type not in opts.op_types or node.name not in plan.quantized_nodes or node.name in opts.skip_layers:
+            continue
+        weight = node.inputs[1] if len(node.inputs) > 1 else None
+        tensor = plan.tensors.get(weight.name) if weight is not None else None
+        if tensor is None or tensor.kind is not Kind.WEIGHT:
+            continue
+        w = constant_array(weight)
+        if _shared(weight) or (node.op_type == "MatMul" and w.ndim != 2):
+            skipped.append(f"{node.name} (shared or batched weight)")
+            continue
+        if node.op_type == "MatMul":
+            found = _bias_add(node, w.shape[1])
+            if found is None:
+                skipped.append(f"{node.name} (MatMul without a bias Add)")
+                continue
+            bias_node, index, axis = found[0], found[1], -1
+        else:
+            bias_node, index = node, 2
+            axis = 0 if node.op_type == "Gemm" and _attr(node, "transA", 0) else 1
+        bias = bias_node.inputs[index] if index < len(bias_node.inputs) else None
+        if bias is None and not opts.add_bias:
+            skipped.append(f"{node.name} (no bias)")
+            continue
+        if _shared(bias) or (bias is not None and node.op_type != "MatMul" and constant_array(bias) is None):
+            skipped.append(f"{node.name} (shared or non-constant bias)")
+            continue
+        if node.op_type == "Gemm" and bias is not None and constant_array(bias).ndim > 1:
+            skipped.append(f"{node.name} (2-D Gemm C)")
+            continue
+        layers.append(Layer(node, tensor, bias_node, index, axis))
+    return layers, skipped
+
+
+class InputMean:
+    """Running mean of a tensor over the batch axis, and per channel along some axes."""
+
+    def __init__(self) -> None:
+        self.full: np.ndarray | None = None  # sum over axis 0 (None once shapes disagree)
+        self.consistent = True
+        self.rows = 0
+        self.channel: dict[int, tuple[np.ndarray, int]] = {}  # axis -> (sum, count)
+
+    def update(self, x: np.ndarray, axes: set[int]) -> None:
+        x = np.asarray(x, dtype=np.float64)
+        if self.consistent:
+            batch_sum = x.sum(axis=0)
+            if self.full is None:
+                self.full = batch_sum
+            elif self.full.shape == batch_sum.shape:
+                self.full += batch_sum
+            else:
+                self.consistent, self.full = False, None
+        self.rows += x.shape[0]
+        for axis in axes:
+            others = tuple(i for i in range(x.ndim) if i != axis % x.ndim)
+            total, count = self.channel.get(axis, (0.0, 0))
+            self.channel[axis] = (total + x.sum(axis=others), count + x.size // x.shape[axis])
+
+    def channel_mean(self, axis: int) -> np.ndarray:
+        total, count = self.channel[axis]
+        return total / max(count, 1)
+
+    def image(self) -> np.ndarray | None:
+        return None if self.full is None else self.full / max(self.rows, 1)
+
+
+def input_means(model: ir.Model, layers: list[Layer], ctx: PassContext) -> dict[str, InputMean]:
+    """Stream the calibration data once; E[x] of every layer input."""
+    axes: dict[str, set[int]] = {}
+    for layer in layers:
+        axes.setdefault(layer.node.inputs[0].name, set()).add(layer.channel_axis)
+    means = {name: InputMean() for name in axes}
+    for _, values in ctx.stream(model, list(axes), "bias correction"):
+        for name, value in values.items():
+            means[name].update(value, axes[name])
+    return means
+
+
+def _conv_output_mean(node: ir.Node, image: np.ndarray, eps: np.ndarray) -> np.ndarray:
+    """conv(image, eps) averaged over output positions, per output channel (onnxruntime)."""
+    attrs = {k: a.value for k, a in node.attributes.items()}
+    attrs = {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()}
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], **attrs)], "bias_error",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.DOUBLE, [1, *image.shape])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, None)],
+        [numpy_helper.from_array(eps.astype(np.float64), "w")],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    y = session.run(None, {"x": image[None].astype(np.float64)})[0][0]
+    return y.reshape(y.shape[0], -1).mean(axis=1)
+
+
+def output_error(layer: Layer, eps: np.ndarray, mean: InputMean) -> np.ndarray:
+    """E[(W_q - W) x] per output channel (before any Gemm beta)."""
+    node = layer.node
+    if node.op_type == "Conv":
+        image = mean.image()
+        if image is not None:
+            try:
+                return _conv_output_mean(node, image, eps)
+            except Exception:  # a Conv onnxruntime cannot run in double: use channel means
+                pass
+        g = int(_attr(node, "group", 1))
+        summed = eps.reshape(eps.shape[0], eps.shape[1], -1).sum(axis=2)  # [out, in/group]
+        ex = mean.channel_mean(1).reshape(g, -1)
+        return np.einsum("goi,gi->go", summed.reshape(g, -1, eps.shape[1]), ex).reshape(-1)
+    ex = mean.channel_mean(layer.channel_axis)
+    if node.op_type == "MatMul":
+        return ex @ eps
+    err = eps @ ex if _attr(node, "transB", 0) else ex @ eps
+    return float(_attr(node, "alpha", 1.0)) * err
+
+
+class _Emission:
+    """Reproduces how the emitter quantizes a weight, including the bias-safe scale floor."""
+
+    def __init__(self, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]]) -> None:
+        self.plan = plan
+        self.ranges = ranges
+        self.bias_of = {t.bias_inputs[1]: t for t in plan.tensors.values() if t.bias_inputs is not None}
+
+    def input_scale(self, activation: str) -> float:
+        root = self.plan.root_of(activation)
+        spec = self.plan.tensors[root].spec
+        rmin, rmax = self.ranges[root]
+        return float(compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type)[0])
+
+    def dequantized_weight(self, tensor: TensorPlan, w: np.ndarray, bias_plan: TensorPlan | None,
+                           bias: np.ndarray) -> np.ndarray:
+        """W_q as float; `bias_plan` is the int32 bias whose range floors the weight scale."""
+        floor: np.ndarray | float = 0.0
+        if bias_plan is not None:
+            channels = w.shape[tensor.axis] if tensor.axis is not None else 1
+            s_in = self.input_scale(bias_plan.bias_inputs[0])
+            floor = bias_safe_weight_scale(bias, s_in, channels, bias_plan.spec)
+        qt = quantize_weight(w, tensor.spec, tensor.axis, floor)
+        return dequantize(qt.data, qt.scale, qt.zero_point, qt.axis).astype(np.float64)
+
+
+def _bias_spec(plan: QuantPlan) -> Any:
+    """The spec of the model's quantized biases, if they all share one."""
+    specs = {t.spec for t in plan.tensors.values() if t.kind is Kind.BIAS}
+    return specs.pop() if len(specs) == 1 else None
+
+
+def _new_bias_plan(plan: QuantPlan, layer: Layer, spec: Any) -> TensorPlan | None:
+    """How a bias added to a Conv/Gemm is quantized: like the model's other biases."""
+    act, weight = layer.node.inputs[0], layer.node.inputs[1]
+    if spec is None or act.name not in plan.tensors or plan.tensors[act.name].kind is not Kind.ACTIVATION:
+        return None
+    return TensorPlan("", Kind.BIAS, spec, bias_inputs=(act.name, weight.name), consumers=[(layer.node.name, 2)])
+
+
+def _out_channels(node: ir.Node, w: np.ndarray) -> int:
+    return w.shape[1] if node.op_type == "MatMul" or (node.op_type == "Gemm" and not _attr(node, "transB", 0)) else w.shape[0]
+
+
+def correct(model: ir.Model, plan: QuantPlan, layer: Layer, mean: InputMean, emission: _Emission,
+            bias_spec: Any) -> bool:
+    """Subtract the layer's expected output error from its bias; False if nothing changed."""
+    node = layer.node
+    w = constant_array(node.inputs[1])
+    channels = _out_channels(node, w)
+    inputs = layer.bias_node.inputs
+    bias_value = inputs[layer.bias_index] if layer.bias_index < len(inputs) else None
+    old = constant_array(bias_value) if bias_value is not None else None
+    if old is None:
+        base, beta = np.zeros(channels), 1.0
+        bias_plan = _new_bias_plan(plan, layer, bias_spec)
+    else:
+        base = np.broadcast_to(old.astype(np.float64).reshape(-1), (channels,)).copy()
+        beta = float(_attr(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
+        bias_plan = emission.bias_of.get(layer.weight.name)
+    bias = base
+    for _ in range(3):  # the weight scale floor depends on the bias: let it settle
+        wq = emission.dequantized_weight(layer.weight, w, bias_plan, bias)
+        new = base - output_error(layer, wq - w.astype(np.float64), mean) / beta
+        settled = np.array_equal(new, bias)
+        bias = new
+        if settled:
+            break
+    if np.array_equal(bias, base):
+        return False
+    if old is None:
+        value = GraphEditor(model.graph).initializer(f"{node.name}_bias", bias.astype(w.dtype))
+        node.resize_inputs(3)
+        node.replace_input_with(2, value)
+        if bias_plan is not None:
+            bias_plan.name, bias_plan.axis = value.name, 0 if channels > 1 else None
+            plan.tensors[value.name] = bias_plan
+    else:
+        shape = old.shape if old.size == channels else (channels,)
+        set_constant(model.graph, layer.bias_node, layer.bias_index, bias.reshape(shape).astype(old.dtype),
+                     f"{node.name}_bias")
+    return True
+
+
+@register_algorithm("bias_correction")
+def bias_correction(
+    model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],
+    options: Mapping[str, Any], ctx: PassContext,
+) -> str:
+    """Remove the mean output error that weight rounding causes (see module doc)."""
+    opts = parse_options(BiasCorrectionOptions, options, "bias_correction")
+    layers, skipped = find_layers(model.graph, plan, opts)
+    if not layers:
+        return "no quantized layer to correct" + (f"; skipped {', '.join(skipped[:5])}" if skipped else "")
+    means = input_means(model, layers, ctx)
+    emission = _Emission(plan, ranges)
+    bias_spec = _bias_spec(plan)
+    added = sum(1 for layer in layers if layer.bias_index >= len(layer.bias_node.inputs)
+                or layer.bias_node.inputs[layer.bias_index] is None)
+    corrected = sum(correct(model, plan, layer, means[layer.node.inputs[0].name], emission, bias_spec) for layer in layers)
+    note = f"{corrected} of {len(layers)} biases corrected"
+    if added:
+        note += f" ({added} added)"
+    if skipped:
+        note += f"; {len(skipped)} skipped: {', '.join(skipped[:3])}" + (" ..." if len(skipped) > 3 else "")
+    return note

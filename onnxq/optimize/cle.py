@@ -1,0 +1,405 @@
+"""Cross-Layer Equalization (Nagel et al., "Data-Free Quantization", ICCV 2019).
+
+For two layers joined by a positively homogeneous activation (Relu, or nothing),
+f(W2 relu(W1 x + b1)) == f((W2 S) relu(S^-1 W1 x + S^-1 b1)) for any positive diagonal S.
+Choosing s_i = sqrt(r1_i / r2_i), with r1_i the range (max |w|) of output channel i of
+W1 and r2_i the range of input channel i of W2, gives both the range sqrt(r1_i * r2_i):
+per-tensor weight quantization then wastes far fewer levels on small channels. Chains
+conv -> depthwise conv -> conv share the middle layer, so the pairs are swept repeatedly
+until the scales stop changing.
+
+Clip(0, 6) (ReLU6) is not homogeneous: scaling a channel moves its clip threshold, and a
+Clip holds one scalar threshold. With `relu6_to_relu` (the default) such a Clip is
+replaced by Relu in every equalized pair; this changes the float function wherever a
+pre-activation exceeded 6 (on MobileNet v1 it costs a little float accuracy and buys
+most of the per-tensor int8 accuracy back, see benchmarks/passes.py). Without it, pairs
+joined by a Clip with a max are left alone.
+
+`scale_append_bias` adds high-bias absorption: with calibration data, the smallest
+pre-activation c_i >= 0 of each channel of a Relu pair is moved from b1 into b2
+(relu(z - c) + c == z for z >= c), which shrinks the activation range. It is applied only
+where the second layer is a Gemm or an unpadded Conv (zero padding would not carry c).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxq.errors import ConfigError
+from onnxq.graph.edit import set_constant
+from onnxq.graph.fold import constant_array
+from onnxq.optimize import PassContext, register_pass
+from onnxq.optimize.options import parse_options
+
+LAYERS = {"Conv", "Gemm"}
+HOMOGENEOUS = {"Relu", "LeakyRelu"}  # f(s x) == s f(x) for s > 0
+# Per-channel ops that commute with a positive per-channel scale.
+PASS_THROUGH = {"MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Dropout", "Identity", "Flatten"}
+# ... and that also commute with a per-channel shift (needed for bias absorption).
+SHIFT_THROUGH = {"MaxPool", "GlobalAveragePool", "GlobalMaxPool", "Dropout", "Identity", "Flatten"}
+TOLERANCE = 1e-4  # stop sweeping when no scale moves by more than this (relative)
+SCALE_LIMIT = 1e4  # scales are clamped to [1/limit, limit]
+
+
+@dataclass(frozen=True)
+class CLEOptions:
+    """Options of the `cle` pass.
+
+    steps: maximum sweeps over all pairs (stops earlier once converged).
+    scale_append_bias: also absorb high biases into the next layer (needs data).
+    relu6_to_relu: replace Clip(0, max) between equalized layers by Relu.
+    skip_layers: node names never equalized (as either layer of a pair).
+    """
+
+    steps: int = 20
+    scale_append_bias: bool = False
+    relu6_to_relu: bool = False
+    skip_layers: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"cle: steps must be >= 1, got {self.steps}")
+
+
+@dataclass
+class Pair:
+    """Two layers whose shared channels can be rescaled; `between` are the nodes joining them."""
+
+    first: ir.Node
+    second: ir.Node
+    between: list[ir.Node]
+    low: np.ndarray | float = 0.0  # bounds on the total scale of each channel
+    high: np.ndarray | float = np.inf
+    total: np.ndarray | float = 1.0  # product of the scales applied so far
+
+    @property
+    def clip_max(self) -> float | None:
+        """The smallest Clip max between the layers (None: no bounded Clip)."""
+        maxes = [_clip_bounds(n)[1] for n in self.between if n.op_type == "Clip"]
+        maxes = [m for m in maxes if m is not None]
+        return min(maxes) if maxes else None
+
+
+def _attr(node: ir.Node, name: str, default: Any) -> Any:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _clip_bounds(node: ir.Node) -> tuple[float | None, float | None] | None:
+    """(min, max) of a Clip with constant bounds (None: unbounded); None if not constant."""
+    bounds = []
+    for i in (1, 2):
+        value = node.inputs[i] if i < len(node.inputs) else None
+        if value is None:
+            bounds.append(None)
+            continue
+        array = constant_array(value)
+        if array is None or array.size != 1:
+            return None
+        bounds.append(float(array.reshape(())))
+    return bounds[0], bounds[1]
+
+
+def _joins(node: ir.Node) -> bool:
+    """Whether `node` may sit between two equalized layers."""
+    if node.domain not in ("", "ai.onnx") or any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+        return False
+    if node.op_type in HOMOGENEOUS:
+        return True
+    if node.op_type == "Clip":
+        bounds = _clip_bounds(node)
+        return bounds is not None and bounds[0] == 0.0 and (bounds[1] is None or bounds[1] > 0.0)
+    if node.op_type == "Flatten":  # only when each channel stays one column
+        shape = node.inputs[0].shape
+        spatial = shape is not None and all(d == 1 for d in list(shape)[2:])
+        return _attr(node, "axis", 1) == 1 and spatial
+    if node.op_type == "Dropout":
+        return len(node.inputs) < 3 or node.inputs[2] is None
+    return node.op_type in PASS_THROUGH
+
+
+def _is_layer(node: ir.Node) -> bool:
+    if node.op_type not in LAYERS or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        return False
+    w = constant_array(node.inputs[1])
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    if w is None or w.dtype.kind != "f" or (bias is not None and constant_array(bias) is None):
+        return False
+    if node.op_type == "Gemm":
+        return w.ndim == 2 and not _attr(node, "transA", 0)
+    return w.ndim >= 3
+
+
+def _out_channels(node: ir.Node, w: np.ndarray) -> int:
+    return w.shape[0] if node.op_type == "Conv" or _attr(node, "transB", 0) else w.shape[1]
+
+
+def _in_channels(node: ir.Node, w: np.ndarray) -> int:
+    if node.op_type == "Conv":
+        return w.shape[1] * int(_attr(node, "group", 1))
+    return w.shape[1] if _attr(node, "transB", 0) else w.shape[0]
+
+
+def find_pairs(graph: ir.Graph, skip: set[str]) -> list[Pair]:
+    """Layer pairs joined through a single-consumer path of homogeneous per-channel ops."""
+    pairs = []
+    for first in graph:
+        if not _is_layer(first) or first.name in skip:
+            continue
+        value, between = first.outputs[0], []
+        while not value.is_graph_output() and len(value.uses()) == 1:
+            use = value.uses()[0]
+            node = use.node
+            if use.idx != 0:
+                break
+            if _is_layer(node) and node.name not in skip:
+                w1, w2 = constant_array(first.inputs[1]), constant_array(node.inputs[1])
+                if _out_channels(first, w1) == _in_channels(node, w2):
+                    pairs.append(Pair(first, node, between))
+                break
+            if not _joins(node):
+                break
+            between.append(node)
+            value = node.outputs[0]
+    return pairs
+
+
+# -- weight layouts --------------------------------------------------------------------
+
+
+def _grouped(node: ir.Node, w: np.ndarray) -> np.ndarray:
+    """Conv weight viewed as [group, out/group, in/group, *kernel]."""
+    g = int(_attr(node, "group", 1))
+    return w.reshape((g, w.shape[0] // g) + w.shape[1:])
+
+
+def out_ranges(node: ir.Node, w: np.ndarray) -> np.ndarray:
+    """max |w| per output channel."""
+    axis = 0 if node.op_type == "Conv" or _attr(node, "transB", 0) else 1
+    return np.abs(w).max(axis=tuple(i for i in range(w.ndim) if i != axis))
+
+
+def in_ranges(node: ir.Node, w: np.ndarray) -> np.ndarray:
+    """max |w| per input channel (for grouped convs: channel g*in_per_group + j)."""
+    if node.op_type == "Conv":
+        wg = np.abs(_grouped(node, w))
+        return wg.max(axis=(1,) + tuple(range(3, wg.ndim))).reshape(-1)
+    return np.abs(w).max(axis=0 if _attr(node, "transB", 0) else 1)
+
+
+def scale_out(node: ir.Node, w: np.ndarray, b: np.ndarray | None, factor: np.ndarray) -> None:
+    """Multiply output channel i of the layer (weight and bias) by factor[i], in place."""
+    if node.op_type == "Conv" or _attr(node, "transB", 0):
+        w *= factor.reshape((-1,) + (1,) * (w.ndim - 1))
+    else:
+        w *= factor[None, :]
+    if b is not None:
+        b *= factor
+
+
+def scale_in(node: ir.Node, w: np.ndarray, factor: np.ndarray) -> None:
+    """Multiply input channel i of the layer by factor[i], in place."""
+    if node.op_type == "Conv":
+        wg = _grouped(node, w)
+        g, per_group = wg.shape[0], wg.shape[2]
+        wg *= factor.reshape((g, 1, per_group) + (1,) * (wg.ndim - 3))
+    elif _attr(node, "transB", 0):
+        w *= factor[None, :]
+    else:
+        w *= factor[:, None]
+
+
+def equalization_scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
+    """s = sqrt(r1 / r2), 1 where a channel is dead in either layer, clamped."""
+    alive = (r1 > 0) & (r2 > 0)
+    s = np.sqrt(np.where(alive, r1, 1.0) / np.where(alive, r2, 1.0))
+    return np.clip(s, 1.0 / SCALE_LIMIT, SCALE_LIMIT)
+
+
+# -- the pass --------------------------------------------------------------------------
+
+
+class _Params:
+    """float64 working copies of the weights and biases of every paired layer."""
+
+    def __init__(self, pairs: list[Pair]) -> None:
+        self.w: dict[str, np.ndarray] = {}
+        self.b: dict[str, np.ndarray | None] = {}
+        self.nodes: dict[str, ir.Node] = {}
+        for pair in pairs:
+            for node in (pair.first, pair.second):
+                if node.name in self.nodes:
+                    continue
+                self.nodes[node.name] = node
+                self.w[node.name] = constant_array(node.inputs[1]).astype(np.float64)
+                bias = constant_array(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
+                self.b[node.name] = None if bias is None else bias.astype(np.float64).reshape(-1)
+
+    def bias(self, node: ir.Node, channels: int) -> np.ndarray:
+        """The layer's bias as a [channels] array, created (zero) if absent."""
+        b = self.b[node.name]
+        if b is None or b.size != channels:
+            b = np.zeros(channels) + (0.0 if b is None else b)
+            self.b[node.name] = b
+        return b
+
+    def write(self, graph: ir.Graph) -> None:
+        for name, node in self.nodes.items():
+            dtype = constant_array(node.inputs[1]).dtype
+            set_constant(graph, node, 1, self.w[name].astype(dtype), f"{name}_cle_weight")
+            if self.b[name] is not None:
+                old = node.inputs[2] if len(node.inputs) > 2 else None
+                shape = constant_array(old).shape if old is not None else self.b[name].shape
+                b = self.b[name].reshape(shape) if np.prod(shape) == self.b[name].size else self.b[name]
+                set_constant(graph, node, 2, b.astype(dtype), f"{name}_cle_bias")
+
+
+def _bias_ok(node: ir.Node, params: _Params) -> bool:
+    b = params.b[node.name]
+    return b is None or b.size in (1, _out_channels(node, params.w[node.name]))
+
+
+def equalize(pairs: list[Pair], params: _Params, steps: int) -> tuple[int, float]:
+    """Sweep the pairs until no scale moves by more than TOLERANCE; (sweeps, last change)."""
+    change = 0.0
+    for sweep in range(1, steps + 1):
+        change = 0.0
+        for pair in pairs:
+            w1, w2 = params.w[pair.first.name], params.w[pair.second.name]
+            s = equalization_scales(out_ranges(pair.first, w1), in_ranges(pair.second, w2))
+            bounded = np.clip(pair.total * s, pair.low, pair.high)
+            s, pair.total = bounded / pair.total, bounded
+            b1 = params.b[pair.first.name]
+            if b1 is not None and b1.size == 1 and s.size > 1:
+                b1 = params.bias(pair.first, s.size)
+            scale_out(pair.first, w1, b1, 1.0 / s)
+            scale_in(pair.second, w2, s)
+            change = max(change, float(np.abs(np.log(s)).max(initial=0.0)))
+        if change < TOLERANCE:
+            return sweep, change
+    return steps, change
+
+
+def _replace_clip(graph: ir.Graph, clip: ir.Node) -> ir.Node:
+    relu = ir.node("Relu", [clip.inputs[0]], name=clip.name)
+    ir.convenience.replace_nodes_and_values(graph, clip, [clip], [relu], list(clip.outputs), list(relu.outputs))
+    return relu
+
+
+def _absorbable(pair: Pair) -> bool:
+    """Relu between, shift-commuting ops only, and a second layer that carries a shift exactly."""
+    acts = [n for n in pair.between if n.op_type not in SHIFT_THROUGH]
+    if len(acts) != 1 or acts[0].op_type not in ("Relu", "Clip"):
+        return False
+    if acts[0].op_type == "Clip" and _clip_bounds(acts[0])[1] is not None:
+        return False
+    second = pair.second
+    if second.op_type == "Gemm":
+        return True
+    pads = _attr(second, "pads", None)
+    auto_pad = _attr(second, "auto_pad", "NOTSET")
+    return (pads is None or not any(pads)) and auto_pad in ("NOTSET", "VALID")
+
+
+def absorb_high_biases(model: ir.Model, pairs: list[Pair], params: _Params, ctx: PassContext) -> int:
+    """Move each channel's smallest calibrated pre-activation (if > 0) from b1 into b2."""
+    pairs = [p for p in pairs if _absorbable(p) and params.b[p.first.name] is not None]
+    if not pairs:
+        return 0
+    params.write(model.graph)  # stream the equalized model
+    names = [p.first.outputs[0].name for p in pairs]
+    lows: dict[str, np.ndarray] = {}
+    for _, values in ctx.stream(model, names, "cle bias absorption"):
+        for name, value in values.items():
+            axes = tuple(i for i in range(value.ndim) if i != 1)
+            low = value.min(axis=axes).astype(np.float64)
+            lows[name] = np.minimum(lows[name], low) if name in lows else low
+    absorbed = 0
+    for pair, name in zip(pairs, names):
+        if name not in lows:
+            continue
+        c = np.maximum(lows[name], 0.0)
+        w2 = params.w[pair.second.name]
+        channels = _out_channels(pair.second, w2)
+        params.bias(pair.first, c.size)[:] -= c
+        params.bias(pair.second, channels)[:] += _apply_in(pair.second, w2, c)
+        absorbed += int(np.count_nonzero(c))
+    return absorbed
+
+
+def _apply_in(node: ir.Node, w: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """The layer's output (without bias) for a constant input c per channel."""
+    if node.op_type == "Conv":
+        wg = _grouped(node, w)
+        g, per_group = wg.shape[0], wg.shape[2]
+        summed = wg.reshape(wg.shape[:3] + (-1,)).sum(axis=3)  # [g, out/g, in/g]
+        return np.einsum("goi,gi->go", summed, c.reshape(g, per_group)).reshape(-1)
+    return w @ c if _attr(node, "transB", 0) else c @ w
+
+
+def bound_clipped_scales(model: ir.Model, pairs: list[Pair], ctx: PassContext) -> int:
+    """Bound the scales of pairs joined by Clip(0, t) so the clip acts as before on the data.
+
+    A channel whose calibrated pre-activation max m stays below t may be scaled by any
+    s >= m / t (it still never reaches the threshold); a channel that reaches t keeps s = 1.
+    Returns the number of pinned channels.
+    """
+    names = [p.first.outputs[0].name for p in pairs]
+    highs: dict[str, np.ndarray] = {}
+    for _, values in ctx.stream(model, names, "cle clip bounds"):
+        for name, value in values.items():
+            high = value.max(axis=tuple(i for i in range(value.ndim) if i != 1)).astype(np.float64)
+            highs[name] = np.maximum(highs[name], high) if name in highs else high
+    pinned = 0
+    for pair, name in zip(pairs, names):
+        m, t = highs[name], pair.clip_max
+        pair.low = np.where(m <= t, np.maximum(m, 0.0) / t, 1.0)
+        pair.high = np.where(m <= t, np.inf, 1.0)
+        pinned += int(np.count_nonzero(m > t))
+    return pinned
+
+
+def _has_data(ctx: PassContext) -> bool:
+    return ctx.data is not None and ctx.data.source is not None
+
+
+@register_pass("cle")
+def cross_layer_equalization(model: ir.Model, options: Mapping[str, Any], ctx: PassContext) -> str:
+    """Equalize per-channel weight ranges of adjacent Conv/Gemm layers (see module doc)."""
+    opts = parse_options(CLEOptions, options, "cle")
+    graph = model.graph
+    pairs = find_pairs(graph, set(opts.skip_layers))
+    params = _Params(pairs)
+    pairs = [p for p in pairs if _bias_ok(p.first, params)]
+    clipped = [p for p in pairs if p.clip_max is not None]
+    notes = []
+    if clipped and not opts.relu6_to_relu:
+        if _has_data(ctx):
+            pinned = bound_clipped_scales(model, clipped, ctx)
+            notes.append(f"{pinned} channels reaching a Clip max kept unscaled")
+        else:
+            pairs = [p for p in pairs if p.clip_max is None]
+            notes.append(f"{len(clipped)} pairs joined by Clip(0, max) skipped (no calibration data)")
+    if not pairs:
+        return "; ".join(["no Conv/Gemm pairs to equalize"] + notes)
+    sweeps, change = equalize(pairs, params, opts.steps)
+    if opts.relu6_to_relu:
+        clips = {c.name: c for p in pairs for c in p.between if c.op_type == "Clip" and p.clip_max is not None}
+        relus = {name: _replace_clip(graph, clip) for name, clip in clips.items()}
+        for pair in pairs:
+            pair.between = [relus.get(n.name, n) for n in pair.between]
+        if clips:
+            notes.append(f"{len(clips)} Clip(0, max) replaced by Relu (float outputs change)")
+    if opts.scale_append_bias:
+        if _has_data(ctx):
+            notes.append(f"{absorb_high_biases(model, pairs, params, ctx)} high-bias channels absorbed")
+        else:
+            notes.append("high-bias absorption skipped (needs calibration data)")
+    params.write(graph)
+    head = f"{len(pairs)} layer pairs equalized in {sweeps} sweeps (last max |log s| {change:.1e})"
+    return "; ".join([head] + notes)

@@ -1,0 +1,51 @@
+"""Parse the options of one pass or algorithm entry into its frozen options dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from onnxq.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _coerce(value: Any, default: Any, key: str, where: str) -> Any:
+    """Check `value` against the type of the field's default; lists become tuples."""
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, tuple):
+        ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+        value = tuple(value) if ok else value
+    else:
+        ok = True
+    if not ok:
+        want = "a list of names" if isinstance(default, tuple) else type(default).__name__
+        raise ConfigError(f"{where}: option {key!r} must be {want}, got {value!r}")
+    return value
+
+
+def parse_options(cls: type[T], options: Mapping[str, Any], where: str) -> T:
+    """Build `cls` (a dataclass whose fields all have defaults) from an entry's options.
+
+    Unknown keys raise ConfigError naming the closest known option; values must have the
+    type of the field's default (ints are accepted for floats, lists for tuples).
+    """
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in options.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known options: {', '.join(known)}"
+            raise ConfigError(f"{where}: unknown option {key!r}{hint}")
+        field = known[key]
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        values[key] = _coerce(value, default, key, where)
+    return cls(**values)
