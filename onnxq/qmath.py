@@ -145,14 +145,20 @@ def compute_qparams(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Scale (float32) and zero point (in the dtype) covering [rmin, rmax] and zero.
 
-    Works on scalars (per-tensor) and arrays (per-channel). Symmetric quantization maps
-    the largest magnitude to `symmetric_divisor` steps; asymmetric spreads [rmin, rmax]
-    over the whole integer range with a rounded zero point. `min_scale` raises scales
-    that would be smaller (used to keep int32 biases in range).
+    Works on scalars (per-tensor) and arrays (per-channel or per-block). Symmetric
+    quantization maps the largest magnitude to `symmetric_divisor` steps; asymmetric
+    spreads [rmin, rmax] over the whole integer range with a rounded zero point. Float8
+    types are always symmetric: the largest magnitude maps to the type's max value.
+    `min_scale` raises scales that would be smaller (used to keep int32 biases in range).
     """
-    info = int_type(dtype)
     rmin = np.minimum(np.asarray(rmin, dtype=np.float64), 0.0)
     rmax = np.maximum(np.asarray(rmax, dtype=np.float64), 0.0)
+    if is_float8(dtype):
+        f8 = FLOAT8_TYPES[DType(dtype)]
+        absmax = np.maximum(-rmin, rmax)
+        scale = round_scale(np.maximum(np.where(absmax > 0, absmax / f8.max_value, 1.0), min_scale), scale_type)
+        return scale.astype(np.float32), np.zeros(scale.shape, dtype=f8.np_dtype)
+    info = int_type(dtype)
     if symmetric:
         absmax = np.maximum(-rmin, rmax)
         scale = np.where(absmax > 0, absmax / symmetric_divisor(info), 1.0)
@@ -178,14 +184,25 @@ def _round(x: np.ndarray, round_method: str) -> np.ndarray:
     raise ValueError(f"unknown round_method {round_method!r}")
 
 
-def broadcast_param(param: np.ndarray, rank: int, axis: int | None) -> np.ndarray:
-    """Reshape a per-channel parameter so it broadcasts along `axis` of a rank-`rank` tensor."""
+def broadcast_param(
+    param: np.ndarray, shape: tuple[int, ...] | int, axis: int | None, block_size: int | None = None
+) -> np.ndarray:
+    """Expand a parameter so it broadcasts against a tensor of `shape`.
+
+    Per-tensor: unchanged. Per-channel: a vector laid along `axis`. Per-block: a tensor of
+    the same rank whose `axis` has one entry per block of `block_size`.
+    `shape` may be given as a rank for per-tensor and per-channel parameters.
+    """
     param = np.asarray(param)
     if axis is None or param.ndim == 0:
         return param
-    shape = [1] * rank
-    shape[axis % rank] = param.size
-    return param.reshape(shape)
+    rank = shape if isinstance(shape, int) else len(shape)
+    axis %= rank
+    if block_size:
+        return np.repeat(param, block_size, axis=axis).take(range(shape[axis]), axis=axis)
+    target = [1] * rank
+    target[axis] = param.size
+    return param.reshape(target)
 
 
 def quantize(
@@ -195,21 +212,28 @@ def quantize(
     dtype: DType | str,
     axis: int | None = None,
     round_method: str = "half_even",
+    block_size: int | None = None,
 ) -> np.ndarray:
-    """Quantize like ONNX QuantizeLinear: saturate(round(x / scale) + zero_point)."""
-    info = int_type(dtype)
+    """Quantize like ONNX QuantizeLinear (saturate=1): saturate(round(x / scale) + zero_point)."""
     x = np.asarray(x, dtype=np.float64)
-    s = broadcast_param(np.asarray(scale, dtype=np.float64), x.ndim, axis)
-    z = broadcast_param(np.asarray(zero_point, dtype=np.float64), x.ndim, axis)
+    s = broadcast_param(np.asarray(scale, dtype=np.float64), x.shape, axis, block_size)
+    if is_float8(dtype):
+        f8 = FLOAT8_TYPES[DType(dtype)]
+        return np.clip(x / s, -f8.max_value, f8.max_value).astype(np.float32).astype(f8.np_dtype)
+    info = int_type(dtype)
+    z = broadcast_param(np.asarray(zero_point, dtype=np.float64), x.shape, axis, block_size)
     q = _round(x / s, round_method) + z
     return np.clip(q, info.qmin, info.qmax).astype(info.np_dtype)
 
 
 def dequantize(
-    q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int | None = None
+    q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int | None = None,
+    block_size: int | None = None,
 ) -> np.ndarray:
     """Dequantize like ONNX DequantizeLinear: (q - zero_point) * scale, in float32."""
     q = np.asarray(q)
-    s = broadcast_param(np.asarray(scale, dtype=np.float32), q.ndim, axis)
-    z = broadcast_param(np.asarray(zero_point), q.ndim, axis).astype(np.int64)
+    s = broadcast_param(np.asarray(scale, dtype=np.float32), q.shape, axis, block_size)
+    if q.dtype.name.startswith("float8"):
+        return (q.astype(np.float32) * s).astype(np.float32)
+    z = broadcast_param(np.asarray(zero_point), q.shape, axis, block_size).astype(np.int64)
     return ((q.astype(np.int64) - z).astype(np.float32) * s).astype(np.float32)

@@ -25,12 +25,14 @@ from onnxq.config import (
     validate_node_configs,
 )
 from onnxq.config.presets import PRESETS
+from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
 from onnxq.emit.plan import QuantPlan, plan_quantization
 from onnxq.emit.qdq import emit_qdq
 from onnxq.errors import ConfigError
 from onnxq.graph.load import load_model
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.optimize import PassContext, check_config_entries, run_algorithms, run_passes
+from onnxq.qmath import FLOAT_TARGETS, qdq_opset
 from onnxq.report import Summary
 
 ModelSource = str | os.PathLike | onnx.ModelProto | ir.Model
@@ -73,6 +75,19 @@ def _size(source: Any, model: ir.Model) -> int:
     return weight_bytes(model)
 
 
+def required_opset(config: Config) -> int:
+    """The ai.onnx opset the configured Q/DQ types need (13 with contrib Q/DQ allowed)."""
+    if config.qdq_domain == "com.microsoft":
+        return 13
+    levels = [config.global_quant_config, *config.layer_type_quant_config.values(),
+              *config.layer_quant_config.values()]
+    specs = [getattr(level, tc) for level in levels for tc in TENSOR_CLASSES]
+    opsets = [qdq_opset(s.dtype) for s in specs if s is not None and s.dtype is not None
+              and DType(s.dtype) not in FLOAT_TARGETS | {DType.FLOAT32}]
+    opsets += [21 for s in specs if s is not None and s.qscheme == QScheme.PER_GROUP]
+    return max(opsets, default=13)
+
+
 def _calibrate_or_load(
     model: ir.Model, plan: QuantPlan, data: CalibrationSource, config: Config, progress: bool | None
 ) -> CalibrationResult:
@@ -111,7 +126,7 @@ def quantize(
     summary = Summary()
 
     with summary.stage("load"):
-        ir_model, loaded = load_model(model)
+        ir_model, loaded = load_model(model, required_opset(config))
     summary.source, summary.opset = loaded.source, (loaded.original_opset, loaded.opset)
     summary.notes.extend(loaded.notes)
     summary.size_before = _size(model, ir_model)
@@ -131,7 +146,7 @@ def quantize(
         summary.notes.extend(run_algorithms(ir_model, plan, calibration.ranges, config.algo_config, ctx))
 
     with summary.stage("emit"):
-        emitted = emit_qdq(ir_model, plan, calibration.ranges)
+        emitted = emit_qdq(ir_model, plan, calibration.ranges, config.qdq_domain)
     summary.quantized_by_op = dict(sorted(Counter(plan.quantized_nodes.values()).items()))
     summary.float_nodes = plan.float_nodes
     summary.fused_activations = len(emitted.removed_activations)

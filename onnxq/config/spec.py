@@ -158,6 +158,12 @@ class Config:
     quant_format: QuantFormat = QuantFormat.QDQ
     # Absorb Relu/Clip that follow a quantized op into the op's output quantization.
     fuse_activations: bool = True
+    # Where Q/DQ of types newer than the model's opset go: "ai.onnx" upgrades the opset
+    # (int16/int4 and blocks need 21, float8 19); "com.microsoft" keeps the opset and uses
+    # onnxruntime's contrib QuantizeLinear/DequantizeLinear.
+    qdq_domain: str = "ai.onnx"
+    # Weight-only int4/uint4 per-group MatMul as onnxruntime's MatMulNBits kernel.
+    matmul_nbits: bool = False
     # Op types kept in float unless a layer or op-type override says otherwise.
     float_op_types: list[str] = field(
         default_factory=lambda: [

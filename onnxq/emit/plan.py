@@ -13,10 +13,10 @@ from enum import Enum
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig, ResolvedSpec, resolve_node_config
-from onnxq.config.spec import Config, QScheme
-from onnxq.emit.rules import FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
-from onnxq.errors import ConfigError
+from onnxq.config.spec import Config, DType, QScheme
+from onnxq.emit.rules import DYNAMIC_OPS, FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
 from onnxq.graph.fold import constant_array
+from onnxq.qmath import FLOAT_TARGETS, qdq_opset
 
 FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 
@@ -35,11 +35,19 @@ class TensorPlan:
     name: str
     kind: Kind
     spec: ResolvedSpec
-    axis: int | None = None  # per-channel axis (weights)
+    axis: int | None = None  # per-channel axis (weights), or the block axis when per-group
+    block_size: int | None = None  # per-group weights: entries of `axis` sharing a scale
     alias_of: str | None = None  # shares the parameters of this activation
     bias_inputs: tuple[str, str] | None = None  # (activation, weight) whose scales make the bias scale
     consumers: list[tuple[str, int]] = field(default_factory=list)  # (node name, input index) fed DQ
     all_consumers: bool = False  # producer is quantized: every consumer and graph output gets DQ
+    # Consumers that want this activation in another type (mixed precision): requantized.
+    requant: dict[tuple[str, int], ResolvedSpec] = field(default_factory=dict)
+
+
+def qparams_key(spec: ResolvedSpec) -> tuple:
+    """The spec fields that change scale and zero point (two specs with the same key share them)."""
+    return (spec.dtype, spec.symmetric, spec.scale_type)
 
 
 @dataclass
@@ -48,6 +56,17 @@ class QuantPlan:
     quantized_nodes: dict[str, str] = field(default_factory=dict)  # name -> op type
     float_nodes: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (op, reason)
     fused_activations: dict[str, str] = field(default_factory=dict)  # activation node -> producer
+    # Nodes handled by other emitters than QDQ, with the spec that sends them there.
+    dynamic_nodes: dict[str, ResolvedSpec] = field(default_factory=dict)  # weight spec
+    nbits_nodes: dict[str, ResolvedSpec] = field(default_factory=dict)  # weight spec
+    float_target_nodes: dict[str, DType] = field(default_factory=dict)  # float16 / bfloat16
+
+    def required_opset(self) -> int:
+        """The lowest ai.onnx opset whose Q/DQ accept every planned type and granularity."""
+        opsets = [qdq_opset(t.spec.dtype) for t in self.tensors.values()]
+        opsets += [qdq_opset(spec.dtype) for t in self.tensors.values() for spec in t.requant.values()]
+        opsets += [21 for t in self.tensors.values() if t.block_size]
+        return max(opsets, default=13)
 
     def calibrated_tensors(self) -> dict[str, ResolvedSpec]:
         """Activation tensors that need an observer, in a stable order."""
@@ -100,6 +119,8 @@ class _Planner:
             tensor = TensorPlan(value.name, kind, spec, axis=axis)
             self.plan.tensors[value.name] = tensor
         tensor.consumers.append((node.name, index))
+        if kind is Kind.ACTIVATION and qparams_key(spec) != qparams_key(tensor.spec):
+            tensor.requant[(node.name, index)] = spec
         return tensor
 
     def add_output(self, value: ir.Value, spec: ResolvedSpec, alias_of: str | None = None) -> None:
@@ -130,10 +151,38 @@ class _Planner:
         if cfg is None:
             self.float_node(node, "excluded or kept in float by config")
             return
+        if self.route_elsewhere(node, rule, cfg):
+            return
         if rule.output is OutputMode.SHARED:
             self.plan_shared(node, cfg)
         else:
             self.plan_compute(node, rule, cfg)
+
+    def route_elsewhere(self, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> bool:
+        """Send a node to the float-target, dynamic or MatMulNBits emitter when its config asks."""
+        main = cfg.input_tensors or cfg.weight
+        if main is not None and main.dtype in FLOAT_TARGETS:
+            self.plan.float_target_nodes[node.name] = main.dtype
+            return True
+        if cfg.input_tensors is not None and cfg.input_tensors.is_dynamic:
+            weight = node.inputs[rule.weight_input] if rule.weight_input is not None else None
+            if node.op_type not in DYNAMIC_OPS or cfg.weight is None or constant_array(weight) is None:
+                self.float_node(node, "dynamic quantization needs MatMul/Gemm/Conv with a constant weight")
+            else:
+                self.plan.dynamic_nodes[node.name] = cfg.weight
+                self.plan.quantized_nodes[node.name] = node.op_type
+            return True
+        if (
+            self.config.matmul_nbits
+            and node.op_type == "MatMul"
+            and cfg.input_tensors is None
+            and cfg.weight is not None
+            and cfg.weight.qscheme == QScheme.PER_GROUP.value
+        ):
+            self.plan.nbits_nodes[node.name] = cfg.weight
+            self.plan.quantized_nodes[node.name] = node.op_type
+            return True
+        return False
 
     def plan_shared(self, node: ir.Node, cfg: ResolvedConfig) -> None:
         data = node.inputs[0] if node.inputs else None
@@ -190,16 +239,15 @@ class _Planner:
         array = constant_array(value)
         if array is None or not _is_float(value):
             return None
+        axis, block = None, None
         if cfg.weight.qscheme == QScheme.PER_GROUP.value:
-            raise ConfigError(
-                f"per_group weight quantization (node {node.name!r}) needs block-wise "
-                "DequantizeLinear (opset 21), which onnxq does not emit yet; use per_channel"
-            )
-        axis = None
-        if cfg.weight.qscheme != QScheme.PER_TENSOR.value:
+            axis, block = rule.weight_in_axis(node, array.ndim), cfg.weight.group_size
+        elif cfg.weight.qscheme == QScheme.PER_CHANNEL.value:
             axis = cfg.weight.ch_axis if cfg.weight.ch_axis is not None else rule.weight_axis(node, array.ndim)
+        if axis is not None:
             axis %= max(array.ndim, 1)
-        self.add_use(value, Kind.WEIGHT, cfg.weight, node, i, axis=axis)
+        tensor = self.add_use(value, Kind.WEIGHT, cfg.weight, node, i, axis=axis)
+        tensor.block_size = block
         return i
 
     def plan_bias(self, node: ir.Node, rule: OpRule, cfg: ResolvedConfig, weight_index: int) -> None:

@@ -1,9 +1,10 @@
 """Stage 4, emit: rewrite the graph into QDQ format.
 
 Activations get one QuantizeLinear -> DequantizeLinear pair per tensor, shared by all its
-quantized consumers. Weights, constants and biases are stored as integer initializers
-followed by DequantizeLinear. Absorbed Relu/Clip nodes are removed where the output
-quantization already clamps exactly like them. The placement follows the patterns
+quantized consumers; a consumer that wants another type (mixed precision) gets a second
+pair fed from the first. Weights, constants and biases are stored as integer (or float8)
+initializers followed by DequantizeLinear. Absorbed Relu/Clip nodes are removed where the
+output quantization already clamps exactly like them. The placement follows the patterns
 onnxruntime fuses into QLinearConv / QLinearMatMul / QGemm.
 """
 
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from onnxq.emit.plan import Kind, QuantPlan, TensorPlan
+from onnxq.config.resolve import ResolvedSpec
+from onnxq.emit.plan import Kind, QuantPlan, TensorPlan, qparams_key
 from onnxq.emit.weights import (
     QuantizedTensor,
     bias_safe_weight_scale,
@@ -23,7 +25,9 @@ from onnxq.emit.weights import (
 )
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
-from onnxq.qmath import compute_qparams, int_type
+from onnxq.qmath import compute_qparams, int_type, is_float8, is_integer, qdq_opset
+
+CONTRIB = "com.microsoft"
 
 
 @dataclass
@@ -31,13 +35,14 @@ class EmitReport:
     """What the emitter did, for the summary."""
 
     activations: int = 0
+    requantized: int = 0
     weights: int = 0
     constants: int = 0
     biases: int = 0
     float_biases: list[str] = field(default_factory=list)
     removed_activations: list[str] = field(default_factory=list)
     kept_activations: list[str] = field(default_factory=list)
-    qparams: dict[str, tuple[float, int]] = field(default_factory=dict)
+    contrib_qdq: int = 0
 
 
 @dataclass
@@ -49,10 +54,13 @@ class _Params:
 
 
 class _Emitter:
-    def __init__(self, model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]]) -> None:
+    def __init__(self, model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]],
+                 qdq_domain: str) -> None:
+        self.model = model
         self.graph = model.graph
         self.plan = plan
         self.ranges = ranges
+        self.qdq_domain = qdq_domain
         self.edit = GraphEditor(self.graph)
         self.report = EmitReport()
         self.values: dict[str, ir.Value] = {v.name: v for v in self.graph.inputs}
@@ -61,38 +69,58 @@ class _Emitter:
         for node in self.graph:
             self.nodes[node.name] = node
             self.values.update({o.name: o for o in node.outputs if o.name})
-        self.params: dict[str, _Params] = {}
+        self.params: dict[tuple, _Params] = {}
         self.bias_of: dict[str, TensorPlan] = {
             t.bias_inputs[1]: t for t in plan.tensors.values() if t.bias_inputs is not None
         }
         self.weight_scales: dict[str, np.ndarray] = {}
 
+    # -- nodes -----------------------------------------------------------------------
+    def domain(self, dtype: str) -> str:
+        """Q/DQ domain for a dtype: contrib ops when asked and the model opset is too old."""
+        if self.qdq_domain == CONTRIB and qdq_opset(dtype) > self.model.opset_imports.get("", 13):
+            self.model.opset_imports.setdefault(CONTRIB, 1)
+            self.report.contrib_qdq += 1
+            return CONTRIB
+        return ""
+
+    def qdq_node(self, op: str, inputs: list[ir.Value], name: str, spec: ResolvedSpec,
+                 like: ir.Value, attrs: dict | None = None) -> ir.Value:
+        attrs = dict(attrs or {})
+        if op == "QuantizeLinear" and is_float8(spec.dtype):
+            attrs["saturate"] = 1
+        dtype = inputs[2].dtype if op == "QuantizeLinear" else like.dtype
+        return self.edit.add_node(op, inputs, name, attrs, dtype=dtype, shape=like.shape,
+                                  domain=self.domain(spec.dtype))
+
     # -- activations -----------------------------------------------------------------
-    def activation_params(self, name: str) -> _Params:
+    def activation_params(self, name: str, spec: ResolvedSpec | None = None) -> _Params:
+        """Scale and zero point of activation `name` quantized with `spec` (default: its own)."""
         root = self.plan.root_of(name)
-        if root not in self.params:
-            spec = self.plan.tensors[root].spec
+        spec = spec or self.plan.tensors[root].spec
+        key = (root, qparams_key(spec))
+        if key not in self.params:
             rmin, rmax = self.ranges[root]
             scale, zp = compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type)
-            self.params[root] = _Params(
-                self.edit.initializer(f"{root}_scale", np.asarray(scale, np.float32).reshape(())),
-                self.edit.initializer(f"{root}_zero_point", np.asarray(zp).reshape(())),
+            suffix = "" if spec is self.plan.tensors[root].spec else f"_{spec.dtype}"
+            self.params[key] = _Params(
+                self.edit.initializer(f"{root}_scale{suffix}", np.asarray(scale, np.float32).reshape(())),
+                self.edit.initializer(f"{root}_zero_point{suffix}", np.asarray(zp).reshape(())),
                 np.asarray(scale), np.asarray(zp),
             )
-            self.report.qparams[root] = (float(scale), int(zp))
-        return self.params[root]
+        return self.params[key]
 
     def absorb_activation(self, act_name: str) -> None:
         """Remove a fused Relu/Clip when the output quantization clamps exactly like it."""
         act = self.nodes[act_name]
         out = act.outputs[0]
-        tensor = self.plan.tensors[out.name]
-        info = int_type(tensor.spec.dtype)
+        spec = self.plan.tensors[out.name].spec
         p = self.activation_params(out.name)
         lower_is_zero = act.op_type == "Relu" or (
             act.inputs[1] is not None and float(constant_array(act.inputs[1])) == 0.0
         )
-        if not (lower_is_zero and int(p.zp_array) == info.qmin):
+        clamps_at_zero = is_integer(spec.dtype) and int(p.zp_array) == int_type(spec.dtype).qmin
+        if not (lower_is_zero and clamps_at_zero):
             self.report.kept_activations.append(act_name)
             return
         source = act.inputs[0]
@@ -104,16 +132,17 @@ class _Emitter:
         self.values[name] = source
         self.report.removed_activations.append(act_name)
 
+    def qdq_pair(self, value: ir.Value, name: str, spec: ResolvedSpec, p: _Params) -> ir.Value:
+        q = self.qdq_node("QuantizeLinear", [value, p.scale, p.zero_point], f"{name}_q", spec, value)
+        return self.qdq_node("DequantizeLinear", [q, p.scale, p.zero_point], f"{name}_dq", spec, value)
+
     def quantize_activation(self, tensor: TensorPlan) -> None:
         value = self.values[tensor.name]
-        p = self.activation_params(tensor.name)
-        q = self.edit.add_node("QuantizeLinear", [value, p.scale, p.zero_point], f"{tensor.name}_q",
-                               dtype=p.zero_point.dtype, shape=value.shape)
-        dq = self.edit.add_node("DequantizeLinear", [q, p.scale, p.zero_point], f"{tensor.name}_dq",
-                                dtype=value.dtype, shape=value.shape)
+        dq = self.qdq_pair(value, tensor.name, tensor.spec, self.activation_params(tensor.name))
+        q_node = dq.producer().inputs[0].producer()
         if tensor.all_consumers:
             for use in list(value.uses()):
-                if use.node is not q.producer():
+                if use.node is not q_node:
                     use.node.replace_input_with(use.idx, dq)
             if value.is_graph_output():
                 outputs = self.graph.outputs
@@ -124,7 +153,23 @@ class _Emitter:
         else:
             for node_name, index in tensor.consumers:
                 self.nodes[node_name].replace_input_with(index, dq)
+        self.requantize(tensor, dq)
         self.report.activations += 1
+
+    def requantize(self, tensor: TensorPlan, dq: ir.Value) -> None:
+        """Give consumers that want another type their own Q/DQ pair, fed from `dq`."""
+        by_key: dict[tuple, list[tuple[str, int]]] = {}
+        specs: dict[tuple, ResolvedSpec] = {}
+        for use, spec in tensor.requant.items():
+            by_key.setdefault(qparams_key(spec), []).append(use)
+            specs[qparams_key(spec)] = spec
+        for key, uses in by_key.items():
+            spec = specs[key]
+            p = self.activation_params(tensor.name, spec)
+            dq2 = self.qdq_pair(dq, f"{tensor.name}_{spec.dtype}", spec, p)
+            for node_name, index in uses:
+                self.nodes[node_name].replace_input_with(index, dq2)
+            self.report.requantized += 1
 
     # -- offline-quantized tensors ---------------------------------------------------
     def dequantized(self, tensor: TensorPlan, qt: QuantizedTensor) -> None:
@@ -134,8 +179,9 @@ class _Emitter:
         scale = self.edit.initializer(f"{tensor.name}_scale", qt.scale.astype(np.float32))
         zp = self.edit.initializer(f"{tensor.name}_zero_point", qt.zero_point)
         attrs = {"axis": qt.axis} if qt.axis is not None else {}
-        dq = self.edit.add_node("DequantizeLinear", [data, scale, zp], f"{tensor.name}_dq", attrs,
-                                dtype=value.dtype, shape=value.shape)
+        if qt.block_size:
+            attrs["block_size"] = qt.block_size
+        dq = self.qdq_node("DequantizeLinear", [data, scale, zp], f"{tensor.name}_dq", tensor.spec, value, attrs)
         for node_name, index in tensor.consumers:
             self.nodes[node_name].replace_input_with(index, dq)
         if not value.uses() and not value.is_graph_output():
@@ -144,35 +190,41 @@ class _Emitter:
     def weight_scale_floor(self, tensor: TensorPlan, array: np.ndarray) -> np.ndarray | float:
         """Per-channel lower bound on a weight's scale so that its bias fits int32."""
         bias = self.bias_of.get(tensor.name)
-        if bias is None:
+        if bias is None or tensor.block_size:
             return 0.0
         channels = array.shape[tensor.axis] if tensor.axis is not None else 1
-        s_in = float(self.activation_params(bias.bias_inputs[0]).scale_array)
+        s_in = float(self.bias_input_params(bias).scale_array)
         b = constant_array(self.values[bias.name])
         return bias_safe_weight_scale(b, s_in, channels, bias.spec)
+
+    def bias_input_params(self, bias: TensorPlan) -> _Params:
+        """Parameters of the activation the biased node actually reads (after requantization)."""
+        act = self.plan.tensors[bias.bias_inputs[0]]
+        node_name = bias.consumers[0][0]
+        return self.activation_params(act.name, act.requant.get((node_name, 0)))
 
     def quantize_offline(self, tensor: TensorPlan) -> None:
         array = constant_array(self.values[tensor.name])
         if tensor.kind is Kind.WEIGHT:
             floor = self.weight_scale_floor(tensor, array)
-            qt = quantize_weight(array, tensor.spec, tensor.axis, floor)
-        else:
-            qt = quantize_weight(array, tensor.spec, None)
-        if tensor.kind is Kind.WEIGHT:
-            self.weight_scales[tensor.name] = qt.scale
+            qt = quantize_weight(array, tensor.spec, tensor.axis, floor, tensor.block_size)
+            if not qt.block_size and is_integer(tensor.spec.dtype):
+                self.weight_scales[tensor.name] = qt.scale
             self.report.weights += 1
         else:
+            qt = quantize_weight(array, tensor.spec, None)
             self.report.constants += 1
         self.dequantized(tensor, qt)
 
     def quantize_bias(self, tensor: TensorPlan) -> None:
-        act_name, weight_name = tensor.bias_inputs
-        if weight_name not in self.weight_scales:
-            self.report.float_biases.append(f"{tensor.name} (weight not quantized)")
+        weight_name = tensor.bias_inputs[1]
+        act_params = self.bias_input_params(tensor)
+        if weight_name not in self.weight_scales or not is_integer(self.plan.tensors[tensor.bias_inputs[0]].spec.dtype):
+            self.report.float_biases.append(f"{tensor.name} (weight or input not integer per-tensor/channel)")
             return
         qt = quantize_bias(
             constant_array(self.values[tensor.name]),
-            self.activation_params(act_name).scale_array,
+            act_params.scale_array,
             self.weight_scales[weight_name],
             tensor.spec,
         )
@@ -197,6 +249,8 @@ class _Emitter:
         return self.report
 
 
-def emit_qdq(model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]]) -> EmitReport:
+def emit_qdq(
+    model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], qdq_domain: str = "ai.onnx"
+) -> EmitReport:
     """Rewrite `model` in place into QDQ format following `plan` and calibrated `ranges`."""
-    return _Emitter(model, plan, ranges).run()
+    return _Emitter(model, plan, ranges, qdq_domain).run()

@@ -38,6 +38,22 @@ def _matmul_axis(node: ir.Node, rank: int) -> int:
     return rank - 1
 
 
+def _conv_in_axis(node: ir.Node, rank: int) -> int:
+    return 1
+
+
+def _conv_transpose_in_axis(node: ir.Node, rank: int) -> int:
+    return 0
+
+
+def _gemm_in_axis(node: ir.Node, rank: int) -> int:
+    return 1 - _gemm_axis(node, rank)
+
+
+def _matmul_in_axis(node: ir.Node, rank: int) -> int:
+    return max(rank - 2, 0)
+
+
 @dataclass(frozen=True)
 class OpRule:
     """How to quantize one op type.
@@ -45,6 +61,7 @@ class OpRule:
     activation_inputs: input indices quantized as activations (None: all inputs).
     weight_input / bias_input: indices of the weight and bias when they are constants.
     weight_axis: the output-channel axis of the weight, for per-channel quantization.
+    weight_in_axis: the input-channel (reduction) axis, along which per-group blocks run.
     output: OWN (calibrated) or SHARED (same parameters as input 0).
     """
 
@@ -53,17 +70,20 @@ class OpRule:
     weight_input: int | None = None
     bias_input: int | None = None
     weight_axis: Callable[[ir.Node, int], int] | None = None
+    weight_in_axis: Callable[[ir.Node, int], int] | None = None
 
 
 _SHARED = OpRule(activation_inputs=(0,), output=OutputMode.SHARED)
 
 OP_RULES: dict[str, OpRule] = {
-    "Conv": OpRule((0,), OutputMode.OWN, weight_input=1, bias_input=2, weight_axis=_conv_axis),
-    "ConvTranspose": OpRule(
-        (0,), OutputMode.OWN, weight_input=1, bias_input=2, weight_axis=_conv_transpose_axis
+    "Conv": OpRule(
+        (0,), OutputMode.OWN, 1, 2, weight_axis=_conv_axis, weight_in_axis=_conv_in_axis
     ),
-    "Gemm": OpRule((0, 1), OutputMode.OWN, weight_input=1, bias_input=2, weight_axis=_gemm_axis),
-    "MatMul": OpRule((0, 1), OutputMode.OWN, weight_input=1, weight_axis=_matmul_axis),
+    "ConvTranspose": OpRule(
+        (0,), OutputMode.OWN, 1, 2, _conv_transpose_axis, _conv_transpose_in_axis
+    ),
+    "Gemm": OpRule((0, 1), OutputMode.OWN, 1, 2, _gemm_axis, _gemm_in_axis),
+    "MatMul": OpRule((0, 1), OutputMode.OWN, 1, None, _matmul_axis, _matmul_in_axis),
     "Add": OpRule(None, OutputMode.OWN),
     "Mul": OpRule(None, OutputMode.OWN),
     "Concat": OpRule(None, OutputMode.OWN),
@@ -83,6 +103,9 @@ OP_RULES: dict[str, OpRule] = {
     "Identity": _SHARED,
     "Dropout": _SHARED,
 }
+
+# Op types with integer kernels for dynamic quantization (activations quantized at run time).
+DYNAMIC_OPS = {"MatMul", "Gemm", "Conv"}
 
 # Activations that a preceding quantized op absorbs (calibrated after the activation).
 FUSABLE_ACTIVATIONS = {"Relu", "Clip"}

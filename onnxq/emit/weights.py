@@ -17,7 +17,19 @@ class QuantizedTensor:
     data: np.ndarray
     scale: np.ndarray
     zero_point: np.ndarray
-    axis: int | None  # per-channel axis of scale/zero_point, None for per-tensor
+    axis: int | None  # per-channel (or per-block) axis of scale/zero_point, None per tensor
+    block_size: int | None = None  # per-group: entries of `axis` sharing one scale
+
+
+def block_range(w: np.ndarray, axis: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Min and max of each block of `block` entries along `axis` (zero-padded at the end)."""
+    w = np.moveaxis(np.asarray(w, dtype=np.float64), axis, 0)
+    blocks = -(-w.shape[0] // block)
+    pad = blocks * block - w.shape[0]
+    if pad:
+        w = np.concatenate([w, np.zeros((pad,) + w.shape[1:])])
+    w = w.reshape((blocks, block) + w.shape[1:])
+    return np.moveaxis(w.min(axis=1), 0, axis), np.moveaxis(w.max(axis=1), 0, axis)
 
 
 def channel_range(w: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -30,16 +42,25 @@ def channel_range(w: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarr
 
 
 def quantize_weight(
-    w: np.ndarray, spec: ResolvedSpec, axis: int | None, min_scale: np.ndarray | float = MIN_SCALE
+    w: np.ndarray,
+    spec: ResolvedSpec,
+    axis: int | None,
+    min_scale: np.ndarray | float = MIN_SCALE,
+    block_size: int | None = None,
 ) -> QuantizedTensor:
-    """Quantize a weight per tensor (axis None) or per channel along `axis`, min/max range.
+    """Quantize a weight with its min/max range: per tensor (axis None), per channel along
+    `axis`, or per block of `block_size` along `axis` (per-group).
 
     `min_scale` (per channel or scalar) floors the scale; see `bias_safe_weight_scale`.
     """
-    rmin, rmax = channel_range(w, axis)
+    if block_size:
+        rmin, rmax = block_range(w, axis, block_size)
+    else:
+        rmin, rmax = channel_range(w, axis)
     scale, zp = compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type, min_scale)
-    q = quantize(w, scale, zp, spec.dtype, axis=axis, round_method=spec.round_method)
-    return QuantizedTensor(q, np.asarray(scale), np.asarray(zp), axis if np.ndim(scale) else None)
+    q = quantize(w, scale, zp, spec.dtype, axis, spec.round_method, block_size)
+    axis = axis if np.ndim(scale) else None
+    return QuantizedTensor(q, np.asarray(scale), np.asarray(zp), axis, block_size if axis is not None else None)
 
 
 def bias_safe_weight_scale(

@@ -44,11 +44,15 @@ class GraphEditor:
         attributes: dict | None = None,
         dtype: ir.DataType | None = None,
         shape: ir.Shape | None = None,
+        domain: str = "",
     ) -> ir.Value:
         """Append a node with one output named `output_name` (made unique); return the output."""
         out = ir.Value(name=self.unique(output_name))
         out.dtype, out.shape = dtype, shape
-        node = ir.node(op_type, inputs, attributes or {}, outputs=[out], name=self.unique(f"{out.name}_{op_type}"))
+        node = ir.node(
+            op_type, inputs, attributes or {}, domain=domain, outputs=[out],
+            name=self.unique(f"{out.name}_{op_type}"),
+        )
         self.graph.append(node)
         return out
 

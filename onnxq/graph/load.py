@@ -22,6 +22,7 @@ from onnxq.graph.fold import fold_constants
 
 # Per-channel QuantizeLinear/DequantizeLinear (the `axis` attribute) needs opset 13.
 MIN_OPSET = 13
+IR_FOR_OPSET = {13: 7, 14: 7, 15: 8, 16: 8, 17: 8, 18: 8, 19: 9, 20: 9, 21: 10, 22: 10, 23: 11}
 
 
 @dataclass
@@ -78,25 +79,25 @@ def default_opset(proto: onnx.ModelProto) -> int:
     raise ModelError("model imports no default ONNX opset; re-export it with a standard opset")
 
 
-def _upgrade_opset(proto: onnx.ModelProto, opset: int) -> onnx.ModelProto:
-    """Convert to `MIN_OPSET` when older; refuse opsets newer than the installed onnx knows."""
+def _upgrade_opset(proto: onnx.ModelProto, opset: int, target: int) -> onnx.ModelProto:
+    """Convert to `target` when older; refuse opsets newer than the installed onnx knows."""
     latest = onnx.defs.onnx_opset_version()
     if opset > latest:
         raise ModelError(
             f"model uses opset {opset} but the installed onnx supports up to {latest}; "
             "upgrade the onnx package or export with a lower opset"
         )
-    if opset >= MIN_OPSET:
+    if opset >= target:
         return proto
     try:
-        upgraded = onnx.version_converter.convert_version(proto, MIN_OPSET)
+        upgraded = onnx.version_converter.convert_version(proto, target)
     except Exception as exc:  # the converter raises bare RuntimeErrors of many kinds
         raise ModelError(
-            f"cannot upgrade opset {opset} to {MIN_OPSET} ({str(exc).splitlines()[0]}); "
-            f"re-export the model with opset >= {MIN_OPSET}"
+            f"cannot upgrade opset {opset} to {target} ({str(exc).splitlines()[0]}); "
+            f"re-export the model with opset >= {target}"
         ) from None
-    # IR version 7 goes with opset 13; initializers need not be graph inputs from IR 4 on.
-    upgraded.ir_version = max(upgraded.ir_version, 7)
+    # The IR version that goes with the opset; initializers need not be inputs from IR 4 on.
+    upgraded.ir_version = max(upgraded.ir_version, IR_FOR_OPSET.get(target, 10))
     return upgraded
 
 
@@ -118,11 +119,15 @@ def _binary_sum_to_add(graph: ir.Graph) -> None:
             )
 
 
-def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[ir.Model, LoadReport]:
+def load_model(
+    source: str | os.PathLike | onnx.ModelProto | ir.Model, min_opset: int = MIN_OPSET
+) -> tuple[ir.Model, LoadReport]:
     """Read, check and normalise a model; the caller's file or proto is never modified.
 
-    Returns the normalised onnx-ir model and a report of what changed.
+    Models below `min_opset` (at least 13) are upgraded. Returns the normalised onnx-ir
+    model and a report of what changed.
     """
+    min_opset = max(min_opset, MIN_OPSET)
     if isinstance(source, ir.Model):
         source = ir.to_proto(source)
     proto, base_dir, name = _read_proto(source)
@@ -130,13 +135,13 @@ def load_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> tuple[
     original = default_opset(proto)
     if isinstance(source, onnx.ModelProto):
         proto = onnx.ModelProto.FromString(proto.SerializeToString())  # never mutate the caller's
-    proto = _upgrade_opset(proto, original)
+    proto = _upgrade_opset(proto, original, min_opset)
     model = ir.serde.deserialize_model(proto)
     if base_dir:
         ir.external_data.set_base_dir(model.graph, base_dir)
-    report = LoadReport(source=name, original_opset=original, opset=max(original, MIN_OPSET))
-    if original < MIN_OPSET:
-        report.notes.append(f"upgraded opset {original} -> {MIN_OPSET}")
+    report = LoadReport(source=name, original_opset=original, opset=max(original, min_opset))
+    if original < min_opset:
+        report.notes.append(f"upgraded opset {original} -> {min_opset}")
     report.initializer_inputs_removed = _remove_initializer_inputs(model.graph)
     ir_passes.NameFixPass()(model)  # every node and value gets a unique name
     ir_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)

@@ -11,6 +11,7 @@ from onnxq import qmath
 from onnxq.calibrate.observers.histogram import StreamingHistogram, finite_values
 from onnxq.calibrate.observers.options import parse_options
 from onnxq.config.resolve import ResolvedSpec
+from onnxq.config.spec import DType
 from onnxq.errors import ConfigError
 
 
@@ -24,10 +25,17 @@ class Observer(abc.ABC):
 
     name: ClassVar[str] = ""
     options_class: ClassVar[type | None] = None
+    # Methods that search an integer grid cannot calibrate float8 targets.
+    integer_only: ClassVar[bool] = True
 
     def __init__(self, spec: ResolvedSpec) -> None:
         self.spec = spec
-        self.info = qmath.int_type(spec.dtype)
+        self.info = qmath.INT_TYPES.get(DType(spec.dtype))
+        if self.info is None and self.integer_only:
+            raise ConfigError(
+                f"calib_method {self.name!r} searches an integer grid and cannot calibrate "
+                f"{spec.dtype}; use minmax or percentile"
+            )
         self.options: Any = parse_options(self.options_class, self.name, spec.calib_options)
 
     @abc.abstractmethod

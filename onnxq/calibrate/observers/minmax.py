@@ -14,6 +14,8 @@ from onnxq.config.resolve import ResolvedSpec
 class MinMaxObserver(Observer):
     """Range = [min, max] of all finite values; symmetric specs get (-absmax, absmax)."""
 
+    integer_only = False
+
     def __init__(self, spec: ResolvedSpec) -> None:
         super().__init__(spec)
         self.min = np.inf

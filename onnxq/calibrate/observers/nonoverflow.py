@@ -30,6 +30,8 @@ class NonOverflowObserver(MinMaxObserver):
     this s and zp. The running min/max state is MinMax's.
     """
 
+    integer_only = True
+
     def compute_range(self) -> tuple[float, float]:
         lo, hi = min(self.min, 0.0), max(self.max, 0.0)
         if self._count == 0 or lo == hi == 0.0:

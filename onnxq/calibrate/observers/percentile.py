@@ -13,6 +13,8 @@ class PercentileObserver(HistogramObserver):
     """Symmetric: (-a, a) with a the p-th percentile of |x|. Asymmetric: the (100-p)-th
     and p-th percentiles of x. p = spec.percentile, in [50, 100]."""
 
+    integer_only = False
+
     def __init__(self, spec: ResolvedSpec) -> None:
         if not 50.0 <= float(spec.percentile) <= 100.0:
             raise ConfigError(f"percentile must be in [50, 100], got {spec.percentile}")
