@@ -17,6 +17,7 @@ from onnxq.config.spec import (
     QScheme,
     QuantizationConfig,
     QuantizationSpec,
+    ScaleType,
 )
 from onnxq.errors import ConfigError
 
@@ -30,12 +31,11 @@ class Preset:
     build: Callable[[], Config]
 
 
-def _activation_spec(dtype: DType, symmetric: bool) -> QuantizationSpec:
+def _activation_spec(
+    dtype: DType, symmetric: bool, method: CalibMethod = CalibMethod.MINMAX, **extra: object
+) -> QuantizationSpec:
     return QuantizationSpec(
-        dtype=dtype,
-        symmetric=symmetric,
-        qscheme=QScheme.PER_TENSOR,
-        calib_method=CalibMethod.MINMAX,
+        dtype=dtype, symmetric=symmetric, qscheme=QScheme.PER_TENSOR, calib_method=method, **extra
     )
 
 
@@ -80,6 +80,70 @@ def a8w8() -> Config:
     return _activations_over_int8_weights(DType.INT8, symmetric=True)
 
 
+def a16w8() -> Config:
+    """int16 symmetric activations (opset 21 Q/DQ), int8 per-channel weights."""
+    return _activations_over_int8_weights(DType.INT16, symmetric=True)
+
+
+def u16s8() -> Config:
+    return _activations_over_int8_weights(DType.UINT16, symmetric=False)
+
+
+def s16s8() -> Config:
+    return _activations_over_int8_weights(DType.INT16, symmetric=True)
+
+
+def w8_dynamic() -> Config:
+    """Dynamic: uint8 activations quantized at run time, int8 per-channel weights."""
+    return Config(
+        global_quant_config=QuantizationConfig(
+            input_tensors=QuantizationSpec(dtype=DType.UINT8, symmetric=False, is_dynamic=True),
+            weight=_int8_per_channel_weight(),
+        )
+    )
+
+
+def w4_group128() -> Config:
+    """Weight-only int4, blocks of 128 along the input axis; MatMul as MatMulNBits."""
+    weight = QuantizationSpec(
+        dtype=DType.INT4, symmetric=True, qscheme=QScheme.PER_GROUP, group_size=128
+    )
+    return Config(global_quant_config=QuantizationConfig(weight=weight), matmul_nbits=True)
+
+
+def _float_target(dtype: DType) -> Config:
+    spec = QuantizationSpec(dtype=dtype)
+    return Config(
+        global_quant_config=QuantizationConfig(input_tensors=spec, output_tensors=spec, weight=spec)
+    )
+
+
+def fp16() -> Config:
+    return _float_target(DType.FLOAT16)
+
+
+def bf16() -> Config:
+    return _float_target(DType.BFLOAT16)
+
+
+def fp8_e4m3() -> Config:
+    """float8 e4m3fn activations and weights through QuantizeLinear/DequantizeLinear (opset 19)."""
+    act = _activation_spec(DType.FLOAT8_E4M3FN, symmetric=True)
+    weight = QuantizationSpec(dtype=DType.FLOAT8_E4M3FN, symmetric=True, qscheme=QScheme.PER_CHANNEL)
+    return Config(global_quant_config=QuantizationConfig(act, act, weight))
+
+
+def xint8() -> Config:
+    """Integer-only NPUs: int8 symmetric, power-of-two scales, MinMSE activations."""
+    act = _activation_spec(DType.INT8, True, CalibMethod.MINMSE, scale_type=ScaleType.POWER_OF_TWO)
+    weight = QuantizationSpec(
+        dtype=DType.INT8, symmetric=True, qscheme=QScheme.PER_TENSOR,
+        calib_method=CalibMethod.MINMAX, scale_type=ScaleType.POWER_OF_TWO,
+    )
+    bias = QuantizationSpec(dtype=DType.INT32, symmetric=True, scale_type=ScaleType.POWER_OF_TWO)
+    return Config(global_quant_config=QuantizationConfig(act, act, weight, bias))
+
+
 _PRESET_LIST: tuple[Preset, ...] = (
     Preset(
         "U8S8",
@@ -97,6 +161,28 @@ _PRESET_LIST: tuple[Preset, ...] = (
         "int8 symmetric activations and per-channel weights, int32 bias; for accelerators "
         "with symmetric int8 (same numerics as S8S8, Quark's name)",
         a8w8,
+    ),
+    Preset("A16W8", "int16 symmetric activations, int8 per-channel weights (opset 21)", a16w8),
+    Preset("U16S8", "uint16 asymmetric activations, int8 per-channel weights (opset 21)", u16s8),
+    Preset("S16S8", "int16 symmetric activations, int8 per-channel weights (opset 21)", s16s8),
+    Preset(
+        "W8_DYNAMIC",
+        "dynamic: activations quantized at run time (uint8), int8 per-channel weights; "
+        "no calibration data",
+        w8_dynamic,
+    ),
+    Preset(
+        "W4_GROUP128",
+        "weight-only int4 in blocks of 128 (MatMul as MatMulNBits); no calibration data",
+        w4_group128,
+    ),
+    Preset("FP16", "float16 weights and compute; sensitive ops stay float32", fp16),
+    Preset("BF16", "bfloat16 weights and compute; sensitive ops stay float32", bf16),
+    Preset("FP8_E4M3", "float8 e4m3fn activations and per-channel weights (opset 19)", fp8_e4m3),
+    Preset(
+        "XINT8",
+        "int8 symmetric, power-of-two scales, MinMSE activations; integer-only NPUs",
+        xint8,
     ),
 )
 

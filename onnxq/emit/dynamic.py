@@ -243,22 +243,32 @@ def _conv(ctx: _Context, node: ir.Node, spec: ResolvedSpec) -> str | None:
     return None
 
 
-def _lstm_weight(w: np.ndarray, spec: ResolvedSpec) -> QuantizedTensor:
-    """Quantize W or R [dirs, 4H, in] per direction (or per direction and gate unit).
+def _lstm_weight(w: np.ndarray, spec: ResolvedSpec) -> tuple[QuantizedTensor, str | None]:
+    """Quantize W or R [dirs, 4H, in] per direction, or per direction and gate unit.
 
-    Returns data transposed to [dirs, in, 4H], as DynamicQuantizeLSTM expects, and scales
-    and zero points of shape [dirs] or [dirs, 4H].
+    Returns data transposed to [dirs, in, 4H], as DynamicQuantizeLSTM expects, scales and
+    zero points of shape [dirs] or [dirs, 4H], and a note when per-channel fell back to
+    per-tensor: onnxruntime wants per-channel zero points all 0 (int8) or all equal (uint8).
     """
     dirs, rows, _ = w.shape
+    note = None
     if spec.qscheme == "per_channel":
         qt = quantize_weight(w.reshape(dirs * rows, -1), spec, 0)
-        data, scale, zp = qt.data.reshape(w.shape), qt.scale.reshape(dirs, rows), qt.zero_point.reshape(dirs, rows)
-    else:
-        parts = [quantize_weight(w[d], spec, None) for d in range(dirs)]
-        data = np.stack([p.data for p in parts])
-        scale = np.stack([np.asarray(p.scale).reshape(()) for p in parts])
-        zp = np.stack([np.asarray(p.zero_point).reshape(()) for p in parts])
-    return QuantizedTensor(np.ascontiguousarray(data.transpose(0, 2, 1)), scale.astype(np.float32), zp, None)
+        zp = qt.zero_point.reshape(dirs, rows)
+        if np.all(zp == (0 if spec.dtype == DType.INT8 else zp.flat[0])):
+            data = qt.data.reshape(w.shape)
+            return _lstm_tensor(data, qt.scale.reshape(dirs, rows), zp), None
+        note = "per-channel zero points not all equal (asymmetric): quantized per tensor"
+    parts = [quantize_weight(w[d], spec, None) for d in range(dirs)]
+    data = np.stack([p.data for p in parts])
+    scale = np.stack([np.asarray(p.scale).reshape(()) for p in parts])
+    zp = np.stack([np.asarray(p.zero_point).reshape(()) for p in parts])
+    return _lstm_tensor(data, scale, zp), note
+
+
+def _lstm_tensor(data: np.ndarray, scale: np.ndarray, zp: np.ndarray) -> QuantizedTensor:
+    transposed = np.ascontiguousarray(data.transpose(0, 2, 1))
+    return QuantizedTensor(transposed, scale.astype(np.float32), zp, None)
 
 
 def _lstm(ctx: _Context, node: ir.Node, spec: ResolvedSpec) -> str | None:
@@ -271,7 +281,7 @@ def _lstm(ctx: _Context, node: ir.Node, spec: ResolvedSpec) -> str | None:
         return "LSTM layout=1 is not supported by DynamicQuantizeLSTM"
     if reason := _float_reason(node.inputs[1], "W") or _float_reason(node.inputs[0], "input"):
         return reason
-    qw, qr = _lstm_weight(w, spec), _lstm_weight(r, spec)
+    (qw, note_w), (qr, note_r) = _lstm_weight(w, spec), _lstm_weight(r, spec)
     b = _Builder(ctx.editor, node.name)
     extras = [b.const("W_quantized", qw.data), b.const("R_quantized", qr.data)]
     optional = [_input(node, i) for i in range(3, 8)]
@@ -281,6 +291,8 @@ def _lstm(ctx: _Context, node: ir.Node, spec: ResolvedSpec) -> str | None:
     outs = b.op("DynamicQuantizeLSTM", [node.inputs[0], *extras, *optional, *params], "out", attrs,
                 n_out=len(node.outputs), domain=CONTRIB)
     _replace(ctx.graph, node, b, outs)
+    if note_w or note_r:
+        ctx.report.notes[node.name] = note_w or note_r
     return None
 
 
