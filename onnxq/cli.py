@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--batch-size", type=int, help="calibration batch size (dynamic-batch models)")
     q.add_argument("--providers", nargs="+", help="onnxruntime execution providers for calibration")
     q.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
-    q.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    q.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     q.set_defaults(func=_cmd_quantize)
 
     p = sub.add_parser("presets", help="list the named presets")
@@ -200,14 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--data", required=True, help="inputs: .npz, .npy or a folder of them")
     c.add_argument("--labels", metavar="KEY", help="array in the --data .npz holding class labels")
     c.add_argument("--max-samples", type=int)
-    c.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     c.set_defaults(func=_cmd_compare)
 
     i = sub.add_parser("inspect", help="describe a model and what would be quantized")
     i.add_argument("model")
     i.add_argument("--preset")
     i.add_argument("--config")
-    i.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     i.set_defaults(func=_cmd_inspect)
     return parser
 

@@ -222,7 +222,9 @@ def quantize(
         return np.clip(x / s, -f8.max_value, f8.max_value).astype(np.float32).astype(f8.np_dtype)
     info = int_type(dtype)
     z = broadcast_param(np.asarray(zero_point, dtype=np.float64), x.shape, axis, block_size)
-    q = _round(x / s, round_method) + z
+    # QuantizeLinear divides in float32: ties must fall where onnxruntime's fall.
+    ratio = (x.astype(np.float32) / s.astype(np.float32)).astype(np.float64)
+    q = _round(ratio, round_method) + z
     return np.clip(q, info.qmin, info.qmax).astype(info.np_dtype)
 
 

@@ -26,8 +26,8 @@ from onnxq.config import (
 )
 from onnxq.config.presets import PRESETS
 from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
+from onnxq.emit import emit_model
 from onnxq.emit.plan import QuantPlan, plan_quantization
-from onnxq.emit.qdq import emit_qdq
 from onnxq.errors import ConfigError
 from onnxq.graph.load import load_model
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
@@ -88,6 +88,21 @@ def required_opset(config: Config) -> int:
     return max(opsets, default=13)
 
 
+# Ranges beyond this come from masking sentinels (float min, -1e38): no integer grid can
+# hold both them and the ordinary values, so such tensors stay float.
+MAX_QUANTIZABLE_RANGE = 1e30
+
+
+def _drop_unquantizable(plan: QuantPlan, ranges: dict[str, tuple[float, float]]) -> list[str]:
+    huge = {n for n, (lo, hi) in ranges.items() if max(abs(lo), abs(hi)) > MAX_QUANTIZABLE_RANGE}
+    if not huge:
+        return []
+    dropped = plan.keep_float(huge, f"calibrated range beyond +-{MAX_QUANTIZABLE_RANGE:g}")
+    names = ", ".join(sorted(huge)[:3]) + (", ..." if len(huge) > 3 else "")
+    return [f"{len(dropped)} tensors kept in float: range beyond +-{MAX_QUANTIZABLE_RANGE:g} "
+            f"(masking constants such as float min): {names}"]
+
+
 def _calibrate_or_load(
     model: ir.Model, plan: QuantPlan, data: CalibrationSource, config: Config, progress: bool | None
 ) -> CalibrationResult:
@@ -141,17 +156,19 @@ def quantize(
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)
     summary.calibration_passes = calibration.num_passes
+    summary.notes.extend(_drop_unquantizable(plan, calibration.ranges))
 
     with summary.stage("optimise"):
         summary.notes.extend(run_algorithms(ir_model, plan, calibration.ranges, config.algo_config, ctx))
 
     with summary.stage("emit"):
-        emitted = emit_qdq(ir_model, plan, calibration.ranges, config.qdq_domain)
+        emitted = emit_model(ir_model, plan, calibration.ranges, config)
     summary.quantized_by_op = dict(sorted(Counter(plan.quantized_nodes.values()).items()))
     summary.float_nodes = plan.float_nodes
-    summary.fused_activations = len(emitted.removed_activations)
-    summary.kept_activations = emitted.kept_activations
-    summary.float_biases = emitted.float_biases
+    summary.fused_activations = len(emitted.qdq.removed_activations)
+    summary.kept_activations = emitted.qdq.kept_activations
+    summary.float_biases = emitted.qdq.float_biases
+    summary.notes.extend(emitted.notes)
 
     if output is not None:
         with summary.stage("save"):

@@ -9,6 +9,7 @@ object with `get_next()`). Nothing is read ahead beyond one batch.
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,43 +69,38 @@ def _split_rows(arrays: Mapping[str, np.ndarray]) -> Iterator[Feed]:
         yield {name: a[i : i + 1] for name, a in arrays.items()}
 
 
-def _npz(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path, allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}
+def _read_file(path: Path, inputs: list[InputSpec]) -> dict[str, np.ndarray]:
+    """Arrays of one .npz (keyed by input name) or .npy (single-input models) file."""
+    if path.suffix == ".npy" and len(inputs) != 1:
+        raise CalibrationDataError(
+            f"{path.name}: .npy files only work for single-input models; use .npz keyed by input name "
+            f"({', '.join(s.name for s in inputs)})"
+        )
+    if path.suffix not in (".npy", ".npz"):
+        raise CalibrationDataError(f"unsupported calibration file {path.name}; use .npz, .npy or a directory of them")
+    try:
+        if path.suffix == ".npy":
+            return {inputs[0].name: np.load(path, allow_pickle=False)}
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise CalibrationDataError(
+            f"cannot read calibration file {path}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            "; check that it is a complete .npy/.npz written by numpy"
+        ) from None
 
 
 def _from_path(path: Path, inputs: list[InputSpec]) -> Iterator[Mapping[str, Any]]:
     if not path.exists():
         raise CalibrationDataError(f"calibration data not found: {path}; pass a .npz/.npy file or a directory of them")
-    single = inputs[0].name if len(inputs) == 1 else None
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in (".npy", ".npz"))
         if not files:
             raise CalibrationDataError(f"no .npy or .npz files in {path}; save one sample or batch per file")
         for f in files:
-            if f.suffix == ".npz":
-                yield _npz(f)
-            elif single is None:
-                raise CalibrationDataError(
-                    f"{f.name}: .npy files only work for single-input models; use .npz keyed by input name "
-                    f"({', '.join(s.name for s in inputs)})"
-                )
-            else:
-                yield {single: np.load(f, allow_pickle=False)}
+            yield _read_file(f, inputs)
         return
-    try:
-        if path.suffix == ".npz":
-            arrays = _npz(path)
-        elif path.suffix == ".npy":
-            if single is None:
-                raise CalibrationDataError(
-                    f"{path.name}: a .npy file only works for single-input models; use .npz keyed by input name"
-                )
-            arrays = {single: np.load(path, allow_pickle=False)}
-        else:
-            raise CalibrationDataError(f"unsupported calibration file {path.name}; use .npz, .npy or a directory of them")
-    except (OSError, ValueError) as exc:
-        raise CalibrationDataError(f"cannot read calibration data {path}: {exc}") from None
+    arrays = _read_file(path, inputs)
     yield from _split_rows({k: _with_batch_axis(k, v, inputs) for k, v in arrays.items()})
 
 

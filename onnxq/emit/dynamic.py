@@ -62,7 +62,8 @@ class _Builder:
         outs = []
         for i in range(n_out):
             value = ir.Value(name=self.editor.unique(f"{self.prefix}_{suffix}" + (f"_{i}" if i else "")))
-            value.dtype = dtypes[i] if i < len(dtypes) else None
+            if i < len(dtypes):
+                value.dtype = dtypes[i]
             outs.append(value)
         name = self.editor.unique(f"{self.prefix}_{op_type}")
         self.nodes.append(ir.node(op_type, inputs, dict(attrs or {}), domain=domain, outputs=outs, name=name))
@@ -99,7 +100,8 @@ def _input(node: ir.Node, index: int) -> ir.Value | None:
 def _uniform(zp: np.ndarray) -> np.ndarray:
     """A per-channel zero point whose entries are all equal, as a scalar."""
     zp = np.asarray(zp)
-    return zp.reshape(-1)[:1].reshape(()) if zp.size and np.all(zp == zp.reshape(-1)[0]) else zp
+    first = zp.reshape(-1)[0]
+    return np.asarray(first) if np.all(zp == first) else zp
 
 
 def _quantize(w: np.ndarray, spec: ResolvedSpec, axis: int) -> QuantizedTensor:
@@ -114,10 +116,9 @@ def _replace(graph: ir.Graph, node: ir.Node, builder: _Builder, outputs: list[ir
     """Insert the builder's nodes before `node`, move its outputs' uses and names, remove it."""
     graph.insert_before(node, builder.nodes)
     for old, new in zip(node.outputs, outputs):
-        if not old.uses() and not old.is_graph_output():
-            continue
-        name = old.name
-        new.dtype = old.dtype or new.dtype
+        name = old.name  # "" for an absent optional output: the new one is absent too
+        if old.dtype is not None:
+            new.dtype = old.dtype
         new.shape = old.shape
         old.replace_all_uses_with(new, replace_graph_outputs=True)
         old.name = None

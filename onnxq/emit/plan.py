@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig, ResolvedSpec, resolve_node_config
 from onnxq.config.spec import Config, DType, QScheme
+from onnxq.emit.matmul_nbits import can_use_matmul_nbits
 from onnxq.emit.rules import DYNAMIC_OPS, FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
 from onnxq.graph.fold import constant_array
 from onnxq.qmath import FLOAT_TARGETS, qdq_opset
@@ -41,6 +42,7 @@ class TensorPlan:
     bias_inputs: tuple[str, str] | None = None  # (activation, weight) whose scales make the bias scale
     consumers: list[tuple[str, int]] = field(default_factory=list)  # (node name, input index) fed DQ
     all_consumers: bool = False  # producer is quantized: every consumer and graph output gets DQ
+    source: str | None = None  # the graph value, when `name` is a per-node key (shared biases)
     # Consumers that want this activation in another type (mixed precision): requantized.
     requant: dict[tuple[str, int], ResolvedSpec] = field(default_factory=dict)
 
@@ -60,6 +62,7 @@ class QuantPlan:
     dynamic_nodes: dict[str, ResolvedSpec] = field(default_factory=dict)  # weight spec
     nbits_nodes: dict[str, ResolvedSpec] = field(default_factory=dict)  # weight spec
     float_target_nodes: dict[str, DType] = field(default_factory=dict)  # float16 / bfloat16
+    float_tensors: dict[str, str] = field(default_factory=dict)  # dropped after calibration
 
     def required_opset(self) -> int:
         """The lowest ai.onnx opset whose Q/DQ accept every planned type and granularity."""
@@ -75,6 +78,18 @@ class QuantPlan:
             for t in self.tensors.values()
             if t.kind is Kind.ACTIVATION and t.alias_of is None
         }
+
+    def keep_float(self, names: set[str], reason: str) -> list[str]:
+        """Drop `names`, their aliases and the biases scaled by them from quantization."""
+        doomed = sorted(n for n in self.tensors if self.root_of(n) in names)
+        doomed_set = set(doomed)
+        for tensor in list(self.tensors.values()):
+            if tensor.bias_inputs is not None and tensor.bias_inputs[0] in doomed_set:
+                doomed.append(tensor.name)
+        for name in doomed:
+            self.tensors.pop(name, None)
+            self.float_tensors[name] = reason
+        return doomed
 
     def root_of(self, name: str) -> str:
         """The calibrated tensor whose parameters `name` uses."""
@@ -143,57 +158,79 @@ class _Planner:
         self.plan.float_nodes[node.name] = (node.op_type, reason)
 
     def plan_node(self, node: ir.Node) -> None:
-        rule = OP_RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-        if rule is None:
-            self.float_node(node, f"no quantized kernel rule for {node.domain or 'ai.onnx'}::{node.op_type}")
-            return
         cfg = resolve_node_config(self.config, node.name, node.op_type)
         if cfg is None:
             self.float_node(node, "excluded or kept in float by config")
             return
-        if self.route_elsewhere(node, rule, cfg):
+        if self.route_elsewhere(node, cfg):
+            return
+        rule = OP_RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if rule is None:
+            self.float_node(node, f"no quantized kernel rule for {node.domain or 'ai.onnx'}::{node.op_type}")
+            return
+        if rule.applies is not None and not rule.applies(node):
+            self.float_node(node, f"this {node.op_type} cannot reuse its input's parameters")
             return
         if rule.output is OutputMode.SHARED:
-            self.plan_shared(node, cfg)
+            self.plan_shared(node, rule, cfg)
         else:
             self.plan_compute(node, rule, cfg)
 
-    def route_elsewhere(self, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> bool:
+    def route_elsewhere(self, node: ir.Node, cfg: ResolvedConfig) -> bool:
         """Send a node to the float-target, dynamic or MatMulNBits emitter when its config asks."""
         main = cfg.input_tensors or cfg.weight
         if main is not None and main.dtype in FLOAT_TARGETS:
             self.plan.float_target_nodes[node.name] = main.dtype
             return True
+        weights_only = cfg.input_tensors is None or cfg.input_tensors.is_dynamic
+        if node.op_type == "Gather" and weights_only and node.domain in ("", "ai.onnx"):
+            # Weight-only and dynamic configs still store embedding tables quantized.
+            if self.plan_weight(node, OP_RULES["Gather"], cfg) is None:
+                self.float_node(node, "Gather on non-constant data: nothing to quantize")
+            else:
+                self.plan.quantized_nodes[node.name] = node.op_type
+            return True
         if cfg.input_tensors is not None and cfg.input_tensors.is_dynamic:
-            weight = node.inputs[rule.weight_input] if rule.weight_input is not None else None
-            if node.op_type not in DYNAMIC_OPS or cfg.weight is None or constant_array(weight) is None:
-                self.float_node(node, "dynamic quantization needs MatMul/Gemm/Conv with a constant weight")
+            weight = node.inputs[1] if len(node.inputs) > 1 else None
+            if node.op_type not in DYNAMIC_OPS:
+                self.float_node(node, "dynamic quantization covers MatMul, Gemm, Conv and LSTM only")
+            elif cfg.weight is None or constant_array(weight) is None:
+                self.float_node(node, "dynamic quantization needs a constant weight")
             else:
                 self.plan.dynamic_nodes[node.name] = cfg.weight
                 self.plan.quantized_nodes[node.name] = node.op_type
             return True
         if (
             self.config.matmul_nbits
-            and node.op_type == "MatMul"
             and cfg.input_tensors is None
             and cfg.weight is not None
-            and cfg.weight.qscheme == QScheme.PER_GROUP.value
+            and can_use_matmul_nbits(node, cfg.weight) is None
         ):
             self.plan.nbits_nodes[node.name] = cfg.weight
             self.plan.quantized_nodes[node.name] = node.op_type
             return True
         return False
 
-    def plan_shared(self, node: ir.Node, cfg: ResolvedConfig) -> None:
+    def plan_shared(self, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> None:
         data = node.inputs[0] if node.inputs else None
-        if data is None or data.name not in self.plan.tensors or constant_array(data) is not None:
+        if (
+            rule.quantize_constant_data
+            and cfg.input_tensors is not None
+            and _is_float(data)
+            and constant_array(data) is not None
+        ):
+            # An embedding table: stored quantized, looked up in int8, read out through DQ.
+            self.add_use(data, Kind.CONSTANT, cfg.input_tensors, node, 0)
+            source = self.plan.tensors[data.name]
+        elif data is None or data.name not in self.plan.tensors or constant_array(data) is not None:
             self.float_node(node, "input is not quantized (data movement op stays float)")
             return
-        source = self.plan.tensors[data.name]
-        if source.kind is not Kind.ACTIVATION:
-            self.float_node(node, "input is not an activation")
+        else:
+            source = self.plan.tensors[data.name]
+            source.consumers.append((node.name, 0))
+        if source.kind not in (Kind.ACTIVATION, Kind.CONSTANT):
+            self.float_node(node, "input is quantized as a weight of another op")
             return
-        source.consumers.append((node.name, 0))
         for out in node.outputs:
             if _is_float(out):
                 self.add_output(out, source.spec, alias_of=data.name)
@@ -258,8 +295,13 @@ class _Planner:
         array = constant_array(bias)
         if array is None or array.ndim != 1 or act.name not in self.plan.tensors:
             return
-        tensor = self.add_use(bias, Kind.BIAS, cfg.bias, node, i, axis=0 if array.size > 1 else None)
+        # A bias shared by several nodes gets one plan per node: its scale depends on each
+        # node's input and weight scales.
+        key = bias.name if len(bias.uses()) == 1 else f"{bias.name}@{node.name}"
+        tensor = TensorPlan(key, Kind.BIAS, cfg.bias, axis=0 if array.size > 1 else None, source=bias.name)
+        tensor.consumers.append((node.name, i))
         tensor.bias_inputs = (act.name, weight.name)
+        self.plan.tensors[key] = tensor
 
 
 def plan_quantization(model: ir.Model, config: Config) -> QuantPlan:

@@ -25,7 +25,7 @@ from onnxq.emit.weights import (
 )
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
-from onnxq.qmath import compute_qparams, int_type, is_float8, is_integer, qdq_opset
+from onnxq.qmath import compute_qparams, int_type, is_float8, is_integer, qdq_opset, quantize
 
 CONTRIB = "com.microsoft"
 
@@ -100,7 +100,7 @@ class _Emitter:
         spec = spec or self.plan.tensors[root].spec
         key = (root, qparams_key(spec))
         if key not in self.params:
-            rmin, rmax = self.ranges[root]
+            rmin, rmax = self.range_of(root)
             scale, zp = compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type)
             suffix = "" if spec is self.plan.tensors[root].spec else f"_{spec.dtype}"
             self.params[key] = _Params(
@@ -110,10 +110,19 @@ class _Emitter:
             )
         return self.params[key]
 
+    def range_of(self, root: str) -> tuple[float, float]:
+        """Calibrated range of an activation; a constant's range is its values' min and max."""
+        if self.plan.tensors[root].kind is Kind.CONSTANT:
+            array = constant_array(self.values[root])
+            return float(array.min(initial=0.0)), float(array.max(initial=0.0))
+        return self.ranges[root]
+
     def absorb_activation(self, act_name: str) -> None:
         """Remove a fused Relu/Clip when the output quantization clamps exactly like it."""
         act = self.nodes[act_name]
         out = act.outputs[0]
+        if out.name not in self.plan.tensors:  # its range was unquantizable: stays float
+            return
         spec = self.plan.tensors[out.name].spec
         p = self.activation_params(out.name)
         lower_is_zero = act.op_type == "Relu" or (
@@ -172,12 +181,19 @@ class _Emitter:
             self.report.requantized += 1
 
     # -- offline-quantized tensors ---------------------------------------------------
-    def dequantized(self, tensor: TensorPlan, qt: QuantizedTensor) -> None:
-        """Store `qt` as an integer initializer + DequantizeLinear feeding the consumers."""
-        value = self.values[tensor.name]
+    def dequantized(self, tensor: TensorPlan, qt: QuantizedTensor, params: _Params | None = None) -> None:
+        """Store `qt` as an integer initializer + DequantizeLinear feeding the consumers.
+
+        `params` reuses existing scale/zero-point initializers (constants that share them
+        with the activations computed from them).
+        """
+        value = self.values[tensor.source or tensor.name]
         data = self.edit.initializer(f"{tensor.name}_quantized", qt.data)
-        scale = self.edit.initializer(f"{tensor.name}_scale", qt.scale.astype(np.float32))
-        zp = self.edit.initializer(f"{tensor.name}_zero_point", qt.zero_point)
+        if params is not None:
+            scale, zp = params.scale, params.zero_point
+        else:
+            scale = self.edit.initializer(f"{tensor.name}_scale", qt.scale.astype(np.float32))
+            zp = self.edit.initializer(f"{tensor.name}_zero_point", qt.zero_point)
         attrs = {"axis": qt.axis} if qt.axis is not None else {}
         if qt.block_size:
             attrs["block_size"] = qt.block_size
@@ -194,7 +210,7 @@ class _Emitter:
             return 0.0
         channels = array.shape[tensor.axis] if tensor.axis is not None else 1
         s_in = float(self.bias_input_params(bias).scale_array)
-        b = constant_array(self.values[bias.name])
+        b = constant_array(self.values[bias.source or bias.name])
         return bias_safe_weight_scale(b, s_in, channels, bias.spec)
 
     def bias_input_params(self, bias: TensorPlan) -> _Params:
@@ -211,10 +227,12 @@ class _Emitter:
             if not qt.block_size and is_integer(tensor.spec.dtype):
                 self.weight_scales[tensor.name] = qt.scale
             self.report.weights += 1
-        else:
-            qt = quantize_weight(array, tensor.spec, None)
-            self.report.constants += 1
-        self.dequantized(tensor, qt)
+            self.dequantized(tensor, qt)
+            return
+        p = self.activation_params(tensor.name)
+        q = quantize(array, p.scale_array, p.zp_array, tensor.spec.dtype)
+        self.report.constants += 1
+        self.dequantized(tensor, QuantizedTensor(q, p.scale_array, p.zp_array, None), p)
 
     def quantize_bias(self, tensor: TensorPlan) -> None:
         weight_name = tensor.bias_inputs[1]
@@ -223,7 +241,7 @@ class _Emitter:
             self.report.float_biases.append(f"{tensor.name} (weight or input not integer per-tensor/channel)")
             return
         qt = quantize_bias(
-            constant_array(self.values[tensor.name]),
+            constant_array(self.values[tensor.source or tensor.name]),
             act_params.scale_array,
             self.weight_scales[weight_name],
             tensor.spec,

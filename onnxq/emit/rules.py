@@ -38,6 +38,14 @@ def _matmul_axis(node: ir.Node, rank: int) -> int:
     return rank - 1
 
 
+def _rows(node: ir.Node, rank: int) -> int:
+    return 0
+
+
+def _last(node: ir.Node, rank: int) -> int:
+    return rank - 1
+
+
 def _conv_in_axis(node: ir.Node, rank: int) -> int:
     return 1
 
@@ -52,6 +60,17 @@ def _gemm_in_axis(node: ir.Node, rank: int) -> int:
 
 def _matmul_in_axis(node: ir.Node, rank: int) -> int:
     return max(rank - 2, 0)
+
+
+def _pads_with_zero_or_edges(node: ir.Node) -> bool:
+    """Pad's output stays within its input's range (plus 0) unless it pads a nonzero constant."""
+    attr = node.attributes.get("mode")
+    if attr is not None and attr.as_string() != "constant":
+        return True
+    value = node.inputs[2] if len(node.inputs) > 2 else None
+    if value is None:
+        return True
+    return value.const_value is not None and float(value.const_value.numpy().reshape(-1)[0]) == 0.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,11 @@ class OpRule:
     bias_input: int | None = None
     weight_axis: Callable[[ir.Node, int], int] | None = None
     weight_in_axis: Callable[[ir.Node, int], int] | None = None
+    # SHARED ops: a constant float data input (an embedding table) is quantized with the
+    # activation spec and the output reuses its parameters.
+    quantize_constant_data: bool = False
+    # Extra condition on the node (attributes, constant inputs); None: always applies.
+    applies: Callable[[ir.Node], bool] | None = None
 
 
 _SHARED = OpRule(activation_inputs=(0,), output=OutputMode.SHARED)
@@ -99,13 +123,18 @@ OP_RULES: dict[str, OpRule] = {
     "Unsqueeze": _SHARED,
     "Slice": _SHARED,
     "Split": _SHARED,
-    "Gather": _SHARED,
+    # An embedding table: rows are its channels, blocks run along the embedding dimension.
+    "Gather": OpRule(
+        (0,), OutputMode.SHARED, weight_input=0, weight_axis=_rows, weight_in_axis=_last,
+        quantize_constant_data=True,
+    ),
+    "Pad": OpRule((0,), OutputMode.SHARED, applies=_pads_with_zero_or_edges),
     "Identity": _SHARED,
     "Dropout": _SHARED,
 }
 
 # Op types with integer kernels for dynamic quantization (activations quantized at run time).
-DYNAMIC_OPS = {"MatMul", "Gemm", "Conv"}
+DYNAMIC_OPS = {"MatMul", "Gemm", "Conv", "LSTM"}
 
 # Activations that a preceding quantized op absorbs (calibrated after the activation).
 FUSABLE_ACTIVATIONS = {"Relu", "Clip"}

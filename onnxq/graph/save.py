@@ -22,6 +22,11 @@ def check_output_path(output: str | os.PathLike, source: str | os.PathLike | Non
             raise OnnxqError(f"output {out} is the input model; choose another output path")
     if out.is_dir():
         raise OnnxqError(f"output {out} is a directory; give a file name such as {out / 'model.int8.onnx'}")
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise OnnxqError(f"cannot write {out}: {parent} is a file, not a directory; choose another output path")
+    if parent is not None and not os.access(parent, os.W_OK):
+        raise OnnxqError(f"cannot write {out}: {parent} is not writable; choose another output path")
     return out
 
 

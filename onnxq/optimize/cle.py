@@ -43,7 +43,7 @@ PASS_THROUGH = {"MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", 
 # ... and that also commute with a per-channel shift (needed for bias absorption).
 SHIFT_THROUGH = {"MaxPool", "GlobalAveragePool", "GlobalMaxPool", "Dropout", "Identity", "Flatten"}
 TOLERANCE = 1e-4  # stop sweeping when no scale moves by more than this (relative)
-SCALE_LIMIT = 1e4  # scales are clamped to [1/limit, limit]
+SCALE_LIMIT = 1e3  # total scales are clamped to [1/limit, limit]
 
 
 @dataclass(frozen=True)
@@ -215,10 +215,10 @@ def scale_in(node: ir.Node, w: np.ndarray, factor: np.ndarray) -> None:
 
 
 def equalization_scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
-    """s = sqrt(r1 / r2), 1 where a channel is dead in either layer, clamped."""
+    """s = sqrt(r1 / r2), 1 where a channel is dead in either layer."""
     alive = (r1 > 0) & (r2 > 0)
     s = np.sqrt(np.where(alive, r1, 1.0) / np.where(alive, r2, 1.0))
-    return np.clip(s, 1.0 / SCALE_LIMIT, SCALE_LIMIT)
+    return s
 
 
 # -- the pass --------------------------------------------------------------------------
@@ -272,7 +272,7 @@ def equalize(pairs: list[Pair], params: _Params, steps: int) -> tuple[int, float
         for pair in pairs:
             w1, w2 = params.w[pair.first.name], params.w[pair.second.name]
             s = equalization_scales(out_ranges(pair.first, w1), in_ranges(pair.second, w2))
-            bounded = np.clip(pair.total * s, pair.low, pair.high)
+            bounded = np.clip(np.clip(pair.total * s, pair.low, pair.high), 1 / SCALE_LIMIT, SCALE_LIMIT)
             s, pair.total = bounded / pair.total, bounded
             b1 = params.b[pair.first.name]
             if b1 is not None and b1.size == 1 and s.size > 1:
@@ -358,9 +358,10 @@ def bound_clipped_scales(model: ir.Model, pairs: list[Pair], ctx: PassContext) -
     pinned = 0
     for pair, name in zip(pairs, names):
         m, t = highs[name], pair.clip_max
-        pair.low = np.where(m <= t, np.maximum(m, 0.0) / t, 1.0)
-        pair.high = np.where(m <= t, np.inf, 1.0)
-        pinned += int(np.count_nonzero(m > t))
+        free = m <= t  # never reaches t
+        pair.low = np.where(free, np.maximum(m, 0.0) / t, 1.0)
+        pair.high = np.where(free, np.inf, 1.0)
+        pinned += int(np.count_nonzero(~free))
     return pinned
 
 

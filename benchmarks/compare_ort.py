@@ -1,0 +1,676 @@
+#!/usr/bin/env python
+"""Compare onnxq with `onnxruntime.quantization.quantize_static` on one model, data and machine.
+
+    python benchmarks/compare_ort.py MODEL --calib DATA [--eval DATA --labels Y] [--samples N]
+    python benchmarks/compare_ort.py --shared [--models mobilenet resnet20 minilm]
+
+Each quantizer run happens in its own subprocess (`--worker onnxq|ort --job JOB.json`):
+the worker loads the calibration data and imports both libraries first, then times only the
+quantize call and records the peak resident memory of that call. The parent then evaluates
+the float model and every quantized model with onnxruntime on the CPU and prints one table
+per model. See benchmarks/README.md for the settings used on each side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Runs as a script: benchmarks/ is sys.path[0], so the helpers import as a top-level module.
+import common as C
+import numpy as np
+
+QUANTIZERS = ("onnxq", "ort")
+METHODS = ("minmax", "percentile")
+PERCENTILE = 99.999
+
+
+# =========================================================================== worker side
+
+
+def load_calibration(spec: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The calibration arrays (samples on axis 0) described by a job's `data` entry."""
+    kind = spec["kind"]
+    if kind == "imagenet":
+        x, _ = C.load_imagenet(spec["dir"], spec["start"], spec["stop"])
+        return {spec["input"]: x}
+    if kind == "cifar":
+        x, _ = C.load_cifar(spec["dir"], spec["start"], spec["stop"])
+        return {spec["input"]: x}
+    if kind == "stsb":
+        return C.load_stsb(spec["dir"], C.stsb_rows(spec["pairs"]))
+    if kind == "file":
+        return C.load_arrays(spec["path"], spec["inputs"], spec.get("stop"))
+    raise ValueError(f"unknown data kind {kind!r}")
+
+
+def _current_rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / (1024.0 * 1024.0)
+
+
+class RssSampler:
+    """Polls the current RSS every `interval` seconds in a background thread."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _current_rss_mb())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> RssSampler:
+        self.peak = _current_rss_mb()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _current_rss_mb())
+
+
+def quantize_onnxq(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    import onnxq
+    from onnxq.config import get_preset
+    from onnxq.config.spec import CalibMethod, QScheme
+
+    cfg = get_preset("U8S8")
+    cfg.calibration.max_samples = C.num_samples(arrays)
+    cfg.calibration.batch_size = job["batch_size"]
+    gqc = cfg.global_quant_config
+    if job["method"] == "percentile":
+        for spec in (gqc.input_tensors, gqc.output_tensors):
+            spec.calib_method = CalibMethod.PERCENTILE
+            spec.percentile = job["percentile"]
+    if job["per_tensor"]:
+        gqc.weight.qscheme = QScheme.PER_TENSOR
+    result = onnxq.quantize(
+        job["model"], job["output"], config=cfg, calibration_data=arrays, progress=False
+    )
+    return {"summary": onnxq.format_summary(result.summary)}
+
+
+def quantize_ort(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    method = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile}[
+        job["method"]
+    ]
+    extra: dict[str, Any] = {}
+    if job["method"] == "percentile" and job["percentile"] != PERCENTILE:
+        extra["CalibPercentile"] = job["percentile"]
+    if job.get("ort_max_intermediate"):
+        extra["CalibMaxIntermediateOutputs"] = job["ort_max_intermediate"]
+    quantize_static(
+        job["model"],
+        job["output"],
+        C.FeedReader(arrays),
+        quant_format=QuantFormat.QDQ,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+        per_channel=not job["per_tensor"],
+        calibrate_method=method,
+        extra_options=extra or None,
+    )
+    return {"extra_options": extra}
+
+
+def run_worker(quantizer: str, job_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    t_load = time.perf_counter()
+    arrays = load_calibration(job["data"])
+    load_s = time.perf_counter() - t_load
+    # Import both libraries in both workers so the memory baseline is the same on each side.
+    import onnx  # noqa: F401
+    import onnxruntime.quantization  # noqa: F401
+
+    import onnxq  # noqa: F401
+
+    quantize = {"onnxq": quantize_onnxq, "ort": quantize_ort}[quantizer]
+    gc.collect()
+    rss_before = _current_rss_mb()
+    maxrss_before = C.peak_rss_mb()
+    with RssSampler() as sampler:
+        t0 = time.perf_counter()
+        info = quantize(job, arrays)
+        elapsed = time.perf_counter() - t0
+    maxrss_after = C.peak_rss_mb()
+    # ru_maxrss is exact but covers the whole process; when it rose during the call the new
+    # maximum belongs to the call, otherwise fall back to the sampled peak of the call.
+    peak = maxrss_after if maxrss_after > maxrss_before else sampler.peak
+    result = {
+        "quantizer": quantizer,
+        "method": job["method"],
+        "time_s": elapsed,
+        "peak_rss_mb": peak,
+        "rss_before_mb": rss_before,
+        "rss_increase_mb": peak - rss_before,
+        "sampled_peak_rss_mb": sampler.peak,
+        "process_maxrss_mb": maxrss_after,
+        "data_load_s": load_s,
+        "calib_samples": C.num_samples(arrays),
+        "size_mb": C.file_mb(job["output"]),
+        **info,
+    }
+    Path(job["result"]).write_text(json.dumps(C.jsonable(result), indent=2))
+    return 0
+
+
+# =========================================================================== parent side
+
+
+@dataclass
+class Task:
+    """One model to compare: where it is, how to calibrate it and how to score it.
+
+    `load_eval` returns (eval feeds, labels or None, extra); it runs only when the model's
+    turn comes, so the parent holds one model's evaluation data at a time.
+    """
+
+    name: str
+    model: Path
+    kind: str  # classifier | encoder | generic
+    calib_spec: dict[str, Any]
+    calib_desc: str
+    eval_desc: str
+    metric_name: str
+    load_eval: Callable[[], tuple[dict[str, np.ndarray], np.ndarray | None, dict[str, Any]]]
+    eval_feeds: dict[str, np.ndarray] | None = None
+    labels: np.ndarray | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def model_inputs(path: Path) -> list[str]:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+    return [i.name for i in model.graph.input if i.name not in inits]
+
+
+def _image_eval(
+    loader: Callable[..., tuple[np.ndarray, np.ndarray]], d: Path, start: int, stop: int | None
+) -> Callable[[], tuple[dict[str, np.ndarray], np.ndarray, dict[str, Any]]]:
+    def load() -> tuple[dict[str, np.ndarray], np.ndarray, dict[str, Any]]:
+        x, y = loader(d, start, stop)
+        return {"input": x}, y, {}
+
+    return load
+
+
+def shared_tasks(args: argparse.Namespace, shared: Path) -> list[Task]:
+    """The three real models of ../shared (see its MANIFEST.md)."""
+    models, data = shared / "models", shared / "data"
+    n_img = args.samples if args.samples is not None else 200
+    tasks = []
+    wanted = set(args.models)
+    for key, name, folder, total, loader, kind in (
+        ("resnet20", "resnet20_cifar10", "cifar10_test2000", 2000, C.load_cifar, "cifar"),
+        ("mobilenet", "mobilenet_v1_075", "imagenet_sample1000", 1000, C.load_imagenet, "imagenet"),
+    ):
+        if key not in wanted:
+            continue
+        d = data / folder
+        stop = total if args.eval_samples is None else min(total, n_img + args.eval_samples)
+        tasks.append(
+            Task(
+                name,
+                models / f"{name}.onnx",
+                "classifier",
+                {"kind": kind, "dir": str(d), "start": 0, "stop": n_img, "input": "input"},
+                f"first {n_img} images",
+                f"next {stop - n_img} images",
+                "top-1 %",
+                _image_eval(loader, d, n_img, stop),
+            )
+        )
+    if "minilm" in wanted:
+        d = data / "stsb_dev"
+        calib_pairs, eval_pairs = C.stsb_split(args.text_samples, args.eval_samples)
+
+        def load_stsb_eval() -> tuple[dict[str, np.ndarray], None, dict[str, Any]]:
+            # Embed the held-out pairs (the metric) and the calibration pairs (for the
+            # all-pairs figure); held-out pairs come first.
+            all_pairs = eval_pairs + calib_pairs
+            feeds = C.load_stsb(d, C.stsb_rows(all_pairs))
+            scores = C.load_stsb_scores(d)[np.asarray(all_pairs)]
+            return (
+                feeds,
+                None,
+                {"scores": scores, "n_eval_pairs": len(eval_pairs), "n_all_pairs": len(all_pairs)},
+            )
+
+        tasks.append(
+            Task(
+                "all_minilm_l6_v2",
+                models / "all_minilm_l6_v2.onnx",
+                "encoder",
+                {"kind": "stsb", "dir": str(d), "pairs": calib_pairs},
+                f"{2 * len(calib_pairs)} sentences (pairs 0-{len(calib_pairs) - 1})",
+                f"STS-B pairs {eval_pairs[0]}-{eval_pairs[-1]} ({len(eval_pairs)} held-out pairs)",
+                "Spearman x100",
+                load_stsb_eval,
+            )
+        )
+    return tasks
+
+
+def file_task(args: argparse.Namespace) -> Task:
+    model = Path(args.model)
+    inputs = model_inputs(model)
+    calib = C.load_arrays(args.calib, inputs, args.samples)
+    n_calib = C.num_samples(calib)
+    if args.eval:
+        feeds = C.load_arrays(args.eval, inputs, args.eval_samples)
+        eval_desc = f"{C.num_samples(feeds)} samples of {args.eval}"
+    else:
+        feeds, eval_desc = calib, f"the {n_calib} calibration samples (no --eval given)"
+    labels = C.load_labels(args.labels, args.eval, args.eval_samples) if args.labels else None
+    return Task(
+        model.stem,
+        model,
+        "generic",
+        {"kind": "file", "path": str(args.calib), "inputs": inputs, "stop": args.samples},
+        f"{n_calib} samples of {args.calib}",
+        eval_desc,
+        "top-1 %" if labels is not None else "metric",
+        lambda: (feeds, labels, {}),
+    )
+
+
+def spawn_worker(
+    quantizer: str, job: dict[str, Any], workdir: Path, timeout: float
+) -> dict[str, Any]:
+    tag = f"{job['tag']}.{quantizer}-{job['method']}"
+    job_path, log_path = workdir / f"{tag}.job.json", workdir / f"{tag}.log"
+    job = {
+        **job,
+        "output": str(workdir / f"{tag}.onnx"),
+        "result": str(workdir / f"{tag}.result.json"),
+    }
+    job_path.write_text(json.dumps(job, indent=2))
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        quantizer,
+        "--job",
+        str(job_path),
+    ]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - t0
+    if rc != 0 or not Path(job["result"]).exists():
+        text = log_path.read_text(errors="replace")
+        last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
+        return {
+            "quantizer": quantizer,
+            "method": job["method"],
+            "error": f"worker exit {rc}: {last}",
+            "log_tail": text[-1500:],
+            "worker_wall_s": wall,
+        }
+    result = json.loads(Path(job["result"]).read_text())
+    result["output"] = job["output"]
+    result["worker_wall_s"] = wall
+    return result
+
+
+def run_repeated(
+    quantizer: str, job: dict[str, Any], workdir: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    """`--repeat` fresh workers; keep the fastest run, report every time and the largest peak."""
+    runs = []
+    for _ in range(max(args.repeat, 1)):
+        res = spawn_worker(quantizer, job, workdir, args.timeout)
+        if "error" in res:
+            return res
+        runs.append(res)
+    best = dict(min(runs, key=lambda r: r["time_s"]))
+    if len(runs) > 1:
+        best["all_times_s"] = [r["time_s"] for r in runs]
+        best["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+        best["rss_increase_mb"] = max(r["rss_increase_mb"] for r in runs)
+    return best
+
+
+def make_session(path: str | Path, threads: int | None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def run_model(
+    path: str | Path,
+    feeds: dict[str, np.ndarray],
+    output: str | None,
+    batch_size: int,
+    threads: int | None,
+) -> tuple[np.ndarray, float]:
+    """Outputs of `output` (or the first output) over all samples, and ms per sample."""
+    sess = make_session(path, threads)
+    name = output or sess.get_outputs()[0].name
+    wanted = {i.name for i in sess.get_inputs()}
+    chunks = []
+    warm = next(C.batches(feeds, batch_size))
+    sess.run([name], {k: v for k, v in warm.items() if k in wanted})  # warm-up, not timed
+    t0 = time.perf_counter()
+    for batch in C.batches(feeds, batch_size):
+        chunks.append(sess.run([name], {k: v for k, v in batch.items() if k in wanted})[0])
+    ms = (time.perf_counter() - t0) * 1000.0 / max(C.num_samples(feeds), 1)
+    return np.concatenate(chunks), ms
+
+
+def evaluate(
+    task: Task, path: str | Path, reference: np.ndarray | None, args: argparse.Namespace
+) -> tuple[dict[str, Any], np.ndarray]:
+    """Score one model on the task's eval data; `reference` is the float model's output."""
+    assert task.eval_feeds is not None
+    if task.kind == "encoder":
+        out, ms = run_model(
+            path, task.eval_feeds, "sentence_embedding", args.eval_batch, args.threads
+        )
+        n_all = task.extra["n_all_pairs"]
+        n_eval = task.extra["n_eval_pairs"]
+        sims = C.row_cosine(out[:n_all], out[n_all:])
+        scores = task.extra["scores"]
+        m = {
+            "metric": 100.0 * C.spearman(sims[:n_eval], scores[:n_eval]),
+            "spearman_all_pairs": 100.0 * C.spearman(sims, scores),
+            "infer_ms": ms,
+        }
+        if reference is not None:
+            cos = C.row_cosine(out, reference)
+            m.update(agree=float(cos.mean()), cosine_min=float(cos.min()))
+        return m, out
+    out, ms = run_model(path, task.eval_feeds, None, args.eval_batch, args.threads)
+    m: dict[str, Any] = {"infer_ms": ms, "metric": None}
+    pred = C.top1(out) if out.ndim == 2 and out.shape[1] > 1 else None
+    if task.labels is not None and pred is not None:
+        m["metric"] = 100.0 * float((pred == task.labels[: len(pred)]).mean())
+    if reference is not None:
+        cos = C.row_cosine(out, reference)
+        m["cosine_vs_float"] = float(cos.mean())
+        if pred is not None:
+            m["agree"] = 100.0 * float((pred == C.top1(reference)).mean())
+        else:
+            m["agree"] = float(cos.mean())
+    return m, out
+
+
+def qdq_counts(path: str | Path) -> dict[str, int]:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    ops = [n.op_type for n in model.graph.node]
+    return {
+        "nodes": len(ops),
+        "QuantizeLinear": ops.count("QuantizeLinear"),
+        "DequantizeLinear": ops.count("DequantizeLinear"),
+    }
+
+
+def compare_task(task: Task, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    log = lambda msg: print(f"[{task.name}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    rows: dict[str, dict[str, Any]] = {}
+    log(f"calibration: {task.calib_desc}; evaluation: {task.eval_desc}")
+    task.eval_feeds, task.labels, task.extra = task.load_eval()
+    float_metrics, reference = evaluate(task, task.model, None, args)
+    float_metrics.update(size_mb=C.file_mb(task.model), **qdq_counts(task.model))
+    if task.kind == "encoder":
+        float_metrics["agree"] = 1.0
+    elif reference.ndim == 2 and reference.shape[1] > 1:
+        float_metrics["agree"] = 100.0
+    rows["float"] = float_metrics
+    log(f"float: metric {float_metrics['metric']}")
+    for method in args.methods:
+        for quantizer in QUANTIZERS:
+            job = {
+                "tag": task.name,
+                "model": str(task.model),
+                "method": method,
+                "per_tensor": args.per_tensor,
+                "percentile": args.percentile,
+                "batch_size": args.batch_size,
+                "data": task.calib_spec,
+                "ort_max_intermediate": args.ort_max_intermediate,
+            }
+            log(f"{quantizer}-{method}: quantizing ...")
+            res = run_repeated(quantizer, job, workdir, args)
+            if "error" not in res:
+                metrics, _ = evaluate(task, res["output"], reference, args)
+                res.update(metrics, **qdq_counts(res["output"]))
+                log(
+                    f"{quantizer}-{method}: {res['time_s']:.2f} s, peak {res['peak_rss_mb']:.0f} MB, "
+                    f"metric {res['metric']}"
+                )
+            else:
+                log(f"{quantizer}-{method}: FAILED ({res['error']})")
+            rows[f"{quantizer}-{method}"] = res
+    ratios = {}
+    for method in args.methods:
+        a, b = rows.get(f"onnxq-{method}", {}), rows.get(f"ort-{method}", {})
+        if "time_s" in a and "time_s" in b:
+            ratios[method] = {
+                "time": a["time_s"] / b["time_s"],
+                "rss": a["peak_rss_mb"] / b["peak_rss_mb"],
+                "rss_increase": a["rss_increase_mb"] / max(b["rss_increase_mb"], 1e-9),
+            }
+    return {
+        "model": str(task.model),
+        "calibration": task.calib_desc,
+        "evaluation": task.eval_desc,
+        "metric": task.metric_name,
+        "methods": list(args.methods),
+        "rows": rows,
+        "ratios": ratios,
+    }
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(name: str, res: dict[str, Any], per_tensor: bool) -> str:
+    encoder = res["metric"].startswith("Spearman")
+    agree_name = "cos vs fp" if encoder else "agree %"
+    agree_fmt = ".4f" if encoder else ".2f"
+    weights = "per-tensor" if per_tensor else "per-channel"
+    lines = [
+        f"== {name}: calibration {res['calibration']}; evaluation {res['evaluation']}; "
+        f"U8S8 QDQ, {weights} weights",
+        f"{'':18} {'quant s':>8} {'peak RSS MB':>12} {'+RSS MB':>8} {'size MB':>8} "
+        f"{res['metric']:>14} {agree_name:>10} {'infer ms':>9} {'Q/DQ':>9}",
+    ]
+    for row_name, r in res["rows"].items():
+        if "error" in r:
+            lines.append(f"{row_name:18} FAILED: {r['error']}")
+            continue
+        qdq = f"{r.get('QuantizeLinear', 0)}/{r.get('DequantizeLinear', 0)}"
+        lines.append(
+            f"{row_name:18} {_fmt(r.get('time_s'), '8.2f'):>8} {_fmt(r.get('peak_rss_mb'), '12.0f'):>12} "
+            f"{_fmt(r.get('rss_increase_mb'), '8.0f'):>8} {_fmt(r.get('size_mb'), '8.2f'):>8} "
+            f"{_fmt(r.get('metric'), '14.2f'):>14} {_fmt(r.get('agree'), agree_fmt):>10} "
+            f"{_fmt(r.get('infer_ms'), '9.3f'):>9} {qdq:>9}"
+        )
+    if encoder:
+        alls = ", ".join(
+            f"{k} {_fmt(r.get('spearman_all_pairs'), '.2f')}"
+            for k, r in res["rows"].items()
+            if "error" not in r
+        )
+        lines.append(f"Spearman x100 on all evaluated pairs (incl. calibration pairs): {alls}")
+    for method in res["methods"]:
+        q = res["ratios"].get(method)
+        if q is None:
+            lines.append(f"onnxq/ort {method}: n/a (a run failed)")
+            continue
+        lines.append(
+            f"onnxq/ort {method}: time {q['time']:.2f}, rss {q['rss']:.2f} "
+            f"(rss increase over data+imports {q['rss_increase']:.2f})"
+        )
+    return "\n".join(lines)
+
+
+def machine_info() -> dict[str, Any]:
+    import onnx
+    import onnxruntime
+
+    import onnxq
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "onnxq": onnxq.__version__,
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("model", nargs="?", help="float ONNX model (not with --shared)")
+    p.add_argument(
+        "--calib",
+        help=".npz (arrays keyed by input name) or .npy (single input), samples on axis 0",
+    )
+    p.add_argument(
+        "--eval", help="evaluation data, same format as --calib (default: the calibration data)"
+    )
+    p.add_argument("--labels", help="int labels for top-1: a .npy file or a key of the --eval .npz")
+    p.add_argument(
+        "--shared", action="store_true", help="run the real models of ../shared (see MANIFEST.md)"
+    )
+    p.add_argument("--shared-dir", type=Path, default=C.default_shared_dir())
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["resnet20", "mobilenet", "minilm"],
+        choices=["resnet20", "mobilenet", "minilm"],
+        help="subset of the --shared models",
+    )
+    p.add_argument(
+        "--samples", type=int, help="calibration samples (default: all; 200 images with --shared)"
+    )
+    p.add_argument(
+        "--text-samples", type=int, default=256, help="calibration sentences for MiniLM (--shared)"
+    )
+    p.add_argument("--eval-samples", type=int, help="cap on evaluation samples (STS-B: pairs)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--percentile", type=float, default=PERCENTILE)
+    p.add_argument("--per-tensor", action="store_true", help="per-tensor weights on both sides")
+    p.add_argument("--batch-size", type=int, default=8, help="onnxq calibration batch size")
+    p.add_argument(
+        "--ort-max-intermediate",
+        type=int,
+        help="ORT MinMax: CalibMaxIntermediateOutputs (default: ORT's default, keep all)",
+    )
+    p.add_argument("--eval-batch", type=int, default=32)
+    p.add_argument(
+        "--threads", type=int, help="intra-op threads for evaluation sessions (default: ORT's)"
+    )
+    p.add_argument(
+        "--repeat", type=int, default=1, help="quantizer runs per row (fastest kept; default 1)"
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per quantizer run")
+    p.add_argument("--json", type=Path, help="write every number to this JSON file")
+    p.add_argument("--keep", type=Path, help="keep quantized models and worker logs in this folder")
+    p.add_argument("--worker", choices=QUANTIZERS, help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    if args.shared == bool(args.model):
+        p.error("give either MODEL --calib DATA or --shared")
+    if args.model and not args.calib:
+        p.error("MODEL needs --calib DATA")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args.worker, args.job)
+
+    if args.shared:
+        shared = args.shared_dir
+        if not (shared / "models").is_dir():
+            print(f"compare_ort: no shared evaluation folder at {shared}; nothing to do (skipped)")
+            return 0
+        print(f"loading evaluation data from {shared} ...", file=sys.stderr, flush=True)
+        tasks = shared_tasks(args, shared)
+    else:
+        tasks = [file_task(args)]
+
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix="compare_ort."))
+    workdir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "machine": machine_info(),
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("worker", "job")
+        },
+        "models": {},
+    }
+    t0 = time.perf_counter()
+    try:
+        for task in tasks:
+            res = compare_task(task, args, workdir)
+            task.eval_feeds = task.labels = None  # free the evaluation data before the next model
+            report["models"][task.name] = res
+            print(format_table(task.name, res, args.per_tensor), flush=True)
+            print(flush=True)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report["total_s"] = time.perf_counter() - t0
+    report["load_average_at_end"] = os.getloadavg()
+    m = report["machine"]
+    print(
+        f"machine: {m['cpu_count']} CPUs, {m['platform']}; onnxruntime {m['onnxruntime']}, "
+        f"onnxq {m['onnxq']}; load average {m['load_average_at_start'][0]:.2f} at start, "
+        f"{report['load_average_at_end'][0]:.2f} at end; total {report['total_s']:.0f} s"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(C.jsonable(report), indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

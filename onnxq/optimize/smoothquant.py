@@ -1,0 +1,287 @@
+"""SmoothQuant (Xiao et al., 2023): move activation outliers into the weights.
+
+For y = x W, x W == (x / s)(s W) for any per-input-channel s > 0. Choosing
+s_j = max|x_j|^alpha / max|W_j|^(1-alpha) flattens the few outlier channels that make
+per-tensor activation quantization coarse, at the price of wider weight rows (which
+per-channel weight quantization absorbs well). alpha = 0.5 splits the difficulty evenly.
+
+Consumers sharing one activation (Q/K/V after a LayerNorm) get one s, from the max over
+all their weights. The 1/s goes, in order of preference:
+- into the producer, when every consumer that reads values is smoothed: a
+  LayerNormalization (scale, bias), a MatMul/Gemm/Conv with a constant weight (output
+  channels, bias), a Mul/Div by a constant, or, through Relu/pooling or an Add/Sub of a
+  constant, whatever produces their input;
+- otherwise (`insert_mul`, the default) into a Mul by 1/s inserted before the smoothed
+  consumers, named `<tensor>_smoothquant_Mul`. That Mul only pays off when it runs in
+  float: quantized, its input keeps the outliers and its constant 1/s loses precision,
+  so exclude it (`exclude: [".*_smoothquant_Mul"]`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxq.errors import ConfigError
+from onnxq.graph.edit import GraphEditor, set_constant
+from onnxq.graph.fold import constant_array
+from onnxq.optimize import PassContext, register_pass
+from onnxq.optimize.options import parse_options
+
+SMOOTHABLE = {"MatMul", "Gemm", "Conv"}
+SHAPE_ONLY = {"Shape", "Size"}  # consumers that never read values
+# Ops with f(x / s) == f(x) / s per channel for s > 0: 1/s passes through to their input.
+HOMOGENEOUS = {"Relu", "LeakyRelu", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Identity"}
+SCALE_RANGE = (1e-5, 1e5)
+
+
+@dataclass(frozen=True)
+class SmoothQuantOptions:
+    """Options of the `smoothquant` pass.
+
+    alpha: migration strength in [0, 1] (`migration_strength`, in [0.2, 0.8], is an alias).
+    op_types: consumer types smoothed (MatMul, Gemm, Conv with group 1).
+    insert_mul: when the producer cannot absorb 1/s, insert a Mul (else leave the layers).
+    skip_layers: consumer node names left alone.
+    """
+
+    alpha: float = 0.5
+    op_types: tuple[str, ...] = ("MatMul", "Gemm")
+    insert_mul: bool = True
+    skip_layers: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"smoothquant: alpha must be in [0, 1], got {self.alpha}")
+        unknown = sorted(set(self.op_types) - SMOOTHABLE)
+        if unknown:
+            raise ConfigError(f"smoothquant: cannot smooth {unknown}; op_types may hold {sorted(SMOOTHABLE)}")
+
+
+def _parse(options: Mapping[str, Any]) -> SmoothQuantOptions:
+    options = dict(options)
+    if "migration_strength" in options:
+        strength = options.pop("migration_strength")
+        if "alpha" in options:
+            raise ConfigError("smoothquant: give alpha or migration_strength, not both")
+        if not isinstance(strength, int | float) or not 0.2 <= strength <= 0.8:
+            raise ConfigError(f"smoothquant: migration_strength must be in [0.2, 0.8], got {strength!r}")
+        options["alpha"] = float(strength)
+    return parse_options(SmoothQuantOptions, options, "smoothquant")
+
+
+def _attr(node: ir.Node, name: str, default: Any) -> Any:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+@dataclass
+class Consumer:
+    """A layer reading the activation: its weight and which weight axis is the input channel."""
+
+    node: ir.Node
+    weight_axis: int
+    act_axis: int  # input-channel axis of the activation (negative: from the end)
+
+
+def _consumer(node: ir.Node, op_types: tuple[str, ...], skip: tuple[str, ...]) -> Consumer | None:
+    if node.op_type not in op_types or node.domain not in ("", "ai.onnx") or node.name in skip:
+        return None
+    if len(node.inputs) < 2 or constant_array(node.inputs[0]) is not None:
+        return None
+    w = constant_array(node.inputs[1])
+    if w is None or w.dtype.kind != "f":
+        return None
+    if node.op_type == "MatMul":
+        return Consumer(node, 0, -1) if w.ndim == 2 else None
+    if node.op_type == "Gemm":
+        return Consumer(node, 1 if _attr(node, "transB", 0) else 0, -2 if _attr(node, "transA", 0) else -1)
+    rank = w.ndim  # Conv: input rank equals weight rank
+    return Consumer(node, 1, 1 - rank) if int(_attr(node, "group", 1)) == 1 else None
+
+
+def find_groups(graph: ir.Graph, opts: SmoothQuantOptions) -> dict[str, list[Consumer]]:
+    """Smoothable consumers grouped by the activation they read (input 0)."""
+    groups: dict[str, list[Consumer]] = {}
+    for node in graph:
+        consumer = _consumer(node, opts.op_types, opts.skip_layers)
+        if consumer is None:
+            continue
+        act = node.inputs[0]
+        group = groups.setdefault(act.name, [])
+        if not group or group[0].act_axis == consumer.act_axis:
+            group.append(consumer)
+    return groups
+
+
+def channel_absmax(model: ir.Model, groups: dict[str, list[Consumer]], ctx: PassContext) -> dict[str, np.ndarray]:
+    """max |x| per input channel of every grouped activation, in one pass over the data."""
+    result: dict[str, np.ndarray] = {}
+    for _, values in ctx.stream(model, list(groups), "smoothquant"):
+        for name, value in values.items():
+            axis = groups[name][0].act_axis % value.ndim
+            m = np.abs(value).max(axis=tuple(i for i in range(value.ndim) if i != axis)).astype(np.float64)
+            result[name] = np.maximum(result[name], m) if name in result else m
+    return result
+
+
+def smoothing_scales(xmax: np.ndarray, wmax: np.ndarray, alpha: float) -> np.ndarray:
+    """s_j = max|x_j|^alpha / max|W_j|^(1 - alpha); 1 for dead channels; clamped."""
+    alive = (xmax > 0) & (wmax > 0)
+    s = np.power(np.where(alive, xmax, 1.0), alpha) / np.power(np.where(alive, wmax, 1.0), 1.0 - alpha)
+    return np.clip(np.where(alive, s, 1.0), *SCALE_RANGE)
+
+
+def _weight_absmax(consumer: Consumer) -> np.ndarray:
+    w = np.abs(constant_array(consumer.node.inputs[1]).astype(np.float64))
+    return w.max(axis=tuple(i for i in range(w.ndim) if i != consumer.weight_axis))
+
+
+def _along(factor: np.ndarray, axis: int) -> np.ndarray:
+    """`factor` shaped to broadcast along `axis` (negative) of a tensor."""
+    return factor.reshape((-1,) + (1,) * (-axis - 1))
+
+
+# An edit multiplies input `index` of `node` by `factor` (broadcasting).
+Edit = tuple[ir.Node, int, np.ndarray]
+
+
+def _const_input(node: ir.Node) -> tuple[int, np.ndarray] | None:
+    consts = [(i, constant_array(v)) for i, v in enumerate(node.inputs[:2])]
+    found = [(i, a) for i, a in consts if a is not None]
+    return found[0] if len(found) == 1 and len(node.inputs) == 2 else None
+
+
+def fold_edits(value: ir.Value, factor: np.ndarray, axis: int) -> list[Edit] | None:
+    """Edits that make `value` come out multiplied by `factor` along `axis`, or None."""
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx") or value is not node.outputs[0]:
+        return None
+    f = _along(factor, axis)
+    op = node.op_type
+    if op in HOMOGENEOUS and len(node.outputs) == 1:
+        inner = node.inputs[0]
+        if inner is None or inner.is_graph_output() or len(inner.uses()) != 1:
+            return None
+        return fold_edits(inner, factor, axis)
+    if op == "Conv":
+        w = constant_array(node.inputs[1])
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        if w is None or axis != 1 - w.ndim or (bias is not None and constant_array(bias) is None):
+            return None
+        return [(node, 1, _along(factor, -w.ndim))] + ([(node, 2, factor)] if bias is not None else [])
+    if op == "LayerNormalization":
+        if axis != -1 or _attr(node, "axis", -1) != -1 or constant_array(node.inputs[1]) is None:
+            return None
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        if bias is not None and constant_array(bias) is None:
+            return None
+        return [(node, 1, f)] + ([(node, 2, f)] if bias is not None else [])
+    if op in ("MatMul", "Gemm"):
+        w = constant_array(node.inputs[1]) if len(node.inputs) > 1 else None
+        if w is None or w.ndim != 2 or axis != -1 or constant_array(node.inputs[0]) is not None:
+            return None
+        if op == "MatMul":
+            return [(node, 1, factor[None, :])]
+        edits = [(node, 1, factor[:, None] if _attr(node, "transB", 0) else factor[None, :])]
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            if constant_array(node.inputs[2]) is None:
+                return None
+            edits.append((node, 2, factor))
+        return edits
+    found = _const_input(node)
+    if found is None:
+        return None
+    index, _ = found
+    if op == "Mul":
+        return [(node, index, f)]
+    if op == "Div" and index == 1:
+        return [(node, index, 1.0 / f)]
+    if op in ("Add", "Sub"):
+        other = node.inputs[1 - index]
+        if other.is_graph_output() or len(other.uses()) != 1:
+            return None
+        inner = fold_edits(other, factor, axis)
+        return None if inner is None else inner + [(node, index, f)]
+    return None
+
+
+def _apply(graph: ir.Graph, edits: list[Edit]) -> None:
+    for node, index, factor in edits:
+        current = constant_array(node.inputs[index])
+        new = (current.astype(np.float64) * factor).astype(current.dtype)
+        set_constant(graph, node, index, new, f"{node.name}_smoothquant")
+
+
+def _insert_mul(graph: ir.Graph, value: ir.Value, factor: np.ndarray, axis: int,
+                readers: list[ir.Node]) -> None:
+    """Feed `readers` with value * factor (a new Mul) instead of `value`."""
+    edit = GraphEditor(graph)
+    const = edit.initializer(f"{value.name}_smoothquant_scale", _along(factor, axis).astype(np.float32))
+    out = edit.add_node("Mul", [value, const], f"{value.name}_smoothquant", dtype=value.dtype, shape=value.shape)
+    for node in readers:
+        node.replace_input_with(0, out)
+
+
+def _readers(value: ir.Value) -> list[ir.Node]:
+    """Distinct nodes that read the values of `value` (not just its shape)."""
+    seen: dict[int, ir.Node] = {}
+    for use in value.uses():
+        if use.node.op_type not in SHAPE_ONLY:
+            seen[id(use.node)] = use.node
+    return list(seen.values())
+
+
+def smooth_group(graph: ir.Graph, value: ir.Value, consumers: list[Consumer], s: np.ndarray,
+                 insert_mul: bool) -> str | None:
+    """Scale the consumers' weights by s and the activation by 1/s; how, or None if skipped."""
+    axis = consumers[0].act_axis
+    nodes = {id(c.node) for c in consumers}
+    others = [n for n in _readers(value) if id(n) not in nodes]
+    edits = None if others or value.is_graph_output() else fold_edits(value, 1.0 / s, axis)
+    if edits is not None:
+        _apply(graph, edits)
+        how = f"folded into {value.producer().op_type}"
+    elif insert_mul:
+        _insert_mul(graph, value, 1.0 / s, axis, [c.node for c in consumers])
+        how = "Mul inserted"
+    else:
+        return None
+    for c in consumers:
+        w = constant_array(c.node.inputs[1])
+        shape = [1] * w.ndim
+        shape[c.weight_axis] = -1
+        set_constant(graph, c.node, 1, (w.astype(np.float64) * s.reshape(shape)).astype(w.dtype),
+                     f"{c.node.name}_smoothquant_weight")
+    return how
+
+
+@register_pass("smoothquant")
+def smoothquant(model: ir.Model, options: Mapping[str, Any], ctx: PassContext) -> str:
+    """Migrate activation outliers of MatMul/Gemm inputs into their weights (module doc)."""
+    opts = _parse(options)
+    graph = model.graph
+    groups = find_groups(graph, opts)
+    if not groups:
+        return "no MatMul/Gemm with a constant weight to smooth"
+    values = {v.name: v for node in graph for v in node.inputs if v is not None and v.name in groups}
+    xmax = channel_absmax(model, groups, ctx)
+    counts: dict[str, int] = {}
+    layers = 0
+    for name, consumers in groups.items():
+        wmax = np.max([_weight_absmax(c) for c in consumers], axis=0)
+        if name not in xmax or xmax[name].shape != wmax.shape:
+            counts["skipped"] = counts.get("skipped", 0) + 1
+            continue
+        how = smooth_group(graph, values[name], consumers, smoothing_scales(xmax[name], wmax, opts.alpha),
+                           opts.insert_mul)
+        counts[how or "skipped"] = counts.get(how or "skipped", 0) + 1
+        layers += len(consumers) if how else 0
+    graph.sort()  # inserted Muls go before their consumers
+    detail = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    smoothed = sum(n for k, n in counts.items() if k != "skipped")
+    return f"{layers} layers smoothed in {smoothed} groups (alpha {opts.alpha:g}): {detail}"

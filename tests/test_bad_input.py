@@ -1,0 +1,278 @@
+"""User mistakes: one clear line on stderr, exit status 2, nothing touched.
+
+Through `onnxq.cli.main` every mistake must return 2, print exactly one stderr line that
+starts with `onnxq: error:` and names the problem, print no traceback, leave the input
+model byte-identical and write no output. Through the Python API the same mistakes raise
+`OnnxqError` subclasses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import conv_relu_chain, save
+
+import onnxq
+from onnxq.cli import main
+from onnxq.errors import CalibrationDataError, ConfigError, ModelError, OnnxqError
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclass
+class Workspace:
+    root: Path
+    model: Path
+    good_data: Path
+    out: Path
+
+    def npz(self, name: str, **arrays: np.ndarray) -> Path:
+        path = self.root / name
+        np.savez(path, **arrays)
+        return path
+
+
+@pytest.fixture
+def ws(tmp_path) -> Workspace:
+    model = save(conv_relu_chain(), tmp_path / "model.onnx")
+    good = tmp_path / "calib.npz"
+    np.savez(good, x=np.random.default_rng(0).standard_normal((4, 3, 16, 16)).astype(np.float32))
+    return Workspace(tmp_path, model, good, tmp_path / "out" / "model.int8.onnx")
+
+
+def _truncated(ws: Workspace) -> list[str]:
+    bad = ws.root / "truncated.onnx"
+    data = ws.model.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+    return [str(bad), str(ws.out), "--calib-data", str(ws.good_data)]
+
+
+def _text_file(ws: Workspace) -> list[str]:
+    bad = ws.root / "notes.onnx"
+    bad.write_text("this is a text file, not a model\n")
+    return [str(bad), str(ws.out), "--calib-data", str(ws.good_data)]
+
+
+def _missing_model(ws: Workspace) -> list[str]:
+    return [str(ws.root / "nope.onnx"), str(ws.out), "--calib-data", str(ws.good_data)]
+
+
+def _wrong_key(ws: Workspace) -> list[str]:
+    data = ws.npz("wrong_key.npz", y=np.zeros((4, 3, 16, 16), np.float32))
+    return [str(ws.model), str(ws.out), "--calib-data", str(data)]
+
+
+def _wrong_rank(ws: Workspace) -> list[str]:
+    data = ws.npz("wrong_rank.npz", x=np.zeros((4, 16), np.float32))
+    return [str(ws.model), str(ws.out), "--calib-data", str(data)]
+
+
+def _wrong_dim(ws: Workspace) -> list[str]:
+    data = ws.npz("wrong_dim.npz", x=np.zeros((4, 4, 16, 16), np.float32))
+    return [str(ws.model), str(ws.out), "--calib-data", str(data)]
+
+
+def _wrong_dtype(ws: Workspace) -> list[str]:
+    data = ws.npz("ints.npz", x=np.zeros((4, 3, 16, 16), np.int64))
+    return [str(ws.model), str(ws.out), "--calib-data", str(data)]
+
+
+def _out_is_in(ws: Workspace) -> list[str]:
+    return [str(ws.model), str(ws.model), "--calib-data", str(ws.good_data)]
+
+
+def _out_is_in_other_spelling(ws: Workspace) -> list[str]:
+    other = ws.root / "out" / ".." / ws.model.name
+    (ws.root / "out").mkdir()
+    return [str(ws.model), str(other), "--calib-data", str(ws.good_data)]
+
+
+def _unknown_config_key(ws: Workspace) -> list[str]:
+    cfg = ws.root / "config.yaml"
+    cfg.write_text("global_quant_config:\n  weight:\n    symetric: true\n")
+    return [str(ws.model), str(ws.out), "--calib-data", str(ws.good_data), "--config", str(cfg)]
+
+
+def _no_calib_data(ws: Workspace) -> list[str]:
+    return [str(ws.model), str(ws.out)]
+
+
+def _missing_calib_data(ws: Workspace) -> list[str]:
+    return [str(ws.model), str(ws.out), "--calib-data", str(ws.root / "nope.npz")]
+
+
+def _unknown_preset(ws: Workspace) -> list[str]:
+    return [str(ws.model), str(ws.out), "--calib-data", str(ws.good_data), "--preset", "U8S9"]
+
+
+def _output_is_directory(ws: Workspace) -> list[str]:
+    ws.out.mkdir(parents=True)
+    return [str(ws.model), str(ws.out), "--calib-data", str(ws.good_data)]
+
+
+def _zero_max_samples(ws: Workspace) -> list[str]:
+    return [str(ws.model), str(ws.out), "--calib-data", str(ws.good_data), "--max-samples", "0"]
+
+
+# case -> (builder of the argv after "quantize", words the error line must contain)
+CASES: dict[str, tuple[Callable[[Workspace], list[str]], tuple[str, ...]]] = {
+    "truncated_onnx": (_truncated, ("truncated.onnx", "not a readable ONNX model")),
+    "text_renamed_onnx": (_text_file, ("notes.onnx", "not a readable ONNX model")),
+    "missing_model": (_missing_model, ("not found", "nope.onnx")),
+    "calib_wrong_key": (_wrong_key, ("'y'", "not a model input", "x")),
+    "calib_wrong_rank": (_wrong_rank, ("'x'", "rank 2", "rank 4")),
+    "calib_wrong_static_dim": (_wrong_dim, ("'x'", "axis 1 must be 3")),
+    "calib_int_for_float": (_wrong_dtype, ("'x'", "int64", "float32")),
+    "out_equals_in": (_out_is_in, ("is the input model",)),
+    "out_equals_in_other_spelling": (_out_is_in_other_spelling, ("is the input model",)),
+    "unknown_config_key": (_unknown_config_key, ("symetric", "did you mean 'symmetric'")),
+    "no_calib_data": (_no_calib_data, ("calibration data", "--calib-data")),
+    "calib_data_not_found": (_missing_calib_data, ("not found", "nope.npz")),
+    "unknown_preset": (_unknown_preset, ("U8S9", "U8S8")),
+    "output_is_directory": (_output_is_directory, ("is a directory",)),
+    "zero_max_samples": (_zero_max_samples, ("max_samples",)),
+}
+
+
+def assert_one_error_line(err: str, words: tuple[str, ...]) -> str:
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {lines}"
+    line = lines[0]
+    assert line.startswith("onnxq: error: ")
+    for word in words:
+        assert word in line, f"{word!r} not in {line!r}"
+    return line
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cli_user_error(case, ws, capsys):
+    build, words = CASES[case]
+    argv = build(ws)
+    before = sha256(ws.model)
+    out_existed = ws.out.exists()
+    rc = main(["quantize", *argv])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert_one_error_line(captured.err, words)
+    assert sha256(ws.model) == before
+    assert ws.out.exists() == out_existed
+    if not out_existed:
+        assert not (ws.root / "out").exists() or not any((ws.root / "out").iterdir())
+
+
+def test_cli_success_is_quiet_on_stderr(ws, capsys):
+    """Control for the cases above: the same workspace quantizes fine."""
+    before = sha256(ws.model)
+    assert main(["quantize", str(ws.model), str(ws.out), "--calib-data", str(ws.good_data)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert "quantized nodes: 5" in captured.out
+    assert ws.out.is_file()
+    assert sha256(ws.model) == before
+
+
+def test_cli_debug_after_subcommand_shows_the_traceback(ws):
+    argv = _wrong_dim(ws)
+    with pytest.raises(CalibrationDataError):
+        main(["quantize", *argv, "--debug"])
+
+
+def test_cli_debug_before_subcommand_shows_the_traceback(ws):
+    argv = _wrong_dim(ws)
+    with pytest.raises(CalibrationDataError):
+        main(["--debug", "quantize", *argv])
+
+
+@pytest.mark.parametrize("flags", [["--per-tensor", "--per-channel"], ["--per-channel", "--per-tensor"]])
+def test_cli_argparse_conflict(flags, ws, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["quantize", str(ws.model), str(ws.out), "--calib-data", str(ws.good_data), *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "not allowed with argument" in err
+    assert "Traceback" not in err
+    assert not ws.out.exists()
+
+
+def test_cli_missing_positional(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["quantize", "only_input.onnx"])
+    assert info.value.code == 2
+    assert "required" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# Python API
+
+
+def _api_cases(ws: Workspace):
+    data = np.random.default_rng(0).standard_normal((4, 3, 16, 16)).astype(np.float32)
+    truncated = ws.root / "t.onnx"
+    truncated.write_bytes(ws.model.read_bytes()[:100])
+    text = ws.root / "text.onnx"
+    text.write_text("hello\n")
+    return {
+        "truncated": (ModelError, dict(model=truncated, calibration_data={"x": data})),
+        "text": (ModelError, dict(model=text, calibration_data={"x": data})),
+        "wrong_key": (CalibrationDataError, dict(model=ws.model, calibration_data={"y": data})),
+        "wrong_rank": (CalibrationDataError, dict(model=ws.model, calibration_data=[{"x": data[0, 0]}])),
+        "wrong_dim": (CalibrationDataError, dict(model=ws.model, calibration_data={"x": data[:, :2]})),
+        "int_data": (CalibrationDataError, dict(model=ws.model, calibration_data={"x": data.astype(np.int32)})),
+        "empty": (CalibrationDataError, dict(model=ws.model, calibration_data=[])),
+        "not_a_feed": (CalibrationDataError, dict(model=ws.model, calibration_data=[data])),
+        "no_data": (CalibrationDataError, dict(model=ws.model, calibration_data=None)),
+        "out_is_in": (OnnxqError, dict(model=ws.model, output=ws.model, calibration_data={"x": data})),
+        "config_key": (ConfigError, dict(model=ws.model, calibration_data={"x": data},
+                                         config={"global_quant_config": {"weight": {"symetric": True}}})),
+        "config_name": (ConfigError, dict(model=ws.model, calibration_data={"x": data}, config="U8S9")),
+    }
+
+
+@pytest.mark.parametrize("case", ["truncated", "text", "wrong_key", "wrong_rank", "wrong_dim",
+                                  "int_data", "empty", "not_a_feed", "no_data", "out_is_in",
+                                  "config_key", "config_name"])
+def test_api_raises_onnxq_errors(case, ws):
+    error, kwargs = _api_cases(ws)[case]
+    before = sha256(ws.model)
+    with pytest.raises(error) as info:
+        onnxq.quantize(**kwargs)
+    assert isinstance(info.value, OnnxqError)
+    assert "\n" not in str(info.value)
+    assert sha256(ws.model) == before
+
+
+# ---------------------------------------------------------------------------------------
+# onnxq bugs: these mistakes escape as tracebacks instead of one-line errors
+
+
+def test_cli_corrupt_npz_file(ws, capsys):
+    bad = ws.root / "corrupt.npz"
+    bad.write_bytes(b"PK\x03\x04 not really a zip archive")
+    rc = main(["quantize", str(ws.model), str(ws.out), "--calib-data", str(bad)])
+    assert rc == 2
+    assert_one_error_line(capsys.readouterr().err, ("corrupt.npz",))
+
+
+def test_cli_corrupt_npy_in_directory(ws, capsys):
+    folder = ws.root / "samples"
+    folder.mkdir()
+    np.save(folder / "0.npy", np.zeros((3, 16, 16), np.float32))
+    (folder / "1.npy").write_bytes(b"\x93NUMPY garbage")
+    rc = main(["quantize", str(ws.model), str(ws.out), "--calib-data", str(folder)])
+    assert rc == 2
+    assert_one_error_line(capsys.readouterr().err, ("1.npy",))
+
+
+def test_cli_output_parent_is_a_file(ws, capsys):
+    out = ws.model.parent / "model.onnx" / "q.onnx"
+    rc = main(["quantize", str(ws.model), str(out), "--calib-data", str(ws.good_data)])
+    assert rc == 2
+    assert_one_error_line(capsys.readouterr().err, ("q.onnx",))

@@ -1,0 +1,126 @@
+"""Same input, same bytes out; outputs are written atomically; inputs are never touched."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir
+import pytest
+from helpers import pooling, residual, save
+
+import onnxq
+from onnxq.cli import main
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """(model path, calibration .npz) for a model with Conv, Add, pools, Resize, Gemm."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    model = save(pooling(), folder / "model.onnx")
+    data = folder / "calib.npz"
+    np.savez(data, x=np.random.default_rng(3).standard_normal((10, 3, 16, 16)).astype(np.float32))
+    return model, data
+
+
+def test_api_twice_is_byte_identical(inputs, tmp_path):
+    model, data = inputs
+    before = (digest(model), model.stat().st_mtime_ns)
+    a, b = tmp_path / "a" / "q.onnx", tmp_path / "b" / "q.onnx"
+    onnxq.quantize(model, a, "U8S8", data)
+    onnxq.quantize(model, b, "U8S8", data)
+    assert a.read_bytes() == b.read_bytes()
+    assert (digest(model), model.stat().st_mtime_ns) == before
+    # Atomic write: the output folder holds the output and nothing else.
+    assert sorted(p.name for p in a.parent.iterdir()) == ["q.onnx"]
+    onnx.checker.check_model(str(a), full_check=True)
+
+
+def test_cli_twice_and_api_are_byte_identical(inputs, tmp_path, capsys):
+    model, data = inputs
+    before = digest(model)
+    outs = [tmp_path / "cli1.onnx", tmp_path / "cli2.onnx"]
+    for out in outs:
+        assert main(["quantize", str(model), str(out), "--calib-data", str(data), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+    api = tmp_path / "api.onnx"
+    onnxq.quantize(model, api, "U8S8", data)
+    assert api.read_bytes() == outs[0].read_bytes()
+    assert digest(model) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["api.onnx", "cli1.onnx", "cli2.onnx", "in"]
+    assert sorted(p.name for p in (tmp_path / "in").iterdir()) == ["calib.npz", "model.onnx"]
+
+
+def test_in_memory_result_matches_saved_file(inputs, tmp_path):
+    model, data = inputs
+    out = tmp_path / "q.onnx"
+    result = onnxq.quantize(model, out, "U8S8", data)
+    saved = onnx.load(str(out))
+    assert saved.graph.SerializeToString() == result.model.graph.SerializeToString()
+    assert result.summary.output == str(out)
+
+
+def test_overwriting_an_old_output_is_atomic(inputs, tmp_path):
+    model, data = inputs
+    out = tmp_path / "q.onnx"
+    out.write_bytes(b"previous output")
+    onnxq.quantize(model, out, "U8S8", data)
+    onnx.checker.check_model(str(out), full_check=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "q.onnx"]
+
+
+def test_failed_save_leaves_old_output_and_no_temp_file(inputs, tmp_path, monkeypatch):
+    """A crash half-way through writing must not leave a partial file anywhere."""
+    model, data = inputs
+    out = tmp_path / "q.onnx"
+    out.write_bytes(b"previous output")
+
+    def failing_save(model, path, *args, **kwargs):
+        Path(path).write_bytes(b"partial")
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(onnx_ir, "save", failing_save)
+    with pytest.raises(OSError, match="simulated"):
+        onnxq.quantize(model, out, "U8S8", data)
+    assert out.read_bytes() == b"previous output"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "q.onnx"]
+
+
+def test_model_proto_input_is_not_mutated(tmp_path):
+    model = residual()
+    snapshot = model.SerializeToString()
+    feeds = {"x": np.random.default_rng(0).standard_normal((6, 3, 12, 12)).astype(np.float32)}
+    a = onnxq.quantize(model, tmp_path / "a.onnx", "U8S8", feeds)
+    assert model.SerializeToString() == snapshot
+    b = onnxq.quantize(model, tmp_path / "b.onnx", "U8S8", feeds)
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
+    assert a.ranges == b.ranges
+
+
+def test_same_bytes_across_processes_with_different_hash_seeds(inputs, tmp_path):
+    """Set/dict ordering under PYTHONHASHSEED must not leak into the output."""
+    model, data = inputs
+    outs = []
+    for seed in ("0", "12345"):
+        out = tmp_path / f"q_{seed}.onnx"
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        proc = subprocess.run(
+            [sys.executable, "-m", "onnxq", "quantize", str(model), str(out),
+             "--calib-data", str(data), "--quiet"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == ""
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]

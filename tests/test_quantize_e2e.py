@@ -1,0 +1,397 @@
+"""End to end: quantize small float models, then check validity, accuracy and QDQ structure.
+
+Every model is quantized with 32 seeded calibration samples and evaluated on 16 other
+seeded samples against the float model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from helpers import (
+    MODEL_BUILDERS,
+    GraphBuilder,
+    attr,
+    consumers,
+    conv_transpose,
+    initializers,
+    op_count,
+    producers,
+    random_feeds,
+    run,
+    softmax_head,
+    sqnr_db,
+)
+
+import onnxq
+from onnxq.config import QScheme, get_preset
+
+CALIB_SEED, EVAL_SEED = 100, 200
+U8S8_MIN_SQNR_DB = 30.0  # uint8 activations, int8 per-channel weights
+LOOSE_MIN_SQNR_DB = 25.0  # S8S8 (one bit less for Relu outputs) and per-tensor weights
+
+WEIGHTED_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul"}
+COMPUTE_OPS = WEIGHTED_OPS | {"Add", "Mul", "Concat", "AveragePool", "GlobalAveragePool"}
+SHAPE_OPS = {"MaxPool", "Reshape", "Flatten", "Resize"}
+
+ALL_MODELS = dict(MODEL_BUILDERS)
+ALL_MODELS["conv_transpose_group2"] = lambda: conv_transpose(group=2)
+
+
+def quantize(model: onnx.ModelProto, config: object = "U8S8") -> onnxq.QuantizationResult:
+    return onnxq.quantize(model, None, config, random_feeds(model, 32, seed=CALIB_SEED))
+
+
+def per_tensor_u8s8():
+    config = get_preset("U8S8")
+    config.global_quant_config.weight.qscheme = QScheme.PER_TENSOR
+    return config
+
+
+def expected_weight_axis(node: onnx.NodeProto, rank: int) -> int:
+    if node.op_type == "Conv":
+        return 0
+    if node.op_type == "ConvTranspose":
+        return 1
+    if node.op_type == "Gemm":
+        return 0 if attr(node, "transB", 0) else 1
+    return rank - 1  # MatMul
+
+
+def folded_params(model: onnx.ModelProto, node_name: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """Weight and bias of a float Conv/Gemm node, with a following BatchNormalization
+    folded in by hand (w * s per output channel, (b - mean) * s + beta)."""
+    inits = initializers(model)
+    node = next(n for n in model.graph.node if n.name == node_name)
+    w = inits[node.input[1]].astype(np.float64)
+    b = inits[node.input[2]].astype(np.float64) if len(node.input) > 2 else None
+    users = consumers(model).get(node.output[0], [])
+    if len(users) == 1 and users[0].op_type == "BatchNormalization":
+        bn = users[0]
+        gamma, beta, mean, var = (inits[i].astype(np.float64) for i in bn.input[1:5])
+        s = gamma / np.sqrt(var + attr(bn, "epsilon", 1e-5))
+        assert node.op_type == "Conv"
+        w = w * s.reshape(-1, 1, 1, 1)
+        b = ((0.0 if b is None else b) - mean) * s + beta
+    return w, b
+
+
+@pytest.fixture(scope="module", params=sorted(ALL_MODELS))
+def quantized(request):
+    """(name, float model, U8S8 result, float outputs, quantized outputs) per model."""
+    name = request.param
+    model = ALL_MODELS[name]()
+    result = quantize(model)
+    feeds = random_feeds(model, 16, seed=EVAL_SEED)
+    return name, model, result, run(model, feeds), run(result.model, feeds)
+
+
+# ---------------------------------------------------------------------------------------
+# validity and accuracy
+
+
+def test_checker_and_sqnr(quantized):
+    name, _, result, ref, out = quantized
+    onnx.checker.check_model(result.model, full_check=True)
+    assert np.all(np.isfinite(out))
+    assert out.shape == ref.shape
+    db = sqnr_db(ref, out)
+    assert db >= U8S8_MIN_SQNR_DB, f"{name}: SQNR {db:.1f} dB"
+    # Not trivially "equal to the float model": activations really are quantized.
+    assert db < 80, f"{name}: {db:.1f} dB, suspiciously close to float"
+
+
+def test_summary_counts(quantized):
+    name, model, result, _, _ = quantized
+    s = result.summary
+    assert s.calibration_samples == 32
+    float_ops = Counter(n.op_type for n in model.graph.node)
+    for op in WEIGHTED_OPS:
+        assert s.quantized_by_op.get(op, 0) == float_ops.get(op, 0), (name, op, s.quantized_by_op)
+    # Every Relu of these models directly follows a Conv/Gemm/MatMul/Add or a folded BN.
+    assert s.fused_activations == float_ops.get("Relu", 0)
+    assert s.kept_activations == []
+    assert s.float_biases == []
+    assert s.size_after < s.size_before
+
+
+# ---------------------------------------------------------------------------------------
+# structure
+
+
+def _dq_params(model, prods, inits, tensor):
+    """(dq node, integer data name, scale array, zero point array) of a DQ-produced tensor."""
+    dq = prods.get(tensor)
+    assert dq is not None and dq.op_type == "DequantizeLinear", f"{tensor} is not produced by DQ"
+    return dq, dq.input[0], inits[dq.input[1]], inits[dq.input[2]]
+
+
+def test_weights_are_int8_behind_dequantize(quantized):
+    name, model, result, _, _ = quantized
+    q = result.model
+    prods, inits = producers(q), initializers(q)
+    seen = 0
+    for node in q.graph.node:
+        if node.op_type not in WEIGHTED_OPS:
+            continue
+        seen += 1
+        dq, data, scale, zp = _dq_params(q, prods, inits, node.input[1])
+        assert data in inits, f"{name}: weight of {node.name} is not an initializer"
+        w_q = inits[data]
+        assert w_q.dtype == np.int8
+        assert np.all(zp == 0) and zp.dtype == np.int8  # symmetric int8
+        w, _ = folded_params(model, node.name)
+        assert w_q.shape == w.shape
+        axis = expected_weight_axis(node, w.ndim)
+        assert attr(dq, "axis") == axis, f"{name}: {node.op_type} weight axis"
+        assert scale.shape == (w.shape[axis],)
+        # Symmetric per-channel: the largest magnitude of each channel maps to 127.
+        other = tuple(i for i in range(w.ndim) if i != axis)
+        np.testing.assert_allclose(scale, np.abs(w).max(axis=other) / 127, rtol=1e-6)
+        assert np.all(np.abs(w_q).max(axis=other) == 127)
+        shape = [1] * w.ndim
+        shape[axis] = -1
+        deq = w_q.astype(np.float32) * scale.reshape(shape)
+        assert np.all(np.abs(deq - w) <= scale.reshape(shape) * (0.5 + 1e-4))
+    assert seen > 0
+    # No float weight sits behind a Q/DQ pair: QuantizeLinear never reads an initializer.
+    for node in q.graph.node:
+        if node.op_type == "QuantizeLinear":
+            assert node.input[0] not in inits, f"{name}: {node.input[0]} quantized at run time"
+    # No float weight tensor is left in the model.
+    leftover = [k for k, v in inits.items() if v.dtype == np.float32 and v.ndim >= 2]
+    assert leftover == []
+
+
+def test_bias_is_int32_with_product_scale(quantized):
+    name, model, result, _, _ = quantized
+    q = result.model
+    prods, inits = producers(q), initializers(q)
+    biases = 0
+    for node in q.graph.node:
+        if node.op_type not in {"Conv", "ConvTranspose", "Gemm"} or len(node.input) < 3:
+            continue
+        biases += 1
+        _, data, b_scale, b_zp = _dq_params(q, prods, inits, node.input[2])
+        _, _, in_scale, _ = _dq_params(q, prods, inits, node.input[0])
+        _, _, w_scale, _ = _dq_params(q, prods, inits, node.input[1])
+        b_q = inits[data]
+        assert b_q.dtype == np.int32 and b_scale.dtype == np.float32
+        assert np.all(b_zp == 0)
+        expected = np.asarray(in_scale, np.float64) * w_scale.astype(np.float64)
+        if expected.size != b_q.size:  # grouped ConvTranspose: channel scales repeat per group
+            expected = np.tile(expected, b_q.size // expected.size)
+        np.testing.assert_allclose(b_scale, expected.astype(np.float32), rtol=1e-6)
+        _, b = folded_params(model, node.name)
+        assert np.all(np.abs(b_q * b_scale.astype(np.float64) - b) <= b_scale * (0.5 + 1e-4))
+    expected_biases = sum(
+        n.op_type in {"Conv", "ConvTranspose", "Gemm"} and len(n.input) > 2 for n in model.graph.node
+    )
+    if name == "conv_bn_relu":
+        expected_biases = 3  # BN folding gives the bias-less Conv a bias
+    assert biases == expected_biases
+
+
+def test_one_qdq_pair_per_activation(quantized):
+    name, _, result, _, _ = quantized
+    q = result.model
+    cons, inits = consumers(q), initializers(q)
+    qs = [n for n in q.graph.node if n.op_type == "QuantizeLinear"]
+    assert qs, name
+    per_tensor = Counter(n.input[0] for n in qs)
+    assert max(per_tensor.values()) == 1, f"{name}: tensors quantized twice: {per_tensor}"
+    graph_inputs = {i.name for i in q.graph.input}
+    for qn in qs:
+        users = cons[qn.output[0]]
+        assert len(users) == 1 and users[0].op_type == "DequantizeLinear", name
+        dq = users[0]
+        assert list(dq.input[1:]) == list(qn.input[1:]), "Q and DQ share scale and zero point"
+        assert inits[qn.input[1]].shape == () and inits[qn.input[2]].shape == ()
+        assert inits[qn.input[2]].dtype == np.uint8  # U8S8 activations
+        if qn.input[0] not in graph_inputs:
+            # The float tensor feeds only its QuantizeLinear: every consumer reads the DQ.
+            assert [n.name for n in cons[qn.input[0]]] == [qn.name], f"{name}: {qn.input[0]}"
+    # Every float activation input of a quantized compute op comes from a DQ.
+    prods = producers(q)
+    for node in q.graph.node:
+        if node.op_type in COMPUTE_OPS:
+            for i, inp in enumerate(node.input):
+                if inp and inp not in inits and (i == 0 or node.op_type in {"Add", "Mul", "Concat", "MatMul"}):
+                    assert prods[inp].op_type == "DequantizeLinear", f"{name}: {node.name} input {i}"
+
+
+def test_relu_absorbed_and_compute_outputs_quantized(quantized):
+    name, _, result, _, _ = quantized
+    q = result.model
+    cons = consumers(q)
+    assert op_count(q, "Relu") == 0, f"{name}: Relu left with U8S8"
+    assert op_count(q, "BatchNormalization") == 0
+    for node in q.graph.node:
+        if node.op_type in COMPUTE_OPS:
+            users = cons.get(node.output[0], [])
+            assert [u.op_type for u in users] == ["QuantizeLinear"], f"{name}: {node.name} -> {users}"
+
+
+def test_shape_ops_reuse_input_qparams(quantized):
+    name, _, result, _, _ = quantized
+    q = result.model
+    prods, cons = producers(q), consumers(q)
+    checked = 0
+    for node in q.graph.node:
+        if node.op_type not in SHAPE_OPS:
+            continue
+        dq_in = prods[node.input[0]]
+        assert dq_in.op_type == "DequantizeLinear"
+        (q_out,) = cons[node.output[0]]
+        assert q_out.op_type == "QuantizeLinear"
+        assert list(q_out.input[1:]) == list(dq_in.input[1:]), f"{name}: {node.op_type} requantizes"
+        checked += 1
+    if name == "pooling":
+        assert checked == 4
+
+
+def test_softmax_stays_float():
+    model = softmax_head()
+    result = quantize(model)
+    q = result.model
+    prods, cons = producers(q), consumers(q)
+    (softmax,) = [n for n in q.graph.node if n.op_type == "Softmax"]
+    assert prods[softmax.input[0]].op_type == "DequantizeLinear"
+    assert softmax.output[0] == q.graph.output[0].name
+    assert cons.get(softmax.output[0], []) == []
+    assert result.summary.float_nodes[softmax.name][0] == "Softmax"
+    assert softmax.output[0] not in result.ranges
+
+
+def test_named_graph_outputs_and_ranges_cover_plan(quantized):
+    name, model, result, _, _ = quantized
+    q = result.model
+    assert [o.name for o in q.graph.output] == [o.name for o in model.graph.output]
+    assert [i.name for i in q.graph.input] == [i.name for i in model.graph.input]
+    calibrated = result.plan.calibrated_tensors()
+    assert set(result.ranges) == set(calibrated)
+    for lo, hi in result.ranges.values():
+        assert lo <= hi
+
+
+# ---------------------------------------------------------------------------------------
+# other configurations
+
+
+@pytest.mark.parametrize("model_name", sorted(ALL_MODELS))
+@pytest.mark.parametrize("variant", ["S8S8", "per_tensor"])
+def test_variants_run_and_pass_checker(model_name, variant):
+    model = ALL_MODELS[model_name]()
+    config = "S8S8" if variant == "S8S8" else per_tensor_u8s8()
+    result = quantize(model, config)
+    q = result.model
+    onnx.checker.check_model(q, full_check=True)
+    feeds = random_feeds(model, 16, seed=EVAL_SEED)
+    db = sqnr_db(run(model, feeds), run(q, feeds))
+    assert db >= LOOSE_MIN_SQNR_DB, f"{model_name}/{variant}: {db:.1f} dB"
+    inits, prods = initializers(q), producers(q)
+    for node in q.graph.node:
+        if node.op_type in WEIGHTED_OPS:
+            dq = prods[node.input[1]]
+            scale = inits[dq.input[1]]
+            if variant == "per_tensor":
+                assert scale.shape == () or scale.size == 1
+            else:
+                assert scale.ndim == 1 and scale.size > 1
+        if node.op_type == "QuantizeLinear":
+            zp = inits[node.input[2]]
+            assert zp.dtype == (np.int8 if variant == "S8S8" else np.uint8)
+            if variant == "S8S8":
+                assert int(zp) == 0
+
+
+def test_s8s8_keeps_relu_float_between_conv_and_q():
+    """Symmetric int8 cannot clamp at 0 exactly, so the Relu stays (and is reported)."""
+    model = ALL_MODELS["conv_relu_chain"]()
+    result = quantize(model, "S8S8")
+    q = result.model
+    assert op_count(q, "Relu") == 2
+    assert len(result.summary.kept_activations) == 2
+    cons = consumers(q)
+    for relu in (n for n in q.graph.node if n.op_type == "Relu"):
+        assert [c.op_type for c in cons[relu.output[0]]] == ["QuantizeLinear"]
+
+
+def test_accuracy_check_can_fail():
+    """A deliberately wrong range (calibrated on tiny inputs) must break the SQNR bound."""
+    model = ALL_MODELS["conv_relu_chain"]()
+    result = onnxq.quantize(model, None, "U8S8",
+                            random_feeds(model, 4, seed=CALIB_SEED, scale=0.05))
+    feeds = random_feeds(model, 16, seed=EVAL_SEED)
+    assert sqnr_db(run(model, feeds), run(result.model, feeds)) < U8S8_MIN_SQNR_DB
+
+
+# ---------------------------------------------------------------------------------------
+# shared tensors and Relu6
+
+
+def _relu6_model():
+    b = GraphBuilder(61)
+    x = b.input("x", ["N", 3, 8, 8])
+    zero, six = b.const("lo", np.array(0.0, np.float32)), b.const("hi", np.array(6.0, np.float32))
+    y = b.node("Clip", [b.conv(x, 3, 8), zero, six])
+    y = b.node("Clip", [b.conv(y, 8, 8), zero, six])
+    return b.build([b.conv(y, 8, 4, k=1)])
+
+
+def test_relu6_clip_is_absorbed_with_u8s8():
+    model = _relu6_model()
+    # Inputs scaled up so that the Clip upper bound is reached.
+    result = onnxq.quantize(model, None, "U8S8", random_feeds(model, 32, seed=CALIB_SEED, scale=4.0))
+    q = result.model
+    assert op_count(q, "Clip") == 0
+    assert result.summary.fused_activations == 2
+    clip_ranges = [r for name, r in result.ranges.items() if name.startswith("clip")]
+    assert len(clip_ranges) == 2 and all(lo == 0.0 and 0.0 < hi <= 6.0 for lo, hi in clip_ranges)
+    feeds = random_feeds(model, 16, seed=EVAL_SEED, scale=4.0)
+    assert sqnr_db(run(model, feeds), run(q, feeds)) >= U8S8_MIN_SQNR_DB
+
+
+def _shared_conv_params(share_bias: bool):
+    b = GraphBuilder(60)
+    x = b.input("x", ["N", 3, 8, 8])
+    w = b.const("shared_w", b.he((4, 3, 3, 3), 27))
+    bias = b.const("shared_b", b.small((4,), 0.3))
+    bias2 = bias if share_bias else b.const("other_b", b.small((4,), 0.3))
+    y1 = b.node("Conv", [x, w, bias], kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    # The second Conv reads a tensor with an 8x larger range, hence another input scale.
+    x2 = b.node("Mul", [x, b.const("k", np.array(8.0, np.float32))])
+    y2 = b.node("Conv", [x2, w, bias2], kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    return b.build([y1, y2])
+
+
+def _bias_scale_ratios(q: onnx.ModelProto) -> list[float]:
+    inits, prods = initializers(q), producers(q)
+    ratios = []
+    for node in q.graph.node:
+        if node.op_type == "Conv":
+            in_scale = inits[prods[node.input[0]].input[1]]
+            w_scale = inits[prods[node.input[1]].input[1]]
+            b_scale = inits[prods[node.input[2]].input[1]]
+            ratios.append(float(np.max(np.abs(b_scale / (in_scale * w_scale) - 1))))
+    return ratios
+
+
+def test_shared_weight_is_quantized_once():
+    model = _shared_conv_params(share_bias=False)
+    result = quantize(model)
+    q = result.model
+    int8 = [k for k, v in initializers(q).items() if v.dtype == np.int8 and v.ndim == 4]
+    assert len(int8) == 1
+    assert max(_bias_scale_ratios(q)) < 1e-6
+    feeds = random_feeds(model, 8, seed=EVAL_SEED)
+    for i in range(2):
+        assert sqnr_db(run(model, feeds, output=i), run(q, feeds, output=i)) >= U8S8_MIN_SQNR_DB
+
+
+def test_shared_bias_gets_each_convs_scale():
+    q = quantize(_shared_conv_params(share_bias=True)).model
+    assert max(_bias_scale_ratios(q)) < 1e-6
