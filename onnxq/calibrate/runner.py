@@ -7,7 +7,7 @@ tensor and is then dropped, so memory does not grow with the number of samples.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from onnxq.calibrate.data import iter_batches, model_inputs
 from onnxq.calibrate.observers import Observer, make_observer
-from onnxq.calibrate.session import exposed_session
+from onnxq.calibrate.session import REDUCED_SUFFIXES, exposed_session
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import CalibrationDataError
@@ -44,17 +44,27 @@ def stream_tensors(
     options: CalibrationConfig,
     progress: bool | None = None,
     purpose: str = "calibrating",
+    reduced: Collection[str] = (),
 ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-    """Yield (rows, {tensor: value}) for each calibration batch; nothing is kept."""
+    """Yield (rows, {tensor: value}) for each calibration batch; nothing is kept.
+
+    Tensors in `reduced` arrive as [min, max] of the batch, computed inside onnxruntime.
+    """
     inputs = model_inputs(model)
     bar = tqdm(
         desc=purpose, unit="sample", total=options.max_samples, file=sys.stderr,
         disable=not _progress(progress), leave=False,
     )
-    with exposed_session(model, names, options.providers) as session, bar:
+    outputs = [n for n in names if n not in reduced]
+    outputs += [n + suffix for n in names if n in reduced for suffix in REDUCED_SUFFIXES]
+    with exposed_session(model, names, options.providers, reduced) as session, bar:
         for feed in iter_batches(data, inputs, options.batch_size, options.max_samples, purpose):
             rows = len(next(iter(feed.values())))
-            yield rows, dict(zip(names, session.run(names, feed)))
+            got = dict(zip(outputs, session.run(outputs, feed)))
+            for n in names:
+                if n in reduced:
+                    got[n] = np.array([got.pop(n + s) for s in REDUCED_SUFFIXES])
+            yield rows, got
             bar.update(rows)
 
 
@@ -106,7 +116,8 @@ def calibrate(
     groups = tensor_groups(model, list(observers), data, options)
     for index, group in enumerate(groups):
         purpose = "calibrating" if len(groups) == 1 else f"calibrating {index + 1}/{len(groups)}"
-        for rows, values in stream_tensors(model, group, data, options, progress, purpose):
+        reduced = {n for n in group if observers[n].min_max_only}
+        for rows, values in stream_tensors(model, group, data, options, progress, purpose, reduced):
             for name, value in values.items():
                 observers[name].update(np.asarray(value))
             if index == 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import onnx_ir as ir
@@ -40,16 +40,36 @@ def session_options(threads: int = 0) -> ort.SessionOptions:
     return options
 
 
+REDUCED_SUFFIXES = ("__onnxq_min", "__onnxq_max")
+
+
+def _reduction_nodes(values: list[ir.Value]) -> tuple[list[ir.Node], list[ir.Value]]:
+    """ReduceMin/ReduceMax over all axes of each value (no axes input: every axis)."""
+    nodes, outputs = [], []
+    for value in values:
+        for op, suffix in zip(("ReduceMin", "ReduceMax"), REDUCED_SUFFIXES):
+            out = ir.Value(name=value.name + suffix, type=value.type, shape=ir.Shape([]))
+            nodes.append(ir.node(op, [value], {"keepdims": 0}, outputs=[out], name=out.name))
+            outputs.append(out)
+    return nodes, outputs
+
+
 @contextlib.contextmanager
 def exposed_session(
-    model: ir.Model, tensor_names: list[str], providers: list[str]
+    model: ir.Model, tensor_names: list[str], providers: list[str], reduced: Collection[str] = ()
 ) -> Iterator[ort.InferenceSession]:
-    """Yield a session whose outputs include `tensor_names`; the model is left unchanged."""
+    """Yield a session whose outputs include `tensor_names`; the model is left unchanged.
+
+    Tensors in `reduced` are not returned whole: the session computes their min and max
+    (outputs `<name>__onnxq_min` / `<name>__onnxq_max`), so only two scalars come back.
+    """
     graph = model.graph
     values = {v.name: v for v in graph.inputs}
     values.update({o.name: o for n in graph for o in n.outputs if o.name})
     present = {v.name for v in graph.outputs}
-    added = [values[name] for name in tensor_names if name not in present]
+    nodes, reduced_outputs = _reduction_nodes([values[n] for n in tensor_names if n in reduced])
+    added = [values[n] for n in tensor_names if n not in present and n not in reduced] + reduced_outputs
+    graph.extend(nodes)
     graph.outputs.extend(added)
     try:
         with tempfile.TemporaryDirectory(prefix="onnxq-calib-") as tmp:
@@ -65,3 +85,5 @@ def exposed_session(
     finally:
         for value in added:
             graph.outputs.remove(value)
+        for node in reversed(nodes):
+            graph.remove(node, safe=True)

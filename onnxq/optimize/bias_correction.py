@@ -10,7 +10,7 @@ error from the bias.
 - Conv: the error is conv(E[x], W_q - W) averaged over output positions, with E[x] the
   mean input image, so zero padding is accounted for exactly. Inputs whose spatial size
   varies between batches fall back to per-channel means (exact except at padded borders).
-- Bias: Conv and Gemm without one get one (quantized like the model's other biases);
+- Bias: Conv and Gemm without one get one (int32, like the model's other biases);
   a MatMul is corrected through the Add of a constant [N] vector that alone consumes
   its output, and skipped without one (adding an Add would add a quantized op).
 - Layers whose weight or bias initializer is shared with other nodes are skipped.
@@ -28,6 +28,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from onnxq.config.resolve import ResolvedSpec, merge_specs
+from onnxq.config.spec import QuantizationSpec
 from onnxq.emit.plan import Kind, QuantPlan, TensorPlan
 from onnxq.emit.weights import bias_safe_weight_scale, quantize_weight
 from onnxq.graph.edit import GraphEditor, set_constant
@@ -125,11 +127,12 @@ def find_layers(graph: ir.Graph, plan: QuantPlan, opts: BiasCorrectionOptions) -
 
 
 class InputMean:
-    """Running mean of a tensor over the batch axis, and per channel along some axes."""
+    """Running mean of a tensor per channel along some axes, and over the batch axis only
+    (the mean image, for convolutions) when `image` is set."""
 
-    def __init__(self) -> None:
+    def __init__(self, image: bool = False) -> None:
         self.full: np.ndarray | None = None  # sum over axis 0 (None once shapes disagree)
-        self.consistent = True
+        self.consistent = image
         self.rows = 0
         self.channel: dict[int, tuple[np.ndarray, int]] = {}  # axis -> (sum, count)
 
@@ -162,7 +165,8 @@ def input_means(model: ir.Model, layers: list[Layer], ctx: PassContext) -> dict[
     axes: dict[str, set[int]] = {}
     for layer in layers:
         axes.setdefault(layer.node.inputs[0].name, set()).add(layer.channel_axis)
-    means = {name: InputMean() for name in axes}
+    convs = {layer.node.inputs[0].name for layer in layers if layer.node.op_type == "Conv"}
+    means = {name: InputMean(image=name in convs) for name in axes}
     for _, values in ctx.stream(model, list(axes), "bias correction"):
         for name, value in values.items():
             means[name].update(value, axes[name])
@@ -175,15 +179,15 @@ def _conv_output_mean(node: ir.Node, image: np.ndarray, eps: np.ndarray) -> np.n
     attrs = {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()}
     graph = helper.make_graph(
         [helper.make_node("Conv", ["x", "w"], ["y"], **attrs)], "bias_error",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.DOUBLE, [1, *image.shape])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, None)],
-        [numpy_helper.from_array(eps.astype(np.float64), "w")],
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, *image.shape])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(eps.astype(np.float32), "w")],
     )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    y = session.run(None, {"x": image[None].astype(np.float64)})[0][0]
+    y = session.run(None, {"x": image[None].astype(np.float32)})[0][0].astype(np.float64)
     return y.reshape(y.shape[0], -1).mean(axis=1)
 
 
@@ -195,7 +199,7 @@ def output_error(layer: Layer, eps: np.ndarray, mean: InputMean) -> np.ndarray:
         if image is not None:
             try:
                 return _conv_output_mean(node, image, eps)
-            except Exception:  # a Conv onnxruntime cannot run in double: use channel means
+            except Exception:  # a Conv onnxruntime cannot run: fall back to channel means
                 pass
         g = int(_attr(node, "group", 1))
         summed = eps.reshape(eps.shape[0], eps.shape[1], -1).sum(axis=2)  # [out, in/group]
@@ -234,9 +238,15 @@ class _Emission:
         return dequantize(qt.data, qt.scale, qt.zero_point, qt.axis).astype(np.float64)
 
 
-def _bias_spec(plan: QuantPlan) -> Any:
-    """The spec of the model's quantized biases, if they all share one."""
+def _bias_spec(plan: QuantPlan) -> ResolvedSpec | None:
+    """How to quantize added biases: like the model's biases (the int32 default if it has none).
+
+    The plan does not record each node's config, so an added bias cannot know whether its
+    node was meant to keep a float bias; when the model's biases disagree, it stays float.
+    """
     specs = {t.spec for t in plan.tensors.values() if t.kind is Kind.BIAS}
+    if not specs:
+        return merge_specs([QuantizationSpec()], "bias")
     return specs.pop() if len(specs) == 1 else None
 
 

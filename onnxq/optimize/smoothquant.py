@@ -245,7 +245,7 @@ def smooth_group(graph: ir.Graph, value: ir.Value, consumers: list[Consumer], s:
     edits = None if others or value.is_graph_output() else fold_edits(value, 1.0 / s, axis)
     if edits is not None:
         _apply(graph, edits)
-        how = f"folded into {value.producer().op_type}"
+        how = f"folded into {edits[0][0].op_type}"  # the layer (or LayerNorm) absorbing 1/s
     elif insert_mul:
         _insert_mul(graph, value, 1.0 / s, axis, [c.node for c in consumers])
         how = "Mul inserted"

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from onnxq import qmath
-from onnxq.calibrate.observers.histogram import StreamingHistogram, finite_values
+from onnxq.calibrate.observers.histogram import StreamingHistogram
 from onnxq.calibrate.observers.options import parse_options
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import DType
@@ -27,6 +27,9 @@ class Observer(abc.ABC):
     options_class: ClassVar[type | None] = None
     # Methods that search an integer grid cannot calibrate float8 targets.
     integer_only: ClassVar[bool] = True
+    # Observers that only need each batch's min and max: the calibration session then
+    # computes those inside onnxruntime instead of returning whole tensors.
+    min_max_only: ClassVar[bool] = False
 
     def __init__(self, spec: ResolvedSpec) -> None:
         self.spec = spec
@@ -85,12 +88,10 @@ class HistogramObserver(Observer):
         return bool(self.spec.symmetric)
 
     def update(self, x: np.ndarray) -> None:
-        flat = finite_values(x)
-        if flat.size == 0:
-            return
-        self.data_min = min(self.data_min, float(flat.min()))
-        self.data_max = max(self.data_max, float(flat.max()))
-        self.hist.update(flat)
+        seen = self.hist.update(x)
+        if seen is not None:
+            self.data_min = min(self.data_min, seen[0])
+            self.data_max = max(self.data_max, seen[1])
 
     def _merge(self, other: Observer) -> None:
         assert isinstance(other, HistogramObserver)

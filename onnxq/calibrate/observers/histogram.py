@@ -133,21 +133,41 @@ class StreamingHistogram:
         return other
 
     # -- updates -------------------------------------------------------------------------
-    def update(self, x: np.ndarray) -> None:
-        """Add the finite values of one batch (any shape); nan and inf are ignored."""
-        flat = finite_values(x)
+    def update(self, x: np.ndarray) -> tuple[float, float] | None:
+        """Add the finite values of one batch (any shape); nan and inf are ignored.
+
+        Returns the batch's finite (min, max) of the signed values, None if it had none.
+
+        Vectorised and in place: the batch is scaled by the power-of-two bin width (exact),
+        floored and counted with `np.bincount`. float32 data stays float32 whenever that is
+        exact (bin indices below 2**24, no underflow); otherwise float64 is used.
+        """
+        flat = np.asarray(x).ravel()
+        if flat.dtype not in (np.float32, np.float64):
+            flat = flat.astype(np.float64)
         if flat.size == 0:
-            return
+            return None
+        lo, hi = float(flat.min()), float(flat.max())
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            flat = flat[np.isfinite(flat)]
+            if flat.size == 0:
+                return None
+            lo, hi = float(flat.min()), float(flat.max())
+        signed = (lo, hi)
         if self.symmetric:
             flat = np.abs(flat)
-            lo, hi = 0.0, float(flat.max())
-        else:
-            lo, hi = float(flat.min()), float(flat.max())
+            lo, hi = 0.0, max(-lo, hi)
         self._extend(lo, hi)
-        scaled = np.ldexp(flat, -self._exp)
-        idx = np.floor(scaled).astype(np.int64) - ((scaled == 0.0) & (flat < 0.0)) - self._start
+        exact32 = flat.dtype == np.float32 and -100 < self._exp <= 0 and abs(self._start) + self.num_bins < 2**24
+        work = flat.astype(np.float32 if exact32 else np.float64)  # one copy, reused in place
+        np.multiply(work, work.dtype.type(2.0**-self._exp), out=work)
+        np.floor(work, out=work)
+        work -= self._start
+        idx = work.astype(np.int32 if exact32 else np.int64)
+        np.clip(idx, 0, self.num_bins - 1, out=idx)  # values rounding onto the top edge
         self._counts += np.bincount(idx, minlength=self.num_bins)
-        self._zeros += int(np.count_nonzero(flat == 0.0))
+        self._zeros += flat.size - int(np.count_nonzero(flat))
+        return signed
 
     def merge(self, other: StreamingHistogram) -> None:
         """Add `other`'s counts into self, exactly (both end on the grid of the union)."""

@@ -15,6 +15,7 @@ class MinMaxObserver(Observer):
     """Range = [min, max] of all finite values; symmetric specs get (-absmax, absmax)."""
 
     integer_only = False
+    min_max_only = True
 
     def __init__(self, spec: ResolvedSpec) -> None:
         super().__init__(spec)
