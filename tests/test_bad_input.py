@@ -250,7 +250,7 @@ def test_api_raises_onnxq_errors(case, ws):
 
 
 # ---------------------------------------------------------------------------------------
-# onnxq bugs: these mistakes escape as tracebacks instead of one-line errors
+# regressions: these mistakes used to escape as tracebacks instead of one-line errors
 
 
 def test_cli_corrupt_npz_file(ws, capsys):

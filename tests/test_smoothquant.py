@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxq
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.config.spec import CalibrationConfig
-from onnxq.errors import CalibrationDataError, ConfigError
+from onnxq.errors import ConfigError
 from onnxq.graph.load import load_model
 from onnxq.optimize import PassContext, run_passes
 from onnxq.optimize.smoothquant import smoothing_scales
@@ -119,8 +119,7 @@ def test_matmul_chain_folds_into_the_producing_layers():
     model = matmul_chain()
     data = outlier_data(16, 4, (K,))
     after, note = apply(model, data, op_types=["MatMul", "Gemm"])
-    assert note == ("smoothquant: 3 layers smoothed in 3 groups (alpha 0.5): "
-                    "1 Mul inserted, 1 folded into Add, 1 folded into MatMul")
+    assert note == "smoothquant: 3 layers smoothed in 3 groups (alpha 0.5): 1 Mul inserted, 2 folded into MatMul"
     assert_same_outputs(model, after, data)
 
 
@@ -177,11 +176,11 @@ def test_options():
         apply(model, data, alpah=0.5)
     with pytest.raises(ConfigError, match="cannot smooth"):
         apply(model, data, op_types=["Add"])
-    with pytest.raises(CalibrationDataError, match="smoothquant needs calibration data"):
-        apply(model, None)
+    _, note = apply(model, None)
+    assert note == "smoothquant: 3 layers could be smoothed; skipped (needs calibration data)"
 
 
-@pytest.mark.parametrize("name", ["squeezenet", "shufflenet", "inception_v1"])
+@pytest.mark.parametrize("name", ["squeezenet", "inception_v1"])
 def test_light_models_keep_their_outputs(name, tmp_path):
     from test_cle import feeds, randomized_light_model
 
@@ -189,6 +188,6 @@ def test_light_models_keep_their_outputs(name, tmp_path):
     feed = feeds(model, n=2)
     data = feeds(model, n=4, seed=11)
     after, note = apply(model, data, op_types=["Conv", "Gemm", "MatMul"])
-    assert "folded into" in note, note
+    assert "folded into Conv" in note, note
     ref, got = run(model, feed), run(ir.to_proto(after), feed)
     np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-4 * float(np.abs(ref).max()))

@@ -11,6 +11,7 @@ known with the model, so `validate_node_configs` checks those combinations per n
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import fields
 from enum import Enum
@@ -111,6 +112,23 @@ def _check_top_level(config: Config) -> None:
             f"invalid max_samples {calibration.max_samples} in calibration; "
             "use 1 or more, or remove it to use every sample"
         )
+    if calibration.max_memory_mb is not None and calibration.max_memory_mb < 0:
+        raise ConfigError(
+            f"invalid max_memory_mb {calibration.max_memory_mb} in calibration; use 0 or more MiB"
+        )
+    if config.qdq_domain not in ("ai.onnx", "com.microsoft"):
+        raise ConfigError(
+            f"invalid qdq_domain {config.qdq_domain!r}; use 'ai.onnx' (upgrade the opset when a "
+            "type needs it) or 'com.microsoft' (onnxruntime contrib Q/DQ)"
+        )
+    for entry in config.exclude:
+        try:
+            re.compile(entry)
+        except re.error as exc:
+            raise ConfigError(
+                f"exclude entry {entry!r} is neither a node name nor a valid regex ({exc}); "
+                "escape special characters, e.g. with re.escape"
+            ) from None
     if _plain(config.quant_format) != QuantFormat.QDQ.value:
         raise ConfigError(
             f"unsupported quant_format '{_plain(config.quant_format)}' in config; "

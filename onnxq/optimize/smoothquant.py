@@ -221,7 +221,8 @@ def _insert_mul(graph: ir.Graph, value: ir.Value, factor: np.ndarray, axis: int,
                 readers: list[ir.Node]) -> None:
     """Feed `readers` with value * factor (a new Mul) instead of `value`."""
     edit = GraphEditor(graph)
-    const = edit.initializer(f"{value.name}_smoothquant_scale", _along(factor, axis).astype(np.float32))
+    dtype = value.dtype.numpy() if value.dtype is not None else np.float32
+    const = edit.initializer(f"{value.name}_smoothquant_scale", _along(factor, axis).astype(dtype))
     out = edit.add_node("Mul", [value, const], f"{value.name}_smoothquant", dtype=value.dtype, shape=value.shape)
     for node in readers:
         node.replace_input_with(0, out)
@@ -268,6 +269,8 @@ def smoothquant(model: ir.Model, options: Mapping[str, Any], ctx: PassContext) -
     groups = find_groups(graph, opts)
     if not groups:
         return "no MatMul/Gemm with a constant weight to smooth"
+    if ctx.data is None or ctx.data.source is None:  # e.g. `onnxq inspect`
+        return f"{sum(map(len, groups.values()))} layers could be smoothed; skipped (needs calibration data)"
     values = {v.name: v for node in graph for v in node.inputs if v is not None and v.name in groups}
     xmax = channel_absmax(model, groups, ctx)
     counts: dict[str, int] = {}
