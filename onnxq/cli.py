@@ -51,6 +51,14 @@ def _spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
         weight["qscheme"] = "per_tensor"
     if args.per_channel:
         weight["qscheme"] = "per_channel"
+    if args.per_group is not None:
+        weight["qscheme"] = "per_group"
+        weight["group_size"] = args.per_group
+    if args.scale_type:
+        activation["scale_type"] = args.scale_type
+        weight["scale_type"] = args.scale_type
+    if args.dynamic:
+        activation["is_dynamic"] = True
     out: dict[str, Any] = {}
     global_cfg: dict[str, Any] = {}
     if activation:
@@ -62,6 +70,10 @@ def _spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["global_quant_config"] = global_cfg
     if args.exclude:
         out["exclude"] = list(args.exclude)
+    if args.qdq_domain:
+        out["qdq_domain"] = args.qdq_domain
+    if args.matmul_nbits:
+        out["matmul_nbits"] = True
     calibration = {
         k: v
         for k, v in (
@@ -180,6 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
     granularity = q.add_mutually_exclusive_group()
     granularity.add_argument("--per-tensor", action="store_true", help="one weight scale per tensor")
     granularity.add_argument("--per-channel", action="store_true", help="one weight scale per output channel")
+    granularity.add_argument("--per-group", type=int, metavar="SIZE",
+                             help="weight scales per block of SIZE along the input axis")
+    q.add_argument("--scale-type", help="float32, float16 or power_of_two")
+    q.add_argument("--dynamic", action="store_true",
+                   help="quantize activations at run time (MatMul/Gemm/Conv/LSTM); no calibration")
+    q.add_argument("--qdq-domain", help="ai.onnx (upgrade opset when a type needs it) or com.microsoft")
+    q.add_argument("--matmul-nbits", action="store_true",
+                   help="weight-only int4/uint4 per-group MatMul as onnxruntime MatMulNBits")
     q.add_argument("--activation-type", help="activation dtype (uint8, int8)")
     q.add_argument("--weight-type", help="weight dtype (int8, uint8)")
     q.add_argument("--exclude", nargs="+", metavar="NAME", help="node names or regexes to keep in float")
