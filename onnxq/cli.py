@@ -74,6 +74,13 @@ def _spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["qdq_domain"] = args.qdq_domain
     if args.matmul_nbits:
         out["matmul_nbits"] = True
+    passes = [{"name": "cle"}] if args.cle else []
+    if args.smoothquant is not None:
+        passes.append({"name": "smoothquant", "alpha": args.smoothquant})
+    if passes:
+        out["pre_quant_opt_config"] = passes
+    if args.bias_correction:
+        out["algo_config"] = [{"name": "bias_correction"}]
     calibration = {
         k: v
         for k, v in (
@@ -185,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--num-bins", type=int, help="histogram bins for histogram-based methods")
     q.add_argument("--calib-option", action="append", metavar="KEY=VALUE",
                    help="method-specific option, e.g. search_step=0.02 for ifmr (repeatable)")
+    q.add_argument("--cle", action="store_true", help="cross-layer equalization of Conv/Gemm chains")
+    q.add_argument("--smoothquant", type=float, metavar="ALPHA",
+                   help="SmoothQuant with migration strength ALPHA in [0, 1] (MatMul/Gemm outliers)")
+    q.add_argument("--bias-correction", action="store_true",
+                   help="correct the mean output error that weight quantization adds to each bias")
     q.add_argument("--max-calib-memory", type=int, metavar="MIB",
                    help="bound on activations held per batch; calibrates in groups above it")
     q.add_argument("--save-ranges", metavar="FILE.json", help="write calibrated ranges to a file")

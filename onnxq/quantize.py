@@ -149,7 +149,7 @@ def quantize(
 
     with summary.stage("optimise"):
         summary.notes.extend(run_passes(ir_model, config.pre_quant_opt_config, ctx))
-        plan = plan_quantization(ir_model, config)
+        plan = plan_quantization(ir_model, config, ctx.keep_float)
 
     with summary.stage("calibrate"):
         calibration = _calibrate_or_load(ir_model, plan, data, config, progress)

@@ -117,24 +117,45 @@ def test_correction_equals_the_emitted_weight_error():
     rng = np.random.default_rng(3)
     w = uneven(rng, (24, 32))
     b = rng.normal(0, 0.1, 24).astype(np.float32)
-    b[5] = 5e6  # large enough that the bias-safe floor raises the per-tensor weight scale
+    b[5] = 5e6  # large enough that the bias-safe floor raises channel 5's weight scale
     model = build([helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="gemm", transB=1)],
                   {"w": w, "b": b}, ["N", 32])
     calib = data(model, 40, seed=4)
-    result = onnxq.quantize(model, None, per_tensor([{"name": "bias_correction"}]), calib)
+    config = onnxq.get_preset("U8S8")
+    config.algo_config = [{"name": "bias_correction"}]
+    result = onnxq.quantize(model, None, config, calib)
     inits = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer}
     nodes = {o: n for n in result.model.graph.node for o in n.output}
     gemm = next(n for n in result.model.graph.node if n.op_type == "Gemm")
 
     def dequantized(name: str) -> np.ndarray:
         dq = nodes[name]
-        return dequantize(inits[dq.input[0]], inits[dq.input[1]], inits[dq.input[2]])
+        return dequantize(inits[dq.input[0]], inits[dq.input[1]], inits[dq.input[2]], axis=0)
 
     wq, bq = dequantized(gemm.input[1]), dequantized(gemm.input[2])
-    scale = float(inits[nodes[gemm.input[2]].input[1]])
-    assert float(inits[nodes[gemm.input[1]].input[1]]) > np.abs(w).max() / 127  # the floor binds
+    bias_scale = inits[nodes[gemm.input[2]].input[1]]
+    weight_scale = inits[nodes[gemm.input[1]].input[1]]
+    assert weight_scale[5] > 2 * np.abs(w[5]).max() / 127  # the floor binds on channel 5
     expected = b - (wq.astype(np.float64) - w) @ calib["x"].astype(np.float64).mean(axis=0)
-    np.testing.assert_allclose(bq, expected, atol=scale)
+    np.testing.assert_allclose(bq, expected, atol=float(bias_scale.max()))
+
+
+def test_per_tensor_weight_keeps_an_overflowing_bias_float():
+    """A per-tensor scale is not inflated for one huge bias: that bias stays float instead."""
+    rng = np.random.default_rng(3)
+    w = uneven(rng, (24, 32))
+    b = rng.normal(0, 0.1, 24).astype(np.float32)
+    b[5] = 5e6
+    model = build([helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="gemm", transB=1)],
+                  {"w": w, "b": b}, ["N", 32])
+    result = onnxq.quantize(model, None, per_tensor([]), data(model, 40, seed=4))
+    inits = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer}
+    nodes = {o: n for n in result.model.graph.node for o in n.output}
+    gemm = next(n for n in result.model.graph.node if n.op_type == "Gemm")
+    weight_scale = float(inits[nodes[gemm.input[1]].input[1]])
+    assert weight_scale <= np.abs(w).max() / 127 * 1.0001  # the natural min/max scale
+    assert gemm.input[2] == "b" and inits["b"].dtype == np.float32
+    assert any("b" in f for f in result.summary.float_biases)
 
 
 def test_conv_error_accounts_for_padding():

@@ -178,15 +178,18 @@ def test_high_bias_absorption_preserves_outputs_on_the_data():
     data = {"x": (rng.standard_normal((16, 4, 8, 8)) * 0.1).astype(np.float32)}
     plain, _ = apply(model)
     absorbed, notes = apply(model, {"scale_append_bias": True}, data)
-    assert "high-bias channels absorbed" in notes[-1] and not notes[-1].startswith("0")
+    assert "high-bias channels absorbed in 1 pairs" in notes[-1] and "; 0 high-bias" not in notes[-1]
     first = lambda m: constant_array(next(n for n in m.graph if n.op_type == "Conv").inputs[2])  # noqa: E731
     assert np.all(first(absorbed) <= first(plain)) and np.any(first(absorbed) < first(plain))
     assert_same_outputs(model, absorbed, data)
 
 
-def test_absorption_without_data_is_skipped():
-    _, notes = apply(conv_relu_conv(), {"scale_append_bias": True})
+def test_absorption_needs_data_and_an_unpadded_second_layer():
+    model = conv_relu_conv()
+    _, notes = apply(model, {"scale_append_bias": True})
     assert "absorption skipped" in notes[-1]
+    _, notes = apply(model, {"scale_append_bias": True}, feeds(model))
+    assert "no pair qualifies for high-bias absorption" in notes[-1]
 
 
 def test_skip_layers_and_options():

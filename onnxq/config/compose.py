@@ -2,7 +2,8 @@
 
 All three are dicts of the config-file shape, so a CLI flag, a YAML key and a Python
 dict mean exactly the same thing. Nested mappings merge key by key; other values
-(lists included) replace, except `exclude`, which accumulates.
+(lists included) replace, except `exclude`, which accumulates, and the pass lists
+(`pre_quant_opt_config`, `algo_config`), whose entries merge by `name`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,22 @@ from onnxq.config.presets import get_preset
 from onnxq.config.spec import Config
 from onnxq.errors import ConfigError
 
+NAMED_LISTS = ("pre_quant_opt_config", "algo_config")
+
+
+def _merge_by_name(base: list[Any], override: list[Any]) -> list[Any]:
+    """Entries of `override` replace same-named entries of `base` (in place) or append."""
+    merged = list(base)
+    names = [e.get("name") if isinstance(e, Mapping) else None for e in merged]
+    for entry in override:
+        name = entry.get("name") if isinstance(entry, Mapping) else None
+        if name is not None and name in names:
+            merged[names.index(name)] = entry
+        else:
+            merged.append(entry)
+            names.append(name)
+    return merged
+
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """A new dict: `override` merged into `base` recursively."""
@@ -23,6 +40,8 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str
     for key, value in override.items():
         if key == "exclude" and isinstance(merged.get(key), list) and isinstance(value, list):
             merged[key] = merged[key] + [v for v in value if v not in merged[key]]
+        elif key in NAMED_LISTS and isinstance(merged.get(key), list) and isinstance(value, list):
+            merged[key] = _merge_by_name(merged[key], value)
         elif isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
             merged[key] = deep_merge(merged[key], value)
         else:

@@ -7,6 +7,7 @@ into the op before them, and the nodes left in float with the reason why.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -122,9 +123,10 @@ def _fusable_activation(value: ir.Value, config: Config) -> ir.Node | None:
 
 
 class _Planner:
-    def __init__(self, model: ir.Model, config: Config) -> None:
+    def __init__(self, model: ir.Model, config: Config, keep_float: Mapping[str, str]) -> None:
         self.graph = model.graph
         self.config = config
+        self.keep_float = keep_float
         self.plan = QuantPlan()
 
     def add_use(self, value: ir.Value, kind: Kind, spec: ResolvedSpec, node: ir.Node, index: int,
@@ -158,6 +160,9 @@ class _Planner:
         self.plan.float_nodes[node.name] = (node.op_type, reason)
 
     def plan_node(self, node: ir.Node) -> None:
+        if node.name in self.keep_float:
+            self.float_node(node, self.keep_float[node.name])
+            return
         cfg = resolve_node_config(self.config, node.name, node.op_type)
         if cfg is None:
             self.float_node(node, "excluded or kept in float by config")
@@ -304,6 +309,11 @@ class _Planner:
         self.plan.tensors[key] = tensor
 
 
-def plan_quantization(model: ir.Model, config: Config) -> QuantPlan:
-    """Walk the graph in topological order and decide what each tensor becomes."""
-    return _Planner(model, config).run()
+def plan_quantization(
+    model: ir.Model, config: Config, keep_float: Mapping[str, str] | None = None
+) -> QuantPlan:
+    """Walk the graph in topological order and decide what each tensor becomes.
+
+    `keep_float` names nodes (with the reason) that earlier passes require to stay float.
+    """
+    return _Planner(model, config, keep_float or {}).run()

@@ -16,16 +16,12 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
+from onnxq.emit.params import activation_qparams, bias_input_spec, biases_by_weight, emitted_weight
 from onnxq.emit.plan import Kind, QuantPlan, TensorPlan, qparams_key
-from onnxq.emit.weights import (
-    QuantizedTensor,
-    bias_safe_weight_scale,
-    quantize_bias,
-    quantize_weight,
-)
+from onnxq.emit.weights import QuantizedTensor, quantize_bias
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
-from onnxq.qmath import compute_qparams, int_type, is_float8, is_integer, qdq_opset, quantize
+from onnxq.qmath import int_type, is_float8, is_integer, qdq_opset, quantize
 
 CONTRIB = "com.microsoft"
 
@@ -70,9 +66,7 @@ class _Emitter:
             self.nodes[node.name] = node
             self.values.update({o.name: o for o in node.outputs if o.name})
         self.params: dict[tuple, _Params] = {}
-        self.bias_of: dict[str, TensorPlan] = {
-            t.bias_inputs[1]: t for t in plan.tensors.values() if t.bias_inputs is not None
-        }
+        self.bias_of = biases_by_weight(plan)
         self.weight_scales: dict[str, np.ndarray] = {}
 
     # -- nodes -----------------------------------------------------------------------
@@ -94,14 +88,16 @@ class _Emitter:
                                   domain=self.domain(spec.dtype))
 
     # -- activations -----------------------------------------------------------------
+    def constant_of(self, name: str) -> np.ndarray | None:
+        return constant_array(self.values.get(name))
+
     def activation_params(self, name: str, spec: ResolvedSpec | None = None) -> _Params:
-        """Scale and zero point of activation `name` quantized with `spec` (default: its own)."""
+        """Scale and zero-point initializers of activation `name` quantized with `spec`."""
         root = self.plan.root_of(name)
         spec = spec or self.plan.tensors[root].spec
         key = (root, qparams_key(spec))
         if key not in self.params:
-            rmin, rmax = self.range_of(root)
-            scale, zp = compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type)
+            scale, zp = activation_qparams(self.plan, self.ranges, self.constant_of, name, spec)
             suffix = "" if spec is self.plan.tensors[root].spec else f"_{spec.dtype}"
             self.params[key] = _Params(
                 self.edit.initializer(f"{root}_scale{suffix}", np.asarray(scale, np.float32).reshape(())),
@@ -109,13 +105,6 @@ class _Emitter:
                 np.asarray(scale), np.asarray(zp),
             )
         return self.params[key]
-
-    def range_of(self, root: str) -> tuple[float, float]:
-        """Calibrated range of an activation; a constant's range is its values' min and max."""
-        if self.plan.tensors[root].kind is Kind.CONSTANT:
-            array = constant_array(self.values[root])
-            return float(array.min(initial=0.0)), float(array.max(initial=0.0))
-        return self.ranges[root]
 
     def absorb_activation(self, act_name: str) -> None:
         """Remove a fused Relu/Clip when the output quantization clamps exactly like it."""
@@ -203,34 +192,20 @@ class _Emitter:
         if not value.uses() and not value.is_graph_output():
             self.graph.initializers.pop(value.name, None)
 
-    def weight_scale_floor(self, tensor: TensorPlan, array: np.ndarray) -> np.ndarray | float:
-        """Per-channel lower bound on a weight's scale so that its bias fits int32."""
-        bias = self.bias_of.get(tensor.name)
-        if bias is None or tensor.block_size:
-            return 0.0
-        channels = array.shape[tensor.axis] if tensor.axis is not None else 1
-        s_in = float(self.bias_input_params(bias).scale_array)
-        b = constant_array(self.values[bias.source or bias.name])
-        return bias_safe_weight_scale(b, s_in, channels, bias.spec)
-
     def bias_input_params(self, bias: TensorPlan) -> _Params:
         """Parameters of the activation the biased node actually reads (after requantization)."""
-        act = self.plan.tensors[bias.bias_inputs[0]]
-        node_name = bias.consumers[0][0]
-        return self.activation_params(act.name, act.requant.get((node_name, 0)))
+        return self.activation_params(bias.bias_inputs[0], bias_input_spec(self.plan, bias))
 
     def quantize_offline(self, tensor: TensorPlan) -> None:
-        array = constant_array(self.values[tensor.name])
         if tensor.kind is Kind.WEIGHT:
-            floor = self.weight_scale_floor(tensor, array)
-            qt = quantize_weight(array, tensor.spec, tensor.axis, floor, tensor.block_size)
+            qt = emitted_weight(self.plan, self.ranges, self.constant_of, tensor, self.bias_of.get(tensor.name))
             if not qt.block_size and is_integer(tensor.spec.dtype):
                 self.weight_scales[tensor.name] = qt.scale
             self.report.weights += 1
             self.dequantized(tensor, qt)
             return
         p = self.activation_params(tensor.name)
-        q = quantize(array, p.scale_array, p.zp_array, tensor.spec.dtype)
+        q = quantize(self.constant_of(tensor.name), p.scale_array, p.zp_array, tensor.spec.dtype)
         self.report.constants += 1
         self.dequantized(tensor, QuantizedTensor(q, p.scale_array, p.zp_array, None), p)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,8 @@ class PassContext:
     data: CalibrationSource | None
     calibration: CalibrationConfig
     progress: bool | None = None
+    # Nodes a pass created that must stay float (node name -> reason), for the planner.
+    keep_float: dict[str, str] = field(default_factory=dict)
 
     def stream(
         self, model: ir.Model, names: list[str], purpose: str
@@ -114,4 +116,4 @@ def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping
 
 
 # Importing the modules fills the registries.
-from onnxq.optimize import fold_batchnorm  # noqa: E402, F401
+from onnxq.optimize import bias_correction, cle, fold_batchnorm, smoothquant  # noqa: E402, F401

@@ -30,13 +30,13 @@ from onnx import helper, numpy_helper
 
 from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import QuantizationSpec
+from onnxq.emit.params import biases_by_weight, emitted_weight
 from onnxq.emit.plan import Kind, QuantPlan, TensorPlan
-from onnxq.emit.weights import bias_safe_weight_scale, quantize_weight
 from onnxq.graph.edit import GraphEditor, set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.optimize import PassContext, register_algorithm
 from onnxq.optimize.options import parse_options
-from onnxq.qmath import compute_qparams, dequantize
+from onnxq.qmath import dequantize, is_integer
 
 OP_TYPES = ("Conv", "Gemm", "MatMul")
 
@@ -98,6 +98,9 @@ def find_layers(graph: ir.Graph, plan: QuantPlan, opts: BiasCorrectionOptions) -
         weight = node.inputs[1] if len(node.inputs) > 1 else None
         tensor = plan.tensors.get(weight.name) if weight is not None else None
         if tensor is None or tensor.kind is not Kind.WEIGHT:
+            continue
+        if not is_integer(tensor.spec.dtype):
+            skipped.append(f"{node.name} (non-integer weight type)")
             continue
         w = constant_array(weight)
         if _shared(weight) or (node.op_type == "MatMul" and w.ndim != 2):
@@ -213,29 +216,24 @@ def output_error(layer: Layer, eps: np.ndarray, mean: InputMean) -> np.ndarray:
 
 
 class _Emission:
-    """Reproduces how the emitter quantizes a weight, including the bias-safe scale floor."""
+    """How emission will quantize each weight (shared with the emitter: `emit.params`)."""
 
-    def __init__(self, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]]) -> None:
+    def __init__(self, model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]]) -> None:
         self.plan = plan
         self.ranges = ranges
-        self.bias_of = {t.bias_inputs[1]: t for t in plan.tensors.values() if t.bias_inputs is not None}
+        self.initializers = model.graph.initializers
+        self.bias_of = biases_by_weight(plan)
 
-    def input_scale(self, activation: str) -> float:
-        root = self.plan.root_of(activation)
-        spec = self.plan.tensors[root].spec
-        rmin, rmax = self.ranges[root]
-        return float(compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type)[0])
+    def constant_of(self, name: str) -> np.ndarray | None:
+        return constant_array(self.initializers.get(name))
 
     def dequantized_weight(self, tensor: TensorPlan, w: np.ndarray, bias_plan: TensorPlan | None,
                            bias: np.ndarray) -> np.ndarray:
-        """W_q as float; `bias_plan` is the int32 bias whose range floors the weight scale."""
-        floor: np.ndarray | float = 0.0
-        if bias_plan is not None:
-            channels = w.shape[tensor.axis] if tensor.axis is not None else 1
-            s_in = self.input_scale(bias_plan.bias_inputs[0])
-            floor = bias_safe_weight_scale(bias, s_in, channels, bias_plan.spec)
-        qt = quantize_weight(w, tensor.spec, tensor.axis, floor)
-        return dequantize(qt.data, qt.scale, qt.zero_point, qt.axis).astype(np.float64)
+        """W_q as float, given the bias the layer will have (it floors the weight scale)."""
+        usable = bias_plan is not None and bias_plan.bias_inputs[0] in self.plan.tensors
+        qt = emitted_weight(self.plan, self.ranges, self.constant_of, tensor,
+                            bias_plan if usable else None, bias)
+        return dequantize(qt.data, qt.scale, qt.zero_point, qt.axis, qt.block_size).astype(np.float64)
 
 
 def _bias_spec(plan: QuantPlan) -> ResolvedSpec | None:
@@ -250,7 +248,7 @@ def _bias_spec(plan: QuantPlan) -> ResolvedSpec | None:
     return specs.pop() if len(specs) == 1 else None
 
 
-def _new_bias_plan(plan: QuantPlan, layer: Layer, spec: Any) -> TensorPlan | None:
+def _new_bias_plan(plan: QuantPlan, layer: Layer, spec: ResolvedSpec | None) -> TensorPlan | None:
     """How a bias added to a Conv/Gemm is quantized: like the model's other biases."""
     act, weight = layer.node.inputs[0], layer.node.inputs[1]
     if spec is None or act.name not in plan.tensors or plan.tensors[act.name].kind is not Kind.ACTIVATION:
@@ -259,11 +257,13 @@ def _new_bias_plan(plan: QuantPlan, layer: Layer, spec: Any) -> TensorPlan | Non
 
 
 def _out_channels(node: ir.Node, w: np.ndarray) -> int:
-    return w.shape[1] if node.op_type == "MatMul" or (node.op_type == "Gemm" and not _attr(node, "transB", 0)) else w.shape[0]
+    if node.op_type == "MatMul" or (node.op_type == "Gemm" and not _attr(node, "transB", 0)):
+        return w.shape[1]
+    return w.shape[0]
 
 
 def correct(model: ir.Model, plan: QuantPlan, layer: Layer, mean: InputMean, emission: _Emission,
-            bias_spec: Any) -> bool:
+            bias_spec: ResolvedSpec | None) -> bool:
     """Subtract the layer's expected output error from its bias; False if nothing changed."""
     node = layer.node
     w = constant_array(node.inputs[1])
@@ -313,11 +313,12 @@ def bias_correction(
     if not layers:
         return "no quantized layer to correct" + (f"; skipped {', '.join(skipped[:5])}" if skipped else "")
     means = input_means(model, layers, ctx)
-    emission = _Emission(plan, ranges)
+    emission = _Emission(model, plan, ranges)
     bias_spec = _bias_spec(plan)
     added = sum(1 for layer in layers if layer.bias_index >= len(layer.bias_node.inputs)
                 or layer.bias_node.inputs[layer.bias_index] is None)
-    corrected = sum(correct(model, plan, layer, means[layer.node.inputs[0].name], emission, bias_spec) for layer in layers)
+    corrected = sum(correct(model, plan, layer, means[layer.node.inputs[0].name], emission, bias_spec)
+                    for layer in layers)
     note = f"{corrected} of {len(layers)} biases corrected"
     if added:
         note += f" ({added} added)"

@@ -12,9 +12,9 @@ all their weights. The 1/s goes, in order of preference:
   channels, bias), a Mul/Div by a constant, or, through Relu/pooling or an Add/Sub of a
   constant, whatever produces their input;
 - otherwise (`insert_mul`, the default) into a Mul by 1/s inserted before the smoothed
-  consumers, named `<tensor>_smoothquant_Mul`. That Mul only pays off when it runs in
-  float: quantized, its input keeps the outliers and its constant 1/s loses precision,
-  so exclude it (`exclude: [".*_smoothquant_Mul"]`).
+  consumers. That Mul only pays off when it runs in float (quantized, its input keeps the
+  outliers and its constant 1/s loses precision), so the pass marks it to stay float
+  through `PassContext.keep_float`.
 """
 
 from __future__ import annotations
@@ -218,14 +218,15 @@ def _apply(graph: ir.Graph, edits: list[Edit]) -> None:
 
 
 def _insert_mul(graph: ir.Graph, value: ir.Value, factor: np.ndarray, axis: int,
-                readers: list[ir.Node]) -> None:
-    """Feed `readers` with value * factor (a new Mul) instead of `value`."""
+                readers: list[ir.Node]) -> str:
+    """Feed `readers` with value * factor (a new Mul) instead of `value`; the Mul's name."""
     edit = GraphEditor(graph)
     dtype = value.dtype.numpy() if value.dtype is not None else np.float32
     const = edit.initializer(f"{value.name}_smoothquant_scale", _along(factor, axis).astype(dtype))
     out = edit.add_node("Mul", [value, const], f"{value.name}_smoothquant", dtype=value.dtype, shape=value.shape)
     for node in readers:
         node.replace_input_with(0, out)
+    return out.producer().name
 
 
 def _readers(value: ir.Value) -> list[ir.Node]:
@@ -238,7 +239,7 @@ def _readers(value: ir.Value) -> list[ir.Node]:
 
 
 def smooth_group(graph: ir.Graph, value: ir.Value, consumers: list[Consumer], s: np.ndarray,
-                 insert_mul: bool) -> str | None:
+                 insert_mul: bool, keep_float: dict[str, str] | None = None) -> str | None:
     """Scale the consumers' weights by s and the activation by 1/s; how, or None if skipped."""
     axis = consumers[0].act_axis
     nodes = {id(c.node) for c in consumers}
@@ -248,7 +249,9 @@ def smooth_group(graph: ir.Graph, value: ir.Value, consumers: list[Consumer], s:
         _apply(graph, edits)
         how = f"folded into {edits[0][0].op_type}"  # the layer (or LayerNorm) absorbing 1/s
     elif insert_mul:
-        _insert_mul(graph, value, 1.0 / s, axis, [c.node for c in consumers])
+        mul = _insert_mul(graph, value, 1.0 / s, axis, [c.node for c in consumers])
+        if keep_float is not None:
+            keep_float[mul] = "SmoothQuant scaling; quantized it would bring the outliers back"
         how = "Mul inserted"
     else:
         return None
@@ -281,7 +284,7 @@ def smoothquant(model: ir.Model, options: Mapping[str, Any], ctx: PassContext) -
             counts["skipped"] = counts.get("skipped", 0) + 1
             continue
         how = smooth_group(graph, values[name], consumers, smoothing_scales(xmax[name], wmax, opts.alpha),
-                           opts.insert_mul)
+                           opts.insert_mul, ctx.keep_float)
         counts[how or "skipped"] = counts.get(how or "skipped", 0) + 1
         layers += len(consumers) if how else 0
     graph.sort()  # inserted Muls go before their consumers

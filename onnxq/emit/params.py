@@ -1,0 +1,77 @@
+"""The numbers emission writes, computed without touching the graph.
+
+Scales and zero points of activations, and the quantized form of each weight (with the
+scale floor that keeps its int32 bias in range), are decided here once. The QDQ emitter
+writes them; algorithms that must predict them (bias correction) call the same functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from onnxq.config.resolve import ResolvedSpec
+from onnxq.emit.plan import Kind, QuantPlan, TensorPlan
+from onnxq.emit.weights import QuantizedTensor, bias_safe_weight_scale, quantize_weight
+from onnxq.qmath import compute_qparams
+
+ConstantOf = Callable[[str], "np.ndarray | None"]
+
+
+def activation_range(
+    plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], constant_of: ConstantOf, root: str
+) -> tuple[float, float]:
+    """Calibrated range of an activation; a constant's range is its values' min and max."""
+    if plan.tensors[root].kind is Kind.CONSTANT:
+        array = constant_of(root)
+        return float(array.min(initial=0.0)), float(array.max(initial=0.0))
+    return ranges[root]
+
+
+def activation_qparams(
+    plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], constant_of: ConstantOf,
+    name: str, spec: ResolvedSpec | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and zero point of activation `name` quantized with `spec` (default: its own)."""
+    root = plan.root_of(name)
+    spec = spec or plan.tensors[root].spec
+    rmin, rmax = activation_range(plan, ranges, constant_of, root)
+    return compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type)
+
+
+def bias_input_spec(plan: QuantPlan, bias: TensorPlan) -> ResolvedSpec | None:
+    """The spec of the activation the biased node actually reads (after requantization)."""
+    act = plan.tensors[bias.bias_inputs[0]]
+    return act.requant.get((bias.consumers[0][0], 0)) if bias.consumers else None
+
+
+def emitted_weight(
+    plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], constant_of: ConstantOf,
+    tensor: TensorPlan, bias: TensorPlan | None, bias_values: np.ndarray | None = None,
+) -> QuantizedTensor:
+    """A weight quantized exactly as emission stores it (`bias_values`: a candidate bias
+    to use instead of the stored one, for algorithms that are about to change it).
+
+    When the weight's int32 bias would overflow, its scale is raised just enough, per
+    channel. A per-tensor scale is raised at most 2x (further would coarsen every
+    channel); past that the bias stays float instead.
+    """
+    array = constant_of(tensor.name)
+    qt = quantize_weight(array, tensor.spec, tensor.axis, 0.0, tensor.block_size)
+    if bias is None or tensor.block_size or bias.bias_inputs[0] not in plan.tensors:
+        return qt
+    s_in, _ = activation_qparams(plan, ranges, constant_of, bias.bias_inputs[0], bias_input_spec(plan, bias))
+    channels = array.shape[tensor.axis] if tensor.axis is not None else 1
+    if bias_values is None:
+        bias_values = constant_of(bias.source or bias.name)
+    floor = bias_safe_weight_scale(bias_values, float(s_in), channels, bias.spec)
+    if np.any(floor > qt.scale) and (tensor.axis is not None or np.all(floor <= 2 * qt.scale)):
+        qt = quantize_weight(array, tensor.spec, tensor.axis, floor, tensor.block_size)
+    return qt
+
+
+def biases_by_weight(plan: QuantPlan) -> dict[str, TensorPlan]:
+    """The bias plan of each weight that has one."""
+    return {t.bias_inputs[1]: t for t in plan.tensors.values() if t.bias_inputs is not None}
+
