@@ -154,7 +154,54 @@ class _Planner:
             if node.name in self.plan.fused_activations:
                 continue
             self.plan_node(node)
+        for node in reversed(list(self.graph)):
+            self.prune_float_island(node)
         return self.plan
+
+    def prune_float_island(self, node: ir.Node) -> None:
+        """Keep an elementwise op float when nothing reads its output quantized.
+
+        Add, Mul, Concat and pooling have integer kernels only as links between quantized
+        ops; when every reader of the output is float (a LayerNormalization after a residual
+        Add, a graph output), quantizing it adds error and no speed. Compute ops (Conv,
+        MatMul, Gemm) keep their integer kernels. Walked in reverse topological order, so
+        chains of such ops collapse together.
+        """
+        rule = OP_RULES.get(node.op_type)
+        if (
+            node.name not in self.plan.quantized_nodes
+            or rule is None
+            or rule.output is not OutputMode.OWN
+            or rule.weight_input is not None
+        ):
+            return
+        act = next((a for a, producer in self.plan.fused_activations.items() if producer == node.name), None)
+        out = (self.plan.tensors.get(self._output_name(node, act)) if node.outputs else None)
+        if out is None or any(c != node.name for c, _ in out.consumers) or out.alias_of is not None:
+            return
+        if any(t.alias_of == out.name for t in self.plan.tensors.values()):
+            return
+        del self.plan.tensors[out.name]
+        for i, value in enumerate(node.inputs):
+            tensor = self.plan.tensors.get(value.name) if value is not None else None
+            if tensor is None:
+                continue
+            tensor.consumers = [c for c in tensor.consumers if c != (node.name, i)]
+            tensor.requant.pop((node.name, i), None)
+            if not tensor.consumers and not tensor.all_consumers:
+                del self.plan.tensors[value.name]
+        self.plan.quantized_nodes.pop(node.name, None)
+        self.float_node(node, "its output feeds only float ops: quantizing it adds error, no integer kernel")
+        if act is not None:
+            del self.plan.fused_activations[act]
+            self.plan.quantized_nodes.pop(act, None)
+
+    def _output_name(self, node: ir.Node, fused_act: str | None) -> str:
+        """The quantized output of `node`: its own, or that of the activation it absorbed."""
+        if fused_act is None:
+            return node.outputs[0].name
+        act = next(n for n in self.graph if n.name == fused_act)
+        return act.outputs[0].name
 
     def float_node(self, node: ir.Node, reason: str) -> None:
         self.plan.float_nodes[node.name] = (node.op_type, reason)
