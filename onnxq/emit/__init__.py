@@ -17,6 +17,7 @@ from onnxq.emit.float_cast import DEFAULT_KEEP_FLOAT32, convert_float_nodes
 from onnxq.emit.matmul_nbits import emit_matmul_nbits
 from onnxq.emit.plan import QuantPlan
 from onnxq.emit.qdq import EmitReport, emit_qdq
+from onnxq.qmath import is_float8
 
 
 @dataclass
@@ -38,6 +39,11 @@ def emit_model(
 ) -> EmitResult:
     """Apply every emitter the plan needs to `model`, in place."""
     result = EmitResult(emit_qdq(model, plan, ranges, config.qdq_domain))
+    if any(is_float8(t.spec.dtype) for t in plan.tensors.values()):
+        result.notes.append(
+            "float8 Q/DQ: onnxruntime's CPU QDQ fusions reject float8 graphs; on CPU load the "
+            "model with GraphOptimizationLevel.ORT_ENABLE_BASIC (GPU providers run it as is)"
+        )
     if plan.dynamic_nodes:
         report = emit_dynamic(model, plan.dynamic_nodes)
         _refused(plan, model, report.skipped)
