@@ -1,8 +1,8 @@
 """Stage 4, emit: turn the plan into graph rewrites, one emitter per strategy.
 
 `emit_model` runs them in order: QDQ (static integer and float8 types), dynamic
-(run-time activation quantization), MatMulNBits (weight-only int4 MatMul) and float
-targets (float16/bfloat16). A node an emitter refuses stays float, with the reason.
+(run-time activation quantization), MatMulNBits (weight-only int4 MatMul),
+GatherBlockQuantized (int4 embedding lookups) and float targets (float16/bfloat16). A node an emitter refuses stays float, with the reason.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import onnx_ir as ir
 from onnxq.config.spec import Config
 from onnxq.emit.dynamic import emit_dynamic
 from onnxq.emit.float_cast import DEFAULT_KEEP_FLOAT32, convert_float_nodes
+from onnxq.emit.gather_block_quantized import emit_gather_block_quantized
 from onnxq.emit.matmul_nbits import emit_matmul_nbits
 from onnxq.emit.plan import QuantPlan
 from onnxq.emit.qdq import EmitReport, emit_qdq
@@ -50,6 +51,8 @@ def emit_model(
         result.notes.extend(f"dynamic {name}: {note}" for name, note in report.notes.items())
     if plan.nbits_nodes:
         _refused(plan, model, emit_matmul_nbits(model, plan.nbits_nodes))
+    if plan.gather_nodes:
+        _refused(plan, model, emit_gather_block_quantized(model, plan.gather_nodes))
     if plan.float_target_nodes:
         ops = {n.name: n.op_type for n in model.graph}
         keep = (*DEFAULT_KEEP_FLOAT32, *config.float_op_types)

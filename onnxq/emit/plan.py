@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig, ResolvedSpec, resolve_node_config
 from onnxq.config.spec import Config, DType, QScheme
+from onnxq.emit.gather_block_quantized import can_use_gather_block_quantized
 from onnxq.emit.matmul_nbits import can_use_matmul_nbits
 from onnxq.emit.rules import DYNAMIC_OPS, FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
 from onnxq.graph.fold import constant_array
@@ -62,6 +63,7 @@ class QuantPlan:
     # Nodes handled by other emitters than QDQ, with the spec that sends them there.
     dynamic_nodes: dict[str, ResolvedSpec] = field(default_factory=dict)  # weight spec
     nbits_nodes: dict[str, ResolvedSpec] = field(default_factory=dict)  # weight spec
+    gather_nodes: dict[str, ResolvedSpec] = field(default_factory=dict)  # int4 table lookups
     float_target_nodes: dict[str, DType] = field(default_factory=dict)  # float16 / bfloat16
     float_tensors: dict[str, str] = field(default_factory=dict)  # dropped after calibration
 
@@ -235,6 +237,15 @@ class _Planner:
             self.plan.float_target_nodes[node.name] = main.dtype
             return True
         weights_only = cfg.input_tensors is None or cfg.input_tensors.is_dynamic
+        if (
+            node.op_type == "Gather"
+            and weights_only
+            and cfg.weight is not None
+            and can_use_gather_block_quantized(node, cfg.weight) is None
+        ):
+            self.plan.gather_nodes[node.name] = cfg.weight
+            self.plan.quantized_nodes[node.name] = node.op_type
+            return True
         if node.op_type == "Gather" and weights_only and node.domain in ("", "ai.onnx"):
             # Weight-only and dynamic configs still store embedding tables quantized.
             if self.plan_weight(node, OP_RULES["Gather"], cfg) is None:

@@ -1,0 +1,73 @@
+"""Embedding lookups on int4 tables: onnxruntime's `com.microsoft::GatherBlockQuantized`.
+
+A DequantizeLinear in front of a Gather dequantizes the whole table on every run; this
+kernel gathers the int4 rows first and dequantizes only those, with block scales along the
+embedding dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxq.config.resolve import ResolvedSpec
+from onnxq.emit.weights import quantize_weight
+from onnxq.graph.edit import GraphEditor
+from onnxq.graph.fold import constant_array
+
+CONTRIB = "com.microsoft"
+TYPES = ("int4", "uint4")
+
+
+def can_use_gather_block_quantized(node: ir.Node, spec: ResolvedSpec) -> str | None:
+    """Why `node` cannot become GatherBlockQuantized with `spec`, or None if it can."""
+    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
+        return "not a Gather"
+    if str(spec.dtype) not in TYPES or spec.qscheme != "per_group":
+        return "needs int4/uint4 per-group weights"
+    size = spec.group_size or 0
+    if size < 16 or size & (size - 1):
+        return "block size must be a power of two >= 16"
+    attr = node.attributes.get("axis")
+    if attr is not None and attr.as_int() != 0:
+        return "only lookups along axis 0"
+    table = constant_array(node.inputs[0])
+    if table is None or table.ndim != 2 or table.dtype != np.float32:
+        return "needs a constant float32 rank-2 table"
+    return None
+
+
+def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpec]) -> dict[str, str]:
+    """Replace each named Gather by GatherBlockQuantized; returns skipped node -> reason."""
+    graph = model.graph
+    edit = GraphEditor(graph)
+    by_name = {n.name: n for n in graph}
+    skipped: dict[str, str] = {}
+    for name, spec in nodes.items():
+        node = by_name.get(name)
+        reason = "not in the graph" if node is None else can_use_gather_block_quantized(node, spec)
+        if reason is not None:
+            skipped[name] = reason
+            continue
+        table = node.inputs[0]
+        qt = quantize_weight(constant_array(table), spec, 1, block_size=spec.group_size)
+        inputs = [
+            edit.initializer(f"{table.name}_quantized", qt.data), node.inputs[1],
+            edit.initializer(f"{table.name}_scale", qt.scale.astype(np.float32)),
+        ]
+        if not spec.symmetric:
+            inputs.append(edit.initializer(f"{table.name}_zero_point", qt.zero_point))
+        out = node.outputs[0]
+        new = ir.node(
+            "GatherBlockQuantized", inputs,
+            {"gather_axis": 0, "quantize_axis": 1, "block_size": spec.group_size, "bits": 4},
+            domain=CONTRIB, name=edit.unique(f"{name}_GatherBlockQuantized"),
+        )
+        new.outputs[0].dtype, new.outputs[0].shape = out.dtype, out.shape
+        ir.convenience.replace_nodes_and_values(graph, node, [node], [new], [out], [new.outputs[0]])
+        if not table.uses() and not table.is_graph_output():
+            graph.initializers.pop(table.name, None)
+        model.opset_imports.setdefault(CONTRIB, 1)
+    return skipped
