@@ -8,7 +8,9 @@ from onnxq import qmath
 from onnxq.calibrate.observers.base import HistogramObserver
 from onnxq.calibrate.observers.registry import register_observer
 
-# At most this many thresholds are tried (evenly strided over the histogram).
+# Thresholds are searched coarse to fine: COARSE evenly strided candidates, then the
+# neighbourhood of the best at the resolution of MAX_CANDIDATES over the whole range.
+COARSE = 96
 MAX_CANDIDATES = 512
 
 
@@ -56,13 +58,25 @@ def entropy_threshold(hist: np.ndarray, edges: np.ndarray, levels: int) -> float
     end = int(nz[-1]) + 1 if nz.size else 0
     if end <= levels:
         return float(edges[end])
-    stride = max(1, (end - levels) // MAX_CANDIDATES)
-    candidates = list(range(levels, end + 1, stride))
-    if candidates[-1] != end:
-        candidates.append(end)
+    fine = max(1, (end - levels) // MAX_CANDIDATES)
+    coarse = max(fine, (end - levels) // COARSE)
+    best = _best(hist, _span(levels, end, coarse), levels)
+    best = _best(hist, _span(max(levels, best - coarse), min(end, best + coarse), fine), levels)
+    return float(edges[best])
+
+
+def _span(lo: int, hi: int, stride: int) -> list[int]:
+    """lo, lo + stride, ... up to and including hi."""
+    out = list(range(lo, hi + 1, stride))
+    if out[-1] != hi:
+        out.append(hi)
+    return out
+
+
+def _best(hist: np.ndarray, candidates: list[int], levels: int) -> int:
+    """The candidate of least KL divergence; ties go to the widest threshold."""
     kl = np.array([kl_divergence_of_threshold(hist, i, levels) for i in candidates])
-    best = len(kl) - 1 - int(np.argmin(kl[::-1]))
-    return float(edges[candidates[best]])
+    return candidates[len(kl) - 1 - int(np.argmin(kl[::-1]))]
 
 
 @register_observer("entropy")
