@@ -244,3 +244,287 @@ def jsonable(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         return obj.tolist()
     return obj
+
+
+# --------------------------------------------------------------------------- lazy data
+
+
+class ImagenetReader:
+    """Lazy `CalibrationDataReader` over the ImageNet sample: one batch-1 feed per call.
+
+    Each `get_next()` decodes one JPEG, so only the current image is in memory. The file
+    list [start:stop] is cycled until `count` feeds have been given (the sample has 1000
+    images; `count=1024` repeats the first 24). `rewind()` starts over, so onnxq can read
+    it again if it needs another pass; iterating it also rewinds first.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        count: int,
+        input_name: str = "input",
+        start: int = 0,
+        stop: int | None = None,
+    ) -> None:
+        self.dir = Path(data_dir)
+        self.files = [name for name, _ in imagenet_listing(self.dir)[start:stop]]
+        if not self.files:
+            raise ValueError(f"{self.dir}: no images in [{start}:{stop}]")
+        self.count = int(count)
+        self.input_name = input_name
+        self.i = 0
+
+    def _decode(self, name: str) -> np.ndarray:
+        from PIL import Image
+
+        with Image.open(self.dir / "images" / name) as img:
+            arr = np.asarray(img.convert("RGB"))
+        return normalize_images_nhwc_u8(arr[None])
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self.i >= self.count:
+            return None
+        name = self.files[self.i % len(self.files)]
+        self.i += 1
+        return {self.input_name: self._decode(name)}
+
+    def rewind(self) -> None:
+        self.i = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        self.rewind()
+        while (item := self.get_next()) is not None:
+            yield item
+
+
+# --------------------------------------------------------------------------- workers
+
+# A quantizer (or any measured call) runs in its own `python SCRIPT --worker ROLE --job JOB`
+# subprocess: the parent writes the job as JSON, the worker writes its result as JSON.
+
+
+def current_rss_mb() -> float:
+    """Current resident set size of this process in MB (psutil)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / (1024.0 * 1024.0)
+
+
+def available_mb() -> float:
+    """Memory available to new processes, in MB (psutil)."""
+    import psutil
+
+    return psutil.virtual_memory().available / (1024.0 * 1024.0)
+
+
+class RssLimitSampler:
+    """Polls the current RSS every `interval` s in a background thread, keeping the peak.
+
+    With `limit_mb`, a process whose RSS passes the limit prints a message to stderr and
+    exits at once with status 3 (a guard against a calibrator that holds every activation
+    of every sample on a machine without swap).
+    """
+
+    def __init__(self, interval: float = 0.01, limit_mb: float | None = None) -> None:
+        import threading
+
+        self.interval = interval
+        self.limit_mb = limit_mb
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import os
+
+        while not self._stop.is_set():
+            rss = current_rss_mb()
+            self.peak = max(self.peak, rss)
+            if self.limit_mb and rss > self.limit_mb:
+                print(
+                    f"RSS limit exceeded: {rss:.0f} MB > {self.limit_mb:.0f} MB; worker stopped",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(3)
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> RssLimitSampler:
+        self.peak = current_rss_mb()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, current_rss_mb())
+
+
+def measure_call(fn: Any, limit_mb: float | None = None) -> tuple[Any, dict[str, float]]:
+    """Run `fn()` and return (its value, {time_s, peak_rss_mb, rss_before_mb, ...}).
+
+    `peak_rss_mb` is `ru_maxrss` when it rose during the call (exact), otherwise the 10 ms
+    sampled peak of the call; `rss_increase_mb` is that peak minus the RSS just before.
+    """
+    import gc
+    import time
+
+    gc.collect()
+    rss_before = current_rss_mb()
+    maxrss_before = peak_rss_mb()
+    with RssLimitSampler(limit_mb=limit_mb) as sampler:
+        t0 = time.perf_counter()
+        value = fn()
+        elapsed = time.perf_counter() - t0
+    maxrss_after = peak_rss_mb()
+    peak = maxrss_after if maxrss_after > maxrss_before else sampler.peak
+    return value, {
+        "time_s": elapsed,
+        "peak_rss_mb": peak,
+        "rss_before_mb": rss_before,
+        "rss_increase_mb": peak - rss_before,
+        "sampled_peak_rss_mb": sampler.peak,
+        "process_maxrss_mb": maxrss_after,
+    }
+
+
+def spawn_worker(
+    script: str | Path,
+    role: str,
+    job: dict[str, Any],
+    workdir: Path,
+    tag: str,
+    timeout: float | None,
+) -> dict[str, Any]:
+    """Run `python SCRIPT --worker ROLE --job WORKDIR/TAG.job.json`, return its result JSON.
+
+    The job gets `output` (WORKDIR/TAG.onnx) and `result` paths added. On a non-zero exit, a
+    timeout or a missing result, returns {"error": "...", "log_tail": ...} instead; the log
+    is WORKDIR/TAG.log.
+    """
+    import json
+    import subprocess
+    import time
+
+    job_path, log_path = workdir / f"{tag}.job.json", workdir / f"{tag}.log"
+    job = {
+        **job,
+        "output": str(workdir / f"{tag}.onnx"),
+        "result": str(workdir / f"{tag}.result.json"),
+    }
+    Path(job["result"]).unlink(missing_ok=True)
+    job_path.write_text(json.dumps(jsonable(job), indent=2))
+    cmd = [sys.executable, str(Path(script).resolve()), "--worker", role, "--job", str(job_path)]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            rc: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timeout after {timeout:.0f} s"
+    wall = time.perf_counter() - t0
+    if rc != 0 or not Path(job["result"]).exists():
+        text = log_path.read_text(errors="replace")
+        last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
+        return {
+            "error": f"worker exit {rc}: {last}" if last else f"worker exit {rc}",
+            "log_tail": text[-2000:],
+            "worker_wall_s": wall,
+        }
+    result = json.loads(Path(job["result"]).read_text())
+    result["output"] = job["output"]
+    result["worker_wall_s"] = wall
+    return result
+
+
+def load_average() -> tuple[float, float, float]:
+    import os
+
+    return os.getloadavg()
+
+
+# --------------------------------------------------------------------------- latency
+
+
+def median_latency_ms(
+    sessions: Mapping[str, Any],
+    feeds: Mapping[str, Mapping[str, np.ndarray]],
+    runs: int,
+    warmup: int = 3,
+) -> dict[str, dict[str, float]]:
+    """Median (and min, max) ms per `session.run` for several sessions, runs interleaved.
+
+    Each session is warmed up `warmup` times, then the sessions take turns for `runs`
+    rounds, so a change of machine load hits all of them alike. `feeds[name]` is the feed
+    of session `name`.
+    """
+    import time
+
+    for name, sess in sessions.items():
+        for _ in range(warmup):
+            sess.run(None, dict(feeds[name]))
+    times: dict[str, list[float]] = {name: [] for name in sessions}
+    for _ in range(runs):
+        for name, sess in sessions.items():
+            t0 = time.perf_counter()
+            sess.run(None, dict(feeds[name]))
+            times[name].append((time.perf_counter() - t0) * 1000.0)
+    return {
+        name: {
+            "median_ms": float(np.median(t)),
+            "min_ms": float(np.min(t)),
+            "max_ms": float(np.max(t)),
+            "runs": len(t),
+        }
+        for name, t in times.items()
+    }
+
+
+ORT_LEVELS = ("disable", "basic", "extended", "all")
+
+
+def make_session(
+    path: str | Path,
+    threads: int | None = None,
+    level: str | None = None,
+    config: Mapping[str, str] | None = None,
+) -> Any:
+    """onnxruntime CPU session. `level`: graph optimization level, one of ORT_LEVELS
+    (default: onnxruntime's, "all"); `config` entries go to
+    `SessionOptions.add_session_config_entry`."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+    if level is not None:
+        so.graph_optimization_level = {
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        }[level]
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, value)
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def git_revision() -> str | None:
+    """`git describe --always --dirty` of the repository holding benchmarks/, or None."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None

@@ -104,6 +104,15 @@ DATA_MOVEMENT = frozenset({
     "ScatterND", "ScatterElements", "Where",
 })
 
+# Cheap elementwise ops: converting them alone between float32 nodes costs two Casts and
+# saves nothing, so like data movement they need a compute op or a weight in their group.
+CHEAP_ELEMENTWISE = frozenset({
+    "Clip", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Max", "Min",
+    "Round", "Sign", "Abs", "Neg", "Floor", "Ceil",
+})
+# Constants smaller than this are parameters (Clip bounds, scalars), not weights.
+MIN_WEIGHT_ELEMENTS = 16
+
 TARGETS: dict[DType, ir.DataType] = {
     DType.FLOAT16: ir.DataType.FLOAT16,
     DType.BFLOAT16: ir.DataType.BFLOAT16,
@@ -378,7 +387,8 @@ def _session_error(model: ir.Model, providers: list[str], workdir: Path) -> str 
 
 
 def _islands(nodes: list[ir.Node], compute: dict[int, tuple[ir.DataType, _Slots]]) -> set[int]:
-    """Converted nodes in groups that only move data and touch no converted compute or weight."""
+    """Converted nodes in groups that only move data or do cheap elementwise work, and touch
+    no converted compute op or weight: alone, they would only add Casts."""
     parent = {i: i for i in compute}
 
     def find(i: int) -> int:
@@ -397,7 +407,9 @@ def _islands(nodes: list[ir.Node], compute: dict[int, tuple[ir.DataType, _Slots]
     useful: set[int] = set()
     for i, (_, slots) in compute.items():
         node = nodes[i]
-        if node.op_type not in DATA_MOVEMENT or any(constant_array(node.inputs[k]) is not None for k in slots.inputs):
+        heavy = node.op_type not in DATA_MOVEMENT and node.op_type not in CHEAP_ELEMENTWISE
+        weights = [constant_array(node.inputs[k]) for k in slots.inputs]
+        if heavy or any(w is not None and w.size >= MIN_WEIGHT_ELEMENTS for w in weights):
             useful.add(find(i))
     return {i for i in compute if find(i) not in useful}
 

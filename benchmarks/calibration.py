@@ -1,0 +1,453 @@
+#!/usr/bin/env python
+"""Calibration methods: onnxq's observers against onnxruntime's calibrators, same model and data.
+
+    python benchmarks/calibration.py [--models mobilenet resnet20 minilm] [--json OUT]
+    python benchmarks/calibration.py --models mobilenet --methods percentile --ort-methods entropy
+    python benchmarks/calibration.py --flat-only --flat-counts 64 256 1024
+
+Part 1, per model of ../shared: onnxq U8S8 (uint8 asymmetric activations, int8 per-channel
+weights) with every calibration method, and onnxruntime `quantize_static` (QDQ, QUInt8
+activations, QInt8 per-channel weights) with MinMax, Entropy and Percentile. Each quantizer
+run is its own subprocess (`--worker onnxq|ort --job JOB.json`) that loads the calibration
+data and imports both libraries before it times the quantize call; the parent evaluates
+every output with onnxruntime on the CPU.
+
+Part 2, memory flatness: onnxq peak RSS with percentile and minmax on MobileNet at 64, 256
+and 1024 calibration samples, fed by a lazy reader that decodes one JPEG per batch-1 feed
+(the 1000 images cycled to 1024), so the data itself is never all in memory.
+
+See benchmarks/README.md for the protocol and caveats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+# Runs as a script: benchmarks/ is sys.path[0], so the helpers import as top-level modules.
+import common as C
+import compare_ort as CO
+
+ONNXQ_METHODS = ("minmax", "percentile", "minmse", "entropy", "nonoverflow", "ifmr", "hfmg")
+HIST_METHODS = ("percentile", "minmse", "entropy", "ifmr", "hfmg")  # onnxq histogram observers
+ORT_METHODS = ("minmax", "entropy", "percentile")
+PERCENTILE = 99.999  # ORT's default CalibPercentile, used on both sides
+MODELS = ("mobilenet", "resnet20", "minilm")
+
+
+# =========================================================================== worker side
+
+
+def make_data(spec: dict[str, Any]) -> tuple[Any, int]:
+    """(calibration source, sample count): arrays for the shared specs, a lazy reader for
+    `imagenet_lazy`."""
+    if spec["kind"] == "imagenet_lazy":
+        reader = C.ImagenetReader(spec["dir"], spec["count"], spec["input"])
+        return reader, len(reader)
+    arrays = CO.load_calibration(spec)
+    return arrays, C.num_samples(arrays)
+
+
+def quantize_onnxq(job: dict[str, Any], data: Any, n: int) -> dict[str, Any]:
+    import onnxq
+    from onnxq.config import get_preset
+    from onnxq.config.spec import CalibMethod
+
+    cfg = get_preset("U8S8")
+    cfg.calibration.max_samples = n
+    cfg.calibration.batch_size = job["batch_size"]
+    gqc = cfg.global_quant_config
+    for spec in (gqc.input_tensors, gqc.output_tensors):
+        spec.calib_method = CalibMethod(job["method"])
+        if job["method"] == "percentile":
+            spec.percentile = job["percentile"]
+    result = onnxq.quantize(
+        job["model"], job["output"], config=cfg, calibration_data=data, progress=False
+    )
+    return {
+        "summary": onnxq.format_summary(result.summary),
+        "calibrated_samples": result.summary.calibration_samples,
+    }
+
+
+def quantize_ort(job: dict[str, Any], data: Any, n: int) -> dict[str, Any]:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    method = {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }[job["method"]]
+    extra: dict[str, Any] = {}
+    if job["method"] == "percentile" and job["percentile"] != PERCENTILE:
+        extra["CalibPercentile"] = job["percentile"]
+    if job.get("ort_max_intermediate"):
+        extra["CalibMaxIntermediateOutputs"] = job["ort_max_intermediate"]
+    reader = data if hasattr(data, "get_next") else C.FeedReader(data)
+    quantize_static(
+        job["model"],
+        job["output"],
+        reader,
+        quant_format=QuantFormat.QDQ,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+        per_channel=True,
+        calibrate_method=method,
+        extra_options=extra or None,
+    )
+    return {"extra_options": extra}
+
+
+def run_worker(quantizer: str, job_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    t_load = time.perf_counter()
+    data, n = make_data(job["data"])
+    load_s = time.perf_counter() - t_load
+    # Both libraries in both workers, so the baseline is the same on each side.
+    import onnx  # noqa: F401
+    import onnxruntime.quantization  # noqa: F401
+
+    import onnxq  # noqa: F401
+
+    quantize = {"onnxq": quantize_onnxq, "ort": quantize_ort}[quantizer]
+
+    def call() -> dict[str, Any]:
+        # A failing quantizer still reports how long it ran and how much memory it took.
+        try:
+            return quantize(job, data, n)
+        except Exception as exc:  # noqa: BLE001
+            lines = str(exc).strip().splitlines()
+            return {
+                "error": f"{type(exc).__name__}: {lines[0] if lines else ''}"[:400],
+                "traceback": traceback.format_exc(),
+            }
+
+    info, stats = C.measure_call(call, job.get("rss_limit_mb"))
+    result = {
+        "quantizer": quantizer,
+        "method": job["method"],
+        **stats,
+        "data_load_s": load_s,
+        "calib_samples": n,
+        **info,
+    }
+    if "error" not in info:
+        result["size_mb"] = C.file_mb(job["output"])
+    Path(job["result"]).write_text(json.dumps(C.jsonable(result), indent=2))
+    return 0
+
+
+# =========================================================================== parent side
+
+
+def worker(
+    quantizer: str, method: str, job: dict[str, Any], workdir: Path, args: Namespace, tag: str
+) -> dict[str, Any]:
+    timeout = args.ort_timeout if quantizer == "ort" else args.timeout
+    job = {
+        **job,
+        "method": method,
+        "percentile": args.percentile,
+        "batch_size": args.batch_size,
+        "rss_limit_mb": args.rss_limit_mb,
+        "ort_max_intermediate": args.ort_max_intermediate,
+    }
+    res = C.spawn_worker(__file__, quantizer, job, workdir, f"{tag}.{quantizer}-{method}", timeout)
+    res.setdefault("quantizer", quantizer)
+    res.setdefault("method", method)
+    return res
+
+
+def methods_task(task: CO.Task, args: Namespace, workdir: Path) -> dict[str, Any]:
+    def log(msg: str) -> None:
+        print(f"[{task.name}] {msg}", file=sys.stderr, flush=True)
+
+    log(f"calibration: {task.calib_desc}; evaluation: {task.eval_desc}")
+    task.eval_feeds, task.labels, task.extra = task.load_eval()
+    rows: dict[str, dict[str, Any]] = {}
+    fl, reference = CO.evaluate(task, task.model, None, args)
+    fl.update(size_mb=C.file_mb(task.model), **CO.qdq_counts(task.model))
+    fl["agree"] = 1.0 if task.kind == "encoder" else 100.0
+    rows["float"] = fl
+    log(f"float: metric {fl['metric']:.2f}")
+    runs = [("onnxq", m) for m in args.methods] + [("ort", m) for m in args.ort_methods]
+    for quantizer, method in runs:
+        name = f"{quantizer}-{method}"
+        log(f"{name}: quantizing (load average {C.load_average()[0]:.2f}) ...")
+        job = {"model": str(task.model), "data": task.calib_spec}
+        res = worker(quantizer, method, job, workdir, args, task.name)
+        res["load_average"] = C.load_average()
+        if "error" not in res:
+            metrics, _ = CO.evaluate(task, res["output"], reference, args)
+            res.update(metrics, **CO.qdq_counts(res["output"]))
+            log(
+                f"{name}: {res['time_s']:.2f} s, peak {res['peak_rss_mb']:.0f} MB, "
+                f"metric {res['metric']:.2f}"
+            )
+        else:
+            log(f"{name}: FAILED ({res['error']})")
+        if args.keep is None and "output" in res:
+            Path(res["output"]).unlink(missing_ok=True)
+        rows[name] = res
+    task.eval_feeds = task.labels = None
+    ratios: dict[str, dict[str, float]] = {}
+    for m in HIST_METHODS:
+        a = rows.get(f"onnxq-{m}", {})
+        for o in ("entropy", "percentile"):
+            b = rows.get(f"ort-{o}", {})
+            if "time_s" in a and "time_s" in b and "error" not in a and "error" not in b:
+                ratios[f"onnxq-{m}/ort-{o}"] = {
+                    "time": a["time_s"] / b["time_s"],
+                    "rss": a["peak_rss_mb"] / b["peak_rss_mb"],
+                    "rss_increase": a["rss_increase_mb"] / max(b["rss_increase_mb"], 1e-9),
+                }
+    return {
+        "model": str(task.model),
+        "calibration": task.calib_desc,
+        "evaluation": task.eval_desc,
+        "metric": task.metric_name,
+        "rows": rows,
+        "ratios": ratios,
+    }
+
+
+def flat_runs(args: Namespace, shared: Path, workdir: Path) -> dict[str, Any]:
+    """onnxq peak RSS at several calibration sample counts, MobileNet, lazy JPEG reader."""
+    model = shared / "models" / "mobilenet_v1_075.onnx"
+    d = shared / "data" / "imagenet_sample1000"
+    rows: dict[str, dict[str, Any]] = {}
+    for method in args.flat_methods:
+        for n in args.flat_counts:
+            name = f"onnxq-{method}@{n}"
+            print(
+                f"[flatness] {name}: quantizing (load average {C.load_average()[0]:.2f}) ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            job = {
+                "model": str(model),
+                "data": {"kind": "imagenet_lazy", "dir": str(d), "count": n, "input": "input"},
+            }
+            res = worker("onnxq", method, job, workdir, args, f"flat{n}")
+            res["samples"] = n
+            res["load_average"] = C.load_average()
+            if args.keep is None and "output" in res:
+                Path(res["output"]).unlink(missing_ok=True)
+            if "error" in res:
+                print(f"[flatness] {name}: FAILED ({res['error']})", file=sys.stderr, flush=True)
+            rows[name] = res
+    ratios: dict[str, dict[str, float]] = {}
+    lo, hi = min(args.flat_counts), max(args.flat_counts)
+    for method in args.flat_methods:
+        a, b = rows.get(f"onnxq-{method}@{lo}", {}), rows.get(f"onnxq-{method}@{hi}", {})
+        if "peak_rss_mb" in a and "peak_rss_mb" in b and "error" not in a and "error" not in b:
+            ratios[method] = {
+                "peak_rss": b["peak_rss_mb"] / a["peak_rss_mb"],
+                "rss_increase": b["rss_increase_mb"] / max(a["rss_increase_mb"], 1e-9),
+                "time": b["time_s"] / a["time_s"],
+            }
+    return {"model": str(model), "low": lo, "high": hi, "rows": rows, "ratios": ratios}
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_methods(name: str, res: dict[str, Any]) -> str:
+    encoder = res["metric"].startswith("Spearman")
+    agree_name = "cos vs fp" if encoder else "agree %"
+    agree_fmt = ".4f" if encoder else ".2f"
+    lines = [
+        f"== {name}: calibration {res['calibration']}; evaluation {res['evaluation']}; "
+        "U8S8 QDQ, per-channel weights",
+        f"{'':20} {'quant s':>8} {'peak RSS MB':>12} {'+RSS MB':>8} {res['metric']:>14} "
+        f"{agree_name:>10} {'Q/DQ':>9} {'load':>5}",
+    ]
+    for row_name, r in res["rows"].items():
+        if "error" in r:
+            after = (
+                f" (after {r['time_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB)"
+                if "time_s" in r
+                else ""
+            )
+            lines.append(f"{row_name:20} FAILED{after}: {r['error'][:160]}")
+            continue
+        qdq = f"{r.get('QuantizeLinear', 0)}/{r.get('DequantizeLinear', 0)}"
+        load = r.get("load_average")
+        lines.append(
+            f"{row_name:20} {_fmt(r.get('time_s'), '8.2f'):>8} "
+            f"{_fmt(r.get('peak_rss_mb'), '12.0f'):>12} {_fmt(r.get('rss_increase_mb'), '8.0f'):>8} "
+            f"{_fmt(r.get('metric'), '14.2f'):>14} {_fmt(r.get('agree'), agree_fmt):>10} "
+            f"{qdq:>9} {_fmt(load[0] if load else None, '5.2f'):>5}"
+        )
+    if encoder:
+        alls = ", ".join(
+            f"{k} {_fmt(r.get('spearman_all_pairs'), '.2f')}"
+            for k, r in res["rows"].items()
+            if "error" not in r
+        )
+        lines.append(f"Spearman x100 on all 1500 pairs (incl. calibration pairs): {alls}")
+    for m in HIST_METHODS:
+        for o in ("entropy", "percentile"):
+            key = f"onnxq-{m}/ort-{o}"
+            if f"onnxq-{m}" not in res["rows"] or f"ort-{o}" not in res["rows"]:
+                continue
+            q = res["ratios"].get(key)
+            if q is None:
+                lines.append(f"{key}: n/a (a run failed)")
+                continue
+            lines.append(
+                f"{key}: time {q['time']:.2f}, peak rss {q['rss']:.2f}, "
+                f"+rss {q['rss_increase']:.3f}"
+            )
+    return "\n".join(lines)
+
+
+def format_flat(res: dict[str, Any]) -> str:
+    lines = [
+        "== memory flatness: onnxq U8S8 on mobilenet_v1_075, lazy JPEG reader (batch-1 feeds, "
+        "1000 images cycled), calibration batch 8",
+        f"{'':24} {'quant s':>8} {'ms/sample':>9} {'base MB':>8} {'peak RSS MB':>12} "
+        f"{'+RSS MB':>8} {'load':>5}",
+    ]
+    for name, r in res["rows"].items():
+        if "error" in r:
+            lines.append(f"{name:24} FAILED: {r['error'][:160]}")
+            continue
+        lines.append(
+            f"{name:24} {r['time_s']:8.2f} {1000 * r['time_s'] / r['samples']:9.1f} "
+            f"{r['rss_before_mb']:8.0f} {r['peak_rss_mb']:12.0f} {r['rss_increase_mb']:8.0f} "
+            f"{r['load_average'][0]:5.2f}"
+        )
+    for method, q in res["ratios"].items():
+        verdict = "within 10%" if q["peak_rss"] <= 1.10 else "ABOVE the 10% target"
+        lines.append(
+            f"{method} {res['high']}/{res['low']} samples: peak rss {q['peak_rss']:.3f} "
+            f"({verdict}), +rss {q['rss_increase']:.2f}, time {q['time']:.2f}"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shared-dir", type=Path, default=C.default_shared_dir())
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument(
+        "--methods",
+        nargs="*",
+        default=list(ONNXQ_METHODS),
+        choices=ONNXQ_METHODS,
+        help="onnxq calibration methods (none: skip)",
+    )
+    p.add_argument(
+        "--ort-methods",
+        nargs="*",
+        default=list(ORT_METHODS),
+        choices=ORT_METHODS,
+        help="onnxruntime calibration methods (none: skip)",
+    )
+    p.add_argument("--samples", type=int, default=200, help="calibration images (default 200)")
+    p.add_argument("--text-samples", type=int, default=256, help="MiniLM calibration sentences")
+    p.add_argument("--eval-samples", type=int, help="cap on evaluation samples (STS-B: pairs)")
+    p.add_argument("--percentile", type=float, default=PERCENTILE)
+    p.add_argument("--batch-size", type=int, default=8, help="onnxq calibration batch size")
+    p.add_argument("--ort-max-intermediate", type=int, help="ORT CalibMaxIntermediateOutputs")
+    p.add_argument("--eval-batch", type=int, default=32)
+    p.add_argument("--threads", type=int, help="intra-op threads of the evaluation sessions")
+    p.add_argument("--flat-counts", nargs="+", type=int, default=[64, 256, 1024])
+    p.add_argument(
+        "--flat-methods", nargs="*", default=["percentile", "minmax"], choices=ONNXQ_METHODS
+    )
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--no-flat", action="store_true", help="skip the memory-flatness runs")
+    g.add_argument("--flat-only", action="store_true", help="only the memory-flatness runs")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per onnxq run")
+    p.add_argument("--ort-timeout", type=float, default=900.0, help="seconds per ORT run")
+    p.add_argument(
+        "--rss-limit-mb",
+        type=float,
+        help="stop a worker whose RSS passes this (default: 80%% of available memory at start)",
+    )
+    p.add_argument("--json", type=Path, help="write every number to this JSON file")
+    p.add_argument("--keep", type=Path, help="keep quantized models, jobs and logs here")
+    p.add_argument("--worker", choices=("onnxq", "ort"), help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args.worker, args.job)
+    shared = args.shared_dir
+    if not (shared / "models").is_dir():
+        print(f"calibration: no shared evaluation folder at {shared}; nothing to do (skipped)")
+        return 0
+    if args.rss_limit_mb is None:
+        args.rss_limit_mb = 0.8 * C.available_mb()
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix="calibration."))
+    workdir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "machine": {**CO.machine_info(), "git_revision": C.git_revision()},
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("worker", "job")
+        },
+        "models": {},
+    }
+    t0 = time.perf_counter()
+    try:
+        if not args.flat_only:
+            # compare_ort builds the tasks (data protocol, evaluation loaders); keep our order.
+            tasks = {t.name: t for t in CO.shared_tasks(args, shared)}
+            names = {
+                "mobilenet": "mobilenet_v1_075",
+                "resnet20": "resnet20_cifar10",
+                "minilm": "all_minilm_l6_v2",
+            }
+            for key in args.models:
+                task = tasks[names[key]]
+                res = methods_task(task, args, workdir)
+                report["models"][task.name] = res
+                print(format_methods(task.name, res), flush=True)
+                print(flush=True)
+        if not args.no_flat and args.flat_methods:
+            report["flatness"] = flat_runs(args, shared, workdir)
+            print(format_flat(report["flatness"]), flush=True)
+            print(flush=True)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report["total_s"] = time.perf_counter() - t0
+    report["load_average_at_end"] = C.load_average()
+    m = report["machine"]
+    print(
+        f"machine: {m['cpu_count']} CPUs, {m['platform']}; onnxruntime {m['onnxruntime']}, "
+        f"onnxq {m['onnxq']} ({m['git_revision']}); load average {m['load_average_at_start'][0]:.2f} at start, "
+        f"{report['load_average_at_end'][0]:.2f} at end; total {report['total_s']:.0f} s"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(C.jsonable(report), indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
