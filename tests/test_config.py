@@ -621,7 +621,7 @@ INVALID = {
         global_quant_config:
           input_tensors: {dtype: int32}
         """,
-        "dtype int32 in global_quant_config.input_tensors; int32 is only for bias",
+        "dtype int32 in global_quant_config.input_tensors; 32-bit integers are only for bias",
     ),
     "output_int32": (
         """
@@ -637,7 +637,7 @@ INVALID = {
           conv1:
             weight: {dtype: int32}
         """,
-        "dtype int32 in layer_quant_config['conv1'].weight; int32 is only for bias",
+        "dtype int32 in layer_quant_config['conv1'].weight; 32-bit integers are only for bias",
     ),
     "bias_int8": (
         """
@@ -899,3 +899,12 @@ def test_bias_without_dtype_resolves_to_int32():
     config = config_from_dict({"global_quant_config": {"bias": {"symmetric": True}}})
     resolved = resolve_node_config(config, "conv1", "Conv")
     assert resolved.bias is not None and resolved.bias.dtype.value == "int32"
+
+
+def test_brevitas_float_description_maps_to_a_standard_type():
+    config = config_from_dict({"global_quant_config": {"weight": {"exponent_bits": 4, "mantissa_bits": 3}}})
+    assert resolve_node_config(config, "conv1", "Conv").weight.dtype.value == "float8_e4m3fn"
+    config = config_from_dict({"global_quant_config": {"weight": {"exponent_bits": 5, "mantissa_bits": 10}}})
+    assert resolve_node_config(config, "conv1", "Conv").weight.dtype.value == "float16"
+    with pytest.raises(ConfigError, match=r"no standard float type has exponent_bits=3, mantissa_bits=3"):
+        config_from_dict({"global_quant_config": {"weight": {"exponent_bits": 3, "mantissa_bits": 3}}})

@@ -18,6 +18,7 @@ from onnxq.config.spec import (
     QuantizationConfig,
     QuantizationSpec,
 )
+from onnxq.errors import ConfigError
 
 BIAS_DEFAULTS = {**SPEC_DEFAULTS, "dtype": DType.INT32, "symmetric": True}
 
@@ -68,6 +69,8 @@ def merge_specs(
     for f in fields(QuantizationSpec):
         chosen = next((getattr(s, f.name) for s in present if getattr(s, f.name) is not None), None)
         values[f.name] = defaults[f.name] if chosen is None else chosen
+    if values["exponent_bits"] is not None or values["mantissa_bits"] is not None:
+        values["dtype"] = _dtype_from_bits(values["exponent_bits"], values["mantissa_bits"])
     if DType(values["dtype"]) is DType.FLOAT32:
         return None
     values["dtype"] = DType(values["dtype"])
@@ -75,6 +78,20 @@ def merge_specs(
         values[name] = str(values[name])
     values["calib_options"] = tuple(sorted((values["calib_options"] or {}).items()))
     return ResolvedSpec(**values)
+
+
+def _dtype_from_bits(exponent_bits: int | None, mantissa_bits: int | None) -> DType:
+    """The standard float type a Brevitas-style (exponent, mantissa) description names."""
+    from onnxq.qmath import FLOAT_BY_BITS
+
+    match = FLOAT_BY_BITS.get((exponent_bits, mantissa_bits))
+    if match is None:
+        known = ", ".join(f"e{e}m{m} ({d})" for (e, m), d in FLOAT_BY_BITS.items())
+        raise ConfigError(
+            f"no standard float type has exponent_bits={exponent_bits}, mantissa_bits={mantissa_bits}; "
+            f"supported: {known}"
+        )
+    return match
 
 
 def is_excluded(config: Config, node_name: str) -> bool:

@@ -189,8 +189,11 @@ def _activation_rounds_half_even(
 
 
 def _int32_only_for_bias(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
-    if tc != "bias" and v["dtype"] == "int32":
-        return "dtype int32", "int32 is only for bias: use int8 or uint8"
+    if tc != "bias" and v["dtype"] in ("int32", "uint32"):
+        return f"dtype {v['dtype']}", (
+            "32-bit integers are only for bias (activations and weights have no stock onnxruntime "
+            "kernel): use int8/uint8 or int16/uint16"
+        )
     return None
 
 
