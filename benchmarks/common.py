@@ -528,3 +528,23 @@ def git_revision() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+def finish_report(report: dict[str, Any], t0: float, json_path: Path | None) -> int:
+    """Stamp the end of a benchmark run, print the machine line, write the JSON; exit code 0."""
+    import json
+    import time
+
+    report["total_s"] = time.perf_counter() - t0
+    report["load_average_at_end"] = load_average()
+    m = report["machine"]
+    revision = f" ({m['git_revision']})" if m.get("git_revision") else ""
+    print(
+        f"machine: {m['cpu_count']} CPUs, {m['platform']}; onnxruntime {m['onnxruntime']}, "
+        f"onnxq {m['onnxq']}{revision}; load average {m['load_average_at_start'][0]:.2f} at start, "
+        f"{report['load_average_at_end'][0]:.2f} at end; total {report['total_s']:.0f} s"
+    )
+    if json_path:
+        Path(json_path).write_text(json.dumps(jsonable(report), indent=2))
+        print(f"wrote {json_path}")
+    return 0

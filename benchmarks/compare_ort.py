@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,37 +54,6 @@ def load_calibration(spec: dict[str, Any]) -> dict[str, np.ndarray]:
     if kind == "file":
         return C.load_arrays(spec["path"], spec["inputs"], spec.get("stop"))
     raise ValueError(f"unknown data kind {kind!r}")
-
-
-def _current_rss_mb() -> float:
-    import psutil
-
-    return psutil.Process().memory_info().rss / (1024.0 * 1024.0)
-
-
-class RssSampler:
-    """Polls the current RSS every `interval` seconds in a background thread."""
-
-    def __init__(self, interval: float = 0.01) -> None:
-        self.interval = interval
-        self.peak = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _current_rss_mb())
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> RssSampler:
-        self.peak = _current_rss_mb()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _current_rss_mb())
 
 
 def quantize_onnxq(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -147,9 +115,9 @@ def run_worker(quantizer: str, job_path: str) -> int:
 
     quantize = {"onnxq": quantize_onnxq, "ort": quantize_ort}[quantizer]
     gc.collect()
-    rss_before = _current_rss_mb()
+    rss_before = C.current_rss_mb()
     maxrss_before = C.peak_rss_mb()
-    with RssSampler() as sampler:
+    with C.RssLimitSampler() as sampler:
         t0 = time.perf_counter()
         info = quantize(job, arrays)
         elapsed = time.perf_counter() - t0
@@ -658,19 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.keep is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    report["total_s"] = time.perf_counter() - t0
-    report["load_average_at_end"] = os.getloadavg()
-    m = report["machine"]
-    print(
-        f"machine: {m['cpu_count']} CPUs, {m['platform']}; onnxruntime {m['onnxruntime']}, "
-        f"onnxq {m['onnxq']}; load average {m['load_average_at_start'][0]:.2f} at start, "
-        f"{report['load_average_at_end'][0]:.2f} at end; total {report['total_s']:.0f} s"
-    )
-    if args.json:
-        args.json.write_text(json.dumps(C.jsonable(report), indent=2))
-        print(f"wrote {args.json}")
-    return 0
-
+    return C.finish_report(report, t0, args.json)
 
 if __name__ == "__main__":
     sys.exit(main())

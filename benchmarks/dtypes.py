@@ -370,19 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.keep is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    report["total_s"] = time.perf_counter() - t0
-    report["load_average_at_end"] = C.load_average()
-    m = report["machine"]
-    print(
-        f"machine: {m['cpu_count']} CPUs, {m['platform']}; onnxruntime {m['onnxruntime']}, "
-        f"onnxq {m['onnxq']} ({m['git_revision']}); load average {m['load_average_at_start'][0]:.2f} at start, "
-        f"{report['load_average_at_end'][0]:.2f} at end; total {report['total_s']:.0f} s"
-    )
-    if args.json:
-        args.json.write_text(json.dumps(C.jsonable(report), indent=2))
-        print(f"wrote {args.json}")
-    return 0
-
+    return C.finish_report(report, t0, args.json)
 
 if __name__ == "__main__":
     sys.exit(main())
