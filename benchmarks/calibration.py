@@ -403,15 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rss_limit_mb = 0.8 * C.available_mb()
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="calibration."))
     workdir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {
-        "machine": {**CO.machine_info(), "git_revision": C.git_revision()},
-        "settings": {
-            k: (str(v) if isinstance(v, Path) else v)
-            for k, v in vars(args).items()
-            if k not in ("worker", "job")
-        },
-        "models": {},
-    }
+    report = C.start_report(args, {**CO.machine_info(), "git_revision": C.git_revision()})
     t0 = time.perf_counter()
     try:
         if not args.flat_only:

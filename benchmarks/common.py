@@ -548,3 +548,15 @@ def finish_report(report: dict[str, Any], t0: float, json_path: Path | None) -> 
         Path(json_path).write_text(json.dumps(jsonable(report), indent=2))
         print(f"wrote {json_path}")
     return 0
+
+
+def start_report(args: Any, machine: dict[str, Any]) -> dict[str, Any]:
+    """The JSON report of a benchmark run: machine, settings (the CLI options), results."""
+    from pathlib import Path as _Path
+
+    settings = {
+        k: (str(v) if isinstance(v, _Path) else v)
+        for k, v in vars(args).items()
+        if k not in ("worker", "job")
+    }
+    return {"machine": machine, "settings": settings, "models": {}}

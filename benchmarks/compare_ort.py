@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -268,44 +267,12 @@ def file_task(args: argparse.Namespace) -> Task:
 def spawn_worker(
     quantizer: str, job: dict[str, Any], workdir: Path, timeout: float
 ) -> dict[str, Any]:
+    """One quantizer run in its own worker process (`common.spawn_worker`), labelled."""
     tag = f"{job['tag']}.{quantizer}-{job['method']}"
-    job_path, log_path = workdir / f"{tag}.job.json", workdir / f"{tag}.log"
-    job = {
-        **job,
-        "output": str(workdir / f"{tag}.onnx"),
-        "result": str(workdir / f"{tag}.result.json"),
-    }
-    job_path.write_text(json.dumps(job, indent=2))
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker",
-        quantizer,
-        "--job",
-        str(job_path),
-    ]
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    wall = time.perf_counter() - t0
-    if rc != 0 or not Path(job["result"]).exists():
-        text = log_path.read_text(errors="replace")
-        last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
-        return {
-            "quantizer": quantizer,
-            "method": job["method"],
-            "error": f"worker exit {rc}: {last}",
-            "log_tail": text[-1500:],
-            "worker_wall_s": wall,
-        }
-    result = json.loads(Path(job["result"]).read_text())
-    result["output"] = job["output"]
-    result["worker_wall_s"] = wall
-    return result
+    res = C.spawn_worker(__file__, quantizer, job, workdir, tag, timeout)
+    if "error" in res:
+        res.update(quantizer=quantizer, method=job["method"])
+    return res
 
 
 def run_repeated(
@@ -606,15 +573,7 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="compare_ort."))
     workdir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {
-        "machine": machine_info(),
-        "settings": {
-            k: (str(v) if isinstance(v, Path) else v)
-            for k, v in vars(args).items()
-            if k not in ("worker", "job")
-        },
-        "models": {},
-    }
+    report = C.start_report(args, machine_info())
     t0 = time.perf_counter()
     try:
         for task in tasks:

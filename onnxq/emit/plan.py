@@ -129,6 +129,7 @@ class _Planner:
         self.graph = model.graph
         self.config = config
         self.keep_float = keep_float
+        self.nodes = {node.name: node for node in model.graph}
         self.plan = QuantPlan()
 
     def add_use(self, value: ir.Value, kind: Kind, spec: ResolvedSpec, node: ir.Node, index: int,
@@ -202,8 +203,7 @@ class _Planner:
         """The quantized output of `node`: its own, or that of the activation it absorbed."""
         if fused_act is None:
             return node.outputs[0].name
-        act = next(n for n in self.graph if n.name == fused_act)
-        return act.outputs[0].name
+        return self.nodes[fused_act].outputs[0].name
 
     def float_node(self, node: ir.Node, reason: str) -> None:
         self.plan.float_nodes[node.name] = (node.op_type, reason)
