@@ -293,25 +293,19 @@ def run_repeated(
     return best
 
 
-def make_session(path: str | Path, threads: int | None):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if threads:
-        so.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-
 def run_model(
     path: str | Path,
     feeds: dict[str, np.ndarray],
     output: str | None,
     batch_size: int,
     threads: int | None,
+    level: str | None = None,
 ) -> tuple[np.ndarray, float]:
-    """Outputs of `output` (or the first output) over all samples, and ms per sample."""
-    sess = make_session(path, threads)
+    """Outputs of `output` (or the first output) over all samples, and ms per sample.
+
+    `level`: onnxruntime graph optimisation level (`common.ORT_LEVELS`; default: all, as
+    deployed)."""
+    sess = C.make_session(path, threads, level)
     name = output or sess.get_outputs()[0].name
     wanted = {i.name for i in sess.get_inputs()}
     chunks = []
@@ -325,13 +319,15 @@ def run_model(
 
 
 def evaluate(
-    task: Task, path: str | Path, reference: np.ndarray | None, args: argparse.Namespace
+    task: Task, path: str | Path, reference: np.ndarray | None, args: argparse.Namespace,
+    level: str | None = None,
 ) -> tuple[dict[str, Any], np.ndarray]:
-    """Score one model on the task's eval data; `reference` is the float model's output."""
+    """Score one model on the task's eval data; `reference` is the float model's output.
+    `level` as in `run_model` (None: a default session, what deploys)."""
     assert task.eval_feeds is not None
     if task.kind == "encoder":
         out, ms = run_model(
-            path, task.eval_feeds, "sentence_embedding", args.eval_batch, args.threads
+            path, task.eval_feeds, "sentence_embedding", args.eval_batch, args.threads, level
         )
         n_all = task.extra["n_all_pairs"]
         n_eval = task.extra["n_eval_pairs"]
@@ -346,7 +342,7 @@ def evaluate(
             cos = C.row_cosine(out, reference)
             m.update(agree=float(cos.mean()), cosine_min=float(cos.min()))
         return m, out
-    out, ms = run_model(path, task.eval_feeds, None, args.eval_batch, args.threads)
+    out, ms = run_model(path, task.eval_feeds, None, args.eval_batch, args.threads, level)
     m: dict[str, Any] = {"infer_ms": ms, "metric": None}
     pred = C.top1(out) if out.ndim == 2 and out.shape[1] > 1 else None
     if task.labels is not None and pred is not None:

@@ -145,11 +145,9 @@ def run_worker(job_path: str) -> int:
             return finish()
         level = FALLBACK_LEVEL
         res["session_fallback"] = {"level": level, "default_session_error": first}
-        # compare_ort.evaluate builds its sessions with compare_ort.make_session.
-        CO.make_session = lambda p, threads: C.make_session(p, threads, FALLBACK_LEVEL)
     try:
         t0 = time.perf_counter()
-        metrics, out = CO.evaluate(task, path, reference, eval_args)
+        metrics, out = CO.evaluate(task, path, reference, eval_args, level)
         res["eval_s"] = time.perf_counter() - t0
         res.update(metrics)
         if job.get("save_output"):

@@ -47,6 +47,8 @@ def _spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
         activation["dtype"] = args.activation_type
     if args.weight_type:
         weight["dtype"] = args.weight_type
+    if args.weight_bits is not None:
+        weight["bits"] = args.weight_bits
     if args.per_tensor:
         weight["qscheme"] = "per_tensor"
     if args.per_channel:
@@ -72,6 +74,12 @@ def _spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["exclude"] = list(args.exclude)
     if args.qdq_domain:
         out["qdq_domain"] = args.qdq_domain
+    if args.target:
+        out["target"] = args.target
+    if args.reduce_range is not None:
+        out["reduce_range"] = args.reduce_range
+    if args.target_algorithms is not None:
+        out["target_algorithms"] = args.target_algorithms
     if args.matmul_nbits:
         out["matmul_nbits"] = True
     passes = [{"name": "cle"}] if args.cle else []
@@ -136,10 +144,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  {v.name}: {v.dtype.name if v.dtype else '?'} {dims}")
     ops = Counter(n.op_type for n in graph)
     print(f"nodes: {sum(ops.values())} (" + ", ".join(f"{op} {n}" for op, n in ops.most_common()) + ")")
-    config = compose_config(args.preset, args.config)
+    config = compose_config(args.preset, args.config, {"target": args.target} if args.target else None)
     for note in run_passes(model, config.pre_quant_opt_config, PassContext(None, config.calibration)):
         print(f"pass {note}")
-    plan = plan_quantization(model, config)
+    from onnxq.target import resolve_target
+
+    target = resolve_target(config)
+    print(target.describe())
+    plan = plan_quantization(model, config, target=target)
     quantized = Counter(plan.quantized_nodes.values())
     print(f"would quantize: {sum(quantized.values())} nodes (" + ", ".join(f"{op} {n}" for op, n in sorted(quantized.items())) + ")")
     reasons = Counter(plan.float_nodes.values())
@@ -171,7 +183,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for model in (args.float_model, args.quant_model):
         if not Path(model).is_file():
             raise CalibrationDataError(f"model file not found: {model}")
-    result = compare_models(args.float_model, args.quant_model, data, labels, args.max_samples)
+    result = compare_models(args.float_model, args.quant_model, data, labels, args.max_samples,
+                            providers=args.providers, kernels=args.kernels,
+                            progress=False if args.quiet else None)
     print(format_comparison(result))
     return 0
 
@@ -214,6 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight-only int4/uint4 per-group MatMul as onnxruntime MatMulNBits")
     q.add_argument("--activation-type", help="activation dtype (uint8, int8)")
     q.add_argument("--weight-type", help="weight dtype (int8, uint8)")
+    q.add_argument("--weight-bits", type=int, metavar="N",
+                   help="weight bit width 2..8 inside the weight dtype (e.g. 7 or 6, AMCT ARQ)")
+    q.add_argument("--target", help="where the model runs: auto (default: probe this onnxruntime), "
+                   "x86-vnni, x86-avx2, arm64, gpu or generic (any CPU)")
+    q.add_argument("--reduce-range", action=argparse.BooleanOptionalAction, default=None,
+                   help="7-bit weights for Conv/MatMul/Gemm (default: where the target's int8 "
+                        "kernels saturate)")
+    q.add_argument("--target-algorithms", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the target add bias correction where it narrows weights (default on)")
     q.add_argument("--exclude", nargs="+", metavar="NAME", help="node names or regexes to keep in float")
     q.add_argument("--max-samples", type=int, help="use at most N calibration samples")
     q.add_argument("--batch-size", type=int, help="calibration batch size (dynamic-batch models)")
@@ -232,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--data", required=True, help="inputs: .npz, .npy or a folder of them")
     c.add_argument("--labels", metavar="KEY", help="array in the --data .npz holding class labels")
     c.add_argument("--max-samples", type=int)
+    c.add_argument("--kernels", choices=("deployed", "reference", "both"), default="deployed",
+                   help="deployed: a default onnxruntime session, as users run it (default); "
+                        "reference: Q/DQ unfused, float arithmetic; both: report both")
+    c.add_argument("--providers", nargs="+", help="onnxruntime execution providers")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     c.set_defaults(func=_cmd_compare)
 
@@ -239,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model")
     i.add_argument("--preset")
     i.add_argument("--config")
+    i.add_argument("--target", help="deployment target (default auto)")
     i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     i.set_defaults(func=_cmd_inspect)
     return parser

@@ -21,3 +21,7 @@ class ConfigError(OnnxqError):
 
 class CalibrationDataError(OnnxqError):
     """Calibration data is missing, mis-named or mis-shaped."""
+
+
+class UnsupportedModelError(ModelError):
+    """Valid ONNX that onnxq does not quantize: a training graph, map-typed inputs or outputs."""

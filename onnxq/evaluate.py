@@ -2,11 +2,17 @@
 
 Metrics: SQNR (dB) and cosine similarity of every output, top-1 agreement for outputs
 that look like class scores, and top-1 accuracy when labels are given.
+
+The quantized model is measured as it deploys: a default `onnxruntime.InferenceSession`
+(all graph optimisations, so QDQ groups run as fused int8 kernels). `kernels="both"`
+also runs it with reference kernels (optimisation level basic: Q/DQ run as written and
+the arithmetic stays float), which isolates what the int8 kernels of this CPU add.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +20,13 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxq.calibrate.data import InputSpec, iter_batches
-from onnxq.calibrate.session import check_providers, session_options
+from onnxq.calibrate.session import check_providers
+from onnxq.errors import OnnxqError
+
+KERNELS = ("deployed", "reference", "both")
+# Deployed and reference figures further apart than this get a one-line warning.
+KERNEL_GAP_DB = 3.0
+KERNEL_GAP_TOP1 = 0.005
 
 
 @dataclass
@@ -27,10 +39,29 @@ class OutputMetrics:
 
 @dataclass
 class Comparison:
+    """Float against quantized; `reference` holds the same figures with reference kernels."""
+
     samples: int
     outputs: list[OutputMetrics] = field(default_factory=list)
     float_accuracy: float | None = None
     quant_accuracy: float | None = None
+    kernels: str = "deployed"
+    reference: Comparison | None = None
+
+    def kernel_gap(self) -> str | None:
+        """A warning when this CPU's int8 kernels lose much more than the QDQ arithmetic."""
+        ref = self.reference
+        if ref is None:
+            return None
+        worst_db = max(r.sqnr_db - d.sqnr_db for r, d in zip(ref.outputs, self.outputs))
+        top1 = [(r.top1_agreement or 0) - (d.top1_agreement or 0) for r, d in zip(ref.outputs, self.outputs)]
+        if self.quant_accuracy is not None and ref.quant_accuracy is not None:
+            top1.append(ref.quant_accuracy - self.quant_accuracy)
+        if worst_db <= KERNEL_GAP_DB and max(top1, default=0) <= KERNEL_GAP_TOP1:
+            return None
+        return (f"warning: the deployed int8 kernels lose {worst_db:.1f} dB / {max(top1, default=0):.2%} "
+                "top-1 more than the reference arithmetic (they saturate on this CPU); re-quantize "
+                "with --target auto (the default) or --reduce-range")
 
 
 def sqnr_db(ref: np.ndarray, test: np.ndarray) -> float:
@@ -57,29 +88,25 @@ def _inputs(session: ort.InferenceSession) -> list[InputSpec]:
     return specs
 
 
-def compare_models(
-    float_model: str | os.PathLike | bytes,
-    quant_model: str | os.PathLike | bytes,
-    data: Any,
-    labels: np.ndarray | None = None,
-    max_samples: int | None = None,
-    batch_size: int = 32,
-    providers: list[str] | None = None,
+def deployed_session(
+    model: str | os.PathLike | bytes, providers: list[str], reference: bool = False
+) -> ort.InferenceSession:
+    """A session as a deployment opens it (default options), or with reference kernels."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if reference:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    source = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(source, options, providers=providers)
+
+
+def _metrics(
+    refs: dict[str, np.ndarray], tests: dict[str, np.ndarray], labels: np.ndarray | None, kernels: str
 ) -> Comparison:
-    """Run both models on `data` (any calibration-data source) and compare their outputs."""
-    providers = check_providers(providers or ["CPUExecutionProvider"])
-    ref = ort.InferenceSession(str(float_model), session_options(), providers=providers)
-    test = ort.InferenceSession(str(quant_model), session_options(), providers=providers)
-    names = [o.name for o in ref.get_outputs()]
-    refs: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    tests: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    for feed in iter_batches(data, _inputs(ref), batch_size, max_samples):
-        for n, r, t in zip(names, ref.run(names, feed), test.run(names, feed)):
-            refs[n].append(r)
-            tests[n].append(t)
-    result = Comparison(samples=sum(len(r) for r in refs[names[0]]))
+    names = list(refs)
+    result = Comparison(samples=len(refs[names[0]]), kernels=kernels)
     for n in names:
-        r, t = np.concatenate(refs[n]), np.concatenate(tests[n])
+        r, t = refs[n], tests[n]
         metrics = OutputMetrics(n, sqnr_db(r, t), cosine(r, t))
         if r.ndim == 2 and r.shape[1] > 1 and np.issubdtype(r.dtype, np.floating):
             metrics.top1_agreement = float(np.mean(r.argmax(1) == t.argmax(1)))
@@ -91,11 +118,68 @@ def compare_models(
     return result
 
 
-def format_comparison(c: Comparison) -> str:
-    lines = [f"compared on {c.samples} samples"]
+def _progress(batches: Iterable[dict[str, np.ndarray]], enabled: bool | None) -> Iterable[dict[str, np.ndarray]]:
+    if enabled is False:
+        return batches
+    from tqdm import tqdm
+
+    return tqdm(batches, desc="compare", unit="batch", leave=False, disable=None)
+
+
+def compare_models(
+    float_model: str | os.PathLike | bytes,
+    quant_model: str | os.PathLike | bytes,
+    data: Any,
+    labels: np.ndarray | None = None,
+    max_samples: int | None = None,
+    batch_size: int = 32,
+    providers: list[str] | None = None,
+    kernels: str = "deployed",
+    progress: bool | None = None,
+) -> Comparison:
+    """Run both models on `data` (any calibration-data source) and compare their outputs.
+
+    `kernels`: `deployed` (default session, what users get), `reference` (no fused int8
+    kernels) or `both` (deployed, with the reference figures in `.reference`).
+    """
+    if kernels not in KERNELS:
+        raise OnnxqError(f"unknown kernels {kernels!r}; use one of: {', '.join(KERNELS)}")
+    providers = check_providers(providers or ["CPUExecutionProvider"])
+    ref = deployed_session(float_model, providers)
+    runs = {"deployed": kernels in ("deployed", "both"), "reference": kernels in ("reference", "both")}
+    sessions = {k: deployed_session(quant_model, providers, reference=k == "reference") for k, on in runs.items() if on}
+    names = [o.name for o in ref.get_outputs()]
+    outputs: dict[str, dict[str, list[np.ndarray]]] = {k: {n: [] for n in names} for k in ("float", *sessions)}
+    for feed in _progress(iter_batches(data, _inputs(ref), batch_size, max_samples), progress):
+        for kind, session in (("float", ref), *sessions.items()):
+            for n, y in zip(names, session.run(names, feed)):
+                outputs[kind][n].append(y)
+    arrays = {k: {n: np.concatenate(v) for n, v in per.items()} for k, per in outputs.items()}
+    results = {k: _metrics(arrays["float"], arrays[k], labels, k) for k in sessions}
+    result = results.get("deployed") or results["reference"]
+    result.reference = results.get("reference") if "deployed" in results else None
+    return result
+
+
+def _format_figures(c: Comparison, label: str) -> list[str]:
+    lines = []
     for m in c.outputs:
         extra = f", top-1 agreement {m.top1_agreement:.2%}" if m.top1_agreement is not None else ""
-        lines.append(f"  {m.name}: SQNR {m.sqnr_db:.1f} dB, cosine {m.cosine:.5f}{extra}")
+        lines.append(f"  {m.name}{label}: SQNR {m.sqnr_db:.1f} dB, cosine {m.cosine:.5f}{extra}")
     if c.float_accuracy is not None:
-        lines.append(f"  top-1 accuracy: float {c.float_accuracy:.2%}, quantized {c.quant_accuracy:.2%}")
+        lines.append(f"  top-1 accuracy{label}: float {c.float_accuracy:.2%}, quantized {c.quant_accuracy:.2%}")
+    return lines
+
+
+def format_comparison(c: Comparison) -> str:
+    """Deployed figures first; reference-kernel figures labelled as such."""
+    what = ("default onnxruntime session (deployed kernels)" if c.kernels == "deployed"
+            else "reference kernels (no fused int8 kernels: not what a default session runs)")
+    lines = [f"compared on {c.samples} samples, quantized model in a {what}"]
+    lines += _format_figures(c, "")
+    if c.reference is not None:
+        lines += _format_figures(c.reference, " [reference kernels]")
+        gap = c.kernel_gap()
+        if gap:
+            lines.append(gap)
     return "\n".join(lines)

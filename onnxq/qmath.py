@@ -34,6 +34,19 @@ class IntType:
     def bits(self) -> int:
         return int(np.log2(self.qmax - self.qmin + 1))
 
+    def narrowed(self, bits: int) -> IntType:
+        """The same container holding only `bits`-bit codes (7-bit weights in int8).
+
+        Signed narrowed codes reach +-2^(bits-1) (7 bits: [-64, 64], as onnxruntime's
+        reduce_range): the container has room for +2^(bits-1), and it is the magnitude,
+        not the count of codes, that keeps int16 pair sums of u8 x s8 products in range.
+        """
+        if bits >= self.bits:
+            return self
+        qmin = -(2 ** (bits - 1)) if self.signed else 0
+        qmax = 2 ** (bits - 1) - 1 if self.signed else 2**bits - 1
+        return IntType(f"{self.name}:{bits}b", qmin, qmax, self.np_dtype, self.onnx_type)
+
 
 INT_TYPES: dict[DType, IntType] = {
     DType.INT4: IntType("int4", -8, 7, ml_dtypes.int4, onnx.TensorProto.INT4),
@@ -106,9 +119,11 @@ def qdq_opset(dtype: DType | str) -> int:
 MIN_SCALE = 2.0**-40
 
 
-def int_type(dtype: DType | str) -> IntType:
-    """The IntType of an integer dtype; raises KeyError for float dtypes."""
-    return INT_TYPES[DType(dtype)]
+def int_type(dtype: DType | str, bits: int | None = None) -> IntType:
+    """The IntType of an integer dtype, narrowed to `bits` when given; raises KeyError
+    for float dtypes."""
+    info = INT_TYPES[DType(dtype)]
+    return info if bits is None else info.narrowed(bits)
 
 
 def symmetric_zero_point(info: IntType) -> int:
@@ -142,6 +157,7 @@ def compute_qparams(
     symmetric: bool,
     scale_type: str = "float32",
     min_scale: np.ndarray | float = MIN_SCALE,
+    bits: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Scale (float32) and zero point (in the dtype) covering [rmin, rmax] and zero.
 
@@ -150,6 +166,7 @@ def compute_qparams(
     spreads [rmin, rmax] over the whole integer range with a rounded zero point. Float8
     types are always symmetric: the largest magnitude maps to the type's max value.
     `min_scale` raises scales that would be smaller (used to keep int32 biases in range).
+    `bits` narrows an integer type to fewer bits in the same container (7-bit weights).
     """
     rmin = np.minimum(np.asarray(rmin, dtype=np.float64), 0.0)
     rmax = np.maximum(np.asarray(rmax, dtype=np.float64), 0.0)
@@ -158,7 +175,7 @@ def compute_qparams(
         absmax = np.maximum(-rmin, rmax)
         scale = round_scale(np.maximum(np.where(absmax > 0, absmax / f8.max_value, 1.0), min_scale), scale_type)
         return scale.astype(np.float32), np.zeros(scale.shape, dtype=f8.np_dtype)
-    info = int_type(dtype)
+    info = int_type(dtype, bits)
     if symmetric:
         absmax = np.maximum(-rmin, rmax)
         scale = np.where(absmax > 0, absmax / symmetric_divisor(info), 1.0)
@@ -213,14 +230,17 @@ def quantize(
     axis: int | None = None,
     round_method: str = "half_even",
     block_size: int | None = None,
+    bits: int | None = None,
 ) -> np.ndarray:
-    """Quantize like ONNX QuantizeLinear (saturate=1): saturate(round(x / scale) + zero_point)."""
+    """Quantize like ONNX QuantizeLinear (saturate=1): saturate(round(x / scale) + zero_point).
+
+    `bits` saturates to a narrower range than the dtype's (7-bit weights in int8)."""
     x = np.asarray(x, dtype=np.float64)
     s = broadcast_param(np.asarray(scale, dtype=np.float64), x.shape, axis, block_size)
     if is_float8(dtype):
         f8 = FLOAT8_TYPES[DType(dtype)]
         return np.clip(x / s, -f8.max_value, f8.max_value).astype(np.float32).astype(f8.np_dtype)
-    info = int_type(dtype)
+    info = int_type(dtype, bits)
     z = broadcast_param(np.asarray(zero_point, dtype=np.float64), x.shape, axis, block_size)
     # QuantizeLinear divides in float32: ties must fall where onnxruntime's fall.
     ratio = (x.astype(np.float32) / s.astype(np.float32)).astype(np.float64)

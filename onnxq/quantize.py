@@ -26,7 +26,8 @@ from onnxq.config import (
 )
 from onnxq.config.presets import PRESETS
 from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
-from onnxq.emit import emit_model
+from onnxq.emit import EmitResult, emit_model
+from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads
 from onnxq.emit.plan import QuantPlan, plan_quantization
 from onnxq.errors import ConfigError
 from onnxq.graph.load import load_model
@@ -34,6 +35,7 @@ from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.optimize import PassContext, check_config_entries, run_algorithms, run_passes
 from onnxq.qmath import FLOAT_TARGETS, qdq_opset
 from onnxq.report import Summary
+from onnxq.target import TargetProfile, resolve_target
 
 ModelSource = str | os.PathLike | onnx.ModelProto | ir.Model
 DEFAULT_PRESET = "U8S8"
@@ -119,6 +121,55 @@ def _calibrate_or_load(
     return result
 
 
+def _algorithms(
+    config: Config, target: TargetProfile, plan: QuantPlan, data: CalibrationSource, summary: Summary
+) -> list[dict[str, Any]]:
+    """The configured algorithms plus those the target adds for a static plan (bias
+    correction where it narrows weights), when the data can be read again."""
+    algorithms = list(config.algo_config)
+    added = target.algorithms(algorithms) if config.target_algorithms and plan.calibrated_tensors() else []
+    if added and (data.source is None or not data.replayable):
+        summary.notes.append(f"target {target.name} would add bias correction for its 7-bit weights, "
+                             "but the calibration data can be read only once: pass a path, a dict "
+                             "of arrays, a list of feeds or a reader with rewind()")
+        return algorithms
+    summary.notes.extend(f"target {target.name} adds {a['name']} ({', '.join(a['op_types'])}) to recover "
+                         "the 7-bit weights' mean error; target_algorithms: false turns it off"
+                         for a in added)
+    return algorithms + added
+
+
+def _emit_loadable(
+    model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], config: Config,
+    ctx: PassContext, target: TargetProfile,
+) -> tuple[ir.Model, QuantPlan, EmitResult]:
+    """Emit, then open the result as a deployment would; if onnxruntime refuses it, keep
+    the nodes responsible float (found by re-emitting from a copy) instead of writing it."""
+    pristine = model.clone()
+    emitted = emit_model(model, plan, ranges, config)
+    providers = config.calibration.providers
+    if model_loads(model, providers):
+        return model, plan, emitted
+    order = [node.name for node in pristine.graph if node.name in plan.quantized_nodes]
+
+    def trial(kept: set[str]) -> Trial:
+        copy = pristine.clone()
+        keep = {**ctx.keep_float, **{name: UNLOADABLE for name in kept}}
+        new_plan = plan_quantization(copy, config, keep, target)
+        _drop_unquantizable(new_plan, ranges)  # its note is already in the summary
+        missing = set(new_plan.calibrated_tensors()) - set(ranges)
+        if missing:
+            new_plan.keep_float(missing, "not calibrated")
+        result = emit_model(copy, new_plan, ranges, config)
+        return Trial(copy, model_loads(copy, providers), (new_plan, result))
+
+    final, culprits = find_culprits(order, trial)
+    new_plan, result = final.payload
+    result.notes.append(f"{len(culprits)} nodes kept float because onnxruntime could not load them quantized: "
+                        + ", ".join(culprits[:5]) + (", ..." if len(culprits) > 5 else ""))
+    return final.model, new_plan, result
+
+
 def quantize(
     model: ModelSource,
     output: str | os.PathLike | None = None,
@@ -147,9 +198,13 @@ def quantize(
     summary.size_before = _size(model, ir_model)
     validate_node_configs(config, [(node.name, node.op_type) for node in ir_model.graph])
 
+    target = resolve_target(config)
+    summary.target = target.describe()
+
     with summary.stage("optimise"):
         summary.notes.extend(run_passes(ir_model, config.pre_quant_opt_config, ctx))
-        plan = plan_quantization(ir_model, config, ctx.keep_float)
+        plan = plan_quantization(ir_model, config, ctx.keep_float, target)
+        algorithms = _algorithms(config, target, plan, data, summary)
 
     with summary.stage("calibrate"):
         calibration = _calibrate_or_load(ir_model, plan, data, config, progress)
@@ -159,10 +214,10 @@ def quantize(
     summary.notes.extend(_drop_unquantizable(plan, calibration.ranges))
 
     with summary.stage("optimise"):
-        summary.notes.extend(run_algorithms(ir_model, plan, calibration.ranges, config.algo_config, ctx))
+        summary.notes.extend(run_algorithms(ir_model, plan, calibration.ranges, algorithms, ctx))
 
     with summary.stage("emit"):
-        emitted = emit_model(ir_model, plan, calibration.ranges, config)
+        ir_model, plan, emitted = _emit_loadable(ir_model, plan, calibration.ranges, config, ctx, target)
     summary.quantized_by_op = dict(sorted(Counter(plan.quantized_nodes.values()).items()))
     summary.float_nodes = plan.float_nodes
     summary.fused_activations = len(emitted.qdq.removed_activations)

@@ -16,6 +16,7 @@ class Summary:
     source: str = ""
     output: str | None = None
     opset: tuple[int, int] = (0, 0)
+    target: str = ""
     quantized_by_op: dict[str, int] = field(default_factory=dict)
     float_nodes: dict[str, tuple[str, str]] = field(default_factory=dict)
     fused_activations: int = 0
@@ -47,6 +48,8 @@ def format_summary(s: Summary) -> str:
     lines = [f"onnxq: {s.source} -> {s.output or '(not saved)'}"]
     if s.opset[0] != s.opset[1]:
         lines.append(f"  opset upgraded {s.opset[0]} -> {s.opset[1]}")
+    if s.target:
+        lines.append(f"  {s.target}")
     total_q = sum(s.quantized_by_op.values())
     by_op = ", ".join(f"{op} {n}" for op, n in sorted(s.quantized_by_op.items()))
     lines.append(f"  quantized nodes: {total_q} ({by_op})" if total_q else "  quantized nodes: 0")

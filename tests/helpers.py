@@ -80,6 +80,72 @@ def run(model_or_path: Any, feeds: Mapping[str, np.ndarray] | Sequence[Mapping[s
     return outs if output is None else outs[output]
 
 
+# Reference arithmetic: what a quantized model computes by the ONNX definitions of its ops,
+# without this CPU's fused int8 kernels (docs/kernels.md: on x86 AVX2/AVX512BW without VNNI
+# the u8 x s8 kernels add pairs of products in int16 and saturate).
+# * Q/DQ plus float ops: onnxruntime with every graph optimisation off runs Quantize/
+#   DequantizeLinear exactly as specified and the compute ops in float.
+# * Standard integer-arithmetic ops (MatMulInteger, ConvInteger, QLinear*, with their
+#   DynamicQuantizeLinear chains): onnx's numpy ReferenceEvaluator, exact in int32;
+#   onnxruntime runs these through the same saturating kernels even unoptimised.
+# * com.microsoft integer ops neither covers (DynamicQuantizeLSTM, ...): no independent
+#   evaluator exists, so onnxruntime runs them with `session.x64quantprecision=1`, under
+#   which its Avx2WeightS8ToU8Transformer turns their int8 weights into uint8 (zero point
+#   +128) whenever some |w| > 64, so the exact U8U8 kernels run. The option acts on every
+#   AVX2 or AVX512 x86 CPU (VNNI included) and is ignored elsewhere (ARM), where the
+#   kernels are exact anyway. It needs graph optimisations on.
+# Error floors are stated against the reference, so they are properties of the
+# quantization arithmetic and hold on every CPU; `check_deployed` then asks the default
+# session (what users run) to lose nothing material beyond it.
+KERNEL_MARGIN_DB = 1.0
+INTEGER_ARITHMETIC_OPS = {"MatMulInteger", "ConvInteger", "QLinearConv", "QLinearMatMul", "DynamicQuantizeLinear"}
+CONTRIB_INTEGER_OPS = {"DynamicQuantizeLSTM", "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QGemm",
+                       "QAttention"}
+
+
+def reference_run(model_or_path: Any, feeds: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]],
+                  output: int | None = 0) -> Any:
+    """Outputs of a quantized model computed with its reference arithmetic (see above),
+    with `run`'s conventions for `feeds` and `output`."""
+    model = model_or_path if isinstance(model_or_path, onnx.ModelProto) else onnx.load(str(model_or_path))
+    ops = {(n.domain or "ai.onnx", n.op_type) for n in model.graph.node}
+    if any(domain == "com.microsoft" and op in CONTRIB_INTEGER_OPS for domain, op in ops):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 2
+        options.log_severity_level = 3
+        options.add_session_config_entry("session.x64quantprecision", "1")
+        sess = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return run(sess, feeds, output)
+    if any(domain == "ai.onnx" and op in INTEGER_ARITHMETIC_OPS for domain, op in ops):
+        from onnx.reference import ReferenceEvaluator
+
+        evaluator = ReferenceEvaluator(model)
+        feed_list = [feeds] if isinstance(feeds, Mapping) else list(feeds)
+        per_feed = [evaluator.run(None, dict(f)) for f in feed_list]
+        outs = [np.concatenate([o[i] for o in per_feed]) for i in range(len(per_feed[0]))]
+        return outs if output is None else outs[output]
+    sess = session(model, graph_optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    return run(sess, feeds, output)
+
+
+def check_deployed(float_out: np.ndarray, quant: Any, feeds: Any, floor: float,
+                   output: int | None = 0) -> tuple[float, float]:
+    """Assert (1) the quantization arithmetic (`reference_run`) reaches `floor` dB of SQNR
+    against the float output, and (2) the default session (this CPU's fused kernels) is
+    within KERNEL_MARGIN_DB of it. Returns (reference dB, deployed dB).
+
+    Floors are what the reference gives on the machine that set them minus about 2 dB;
+    they hold for the weights `target: auto` picks on any CPU (7-bit where the int8
+    kernels saturate, 8-bit where they are exact, which only raises the SQNR)."""
+    ref_db = sqnr_db(float_out, reference_run(quant, feeds, output))
+    dep_db = sqnr_db(float_out, run(quant, feeds, output))
+    assert ref_db >= floor, f"reference arithmetic {ref_db:.1f} dB < {floor} dB"
+    assert dep_db >= ref_db - KERNEL_MARGIN_DB, (
+        f"default session {dep_db:.1f} dB loses more than {KERNEL_MARGIN_DB} dB to its "
+        f"reference arithmetic {ref_db:.1f} dB: this CPU's int8 kernels lose accuracy")
+    return ref_db, dep_db
+
+
 _NP_OF_ONNX = {
     TensorProto.FLOAT: np.float32,
     TensorProto.DOUBLE: np.float64,

@@ -31,6 +31,9 @@ def calibrate(model, data, batch_size: int = 8, max_samples: int | None = None):
     config = get_preset("U8S8")
     config.calibration.batch_size = batch_size
     config.calibration.max_samples = max_samples
+    # One-shot sources cannot feed the bias correction some targets add (a second read),
+    # so that the outputs of every source type compare byte for byte it stays off here.
+    config.target_algorithms = False
     return onnxq.quantize(model, None, config, data)
 
 
@@ -181,7 +184,7 @@ def test_fixed_batch_of_two_drops_the_partial_batch():
     rng = np.random.default_rng(6)
     x = rng.standard_normal((5, 3, 10, 10)).astype(np.float32)
     result = calibrate(model, {"x": x})
-    assert result.summary.calibration_samples == 4
+    assert result.summary.calibration_samples == 2  # two whole [2,3,10,10] inputs
     assert result.ranges["x"] == (float(x[:4].min()), float(x[:4].max()))
 
 

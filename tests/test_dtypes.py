@@ -1,5 +1,8 @@
 """Every data type and preset: numpy Q/DQ matches onnxruntime exactly, and each preset's
 model passes the checker, runs, stores the stated types and tracks float by an SQNR floor.
+
+Floors hold for the reference arithmetic of the quantized model (helpers.reference_run) on
+every CPU; the default session, what users deploy, must stay within KERNEL_MARGIN_DB of it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxq
 from onnxq import qmath
 from onnxq.config.spec import DType
-from tests.helpers import gemm, random_feeds, residual, sqnr_db
+from tests.helpers import check_deployed, gemm, random_feeds, reference_run, residual, run, sqnr_db
 
 ONNX_TYPES = {
     "int4": TensorProto.INT4, "uint4": TensorProto.UINT4, "int8": TensorProto.INT8,
@@ -56,18 +59,24 @@ def test_numpy_qdq_matches_onnxruntime(dtype, symmetric):
 
 
 # Preset -> (SQNR floor in dB on the residual CNN, stored dtype that must appear).
+# Floors: the reference arithmetic measured on x86 AVX2 without VNNI minus about 2 dB, with
+# target auto there (7-bit int8 weights for Conv/Gemm, bias correction) and with 8-bit
+# weights (target x86-vnni, what auto gives on CPUs whose int8 kernels are exact), the
+# lower of the two. Measured auto / 8-bit: U8S8 30.5 / 31.7, S8S8 28.7 / 29.7, 16-bit
+# activations 38.9 / 37.5 (the target's bias correction), XINT8 25.5 / 28.2, W8_DYNAMIC
+# (Gemm model) 35.9 / 40.0, W4_GROUP128 37.5, FP8_E4M3 21.0, FP16 68.0, BF16 50.5.
 PRESET_FLOORS = {
-    "U8S8": (30.0, np.int8),
-    "S8S8": (25.0, np.int8),
-    "A16W8": (30.0, np.int16),
-    "U16S8": (30.0, np.uint16),
-    "S16S8": (30.0, np.int16),
-    "XINT8": (18.0, np.int8),
-    "FP8_E4M3": (18.0, ml_dtypes.float8_e4m3fn),
-    "W8_DYNAMIC": (30.0, np.int8),
-    "W4_GROUP128": (15.0, np.int8),
-    "FP16": (50.0, np.float16),
-    "BF16": (35.0, ml_dtypes.bfloat16),
+    "U8S8": (28.5, np.int8),
+    "S8S8": (26.5, np.int8),
+    "A16W8": (35.5, np.int16),
+    "U16S8": (35.5, np.uint16),
+    "S16S8": (35.5, np.int16),
+    "XINT8": (23.5, np.int8),
+    "FP8_E4M3": (19.0, ml_dtypes.float8_e4m3fn),
+    "W8_DYNAMIC": (34.0, np.int8),
+    "W4_GROUP128": (35.5, np.int8),
+    "FP16": (66.0, np.float16),
+    "BF16": (48.5, ml_dtypes.bfloat16),
 }
 
 
@@ -79,16 +88,9 @@ def test_preset_end_to_end(preset):
     result = onnxq.quantize(model, None, preset, calib)
     q = result.model
     onnx.checker.check_model(q, full_check=True)
-    options = ort.SessionOptions()
-    if preset == "FP8_E4M3":  # onnxruntime's CPU QDQ fusions reject float8 graphs
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     floor, stored = PRESET_FLOORS[preset]
     feeds = random_feeds(model, 8, seed=2)
-    ref = ort.InferenceSession(model.SerializeToString())
-    test = ort.InferenceSession(q.SerializeToString(), options)
-    r = np.concatenate([ref.run(None, f)[0] for f in feeds])
-    t = np.concatenate([test.run(None, f)[0] for f in feeds])
-    assert sqnr_db(r, t) >= floor, f"{preset}: {sqnr_db(r, t):.1f} dB < {floor}"
+    check_deployed(run(model, feeds), q, feeds, floor)
     dtypes = {numpy_helper.to_array(i).dtype for i in q.graph.initializer}
     assert np.dtype(stored) in dtypes, f"{preset}: no {np.dtype(stored)} initializer in {dtypes}"
     if preset not in ("FP16", "BF16"):  # on CPU those store weights converted, compute float32
@@ -96,19 +98,19 @@ def test_preset_end_to_end(preset):
 
 
 def test_sixteen_bit_activations_beat_eight_bit():
-    """Same weights (int8 per channel): int16 activations must track float closer than uint8."""
+    """Same int8 per-channel weight format: int16 activations must track float closer than
+    uint8, in the reference arithmetic (8-bit weights, so the same bits on every CPU)."""
     model = residual()
     calib = random_feeds(model, 24, seed=1)
     feeds = random_feeds(model, 8, seed=2)
-    ref = ort.InferenceSession(model.SerializeToString())
-    r = np.concatenate([ref.run(None, f)[0] for f in feeds])
+    r = run(model, feeds)
 
     def sqnr(preset: str) -> float:
-        q = onnxq.quantize(model, None, preset, calib).model
-        s = ort.InferenceSession(q.SerializeToString())
-        return sqnr_db(r, np.concatenate([s.run(None, f)[0] for f in feeds]))
+        config = onnxq.get_preset(preset)
+        config.target = "x86-vnni"
+        return sqnr_db(r, reference_run(onnxq.quantize(model, None, config, calib).model, feeds))
 
-    assert sqnr("A16W8") > sqnr("U8S8") + 1.0
+    assert sqnr("A16W8") > sqnr("U8S8") + 1.0  # measured 37.5 against 31.7 dB
 
 
 def test_int32_activations_are_a_clear_error():

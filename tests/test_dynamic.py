@@ -7,6 +7,7 @@ integer kernels (counted in the graph onnxruntime saves after optimisation).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -14,23 +15,30 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from helpers import GraphBuilder, session, sqnr_db
+from helpers import GraphBuilder, check_deployed, reference_run, session, sqnr_db
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxq.config.resolve import ResolvedSpec, merge_specs
-from onnxq.config.spec import QuantizationSpec
+from onnxq.config.spec import Config, QuantizationSpec
 from onnxq.emit.dynamic import emit_dynamic
 from onnxq.graph.load import load_model
+from onnxq.target import resolve_target
 
 MS = "com.microsoft"
-# Measured on these seeded models: 36-43 dB for int8 per-channel and per-tensor.
-SQNR_FLOOR = 30.0
+# Reference arithmetic (helpers.reference_run) against float, measured on x86 AVX2 without
+# VNNI, where target auto gives int8 weights 7 bits: MatMul/Gemm/Conv 35.0-41.8 dB (uint8
+# weights 41.2), LSTM 34.5-37.4 dB. The floor is the lowest minus 2 dB; 8-bit weights (CPUs
+# whose kernels are exact) only raise these figures.
+SQNR_FLOOR = 32.5
 
 
 def weight_spec(dtype: str = "int8", qscheme: str = "per_channel", symmetric: bool = True) -> ResolvedSpec:
+    """The weight spec the planner gives a dynamic node with target auto on this CPU
+    (7-bit int8 weights where DynamicQuantizeMatMul's kernel saturates)."""
     spec = merge_specs([QuantizationSpec(dtype=dtype, qscheme=qscheme, symmetric=symmetric)], "weight")
     assert spec is not None
-    return spec
+    bits = resolve_target(Config()).weight_bits("dynamic", "uint8") if dtype == "int8" else None
+    return dataclasses.replace(spec, bits=bits) if bits else spec
 
 
 def quantize(proto: onnx.ModelProto, spec: ResolvedSpec | None = None, ops=("MatMul", "Gemm", "Conv", "LSTM")):
@@ -100,10 +108,13 @@ def feeds_for(proto: onnx.ModelProto, seed: int = 7, batch: int = 4) -> dict[str
 
 def check_close(float_model: onnx.ModelProto, quant_model: onnx.ModelProto,
                 floor: float = SQNR_FLOOR) -> list[float]:
+    """Every output: the quantization arithmetic reaches `floor` against float, and the
+    default session is within KERNEL_MARGIN_DB of it (helpers.check_deployed). The reference
+    is numpy's DynamicQuantizeLinear + MatMulInteger/ConvInteger, or for DynamicQuantizeLSTM
+    onnxruntime's exact U8U8 kernel (see helpers.reference_run)."""
     feeds = feeds_for(float_model)
-    sqnrs = [sqnr_db(r, q) for r, q in zip(outputs(float_model, feeds), outputs(quant_model, feeds))]
-    assert min(sqnrs) >= floor, sqnrs
-    return sqnrs
+    floats = outputs(float_model, feeds)
+    return [check_deployed(f, quant_model, feeds, floor, output=i)[0] for i, f in enumerate(floats)]
 
 
 # -- MatMul / Gemm ------------------------------------------------------------------------
@@ -174,11 +185,14 @@ def test_per_channel_scales_follow_columns():
     ref = outputs(proto, feeds)[0]
 
     def worst_column(spec: ResolvedSpec) -> float:
-        out = outputs(quantize(proto, spec)[0], feeds)[0]
+        quant = quantize(proto, spec)[0]
+        check_deployed(ref, quant, feeds, float("-inf"))  # this CPU's kernels add nothing
+        out = reference_run(quant, feeds)
         return min(sqnr_db(ref[:, j], out[:, j]) for j in range(16))
 
     per_channel, per_tensor = worst_column(weight_spec()), worst_column(weight_spec(qscheme="per_tensor"))
-    assert per_channel >= SQNR_FLOOR, per_channel  # measured 34.3 dB
+    # Reference arithmetic, 7-bit weights (AVX2): 30.4 dB (8-bit: 34.3); floor 2 dB below.
+    assert per_channel >= 28.5, per_channel
     assert per_tensor < 10.0, per_tensor  # measured 0 dB: the smallest columns round to 0
 
 

@@ -12,7 +12,15 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 import pytest
-from helpers import MODEL_BUILDERS, random_feeds, run, session, sqnr_db
+from helpers import (
+    KERNEL_MARGIN_DB,
+    MODEL_BUILDERS,
+    random_feeds,
+    reference_run,
+    run,
+    session,
+    sqnr_db,
+)
 
 import onnxq
 from onnxq.config import QScheme
@@ -47,6 +55,10 @@ EXPECTED: dict[str, dict[tuple[str, str], int]] = {
 }
 # Ops deliberately left float: the temperature Mul only feeds the float Softmax.
 EXPECTED_FLOAT = {"softmax_head": {"Mul"}}
+# Reference arithmetic against float with target auto, measured on x86 AVX2 without VNNI
+# (7-bit Conv/Gemm/MatMul weights, bias correction): 27.5 dB (matmul) to 42.0 dB (pooling),
+# 29.5-34.0 for the others. The floor is the lowest minus 2 dB; 8-bit weights only raise it.
+FUSED_MIN_SQNR_DB = 25.5
 FLOAT_COMPUTE = {"Conv", "Gemm", "MatMul", "Add", "Concat", "Mul", "AveragePool",
                  "GlobalAveragePool", "Relu", "BatchNormalization"}
 
@@ -84,7 +96,9 @@ def test_quantized_ops_fuse(name, tmp_path):
     feeds = random_feeds(model, 8, seed=7)
     fused_out = run(session(q, graph_optimization_level=ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED), feeds)
     float_out = run(model, feeds)
-    assert sqnr_db(float_out, fused_out) >= 28.0
+    ref_db = sqnr_db(float_out, reference_run(q, feeds))
+    assert ref_db >= FUSED_MIN_SQNR_DB, f"{name}: reference arithmetic {ref_db:.1f} dB"
+    assert sqnr_db(float_out, fused_out) >= ref_db - KERNEL_MARGIN_DB
 
 
 def test_conv_transpose_runs_float_between_qdq(tmp_path):

@@ -15,12 +15,14 @@ from helpers import (
     MODEL_BUILDERS,
     GraphBuilder,
     attr,
+    check_deployed,
     consumers,
     conv_transpose,
     initializers,
     op_count,
     producers,
     random_feeds,
+    reference_run,
     run,
     softmax_head,
     sqnr_db,
@@ -30,8 +32,15 @@ import onnxq
 from onnxq.config import QScheme, get_preset
 
 CALIB_SEED, EVAL_SEED = 100, 200
-U8S8_MIN_SQNR_DB = 30.0  # uint8 activations, int8 per-channel weights
-LOOSE_MIN_SQNR_DB = 25.0  # S8S8 (one bit less for Relu outputs) and per-tensor weights
+# SQNR floors against float, of the reference arithmetic (helpers.reference_run), measured
+# on x86 AVX2 without VNNI; each is the lowest measured value minus about 2 dB.
+# U8S8 with 8-bit weights (target x86-vnni): 30.6 (conv_transpose_group2) to 38.7 dB.
+U8S8_MIN_SQNR_DB = 28.5
+# U8S8 with target auto (7-bit Conv/Gemm/MatMul weights here, bias correction): 29.2 to
+# 36.2 dB. On CPUs whose kernels are exact auto keeps 8 bits, which only raises it.
+AUTO_MIN_SQNR_DB = 27.0
+# S8S8 (one bit less for Relu outputs) and per-tensor weights, target auto: 28.1 to 36.0 dB.
+LOOSE_MIN_SQNR_DB = 26.0
 
 WEIGHTED_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul"}
 COMPUTE_OPS = WEIGHTED_OPS | {"Add", "Mul", "Concat", "AveragePool", "GlobalAveragePool"}
@@ -41,7 +50,14 @@ ALL_MODELS = dict(MODEL_BUILDERS)
 ALL_MODELS["conv_transpose_group2"] = lambda: conv_transpose(group=2)
 
 
-def quantize(model: onnx.ModelProto, config: object = "U8S8") -> onnxq.QuantizationResult:
+def quantize(model: onnx.ModelProto, config: object = "U8S8", target: str = "x86-vnni") -> onnxq.QuantizationResult:
+    """Quantize for a fixed target. The default, x86-vnni, keeps every weight 8-bit and adds
+    no algorithm, so what these tests check of the written model is the same on every CPU;
+    its outputs are taken with the reference arithmetic (`reference_run`), since on a CPU
+    whose kernels saturate (AVX2) 8-bit weights would not deploy as computed.
+    `test_auto_target_deploys` checks what a default session gives with target auto."""
+    config = get_preset(config) if isinstance(config, str) else config
+    config.target = target
     return onnxq.quantize(model, None, config, random_feeds(model, 32, seed=CALIB_SEED))
 
 
@@ -86,7 +102,7 @@ def quantized(request):
     model = ALL_MODELS[name]()
     result = quantize(model)
     feeds = random_feeds(model, 16, seed=EVAL_SEED)
-    return name, model, result, run(model, feeds), run(result.model, feeds)
+    return name, model, result, run(model, feeds), reference_run(result.model, feeds)
 
 
 # ---------------------------------------------------------------------------------------
@@ -102,6 +118,17 @@ def test_checker_and_sqnr(quantized):
     assert db >= U8S8_MIN_SQNR_DB, f"{name}: SQNR {db:.1f} dB"
     # Not trivially "equal to the float model": activations really are quantized.
     assert db < 80, f"{name}: {db:.1f} dB, suspiciously close to float"
+
+
+@pytest.mark.parametrize("name", sorted(ALL_MODELS))
+def test_auto_target_deploys(name):
+    """Target auto on this CPU: the default session loses nothing material beyond the
+    quantization arithmetic (7-bit weights where the int8 kernels saturate, 8-bit where
+    they are exact), and that arithmetic stays close to float."""
+    model = ALL_MODELS[name]()
+    result = quantize(model, target="auto")
+    feeds = random_feeds(model, 16, seed=EVAL_SEED)
+    check_deployed(run(model, feeds), result.model, feeds, AUTO_MIN_SQNR_DB)
 
 
 def test_summary_counts(quantized):
@@ -289,14 +316,14 @@ def test_named_graph_outputs_and_ranges_cover_plan(quantized):
 @pytest.mark.parametrize("model_name", sorted(ALL_MODELS))
 @pytest.mark.parametrize("variant", ["S8S8", "per_tensor"])
 def test_variants_run_and_pass_checker(model_name, variant):
+    """Target auto: what deploys on this CPU (S8S8 runs as U8S8 on x86, docs/kernels.md)."""
     model = ALL_MODELS[model_name]()
     config = "S8S8" if variant == "S8S8" else per_tensor_u8s8()
-    result = quantize(model, config)
+    result = quantize(model, config, target="auto")
     q = result.model
     onnx.checker.check_model(q, full_check=True)
     feeds = random_feeds(model, 16, seed=EVAL_SEED)
-    db = sqnr_db(run(model, feeds), run(q, feeds))
-    assert db >= LOOSE_MIN_SQNR_DB, f"{model_name}/{variant}: {db:.1f} dB"
+    check_deployed(run(model, feeds), q, feeds, LOOSE_MIN_SQNR_DB)
     inits, prods = initializers(q), producers(q)
     for node in q.graph.node:
         if node.op_type in WEIGHTED_OPS:
@@ -331,7 +358,7 @@ def test_accuracy_check_can_fail():
     result = onnxq.quantize(model, None, "U8S8",
                             random_feeds(model, 4, seed=CALIB_SEED, scale=0.05))
     feeds = random_feeds(model, 16, seed=EVAL_SEED)
-    assert sqnr_db(run(model, feeds), run(result.model, feeds)) < U8S8_MIN_SQNR_DB
+    assert sqnr_db(run(model, feeds), reference_run(result.model, feeds)) < U8S8_MIN_SQNR_DB
 
 
 # ---------------------------------------------------------------------------------------
@@ -357,7 +384,7 @@ def test_relu6_clip_is_absorbed_with_u8s8():
     clip_ranges = [r for name, r in result.ranges.items() if name.startswith("clip")]
     assert len(clip_ranges) == 2 and all(lo == 0.0 and 0.0 < hi <= 6.0 for lo, hi in clip_ranges)
     feeds = random_feeds(model, 16, seed=EVAL_SEED, scale=4.0)
-    assert sqnr_db(run(model, feeds), run(q, feeds)) >= U8S8_MIN_SQNR_DB
+    check_deployed(run(model, feeds), q, feeds, U8S8_MIN_SQNR_DB)  # target auto: 32.8 dB here
 
 
 def _shared_conv_params(share_bias: bool):
@@ -394,7 +421,7 @@ def test_shared_weight_is_quantized_once():
     assert max(_bias_scale_ratios(q)) < 1e-6
     feeds = random_feeds(model, 8, seed=EVAL_SEED)
     for i in range(2):
-        assert sqnr_db(run(model, feeds, output=i), run(q, feeds, output=i)) >= U8S8_MIN_SQNR_DB
+        assert sqnr_db(run(model, feeds, output=i), reference_run(q, feeds, output=i)) >= U8S8_MIN_SQNR_DB
 
 
 def test_shared_bias_gets_each_convs_scale():

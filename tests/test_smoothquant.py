@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from helpers import run, sqnr_db
+from helpers import check_deployed, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxq
@@ -142,7 +142,9 @@ def _sqnr(model: onnx.ModelProto, preset: str, passes: list, calib: dict, test: 
     config = onnxq.get_preset(preset)
     config.pre_quant_opt_config = passes
     quantized = onnxq.quantize(model, None, config, calib).model
-    return sqnr_db(run(model, test), run(quantized, test))
+    # SQNR of the reference arithmetic (holds on every CPU); the default session must stay
+    # within KERNEL_MARGIN_DB of it (no floor here: the test compares two configurations).
+    return check_deployed(run(model, test), quantized, test, float("-inf"))[0]
 
 
 @pytest.mark.parametrize("preset", ["U8S8", "S8S8"])
@@ -159,7 +161,9 @@ def test_smoothing_raises_int8_sqnr_with_outlier_channels(preset):
     test = {"x": np.random.default_rng(8).standard_normal((16, 8, K)).astype(np.float32)}
     plain = _sqnr(model, preset, [], calib, test)
     smooth = _sqnr(model, preset, [{"name": "smoothquant", "alpha": 0.5}], calib, test)
-    assert smooth > plain + 15.0, (plain, smooth)  # measured: 7.4 -> 32.6 dB (U8S8), 7.3 -> 36.1 (S8S8)
+    # Reference arithmetic, measured with 8-bit weights: 7.4 -> 32.6 dB (U8S8), 7.3 -> 36.1
+    # (S8S8); with the 7-bit weights target auto gives on AVX2: 7.0 -> 31.7, 6.8 -> 34.7.
+    assert smooth > plain + 15.0, (plain, smooth)
 
 
 def test_options():

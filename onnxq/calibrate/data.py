@@ -4,14 +4,21 @@ Accepted sources: a directory of .npy/.npz files, one .npz (arrays keyed by inpu
 samples on axis 0), one .npy (single-input models), a mapping of input name to array,
 any iterable of feed dicts, and onnxruntime's `CalibrationDataReader` protocol (an
 object with `get_next()`). Nothing is read ahead beyond one batch.
+
+Arrays hold rows on the model's axis 0. For an input with a fixed batch B (such as
+[1,3,32,32], or [3,32,32] whose first axis is not a batch at all) one sample is one whole
+input of B rows: an array of exactly the input's shape is one sample, a stack of N of them
+(shape [N, *input shape]) is N samples, and B rows given one by one make one sample.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +37,17 @@ class InputSpec:
     name: str
     dtype: np.dtype
     shape: tuple[int | None, ...] | None
+    kind: str = "tensor"  # or "sequence", "optional": dtype and shape are then the element's
 
     @property
     def batch_dynamic(self) -> bool:
         return self.shape is not None and len(self.shape) > 0 and self.shape[0] is None
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether `shape` has this input's rank and static dimensions."""
+        return self.shape is not None and len(shape) == len(self.shape) and all(
+            want is None or want == got for want, got in zip(self.shape, shape)
+        )
 
     def describe(self) -> str:
         dims = "?" if self.shape is None else "[" + ",".join("?" if d is None else str(d) for d in self.shape) + "]"
@@ -48,8 +62,16 @@ def model_inputs(model: ir.Model) -> list[InputSpec]:
         if value.shape is not None:
             shape = tuple(d if isinstance(d, int) else None for d in value.shape)
         dtype = np.dtype(value.dtype.numpy()) if value.dtype is not None else np.dtype(np.float32)
-        specs.append(InputSpec(value.name, dtype, shape))
+        specs.append(InputSpec(value.name, dtype, shape, _kind(value.type)))
     return specs
+
+
+def _kind(value_type: ir.TypeProtocol | None) -> str:
+    if isinstance(value_type, ir.SequenceType):
+        return "sequence"
+    if isinstance(value_type, ir.OptionalType):
+        return "optional"
+    return "tensor"
 
 
 def _from_reader(reader: Any) -> Iterator[Mapping[str, Any]]:
@@ -57,16 +79,22 @@ def _from_reader(reader: Any) -> Iterator[Mapping[str, Any]]:
         yield item
 
 
-def _split_rows(arrays: Mapping[str, np.ndarray]) -> Iterator[Feed]:
-    """Yield one sample at a time from arrays that hold samples on axis 0."""
-    counts = {name: len(a) for name, a in arrays.items()}
+def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec]) -> Iterator[Feed]:
+    """Yield one sample at a time from arrays that hold samples on axis 0.
+
+    A sample is one row, or for an input with a fixed batch B its B rows; a last part
+    that fills no whole sample is still yielded, for iter_batches to drop or report.
+    """
+    units = sample_rows(inputs)
+    counts = {name: Fraction(len(a), units.get(name, 1)) for name, a in arrays.items()}
     if len(set(counts.values())) > 1:
+        shown = {name: str(n) for name, n in counts.items()}
         raise CalibrationDataError(
-            f"calibration arrays have different sample counts {counts}; give each input the same number of samples"
+            f"calibration arrays have different sample counts {shown}; give each input the same number of samples"
         )
-    n = next(iter(counts.values()), 0)
+    n = math.ceil(next(iter(counts.values()), 0))
     for i in range(n):
-        yield {name: a[i : i + 1] for name, a in arrays.items()}
+        yield {name: a[i * units.get(name, 1) : (i + 1) * units.get(name, 1)] for name, a in arrays.items()}
 
 
 def _read_file(path: Path, inputs: list[InputSpec]) -> dict[str, np.ndarray]:
@@ -101,15 +129,27 @@ def _from_path(path: Path, inputs: list[InputSpec]) -> Iterator[Mapping[str, Any
             yield _read_file(f, inputs)
         return
     arrays = _read_file(path, inputs)
-    yield from _split_rows({k: _with_batch_axis(k, v, inputs) for k, v in arrays.items()})
+    yield from _split_rows(_arrays_to_rows(arrays, inputs), inputs)
 
 
-def _with_batch_axis(name: str, array: np.ndarray, inputs: list[InputSpec]) -> np.ndarray:
-    """Arrays in a single file hold samples on axis 0; a lone sample gains that axis."""
-    spec = next((s for s in inputs if s.name == name), None)
-    if spec is not None and spec.shape is not None and array.ndim == len(spec.shape) - 1:
+def _to_rows(spec: InputSpec | None, array: np.ndarray) -> np.ndarray:
+    """`array` with its rows on the model's axis 0.
+
+    A lone sample without the batch axis gains it; a stack of N whole inputs of a fixed
+    batch B (shape [N, B, ...]) becomes its N*B rows, every B of which make one input again.
+    """
+    if spec is None or spec.shape is None or not spec.shape:
+        return array
+    if array.ndim == len(spec.shape) - 1:
         return array[None]
+    if array.ndim == len(spec.shape) + 1 and spec.shape[0] is not None and spec.fits(array.shape[1:]):
+        return array.reshape(-1, *array.shape[2:])
     return array
+
+
+def _arrays_to_rows(arrays: Mapping[str, Any], inputs: list[InputSpec]) -> dict[str, np.ndarray]:
+    specs = {s.name: s for s in inputs}
+    return {k: _to_rows(specs.get(k), np.asarray(v)) for k, v in arrays.items()}
 
 
 def raw_feeds(source: Any, inputs: list[InputSpec]) -> Iterator[Mapping[str, Any]]:
@@ -121,7 +161,7 @@ def raw_feeds(source: Any, inputs: list[InputSpec]) -> Iterator[Mapping[str, Any
     if hasattr(source, "get_next"):
         return _from_reader(source)
     if isinstance(source, Mapping):
-        return _split_rows({k: _with_batch_axis(k, np.asarray(v), inputs) for k, v in source.items()})
+        return _split_rows(_arrays_to_rows(source, inputs), inputs)
     if isinstance(source, Iterable):
         return iter(source)
     raise CalibrationDataError(
@@ -173,6 +213,11 @@ def check_feed(feed: Mapping[str, Any], inputs: list[InputSpec]) -> Feed:
         )
     out: Feed = {}
     for spec in inputs:
+        if spec.kind != "tensor":
+            raise CalibrationDataError(
+                f"model input {spec.name!r} is a {spec.kind}, but calibration feeds only tensor inputs; "
+                "export the model with tensor inputs, or use a preset that needs no data (W8_DYNAMIC)"
+            )
         if spec.name not in feed:
             raise CalibrationDataError(
                 f"calibration data is missing input {spec.name!r} (expected {spec.describe()}); "
@@ -193,8 +238,7 @@ def _check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
             )
     if spec.shape is None:
         return array
-    if array.ndim == len(spec.shape) - 1:
-        array = array[None]
+    array = _to_rows(spec, array)
     if array.ndim != len(spec.shape):
         raise CalibrationDataError(
             f"calibration input {spec.name!r} has shape {list(array.shape)} (rank {array.ndim}), "
@@ -213,10 +257,6 @@ def _concat(feeds: list[Feed]) -> Feed:
     return {k: np.concatenate([f[k] for f in feeds]) if len(feeds) > 1 else feeds[0][k] for k in feeds[0]}
 
 
-def _rows(feed: Feed) -> int:
-    return len(next(iter(feed.values()))) if feed else 1
-
-
 def _shape_key(feed: Feed) -> tuple:
     return tuple((k, v.shape[1:], v.dtype.str) for k, v in feed.items())
 
@@ -228,39 +268,94 @@ def _fixed_batch(inputs: list[InputSpec]) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
+def _has_fixed_batch(inputs: list[InputSpec]) -> bool:
+    return any(s.shape and s.shape[0] is not None for s in inputs)
+
+
+def sample_rows(inputs: list[InputSpec]) -> dict[str, int]:
+    """Rows (along axis 0) of each input that make one sample.
+
+    An input's static first dimension, else the model's fixed batch when it has one,
+    else 1: a sample of a fixed-shape input is one whole input.
+    """
+    common = _fixed_batch(inputs) or 1
+    return {s.name: s.shape[0] if s.shape and s.shape[0] is not None else common for s in inputs}
+
+
+def _samples(feed: Feed, units: Mapping[str, int], fixed: bool) -> Fraction:
+    """Samples in a checked feed: rows of its first input over rows per sample.
+
+    With a fixed batch every input must hold the same number of samples (rows may then
+    arrive a part of a sample at a time); dynamic inputs may differ, as before.
+    """
+    counts = {name: Fraction(len(v), units[name]) for name, v in feed.items() if np.ndim(v)}
+    if fixed and len(set(counts.values())) > 1:
+        rows = {name: len(v) for name, v in feed.items() if np.ndim(v)}
+        raise CalibrationDataError(
+            f"calibration sample has inputs with different sample counts (rows {rows}, rows per sample "
+            f"{dict(units)}); give every input the same number of samples"
+        )
+    return next(iter(counts.values()), Fraction(1))
+
+
+def _take(feed: Feed, units: Mapping[str, int], samples: Fraction, start: Fraction = Fraction(0)) -> Feed:
+    """Samples [start, start + samples) of every input of a checked feed."""
+    return {k: v[int(start * units[k]) : int((start + samples) * units[k])] for k, v in feed.items()}
+
+
+def _short_of_one_sample(inputs: list[InputSpec], feed: Feed, units: Mapping[str, int]) -> CalibrationDataError:
+    """The error for data that never fills one whole input of a fixed batch."""
+    spec = next(s for s in inputs if s.shape and len(feed[s.name]) < units[s.name])
+    rows = len(feed[spec.name])
+    given = "[" + ",".join(str(d) for d in (1, *feed[spec.name].shape[1:])) + "]"
+    whole = "[" + ",".join("?" if d is None else str(d) for d in spec.shape) + "]"
+    return CalibrationDataError(
+        f"calibration input {spec.name!r} has a fixed batch of {units[spec.name]} (expected {spec.describe()}), "
+        f"but the data stops after {rows} row{'s' if rows != 1 else ''} of shape {given}; give whole {whole} "
+        f"inputs (or a stack [N,{whole[1:]}), or export the model with a dynamic batch axis"
+    )
+
+
 def iter_batches(
     source: Any, inputs: list[InputSpec], batch_size: int, max_samples: int | None,
     purpose: str = "calibration",
 ) -> Iterator[Feed]:
-    """Validated batches of up to `batch_size` samples (the model's fixed batch if it has one)."""
+    """Validated batches of up to `batch_size` samples; one whole input with a fixed batch.
+
+    `max_samples` counts samples as `sample_rows` defines them. A model with a fixed
+    batch runs each whole input on its own; rows that fill no whole input are dropped, and
+    data that fills none at all is an error naming the input and the shape it needs.
+    """
     if not isinstance(source, CalibrationSource):
         source = CalibrationSource(source)
-    fixed = _fixed_batch(inputs)
-    target = fixed or max(batch_size, 1)
-    seen, pending, pending_rows = 0, [], 0
+    units = sample_rows(inputs)
+    fixed = _has_fixed_batch(inputs)
+    target = Fraction(1 if fixed else max(batch_size, 1))
+    seen, batches, pending, pending_samples = Fraction(0), 0, [], Fraction(0)
     for raw in source.feeds(inputs, purpose):
         feed = check_feed(raw, inputs)
         if max_samples is not None:
-            room = max_samples - seen
-            if room <= 0:
+            if max_samples - seen <= 0:
                 break
-            if _rows(feed) > room:
-                feed = {k: v[:room] for k, v in feed.items()}
-        seen += _rows(feed)
+            feed = _take(feed, units, min(_samples(feed, units, fixed), max_samples - seen))
+        samples = _samples(feed, units, fixed)
+        seen += samples
         if pending and _shape_key(pending[0]) != _shape_key(feed):
-            yield _concat(pending)
-            pending, pending_rows = [], 0
+            if not fixed:  # a fixed-batch model cannot run a partial input: drop it
+                yield _concat(pending)
+                batches += 1
+            pending, pending_samples = [], Fraction(0)
         pending.append(feed)
-        pending_rows += _rows(feed)
-        while pending_rows >= target:
+        pending_samples += samples
+        while pending_samples >= target:
             merged = _concat(pending)
-            yield {k: v[:target] for k, v in merged.items()}
-            rest = {k: v[target:] for k, v in merged.items()}
-            pending_rows -= target
-            pending = [rest] if pending_rows else []
+            yield _take(merged, units, target)
+            batches += 1
+            pending_samples -= target
+            pending = [_take(merged, units, pending_samples, target)] if pending_samples else []
         if max_samples is not None and seen >= max_samples:
             break
-    if pending:
-        if fixed is not None and pending_rows != fixed:
-            return  # a partial batch cannot run on a fixed-batch model; drop it
+    if pending and not fixed:
         yield _concat(pending)
+    elif pending and not batches:
+        raise _short_of_one_sample(inputs, _concat(pending), units)

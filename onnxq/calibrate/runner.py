@@ -15,7 +15,7 @@ import numpy as np
 import onnx_ir as ir
 from tqdm import tqdm
 
-from onnxq.calibrate.data import iter_batches, model_inputs
+from onnxq.calibrate.data import iter_batches, model_inputs, sample_rows
 from onnxq.calibrate.observers import Observer, make_observer
 from onnxq.calibrate.session import REDUCED_SUFFIXES, exposed_session
 from onnxq.config.resolve import ResolvedSpec
@@ -114,6 +114,8 @@ def calibrate(
         return result
     observers: dict[str, Observer] = {name: make_observer(spec) for name, spec in tensors.items()}
     groups = tensor_groups(model, list(observers), data, options)
+    inputs = model_inputs(model)
+    rows_per_sample = sample_rows(inputs)[inputs[0].name] if inputs else 1
     for index, group in enumerate(groups):
         purpose = "calibrating" if len(groups) == 1 else f"calibrating {index + 1}/{len(groups)}"
         reduced = {n for n in group if observers[n].min_max_only}
@@ -121,7 +123,7 @@ def calibrate(
             for name, value in values.items():
                 observers[name].update(np.asarray(value))
             if index == 0:
-                result.num_samples += rows
+                result.num_samples += rows // max(rows_per_sample, 1)
                 result.num_batches += 1
     if result.num_batches == 0:
         raise CalibrationDataError("calibration data is empty; give at least one sample")

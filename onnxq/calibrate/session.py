@@ -55,6 +55,19 @@ def _reduction_nodes(values: list[ir.Value]) -> tuple[list[ir.Node], list[ir.Val
 
 
 @contextlib.contextmanager
+def session_source(model: ir.Model) -> Iterator[str | bytes]:
+    """The model as onnxruntime takes it: serialized bytes, or a temporary file with
+    external data when the weights pass `INLINE_LIMIT` (protobuf stops at 2 GB)."""
+    with tempfile.TemporaryDirectory(prefix="onnxq-session-") as tmp:
+        if _weight_bytes(model) > INLINE_LIMIT:
+            path = Path(tmp) / "model.onnx"
+            ir.save(model, path, external_data="model.onnx.data")
+            yield str(path)
+        else:
+            yield ir.to_proto(model).SerializeToString()
+
+
+@contextlib.contextmanager
 def exposed_session(
     model: ir.Model, tensor_names: list[str], providers: list[str], reduced: Collection[str] = ()
 ) -> Iterator[ort.InferenceSession]:
@@ -72,16 +85,9 @@ def exposed_session(
     graph.extend(nodes)
     graph.outputs.extend(added)
     try:
-        with tempfile.TemporaryDirectory(prefix="onnxq-calib-") as tmp:
-            if _weight_bytes(model) > INLINE_LIMIT:
-                path = Path(tmp) / "calib.onnx"
-                ir.save(model, path, external_data="calib.onnx.data")
-                source: str | bytes = str(path)
-            else:
-                source = ir.to_proto(model).SerializeToString()
+        with session_source(model) as source:
             session = ort.InferenceSession(source, session_options(), providers=check_providers(providers))
-            del source
-            yield session
+        yield session
     finally:
         for value in added:
             graph.outputs.remove(value)

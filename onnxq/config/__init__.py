@@ -22,6 +22,7 @@ from onnxq.config.spec import (
     QuantizationSpec,
     RoundMethod,
     ScaleType,
+    Target,
 )
 from onnxq.config.validate import validate_config, validate_node_configs
 
@@ -34,6 +35,7 @@ __all__ = [
     "Preset",
     "QScheme",
     "QuantFormat",
+    "Target",
     "QuantizationConfig",
     "QuantizationSpec",
     "ResolvedConfig",

@@ -41,6 +41,7 @@ class ResolvedSpec:
     scale_type: str
     round_method: str
     is_dynamic: bool
+    bits: int | None = None
 
 
 @dataclass(frozen=True)

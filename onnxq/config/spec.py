@@ -88,6 +88,24 @@ class RoundMethod(str, Enum):
         return self.value
 
 
+class Target(str, Enum):
+    """Where the quantized model will run; decides what its int8 kernels can hold.
+
+    `auto` probes the onnxruntime at hand (see `onnxq.target`); `generic` means any CPU, so
+    it avoids what any supported CPU's kernels would saturate.
+    """
+
+    AUTO = "auto"
+    X86_VNNI = "x86-vnni"
+    X86_AVX2 = "x86-avx2"
+    ARM64 = "arm64"
+    GPU = "gpu"
+    GENERIC = "generic"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class QuantFormat(str, Enum):
     QDQ = "qdq"
 
@@ -118,6 +136,9 @@ class QuantizationSpec:
     scale_type: ScaleType | None = None
     round_method: RoundMethod | None = None
     is_dynamic: bool | None = None
+    # Weight bit width below the dtype's (2..8 in an int8 container): AMCT's 6/7-bit
+    # weights, or onnxruntime's reduce_range (7 bits).
+    bits: int | None = None
 
 
 @dataclass
@@ -156,6 +177,14 @@ class Config:
     exclude: list[str] = field(default_factory=list)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     quant_format: QuantFormat = QuantFormat.QDQ
+    # Deployment target (`onnxq.target`): `auto` probes this machine's onnxruntime kernels.
+    target: Target = Target.AUTO
+    # 7-bit weights for ops whose int8 kernels saturate on the target (onnxruntime's
+    # reduce_range). None: decided by the target; true/false: always/never.
+    reduce_range: bool | None = None
+    # Let the target add the algorithms that recover what its constraints cost (bias
+    # correction of Conv/Gemm where it narrows weights to 7 bits).
+    target_algorithms: bool = True
     # Absorb Relu/Clip that follow a quantized op into the op's output quantization.
     fuse_activations: bool = True
     # Where Q/DQ of types newer than the model's opset go: "ai.onnx" upgrades the opset
@@ -194,6 +223,7 @@ SPEC_DEFAULTS: dict[str, Any] = {
     "scale_type": ScaleType.FLOAT32,
     "round_method": RoundMethod.HALF_EVEN,
     "is_dynamic": False,
+    "bits": None,
 }
 
 TENSOR_CLASSES: tuple[str, ...] = ("input_tensors", "output_tensors", "weight", "bias")

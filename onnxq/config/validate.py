@@ -22,6 +22,7 @@ from onnxq.config.spec import TENSOR_CLASSES, Config, QuantFormat, QuantizationC
 from onnxq.errors import ConfigError
 
 ACTIVATIONS = ("input_tensors", "output_tensors")
+INTEGER_DTYPES = {"int4": 4, "uint4": 4, "int8": 8, "uint8": 8, "int16": 16, "uint16": 16}
 
 # A rule gets (spec values as plain data, tensor class, resolved?) and returns None or
 # (problem, fix). When `resolved` is False a `None` value means "inherited": not judged.
@@ -225,6 +226,22 @@ def _weight_static(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str
     return None
 
 
+def _bits_range(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    bits = v["bits"]
+    if bits is None:
+        return None
+    if tc != "weight":
+        return f"bits {bits}", "bits narrows weights only: remove it from activations and bias"
+    if not 2 <= bits <= 8:
+        return f"invalid bits {bits}", "use a weight bit width from 2 to 8"
+    if resolved and (v["dtype"] not in INTEGER_DTYPES or bits > INTEGER_DTYPES[v["dtype"]]):
+        return (
+            f"bits {bits} with dtype {v['dtype']}",
+            "bits must not exceed the integer dtype's width: use dtype int8/uint8 for 5..8 bits",
+        )
+    return None
+
+
 SPEC_RULES: tuple[Rule, ...] = (
     _int32_only_for_bias,
     _bias_dtype,
@@ -236,4 +253,5 @@ SPEC_RULES: tuple[Rule, ...] = (
     _percentile_range,
     _num_bins_min,
     _weight_static,
+    _bits_range,
 )

@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from onnxq.config.spec import Config
 from onnxq.emit.dynamic import emit_dynamic
+from onnxq.emit.float8 import make_float8_deployable
 from onnxq.emit.float_cast import DEFAULT_KEEP_FLOAT32, convert_float_nodes
 from onnxq.emit.gather_block_quantized import emit_gather_block_quantized
 from onnxq.emit.matmul_nbits import emit_matmul_nbits
@@ -41,10 +42,9 @@ def emit_model(
     """Apply every emitter the plan needs to `model`, in place."""
     result = EmitResult(emit_qdq(model, plan, ranges, config.qdq_domain))
     if any(is_float8(t.spec.dtype) for t in plan.tensors.values()):
-        result.notes.append(
-            "float8 Q/DQ: onnxruntime's CPU QDQ fusions reject float8 graphs; on CPU load the "
-            "model with GraphOptimizationLevel.ORT_ENABLE_BASIC (GPU providers run it as is)"
-        )
+        # Lay float8 Q/DQ out so onnxruntime's CPU optimiser keeps it exact (emit/float8.py).
+        note = make_float8_deployable(model).note()
+        result.notes.extend([note] if note else [])
     if plan.dynamic_nodes:
         report = emit_dynamic(model, plan.dynamic_nodes)
         _refused(plan, model, report.skipped)

@@ -39,8 +39,12 @@ def can_use_gather_block_quantized(node: ir.Node, spec: ResolvedSpec) -> str | N
     return None
 
 
-def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpec]) -> dict[str, str]:
-    """Replace each named Gather by GatherBlockQuantized; returns skipped node -> reason."""
+def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
+                                clip_search: bool = False) -> dict[str, str]:
+    """Replace each named Gather by GatherBlockQuantized; returns skipped node -> reason.
+
+    Tables are quantized by `quantize_weight` (full-range signed scales for symmetric
+    int4/uint4; `clip_search`: its per-block weight-MSE clipping search)."""
     graph = model.graph
     edit = GraphEditor(graph)
     by_name = {n.name: n for n in graph}
@@ -52,7 +56,8 @@ def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpe
             skipped[name] = reason
             continue
         table = node.inputs[0]
-        qt = quantize_weight(constant_array(table), spec, 1, block_size=spec.group_size)
+        qt = quantize_weight(constant_array(table), spec, 1, block_size=spec.group_size,
+                             clip_search=clip_search)
         inputs = [
             edit.initializer(f"{table.name}_quantized", qt.data), node.inputs[1],
             edit.initializer(f"{table.name}_scale", qt.scale.astype(np.float32)),

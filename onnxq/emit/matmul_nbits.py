@@ -6,7 +6,8 @@ The constant weight W [K, N] is quantized per block of `block_size` consecutive 
 * B: uint8 [N, k_blocks, blob_size], blob_size = block_size * bits / 8; values are stored
   unsigned (signed values shifted by 2^(bits-1)); for 4 bits, element 2i of a block is
   the low nibble of byte i and element 2i+1 the high nibble.
-* scales: [N, k_blocks], in the float type of A.
+* scales: [N, k_blocks], in the float type of A. Symmetric 4-bit scales are signed, as
+  onnxruntime's own quantizer writes them: each block's extreme value lands on -8.
 * zero_points: uint8 [N, ceil(k_blocks * bits / 8)] packed like B, only for asymmetric
   quantization; symmetric weights omit it and use the kernel's default 2^(bits-1).
 
@@ -23,9 +24,10 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import DType
+from onnxq.emit.weights import block_importance, quantize_blocks
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
-from onnxq.qmath import compute_qparams, int_type, quantize
+from onnxq.qmath import int_type
 
 CONTRIB = "com.microsoft"
 BITS: dict[DType, int] = {DType.INT4: 4, DType.UINT4: 4, DType.INT8: 8, DType.UINT8: 8}
@@ -53,6 +55,10 @@ def pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
     pad = -values.shape[-1] % per_byte
     if pad:
         values = np.concatenate([values, np.zeros((*values.shape[:-1], pad), np.uint8)], axis=-1)
+    if bits == 8:
+        return values
+    if bits == 4:
+        return values[..., 0::2] | (values[..., 1::2] << 4)
     grouped = values.reshape(*values.shape[:-1], -1, per_byte).astype(np.uint16)
     shifts = np.arange(per_byte, dtype=np.uint16) * bits
     return np.bitwise_or.reduce(grouped << shifts, axis=-1).astype(np.uint8)
@@ -66,25 +72,29 @@ def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     return values.reshape(*packed.shape[:-1], -1)[..., :count]
 
 
-def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np.float32) -> BlockQuantized:
-    """Quantize W [K, N] per block of `spec.group_size` rows of each column."""
+def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np.float32,
+                       clip_search: bool | None = None, importance: np.ndarray | None = None) -> BlockQuantized:
+    """Quantize W [K, N] per block of `spec.group_size` rows of each column
+    (`onnxq.emit.weights.quantize_blocks`: full-range signed scales for symmetric 4-bit).
+
+    `importance` [K]: mean square of each input channel of A over calibration data; with
+    it the 4-bit clipping search minimises each block's output error. `clip_search`: None
+    searches only with `importance`, True always, False never."""
     bits, block = BITS[spec.dtype], int(spec.group_size)
-    info = int_type(spec.dtype)
     k, n = w.shape
     k_blocks = -(-k // block)
-    padded = np.zeros((k_blocks * block, n), dtype=np.float64)
-    padded[:k] = w
-    blocks = padded.T.reshape(n, k_blocks, block)
-    scale, zp = compute_qparams(blocks.min(axis=-1), blocks.max(axis=-1), spec.dtype, spec.symmetric,
-                                spec.scale_type)
-    scale = scale.astype(scale_dtype)  # quantize with the scale the kernel will use
-    q = quantize(blocks, scale[..., None], zp[..., None], spec.dtype, round_method=spec.round_method)
-    offset = -info.qmin  # stored unsigned: int4 -8..7 -> 0..15
-    stored = (q.astype(np.int32) + offset).astype(np.uint8)
-    zp_stored = (zp.astype(np.int32) + offset).astype(np.uint8)
+    padded = np.zeros((n, k_blocks * block), dtype=np.float32)
+    padded[:, :k] = np.asarray(w).T
+    if importance is not None:
+        importance = block_importance(importance, block)
+    q, scale, zp = quantize_blocks(padded.reshape(n * k_blocks, block), spec, scale_dtype,
+                                   clip_search=clip_search, importance=importance)
+    offset = -int_type(spec.dtype).qmin  # stored unsigned: int4 -8..7 -> 0..15
+    stored = (q.astype(np.int16) + offset).astype(np.uint8).reshape(n, k_blocks, block)
+    zp_stored = (zp.astype(np.int16) + offset).astype(np.uint8).reshape(n, k_blocks)
     default_zp = 1 << (bits - 1)
     zero_points = None if np.all(zp_stored == default_zp) else pack_bits(zp_stored, bits)
-    return BlockQuantized(pack_bits(stored, bits), scale, zero_points, k, n, bits, block)
+    return BlockQuantized(pack_bits(stored, bits), scale.reshape(n, k_blocks), zero_points, k, n, bits, block)
 
 
 def dequantize_blockwise(bq: BlockQuantized) -> np.ndarray:
@@ -159,11 +169,14 @@ def _replace_with_nbits(graph: ir.Graph, editor: GraphEditor, node: ir.Node, bq:
 
 
 def emit_matmul_nbits(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
-                      accuracy_level: int = 0) -> dict[str, str]:
+                      accuracy_level: int = 0, clip_search: bool | None = None,
+                      importance: Mapping[str, np.ndarray] | None = None) -> dict[str, str]:
     """Rewrite the MatMuls in `nodes` (name -> weight spec) as MatMulNBits, in place.
 
     `accuracy_level` is MatMulNBits' attribute (0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8
-    computation of A). Returns the skipped nodes with the reason.
+    computation of A). `importance` (node name -> mean x^2 of each of A's K channels over
+    calibration data) and `clip_search` drive the 4-bit clipping search, see
+    `quantize_blockwise`. Returns the skipped nodes with the reason.
     """
     if accuracy_level not in ACCURACY_LEVELS:
         raise ValueError(f"accuracy_level must be one of {ACCURACY_LEVELS}, got {accuracy_level}")
@@ -178,7 +191,8 @@ def emit_matmul_nbits(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
             skipped[name] = reason
             continue
         scale_dtype = FLOAT_TYPES[_weight_dtype(node)]
-        bq = quantize_blockwise(constant_array(node.inputs[1]), spec, scale_dtype)
+        bq = quantize_blockwise(constant_array(node.inputs[1]), spec, scale_dtype, clip_search,
+                                (importance or {}).get(name))
         _replace_with_nbits(graph, editor, node, bq, accuracy_level)
     if len(skipped) < len(nodes):
         model.opset_imports.setdefault(CONTRIB, 1)

@@ -7,10 +7,12 @@ into the op before them, and the nodes left in float with the reason why.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig, ResolvedSpec, resolve_node_config
@@ -20,6 +22,7 @@ from onnxq.emit.matmul_nbits import can_use_matmul_nbits
 from onnxq.emit.rules import DYNAMIC_OPS, FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
 from onnxq.graph.fold import constant_array
 from onnxq.qmath import FLOAT_TARGETS, qdq_opset
+from onnxq.target import TargetProfile
 
 FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 
@@ -124,11 +127,46 @@ def _fusable_activation(value: ir.Value, config: Config) -> ir.Node | None:
     return act
 
 
+def _kernel_class(node: ir.Node, weight: np.ndarray) -> str:
+    """The int8 kernel family onnxruntime runs for a weighted op: `depthwise` for a Conv
+    with one input and one output channel per group, `gemm` for everything else."""
+    group = node.attributes.get_int("group", 1)
+    if node.op_type == "Conv" and group > 1 and weight.ndim > 1 and weight.shape[1] == 1 \
+            and weight.shape[0] == group:
+        return "depthwise"
+    return "gemm"
+
+
+def _target_weight_spec(
+    target: TargetProfile | None, spec: ResolvedSpec, kernel: str, activation: ResolvedSpec | None
+) -> ResolvedSpec:
+    """`spec` as the target can run it: the bit width for int8 weights (7 where the int8
+    kernel saturates; an explicit `bits` in the config wins), and symmetric weights where
+    per-channel zero points are miscomputed (depthwise Conv)."""
+    if target is None:
+        return spec
+    if not spec.symmetric and target.symmetric_weights_needed(kernel, spec.qscheme == QScheme.PER_CHANNEL.value):
+        spec = dataclasses.replace(spec, symmetric=True)
+    if spec.bits is not None or spec.dtype is not DType.INT8:
+        return spec
+    act = activation.dtype.value if activation is not None else None
+    if act not in ("uint8", "int8"):
+        act = None
+    if activation is not None and activation.is_dynamic:
+        act, kernel = "uint8", "dynamic"
+    bits = target.weight_bits(kernel, act)
+    return spec if bits is None else dataclasses.replace(spec, bits=bits)
+
+
 class _Planner:
-    def __init__(self, model: ir.Model, config: Config, keep_float: Mapping[str, str]) -> None:
+    def __init__(
+        self, model: ir.Model, config: Config, keep_float: Mapping[str, str],
+        target: TargetProfile | None,
+    ) -> None:
         self.graph = model.graph
         self.config = config
         self.keep_float = keep_float
+        self.target = target
         self.nodes = {node.name: node for node in model.graph}
         self.plan = QuantPlan()
 
@@ -260,7 +298,8 @@ class _Planner:
             elif cfg.weight is None or constant_array(weight) is None:
                 self.float_node(node, "dynamic quantization needs a constant weight")
             else:
-                self.plan.dynamic_nodes[node.name] = cfg.weight
+                self.plan.dynamic_nodes[node.name] = _target_weight_spec(
+                    self.target, cfg.weight, "dynamic", cfg.input_tensors)
                 self.plan.quantized_nodes[node.name] = node.op_type
             return True
         if (
@@ -346,7 +385,8 @@ class _Planner:
             axis = cfg.weight.ch_axis if cfg.weight.ch_axis is not None else rule.weight_axis(node, array.ndim)
         if axis is not None:
             axis %= max(array.ndim, 1)
-        tensor = self.add_use(value, Kind.WEIGHT, cfg.weight, node, i, axis=axis)
+        spec = _target_weight_spec(self.target, cfg.weight, _kernel_class(node, array), cfg.input_tensors)
+        tensor = self.add_use(value, Kind.WEIGHT, spec, node, i, axis=axis)
         tensor.block_size = block
         return i
 
@@ -368,10 +408,12 @@ class _Planner:
 
 
 def plan_quantization(
-    model: ir.Model, config: Config, keep_float: Mapping[str, str] | None = None
+    model: ir.Model, config: Config, keep_float: Mapping[str, str] | None = None,
+    target: TargetProfile | None = None,
 ) -> QuantPlan:
     """Walk the graph in topological order and decide what each tensor becomes.
 
     `keep_float` names nodes (with the reason) that earlier passes require to stay float.
+    `target` narrows int8 weights where its kernels saturate (None: leave them 8-bit).
     """
-    return _Planner(model, config, keep_float or {}).run()
+    return _Planner(model, config, keep_float or {}, target).run()

@@ -1,4 +1,23 @@
-"""Offline quantization of weights, constants and biases (pure numpy, no graph)."""
+"""Offline quantization of weights, constants and biases (pure numpy, no graph).
+
+Symmetric 4-bit weights use the whole range [-8, 7] (uint4: [0, 15] around 8). Block
+weights (per-group, weight-only: no bias, no QLinear kernel reads their scale) do it as
+onnxruntime's blockwise quantizer does: the scale is signed, so the block's extreme value,
+whatever its sign, lands on -8 and the other side keeps 7 steps. Per-channel and
+per-tensor weights keep positive scales (their scales multiply into int32 bias scales):
+-8 is used when the negative side is the larger, max(-min/8, max/7).
+
+4-bit block weights can get a clipping-scale search (`search_clip_scales`): for every
+block, shrink factors of the scale (`CLIP_GRID`), each with a least-squares refit of the
+scale to the codes it gives, are scored by the block's squared reconstruction error,
+optionally weighted per input channel by activation importance (mean x^2 over calibration
+data), and the best is kept. It is vectorised over all blocks, processed in cache-sized
+chunks, deterministic, and never worse than plain rounding for any block by its own
+measure. Without importance it is off by default: on SmolLM2-135M (int4, blocks of 128)
+the weight-MSE search lowers the weight error by 0.7 dB yet raises perplexity from 24.35 to
+36.19, as it shrinks the large weights that meet outlier activations; weighted by
+activation importance it lowers it to 20.46 (float 17.06). See benchmarks/llm_int4.py.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +26,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from onnxq.config.resolve import ResolvedSpec
-from onnxq.qmath import MIN_SCALE, compute_qparams, int_type, quantize
+from onnxq.config.spec import DType
+from onnxq.qmath import (
+    MIN_SCALE,
+    IntType,
+    compute_qparams,
+    int_type,
+    quantize,
+    round_scale,
+    symmetric_zero_point,
+)
+
+FOUR_BIT = frozenset({DType.INT4, DType.UINT4})
+# Shrink factors of the scale tried per block: 1.0 (plain rounding) down to 0.5.
+CLIP_GRID: tuple[float, ...] = tuple(1.0 - 0.05 * i for i in range(11))
+# Elements per chunk of the search (1 MiB of float32): its temporaries stay in cache.
+SEARCH_CHUNK = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -21,17 +55,6 @@ class QuantizedTensor:
     block_size: int | None = None  # per-group: entries of `axis` sharing one scale
 
 
-def block_range(w: np.ndarray, axis: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Min and max of each block of `block` entries along `axis` (zero-padded at the end)."""
-    w = np.moveaxis(np.asarray(w, dtype=np.float64), axis, 0)
-    blocks = -(-w.shape[0] // block)
-    pad = blocks * block - w.shape[0]
-    if pad:
-        w = np.concatenate([w, np.zeros((pad,) + w.shape[1:])])
-    w = w.reshape((blocks, block) + w.shape[1:])
-    return np.moveaxis(w.min(axis=1), 0, axis), np.moveaxis(w.max(axis=1), 0, axis)
-
-
 def channel_range(w: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Min and max over everything but `axis` (over everything when axis is None)."""
     w = np.asarray(w, dtype=np.float64)
@@ -41,26 +64,226 @@ def channel_range(w: np.ndarray, axis: int | None) -> tuple[np.ndarray, np.ndarr
     return w.min(axis=axes), w.max(axis=axes)
 
 
+def full_range(spec: ResolvedSpec) -> bool:
+    """Whether a weight of `spec` uses the whole 4-bit range (symmetric int4/uint4)."""
+    return bool(spec.symmetric) and DType(spec.dtype) in FOUR_BIT
+
+
+def full_range_scale(rmin: np.ndarray, rmax: np.ndarray, info: IntType, signed: bool) -> np.ndarray:
+    """Unrounded symmetric scale (float64) reaching qmin as well as qmax.
+
+    `signed`: the extreme value of [rmin, rmax] maps to qmin (scale = extreme / -8 for
+    int4, negative when the extreme is positive), as onnxruntime's blockwise quantizer
+    does. Otherwise the smallest positive scale covering both sides, max(-rmin/8, rmax/7).
+    Ranges of zero get scale 1.
+    """
+    rmin = np.minimum(np.asarray(rmin, dtype=np.float64), 0.0)
+    rmax = np.maximum(np.asarray(rmax, dtype=np.float64), 0.0)
+    zp = symmetric_zero_point(info)
+    below, above = zp - info.qmin, info.qmax - zp  # 8 and 7 steps
+    if signed:
+        scale = np.where(rmax > -rmin, rmax, rmin) / -below
+    else:
+        scale = np.maximum(-rmin / below, rmax / above)
+    return np.where(scale != 0, scale, 1.0)
+
+
+def stored_scale(scale: np.ndarray, scale_type: str, min_scale: np.ndarray | float,
+                 dtype: type = np.float32) -> np.ndarray:
+    """A signed scale as emitted: magnitude floored at `min_scale`, rounded per `scale_type`,
+    cast to `dtype`; the sign is kept."""
+    scale = np.asarray(scale, dtype=np.float64)
+    return cast_scale(np.copysign(round_scale(np.maximum(np.abs(scale), min_scale), scale_type), scale), dtype)
+
+
+def cast_scale(scale: np.ndarray, dtype: type) -> np.ndarray:
+    """`scale` in `dtype`, keeping its sign and never rounding to 0 (float16 underflow)."""
+    cast = np.asarray(scale).astype(dtype)
+    tiny = np.finfo(dtype).smallest_subnormal
+    return np.where(cast == 0, np.where(np.signbit(cast), -tiny, tiny), cast).astype(dtype)
+
+
+def weight_qparams(
+    rmin: np.ndarray, rmax: np.ndarray, spec: ResolvedSpec, min_scale: np.ndarray | float,
+    signed: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Scale (float32) and zero point of a weight range: full 4-bit range for symmetric
+    int4/uint4 (signed scales only when `signed`), `compute_qparams` otherwise."""
+    if not full_range(spec):
+        return compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type, min_scale, spec.bits)
+    info = int_type(spec.dtype, spec.bits)
+    scale = stored_scale(full_range_scale(rmin, rmax, info, signed), spec.scale_type, min_scale)
+    return scale, np.full(scale.shape, symmetric_zero_point(info)).astype(info.np_dtype)
+
+
 def quantize_weight(
     w: np.ndarray,
     spec: ResolvedSpec,
     axis: int | None,
     min_scale: np.ndarray | float = MIN_SCALE,
     block_size: int | None = None,
+    clip_search: bool | None = None,
+    importance: np.ndarray | None = None,
 ) -> QuantizedTensor:
     """Quantize a weight with its min/max range: per tensor (axis None), per channel along
-    `axis`, or per block of `block_size` along `axis` (per-group).
+    `axis`, or per block of `block_size` along `axis` (per-group: see `quantize_blocks` for
+    `clip_search` and `importance`, here one weight per entry of `axis`).
 
     `min_scale` (per channel or scalar) floors the scale; see `bias_safe_weight_scale`.
     """
     if block_size:
-        rmin, rmax = block_range(w, axis, block_size)
-    else:
-        rmin, rmax = channel_range(w, axis)
-    scale, zp = compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type, min_scale)
-    q = quantize(w, scale, zp, spec.dtype, axis, spec.round_method, block_size)
+        return _quantize_weight_blocks(w, spec, axis, block_size, min_scale, clip_search, importance)
+    rmin, rmax = channel_range(w, axis)
+    scale, zp = weight_qparams(rmin, rmax, spec, min_scale)
+    q = quantize(w, scale, zp, spec.dtype, axis, spec.round_method, None, spec.bits)
     axis = axis if np.ndim(scale) else None
-    return QuantizedTensor(q, np.asarray(scale), np.asarray(zp), axis, block_size if axis is not None else None)
+    return QuantizedTensor(q, np.asarray(scale), np.asarray(zp), axis)
+
+
+def _quantize_weight_blocks(
+    w: np.ndarray, spec: ResolvedSpec, axis: int, block: int, min_scale: np.ndarray | float,
+    clip_search: bool | None, importance: np.ndarray | None,
+) -> QuantizedTensor:
+    """`quantize_weight` per block: blocks laid out as rows, quantized, laid back."""
+    moved = np.moveaxis(np.asarray(w, dtype=np.float32), axis, -1)
+    length, lead = moved.shape[-1], moved.shape[:-1]
+    count = -(-length // block)
+    if count * block != length:
+        moved = np.concatenate([moved, np.zeros((*lead, count * block - length), np.float32)], axis=-1)
+    if importance is not None:
+        importance = block_importance(importance, block)
+    q, scale, zp = quantize_blocks(moved.reshape(-1, block), spec, min_scale=min_scale,
+                                   clip_search=clip_search, importance=importance)
+    q = np.moveaxis(q.reshape(*lead, count * block)[..., :length], -1, axis)
+    scale, zp = (np.moveaxis(p.reshape(*lead, count), -1, axis) for p in (scale, zp))
+    return QuantizedTensor(q, scale, zp, axis, block)
+
+
+def searchable(spec: ResolvedSpec) -> bool:
+    """Whether `spec`'s block weights get the clipping search (4-bit, round to nearest even)."""
+    return DType(spec.dtype) in FOUR_BIT and spec.round_method == "half_even"
+
+
+def block_importance(importance: np.ndarray, block: int) -> np.ndarray:
+    """Per-entry importance along the blocked axis as [blocks, block] rows (zero-padded)."""
+    importance = np.asarray(importance, dtype=np.float32).reshape(-1)
+    rows = np.zeros(-(-importance.size // block) * block, dtype=np.float32)
+    rows[: importance.size] = importance
+    return rows.reshape(-1, block)
+
+
+def quantize_blocks(
+    blocks: np.ndarray,
+    spec: ResolvedSpec,
+    scale_dtype: type = np.float32,
+    min_scale: np.ndarray | float = MIN_SCALE,
+    clip_search: bool | None = None,
+    grid: tuple[float, ...] = CLIP_GRID,
+    importance: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize each row of `blocks` [M, block] with its own scale and zero point.
+
+    Returns the codes [M, block] (in the dtype), scales [M] (`scale_dtype`, the type the
+    kernel reads, so rounding happens with the scale it will use) and zero points [M].
+    Symmetric 4-bit blocks use signed full-range scales. 4-bit blocks rounded half to even
+    go through `search_clip_scales` over `grid` when `clip_search` is True, or when it is
+    None and `importance` is given (see `search_clip_scales`); otherwise plain rounding.
+    """
+    blocks = np.asarray(blocks, dtype=np.float32)
+    scale, zp = weight_qparams(blocks.min(axis=1), blocks.max(axis=1), spec, min_scale, signed=True)
+    scale = cast_scale(scale, scale_dtype)
+    search = importance is not None if clip_search is None else clip_search
+    if searchable(spec):  # chunked; an empty grid is plain rounding
+        q, scale = search_clip_scales(blocks, scale, zp, spec, min_scale, grid if search else (), importance)
+        return q, scale, zp
+    q = quantize(blocks, scale[:, None], zp[:, None], spec.dtype, round_method=spec.round_method, bits=spec.bits)
+    return q, scale, zp
+
+
+def search_clip_scales(
+    blocks: np.ndarray,
+    scale: np.ndarray,
+    zero_point: np.ndarray,
+    spec: ResolvedSpec,
+    min_scale: np.ndarray | float = MIN_SCALE,
+    grid: tuple[float, ...] = CLIP_GRID,
+    importance: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Codes and scales of each block [M, block] minimising sum(h * (w - (q - zp) * scale)^2).
+
+    h is 1, or `importance` [P, block]: block row r is weighted by importance[r % P] (per
+    input channel mean x^2 of the activation the weight multiplies, so the error measured
+    is that of the block's output; P = blocks per column). For each shrink factor a of
+    `grid` the block is rounded with scale * a (zero points are kept: shrinking [rmin, rmax]
+    toward zero leaves them unchanged), and both scale * a and the weighted least-squares
+    scale of the codes it gives are scored. A block keeps plain rounding (a = 1) unless a
+    candidate is strictly better when rechecked in float64 with the stored scale; an empty
+    `grid` is plain rounding (codes equal to `quantize`'s). Works in chunks of
+    `SEARCH_CHUNK` elements.
+    """
+    info = int_type(spec.dtype, spec.bits)
+    rows = max(1, SEARCH_CHUNK // max(1, blocks.shape[1]))
+    q = np.empty(blocks.shape, dtype=info.np_dtype)
+    out = np.empty_like(scale)
+    for start in range(0, len(blocks), rows):
+        part = slice(start, start + rows)
+        h = None
+        if importance is not None and grid:
+            h = importance[np.arange(start, min(start + rows, len(blocks))) % len(importance)]
+        codes, out[part] = _search_chunk(blocks[part], scale[part], zero_point[part], info, spec,
+                                         min_scale if np.ndim(min_scale) == 0 else min_scale[part], grid, h)
+        q[part] = codes.astype(info.np_dtype)
+    return q, out
+
+
+def _codes(x: np.ndarray, factor: np.ndarray | np.float32, lo: np.ndarray | float, hi: np.ndarray | float,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """clip(rint(x * factor), lo, hi) in float32: codes relative to the zero point."""
+    c = np.multiply(x, factor, out=out)
+    np.rint(c, out=c)
+    return np.clip(c, lo, hi, out=c)
+
+
+def _block_error(w: np.ndarray, codes: np.ndarray, scale: np.ndarray, h: np.ndarray | None) -> np.ndarray:
+    """(Weighted) squared error per row in float64 of the float32 dequantization codes * scale."""
+    r = w.astype(np.float64) - codes * scale.astype(np.float32)[:, None]
+    return np.einsum("ij,ij->i", r if h is None else r * h, r)
+
+
+def _search_chunk(
+    w: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, info: IntType, spec: ResolvedSpec,
+    min_scale: np.ndarray | float, grid: tuple[float, ...], h: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`search_clip_scales` on one chunk (weights `h` or None): integer codes (zero point
+    included) and scales."""
+    s0 = scale.astype(np.float64)
+    z = zero_point.astype(np.float32)[:, None]
+    shift = z[0, 0] if spec.symmetric else z  # one zero point for all: clip to scalars
+    lo, hi = info.qmin - shift, info.qmax - shift
+    x = w / scale.astype(np.float32)[:, None]  # QuantizeLinear's float32 division
+    plain = _codes(x, np.float32(1.0), lo, hi)
+    if not grid:
+        return (plain + z).astype(np.int16), scale
+    hx = x if h is None else h * x
+    xx = np.einsum("ij,ij->i", hx, x, dtype=np.float64)
+    factors = np.float32(1.0) / np.asarray(grid, dtype=np.float32)
+    best_e, best_k, best_s = np.full(len(x), np.inf), np.zeros(len(x), np.intp), s0.copy()
+    buffer, weighted = np.empty_like(x), np.empty_like(x)
+    for k, factor in enumerate(factors):
+        c = plain if factor == 1 else _codes(x, factor, lo, hi, out=buffer)
+        xc = np.einsum("ij,ij->i", hx, c).astype(np.float64)
+        cc = np.einsum("ij,ij->i", c if h is None else np.multiply(h, c, out=weighted), c).astype(np.float64)
+        refit = np.where(cc > 0, xc / np.where(cc > 0, cc, 1.0), grid[k])
+        for t in (np.full(len(x), grid[k]), refit):
+            s = stored_scale(s0 * t, spec.scale_type, min_scale, scale.dtype).astype(np.float64)
+            t_used = s / s0  # error in units of s0^2: sum(h (x - t c)^2)
+            e = xx - 2.0 * t_used * xc + t_used * t_used * cc
+            better = e < best_e
+            best_e[better], best_k[better], best_s[better] = e[better], k, s[better]
+    codes = _codes(x, factors[best_k][:, None], lo, hi)
+    keep = _block_error(w, codes, best_s, h) < _block_error(w, plain, s0, h)
+    codes = np.where(keep[:, None], codes, plain)
+    return (codes + z).astype(np.int16), np.where(keep, best_s, s0).astype(scale.dtype)
 
 
 def bias_safe_weight_scale(

@@ -3,11 +3,14 @@
 Old exporters produce weights with `ConstantOfShape`, `Unsqueeze` of constants, weight
 `Transpose`s and the like. Quantization needs weights as initializers, so every such node
 is evaluated once, with the ONNX reference implementation, and replaced by its result.
+Only tensor results are folded: a constant sequence or optional (SequenceConstruct of
+initializers, Optional of one) stays a node, since an initializer can only be a tensor.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnx.reference import ReferenceEvaluator
 
@@ -41,8 +44,29 @@ def constant_array(value: ir.Value | None) -> np.ndarray | None:
     return value.const_value.numpy()
 
 
-def _foldable(node: ir.Node) -> bool:
+def _outputs_are_tensors(node: ir.Node, opset: int) -> bool:
+    """Whether the schema makes every output a tensor when the inputs are tensors.
+
+    An output is a tensor when its type constraint allows only tensors, or when it shares
+    its type parameter with an input (Identity, If): folded inputs are always tensors.
+    """
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    except onnx.defs.SchemaError:
+        return False
+    allowed = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
+    input_params = {formal.type_str for formal in schema.inputs}
+    return all(
+        formal.type_str in input_params
+        or all(t.startswith("tensor(") for t in allowed.get(formal.type_str, [formal.type_str]))
+        for formal in schema.outputs
+    )
+
+
+def _foldable(node: ir.Node, opset: int) -> bool:
     if node.domain not in ("", "ai.onnx") or node.op_type in NO_FOLD:
+        return False
+    if not _outputs_are_tensors(node, opset):
         return False
     if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
         return False
@@ -67,10 +91,12 @@ def fold_constants(model: ir.Model) -> int:
     opset = model.opset_imports.get("", 13)
     folded = 0
     for node in list(graph):
-        if not _foldable(node):
+        if not _foldable(node, opset):
             continue
         results = _evaluate(node, opset)
-        if results is None or any(np.asarray(r).size > MAX_FOLD_ELEMENTS for r in results):
+        if results is None or not all(isinstance(r, np.ndarray | np.generic) for r in results):
+            continue
+        if any(np.asarray(r).size > MAX_FOLD_ELEMENTS for r in results):
             continue
         if any(output.is_graph_output() for output in node.outputs):
             continue

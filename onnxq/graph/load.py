@@ -2,27 +2,38 @@
 
 Reading never loads external data into memory: onnx-ir keeps external tensors
 memory-mapped, so models above 2 GB load like any other. Normalising upgrades old opsets,
-folds constant weight producers into initializers and infers shapes.
+folds constant weight producers into initializers and infers shapes. Sequence and
+optional values keep their types; training graphs and map-typed graph inputs or outputs
+(which onnx-ir cannot represent) are refused with a one-line error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx.version_converter
 import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 from google.protobuf.message import DecodeError
 
-from onnxq.errors import ModelError
+from onnxq.errors import ModelError, UnsupportedModelError
+from onnxq.graph.edit import GraphEditor, set_constant
 from onnxq.graph.fold import fold_constants
 
 # Per-channel QuantizeLinear/DequantizeLinear (the `axis` attribute) needs opset 13.
 MIN_OPSET = 13
 IR_FOR_OPSET = {13: 7, 14: 7, 15: 8, 16: 8, 17: 8, 18: 8, 19: 9, 20: 9, 21: 10, 22: 10, 23: 11}
+TRAINING_DOMAIN = "ai.onnx.preview.training"
+# Up to opset 6, PRelu's 1-D slope was per channel; from opset 7 it broadcasts from the right.
+PRELU_BROADCAST_OPSET = 7
+# Shape inference gets initializers above this many bytes as typed inputs without data.
+INFERENCE_INLINE_BYTES = 1024
 
 
 @dataclass
@@ -69,6 +80,59 @@ def _check(proto: onnx.ModelProto, path: str | None) -> None:
     except (onnx.checker.ValidationError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"model fails onnx.checker: {first}; fix or re-export the model") from None
+
+
+def _subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """`graph` and every graph nested in its nodes' attributes (If, Loop, Scan bodies)."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                yield from _subgraphs(sub)
+
+
+def _refuse_training(proto: onnx.ModelProto, name: str) -> None:
+    """Training graphs (gradient, optimizer nodes) have no inference meaning to quantize."""
+    nodes = [n for g in _subgraphs(proto.graph) for n in g.node]
+    nodes += [n for f in proto.functions for n in f.node]
+    for node in nodes:
+        if node.domain == TRAINING_DOMAIN:
+            raise UnsupportedModelError(
+                f"{name} is a training graph: node {node.name or node.op_type!r} ({node.op_type}) is in the "
+                f"training-only domain {TRAINING_DOMAIN}; export the inference graph (model in eval mode, "
+                "without gradient or optimizer nodes) and quantize that"
+            )
+
+
+def _has_map(type_proto: onnx.TypeProto) -> bool:
+    """Whether a type is or contains a map (onnx-ir has no map type)."""
+    kind = type_proto.WhichOneof("value")
+    if kind == "map_type":
+        return True
+    if kind in ("sequence_type", "optional_type"):
+        return _has_map(getattr(type_proto, kind).elem_type)
+    return False
+
+
+def _drop_map_types(proto: onnx.ModelProto, name: str) -> None:
+    """Refuse map-typed graph inputs and outputs; forget map-typed intermediate annotations.
+
+    onnx-ir cannot hold map types, so a boundary map (ZipMap's seq(map) output, a
+    DictVectorizer input) cannot survive; an inner one is left for shape inference.
+    """
+    graph = proto.graph
+    boundary = [("input", v) for v in graph.input] + [("output", v) for v in graph.output]
+    for kind, value in boundary:
+        if _has_map(value.type):
+            raise UnsupportedModelError(
+                f"{name}: graph {kind} {value.name!r} has a map type, which onnxq cannot represent; "
+                "export the model without it (skl2onnx: zipmap=False) or cut the graph before that value"
+            )
+    for g in _subgraphs(graph):
+        keep = [v for v in g.value_info if not _has_map(v.type)]
+        if len(keep) != len(g.value_info):
+            del g.value_info[:]
+            g.value_info.extend(keep)
 
 
 def default_opset(proto: onnx.ModelProto) -> int:
@@ -119,6 +183,130 @@ def _binary_sum_to_add(graph: ir.Graph) -> None:
             )
 
 
+@contextlib.contextmanager
+def _large_weights_as_inputs(graph: ir.Graph) -> Iterator[None]:
+    """Temporarily make initializers above INFERENCE_INLINE_BYTES typed inputs without data.
+
+    Serializing the graph then copies no large weight, so models above 2 GB can be
+    inferred; small initializers keep their data for Reshape targets and the like.
+    """
+    large = [v for v in graph.initializers.values()
+             if v.const_value is None or v.const_value.nbytes > INFERENCE_INLINE_BYTES]
+    inputs = list(graph.inputs)
+    for value in large:
+        graph.initializers.pop(value.name)
+        graph.inputs.append(value)
+    try:
+        yield
+    finally:
+        graph.inputs.clear()
+        graph.inputs.extend(inputs)
+        for value in large:
+            graph.initializers.add(value)
+
+
+def _inferred_types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Type of every named value that onnx shape inference annotated, subgraphs included."""
+    types: dict[str, onnx.TypeProto] = {}
+    for graph in _subgraphs(proto.graph):
+        for value in [*graph.input, *graph.value_info, *graph.output]:
+            if value.name and value.type.WhichOneof("value") is not None:
+                types.setdefault(value.name, value.type)
+    return types
+
+
+def _merge_type(value: ir.Value, type_proto: onnx.TypeProto) -> None:
+    """Set an inferred type and shape on `value`, whole: a sequence stays a sequence.
+
+    onnx-ir's ShapeInferencePass copies only dtype and shape, which turns an untyped
+    sequence or optional value into a tensor. Map types are left out (onnx-ir has none).
+    """
+    if _has_map(type_proto):
+        return
+    try:
+        inferred = ir.serde.deserialize_type_proto_for_type(type_proto)
+        shape = ir.serde.deserialize_type_proto_for_shape(type_proto)
+    except (ValueError, NotImplementedError):  # a sequence or optional of unknown element
+        return
+    if inferred is None:
+        return
+    if value.type != inferred:
+        value.type = inferred
+    if shape is not None and value.shape != shape:
+        value.shape = shape
+
+
+def infer_shapes(model: ir.Model) -> None:
+    """Infer types and shapes with onnx (not strict, with data propagation), in place.
+
+    Values the inference cannot type keep what they had; a model the inference rejects
+    is left unchanged, as with onnx-ir's ShapeInferencePass.
+    """
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            if value.const_value is not None:
+                value.shape = value.shape or value.const_value.shape
+                value.dtype = value.dtype or value.const_value.dtype
+    with _large_weights_as_inputs(model.graph):
+        proto = ir.serde.serialize_model(model)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=False, data_prop=True)
+    except Exception:  # inference is best effort: onnx raises many kinds of errors
+        return
+    types = _inferred_types(inferred)
+    for graph in model.graphs():
+        for value in [*graph.inputs, *(o for node in graph for o in node.outputs)]:
+            if value.name in types:
+                _merge_type(value, types[value.name])
+
+
+def _channel_slope_shape(node: ir.Node, original_opset: int) -> list[int] | None:
+    """[C, 1, ...] for a 1-D PRelu slope meant per channel of X [N, C, ...], else None.
+
+    A slope [C] is per channel below opset 7; from opset 7 it broadcasts against X's last
+    axis, so it needs the trailing ones unless that axis happens to be C too.
+    """
+    if len(node.inputs) < 2 or node.inputs[0] is None or node.inputs[1] is None:
+        return None
+    x, slope = node.inputs[0].shape, node.inputs[1].shape
+    if x is None or slope is None or len(x) < 3 or len(slope) != 1:
+        return None
+    channels = x[1]
+    if not isinstance(channels, int) or slope[0] != channels or channels == 1:
+        return None
+    if original_opset >= PRELU_BROADCAST_OPSET and x[-1] == channels:
+        return None  # unidirectionally broadcastable, and right-aligned is the model's meaning
+    return [channels] + [1] * (len(x) - 2)
+
+
+def _reshape_slope(node: ir.Node, shape: list[int]) -> None:
+    """Give `node`'s slope (input 1) `shape`: the constant rewritten, or a Reshape inserted."""
+    slope = node.inputs[1]
+    graph = node.graph
+    if slope.const_value is not None and not slope.is_graph_input():
+        set_constant(graph, node, 1, slope.const_value.numpy().reshape(shape), f"{slope.name}_per_channel")
+        return
+    editor = GraphEditor(graph)
+    target = editor.initializer(f"{slope.name}_channel_shape", np.array(shape, dtype=np.int64))
+    out = ir.Value(name=editor.unique(f"{slope.name}_per_channel"), type=slope.type, shape=ir.Shape(shape))
+    reshape = ir.node("Reshape", [slope, target], outputs=[out], name=editor.unique(f"{out.name}_Reshape"))
+    graph.insert_before(node, reshape)
+    node.replace_input_with(1, out)
+
+
+def fix_prelu_slopes(model: ir.Model, original_opset: int) -> int:
+    """Make per-channel PRelu slopes of old models broadcast as opset 7+ requires; count them."""
+    fixed = 0
+    for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        if node.op_type != "PRelu" or node.domain not in ("", "ai.onnx"):
+            continue
+        shape = _channel_slope_shape(node, original_opset)
+        if shape is not None:
+            _reshape_slope(node, shape)
+            fixed += 1
+    return fixed
+
+
 def load_model(
     source: str | os.PathLike | onnx.ModelProto | ir.Model, min_opset: int = MIN_OPSET
 ) -> tuple[ir.Model, LoadReport]:
@@ -131,10 +319,12 @@ def load_model(
     if isinstance(source, ir.Model):
         source = ir.to_proto(source)
     proto, base_dir, name = _read_proto(source)
+    _refuse_training(proto, name)
     _check(proto, None if isinstance(source, onnx.ModelProto) else str(source))
     original = default_opset(proto)
     if isinstance(source, onnx.ModelProto):
         proto = onnx.ModelProto.FromString(proto.SerializeToString())  # never mutate the caller's
+    _drop_map_types(proto, name)
     proto = _upgrade_opset(proto, original, min_opset)
     model = ir.serde.deserialize_model(proto)
     if base_dir:
@@ -148,6 +338,9 @@ def load_model(
     report.folded_nodes = fold_constants(model)
     _binary_sum_to_add(model.graph)
     ir_passes.RemoveUnusedNodesPass()(model)
-    ir_passes.ShapeInferencePass(strict_mode=False)(model)
+    infer_shapes(model)
+    if prelus := fix_prelu_slopes(model, original):
+        report.notes.append(f"PRelu slopes [C] reshaped to [C,1,...] to broadcast per channel: {prelus}")
+        infer_shapes(model)
     ir_passes.TopologicalSortPass()(model)
     return model, report

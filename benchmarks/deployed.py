@@ -1,0 +1,203 @@
+"""Accuracy as deployed: every real model of ../shared, in one run, scored in a default
+onnxruntime session (fused int8 kernels, what users get) and with reference kernels
+(optimisation level basic: Q/DQ unfused, float arithmetic), for onnxq's default, onnxq's
+per-target choices and onnxruntime's `quantize_static` with and without `reduce_range`.
+
+    python benchmarks/deployed.py                     # all three models, about 10 min on 2 cores
+    python benchmarks/deployed.py --models mobilenet --variants default ort ort_rr
+
+Rows: `float`; onnxq `default` (target auto), `8bit` (reduce_range false), `7bit`
+(reduce_range true), `u8u8` (uint8 symmetric weights), `s8s8` (S8S8 preset), `bc` (default
+plus bias correction), `pt_cle_bc` (per-tensor weights, CLE and bias correction);
+`ort` / `ort_rr` (quantize_static U8S8 per-channel MinMax, reduce_range off/on),
+`ort_pt` (per-tensor). Columns: metric deployed and with reference kernels, latency at
+batch 1 and 8 (median, sessions interleaved, 1 thread), quantize time and peak RSS of
+the quantizer's own worker process; ratios against onnxruntime's row of the same
+granularity. Each quantizer runs in a worker subprocess (`compare_ort` protocol).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import common as C
+import compare_ort as CO
+import numpy as np
+
+U8S8_WEIGHT = {"dtype": "int8", "symmetric": True, "qscheme": "per_channel"}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {"tool": "onnxq", "config": {}},
+    "8bit": {"tool": "onnxq", "config": {"reduce_range": False}},
+    "7bit": {"tool": "onnxq", "config": {"reduce_range": True}},
+    "u8u8": {"tool": "onnxq", "config": {"global_quant_config": {"weight": {"dtype": "uint8"}}}},
+    "s8s8": {"tool": "onnxq", "preset": "S8S8", "config": {}},
+    "bc": {"tool": "onnxq", "config": {"algo_config": [{"name": "bias_correction"}]}},
+    "pt_cle_bc": {"tool": "onnxq", "config": {
+        "global_quant_config": {"weight": {"qscheme": "per_tensor"}},
+        "pre_quant_opt_config": [{"name": "cle"}], "algo_config": [{"name": "bias_correction"}]}},
+    "ort": {"tool": "ort", "reduce_range": False, "per_channel": True},
+    "ort_rr": {"tool": "ort", "reduce_range": True, "per_channel": True},
+    "ort_pt": {"tool": "ort", "reduce_range": False, "per_channel": False},
+}
+ORT_BASELINE = {"pt_cle_bc": "ort_pt"}  # ratio rows: per-tensor against per-tensor
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def quantize_job(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Worker side: quantize with onnxq or onnxruntime as the variant says."""
+    variant = VARIANTS[job["variant"]]
+    if variant["tool"] == "onnxq":
+        import onnxq
+        from onnxq.config import config_from_dict, config_to_dict, get_preset
+
+        config = config_from_dict(_merge(config_to_dict(get_preset(variant.get("preset", "U8S8"))),
+                                         variant["config"]))
+        result = onnxq.quantize(job["model"], job["output"], config, arrays, progress=False)
+        return {"summary": onnxq.format_summary(result.summary)}
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    quantize_static(job["model"], job["output"], C.FeedReader(arrays), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                    per_channel=variant["per_channel"], reduce_range=variant["reduce_range"],
+                    calibrate_method=CalibrationMethod.MinMax)
+    return {}
+
+
+def run_worker(job_path: str) -> int:
+    job = json.loads(Path(job_path).read_text())
+    arrays = CO.load_calibration(job["data"])
+    import onnxruntime.quantization  # noqa: F401 - same import baseline for both tools
+
+    import onnxq  # noqa: F401
+
+    info, stats = C.measure_call(lambda: quantize_job(job, arrays))
+    Path(job["result"]).write_text(json.dumps(C.jsonable({**stats, **info,
+                                                          "size_mb": C.file_mb(job["output"])})))
+    return 0
+
+
+def latency(paths: dict[str, str], feeds: dict[str, np.ndarray], runs: int) -> dict[str, dict[str, float]]:
+    """Median ms per run at batch 1 and 8, one thread, all sessions interleaved."""
+    out: dict[str, dict[str, float]] = {name: {} for name in paths}
+    for batch in (1, 8):
+        feed = {k: v[:batch] for k, v in feeds.items()}
+        sessions = {name: C.make_session(p, threads=1) for name, p in paths.items()}
+        wanted = {name: {i.name for i in s.get_inputs()} for name, s in sessions.items()}
+        per = {name: {k: v for k, v in feed.items() if k in wanted[name]} for name in sessions}
+        for name, t in C.median_latency_ms(sessions, per, runs).items():
+            out[name][f"b{batch}_ms"] = t["median_ms"]
+    return out
+
+
+def bench_task(task: CO.Task, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    log = lambda msg: print(f"[{task.name}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    task.eval_feeds, task.labels, task.extra = task.load_eval()
+    rows: dict[str, dict[str, Any]] = {}
+    fl, reference = CO.evaluate(task, task.model, None, args)
+    rows["float"] = {"deployed": fl["metric"], "reference": fl["metric"], "size_mb": C.file_mb(task.model)}
+    paths = {"float": str(task.model)}
+    for name in args.variants:
+        log(f"quantize {name}")
+        job = {"variant": name, "model": str(task.model), "data": task.calib_spec}
+        res = C.spawn_worker(__file__, "quantize", job, workdir, f"{task.name}.{name}", args.timeout)
+        if "error" in res:
+            rows[name] = {"error": res["error"]}
+            log(res["error"])
+            continue
+        dep, _ = CO.evaluate(task, res["output"], reference, args)
+        ref, _ = CO.evaluate(task, res["output"], reference, args, level="basic")
+        rows[name] = {"deployed": dep["metric"], "reference": ref["metric"], "agree": dep.get("agree"),
+                      "quant_s": res["time_s"], "peak_rss_mb": res["peak_rss_mb"],
+                      "size_mb": res["size_mb"], "summary": res.get("summary")}
+        paths[name] = res["output"]
+    log("latency")
+    for name, t in latency(paths, task.eval_feeds, args.latency_runs).items():
+        rows[name].update(t)
+    return rows
+
+
+def _ratio(a: Any, b: Any) -> str:
+    return f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) and b else "-"
+
+
+def format_table(name: str, metric: str, rows: dict[str, dict[str, Any]]) -> str:
+    head = (f"{name} ({metric}; deployed = default onnxruntime session, reference = level basic, "
+            "no fused int8 kernels)\n"
+            f"{'row':<10} {'deployed':>9} {'reference':>9} {'vs float':>8} {'b1 ms':>7} {'b8 ms':>7} "
+            f"{'quant s':>7} {'RSS MB':>7} {'MB':>6}  ratios vs ort (b1, b8, time, RSS)")
+    lines = [head]
+    fl = rows["float"]["deployed"]
+    for row, r in rows.items():
+        if "error" in r:
+            lines.append(f"{row:<10} error: {r['error']}")
+            continue
+        base = rows.get(ORT_BASELINE.get(row, "ort"), {})
+        ratios = ", ".join(_ratio(r.get(k), base.get(k)) for k in ("b1_ms", "b8_ms", "quant_s", "peak_rss_mb"))
+        fmt = lambda v, spec: format(v, spec) if isinstance(v, float) else "-"  # noqa: E731
+        lines.append(
+            f"{row:<10} {fmt(r['deployed'], '9.2f')} {fmt(r['reference'], '9.2f')} "
+            f"{fmt(r['deployed'] - fl, '+8.2f')} {fmt(r.get('b1_ms'), '7.2f')} {fmt(r.get('b8_ms'), '7.2f')} "
+            f"{fmt(r.get('quant_s'), '7.1f')} {fmt(r.get('peak_rss_mb'), '7.0f')} {fmt(r.get('size_mb'), '6.2f')}"
+            + (f"  {ratios}" if row not in ("float",) and not row.startswith("ort") else ""))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shared-dir", type=Path, default=C.default_shared_dir())
+    p.add_argument("--models", nargs="+", default=["resnet20", "mobilenet", "minilm"],
+                   choices=["resnet20", "mobilenet", "minilm"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--samples", type=int, default=200, help="calibration images")
+    p.add_argument("--text-samples", type=int, default=256, help="calibration sentences (MiniLM)")
+    p.add_argument("--eval-samples", type=int, help="cap on evaluation samples (STS-B: pairs)")
+    p.add_argument("--eval-batch", type=int, default=32)
+    p.add_argument("--threads", type=int, help="threads of the evaluation sessions")
+    p.add_argument("--latency-runs", type=int, default=20)
+    p.add_argument("--timeout", type=float, default=1200.0)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--keep", type=Path, help="keep the quantized models and worker logs here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args.job)
+    if not (args.shared_dir / "models").is_dir():
+        print(f"deployed: no shared folder at {args.shared_dir}; nothing to do (skipped)")
+        return 0
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix="deployed."))
+    workdir.mkdir(parents=True, exist_ok=True)
+    report = C.start_report(args, CO.machine_info())
+    t0 = time.perf_counter()
+    try:
+        for task in CO.shared_tasks(args, args.shared_dir):
+            rows = bench_task(task, args, workdir)
+            task.eval_feeds = task.labels = None
+            report["models"][task.name] = rows
+            print(format_table(task.name, task.metric_name, rows), flush=True)
+            print(flush=True)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return C.finish_report(report, t0, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Never write a model onnxruntime cannot load.
+
+After emission the model is opened in a default `onnxruntime.InferenceSession` (all
+graph optimisations, the user's providers), as a deployment would open it. If that
+fails, the quantized nodes responsible are found by bisection over the planned nodes,
+each trial re-emitting from the pre-emission model with some nodes kept float and
+asking onnxruntime again, so no decision reads onnxruntime's error text. The culprits
+stay float and the summary says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import onnx_ir as ir
+import onnxruntime as ort
+
+from onnxq.calibrate.session import check_providers, session_source
+from onnxq.errors import OnnxqError
+
+UNLOADABLE = "onnxruntime cannot load this node quantized (default session options)"
+MAX_CULPRITS = 64
+
+
+def model_loads(model: ir.Model, providers: list[str]) -> bool:
+    """Whether a default session (all optimisations) opens `model` on `providers`."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    with session_source(model) as source:
+        try:
+            ort.InferenceSession(source, options, providers=check_providers(providers))
+        except Exception:  # onnxruntime raises several unrelated types; any failure counts
+            return False
+    return True
+
+
+@dataclass
+class Trial:
+    """One emission with some nodes kept float: the model and whether it loads."""
+
+    model: ir.Model
+    loads: bool
+    payload: object = None
+
+
+def find_culprits(candidates: list[str], emit: Callable[[set[str]], Trial]) -> tuple[Trial, list[str]]:
+    """Smallest set of `candidates` to keep float so that `emit(kept_float)` loads.
+
+    Culprits are found one at a time: the shortest prefix of the remaining candidates
+    (in graph order) that fails when quantized alone ends at a culprit. Each culprit
+    costs about log2(len(candidates)) trials.
+    """
+    culprits: list[str] = []
+    remaining = list(candidates)
+    if not emit(set(remaining)).loads:
+        raise OnnxqError(
+            "onnxruntime cannot load this model even with every quantized node kept float; "
+            "check that the float model loads in a default onnxruntime session"
+        )
+    while True:
+        trial = emit(set(culprits))
+        if trial.loads:
+            return trial, culprits
+        if not remaining or len(culprits) >= MAX_CULPRITS:
+            raise OnnxqError(
+                "onnxruntime cannot load the quantized model even with "
+                f"{len(culprits)} nodes kept float; check that the float model loads in onnxruntime, "
+                "or exclude the failing op types (--exclude)"
+            )
+        lo, hi = 1, len(remaining)  # the prefix remaining[:hi] is known to fail
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if emit(set(culprits) | set(remaining[mid:])).loads:
+                lo = mid + 1
+            else:
+                hi = mid
+        culprits.append(remaining[hi - 1])
+        remaining = remaining[hi:]

@@ -1,0 +1,149 @@
+"""Measure, on the onnxruntime at hand, which int8 kernels saturate.
+
+Each probe is a tiny QDQ graph whose exact integer result is known and which
+onnxruntime's default optimiser fuses into the int8 kernel under test (QLinearMatMul,
+QLinearConv via the GEMM path, depthwise QLinearConv, MatMulInteger). Inputs hold the
+largest codes, so a kernel that adds u8 x s8 products pairwise in int16 (x86 AVX2 without
+VNNI: `vpmaddubsw`) returns a clearly smaller number. Asking the kernel beats guessing
+from CPU flags: it stays right for new ISAs, builds and execution providers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+# (activation kind, kernel class) pairs a probe checks.
+KERNELS = ("gemm", "depthwise")
+ACTIVATIONS = ("uint8", "int8")
+CHANNELS = 32  # K of the dot products: 16 pairs, saturation halves the result
+OUT_SCALE = 8192.0
+
+
+def _qdq_input(x_type: int, code: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """x -> Q -> DQ with scale 1, zero point 0: the float input `code` becomes that code."""
+    inits = [numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             helper.make_tensor("x_zp", x_type, [], [0])]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "one", "x_zp"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "one", "x_zp"], ["xdq"])]
+    return nodes, inits
+
+
+def _qdq_output(x_type: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    inits = [numpy_helper.from_array(np.array(OUT_SCALE, np.float32), "y_scale"),
+             helper.make_tensor("y_zp", x_type, [], [0])]
+    nodes = [helper.make_node("QuantizeLinear", ["yf", "y_scale", "y_zp"], ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "y_scale", "y_zp"], ["y"])]
+    return nodes, inits
+
+
+def _probe_model(kernel: str, activation: str) -> tuple[onnx.ModelProto, np.ndarray, float]:
+    """The probe graph, its input, and the exact output every element should have."""
+    x_type = TensorProto.UINT8 if activation == "uint8" else TensorProto.INT8
+    code = 255 if activation == "uint8" else 127
+    c = CHANNELS
+    if kernel == "gemm":
+        w = np.full((c, c, 1, 1), 127, np.int8)
+        x_shape, group, taps = [1, c, 1, 1], 1, c
+    else:
+        w = np.full((c, 1, 3, 3), 127, np.int8)
+        x_shape, group, taps = [1, c, 3, 3], c, 9
+    inits = [numpy_helper.from_array(w, "wq"), helper.make_tensor("w_zp", TensorProto.INT8, [], [0])]
+    in_nodes, in_inits = _qdq_input(x_type, code)
+    out_nodes, out_inits = _qdq_output(x_type)
+    nodes = [*in_nodes,
+             helper.make_node("DequantizeLinear", ["wq", "one", "w_zp"], ["w"]),
+             helper.make_node("Conv", ["xdq", "w"], ["yf"], group=group),
+             *out_nodes]
+    graph = helper.make_graph(
+        nodes, f"onnxq_probe_{kernel}_{activation}",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits + in_inits + out_inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    exact = np.clip(np.rint(code * 127 * taps / OUT_SCALE), *_range(activation)) * OUT_SCALE
+    return model, np.full(x_shape, code, np.float32), float(exact)
+
+
+def _range(activation: str) -> tuple[int, int]:
+    return (0, 255) if activation == "uint8" else (-128, 127)
+
+
+def _dynamic_model() -> tuple[onnx.ModelProto, np.ndarray, float]:
+    """MatMulInteger u8 x s8: the kernel behind dynamic quantization."""
+    c = CHANNELS
+    inits = [numpy_helper.from_array(np.full((c, 8), 127, np.int8), "w")]
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", ["x", "w"], ["y"])], "onnxq_probe_dynamic",
+        [helper.make_tensor_value_info("x", TensorProto.UINT8, [1, c])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, None)], inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model, np.full((1, c), 255, np.uint8), float(255 * 127 * c)
+
+
+def _depthwise_zero_point_model() -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
+    """A depthwise Conv whose channels have different weight zero points, and the exact
+    output: onnxruntime 1.32's depthwise int8 kernel gets this wrong on x86."""
+    c = 8
+    rng = np.random.default_rng(0)
+    w = rng.integers(-100, 100, (c, 1, 3, 3)).astype(np.int8)
+    zp = np.arange(-c // 2, c - c // 2, dtype=np.int8) * 3
+    inits = [numpy_helper.from_array(w, "wq"), numpy_helper.from_array(zp, "w_zp"),
+             numpy_helper.from_array(np.ones(c, np.float32), "w_scale")]
+    in_nodes, in_inits = _qdq_input(TensorProto.UINT8, 255)
+    out_nodes, out_inits = _qdq_output(TensorProto.UINT8)
+    nodes = [*in_nodes,
+             helper.make_node("DequantizeLinear", ["wq", "w_scale", "w_zp"], ["w"], axis=0),
+             helper.make_node("Conv", ["xdq", "w"], ["yf"], group=c),
+             *out_nodes]
+    graph = helper.make_graph(
+        nodes, "onnxq_probe_depthwise_zp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits + in_inits + out_inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    x = np.full((1, c, 3, 3), 255, np.float32)
+    acc = 255.0 * (w.astype(np.float64) - zp[:, None, None, None]).reshape(c, -1).sum(1)
+    exact = np.clip(np.rint(acc / OUT_SCALE), 0, 255) * OUT_SCALE
+    return model, x, exact.reshape(1, c, 1, 1)
+
+
+def _saturates(model: onnx.ModelProto, x: np.ndarray, exact: float | np.ndarray, providers: tuple[str, ...]) -> bool:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
+    y = session.run(None, {"x": x})[0]
+    return not np.allclose(np.asarray(y, np.float64), np.asarray(exact, np.float64))
+
+
+@functools.lru_cache(maxsize=8)
+def saturating_kernels(providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> frozenset[tuple[str, str]]:
+    """(activation dtype, kernel class) pairs whose default-session kernels saturate.
+
+    Kernel classes: `gemm` (Conv, MatMul, Gemm through the quantized GEMM), `depthwise`
+    (grouped Conv with one channel per group), `dynamic` (MatMulInteger, activation uint8).
+    """
+    found = set()
+    for kernel in KERNELS:
+        for activation in ACTIVATIONS:
+            if _saturates(*_probe_model(kernel, activation), providers):
+                found.add((activation, kernel))
+    if _saturates(*_dynamic_model(), providers):
+        found.add(("uint8", "dynamic"))
+    return frozenset(found)
+
+
+@functools.lru_cache(maxsize=8)
+def wrong_kernels(providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> frozenset[str]:
+    """Kernel features that give wrong results (not saturation): `depthwise_zero_points`
+    when a depthwise Conv with per-channel weight zero points is miscomputed."""
+    return frozenset({"depthwise_zero_points"} if _saturates(*_depthwise_zero_point_model(), providers) else ())

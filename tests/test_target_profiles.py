@@ -1,0 +1,235 @@
+"""Deployment targets: what each target does to the weights, the probe of this onnxruntime,
+the CLI and config surface, `compare` measuring the deployed session, and the load check
+that keeps nodes onnxruntime refuses in float.
+
+Weight codes are read from the written model: 7-bit weights stay within [-64, 63], 8-bit
+weights reach 127 (every weight here is He-normal, so each channel's extreme maps to the
+symmetric maximum).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import onnx
+import pytest
+from helpers import GraphBuilder, initializers, producers, random_feeds, reference_run, run, sqnr_db
+
+import onnxq
+from onnxq.cli import main
+from onnxq.config import get_preset
+from onnxq.emit import loadcheck
+from onnxq.errors import OnnxqError
+from onnxq.target import resolve_target
+from onnxq.target.probe import saturating_kernels, wrong_kernels
+from onnxq.target.profile import AVX2_SATURATING
+
+
+def model_with_every_kernel() -> onnx.ModelProto:
+    """3x3 Conv (GEMM path), depthwise Conv, 1x1 Conv, then Flatten + Gemm."""
+    b = GraphBuilder(11)
+    x = b.input("x", ["N", 4, 8, 8])
+    x = b.relu(b.conv(x, 4, 8))
+    x = b.relu(b.conv(x, 8, 8, group=8))
+    x = b.relu(b.conv(x, 8, 8, k=1))
+    x = b.node("Flatten", [x])
+    return b.build([b.gemm(x, 8 * 8 * 8, 10)], name="every_kernel")
+
+
+MODEL = model_with_every_kernel()
+CALIB = random_feeds(MODEL, 16, seed=1)
+
+
+def quantize(**config: object) -> onnxq.QuantizationResult:
+    cfg = get_preset("U8S8")
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    return onnxq.quantize(MODEL, None, cfg, CALIB)
+
+
+def weight_codes(model: onnx.ModelProto) -> dict[str, tuple[str, np.ndarray]]:
+    """Node name -> (kernel class, int8 weight codes) of every Conv/Gemm."""
+    inits, prods = initializers(model), producers(model)
+    out = {}
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "Gemm"):
+            codes = inits[prods[node.input[1]].input[0]]
+            group = next((a.i for a in node.attribute if a.name == "group"), 1)
+            out[node.name] = ("depthwise" if group > 1 else "gemm", codes)
+    return out
+
+
+def test_avx2_narrows_gemm_kernels_only():
+    codes = weight_codes(quantize(target="x86-avx2").model)
+    assert {kind for kind, _ in codes.values()} == {"gemm", "depthwise"}
+    for kind, w in codes.values():
+        if kind == "gemm":
+            assert w.min() >= -64 and w.max() <= 63, (w.min(), w.max())
+        else:
+            assert np.abs(w).max() == 127
+
+
+@pytest.mark.parametrize("target", ["x86-vnni", "arm64", "gpu"])
+def test_exact_targets_keep_8_bits_and_add_nothing(target):
+    result = quantize(target=target)
+    assert all(np.abs(w).max() == 127 for _, w in weight_codes(result.model).values())
+    assert result.summary.target.startswith(f"target {target}")
+    assert not any("bias_correction" in n for n in result.summary.notes)
+
+
+def test_generic_is_avx2():
+    a, b = quantize(target="generic").model, quantize(target="x86-avx2").model
+    a.graph.name = b.graph.name
+    assert [w.tobytes() for _, w in weight_codes(a).values()] == [w.tobytes() for _, w in weight_codes(b).values()]
+
+
+def test_narrowing_target_adds_bias_correction_unless_told_not_to():
+    on = quantize(target="x86-avx2")
+    assert any("adds bias_correction" in n for n in on.summary.notes)
+    off = quantize(target="x86-avx2", target_algorithms=False)
+    assert not any("bias_correction" in n for n in off.summary.notes)
+    assert on.model.SerializeToString() != off.model.SerializeToString()
+
+
+def test_reduce_range_forces_either_way():
+    everywhere = weight_codes(quantize(target="x86-vnni", reduce_range=True).model)
+    assert all(w.min() >= -64 and w.max() <= 63 for _, w in everywhere.values())
+    never = weight_codes(quantize(target="x86-avx2", reduce_range=False).model)
+    assert all(np.abs(w).max() == 127 for _, w in never.values())
+
+
+def test_explicit_bits_win_over_the_target():
+    cfg = get_preset("U8S8")
+    cfg.target = "x86-avx2"
+    cfg.global_quant_config.weight.bits = 6
+    codes = weight_codes(onnxq.quantize(MODEL, None, cfg, CALIB).model)
+    for _, w in codes.values():
+        assert w.min() >= -32 and w.max() <= 31
+        assert np.abs(w).max() >= 31
+
+
+def test_narrowed_weights_track_float_in_reference_arithmetic():
+    feeds = random_feeds(MODEL, 8, seed=2)
+    ref = run(MODEL, feeds)
+    eight = sqnr_db(ref, reference_run(quantize(target="x86-vnni").model, feeds))
+    seven = sqnr_db(ref, reference_run(quantize(target="x86-avx2", target_algorithms=False).model, feeds))
+    assert seven >= 25.0 and eight >= 28.0
+    assert seven < eight  # one bit fewer costs something: the narrowing really happened
+
+
+def test_auto_is_what_the_probe_measures():
+    probed = saturating_kernels()
+    assert probed <= AVX2_SATURATING  # no ISA known to onnxq saturates anything else
+    profile = resolve_target(get_preset("U8S8"))
+    assert profile.saturating == probed and profile.wrong == wrong_kernels()
+    result = quantize()
+    narrowed = any(kind == "gemm" and np.abs(w).max() <= 64 for kind, w in weight_codes(result.model).values())
+    assert narrowed == (("uint8", "gemm") in probed)
+
+
+def test_depthwise_asymmetric_weights_become_symmetric_where_zero_points_are_wrong():
+    cfg = get_preset("U8S8")
+    cfg.target = "x86-avx2"  # a named target assumes onnxruntime's depthwise zero-point bug
+    cfg.global_quant_config.weight.symmetric = False
+    q = onnxq.quantize(MODEL, None, cfg, CALIB).model
+    inits, prods = initializers(q), producers(q)
+    for node in q.graph.node:
+        if node.op_type == "Conv":
+            dq = prods[node.input[1]]
+            zp = inits[dq.input[2]]
+            group = next((a.i for a in node.attribute if a.name == "group"), 1)
+            assert np.any(zp != 0) == (group == 1), node.name
+
+
+# --------------------------------------------------------------------------- config / CLI
+
+
+@pytest.mark.parametrize("extra", [["--weight-bits", "9"], ["--target", "x86-avx"],
+                                   ["--weight-type", "int4", "--weight-bits", "7"]])
+def test_bad_target_options_exit_2_with_one_line(extra, tmp_path, capsys):
+    src = tmp_path / "m.onnx"
+    onnx.save(MODEL, src)
+    np.savez(tmp_path / "c.npz", x=np.concatenate([f["x"] for f in CALIB]))
+    rc = main(["quantize", str(src), str(tmp_path / "q.onnx"), "--calib-data", str(tmp_path / "c.npz"), *extra])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("onnxq: error:"), err
+
+
+def test_cli_flags_reach_the_config(tmp_path, capsys):
+    src = tmp_path / "m.onnx"
+    onnx.save(MODEL, src)
+    np.savez(tmp_path / "c.npz", x=np.concatenate([f["x"] for f in CALIB]))
+    out = tmp_path / "q.onnx"
+    args = ["quantize", str(src), str(out), "--calib-data", str(tmp_path / "c.npz"),
+            "--target", "x86-vnni", "--reduce-range", "--no-target-algorithms"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "target x86-vnni: 7-bit weights (reduce_range set" in printed
+    assert all(w.max() <= 63 for _, w in weight_codes(onnx.load(str(out))).values())
+
+
+def test_output_is_byte_identical_across_runs():
+    assert quantize(target="auto").model.SerializeToString() == quantize(target="auto").model.SerializeToString()
+
+
+# --------------------------------------------------------------------------- compare
+
+
+def test_compare_reports_the_deployed_session_and_the_kernel_gap(tmp_path, capsys):
+    float_path, q_path = tmp_path / "f.onnx", tmp_path / "q.onnx"
+    onnx.save(MODEL, float_path)
+    cfg = get_preset("U8S8")
+    cfg.target = "x86-vnni"  # 8-bit weights everywhere, whatever this CPU's kernels do
+    onnxq.quantize(MODEL, q_path, cfg, CALIB)
+    data = tmp_path / "eval.npz"
+    np.savez(data, x=np.concatenate([f["x"] for f in random_feeds(MODEL, 16, seed=3)]))
+    assert main(["compare", str(float_path), str(q_path), "--data", str(data), "--kernels", "both",
+                 "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "default onnxruntime session (deployed kernels)" in printed
+    assert "[reference kernels]" in printed
+    # 8-bit weights on a CPU whose GEMM kernels saturate: the gap is reported with its fix.
+    saturates = ("uint8", "gemm") in saturating_kernels()
+    assert ("--reduce-range" in printed) == saturates, printed
+
+
+# --------------------------------------------------------------------------- load check
+
+
+def test_find_culprits_finds_exactly_the_bad_nodes():
+    names = [f"n{i}" for i in range(10)]
+    bad = {"n3", "n7"}
+    calls = []
+
+    def emit(kept: set[str]) -> loadcheck.Trial:
+        calls.append(kept)
+        return loadcheck.Trial(None, bad <= kept)
+
+    trial, culprits = loadcheck.find_culprits(names, emit)
+    assert trial.loads and set(culprits) == bad
+    assert len(calls) <= 2 + 2 * 5  # about log2(10) trials per culprit
+
+
+def test_find_culprits_refuses_when_even_float_fails():
+    with pytest.raises(OnnxqError, match="even with every quantized node kept float"):
+        loadcheck.find_culprits(["a", "b"], lambda kept: loadcheck.Trial(None, False))
+
+
+def test_nodes_onnxruntime_refuses_stay_float(monkeypatch):
+    victim = next(n.name for n in MODEL.graph.node if n.op_type == "Conv" and
+                  any(a.name == "group" and a.i > 1 for a in n.attribute))
+    real = loadcheck.model_loads
+
+    def refuses_victim(model, providers):
+        quantized = any(n.name == victim and n.inputs[1].producer() is not None
+                        and n.inputs[1].producer().op_type == "DequantizeLinear" for n in model.graph)
+        return not quantized and real(model, providers)
+
+    monkeypatch.setattr(importlib.import_module("onnxq.quantize"), "model_loads", refuses_victim)
+    result = quantize(target="x86-vnni")
+    assert victim in result.summary.float_nodes
+    assert any("could not load them quantized" in n and victim in n for n in result.summary.notes)
+    assert result.summary.quantized_by_op["Conv"] == 2  # the other two Convs stay quantized
+    feeds = random_feeds(MODEL, 4, seed=5)
+    assert sqnr_db(run(MODEL, feeds), reference_run(result.model, feeds)) > 20
