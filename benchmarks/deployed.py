@@ -6,7 +6,8 @@ per-target choices and onnxruntime's `quantize_static` with and without `reduce_
     python benchmarks/deployed.py                     # all three models, about 10 min on 2 cores
     python benchmarks/deployed.py --models mobilenet --variants default ort ort_rr
 
-Rows: `float`; onnxq `default` (target auto), `8bit` (reduce_range false), `7bit`
+Rows: `float`; onnxq `default` (target auto: pair-safe int8 weights where the kernels
+saturate), `8bit` (reduce_range false), `7bit`
 (reduce_range true), `u8u8` (uint8 symmetric weights), `s8s8` (S8S8 preset), `bc` (default
 plus bias correction), `pt_cle_bc` (per-tensor weights, CLE and bias correction);
 `ort` / `ort_rr` (quantize_static U8S8 per-channel MinMax, reduce_range off/on),

@@ -233,8 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--target", help="where the model runs: auto (default: probe this onnxruntime), "
                    "x86-vnni, x86-avx2, arm64, gpu or generic (any CPU)")
     q.add_argument("--reduce-range", action=argparse.BooleanOptionalAction, default=None,
-                   help="7-bit weights for Conv/MatMul/Gemm (default: where the target's int8 "
-                        "kernels saturate)")
+                   help="7-bit weights for Conv/MatMul/Gemm, as onnxruntime's reduce_range; "
+                        "--no-reduce-range: full 8 bits even where kernels saturate (default: "
+                        "pair-safe 8-bit scales where the target's int8 kernels saturate)")
     q.add_argument("--target-algorithms", action=argparse.BooleanOptionalAction, default=None,
                    help="let the target add bias correction where it narrows weights (default on)")
     q.add_argument("--exclude", nargs="+", metavar="NAME", help="node names or regexes to keep in float")

@@ -129,12 +129,12 @@ def _algorithms(
     algorithms = list(config.algo_config)
     added = target.algorithms(algorithms) if config.target_algorithms and plan.calibrated_tensors() else []
     if added and (data.source is None or not data.replayable):
-        summary.notes.append(f"target {target.name} would add bias correction for its 7-bit weights, "
+        summary.notes.append(f"target {target.name} would add bias correction for its narrowed weights, "
                              "but the calibration data can be read only once: pass a path, a dict "
                              "of arrays, a list of feeds or a reader with rewind()")
         return algorithms
     summary.notes.extend(f"target {target.name} adds {a['name']} ({', '.join(a['op_types'])}) to recover "
-                         "the 7-bit weights' mean error; target_algorithms: false turns it off"
+                         "the narrowed weights' mean error; target_algorithms: false turns it off"
                          for a in added)
     return algorithms + added
 

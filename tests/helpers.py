@@ -155,6 +155,45 @@ _NP_OF_ONNX = {
 }
 
 
+PAIR_LIMIT = 128  # docs/kernels.md section 2: safe for every uint8 activation iff |w0 + w1| <= 128
+
+
+def kernel_pair_sums(node: onnx.NodeProto, codes: np.ndarray) -> np.ndarray:
+    """|w[2j] + w[2j+1]| of raw int8 weight codes for every pair that an x86 u8 x s8 kernel
+    adds in int16, per output channel ([channels, pairs]); written from docs/kernels.md,
+    independently of onnxq.target.pairs. Conv: K is (tap, input channel) tap-major for the
+    GEMM path, and input channels within a tap for ConvSym; MatMul/Gemm: the reduction axis."""
+    w = codes.astype(np.int64)
+    if node.op_type == "Conv":
+        taps_last = np.moveaxis(w, 1, -1)  # [M, kh, kw, C]
+        rows = [taps_last.reshape(w.shape[0], -1), taps_last.reshape(-1, w.shape[1])]
+    elif node.op_type == "Gemm" and attr(node, "transB", 0):
+        rows = [w]  # [N, K]
+    else:
+        rows = [w.T]  # [K, N] -> [N, K]
+    sums = []
+    for r in rows:
+        if r.shape[1] % 2:
+            r = np.concatenate([r, np.zeros((r.shape[0], 1), np.int64)], axis=1)
+        sums.append(np.abs(r[:, 0::2] + r[:, 1::2]).max(axis=1))
+    return np.concatenate(sums)
+
+
+def assert_pair_safe(model: onnx.ModelProto, names: set[str]) -> None:
+    """The int8 weights of `names` never saturate the pairwise-int16 kernels, yet are finer
+    than 7 bits: the tightest pair of some channel reaches the limit, and codes go past 64."""
+    inits, prods = initializers(model), producers(model)
+    for node in model.graph.node:
+        if node.name not in names:
+            continue
+        codes = inits[prods[node.input[1]].input[0]]
+        assert codes.dtype == np.int8, node.name
+        sums = kernel_pair_sums(node, codes)
+        assert sums.max() <= PAIR_LIMIT, f"{node.name}: a weight pair sums to {sums.max()} > {PAIR_LIMIT}"
+        assert sums.max() >= PAIR_LIMIT - 1, f"{node.name}: pairs reach only {sums.max()}: scale not tight"
+        assert np.abs(codes.astype(np.int32)).max() > 64, f"{node.name}: codes within 7 bits"
+
+
 def input_specs(model: onnx.ModelProto | str | os.PathLike) -> list[tuple[str, type, list[int | None]]]:
     """(name, numpy dtype, dims with None for symbolic) of each real graph input."""
     if not isinstance(model, onnx.ModelProto):

@@ -2,9 +2,9 @@
 the CLI and config surface, `compare` measuring the deployed session, and the load check
 that keeps nodes onnxruntime refuses in float.
 
-Weight codes are read from the written model: 7-bit weights stay within [-64, 63], 8-bit
-weights reach 127 (every weight here is He-normal, so each channel's extreme maps to the
-symmetric maximum).
+Weight codes are read from the written model: where the GEMM kernels saturate, adjacent
+weight pairs sum to at most 128 (`helpers.assert_pair_safe`); 8-bit weights reach 127
+(every weight here is He-normal, so each channel's extreme maps to the symmetric maximum).
 """
 
 from __future__ import annotations
@@ -14,7 +14,16 @@ import importlib
 import numpy as np
 import onnx
 import pytest
-from helpers import GraphBuilder, initializers, producers, random_feeds, reference_run, run, sqnr_db
+from helpers import (
+    GraphBuilder,
+    assert_pair_safe,
+    initializers,
+    producers,
+    random_feeds,
+    reference_run,
+    run,
+    sqnr_db,
+)
 
 import onnxq
 from onnxq.cli import main
@@ -61,13 +70,11 @@ def weight_codes(model: onnx.ModelProto) -> dict[str, tuple[str, np.ndarray]]:
 
 
 def test_avx2_narrows_gemm_kernels_only():
-    codes = weight_codes(quantize(target="x86-avx2").model)
+    model = quantize(target="x86-avx2").model
+    codes = weight_codes(model)
     assert {kind for kind, _ in codes.values()} == {"gemm", "depthwise"}
-    for kind, w in codes.values():
-        if kind == "gemm":
-            assert w.min() >= -64 and w.max() <= 63, (w.min(), w.max())
-        else:
-            assert np.abs(w).max() == 127
+    assert_pair_safe(model, {name for name, (kind, _) in codes.items() if kind == "gemm"})
+    assert all(np.abs(w).max() == 127 for kind, w in codes.values() if kind == "depthwise")
 
 
 @pytest.mark.parametrize("target", ["x86-vnni", "arm64", "gpu"])
@@ -124,8 +131,12 @@ def test_auto_is_what_the_probe_measures():
     profile = resolve_target(get_preset("U8S8"))
     assert profile.saturating == probed and profile.wrong == wrong_kernels()
     result = quantize()
-    narrowed = any(kind == "gemm" and np.abs(w).max() <= 64 for kind, w in weight_codes(result.model).values())
-    assert narrowed == (("uint8", "gemm") in probed)
+    codes = weight_codes(result.model)
+    gemm = {name for name, (kind, _) in codes.items() if kind == "gemm"}
+    if ("uint8", "gemm") in probed:
+        assert_pair_safe(result.model, gemm)
+    else:
+        assert all(np.abs(codes[name][1]).max() == 127 for name in gemm)
 
 
 def test_depthwise_asymmetric_weights_become_symmetric_where_zero_points_are_wrong():

@@ -22,6 +22,7 @@ import pytest
 from helpers import (
     KERNEL_MARGIN_DB,
     GraphBuilder,
+    assert_pair_safe,
     check_deployed,
     conv_relu_chain,
     initializers,
@@ -240,11 +241,10 @@ def assert_bits(codes: dict[str, np.ndarray], names: set[str], bits: int) -> Non
 
 
 @pytest.mark.parametrize("target", ["x86-avx2", "generic"])
-def test_avx2_targets_narrow_gemm_weights_and_keep_depthwise_at_8_bits(target):
+def test_avx2_targets_keep_gemm_weights_pair_safe_and_depthwise_at_8_bits(target):
     result = quantize_mixed({"target": target})
-    codes = weight_codes(result.model)
-    assert_bits(codes, GEMM_NODES, 7)
-    assert_bits(codes, DEPTHWISE_NODES, 8)
+    assert_pair_safe(result.model, GEMM_NODES)
+    assert_bits(weight_codes(result.model), DEPTHWISE_NODES, 8)
 
 
 def test_generic_is_x86_avx2():
@@ -263,8 +263,12 @@ def test_exact_targets_keep_8_bit_weights(target):
 
 
 def test_auto_narrows_exactly_what_the_probe_says_saturates():
-    codes = weight_codes(quantize_mixed({"target": "auto"}).model)
-    assert_bits(codes, GEMM_NODES, 7 if gemm_saturates() else 8)
+    model = quantize_mixed({"target": "auto"}).model
+    codes = weight_codes(model)
+    if gemm_saturates():
+        assert_pair_safe(model, GEMM_NODES)
+    else:
+        assert_bits(codes, GEMM_NODES, 8)
     assert_bits(codes, DEPTHWISE_NODES, 8)
 
 
@@ -292,11 +296,10 @@ def test_explicit_bits_win_over_the_target(target):
 
 
 def test_weight_spec_bits_reach_the_weights_of_a_per_tensor_config():
-    codes = weight_codes(quantize_mixed({"target": "x86-avx2",
-                                         "global_quant_config": {"weight": {"qscheme": "per_tensor"}}}).model)
-    for name, w in codes.items():
-        top = 63 if name in GEMM_NODES else 127
-        assert np.abs(w.astype(np.int32)).max() <= top + 1, name
+    model = quantize_mixed({"target": "x86-avx2",
+                            "global_quant_config": {"weight": {"qscheme": "per_tensor"}}}).model
+    assert_pair_safe(model, GEMM_NODES)
+    assert_bits(weight_codes(model), DEPTHWISE_NODES, 8)
 
 
 # ---------------------------------------------------------------------------------------
@@ -404,7 +407,7 @@ def test_cli_bits_on_activations_in_a_config_file_exit_2(cli_inputs, tmp_path, c
 
 
 @pytest.mark.parametrize(("flags", "gemm_bits", "depthwise_bits"), [
-    (["--target", "x86-avx2"], 7, 8),
+    (["--target", "x86-avx2"], "pairs", 8),
     (["--target", "x86-vnni"], 8, 8),
     (["--target", "x86-vnni", "--reduce-range"], 7, 7),
     (["--target", "x86-avx2", "--no-reduce-range"], 8, 8),
@@ -413,8 +416,12 @@ def test_cli_bits_on_activations_in_a_config_file_exit_2(cli_inputs, tmp_path, c
 def test_cli_target_flags(cli_inputs, tmp_path, capsys, flags, gemm_bits, depthwise_bits):
     out = tmp_path / "q.onnx"
     assert _cli_quantize(cli_inputs, out, *flags) == 0
-    codes = weight_codes(onnx.load(str(out)))
-    assert_bits(codes, GEMM_NODES, gemm_bits)
+    model = onnx.load(str(out))
+    codes = weight_codes(model)
+    if gemm_bits == "pairs":
+        assert_pair_safe(model, GEMM_NODES)
+    else:
+        assert_bits(codes, GEMM_NODES, gemm_bits)
     assert_bits(codes, DEPTHWISE_NODES, depthwise_bits)
     # The summary's first lines name the target (and, for a config override, say so).
     head = capsys.readouterr().out.splitlines()[:3]

@@ -42,6 +42,9 @@ class ResolvedSpec:
     round_method: str
     is_dynamic: bool
     bits: int | None = None
+    # Int8 weights kept pair-safe for saturating x86 kernels: the weight's reduction axes,
+    # major to minor, in the kernel's K order (`onnxq.target.pairs`). Set by the target.
+    pairs: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -179,11 +179,12 @@ class Config:
     quant_format: QuantFormat = QuantFormat.QDQ
     # Deployment target (`onnxq.target`): `auto` probes this machine's onnxruntime kernels.
     target: Target = Target.AUTO
-    # 7-bit weights for ops whose int8 kernels saturate on the target (onnxruntime's
-    # reduce_range). None: decided by the target; true/false: always/never.
+    # 7-bit weights for every int8-activation op (onnxruntime's reduce_range): true; false:
+    # full 8-bit weights even where kernels saturate; None: the target decides (pair-safe
+    # 8-bit scales where its int8 kernels saturate, onnxq.target.pairs).
     reduce_range: bool | None = None
     # Let the target add the algorithms that recover what its constraints cost (bias
-    # correction of Conv/Gemm where it narrows weights to 7 bits).
+    # correction of Conv/Gemm where it narrows weights).
     target_algorithms: bool = True
     # Absorb Relu/Clip that follow a quantized op into the op's output quantization.
     fuse_activations: bool = True

@@ -137,11 +137,22 @@ def _kernel_class(node: ir.Node, weight: np.ndarray) -> str:
     return "gemm"
 
 
+def _k_axes(node: ir.Node, rule: OpRule, rank: int) -> tuple[int, ...] | None:
+    """The weight's reduction axes in the order the int8 GEMM walks K (None: unknown)."""
+    if node.op_type == "Conv":
+        return (*range(2, rank), 1)  # im2col is tap-major, input-channel-minor
+    if node.op_type in ("MatMul", "Gemm") and rule.weight_in_axis is not None:
+        return (rule.weight_in_axis(node, rank),)
+    return None
+
+
 def _target_weight_spec(
-    target: TargetProfile | None, spec: ResolvedSpec, kernel: str, activation: ResolvedSpec | None
+    target: TargetProfile | None, spec: ResolvedSpec, kernel: str, activation: ResolvedSpec | None,
+    k_axes: tuple[int, ...] | None = None,
 ) -> ResolvedSpec:
-    """`spec` as the target can run it: the bit width for int8 weights (7 where the int8
-    kernel saturates; an explicit `bits` in the config wins), and symmetric weights where
+    """`spec` as the target can run it: int8 weights that the kernel cannot saturate
+    (pair-safe scales where the K order is known and weights are symmetric, else 7 bits;
+    `reduce_range` and an explicit `bits` in the config win), and symmetric weights where
     per-channel zero points are miscomputed (depthwise Conv)."""
     if target is None:
         return spec
@@ -155,7 +166,12 @@ def _target_weight_spec(
     if activation is not None and activation.is_dynamic:
         act, kernel = "uint8", "dynamic"
     bits = target.weight_bits(kernel, act)
-    return spec if bits is None else dataclasses.replace(spec, bits=bits)
+    if bits is None:
+        return spec
+    if target.reduce_range is None and k_axes is not None and spec.symmetric \
+            and spec.qscheme != QScheme.PER_GROUP.value:
+        return dataclasses.replace(spec, pairs=k_axes)
+    return dataclasses.replace(spec, bits=bits)
 
 
 class _Planner:
@@ -195,34 +211,82 @@ class _Planner:
             if node.name in self.plan.fused_activations:
                 continue
             self.plan_node(node)
+        for node in self.graph:
+            self.keep_float_head(node)
         for node in reversed(list(self.graph)):
-            self.prune_float_island(node)
+            self.prune_float_tail(node)
         return self.plan
 
-    def prune_float_island(self, node: ir.Node) -> None:
-        """Keep an elementwise op float when nothing reads its output quantized.
+    def _link_op(self, node: ir.Node) -> OpRule | None:
+        """The rule of a quantized op that computes its own output range, else None."""
+        rule = OP_RULES.get(node.op_type)
+        if node.name not in self.plan.quantized_nodes or rule is None or rule.output is not OutputMode.OWN:
+            return None
+        return rule
+
+    def _fused_activation_of(self, node: ir.Node) -> str | None:
+        return next((a for a, producer in self.plan.fused_activations.items() if producer == node.name), None)
+
+    def _unread(self, node: ir.Node) -> TensorPlan | None:
+        """The node's quantized output when no quantized op reads it (only float ops, graph outputs)."""
+        out = self.plan.tensors.get(self._output_name(node, self._fused_activation_of(node))) \
+            if node.outputs else None
+        if out is None or any(c != node.name for c, _ in out.consumers) or out.alias_of is not None:
+            return None
+        if any(t.alias_of == out.name for t in self.plan.tensors.values()):
+            return None
+        return out
+
+    def keep_float_head(self, node: ir.Node) -> None:
+        """Keep an elementwise op float when every input it reads comes from float.
+
+        Quantizing it would round each float input and then its output again; run in float,
+        only its output is rounded, once, for the quantized ops that read it (an input
+        normalisation Mul+Add before the first Conv, a SiLU Mul between float ops). Walked
+        in topological order, so chains of such ops stay float together.
+        """
+        rule = self._link_op(node)
+        if rule is None or rule.weight_input is not None:
+            return
+        for value in node.inputs:
+            tensor = self.plan.tensors.get(value.name) if value is not None else None
+            if tensor is not None and tensor.kind is Kind.ACTIVATION and \
+                    (tensor.all_consumers or tensor.alias_of is not None):
+                return  # reads the output of a quantized op: an integer link between kernels
+        act = self._fused_activation_of(node)
+        out = self.plan.tensors.get(self._output_name(node, act)) if node.outputs else None
+        self._unplan(node, act, "its inputs are float: run in float, its output is quantized once for its readers")
+        if out is not None:
+            out.all_consumers = False
+            if not out.consumers:
+                del self.plan.tensors[out.name]
+
+    def prune_float_tail(self, node: ir.Node) -> None:
+        """Drop the output quantization that nothing quantized reads.
 
         Add, Mul, Concat and pooling have integer kernels only as links between quantized
         ops; when every reader of the output is float (a LayerNormalization after a residual
-        Add, a graph output), quantizing it adds error and no speed. Compute ops (Conv,
-        MatMul, Gemm) keep their integer kernels. Walked in reverse topological order, so
-        chains of such ops collapse together.
+        Add, a graph output), quantizing it adds error and no speed, so the op stays float.
+        Conv keeps its integer kernel and output; Gemm and MatMul keep their integer kernels
+        and write float (`OpRule.float_output`), so logits and other graph outputs are not
+        rounded. Walked in reverse topological order, so chains of such ops collapse together.
         """
-        rule = OP_RULES.get(node.op_type)
-        if (
-            node.name not in self.plan.quantized_nodes
-            or rule is None
-            or rule.output is not OutputMode.OWN
-            or rule.weight_input is not None
-        ):
+        rule = self._link_op(node)
+        if rule is None or (rule.weight_input is not None and not rule.float_output):
             return
-        act = next((a for a, producer in self.plan.fused_activations.items() if producer == node.name), None)
-        out = (self.plan.tensors.get(self._output_name(node, act)) if node.outputs else None)
-        if out is None or any(c != node.name for c, _ in out.consumers) or out.alias_of is not None:
-            return
-        if any(t.alias_of == out.name for t in self.plan.tensors.values()):
+        out = self._unread(node)
+        if out is None:
             return
         del self.plan.tensors[out.name]
+        act = self._fused_activation_of(node)
+        if rule.weight_input is None:
+            self._unplan(node, act, "its output feeds only float ops: quantizing it adds error, no integer kernel")
+        elif act is not None:  # the integer kernel writes float; the activation runs after it in float
+            del self.plan.fused_activations[act]
+            self.plan.quantized_nodes.pop(act, None)
+
+    def _unplan(self, node: ir.Node, act: str | None, reason: str) -> None:
+        """Return a quantized link op (and the activation it absorbed) to float."""
         for i, value in enumerate(node.inputs):
             tensor = self.plan.tensors.get(value.name) if value is not None else None
             if tensor is None:
@@ -232,7 +296,7 @@ class _Planner:
             if not tensor.consumers and not tensor.all_consumers:
                 del self.plan.tensors[value.name]
         self.plan.quantized_nodes.pop(node.name, None)
-        self.float_node(node, "its output feeds only float ops: quantizing it adds error, no integer kernel")
+        self.float_node(node, reason)
         if act is not None:
             del self.plan.fused_activations[act]
             self.plan.quantized_nodes.pop(act, None)
@@ -385,7 +449,8 @@ class _Planner:
             axis = cfg.weight.ch_axis if cfg.weight.ch_axis is not None else rule.weight_axis(node, array.ndim)
         if axis is not None:
             axis %= max(array.ndim, 1)
-        spec = _target_weight_spec(self.target, cfg.weight, _kernel_class(node, array), cfg.input_tensors)
+        spec = _target_weight_spec(self.target, cfg.weight, _kernel_class(node, array), cfg.input_tensors,
+                                   _k_axes(node, rule, array.ndim))
         tensor = self.add_use(value, Kind.WEIGHT, spec, node, i, axis=axis)
         tensor.block_size = block
         return i

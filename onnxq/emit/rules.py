@@ -95,6 +95,9 @@ class OpRule:
     quantize_constant_data: bool = False
     # Extra condition on the node (attributes, constant inputs); None: always applies.
     applies: Callable[[ir.Node], bool] | None = None
+    # The fused integer kernel can write float (onnxruntime's QGemm, MatMulIntegerToFloat):
+    # an output that only float ops read needs no QuantizeLinear.
+    float_output: bool = False
 
 
 _SHARED = OpRule(activation_inputs=(0,), output=OutputMode.SHARED)
@@ -106,8 +109,10 @@ OP_RULES: dict[str, OpRule] = {
     "ConvTranspose": OpRule(
         (0,), OutputMode.OWN, 1, 2, _conv_transpose_axis, _conv_transpose_in_axis
     ),
-    "Gemm": OpRule((0, 1), OutputMode.OWN, 1, 2, _gemm_axis, _gemm_in_axis),
-    "MatMul": OpRule((0, 1), OutputMode.OWN, 1, None, _matmul_axis, _matmul_in_axis),
+    "Gemm": OpRule((0, 1), OutputMode.OWN, 1, 2, _gemm_axis, _gemm_in_axis, float_output=True),
+    "MatMul": OpRule(
+        (0, 1), OutputMode.OWN, 1, None, _matmul_axis, _matmul_in_axis, float_output=True
+    ),
     "Add": OpRule(None, OutputMode.OWN),
     "Mul": OpRule(None, OutputMode.OWN),
     "Concat": OpRule(None, OutputMode.OWN),

@@ -30,12 +30,14 @@ from onnxq.config.spec import DType
 from onnxq.qmath import (
     MIN_SCALE,
     IntType,
+    broadcast_param,
     compute_qparams,
     int_type,
     quantize,
     round_scale,
     symmetric_zero_point,
 )
+from onnxq.target.pairs import enforce_pairs, pair_extent
 
 FOUR_BIT = frozenset({DType.INT4, DType.UINT4})
 # Shrink factors of the scale tried per block: 1.0 (plain rounding) down to 0.5.
@@ -134,8 +136,14 @@ def quantize_weight(
     if block_size:
         return _quantize_weight_blocks(w, spec, axis, block_size, min_scale, clip_search, importance)
     rmin, rmax = channel_range(w, axis)
+    if spec.pairs is not None:  # symmetric int8 that a saturating kernel must hold exactly
+        rmax = np.maximum(np.maximum(-rmin, rmax), pair_extent(w, axis, spec.pairs))
+        rmin = -rmax
     scale, zp = weight_qparams(rmin, rmax, spec, min_scale)
     q = quantize(w, scale, zp, spec.dtype, axis, spec.round_method, None, spec.bits)
+    if spec.pairs is not None:
+        scaled = w / broadcast_param(np.asarray(scale, dtype=np.float64), w.shape, axis if np.ndim(scale) else None)
+        q = enforce_pairs(q, scaled, axis, spec.pairs)
     axis = axis if np.ndim(scale) else None
     return QuantizedTensor(q, np.asarray(scale), np.asarray(zp), axis)
 

@@ -3,9 +3,10 @@
 On x86 CPUs with AVX2 (or AVX512BW) and no VNNI, onnxruntime's quantized GEMM adds
 u8 x s8 products pairwise in int16 (`vpmaddubsw`), so two products of 255 x 127 saturate.
 Int8 activations are converted to uint8 first on x86, so they saturate too. Depthwise
-convolutions use their own kernel, which widens to 32 bits and is safe. Weights of at
-most 7 bits (|w| <= 64: 2 x 255 x 64 = 32640) can never saturate, which is what the
-planner gives the ops whose kernel saturates (onnxruntime calls it reduce_range).
+convolutions use their own kernel, which widens to 32 bits and is safe. A pair of weight
+codes can never saturate iff |w0 + w1| <= 128; the planner gives the ops whose kernel
+saturates the finest 8-bit scale that holds it (`onnxq.target.pairs`), or 7-bit weights
+(|w| <= 64, onnxruntime's reduce_range) where the config asks or the K order is unknown.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ class TargetProfile:
 
     def algorithms(self, configured: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Algorithms the target adds to `configured`: bias correction of Conv/Gemm where
-        weights are narrowed (7-bit weights double the rounding error, and its mean per
-        channel is what bias correction removes: +0.7 to +1.9 top-1 on the shared CNNs,
-        see benchmarks/deployed.py). Nothing when the config already names it."""
+        weights are narrowed (coarser weight scales raise the rounding error, and its mean
+        per channel is what bias correction removes: +1.8 top-1 on MobileNet v1, see
+        benchmarks/deployed.py). Nothing when the config already names it."""
         if not self.narrows_weights() or any(a.get("name") == "bias_correction" for a in configured):
             return []
         return [{"name": "bias_correction", "op_types": ["Conv", "Gemm"]}]
@@ -98,7 +99,8 @@ def _explain(saturating: frozenset[tuple[str, str]]) -> str:
         return "int8 kernels accumulate exactly: 8-bit weights everywhere"
     kinds = sorted({k for _, k in saturating})
     return ("int8 " + "/".join(kinds) + " kernels saturate u8 x s8 pairs in int16: "
-            "7-bit weights for Conv/MatMul/Gemm on them (depthwise Conv keeps 8 bits)")
+            "pair-safe int8 weights for Conv/MatMul/Gemm on them (|w0 + w1| <= 128 per kernel "
+            "pair; depthwise Conv keeps full 8 bits)")
 
 
 STATIC_PROFILES: dict[Target, frozenset[tuple[str, str]]] = {
