@@ -95,6 +95,8 @@ def _convert_optional(value: Any, tp: Any, parent: str, name: str) -> Any:
     args = [a for a in get_args(tp) if a is not type(None)]
     if value is None and len(args) < len(get_args(tp)):
         return None
+    if len(args) == 2 and args[1] is str and isinstance(args[0], type) and issubclass(args[0], Enum):
+        return _convert_open_enum(value, args[0], parent, name)
     if len(args) != 1:
         raise TypeError(f"onnxq.config.io cannot convert union type {tp}")
     return _convert(value, args[0], parent, name)
@@ -145,6 +147,19 @@ def closest_name(word: str, choices: list[str], cutoff: float = 0.6) -> str | No
     lowered = {c.lower(): c for c in choices}
     match = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=cutoff)
     return lowered[match[0]] if match else None
+
+
+def _convert_open_enum(value: Any, tp: type[Enum], parent: str, name: str) -> Enum | str:
+    """`Enum | str`: a member when `value` names one, else the string itself (a name from
+    an open registry, checked by `validate` against that registry)."""
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, str):
+        raise _type_error(value, str, parent, name)
+    for member in tp:
+        if member.value.lower() == value.strip().lower():
+            return member
+    return value
 
 
 def _convert_enum(value: Any, tp: type[Enum], parent: str, name: str) -> Enum:

@@ -49,7 +49,8 @@ class QScheme(str, Enum):
 
 
 class CalibMethod(str, Enum):
-    """Names of the registered observers (`onnxq.calibrate.observers`)."""
+    """The built-in observers (`onnxq.calibrate.observers`). `calib_method` also takes the
+    name of any observer registered with `register_observer`, built in or not."""
 
     MINMAX = "minmax"
     PERCENTILE = "percentile"
@@ -125,7 +126,7 @@ class QuantizationSpec:
     qscheme: QScheme | None = None
     ch_axis: int | None = None
     group_size: int | None = None
-    calib_method: CalibMethod | None = None
+    calib_method: CalibMethod | str | None = None  # a built-in or registered observer
     percentile: float | None = None
     num_bins: int | None = None
     # Method-specific options, checked by the observer's own options dataclass.

@@ -242,7 +242,24 @@ def _bits_range(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] |
     return None
 
 
+def _calib_method_registered(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    method = v["calib_method"]
+    if method is None:
+        return None
+    from onnxq.calibrate.observers import OBSERVERS  # the registry is open: read it now
+    from onnxq.config.io import closest_name
+
+    if method in OBSERVERS:
+        return None
+    hint = closest_name(str(method), sorted(OBSERVERS), cutoff=0.8)
+    did_you_mean = f"did you mean '{hint}'? " if hint else ""
+    return (f"invalid calib_method {method!r}",
+            f"{did_you_mean}valid values: {', '.join(sorted(OBSERVERS))} "
+            "(or register an observer with onnxq.calibrate.observers.register_observer)")
+
+
 SPEC_RULES: tuple[Rule, ...] = (
+    _calib_method_registered,
     _int32_only_for_bias,
     _bias_dtype,
     _group_size_positive,
