@@ -27,6 +27,7 @@ import onnx_ir as ir
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import DType
 from onnxq.emit.weights import QuantizedTensor, quantize_weight
+from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 
@@ -86,11 +87,6 @@ def _float_reason(value: ir.Value | None, what: str) -> str | None:
     if value is not None and value.dtype not in (None, ir.DataType.FLOAT):
         return f"{what} is {value.dtype}, dynamic quantization needs float32"
     return None
-
-
-def _attr(node: ir.Node, name: str, default):
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
 
 
 def _input(node: ir.Node, index: int) -> ir.Value | None:
@@ -195,7 +191,7 @@ def _gemm_bias(c: np.ndarray | None, beta: float, n: int) -> np.ndarray | None:
 
 
 def _gemm(ctx: _Context, node: ir.Node, spec: ResolvedSpec) -> str | None:
-    if _attr(node, "transA", 0):
+    if layout.gemm_transposes(node)[0]:
         return "Gemm with transA=1 is not quantized dynamically"
     w = constant_array(_input(node, 1))
     if w is None:
@@ -206,9 +202,9 @@ def _gemm(ctx: _Context, node: ir.Node, spec: ResolvedSpec) -> str | None:
         return "bias C (input 2) is not a constant"
     if reason := _float_reason(node.inputs[1], "weight") or _float_reason(node.inputs[0], "input"):
         return reason
-    w = w.T if _attr(node, "transB", 0) else w
-    w = np.asarray(w, dtype=np.float64) * float(_attr(node, "alpha", 1.0))
-    bias = _gemm_bias(c, float(_attr(node, "beta", 1.0)), w.shape[1])
+    w = np.asarray(layout.matrix_kn(node, w), dtype=np.float64)
+    w = w * float(layout.attr(node, "alpha", 1.0))
+    bias = _gemm_bias(c, float(layout.attr(node, "beta", 1.0)), w.shape[1])
     _emit_matrix(ctx, node, w, bias, spec)
     return None
 
@@ -278,7 +274,7 @@ def _lstm(ctx: _Context, node: ir.Node, spec: ResolvedSpec) -> str | None:
         return "W or R is not a constant"
     if w.ndim != 3 or r.ndim != 3:
         return "W and R must have rank 3"
-    if _attr(node, "layout", 0):
+    if layout.attr(node, "layout", 0):
         return "LSTM layout=1 is not supported by DynamicQuantizeLSTM"
     if reason := _float_reason(node.inputs[1], "W") or _float_reason(node.inputs[0], "input"):
         return reason

@@ -20,6 +20,7 @@ from onnxq.config.spec import Config, DType, QScheme
 from onnxq.emit.gather_block_quantized import can_use_gather_block_quantized
 from onnxq.emit.matmul_nbits import can_use_matmul_nbits
 from onnxq.emit.rules import DYNAMIC_OPS, FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
+from onnxq.graph import layout
 from onnxq.graph.fold import constant_array
 from onnxq.qmath import FLOAT_TARGETS, qdq_opset
 from onnxq.target import TargetProfile
@@ -130,20 +131,7 @@ def _fusable_activation(value: ir.Value, config: Config) -> ir.Node | None:
 def _kernel_class(node: ir.Node, weight: np.ndarray) -> str:
     """The int8 kernel family onnxruntime runs for a weighted op: `depthwise` for a Conv
     with one input and one output channel per group, `gemm` for everything else."""
-    group = node.attributes.get_int("group", 1)
-    if node.op_type == "Conv" and group > 1 and weight.ndim > 1 and weight.shape[1] == 1 \
-            and weight.shape[0] == group:
-        return "depthwise"
-    return "gemm"
-
-
-def _k_axes(node: ir.Node, rule: OpRule, rank: int) -> tuple[int, ...] | None:
-    """The weight's reduction axes in the order the int8 GEMM walks K (None: unknown)."""
-    if node.op_type == "Conv":
-        return (*range(2, rank), 1)  # im2col is tap-major, input-channel-minor
-    if node.op_type in ("MatMul", "Gemm") and rule.weight_in_axis is not None:
-        return (rule.weight_in_axis(node, rank),)
-    return None
+    return "depthwise" if layout.is_depthwise(node, weight.shape) else "gemm"
 
 
 def _target_weight_spec(
@@ -450,7 +438,7 @@ class _Planner:
         if axis is not None:
             axis %= max(array.ndim, 1)
         spec = _target_weight_spec(self.target, cfg.weight, _kernel_class(node, array), cfg.input_tensors,
-                                   _k_axes(node, rule, array.ndim))
+                                   layout.k_axes(node, array.ndim))
         tensor = self.add_use(value, Kind.WEIGHT, spec, node, i, axis=axis)
         tensor.block_size = block
         return i

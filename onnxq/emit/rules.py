@@ -11,55 +11,12 @@ from enum import Enum
 
 import onnx_ir as ir
 
+from onnxq.graph.layout import weight_in_axis, weight_out_axis
+
 
 class OutputMode(Enum):
     OWN = "own"  # the output gets its own calibrated range
     SHARED = "shared"  # the output reuses the range of input 0 (data movement, max)
-
-
-def _attr_int(node: ir.Node, name: str, default: int) -> int:
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.as_int()
-
-
-def _conv_axis(node: ir.Node, rank: int) -> int:
-    return 0
-
-
-def _conv_transpose_axis(node: ir.Node, rank: int) -> int:
-    return 1
-
-
-def _gemm_axis(node: ir.Node, rank: int) -> int:
-    return 0 if _attr_int(node, "transB", 0) else 1
-
-
-def _matmul_axis(node: ir.Node, rank: int) -> int:
-    return rank - 1
-
-
-def _rows(node: ir.Node, rank: int) -> int:
-    return 0
-
-
-def _last(node: ir.Node, rank: int) -> int:
-    return rank - 1
-
-
-def _conv_in_axis(node: ir.Node, rank: int) -> int:
-    return 1
-
-
-def _conv_transpose_in_axis(node: ir.Node, rank: int) -> int:
-    return 0
-
-
-def _gemm_in_axis(node: ir.Node, rank: int) -> int:
-    return 1 - _gemm_axis(node, rank)
-
-
-def _matmul_in_axis(node: ir.Node, rank: int) -> int:
-    return max(rank - 2, 0)
 
 
 def _pads_with_zero_or_edges(node: ir.Node) -> bool:
@@ -81,6 +38,7 @@ class OpRule:
     weight_input / bias_input: indices of the weight and bias when they are constants.
     weight_axis: the output-channel axis of the weight, for per-channel quantization.
     weight_in_axis: the input-channel (reduction) axis, along which per-group blocks run.
+    Both come from `onnxq.graph.layout`, which knows every weighted op's geometry.
     output: OWN (calibrated) or SHARED (same parameters as input 0).
     """
 
@@ -103,15 +61,13 @@ class OpRule:
 _SHARED = OpRule(activation_inputs=(0,), output=OutputMode.SHARED)
 
 OP_RULES: dict[str, OpRule] = {
-    "Conv": OpRule(
-        (0,), OutputMode.OWN, 1, 2, weight_axis=_conv_axis, weight_in_axis=_conv_in_axis
+    "Conv": OpRule((0,), OutputMode.OWN, 1, 2, weight_out_axis, weight_in_axis),
+    "ConvTranspose": OpRule((0,), OutputMode.OWN, 1, 2, weight_out_axis, weight_in_axis),
+    "Gemm": OpRule(
+        (0, 1), OutputMode.OWN, 1, 2, weight_out_axis, weight_in_axis, float_output=True
     ),
-    "ConvTranspose": OpRule(
-        (0,), OutputMode.OWN, 1, 2, _conv_transpose_axis, _conv_transpose_in_axis
-    ),
-    "Gemm": OpRule((0, 1), OutputMode.OWN, 1, 2, _gemm_axis, _gemm_in_axis, float_output=True),
     "MatMul": OpRule(
-        (0, 1), OutputMode.OWN, 1, None, _matmul_axis, _matmul_in_axis, float_output=True
+        (0, 1), OutputMode.OWN, 1, None, weight_out_axis, weight_in_axis, float_output=True
     ),
     "Add": OpRule(None, OutputMode.OWN),
     "Mul": OpRule(None, OutputMode.OWN),
@@ -130,8 +86,8 @@ OP_RULES: dict[str, OpRule] = {
     "Split": _SHARED,
     # An embedding table: rows are its channels, blocks run along the embedding dimension.
     "Gather": OpRule(
-        (0,), OutputMode.SHARED, weight_input=0, weight_axis=_rows, weight_in_axis=_last,
-        quantize_constant_data=True,
+        (0,), OutputMode.SHARED, weight_input=0, weight_axis=weight_out_axis,
+        weight_in_axis=weight_in_axis, quantize_constant_data=True,
     ),
     "Pad": OpRule((0,), OutputMode.SHARED, applies=_pads_with_zero_or_edges),
     "Identity": _SHARED,

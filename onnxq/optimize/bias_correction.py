@@ -32,6 +32,7 @@ from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import QuantizationSpec
 from onnxq.emit.params import biases_by_weight, emitted_weight
 from onnxq.emit.plan import Kind, QuantPlan, TensorPlan
+from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor, set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.optimize import PassContext, register_algorithm
@@ -63,11 +64,6 @@ class Layer:
     bias_node: ir.Node  # the node holding the bias: the layer itself or a MatMul's Add
     bias_index: int
     channel_axis: int  # channel axis of the input
-
-
-def _attr(node: ir.Node, name: str, default: Any) -> Any:
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
 
 
 def _bias_add(node: ir.Node, channels: int) -> tuple[ir.Node, int] | None:
@@ -107,14 +103,14 @@ def find_layers(graph: ir.Graph, plan: QuantPlan, opts: BiasCorrectionOptions) -
             skipped.append(f"{node.name} (shared or batched weight)")
             continue
         if node.op_type == "MatMul":
-            found = _bias_add(node, w.shape[1])
+            found = _bias_add(node, layout.out_channels(node, w.shape))
             if found is None:
                 skipped.append(f"{node.name} (MatMul without a bias Add)")
                 continue
-            bias_node, index, axis = found[0], found[1], -1
+            bias_node, index = found
         else:
             bias_node, index = node, 2
-            axis = 0 if node.op_type == "Gemm" and _attr(node, "transA", 0) else 1
+        axis = layout.act_channel_axis(node, w.ndim)
         bias = bias_node.inputs[index] if index < len(bias_node.inputs) else None
         if bias is None and not opts.add_bias:
             skipped.append(f"{node.name} (no bias)")
@@ -204,15 +200,8 @@ def output_error(layer: Layer, eps: np.ndarray, mean: InputMean) -> np.ndarray:
                 return _conv_output_mean(node, image, eps)
             except Exception:  # a Conv onnxruntime cannot run: fall back to channel means
                 pass
-        g = int(_attr(node, "group", 1))
-        summed = eps.reshape(eps.shape[0], eps.shape[1], -1).sum(axis=2)  # [out, in/group]
-        ex = mean.channel_mean(1).reshape(g, -1)
-        return np.einsum("goi,gi->go", summed.reshape(g, -1, eps.shape[1]), ex).reshape(-1)
-    ex = mean.channel_mean(layer.channel_axis)
-    if node.op_type == "MatMul":
-        return ex @ eps
-    err = eps @ ex if _attr(node, "transB", 0) else ex @ eps
-    return float(_attr(node, "alpha", 1.0)) * err
+    err = layout.apply_to_input(node, eps, mean.channel_mean(layer.channel_axis))
+    return float(layout.attr(node, "alpha", 1.0)) * err if node.op_type == "Gemm" else err
 
 
 class _Emission:
@@ -256,18 +245,12 @@ def _new_bias_plan(plan: QuantPlan, layer: Layer, spec: ResolvedSpec | None) -> 
     return TensorPlan("", Kind.BIAS, spec, bias_inputs=(act.name, weight.name), consumers=[(layer.node.name, 2)])
 
 
-def _out_channels(node: ir.Node, w: np.ndarray) -> int:
-    if node.op_type == "MatMul" or (node.op_type == "Gemm" and not _attr(node, "transB", 0)):
-        return w.shape[1]
-    return w.shape[0]
-
-
 def correct(model: ir.Model, plan: QuantPlan, layer: Layer, mean: InputMean, emission: _Emission,
             bias_spec: ResolvedSpec | None) -> bool:
     """Subtract the layer's expected output error from its bias; False if nothing changed."""
     node = layer.node
     w = constant_array(node.inputs[1])
-    channels = _out_channels(node, w)
+    channels = layout.out_channels(node, w.shape)
     inputs = layer.bias_node.inputs
     bias_value = inputs[layer.bias_index] if layer.bias_index < len(inputs) else None
     old = constant_array(bias_value) if bias_value is not None else None
@@ -276,7 +259,7 @@ def correct(model: ir.Model, plan: QuantPlan, layer: Layer, mean: InputMean, emi
         bias_plan = _new_bias_plan(plan, layer, bias_spec)
     else:
         base = np.broadcast_to(old.astype(np.float64).reshape(-1), (channels,)).copy()
-        beta = float(_attr(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
+        beta = float(layout.attr(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
         bias_plan = emission.bias_of.get(layer.weight.name)
     bias = base
     for _ in range(3):  # the weight scale floor depends on the bias: let it settle

@@ -33,6 +33,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.errors import ConfigError
+from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.optimize import PassContext, register_pass
@@ -93,11 +94,6 @@ class Pair:
         return min(maxes) if maxes else None
 
 
-def _attr(node: ir.Node, name: str, default: Any) -> Any:
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
-
-
 def _clip_bounds(node: ir.Node) -> tuple[float | None, float | None] | None:
     """(min, max) of a Clip with constant bounds (None: unbounded); None if not constant."""
     bounds = []
@@ -125,7 +121,7 @@ def _joins(node: ir.Node) -> bool:
     if node.op_type == "Flatten":  # only when each channel stays one column
         shape = node.inputs[0].shape
         spatial = shape is not None and all(d == 1 for d in list(shape)[2:])
-        return _attr(node, "axis", 1) == 1 and spatial
+        return layout.attr(node, "axis", 1) == 1 and spatial
     if node.op_type == "Dropout":
         return len(node.inputs) < 3 or node.inputs[2] is None
     return node.op_type in PASS_THROUGH
@@ -139,18 +135,8 @@ def _is_layer(node: ir.Node) -> bool:
     if w is None or w.dtype.kind != "f" or (bias is not None and constant_array(bias) is None):
         return False
     if node.op_type == "Gemm":
-        return w.ndim == 2 and not _attr(node, "transA", 0)
+        return w.ndim == 2 and not layout.gemm_transposes(node)[0]
     return w.ndim >= 3
-
-
-def _out_channels(node: ir.Node, w: np.ndarray) -> int:
-    return w.shape[0] if node.op_type == "Conv" or _attr(node, "transB", 0) else w.shape[1]
-
-
-def _in_channels(node: ir.Node, w: np.ndarray) -> int:
-    if node.op_type == "Conv":
-        return w.shape[1] * int(_attr(node, "group", 1))
-    return w.shape[1] if _attr(node, "transB", 0) else w.shape[0]
 
 
 def find_pairs(graph: ir.Graph, skip: set[str]) -> list[Pair]:
@@ -167,7 +153,7 @@ def find_pairs(graph: ir.Graph, skip: set[str]) -> list[Pair]:
                 break
             if _is_layer(node) and node.name not in skip:
                 w1, w2 = constant_array(first.inputs[1]), constant_array(node.inputs[1])
-                if _out_channels(first, w1) == _in_channels(node, w2):
+                if layout.out_channels(first, w1.shape) == layout.in_channels(node, w2.shape):
                     pairs.append(Pair(first, node, between))
                 break
             if not _joins(node):
@@ -177,49 +163,29 @@ def find_pairs(graph: ir.Graph, skip: set[str]) -> list[Pair]:
     return pairs
 
 
-# -- weight layouts --------------------------------------------------------------------
-
-
-def _grouped(node: ir.Node, w: np.ndarray) -> np.ndarray:
-    """Conv weight viewed as [group, out/group, in/group, *kernel]."""
-    g = int(_attr(node, "group", 1))
-    return w.reshape((g, w.shape[0] // g) + w.shape[1:])
+# -- weight ranges and scaling (geometry: onnxq.graph.layout) ----------------------------
 
 
 def out_ranges(node: ir.Node, w: np.ndarray) -> np.ndarray:
     """max |w| per output channel."""
-    axis = 0 if node.op_type == "Conv" or _attr(node, "transB", 0) else 1
-    return np.abs(w).max(axis=tuple(i for i in range(w.ndim) if i != axis))
+    return layout.out_channel_absmax(node, w)
 
 
 def in_ranges(node: ir.Node, w: np.ndarray) -> np.ndarray:
     """max |w| per input channel (for grouped convs: channel g*in_per_group + j)."""
-    if node.op_type == "Conv":
-        wg = np.abs(_grouped(node, w))
-        return wg.max(axis=(1,) + tuple(range(3, wg.ndim))).reshape(-1)
-    return np.abs(w).max(axis=0 if _attr(node, "transB", 0) else 1)
+    return layout.in_channel_absmax(node, w)
 
 
 def scale_out(node: ir.Node, w: np.ndarray, b: np.ndarray | None, factor: np.ndarray) -> None:
     """Multiply output channel i of the layer (weight and bias) by factor[i], in place."""
-    if node.op_type == "Conv" or _attr(node, "transB", 0):
-        w *= factor.reshape((-1,) + (1,) * (w.ndim - 1))
-    else:
-        w *= factor[None, :]
+    w *= layout.out_channel_factor(node, w.shape, factor)
     if b is not None:
         b *= factor
 
 
 def scale_in(node: ir.Node, w: np.ndarray, factor: np.ndarray) -> None:
     """Multiply input channel i of the layer by factor[i], in place."""
-    if node.op_type == "Conv":
-        wg = _grouped(node, w)
-        g, per_group = wg.shape[0], wg.shape[2]
-        wg *= factor.reshape((g, 1, per_group) + (1,) * (wg.ndim - 3))
-    elif _attr(node, "transB", 0):
-        w *= factor[None, :]
-    else:
-        w *= factor[:, None]
+    w *= layout.in_channel_factor(node, w.shape, factor)
 
 
 def equalization_scales(r1: np.ndarray, r2: np.ndarray) -> np.ndarray:
@@ -270,7 +236,8 @@ def _bias_ok(node: ir.Node) -> bool:
     """A bias the output channels can be scaled in: absent, scalar or one per channel."""
     bias = node.inputs[2] if len(node.inputs) > 2 else None
     b = constant_array(bias) if bias is not None else None
-    return b is None or b.size in (1, _out_channels(node, constant_array(node.inputs[1])))
+    w = constant_array(node.inputs[1])
+    return b is None or b.size in (1, layout.out_channels(node, w.shape))
 
 
 def equalize(pairs: list[Pair], params: _Params, steps: int) -> tuple[int, float]:
@@ -310,8 +277,8 @@ def _absorbable(pair: Pair) -> bool:
     second = pair.second
     if second.op_type == "Gemm":
         return True
-    pads = _attr(second, "pads", None)
-    auto_pad = _attr(second, "auto_pad", "NOTSET")
+    pads = layout.attr(second, "pads", None)
+    auto_pad = layout.attr(second, "auto_pad", "NOTSET")
     return (pads is None or not any(pads)) and auto_pad in ("NOTSET", "VALID")
 
 
@@ -334,21 +301,11 @@ def absorb_high_biases(model: ir.Model, pairs: list[Pair], params: _Params, ctx:
             continue
         c = np.maximum(lows[name], 0.0)
         w2 = params.w[pair.second.name]
-        channels = _out_channels(pair.second, w2)
+        channels = layout.out_channels(pair.second, w2.shape)
         params.bias(pair.first, c.size)[:] -= c
-        params.bias(pair.second, channels)[:] += _apply_in(pair.second, w2, c)
+        params.bias(pair.second, channels)[:] += layout.apply_to_input(pair.second, w2, c)
         absorbed += int(np.count_nonzero(c))
     return f"{absorbed} high-bias channels absorbed in {len(pairs)} pairs"
-
-
-def _apply_in(node: ir.Node, w: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """The layer's output (without bias) for a constant input c per channel."""
-    if node.op_type == "Conv":
-        wg = _grouped(node, w)
-        g, per_group = wg.shape[0], wg.shape[2]
-        summed = wg.reshape(wg.shape[:3] + (-1,)).sum(axis=3)  # [g, out/g, in/g]
-        return np.einsum("goi,gi->go", summed, c.reshape(g, per_group)).reshape(-1)
-    return w @ c if _attr(node, "transB", 0) else c @ w
 
 
 def bound_clipped_scales(model: ir.Model, pairs: list[Pair], ctx: PassContext) -> int:

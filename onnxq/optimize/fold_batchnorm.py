@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.optimize import PassContext, register_pass
@@ -21,33 +22,20 @@ from onnxq.optimize import PassContext, register_pass
 FOLDABLE = {"Conv", "ConvTranspose", "Gemm"}
 
 
-def _attr(node: ir.Node, name: str, default: Any) -> Any:
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
-
-
 def _bn_scale_shift(bn: ir.Node) -> tuple[np.ndarray, np.ndarray] | None:
     params = [constant_array(v) for v in bn.inputs[1:5]]
     if any(p is None for p in params):
         return None
     gamma, beta, mean, var = (p.astype(np.float64) for p in params)
-    scale = gamma / np.sqrt(var + float(_attr(bn, "epsilon", 1e-5)))
+    scale = gamma / np.sqrt(var + float(layout.attr(bn, "epsilon", 1e-5)))
     return scale, beta - mean * scale
 
 
 def _scaled_weight(node: ir.Node, w: np.ndarray, scale: np.ndarray) -> np.ndarray | None:
     """The weight with output channel c multiplied by scale[c], or None if not foldable."""
-    if node.op_type == "Conv":
-        return w * scale.reshape((-1,) + (1,) * (w.ndim - 1))
-    if node.op_type == "ConvTranspose":
-        group = int(_attr(node, "group", 1))
-        per_group = w.shape[1]
-        grouped = w.reshape((group, w.shape[0] // group, per_group) + w.shape[2:])
-        s = scale.reshape((group, 1, per_group) + (1,) * (w.ndim - 2))
-        return (grouped * s).reshape(w.shape)
-    if _attr(node, "beta", 1.0) != 1.0 or w.ndim != 2:  # Gemm
+    if node.op_type == "Gemm" and (layout.attr(node, "beta", 1.0) != 1.0 or w.ndim != 2):
         return None
-    return w * (scale[:, None] if _attr(node, "transB", 0) else scale[None, :])
+    return w * layout.out_channel_factor(node, w.shape, scale)
 
 
 def _fold(graph: ir.Graph, node: ir.Node, bn: ir.Node) -> bool:

@@ -27,6 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.errors import ConfigError
+from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor, set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.optimize import PassContext, register_pass
@@ -74,11 +75,6 @@ def _parse(options: Mapping[str, Any]) -> SmoothQuantOptions:
     return parse_options(SmoothQuantOptions, options, "smoothquant")
 
 
-def _attr(node: ir.Node, name: str, default: Any) -> Any:
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
-
-
 @dataclass
 class Consumer:
     """A layer reading the activation: its weight and which weight axis is the input channel."""
@@ -96,12 +92,12 @@ def _consumer(node: ir.Node, op_types: tuple[str, ...], skip: tuple[str, ...]) -
     w = constant_array(node.inputs[1])
     if w is None or w.dtype.kind != "f":
         return None
-    if node.op_type == "MatMul":
-        return Consumer(node, 0, -1) if w.ndim == 2 else None
-    if node.op_type == "Gemm":
-        return Consumer(node, 1 if _attr(node, "transB", 0) else 0, -2 if _attr(node, "transA", 0) else -1)
-    rank = w.ndim  # Conv: input rank equals weight rank
-    return Consumer(node, 1, 1 - rank) if int(_attr(node, "group", 1)) == 1 else None
+    if node.op_type == "MatMul" and w.ndim != 2:
+        return None
+    if node.op_type == "Conv" and layout.groups(node) != 1:
+        return None
+    rank = w.ndim
+    return Consumer(node, layout.weight_in_axis(node, rank), layout.act_channel_axis(node, rank))
 
 
 def find_groups(graph: ir.Graph, opts: SmoothQuantOptions) -> dict[str, list[Consumer]]:
@@ -173,9 +169,10 @@ def fold_edits(value: ir.Value, factor: np.ndarray, axis: int) -> list[Edit] | N
         bias = node.inputs[2] if len(node.inputs) > 2 else None
         if w is None or axis != 1 - w.ndim or (bias is not None and constant_array(bias) is None):
             return None
-        return [(node, 1, _along(factor, -w.ndim))] + ([(node, 2, factor)] if bias is not None else [])
+        return [(node, 1, layout.out_channel_factor(node, w.shape, factor))] + \
+            ([(node, 2, factor)] if bias is not None else [])
     if op == "LayerNormalization":
-        if axis != -1 or _attr(node, "axis", -1) != -1 or constant_array(node.inputs[1]) is None:
+        if axis != -1 or layout.attr(node, "axis", -1) != -1 or constant_array(node.inputs[1]) is None:
             return None
         bias = node.inputs[2] if len(node.inputs) > 2 else None
         if bias is not None and constant_array(bias) is None:
@@ -185,10 +182,8 @@ def fold_edits(value: ir.Value, factor: np.ndarray, axis: int) -> list[Edit] | N
         w = constant_array(node.inputs[1]) if len(node.inputs) > 1 else None
         if w is None or w.ndim != 2 or axis != -1 or constant_array(node.inputs[0]) is not None:
             return None
-        if op == "MatMul":
-            return [(node, 1, factor[None, :])]
-        edits = [(node, 1, factor[:, None] if _attr(node, "transB", 0) else factor[None, :])]
-        if len(node.inputs) > 2 and node.inputs[2] is not None:
+        edits = [(node, 1, layout.out_channel_factor(node, w.shape, factor))]
+        if op == "Gemm" and len(node.inputs) > 2 and node.inputs[2] is not None:
             if constant_array(node.inputs[2]) is None:
                 return None
             edits.append((node, 2, factor))
