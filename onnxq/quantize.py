@@ -28,7 +28,7 @@ from onnxq.config.presets import PRESETS
 from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads
-from onnxq.emit.plan import QuantPlan, plan_quantization
+from onnxq.emit.plan import Kind, QuantPlan, plan_quantization
 from onnxq.errors import ConfigError
 from onnxq.graph.load import load_model
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
@@ -127,7 +127,9 @@ def _algorithms(
     """The configured algorithms plus those the target adds for a static plan (bias
     correction where it narrows weights), when the data can be read again."""
     algorithms = list(config.algo_config)
-    added = target.algorithms(algorithms) if config.target_algorithms and plan.calibrated_tensors() else []
+    narrowed = any(t.spec.bits is not None or t.spec.pairs is not None
+                   for t in plan.tensors.values() if t.kind is Kind.WEIGHT)
+    added = target.algorithms(algorithms) if config.target_algorithms and narrowed and plan.calibrated_tensors() else []
     if added and (data.source is None or not data.replayable):
         summary.notes.append(f"target {target.name} would add bias correction for its narrowed weights, "
                              "but the calibration data can be read only once: pass a path, a dict "

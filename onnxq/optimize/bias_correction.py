@@ -37,7 +37,7 @@ from onnxq.graph.edit import GraphEditor, set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.optimize import PassContext, register_algorithm
 from onnxq.optimize.options import parse_options
-from onnxq.qmath import dequantize, is_integer
+from onnxq.qmath import dequantize, is_float8, is_integer
 
 OP_TYPES = ("Conv", "Gemm", "MatMul")
 
@@ -95,8 +95,8 @@ def find_layers(graph: ir.Graph, plan: QuantPlan, opts: BiasCorrectionOptions) -
         tensor = plan.tensors.get(weight.name) if weight is not None else None
         if tensor is None or tensor.kind is not Kind.WEIGHT:
             continue
-        if not is_integer(tensor.spec.dtype):
-            skipped.append(f"{node.name} (non-integer weight type)")
+        if not (is_integer(tensor.spec.dtype) or is_float8(tensor.spec.dtype)):
+            skipped.append(f"{node.name} (weight type {tensor.spec.dtype} has no rounding to correct)")
             continue
         w = constant_array(weight)
         if _shared(weight) or (node.op_type == "MatMul" and w.ndim != 2):
