@@ -135,8 +135,9 @@ def check_deployed(float_out: np.ndarray, quant: Any, feeds: Any, floor: float,
     within KERNEL_MARGIN_DB of it. Returns (reference dB, deployed dB).
 
     Floors are what the reference gives on the machine that set them minus about 2 dB;
-    they hold for the weights `target: auto` picks on any CPU (7-bit where the int8
-    kernels saturate, 8-bit where they are exact, which only raises the SQNR)."""
+    they hold for the weights `target: auto` picks on any CPU (floors set with 7-bit
+    weights where the int8 kernels saturate; the pair-safe weights used there now are never
+    coarser, and 8-bit where kernels are exact only raises the SQNR)."""
     ref_db = sqnr_db(float_out, reference_run(quant, feeds, output))
     dep_db = sqnr_db(float_out, run(quant, feeds, output))
     assert ref_db >= floor, f"reference arithmetic {ref_db:.1f} dB < {floor} dB"

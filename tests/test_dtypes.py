@@ -60,7 +60,7 @@ def test_numpy_qdq_matches_onnxruntime(dtype, symmetric):
 
 # Preset -> (SQNR floor in dB on the residual CNN, stored dtype that must appear).
 # Floors: the reference arithmetic measured on x86 AVX2 without VNNI minus about 2 dB, with
-# target auto there (7-bit int8 weights for Conv/Gemm, bias correction) and with 8-bit
+# target auto there (7-bit int8 weights for Conv/Gemm then; pair-safe, never coarser, now; bias correction) and with 8-bit
 # weights (target x86-vnni, what auto gives on CPUs whose int8 kernels are exact), the
 # lower of the two. Measured auto / 8-bit: U8S8 30.5 / 31.7, S8S8 28.7 / 29.7, 16-bit
 # activations 38.9 / 37.5 (the target's bias correction), XINT8 25.5 / 28.2, W8_DYNAMIC

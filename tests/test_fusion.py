@@ -56,8 +56,8 @@ EXPECTED: dict[str, dict[tuple[str, str], int]] = {
 # Ops deliberately left float: the temperature Mul only feeds the float Softmax.
 EXPECTED_FLOAT = {"softmax_head": {"Mul"}}
 # Reference arithmetic against float with target auto, measured on x86 AVX2 without VNNI
-# (7-bit Conv/Gemm/MatMul weights, bias correction): 27.5 dB (matmul) to 42.0 dB (pooling),
-# 29.5-34.0 for the others. The floor is the lowest minus 2 dB; 8-bit weights only raise it.
+# (7-bit Conv/Gemm/MatMul weights then, pair-safe and never coarser now; bias correction):
+# 27.5 dB (matmul) to 42.0 dB (pooling), 29.5-34.0 for the others. The floor is the lowest minus 2 dB; 8-bit weights only raise it.
 FUSED_MIN_SQNR_DB = 25.5
 FLOAT_COMPUTE = {"Conv", "Gemm", "MatMul", "Add", "Concat", "Mul", "AveragePool",
                  "GlobalAveragePool", "Relu", "BatchNormalization"}

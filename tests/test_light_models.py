@@ -55,7 +55,7 @@ MODELS = ["bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "resnet
 BIG = {"bvlc_alexnet", "vgg19", "zfnet512"}  # 240-575 MB of float weights: 1 calibration sample, 2 eval
 
 # Logits SQNR floor per model, dB, of the reference arithmetic (seeds below are fixed).
-# Measured on x86 AVX2 without VNNI with target auto (7-bit Conv/Gemm weights there, plus
+# Measured on x86 AVX2 without VNNI with target auto (7-bit Conv/Gemm weights then, pair-safe and never coarser now, plus
 # the bias correction the target adds) and with 8-bit weights (target x86-vnni: what auto
 # gives on CPUs whose int8 kernels are exact, without bias correction); the floor is the
 # lower of the two minus about 2 dB.
