@@ -184,3 +184,11 @@ def test_shared_weight_is_not_rewritten_in_place():
     for i in range(2):
         ref, got = run(model, feeds, output=i), run(folded, feeds, output=i)
         assert np.max(np.abs(ref - got)) / np.max(np.abs(ref)) < 1e-4
+
+
+def test_misspelled_option_is_a_config_error_naming_the_option():
+    from onnxq.errors import ConfigError
+
+    model = conv_bn(bias=True)
+    with pytest.raises(ConfigError, match="unknown option 'skip_fusion_layer'; did you mean 'skip_fusion_layers'"):
+        fold(model, skip_fusion_layer=["bn"])

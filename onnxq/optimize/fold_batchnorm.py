@@ -9,6 +9,7 @@ weight tensor instead of a weight plus a float affine op it cannot quantize.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,20 @@ from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.optimize import PassContext, register_pass
+from onnxq.optimize.options import parse_options
 
 FOLDABLE = {"Conv", "ConvTranspose", "Gemm"}
+
+
+@dataclass(frozen=True)
+class FoldBatchNormOptions:
+    """Options of the `fold_batchnorm` pass.
+
+    skip_fusion_layers: names of BatchNormalization nodes, or of their producers, to leave
+      unfolded.
+    """
+
+    skip_fusion_layers: tuple[str, ...] = ()
 
 
 def _bn_scale_shift(bn: ir.Node) -> tuple[np.ndarray, np.ndarray] | None:
@@ -67,9 +80,9 @@ def _fold(graph: ir.Graph, node: ir.Node, bn: ir.Node) -> bool:
 def fold_batchnorm(model: ir.Model, options: Mapping[str, Any], ctx: PassContext) -> str:
     """Fold every BN that alone consumes a Conv/ConvTranspose/Gemm output.
 
-    Options: `skip_fusion_layers` (node names of BNs or producers to leave alone).
+    Options: `FoldBatchNormOptions` (a misspelled option is an error naming the nearest).
     """
-    skip = set(options.get("skip_fusion_layers", ()))
+    skip = set(parse_options(FoldBatchNormOptions, options, "fold_batchnorm").skip_fusion_layers)
     graph = model.graph
     folded, kept = 0, []
     for bn in [n for n in graph if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]:
