@@ -31,78 +31,68 @@ def _key_values(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Translate quantize flags into a dict of the config-file shape."""
-    activation: dict[str, Any] = {}
-    weight: dict[str, Any] = {}
-    if args.calib_method:
-        activation["calib_method"] = args.calib_method
-    if args.percentile is not None:
-        activation["percentile"] = args.percentile
-    if args.num_bins is not None:
-        activation["num_bins"] = args.num_bins
+# Flag -> where its value goes in the config-file shape. "act" stands for both
+# input_tensors and output_tensors; a flag set to None (not given) is skipped.
+FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("calib_method", ("act", "calib_method")),
+    ("percentile", ("act", "percentile")),
+    ("num_bins", ("act", "num_bins")),
+    ("activation_type", ("act", "dtype")),
+    ("scale_type", ("act", "scale_type")),
+    ("weight_type", ("weight", "dtype")),
+    ("weight_bits", ("weight", "bits")),
+    ("scale_type", ("weight", "scale_type")),
+    ("exclude", ("exclude",)),
+    ("qdq_domain", ("qdq_domain",)),
+    ("target", ("target",)),
+    ("reduce_range", ("reduce_range",)),
+    ("target_algorithms", ("target_algorithms",)),
+    ("max_samples", ("calibration", "max_samples")),
+    ("batch_size", ("calibration", "batch_size")),
+    ("providers", ("calibration", "providers")),
+    ("max_calib_memory", ("calibration", "max_memory_mb")),
+    ("save_ranges", ("calibration", "save_ranges")),
+    ("load_ranges", ("calibration", "load_ranges")),
+)
+
+
+def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
+    """(config path, value) of every flag given, including the derived ones."""
+    values = [(path, getattr(args, flag)) for flag, path in FLAG_PATHS if getattr(args, flag) is not None]
     if args.calib_option:
-        activation["calib_options"] = _key_values(args.calib_option)
-    if args.activation_type:
-        activation["dtype"] = args.activation_type
-    if args.weight_type:
-        weight["dtype"] = args.weight_type
-    if args.weight_bits is not None:
-        weight["bits"] = args.weight_bits
-    if args.per_tensor:
-        weight["qscheme"] = "per_tensor"
-    if args.per_channel:
-        weight["qscheme"] = "per_channel"
-    if args.per_group is not None:
-        weight["qscheme"] = "per_group"
-        weight["group_size"] = args.per_group
-    if args.scale_type:
-        activation["scale_type"] = args.scale_type
-        weight["scale_type"] = args.scale_type
+        values.append((("act", "calib_options"), _key_values(args.calib_option)))
     if args.dynamic:
-        activation["is_dynamic"] = True
-    out: dict[str, Any] = {}
-    global_cfg: dict[str, Any] = {}
-    if activation:
-        global_cfg["input_tensors"] = dict(activation)
-        global_cfg["output_tensors"] = dict(activation)
-    if weight:
-        global_cfg["weight"] = weight
-    if global_cfg:
-        out["global_quant_config"] = global_cfg
-    if args.exclude:
-        out["exclude"] = list(args.exclude)
-    if args.qdq_domain:
-        out["qdq_domain"] = args.qdq_domain
-    if args.target:
-        out["target"] = args.target
-    if args.reduce_range is not None:
-        out["reduce_range"] = args.reduce_range
-    if args.target_algorithms is not None:
-        out["target_algorithms"] = args.target_algorithms
+        values.append((("act", "is_dynamic"), True))
+    for flag, scheme in (("per_tensor", "per_tensor"), ("per_channel", "per_channel")):
+        if getattr(args, flag):
+            values.append((("weight", "qscheme"), scheme))
+    if args.per_group is not None:
+        values += [(("weight", "qscheme"), "per_group"), (("weight", "group_size"), args.per_group)]
     if args.matmul_nbits:
-        out["matmul_nbits"] = True
+        values.append((("matmul_nbits",), True))
     passes = [{"name": "cle"}] if args.cle else []
     if args.smoothquant is not None:
         passes.append({"name": "smoothquant", "alpha": args.smoothquant})
     if passes:
-        out["pre_quant_opt_config"] = passes
+        values.append((("pre_quant_opt_config",), passes))
     if args.bias_correction:
-        out["algo_config"] = [{"name": "bias_correction"}]
-    calibration = {
-        k: v
-        for k, v in (
-            ("max_samples", args.max_samples),
-            ("batch_size", args.batch_size),
-            ("providers", args.providers),
-            ("max_memory_mb", args.max_calib_memory),
-            ("save_ranges", args.save_ranges),
-            ("load_ranges", args.load_ranges),
-        )
-        if v is not None
-    }
-    if calibration:
-        out["calibration"] = calibration
+        values.append((("algo_config",), [{"name": "bias_correction"}]))
+    return values
+
+
+def _spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Translate quantize flags into a dict of the config-file shape (`FLAG_PATHS`)."""
+    out: dict[str, Any] = {}
+    for path, value in _flag_values(args):
+        if path[0] in ("act", "weight"):
+            targets = ("input_tensors", "output_tensors") if path[0] == "act" else ("weight",)
+            for tensor_class in targets:
+                spec = out.setdefault("global_quant_config", {}).setdefault(tensor_class, {})
+                spec[path[1]] = value
+        elif len(path) == 2:
+            out.setdefault(path[0], {})[path[1]] = value
+        else:
+            out[path[0]] = list(value) if isinstance(value, tuple) else value
     return out
 
 
