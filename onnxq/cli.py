@@ -119,9 +119,9 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from onnxq.emit.plan import plan_quantization
     from onnxq.graph.load import load_model
     from onnxq.optimize import PassContext, run_passes
+    from onnxq.plan import plan_quantization
 
     model, report = load_model(args.model)
     graph = model.graph

@@ -28,12 +28,12 @@ from onnxq.config.presets import PRESETS
 from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads
-from onnxq.emit.plan import Kind, QuantPlan, plan_quantization
 from onnxq.errors import ConfigError
 from onnxq.graph.load import load_model
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
+from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
 from onnxq.optimize import PassContext, check_config_entries, run_algorithms, run_passes
-from onnxq.qmath import FLOAT_TARGETS, qdq_opset
+from onnxq.plan import Kind, QuantPlan, plan_quantization
 from onnxq.report import Summary
 from onnxq.target import TargetProfile, resolve_target
 

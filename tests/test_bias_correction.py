@@ -12,8 +12,8 @@ import onnxq
 import onnxq.optimize.bias_correction  # noqa: F401  (registers the algorithm)
 from onnxq.config import QScheme
 from onnxq.errors import ConfigError
+from onnxq.numerics.qmath import dequantize
 from onnxq.optimize.bias_correction import InputMean, Layer, output_error
-from onnxq.qmath import dequantize
 
 
 def build(nodes: list, inits: dict[str, np.ndarray], x_shape: list) -> onnx.ModelProto:

@@ -15,8 +15,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxq
-from onnxq import qmath
 from onnxq.config.spec import DType
+from onnxq.numerics import qmath
 from tests.helpers import check_deployed, gemm, random_feeds, reference_run, residual, run, sqnr_db
 
 ONNX_TYPES = {

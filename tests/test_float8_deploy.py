@@ -22,8 +22,8 @@ from onnx import TensorProto, numpy_helper
 
 import onnxq
 import onnxq.emit
-from onnxq import qmath
 from onnxq.emit.float8 import DATA_MOVEMENT, Float8Report, make_float8_deployable
+from onnxq.numerics import qmath
 from tests import helpers as H
 
 FLOAT8 = ("float8_e4m3fn", "float8_e5m2")

@@ -1,6 +1,6 @@
 """Symmetric int4/uint4 weights use the whole range [-8, 7], and 4-bit block weights can get
 a per-block clipping-scale search, weighted by activation importance when given
-(onnxq.emit.weights).
+(onnxq.numerics.weights).
 
 References here are written independently of the emitter: `ort_rtn` is onnxruntime's
 blockwise symmetric quantizer (matmul_nbits_quantizer.quant_slice_symmetric: scale =
@@ -20,11 +20,11 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxq
 from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import QuantizationSpec
-from onnxq.emit import weights
 from onnxq.emit.matmul_nbits import emit_matmul_nbits, quantize_blockwise, unpack_bits
-from onnxq.emit.weights import CLIP_GRID, quantize_blocks, quantize_weight
 from onnxq.graph.load import load_model
-from onnxq.qmath import compute_qparams, dequantize, quantize
+from onnxq.numerics import weights
+from onnxq.numerics.qmath import compute_qparams, dequantize, quantize
+from onnxq.numerics.weights import CLIP_GRID, quantize_blocks, quantize_weight
 
 # Rounding noise power scales with the step squared: 8 steps instead of 7 for the same
 # extreme gain 20*log10(8/7) = 1.16 dB, less a little clipping of the other side (which

@@ -14,8 +14,8 @@ import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
-from onnxq.emit.rules import OP_RULES
 from onnxq.graph import layout
+from onnxq.plan.rules import OP_RULES
 
 
 def node(op_type: str, **attrs) -> ir.Node:

@@ -19,7 +19,7 @@ from onnxq.cli import main
 from onnxq.config import config_from_dict, get_preset
 from onnxq.config.compose import compose_config
 from onnxq.errors import ConfigError
-from onnxq.qmath import compute_qparams
+from onnxq.numerics.qmath import compute_qparams
 
 
 class HalfMaxObserver(Observer):

@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from onnxq import qmath
 from onnxq.calibrate.observers import (
     OBSERVERS,
     Observer,
@@ -22,6 +21,7 @@ from onnxq.calibrate.observers.ifmr import IfmrOptions
 from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import CalibMethod, DType, QuantizationSpec, ScaleType
 from onnxq.errors import ConfigError
+from onnxq.numerics import qmath
 
 METHODS = [m.value for m in CalibMethod]
 N = 40_000

@@ -11,10 +11,10 @@ import pytest
 from helpers import run
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxq import qmath
 from onnxq.config.resolve import merge_specs
 from onnxq.config.spec import DType, QScheme, QuantizationSpec, RoundMethod, ScaleType
-from onnxq.emit.weights import channel_range, quantize_bias, quantize_weight
+from onnxq.numerics import qmath
+from onnxq.numerics.weights import channel_range, quantize_bias, quantize_weight
 
 
 def weight_spec(**fields):

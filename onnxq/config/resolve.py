@@ -86,7 +86,7 @@ def merge_specs(
 
 def _dtype_from_bits(exponent_bits: int | None, mantissa_bits: int | None) -> DType:
     """The standard float type a Brevitas-style (exponent, mantissa) description names."""
-    from onnxq.qmath import FLOAT_BY_BITS
+    from onnxq.numerics.qmath import FLOAT_BY_BITS
 
     match = FLOAT_BY_BITS.get((exponent_bits, mantissa_bits))
     if match is None:

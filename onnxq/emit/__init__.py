@@ -17,9 +17,9 @@ from onnxq.emit.float8 import make_float8_deployable
 from onnxq.emit.float_cast import DEFAULT_KEEP_FLOAT32, convert_float_nodes
 from onnxq.emit.gather_block_quantized import emit_gather_block_quantized
 from onnxq.emit.matmul_nbits import emit_matmul_nbits
-from onnxq.emit.plan import QuantPlan
 from onnxq.emit.qdq import EmitReport, emit_qdq
-from onnxq.qmath import is_float8
+from onnxq.numerics.qmath import is_float8
+from onnxq.plan import QuantPlan
 
 
 @dataclass

@@ -26,10 +26,10 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import DType
-from onnxq.emit.weights import QuantizedTensor, quantize_weight
 from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
+from onnxq.numerics.weights import QuantizedTensor, quantize_weight
 
 CONTRIB = "com.microsoft"
 WEIGHT_DTYPES = (DType.INT8, DType.UINT8)

@@ -42,7 +42,7 @@ import onnx_ir as ir
 
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
-from onnxq.qmath import FLOAT8_TYPES, dequantize, quantize
+from onnxq.numerics.qmath import FLOAT8_TYPES, dequantize, quantize
 
 FLOAT8_DTYPES = {
     ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E4M3FNUZ, ir.DataType.FLOAT8E5M2, ir.DataType.FLOAT8E5M2FNUZ,

@@ -13,9 +13,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
-from onnxq.emit.weights import quantize_weight
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
+from onnxq.numerics.weights import quantize_weight
 
 CONTRIB = "com.microsoft"
 TYPES = ("int4", "uint4")

@@ -24,10 +24,10 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import DType
-from onnxq.emit.weights import block_importance, quantize_blocks
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
-from onnxq.qmath import int_type
+from onnxq.numerics.qmath import int_type
+from onnxq.numerics.weights import block_importance, quantize_blocks
 
 CONTRIB = "com.microsoft"
 BITS: dict[DType, int] = {DType.INT4: 4, DType.UINT4: 4, DType.INT8: 8, DType.UINT8: 8}
@@ -75,7 +75,7 @@ def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
 def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np.float32,
                        clip_search: bool | None = None, importance: np.ndarray | None = None) -> BlockQuantized:
     """Quantize W [K, N] per block of `spec.group_size` rows of each column
-    (`onnxq.emit.weights.quantize_blocks`: full-range signed scales for symmetric 4-bit).
+    (`onnxq.numerics.weights.quantize_blocks`: full-range signed scales for symmetric 4-bit).
 
     `importance` [K]: mean square of each input channel of A over calibration data; with
     it the 4-bit clipping search minimises each block's output error. `clip_search`: None

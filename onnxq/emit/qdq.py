@@ -16,12 +16,12 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
-from onnxq.emit.params import activation_qparams, bias_input_spec, biases_by_weight, emitted_weight
-from onnxq.emit.plan import Kind, QuantPlan, TensorPlan, qparams_key
-from onnxq.emit.weights import QuantizedTensor, quantize_bias
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
-from onnxq.qmath import int_type, is_float8, is_integer, qdq_opset, quantize
+from onnxq.numerics.qmath import int_type, is_float8, is_integer, qdq_opset, quantize
+from onnxq.numerics.weights import QuantizedTensor, quantize_bias
+from onnxq.plan import Kind, QuantPlan, TensorPlan, qparams_key
+from onnxq.plan.params import activation_qparams, bias_input_spec, biases_by_weight, emitted_weight
 
 CONTRIB = "com.microsoft"
 

@@ -30,14 +30,14 @@ from onnx import helper, numpy_helper
 
 from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import QuantizationSpec
-from onnxq.emit.params import biases_by_weight, emitted_weight
-from onnxq.emit.plan import Kind, QuantPlan, TensorPlan
 from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor, set_constant
 from onnxq.graph.fold import constant_array
+from onnxq.numerics.qmath import dequantize, is_float8, is_integer
 from onnxq.optimize import PassContext, register_algorithm
 from onnxq.optimize.options import parse_options
-from onnxq.qmath import dequantize, is_float8, is_integer
+from onnxq.plan import Kind, QuantPlan, TensorPlan
+from onnxq.plan.params import biases_by_weight, emitted_weight
 
 OP_TYPES = ("Conv", "Gemm", "MatMul")
 
@@ -205,7 +205,7 @@ def output_error(layer: Layer, eps: np.ndarray, mean: InputMean) -> np.ndarray:
 
 
 class _Emission:
-    """How emission will quantize each weight (shared with the emitter: `emit.params`)."""
+    """How emission will quantize each weight (shared with the emitter: `plan.params`)."""
 
     def __init__(self, model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]]) -> None:
         self.plan = plan

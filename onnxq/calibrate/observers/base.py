@@ -7,12 +7,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from onnxq import qmath
 from onnxq.calibrate.observers.histogram import StreamingHistogram
 from onnxq.calibrate.observers.options import parse_options
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import DType
 from onnxq.errors import ConfigError
+from onnxq.numerics import qmath
 
 
 class Observer(abc.ABC):

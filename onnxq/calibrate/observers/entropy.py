@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxq import qmath
 from onnxq.calibrate.observers.base import HistogramObserver
 from onnxq.calibrate.observers.registry import register_observer
+from onnxq.numerics import qmath
 
 # Thresholds are searched coarse to fine: COARSE evenly strided candidates, then the
 # neighbourhood of the best at the resolution of MAX_CANDIDATES over the whole range.

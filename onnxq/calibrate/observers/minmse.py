@@ -6,11 +6,11 @@ import math
 
 import numpy as np
 
-from onnxq import qmath
 from onnxq.calibrate.observers.base import HistogramObserver
 from onnxq.calibrate.observers.nonoverflow import pow2_cover
 from onnxq.calibrate.observers.qerror import HistogramErrorModel, best_range
 from onnxq.calibrate.observers.registry import register_observer
+from onnxq.numerics import qmath
 
 # Power-of-two searches try this many octaves below the smallest covering scale.
 POW2_OCTAVES = 24

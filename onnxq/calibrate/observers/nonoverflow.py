@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from onnxq import qmath
 from onnxq.calibrate.observers.minmax import MinMaxObserver
 from onnxq.calibrate.observers.registry import register_observer
+from onnxq.numerics import qmath
 
 
 def pow2_cover(value: float, steps: int) -> int:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnxq import qmath
 from onnxq.calibrate.observers.histogram import StreamingHistogram
 from onnxq.config.spec import DType
+from onnxq.numerics import qmath
 
 
 class HistogramErrorModel:

@@ -27,7 +27,7 @@ import numpy as np
 
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import DType
-from onnxq.qmath import (
+from onnxq.numerics.qmath import (
     MIN_SCALE,
     IntType,
     broadcast_param,

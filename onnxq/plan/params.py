@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from onnxq.config.resolve import ResolvedSpec
-from onnxq.emit.plan import Kind, QuantPlan, TensorPlan
-from onnxq.emit.weights import QuantizedTensor, bias_safe_weight_scale, quantize_weight
-from onnxq.qmath import compute_qparams
+from onnxq.numerics.qmath import compute_qparams
+from onnxq.numerics.weights import QuantizedTensor, bias_safe_weight_scale, quantize_weight
+from onnxq.plan import Kind, QuantPlan, TensorPlan
 
 ConstantOf = Callable[[str], "np.ndarray | None"]
 

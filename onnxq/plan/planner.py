@@ -19,10 +19,10 @@ from onnxq.config.resolve import ResolvedConfig, ResolvedSpec, resolve_node_conf
 from onnxq.config.spec import Config, DType, QScheme
 from onnxq.emit.gather_block_quantized import can_use_gather_block_quantized
 from onnxq.emit.matmul_nbits import can_use_matmul_nbits
-from onnxq.emit.rules import DYNAMIC_OPS, FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
 from onnxq.graph import layout
 from onnxq.graph.fold import constant_array
-from onnxq.qmath import FLOAT_TARGETS, qdq_opset
+from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
+from onnxq.plan.rules import DYNAMIC_OPS, FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
 from onnxq.target import TargetProfile
 
 FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
