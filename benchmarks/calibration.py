@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 from argparse import Namespace
@@ -401,11 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.rss_limit_mb is None:
         args.rss_limit_mb = 0.8 * C.available_mb()
-    workdir = args.keep or Path(tempfile.mkdtemp(prefix="calibration."))
-    workdir.mkdir(parents=True, exist_ok=True)
     report = C.start_report(args, {**CO.machine_info(), "git_revision": C.git_revision()})
     t0 = time.perf_counter()
-    try:
+    with C.scratch_dir(args.keep, "calibration.") as workdir:
         if not args.flat_only:
             # compare_ort builds the tasks (data protocol, evaluation loaders); keep our order.
             tasks = {t.name: t for t in CO.shared_tasks(args, shared)}
@@ -417,16 +413,11 @@ def main(argv: list[str] | None = None) -> int:
             for key in args.models:
                 task = tasks[names[key]]
                 res = methods_task(task, args, workdir)
-                report["models"][task.name] = res
-                print(format_methods(task.name, res), flush=True)
-                print(flush=True)
+                C.add_result(report, task.name, res, format_methods(task.name, res))
         if not args.no_flat and args.flat_methods:
             report["flatness"] = flat_runs(args, shared, workdir)
             print(format_flat(report["flatness"]), flush=True)
             print(flush=True)
-    finally:
-        if args.keep is None:
-            shutil.rmtree(workdir, ignore_errors=True)
     return C.finish_report(report, t0, args.json)
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ so a quantizer worker can load its calibration data before importing anything he
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import resource
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -528,6 +531,25 @@ def git_revision() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+@contextlib.contextmanager
+def scratch_dir(keep: str | Path | None, prefix: str) -> Iterator[Path]:
+    """`keep` (created, left in place) or a fresh temporary folder removed afterwards."""
+    path = Path(keep) if keep else Path(tempfile.mkdtemp(prefix=prefix))
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    finally:
+        if not keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def add_result(report: dict[str, Any], name: str, result: Any, table: str) -> None:
+    """Record one model's result in the report and print its table."""
+    report["models"][name] = result
+    print(table, flush=True)
+    print(flush=True)
 
 
 def finish_report(report: dict[str, Any], t0: float, json_path: Path | None) -> int:

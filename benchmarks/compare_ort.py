@@ -18,9 +18,7 @@ import gc
 import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -567,20 +565,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         tasks = [file_task(args)]
 
-    workdir = args.keep or Path(tempfile.mkdtemp(prefix="compare_ort."))
-    workdir.mkdir(parents=True, exist_ok=True)
     report = C.start_report(args, machine_info())
     t0 = time.perf_counter()
-    try:
+    with C.scratch_dir(args.keep, "compare_ort.") as workdir:
         for task in tasks:
             res = compare_task(task, args, workdir)
             task.eval_feeds = task.labels = None  # free the evaluation data before the next model
-            report["models"][task.name] = res
-            print(format_table(task.name, res, args.per_tensor), flush=True)
-            print(flush=True)
-    finally:
-        if args.keep is None:
-            shutil.rmtree(workdir, ignore_errors=True)
+            C.add_result(report, task.name, res, format_table(task.name, res, args.per_tensor))
     return C.finish_report(report, t0, args.json)
 
 if __name__ == "__main__":

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -183,20 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.shared_dir / "models").is_dir():
         print(f"deployed: no shared folder at {args.shared_dir}; nothing to do (skipped)")
         return 0
-    workdir = args.keep or Path(tempfile.mkdtemp(prefix="deployed."))
-    workdir.mkdir(parents=True, exist_ok=True)
     report = C.start_report(args, CO.machine_info())
     t0 = time.perf_counter()
-    try:
+    with C.scratch_dir(args.keep, "deployed.") as workdir:
         for task in CO.shared_tasks(args, args.shared_dir):
             rows = bench_task(task, args, workdir)
             task.eval_feeds = task.labels = None
-            report["models"][task.name] = rows
-            print(format_table(task.name, task.metric_name, rows), flush=True)
-            print(flush=True)
-    finally:
-        if args.keep is None:
-            shutil.rmtree(workdir, ignore_errors=True)
+            C.add_result(report, task.name, rows, format_table(task.name, task.metric_name, rows))
     return C.finish_report(report, t0, args.json)
 
 

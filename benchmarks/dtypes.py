@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 from argparse import Namespace
@@ -347,19 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     if not (shared / "models").is_dir():
         print(f"dtypes: no shared evaluation folder at {shared}; nothing to do (skipped)")
         return 0
-    workdir = args.keep or Path(tempfile.mkdtemp(prefix="dtypes."))
-    workdir.mkdir(parents=True, exist_ok=True)
     report = C.start_report(args, {**CO.machine_info(), "git_revision": C.git_revision()})
     t0 = time.perf_counter()
-    try:
+    with C.scratch_dir(args.keep, "dtypes.") as workdir:
         for key in args.models:
             res = model_rows(key, args, workdir)
-            report["models"][TASK_NAMES[key]] = res
-            print(format_model(TASK_NAMES[key], res), flush=True)
-            print(flush=True)
-    finally:
-        if args.keep is None:
-            shutil.rmtree(workdir, ignore_errors=True)
+            C.add_result(report, TASK_NAMES[key], res, format_model(TASK_NAMES[key], res))
     return C.finish_report(report, t0, args.json)
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from onnxq.graph.load import load_model
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
 from onnxq.optimize import PassContext, check_config_entries, run_algorithms, run_passes
-from onnxq.plan import Kind, QuantPlan, plan_quantization
+from onnxq.plan import QuantPlan, plan_quantization
 from onnxq.report import Summary
 from onnxq.target import TargetProfile, resolve_target
 
@@ -127,9 +127,8 @@ def _algorithms(
     """The configured algorithms plus those the target adds for a static plan (bias
     correction where it narrows weights), when the data can be read again."""
     algorithms = list(config.algo_config)
-    narrowed = any(t.spec.bits is not None or t.spec.pairs is not None
-                   for t in plan.tensors.values() if t.kind is Kind.WEIGHT)
-    added = target.algorithms(algorithms) if config.target_algorithms and narrowed and plan.calibrated_tensors() else []
+    wanted = config.target_algorithms and plan.narrows_weights() and plan.calibrated_tensors()
+    added = target.algorithms(algorithms) if wanted else []
     if added and (data.source is None or not data.replayable):
         summary.notes.append(f"target {target.name} would add bias correction for its narrowed weights, "
                              "but the calibration data can be read only once: pass a path, a dict "
