@@ -95,14 +95,15 @@ def required_opset(config: Config) -> int:
 MAX_QUANTIZABLE_RANGE = 1e30
 
 
-def _drop_unquantizable(plan: QuantPlan, ranges: dict[str, tuple[float, float]]) -> list[str]:
+def _drop_unquantizable(plan: QuantPlan, ranges: dict[str, tuple[float, float]]) -> tuple[QuantPlan, list[str]]:
+    """The plan without tensors whose range no integer grid can hold, and a note on them."""
     huge = {n for n, (lo, hi) in ranges.items() if max(abs(lo), abs(hi)) > MAX_QUANTIZABLE_RANGE}
     if not huge:
-        return []
-    dropped = plan.keep_float(huge, f"calibrated range beyond +-{MAX_QUANTIZABLE_RANGE:g}")
+        return plan, []
+    plan, dropped = plan.without(huge, f"calibrated range beyond +-{MAX_QUANTIZABLE_RANGE:g}")
     names = ", ".join(sorted(huge)[:3]) + (", ..." if len(huge) > 3 else "")
-    return [f"{len(dropped)} tensors kept in float: range beyond +-{MAX_QUANTIZABLE_RANGE:g} "
-            f"(masking constants such as float min): {names}"]
+    return plan, [f"{len(dropped)} tensors kept in float: range beyond +-{MAX_QUANTIZABLE_RANGE:g} "
+                  f"(masking constants such as float min): {names}"]
 
 
 def _calibrate_or_load(
@@ -150,25 +151,24 @@ def _emit_loadable(
     emitted = emit_model(model, plan, ranges, config)
     providers = config.calibration.providers
     if model_loads(model, providers):
-        return model, plan, emitted
+        return model, emitted.plan, emitted
     order = [node.name for node in pristine.graph if node.name in plan.quantized_nodes]
 
     def trial(kept: set[str]) -> Trial:
         copy = pristine.clone()
         keep = {**ctx.keep_float, **{name: UNLOADABLE for name in kept}}
-        new_plan = plan_quantization(copy, config, keep, target)
-        _drop_unquantizable(new_plan, ranges)  # its note is already in the summary
+        new_plan, _ = _drop_unquantizable(plan_quantization(copy, config, keep, target), ranges)
         missing = set(new_plan.calibrated_tensors()) - set(ranges)
         if missing:
-            new_plan.keep_float(missing, "not calibrated")
+            new_plan, _ = new_plan.without(missing, "not calibrated")
         result = emit_model(copy, new_plan, ranges, config)
-        return Trial(copy, model_loads(copy, providers), (new_plan, result))
+        return Trial(copy, model_loads(copy, providers), result)
 
     final, culprits = find_culprits(order, trial)
-    new_plan, result = final.payload
+    result = final.payload
     result.notes.append(f"{len(culprits)} nodes kept float because onnxruntime could not load them quantized: "
                         + ", ".join(culprits[:5]) + (", ..." if len(culprits) > 5 else ""))
-    return final.model, new_plan, result
+    return final.model, result.plan, result
 
 
 def quantize(
@@ -212,10 +212,12 @@ def quantize(
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)
     summary.calibration_passes = calibration.num_passes
-    summary.notes.extend(_drop_unquantizable(plan, calibration.ranges))
+    plan, notes = _drop_unquantizable(plan, calibration.ranges)
+    summary.notes.extend(notes)
 
     with summary.stage("optimise"):
-        summary.notes.extend(run_algorithms(ir_model, plan, calibration.ranges, algorithms, ctx))
+        plan, notes = run_algorithms(ir_model, plan, calibration.ranges, algorithms, ctx)
+    summary.notes.extend(notes)
 
     with summary.stage("emit"):
         ir_model, plan, emitted = _emit_loadable(ir_model, plan, calibration.ranges, config, ctx, target)

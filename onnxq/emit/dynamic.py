@@ -25,7 +25,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
-from onnxq.config.spec import DType
+from onnxq.config.spec import Config, DType
+from onnxq.emit.lowering import LoweringReport, register_lowering
 from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
@@ -326,3 +327,9 @@ def emit_dynamic(model: ir.Model, nodes: Mapping[str, ResolvedSpec]) -> DynamicR
     if "LSTM" in ctx.report.quantized.values():
         model.opset_imports.setdefault(CONTRIB, 1)
     return ctx.report
+
+
+@register_lowering("dynamic", order=10)
+def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config) -> LoweringReport:
+    report = emit_dynamic(model, nodes)
+    return LoweringReport(report.skipped, notes=[f"dynamic {name}: {note}" for name, note in report.notes.items()])

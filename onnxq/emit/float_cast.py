@@ -52,7 +52,8 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from onnxq.config.spec import DType
+from onnxq.config.spec import Config, DType
+from onnxq.emit.lowering import LoweringReport, register_lowering
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.graph.save import EXTERNAL_DATA_LIMIT, weight_bytes
@@ -775,3 +776,10 @@ def _fill_report(report: FloatCastReport, nodes: list[ir.Node], plan: _Plan, rew
         report.kept_float32[label] = reason
     report.no_float = [_node_label(nodes[i], i) for i in plan.no_float]
     report.casts_inserted = len(rewriter.inserted)
+
+
+@register_lowering("float_target", order=40)
+def _lower(model: ir.Model, nodes: Mapping[str, DType], config: Config) -> LoweringReport:
+    keep = (*DEFAULT_KEEP_FLOAT32, *config.float_op_types)
+    report = convert_float_nodes(model, nodes, keep, config.calibration.providers)
+    return LoweringReport(dict(report.kept_float32), list(report.converted), [report.summary_line(), *report.notes])

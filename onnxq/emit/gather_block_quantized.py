@@ -13,30 +13,14 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
+from onnxq.config.spec import Config
+from onnxq.emit.lowering import LoweringReport, register_lowering
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.weights import quantize_weight
+from onnxq.plan.strategies.gather_int4 import can_use_gather_block_quantized
 
 CONTRIB = "com.microsoft"
-TYPES = ("int4", "uint4")
-
-
-def can_use_gather_block_quantized(node: ir.Node, spec: ResolvedSpec) -> str | None:
-    """Why `node` cannot become GatherBlockQuantized with `spec`, or None if it can."""
-    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
-        return "not a Gather"
-    if str(spec.dtype) not in TYPES or spec.qscheme != "per_group":
-        return "needs int4/uint4 per-group weights"
-    size = spec.group_size or 0
-    if size < 16 or size & (size - 1):
-        return "block size must be a power of two >= 16"
-    attr = node.attributes.get("axis")
-    if attr is not None and attr.as_int() != 0:
-        return "only lookups along axis 0"
-    table = constant_array(node.inputs[0])
-    if table is None or table.ndim != 2 or table.dtype != np.float32:
-        return "needs a constant float32 rank-2 table"
-    return None
 
 
 def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
@@ -76,3 +60,8 @@ def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpe
             graph.initializers.pop(table.name, None)
         model.opset_imports.setdefault(CONTRIB, 1)
     return skipped
+
+
+@register_lowering("gather_block_quantized", order=30)
+def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config) -> LoweringReport:
+    return LoweringReport(skipped=emit_gather_block_quantized(model, nodes))

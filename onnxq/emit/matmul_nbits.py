@@ -23,15 +23,15 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
-from onnxq.config.spec import DType
+from onnxq.config.spec import Config
+from onnxq.emit.lowering import LoweringReport, register_lowering
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import block_importance, quantize_blocks
+from onnxq.plan.strategies.matmul_nbits import BITS, FLOAT_TYPES, can_use_matmul_nbits, weight_dtype
 
 CONTRIB = "com.microsoft"
-BITS: dict[DType, int] = {DType.INT4: 4, DType.UINT4: 4, DType.INT8: 8, DType.UINT8: 8}
-FLOAT_TYPES: dict[ir.DataType, type] = {ir.DataType.FLOAT: np.float32, ir.DataType.FLOAT16: np.float16}
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 
 
@@ -109,37 +109,6 @@ def dequantize_blockwise(bq: BlockQuantized) -> np.ndarray:
     return w.reshape(bq.n, -1)[:, : bq.k].T
 
 
-def _weight_dtype(node: ir.Node) -> ir.DataType | None:
-    weight = node.inputs[1]
-    return weight.dtype if weight.dtype is not None else ir.DataType.FLOAT
-
-
-def can_use_matmul_nbits(node: ir.Node, spec: ResolvedSpec) -> str | None:
-    """Why `node` cannot become MatMulNBits with `spec`, or None when it can."""
-    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
-        return f"{node.op_type} is not a MatMul"
-    if spec.dtype not in BITS:
-        return f"weight dtype {spec.dtype} not supported by MatMulNBits (int4/uint4/int8/uint8)"
-    block = spec.group_size
-    if block is None or block < 16 or block & (block - 1):
-        return f"group_size {block} is not a power of two >= 16, as MatMulNBits' block_size must be"
-    w = constant_array(node.inputs[1] if len(node.inputs) > 1 else None)
-    if w is None:
-        return "weight (input 1) is not a constant"
-    if w.ndim != 2:
-        return f"weight has rank {w.ndim}; MatMulNBits takes a rank-2 weight"
-    if w.shape[0] < 1 or w.shape[1] < 1:
-        return f"weight shape {w.shape} is empty"
-    if _weight_dtype(node) not in FLOAT_TYPES:
-        return f"weight is {_weight_dtype(node)}; MatMulNBits takes float32 or float16"
-    a = node.inputs[0]
-    if a.dtype is not None and a.dtype != _weight_dtype(node):
-        return f"input is {a.dtype} but the weight is {_weight_dtype(node)}"
-    if a.shape is not None and len(a.shape) < 2:
-        return "input has rank < 2; MatMulNBits needs A of rank >= 2"
-    return None
-
-
 def _replace_with_nbits(graph: ir.Graph, editor: GraphEditor, node: ir.Node, bq: BlockQuantized,
                         accuracy_level: int) -> None:
     """Insert the MatMulNBits node, move the MatMul's output onto it and remove the MatMul."""
@@ -190,10 +159,15 @@ def emit_matmul_nbits(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
         if reason:
             skipped[name] = reason
             continue
-        scale_dtype = FLOAT_TYPES[_weight_dtype(node)]
+        scale_dtype = FLOAT_TYPES[weight_dtype(node)]
         bq = quantize_blockwise(constant_array(node.inputs[1]), spec, scale_dtype, clip_search,
                                 (importance or {}).get(name))
         _replace_with_nbits(graph, editor, node, bq, accuracy_level)
     if len(skipped) < len(nodes):
         model.opset_imports.setdefault(CONTRIB, 1)
     return skipped
+
+
+@register_lowering("matmul_nbits", order=20)
+def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config) -> LoweringReport:
+    return LoweringReport(skipped=emit_matmul_nbits(model, nodes))

@@ -5,7 +5,8 @@ Two registries, one module per entry:
   `fn(model, options, ctx) -> str`. Passes in `DEFAULT_PASSES` run first unless the list
   names them (to configure them, or to turn them off with `enabled: false`).
 - `ALGORITHMS` run after calibration, before emission (`Config.algo_config`):
-  `fn(model, plan, ranges, options, ctx) -> str`; they see what will be quantized and how.
+  `fn(model, plan, ranges, options, ctx) -> str | (str, QuantPlan)`; they see what will be
+  quantized and how, and one that changes a decision (a bias it adds) returns the new plan.
 Each returns one line saying what it changed, for the summary. `ctx` streams calibration
 data through the model for passes that need activation statistics.
 """
@@ -47,7 +48,7 @@ class PassContext:
 
 
 PassFn = Callable[[ir.Model, Mapping[str, Any], PassContext], str]
-AlgoFn = Callable[..., str]
+AlgoFn = Callable[..., "str | tuple[str, Any]"]
 PASSES: dict[str, PassFn] = {}
 ALGORITHMS: dict[str, AlgoFn] = {}
 DEFAULT_PASSES = ("fold_batchnorm",)
@@ -99,14 +100,18 @@ def run_passes(model: ir.Model, entries: list[Mapping[str, Any]], ctx: PassConte
 def run_algorithms(
     model: ir.Model, plan: Any, ranges: Mapping[str, tuple[float, float]],
     entries: list[Mapping[str, Any]], ctx: PassContext,
-) -> list[str]:
-    """Apply the configured post-calibration algorithms in order; one report line each."""
+) -> tuple[Any, list[str]]:
+    """Apply the configured post-calibration algorithms in order: the plan as the last one
+    left it, and one report line each."""
     _check_entries(entries, ALGORITHMS, "algo_config algorithm")
-    return [
-        f"{e['name']}: {ALGORITHMS[e['name']](model, plan, ranges, _options(e), ctx)}"
-        for e in entries
-        if e.get("enabled", True)
-    ]
+    notes = []
+    for e in entries:
+        if not e.get("enabled", True):
+            continue
+        result = ALGORITHMS[e["name"]](model, plan, ranges, _options(e), ctx)
+        note, plan = result if isinstance(result, tuple) else (result, plan)
+        notes.append(f"{e['name']}: {note}")
+    return plan, notes
 
 
 def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping[str, Any]]) -> None:

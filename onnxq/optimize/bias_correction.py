@@ -242,12 +242,13 @@ def _new_bias_plan(plan: QuantPlan, layer: Layer, spec: ResolvedSpec | None) -> 
     act, weight = layer.node.inputs[0], layer.node.inputs[1]
     if spec is None or act.name not in plan.tensors or plan.tensors[act.name].kind is not Kind.ACTIVATION:
         return None
-    return TensorPlan("", Kind.BIAS, spec, bias_inputs=(act.name, weight.name), consumers=[(layer.node.name, 2)])
+    return TensorPlan("", Kind.BIAS, spec, bias_inputs=(act.name, weight.name), consumers=((layer.node.name, 2),))
 
 
 def correct(model: ir.Model, plan: QuantPlan, layer: Layer, mean: InputMean, emission: _Emission,
-            bias_spec: ResolvedSpec | None) -> bool:
-    """Subtract the layer's expected output error from its bias; False if nothing changed."""
+            bias_spec: ResolvedSpec | None) -> QuantPlan | None:
+    """Subtract the layer's expected output error from its bias: the plan with the bias
+    planned (a new one is added to it), or None if nothing changed."""
     node = layer.node
     w = constant_array(node.inputs[1])
     channels = layout.out_channels(node, w.shape)
@@ -270,26 +271,25 @@ def correct(model: ir.Model, plan: QuantPlan, layer: Layer, mean: InputMean, emi
         if settled:
             break
     if np.array_equal(bias, base):
-        return False
+        return None
     if old is None:
         value = GraphEditor(model.graph).initializer(f"{node.name}_bias", bias.astype(w.dtype))
         node.resize_inputs(3)
         node.replace_input_with(2, value)
         if bias_plan is not None:
-            bias_plan.name, bias_plan.axis = value.name, 0 if channels > 1 else None
-            plan.tensors[value.name] = bias_plan
+            plan = plan.with_tensor(bias_plan.replace(name=value.name, axis=0 if channels > 1 else None))
     else:
         shape = old.shape if old.size == channels else (channels,)
         set_constant(model.graph, layer.bias_node, layer.bias_index, bias.reshape(shape).astype(old.dtype),
                      f"{node.name}_bias")
-    return True
+    return plan
 
 
 @register_algorithm("bias_correction")
 def bias_correction(
     model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],
     options: Mapping[str, Any], ctx: PassContext,
-) -> str:
+) -> str | tuple[str, QuantPlan]:
     """Remove the mean output error that weight rounding causes (see module doc)."""
     opts = parse_options(BiasCorrectionOptions, options, "bias_correction")
     layers, skipped = find_layers(model.graph, plan, opts)
@@ -300,11 +300,14 @@ def bias_correction(
     bias_spec = _bias_spec(plan)
     added = sum(1 for layer in layers if layer.bias_index >= len(layer.bias_node.inputs)
                 or layer.bias_node.inputs[layer.bias_index] is None)
-    corrected = sum(correct(model, plan, layer, means[layer.node.inputs[0].name], emission, bias_spec)
-                    for layer in layers)
+    corrected = 0
+    for layer in layers:
+        new_plan = correct(model, plan, layer, means[layer.node.inputs[0].name], emission, bias_spec)
+        if new_plan is not None:
+            plan, corrected = new_plan, corrected + 1
     note = f"{corrected} of {len(layers)} biases corrected"
     if added:
         note += f" ({added} added)"
     if skipped:
         note += f"; {len(skipped)} skipped: {', '.join(skipped[:3])}" + (" ..." if len(skipped) > 3 else "")
-    return note
+    return note, plan

@@ -1,6 +1,8 @@
-"""Decide, before calibration, how every tensor is quantized (`plan_quantization`), with the
-op rules table (`rules`) and the parameters each planned tensor gets (`params`)."""
+"""Decide, before calibration, how every tensor is quantized (`plan_quantization`): the
+frozen plan types (`plan`), the strategies that claim nodes (`strategies`), the op rules
+table (`rules`) and the parameters each planned tensor gets (`params`)."""
 
-from onnxq.plan.planner import Kind, QuantPlan, TensorPlan, plan_quantization, qparams_key
+from onnxq.plan.plan import Kind, Lowered, QuantPlan, TensorPlan, qparams_key
+from onnxq.plan.planner import plan_quantization
 
-__all__ = ["Kind", "QuantPlan", "TensorPlan", "plan_quantization", "qparams_key"]
+__all__ = ["Kind", "Lowered", "QuantPlan", "TensorPlan", "plan_quantization", "qparams_key"]

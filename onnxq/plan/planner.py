@@ -9,105 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from enum import Enum
 
 import numpy as np
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig, ResolvedSpec, resolve_node_config
 from onnxq.config.spec import Config, DType, QScheme
-from onnxq.emit.gather_block_quantized import can_use_gather_block_quantized
-from onnxq.emit.matmul_nbits import can_use_matmul_nbits
 from onnxq.graph import layout
 from onnxq.graph.fold import constant_array
-from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
-from onnxq.plan.rules import DYNAMIC_OPS, FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
+from onnxq.plan import strategies
+from onnxq.plan.plan import Kind, Lowered, QuantPlan, TensorPlan, qparams_key
+from onnxq.plan.rules import FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
 from onnxq.target import TargetProfile
 
 FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
-
-
-class Kind(Enum):
-    ACTIVATION = "activation"  # calibrated, Q/DQ inserted at run time
-    WEIGHT = "weight"  # quantized offline, stored as integers + DequantizeLinear
-    BIAS = "bias"  # int32, scale = input scale x weight scale
-    CONSTANT = "constant"  # constant input of an activation op: offline, per-tensor
-
-
-@dataclass
-class TensorPlan:
-    """How one tensor is quantized."""
-
-    name: str
-    kind: Kind
-    spec: ResolvedSpec
-    axis: int | None = None  # per-channel axis (weights), or the block axis when per-group
-    block_size: int | None = None  # per-group weights: entries of `axis` sharing a scale
-    alias_of: str | None = None  # shares the parameters of this activation
-    bias_inputs: tuple[str, str] | None = None  # (activation, weight) whose scales make the bias scale
-    consumers: list[tuple[str, int]] = field(default_factory=list)  # (node name, input index) fed DQ
-    all_consumers: bool = False  # producer is quantized: every consumer and graph output gets DQ
-    source: str | None = None  # the graph value, when `name` is a per-node key (shared biases)
-    # Consumers that want this activation in another type (mixed precision): requantized.
-    requant: dict[tuple[str, int], ResolvedSpec] = field(default_factory=dict)
-
-
-def qparams_key(spec: ResolvedSpec) -> tuple:
-    """The spec fields that change scale and zero point (two specs with the same key share them)."""
-    return (spec.dtype, spec.symmetric, spec.scale_type)
-
-
-@dataclass
-class QuantPlan:
-    tensors: dict[str, TensorPlan] = field(default_factory=dict)
-    quantized_nodes: dict[str, str] = field(default_factory=dict)  # name -> op type
-    float_nodes: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (op, reason)
-    fused_activations: dict[str, str] = field(default_factory=dict)  # activation node -> producer
-    # Nodes handled by other emitters than QDQ, with the spec that sends them there.
-    dynamic_nodes: dict[str, ResolvedSpec] = field(default_factory=dict)  # weight spec
-    nbits_nodes: dict[str, ResolvedSpec] = field(default_factory=dict)  # weight spec
-    gather_nodes: dict[str, ResolvedSpec] = field(default_factory=dict)  # int4 table lookups
-    float_target_nodes: dict[str, DType] = field(default_factory=dict)  # float16 / bfloat16
-    float_tensors: dict[str, str] = field(default_factory=dict)  # dropped after calibration
-
-    def required_opset(self) -> int:
-        """The lowest ai.onnx opset whose Q/DQ accept every planned type and granularity."""
-        opsets = [qdq_opset(t.spec.dtype) for t in self.tensors.values()]
-        opsets += [qdq_opset(spec.dtype) for t in self.tensors.values() for spec in t.requant.values()]
-        opsets += [21 for t in self.tensors.values() if t.block_size]
-        return max(opsets, default=13)
-
-    def narrows_weights(self) -> bool:
-        """Whether some weight has fewer bits than its type (`bits`) or pair-safe scales."""
-        return any(t.spec.bits is not None or t.spec.pairs is not None
-                   for t in self.tensors.values() if t.kind is Kind.WEIGHT)
-
-    def calibrated_tensors(self) -> dict[str, ResolvedSpec]:
-        """Activation tensors that need an observer, in a stable order."""
-        return {
-            t.name: t.spec
-            for t in self.tensors.values()
-            if t.kind is Kind.ACTIVATION and t.alias_of is None
-        }
-
-    def keep_float(self, names: set[str], reason: str) -> list[str]:
-        """Drop `names`, their aliases and the biases scaled by them from quantization."""
-        doomed = sorted(n for n in self.tensors if self.root_of(n) in names)
-        doomed_set = set(doomed)
-        for tensor in list(self.tensors.values()):
-            if tensor.bias_inputs is not None and tensor.bias_inputs[0] in doomed_set:
-                doomed.append(tensor.name)
-        for name in doomed:
-            self.tensors.pop(name, None)
-            self.float_tensors[name] = reason
-        return doomed
-
-    def root_of(self, name: str) -> str:
-        """The calibrated tensor whose parameters `name` uses."""
-        while self.tensors[name].alias_of is not None:
-            name = self.tensors[name].alias_of
-        return name
 
 
 def _is_float(value: ir.Value | None) -> bool:
@@ -167,7 +82,20 @@ def _target_weight_spec(
     return dataclasses.replace(spec, bits=bits)
 
 
-class _Planner:
+@dataclasses.dataclass
+class _Draft:
+    """The plan while the planner builds it (frozen into a `QuantPlan` at the end)."""
+
+    tensors: dict[str, TensorPlan] = dataclasses.field(default_factory=dict)
+    quantized_nodes: dict[str, str] = dataclasses.field(default_factory=dict)
+    float_nodes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    fused_activations: dict[str, str] = dataclasses.field(default_factory=dict)
+    lowered: dict[str, Lowered] = dataclasses.field(default_factory=dict)
+
+
+class Planner:
+    """Walks the graph once, offering each node to the registered strategies."""
+
     def __init__(
         self, model: ir.Model, config: Config, keep_float: Mapping[str, str],
         target: TargetProfile | None,
@@ -177,27 +105,32 @@ class _Planner:
         self.keep_float = keep_float
         self.target = target
         self.nodes = {node.name: node for node in model.graph}
-        self.plan = QuantPlan()
+        self.plan = _Draft()
+
+    def update(self, name: str, **changes: object) -> TensorPlan:
+        """Replace the planned tensor `name` by a copy with `changes`."""
+        tensor = self.plan.tensors[name] = self.plan.tensors[name].replace(**changes)
+        return tensor
 
     def add_use(self, value: ir.Value, kind: Kind, spec: ResolvedSpec, node: ir.Node, index: int,
                 axis: int | None = None) -> TensorPlan:
-        tensor = self.plan.tensors.get(value.name)
-        if tensor is None:
-            tensor = TensorPlan(value.name, kind, spec, axis=axis)
-            self.plan.tensors[value.name] = tensor
-        tensor.consumers.append((node.name, index))
+        tensor = self.plan.tensors.setdefault(value.name, TensorPlan(value.name, kind, spec, axis=axis))
+        use = (node.name, index)
+        requant = tensor.requant
         if kind is Kind.ACTIVATION and qparams_key(spec) != qparams_key(tensor.spec):
-            tensor.requant[(node.name, index)] = spec
-        return tensor
+            requant = {**requant, use: spec}
+        return self.update(value.name, consumers=(*tensor.consumers, use), requant=requant)
 
     def add_output(self, value: ir.Value, spec: ResolvedSpec, alias_of: str | None = None) -> None:
-        tensor = self.plan.tensors.get(value.name)
-        if tensor is None:
-            tensor = TensorPlan(value.name, Kind.ACTIVATION, spec)
-            self.plan.tensors[value.name] = tensor
-        tensor.spec = spec
-        tensor.alias_of = alias_of
-        tensor.all_consumers = True
+        self.plan.tensors.setdefault(value.name, TensorPlan(value.name, Kind.ACTIVATION, spec))
+        self.update(value.name, spec=spec, alias_of=alias_of, all_consumers=True)
+
+    def quantized(self, node: ir.Node) -> None:
+        self.plan.quantized_nodes[node.name] = node.op_type
+
+    def target_weight_spec(self, spec: ResolvedSpec, kernel: str, activation: ResolvedSpec | None,
+                           k_axes: tuple[int, ...] | None = None) -> ResolvedSpec:
+        return _target_weight_spec(self.target, spec, kernel, activation, k_axes)
 
     def run(self) -> QuantPlan:
         for node in self.graph:
@@ -208,7 +141,7 @@ class _Planner:
             self.keep_float_head(node)
         for node in reversed(list(self.graph)):
             self.prune_float_tail(node)
-        return self.plan
+        return QuantPlan(**{f.name: getattr(self.plan, f.name) for f in dataclasses.fields(self.plan)})
 
     def _link_op(self, node: ir.Node) -> OpRule | None:
         """The rule of a quantized op that computes its own output range, else None."""
@@ -249,8 +182,8 @@ class _Planner:
         act = self._fused_activation_of(node)
         out = self.plan.tensors.get(self._output_name(node, act)) if node.outputs else None
         self._unplan(node, act, "its inputs are float: run in float, its output is quantized once for its readers")
-        if out is not None:
-            out.all_consumers = False
+        if out is not None and out.name in self.plan.tensors:
+            out = self.update(out.name, all_consumers=False)
             if not out.consumers:
                 del self.plan.tensors[out.name]
 
@@ -284,8 +217,9 @@ class _Planner:
             tensor = self.plan.tensors.get(value.name) if value is not None else None
             if tensor is None:
                 continue
-            tensor.consumers = [c for c in tensor.consumers if c != (node.name, i)]
-            tensor.requant.pop((node.name, i), None)
+            use = (node.name, i)
+            tensor = self.update(value.name, consumers=tuple(c for c in tensor.consumers if c != use),
+                                 requant={u: sp for u, sp in tensor.requant.items() if u != use})
             if not tensor.consumers and not tensor.all_consumers:
                 del self.plan.tensors[value.name]
         self.plan.quantized_nodes.pop(node.name, None)
@@ -304,6 +238,7 @@ class _Planner:
         self.plan.float_nodes[node.name] = (node.op_type, reason)
 
     def plan_node(self, node: ir.Node) -> None:
+        """Offer `node` to each registered strategy until one decides (`plan/strategies`)."""
         if node.name in self.keep_float:
             self.float_node(node, self.keep_float[node.name])
             return
@@ -311,64 +246,17 @@ class _Planner:
         if cfg is None:
             self.float_node(node, "excluded or kept in float by config")
             return
-        if self.route_elsewhere(node, cfg):
+        for strategy in strategies.ordered():
+            decision = strategy.claim(node, cfg, self)
+            if decision is None:
+                continue
+            if isinstance(decision, strategies.Refuse):
+                self.float_node(node, decision.reason)
+            elif isinstance(decision, strategies.Lower):
+                self.plan.lowered[node.name] = Lowered(strategy.name, decision.spec)
+                if strategy.counted:
+                    self.quantized(node)
             return
-        rule = OP_RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
-        if rule is None:
-            self.float_node(node, f"no quantized kernel rule for {node.domain or 'ai.onnx'}::{node.op_type}")
-            return
-        if rule.applies is not None and not rule.applies(node):
-            self.float_node(node, f"this {node.op_type} cannot reuse its input's parameters")
-            return
-        if rule.output is OutputMode.SHARED:
-            self.plan_shared(node, rule, cfg)
-        else:
-            self.plan_compute(node, rule, cfg)
-
-    def route_elsewhere(self, node: ir.Node, cfg: ResolvedConfig) -> bool:
-        """Send a node to the float-target, dynamic or MatMulNBits emitter when its config asks."""
-        main = cfg.input_tensors or cfg.weight
-        if main is not None and main.dtype in FLOAT_TARGETS:
-            self.plan.float_target_nodes[node.name] = main.dtype
-            return True
-        weights_only = cfg.input_tensors is None or cfg.input_tensors.is_dynamic
-        if (
-            node.op_type == "Gather"
-            and weights_only
-            and cfg.weight is not None
-            and can_use_gather_block_quantized(node, cfg.weight) is None
-        ):
-            self.plan.gather_nodes[node.name] = cfg.weight
-            self.plan.quantized_nodes[node.name] = node.op_type
-            return True
-        if node.op_type == "Gather" and weights_only and node.domain in ("", "ai.onnx"):
-            # Weight-only and dynamic configs still store embedding tables quantized.
-            if self.plan_weight(node, OP_RULES["Gather"], cfg) is None:
-                self.float_node(node, "Gather on non-constant data: nothing to quantize")
-            else:
-                self.plan.quantized_nodes[node.name] = node.op_type
-            return True
-        if cfg.input_tensors is not None and cfg.input_tensors.is_dynamic:
-            weight = node.inputs[1] if len(node.inputs) > 1 else None
-            if node.op_type not in DYNAMIC_OPS:
-                self.float_node(node, "dynamic quantization covers MatMul, Gemm, Conv and LSTM only")
-            elif cfg.weight is None or constant_array(weight) is None:
-                self.float_node(node, "dynamic quantization needs a constant weight")
-            else:
-                self.plan.dynamic_nodes[node.name] = _target_weight_spec(
-                    self.target, cfg.weight, "dynamic", cfg.input_tensors)
-                self.plan.quantized_nodes[node.name] = node.op_type
-            return True
-        if (
-            self.config.matmul_nbits
-            and cfg.input_tensors is None
-            and cfg.weight is not None
-            and can_use_matmul_nbits(node, cfg.weight) is None
-        ):
-            self.plan.nbits_nodes[node.name] = cfg.weight
-            self.plan.quantized_nodes[node.name] = node.op_type
-            return True
-        return False
 
     def plan_shared(self, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> None:
         data = node.inputs[0] if node.inputs else None
@@ -386,7 +274,7 @@ class _Planner:
             return
         else:
             source = self.plan.tensors[data.name]
-            source.consumers.append((node.name, 0))
+            source = self.update(data.name, consumers=(*source.consumers, (node.name, 0)))
         if source.kind not in (Kind.ACTIVATION, Kind.CONSTANT):
             self.float_node(node, "input is quantized as a weight of another op")
             return
@@ -444,8 +332,8 @@ class _Planner:
             axis %= max(array.ndim, 1)
         spec = _target_weight_spec(self.target, cfg.weight, _kernel_class(node, array), cfg.input_tensors,
                                    layout.k_axes(node, array.ndim))
-        tensor = self.add_use(value, Kind.WEIGHT, spec, node, i, axis=axis)
-        tensor.block_size = block
+        self.add_use(value, Kind.WEIGHT, spec, node, i, axis=axis)
+        self.update(value.name, block_size=block)
         return i
 
     def plan_bias(self, node: ir.Node, rule: OpRule, cfg: ResolvedConfig, weight_index: int) -> None:
@@ -459,10 +347,9 @@ class _Planner:
         # A bias shared by several nodes gets one plan per node: its scale depends on each
         # node's input and weight scales.
         key = bias.name if len(bias.uses()) == 1 else f"{bias.name}@{node.name}"
-        tensor = TensorPlan(key, Kind.BIAS, cfg.bias, axis=0 if array.size > 1 else None, source=bias.name)
-        tensor.consumers.append((node.name, i))
-        tensor.bias_inputs = (act.name, weight.name)
-        self.plan.tensors[key] = tensor
+        self.plan.tensors[key] = TensorPlan(key, Kind.BIAS, cfg.bias, axis=0 if array.size > 1 else None,
+                                            source=bias.name, consumers=((node.name, i),),
+                                            bias_inputs=(act.name, weight.name))
 
 
 def plan_quantization(
@@ -474,4 +361,4 @@ def plan_quantization(
     `keep_float` names nodes (with the reason) that earlier passes require to stay float.
     `target` narrows int8 weights where its kernels saturate (None: leave them 8-bit).
     """
-    return _Planner(model, config, keep_float or {}, target).run()
+    return Planner(model, config, keep_float or {}, target).run()

@@ -1,0 +1,53 @@
+"""The lowering table: for each strategy of `plan/strategies` that claims whole nodes, the
+function that rewrites them in the graph.
+
+A lowering takes the model, the nodes its strategy claimed (name -> spec, in graph order)
+and the config; it rewrites what it can in place and reports the nodes it had to leave
+float (with why), the nodes it converted (for strategies counted only once converted) and
+notes for the summary. Static QDQ is not in the table: `emit/qdq` lowers the tensors of
+the plan, and runs first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+
+from onnxq.config.resolve import ResolvedSpec
+from onnxq.config.spec import Config, DType
+
+
+@dataclass
+class LoweringReport:
+    skipped: dict[str, str] = field(default_factory=dict)  # node -> why it stays float
+    converted: list[str] = field(default_factory=list)  # nodes the lowering converted
+    notes: list[str] = field(default_factory=list)
+
+
+LoweringFn = Callable[[ir.Model, Mapping[str, "ResolvedSpec | DType"], Config], LoweringReport]
+
+
+@dataclass(frozen=True)
+class Lowering:
+    strategy: str
+    order: int  # lower runs first
+    run: LoweringFn
+
+
+LOWERINGS: dict[str, Lowering] = {}
+
+
+def register_lowering(strategy: str, order: int) -> Callable[[LoweringFn], LoweringFn]:
+    """Register `fn` as the lowering of the nodes `strategy` claims."""
+    def decorate(fn: LoweringFn) -> LoweringFn:
+        if strategy in LOWERINGS:
+            raise ValueError(f"a lowering for {strategy!r} is already registered")
+        LOWERINGS[strategy] = Lowering(strategy, order, fn)
+        return fn
+    return decorate
+
+
+def ordered() -> list[Lowering]:
+    return sorted(LOWERINGS.values(), key=lambda lowering: (lowering.order, lowering.strategy))

@@ -1,0 +1,152 @@
+"""The quantization plan: what each tensor becomes and which strategy lowers each node.
+
+Every type here is frozen. The planner builds a plan once; a later stage that changes a
+decision (tensors dropped after calibration, nodes an emitter refused, a bias added by
+bias correction) gets a new plan from one of the `with_*`/`without` methods, so each stage
+can be read alone: what it receives is what the stage before it returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any
+
+from onnxq.config.resolve import ResolvedSpec
+from onnxq.config.spec import DType
+from onnxq.numerics.qmath import qdq_opset
+
+EMPTY: Mapping[Any, Any] = MappingProxyType({})
+
+
+def frozen_map(mapping: Mapping[Any, Any]) -> Mapping[Any, Any]:
+    """A read-only copy of `mapping`."""
+    return MappingProxyType(dict(mapping))
+
+
+class Kind(Enum):
+    ACTIVATION = "activation"  # calibrated, Q/DQ inserted at run time
+    WEIGHT = "weight"  # quantized offline, stored as integers + DequantizeLinear
+    BIAS = "bias"  # int32, scale = input scale x weight scale
+    CONSTANT = "constant"  # constant input of an activation op: offline, per-tensor
+
+
+Use = tuple[str, int]  # (node name, input index)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """How one tensor is quantized."""
+
+    name: str
+    kind: Kind
+    spec: ResolvedSpec
+    axis: int | None = None  # per-channel axis (weights), or the block axis when per-group
+    block_size: int | None = None  # per-group weights: entries of `axis` sharing a scale
+    alias_of: str | None = None  # shares the parameters of this activation
+    bias_inputs: tuple[str, str] | None = None  # (activation, weight) whose scales make the bias scale
+    consumers: tuple[Use, ...] = ()  # uses fed through DQ
+    all_consumers: bool = False  # producer is quantized: every consumer and graph output gets DQ
+    source: str | None = None  # the graph value, when `name` is a per-node key (shared biases)
+    # Consumers that want this activation in another type (mixed precision): requantized.
+    requant: Mapping[Use, ResolvedSpec] = field(default_factory=lambda: EMPTY)
+
+    def replace(self, **changes: Any) -> TensorPlan:
+        if "requant" in changes:
+            changes["requant"] = frozen_map(changes["requant"])
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """A node claimed by a strategy other than static QDQ, with what its lowering needs."""
+
+    strategy: str
+    spec: ResolvedSpec | DType
+
+
+def qparams_key(spec: ResolvedSpec) -> tuple:
+    """The spec fields that change scale and zero point (two specs with the same key share them)."""
+    return (spec.dtype, spec.symmetric, spec.scale_type)
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    tensors: Mapping[str, TensorPlan] = field(default_factory=lambda: EMPTY)
+    quantized_nodes: Mapping[str, str] = field(default_factory=lambda: EMPTY)  # name -> op type
+    float_nodes: Mapping[str, tuple[str, str]] = field(default_factory=lambda: EMPTY)  # name -> (op, reason)
+    fused_activations: Mapping[str, str] = field(default_factory=lambda: EMPTY)  # activation node -> producer
+    lowered: Mapping[str, Lowered] = field(default_factory=lambda: EMPTY)  # node -> strategy that lowers it
+    float_tensors: Mapping[str, str] = field(default_factory=lambda: EMPTY)  # dropped after planning, with why
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, frozen_map(getattr(self, f.name)))
+
+    # --- reading -----------------------------------------------------------------------
+
+    def nodes_for(self, strategy: str) -> dict[str, ResolvedSpec | DType]:
+        """The nodes `strategy` lowers, with the spec each was claimed with, in graph order."""
+        return {name: low.spec for name, low in self.lowered.items() if low.strategy == strategy}
+
+    def required_opset(self) -> int:
+        """The lowest ai.onnx opset whose Q/DQ accept every planned type and granularity."""
+        opsets = [qdq_opset(t.spec.dtype) for t in self.tensors.values()]
+        opsets += [qdq_opset(spec.dtype) for t in self.tensors.values() for spec in t.requant.values()]
+        opsets += [21 for t in self.tensors.values() if t.block_size]
+        return max(opsets, default=13)
+
+    def narrows_weights(self) -> bool:
+        """Whether some weight has fewer bits than its type (`bits`) or pair-safe scales."""
+        return any(t.spec.bits is not None or t.spec.pairs is not None
+                   for t in self.tensors.values() if t.kind is Kind.WEIGHT)
+
+    def calibrated_tensors(self) -> dict[str, ResolvedSpec]:
+        """Activation tensors that need an observer, in a stable order."""
+        return {
+            t.name: t.spec
+            for t in self.tensors.values()
+            if t.kind is Kind.ACTIVATION and t.alias_of is None
+        }
+
+    def root_of(self, name: str) -> str:
+        """The calibrated tensor whose parameters `name` uses."""
+        while self.tensors[name].alias_of is not None:
+            name = self.tensors[name].alias_of
+        return name
+
+    # --- deriving a new plan ------------------------------------------------------------
+
+    def without(self, names: set[str], reason: str) -> tuple[QuantPlan, list[str]]:
+        """A plan with `names`, their aliases and the biases scaled by them left float,
+        and the tensor names dropped."""
+        doomed = sorted(n for n in self.tensors if self.root_of(n) in names)
+        doomed_set = set(doomed)
+        doomed += [t.name for t in self.tensors.values()
+                   if t.bias_inputs is not None and t.bias_inputs[0] in doomed_set]
+        gone = set(doomed)
+        tensors = {n: t for n, t in self.tensors.items() if n not in gone}
+        float_tensors = {**self.float_tensors, **{n: reason for n in doomed}}
+        return dataclasses.replace(self, tensors=tensors, float_tensors=float_tensors), doomed
+
+    def with_float_nodes(self, reasons: Mapping[str, str], op_types: Mapping[str, str]) -> QuantPlan:
+        """A plan in which the nodes of `reasons` (planned quantized) stay float, with why."""
+        if not reasons:
+            return self
+        quantized = {n: op for n, op in self.quantized_nodes.items() if n not in reasons}
+        float_nodes = {**self.float_nodes, **{n: (op_types.get(n, "?"), r) for n, r in reasons.items()}}
+        return dataclasses.replace(self, quantized_nodes=quantized, float_nodes=float_nodes)
+
+    def with_quantized_nodes(self, names: Iterable[str], op_types: Mapping[str, str]) -> QuantPlan:
+        """A plan that also counts `names` as quantized (converted by a lowering)."""
+        added = {n: op_types.get(n, "?") for n in names}
+        return dataclasses.replace(self, quantized_nodes={**self.quantized_nodes, **added}) if added else self
+
+    def with_tensor(self, tensor: TensorPlan, replacing: str | None = None) -> QuantPlan:
+        """A plan in which `tensor` is planned (instead of the tensor named `replacing`)."""
+        tensors = {n: t for n, t in self.tensors.items() if n != replacing}
+        tensors[tensor.name] = tensor
+        return dataclasses.replace(self, tensors=tensors)

@@ -1,0 +1,78 @@
+"""Quantization strategies: each claims the nodes it can lower, or refuses them with a reason.
+
+The planner offers every node to the registered strategies in `order`. A strategy answers
+with `Lower(spec)` (the node goes to the lowering registered under the strategy's name,
+`emit.LOWERINGS`), `Refuse(reason)` (the node stays float, and the summary says why),
+`Planned()` (the strategy recorded the node's tensors in the plan itself: static QDQ), or
+None (not its node: ask the next). A new strategy is one module that calls
+`register_strategy`, plus its lowering.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import onnx_ir as ir
+
+from onnxq.config.resolve import ResolvedConfig, ResolvedSpec
+from onnxq.config.spec import DType
+
+if TYPE_CHECKING:
+    from onnxq.plan.planner import Planner
+
+
+@dataclass(frozen=True)
+class Lower:
+    spec: ResolvedSpec | DType
+
+
+@dataclass(frozen=True)
+class Refuse:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Planned:
+    pass
+
+
+Decision = Lower | Refuse | Planned | None
+ClaimFn = Callable[[ir.Node, ResolvedConfig, "Planner"], Decision]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    order: int  # lower is asked first
+    claim: ClaimFn
+    counted: bool  # a node it lowers counts as quantized at once (else: once the lowering converts it)
+
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_strategy(name: str, order: int, counted: bool = True) -> Callable[[ClaimFn], ClaimFn]:
+    """Register `claim` as the strategy `name`, asked before those of higher `order`."""
+    def decorate(fn: ClaimFn) -> ClaimFn:
+        if name in STRATEGIES:
+            raise ValueError(f"strategy {name!r} is already registered")
+        STRATEGIES[name] = Strategy(name, order, fn, counted)
+        return fn
+    return decorate
+
+
+def weights_only(cfg: ResolvedConfig) -> bool:
+    """No static activation quantization: weight-only or dynamic."""
+    return cfg.input_tensors is None or cfg.input_tensors.is_dynamic
+
+
+def ordered() -> list[Strategy]:
+    """The registered strategies in the order they are asked."""
+    return sorted(STRATEGIES.values(), key=lambda s: (s.order, s.name))
+
+
+for _module in ("float_target", "gather_int4", "weight_only", "dynamic", "matmul_nbits", "static"):
+    importlib.import_module(f"{__name__}.{_module}")

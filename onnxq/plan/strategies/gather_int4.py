@@ -1,0 +1,39 @@
+"""int4 embedding tables: a weight-only Gather becomes com.microsoft::GatherBlockQuantized
+(lowered by `emit/gather_block_quantized`), which dequantizes only the rows it looks up."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxq.config.resolve import ResolvedConfig, ResolvedSpec
+from onnxq.graph.fold import constant_array
+from onnxq.plan.strategies import Decision, Lower, register_strategy, weights_only
+
+TYPES = ("int4", "uint4")
+
+
+def can_use_gather_block_quantized(node: ir.Node, spec: ResolvedSpec) -> str | None:
+    """Why `node` cannot become GatherBlockQuantized with `spec`, or None if it can."""
+    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
+        return "not a Gather"
+    if str(spec.dtype) not in TYPES or spec.qscheme != "per_group":
+        return "needs int4/uint4 per-group weights"
+    size = spec.group_size or 0
+    if size < 16 or size & (size - 1):
+        return "block size must be a power of two >= 16"
+    attr = node.attributes.get("axis")
+    if attr is not None and attr.as_int() != 0:
+        return "only lookups along axis 0"
+    table = constant_array(node.inputs[0])
+    if table is None or table.ndim != 2 or table.dtype != np.float32:
+        return "needs a constant float32 rank-2 table"
+    return None
+
+
+@register_strategy("gather_block_quantized", order=20)
+def claim(node: ir.Node, cfg: ResolvedConfig, planner: object) -> Decision:
+    if node.op_type == "Gather" and weights_only(cfg) and cfg.weight is not None \
+            and can_use_gather_block_quantized(node, cfg.weight) is None:
+        return Lower(cfg.weight)
+    return None

@@ -1,0 +1,59 @@
+"""Weight-only block quantization of MatMul: com.microsoft::MatMulNBits (lowered by
+`emit/matmul_nbits`), for configs with `matmul_nbits` and no activation quantization."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxq.config.resolve import ResolvedConfig, ResolvedSpec
+from onnxq.config.spec import DType
+from onnxq.graph.fold import constant_array
+from onnxq.plan.strategies import Decision, Lower, register_strategy
+
+if TYPE_CHECKING:
+    from onnxq.plan.planner import Planner
+
+BITS: dict[DType, int] = {DType.INT4: 4, DType.UINT4: 4, DType.INT8: 8, DType.UINT8: 8}
+FLOAT_TYPES: dict[ir.DataType, type] = {ir.DataType.FLOAT: np.float32, ir.DataType.FLOAT16: np.float16}
+
+
+def weight_dtype(node: ir.Node) -> ir.DataType:
+    weight = node.inputs[1]
+    return weight.dtype if weight.dtype is not None else ir.DataType.FLOAT
+
+
+def can_use_matmul_nbits(node: ir.Node, spec: ResolvedSpec) -> str | None:
+    """Why `node` cannot become MatMulNBits with `spec`, or None when it can."""
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        return f"{node.op_type} is not a MatMul"
+    if spec.dtype not in BITS:
+        return f"weight dtype {spec.dtype} not supported by MatMulNBits (int4/uint4/int8/uint8)"
+    block = spec.group_size
+    if block is None or block < 16 or block & (block - 1):
+        return f"group_size {block} is not a power of two >= 16, as MatMulNBits' block_size must be"
+    w = constant_array(node.inputs[1] if len(node.inputs) > 1 else None)
+    if w is None:
+        return "weight (input 1) is not a constant"
+    if w.ndim != 2:
+        return f"weight has rank {w.ndim}; MatMulNBits takes a rank-2 weight"
+    if w.shape[0] < 1 or w.shape[1] < 1:
+        return f"weight shape {w.shape} is empty"
+    if weight_dtype(node) not in FLOAT_TYPES:
+        return f"weight is {weight_dtype(node)}; MatMulNBits takes float32 or float16"
+    a = node.inputs[0]
+    if a.dtype is not None and a.dtype != weight_dtype(node):
+        return f"input is {a.dtype} but the weight is {weight_dtype(node)}"
+    if a.shape is not None and len(a.shape) < 2:
+        return "input has rank < 2; MatMulNBits needs A of rank >= 2"
+    return None
+
+
+@register_strategy("matmul_nbits", order=50)
+def claim(node: ir.Node, cfg: ResolvedConfig, planner: Planner) -> Decision:
+    if planner.config.matmul_nbits and cfg.input_tensors is None and cfg.weight is not None \
+            and can_use_matmul_nbits(node, cfg.weight) is None:
+        return Lower(cfg.weight)
+    return None

@@ -1,0 +1,29 @@
+"""Static quantization: calibrated Q/DQ around every op the rules table (`plan/rules.py`)
+knows; the catch-all, asked last (lowered by `emit/qdq`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import onnx_ir as ir
+
+from onnxq.config.resolve import ResolvedConfig
+from onnxq.plan.rules import OP_RULES, OutputMode
+from onnxq.plan.strategies import Decision, Planned, Refuse, register_strategy
+
+if TYPE_CHECKING:
+    from onnxq.plan.planner import Planner
+
+
+@register_strategy("static", order=100)
+def claim(node: ir.Node, cfg: ResolvedConfig, planner: Planner) -> Decision:
+    rule = OP_RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+    if rule is None:
+        return Refuse(f"no quantized kernel rule for {node.domain or 'ai.onnx'}::{node.op_type}")
+    if rule.applies is not None and not rule.applies(node):
+        return Refuse(f"this {node.op_type} cannot reuse its input's parameters")
+    if rule.output is OutputMode.SHARED:
+        planner.plan_shared(node, rule, cfg)
+    else:
+        planner.plan_compute(node, rule, cfg)
+    return Planned()
