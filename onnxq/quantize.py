@@ -16,6 +16,7 @@ import onnx_ir as ir
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.calibrate.ranges_io import load_ranges, save_ranges
 from onnxq.calibrate.runner import CalibrationResult, calibrate
+from onnxq.calibrate.statistics import Statistic
 from onnxq.config import (
     Config,
     config_from_dict,
@@ -32,7 +33,13 @@ from onnxq.errors import ConfigError
 from onnxq.graph.load import load_model
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
-from onnxq.optimize import PassContext, check_config_entries, run_algorithms, run_passes
+from onnxq.optimize import (
+    PassContext,
+    algorithm_requests,
+    check_config_entries,
+    run_algorithms,
+    run_passes,
+)
 from onnxq.plan import QuantPlan, plan_quantization
 from onnxq.report import Summary
 from onnxq.target import TargetProfile, resolve_target
@@ -107,16 +114,19 @@ def _drop_unquantizable(plan: QuantPlan, ranges: dict[str, tuple[float, float]])
 
 
 def _calibrate_or_load(
-    model: ir.Model, plan: QuantPlan, data: CalibrationSource, config: Config, progress: bool | None
+    model: ir.Model, plan: QuantPlan, data: CalibrationSource, config: Config, progress: bool | None,
+    statistics: list[Statistic],
 ) -> CalibrationResult:
-    """Calibrate, or take ranges from `calibration.load_ranges`; save them if asked."""
+    """Calibrate (collecting the `statistics` the algorithms asked for in the same pass), or
+    take ranges from `calibration.load_ranges`; save them if asked."""
     tensors = plan.calibrated_tensors()
     options = config.calibration
     if options.load_ranges:
         ranges, samples = load_ranges(options.load_ranges, list(tensors))
         result = CalibrationResult(ranges, samples, 0, 0)
     else:
-        result = calibrate(model, tensors, data, options, progress)
+        statistics = statistics if data.source is not None else []
+        result = calibrate(model, tensors, data, options, progress, statistics)
     if options.save_ranges:
         save_ranges(options.save_ranges, result.ranges, tensors, result.num_samples)
     return result
@@ -208,7 +218,9 @@ def quantize(
         algorithms = _algorithms(config, target, plan, data, summary)
 
     with summary.stage("calibrate"):
-        calibration = _calibrate_or_load(ir_model, plan, data, config, progress)
+        requests = algorithm_requests(ir_model, plan, algorithms)
+        calibration = _calibrate_or_load(ir_model, plan, data, config, progress, requests)
+    ctx.statistics = calibration.statistics
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)
     summary.calibration_passes = calibration.num_passes

@@ -166,8 +166,8 @@ def test_conv_error_accounts_for_padding():
     model = conv_model()
     feed = data(model, 16, seed=5)
     eps = np.random.default_rng(6).standard_normal((16, 8, 3, 3))
-    mean = InputMean(image=True)
-    mean.update(feed["x"], {1})
+    x = feed["x"].astype(np.float64)
+    mean = InputMean({1: x.mean(axis=(0, 2, 3))}, x.mean(axis=0))
     from onnxq.graph.load import load_model
 
     node = next(iter(load_model(model)[0].graph))

@@ -28,8 +28,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from onnxq.config.spec import DType
-from onnxq.emit import float_cast
-from onnxq.emit.float_cast import DEFAULT_KEEP_FLOAT32, FloatCastReport, convert_float_nodes
+from onnxq.emit.float_cast import DEFAULT_KEEP_FLOAT32, FloatCastReport, convert_float_nodes, probe
+from onnxq.emit.float_cast.probe import KernelProbe
 from onnxq.graph.load import load_model
 
 DIGITS = Path(__file__).resolve().parents[1] / "models" / "digits_cnn.onnx"
@@ -436,7 +436,7 @@ def test_weights_outside_float16_range_stay_float32() -> None:
 
 def test_missing_kernels_found_by_loading_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the probe, onnxruntime's load errors move op types back one by one."""
-    monkeypatch.setattr(float_cast._KernelProbe, "reason", lambda self, node, target, slots: None)
+    monkeypatch.setattr(KernelProbe, "reason", lambda self, node, target, slots: None)
     before = ir.to_proto(load_model(transformer())[0])
     model, report = _convert("transformer", DType.BFLOAT16)
     _check_result("transformer", DType.BFLOAT16, model, report, before)
@@ -446,10 +446,14 @@ def test_missing_kernels_found_by_loading_the_model(monkeypatch: pytest.MonkeyPa
 
 
 def test_large_models_are_checked_from_a_file(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(float_cast, "EXTERNAL_DATA_LIMIT", 0)
+    monkeypatch.setattr(probe, "EXTERNAL_DATA_LIMIT", 0)
+    saved = []
+    real_save = ir.save
+    monkeypatch.setattr(ir, "save", lambda model, path, **kw: (saved.append(str(path)), real_save(model, path, **kw)))
     before = ir.to_proto(load_model(digits())[0])
     model, report = _convert("digits", DType.FLOAT16)
     _check_result("digits", DType.FLOAT16, model, report, before)
+    assert saved and all(path.endswith("check.onnx") for path in saved)  # the check went through a file
 
 
 def test_without_providers_every_eligible_node_is_converted() -> None:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from onnxq.calibrate.data import iter_batches, model_inputs, sample_rows
 from onnxq.calibrate.observers import Observer, make_observer
 from onnxq.calibrate.session import REDUCED_SUFFIXES, exposed_session
+from onnxq.calibrate.statistics import Statistic, StatisticsSet
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import CalibrationDataError
@@ -31,6 +32,7 @@ class CalibrationResult:
     num_samples: int = 0
     num_batches: int = 0
     num_passes: int = 1
+    statistics: dict[Statistic, np.ndarray | None] = field(default_factory=dict)  # collected alongside
 
 
 def _progress(enabled: bool | None) -> bool:
@@ -45,27 +47,46 @@ def stream_tensors(
     progress: bool | None = None,
     purpose: str = "calibrating",
     reduced: Collection[str] = (),
+    statistics: StatisticsSet | None = None,
 ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
     """Yield (rows, {tensor: value}) for each calibration batch; nothing is kept.
 
     Tensors in `reduced` arrive as [min, max] of the batch, computed inside onnxruntime.
+    `statistics` are fed from the same batches (`calibrate/statistics.py`).
     """
     inputs = model_inputs(model)
     bar = tqdm(
         desc=purpose, unit="sample", total=options.max_samples, file=sys.stderr,
         disable=not _progress(progress), leave=False,
     )
-    outputs = [n for n in names if n not in reduced]
-    outputs += [n + suffix for n in names if n in reduced for suffix in REDUCED_SUFFIXES]
-    with exposed_session(model, names, options.providers, reduced) as session, bar:
+    extra_nodes, extra_outputs, whole = statistics.attach(model) if statistics else ([], [], [])
+    exposed = list(dict.fromkeys([*names, *whole]))
+    reduced = set(reduced) - set(whole)
+    outputs = [n for n in exposed if n not in reduced]
+    outputs += [n + suffix for n in exposed if n in reduced for suffix in REDUCED_SUFFIXES]
+    outputs += [v.name for v in extra_outputs]
+    with exposed_session(model, exposed, options.providers, reduced, (extra_nodes, extra_outputs)) as session, bar:
         for feed in iter_batches(data, inputs, options.batch_size, options.max_samples, purpose):
             rows = len(next(iter(feed.values())))
             got = dict(zip(outputs, session.run(outputs, feed)))
+            if statistics is not None:
+                statistics.update(got)
             for n in names:
                 if n in reduced:
                     got[n] = np.array([got.pop(n + s) for s in REDUCED_SUFFIXES])
-            yield rows, got
+            yield rows, {n: got[n] for n in names}
             bar.update(rows)
+
+
+def collect(
+    model: ir.Model, stats: Collection[Statistic], data: Any, options: CalibrationConfig,
+    progress: bool | None = None, purpose: str = "collecting statistics",
+) -> dict[Statistic, np.ndarray | None]:
+    """Answer statistics requests in one streaming pass over the data."""
+    found = StatisticsSet(stats)
+    for _ in stream_tensors(model, [], data, options, progress, purpose, statistics=found):
+        pass
+    return found.results()
 
 
 def tensor_groups(model: ir.Model, names: list[str], data: Any, options: CalibrationConfig) -> list[list[str]]:
@@ -103,15 +124,20 @@ def calibrate(
     data: Any,
     options: CalibrationConfig,
     progress: bool | None = None,
+    statistics: Collection[Statistic] = (),
 ) -> CalibrationResult:
     """Run the calibration data through the model and return a range for each tensor.
 
     Tensors are calibrated in one pass, or in groups over several passes when
-    `options.max_memory_mb` bounds the activations held per batch.
+    `options.max_memory_mb` bounds the activations held per batch. `statistics` (what the
+    algorithms after calibration requested) are collected in the first pass.
     """
     result = CalibrationResult()
     if not tensors:
+        if statistics:
+            result.statistics = collect(model, statistics, data, options, progress)
         return result
+    found = StatisticsSet(statistics) if statistics else None
     observers: dict[str, Observer] = {name: make_observer(spec) for name, spec in tensors.items()}
     groups = tensor_groups(model, list(observers), data, options)
     inputs = model_inputs(model)
@@ -119,7 +145,8 @@ def calibrate(
     for index, group in enumerate(groups):
         purpose = "calibrating" if len(groups) == 1 else f"calibrating {index + 1}/{len(groups)}"
         reduced = {n for n in group if observers[n].min_max_only}
-        for rows, values in stream_tensors(model, group, data, options, progress, purpose, reduced):
+        stats = found if index == 0 else None
+        for rows, values in stream_tensors(model, group, data, options, progress, purpose, reduced, stats):
             for name, value in values.items():
                 observers[name].update(np.asarray(value))
             if index == 0:
@@ -129,4 +156,5 @@ def calibrate(
         raise CalibrationDataError("calibration data is empty; give at least one sample")
     result.ranges = {name: obs.compute_range() for name, obs in observers.items()}
     result.num_passes = len(groups)
+    result.statistics = found.results() if found is not None else {}
     return result

@@ -69,19 +69,23 @@ def session_source(model: ir.Model) -> Iterator[str | bytes]:
 
 @contextlib.contextmanager
 def exposed_session(
-    model: ir.Model, tensor_names: list[str], providers: list[str], reduced: Collection[str] = ()
+    model: ir.Model, tensor_names: list[str], providers: list[str], reduced: Collection[str] = (),
+    extra: tuple[list[ir.Node], list[ir.Value]] = ([], []),
 ) -> Iterator[ort.InferenceSession]:
     """Yield a session whose outputs include `tensor_names`; the model is left unchanged.
 
     Tensors in `reduced` are not returned whole: the session computes their min and max
     (outputs `<name>__onnxq_min` / `<name>__onnxq_max`), so only two scalars come back.
+    `extra`: more nodes and outputs to add for the session (statistics reductions).
     """
     graph = model.graph
     values = {v.name: v for v in graph.inputs}
     values.update({o.name: o for n in graph for o in n.outputs if o.name})
     present = {v.name for v in graph.outputs}
     nodes, reduced_outputs = _reduction_nodes([values[n] for n in tensor_names if n in reduced])
+    nodes += extra[0]
     added = [values[n] for n in tensor_names if n not in present and n not in reduced] + reduced_outputs
+    added += extra[1]
     graph.extend(nodes)
     graph.outputs.extend(added)
     try:

@@ -13,7 +13,14 @@ from enum import Enum
 from typing import Any
 
 
-class DType(str, Enum):
+class _StrEnum(str, Enum):
+    """An enum of strings that prints as its value (what config files hold)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class DType(_StrEnum):
     """Target data type of a tensor. `float32` means: leave in float.
 
     Integer types are quantized with a scale and zero point; `float16`/`bfloat16` convert
@@ -35,20 +42,14 @@ class DType(str, Enum):
     BFLOAT16 = "bfloat16"
     FLOAT32 = "float32"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class QScheme(str, Enum):
+class QScheme(_StrEnum):
     PER_TENSOR = "per_tensor"
     PER_CHANNEL = "per_channel"
     PER_GROUP = "per_group"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class CalibMethod(str, Enum):
+class CalibMethod(_StrEnum):
     """The built-in observers (`onnxq.calibrate.observers`). `calib_method` also takes the
     name of any observer registered with `register_observer`, built in or not."""
 
@@ -60,20 +61,14 @@ class CalibMethod(str, Enum):
     IFMR = "ifmr"
     HFMG = "hfmg"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class ScaleType(str, Enum):
+class ScaleType(_StrEnum):
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     POWER_OF_TWO = "power_of_two"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class RoundMethod(str, Enum):
+class RoundMethod(_StrEnum):
     """How offline-quantized tensors (weights, bias) are rounded.
 
     QuantizeLinear in onnxruntime always rounds half to even, so activations only
@@ -85,11 +80,8 @@ class RoundMethod(str, Enum):
     FLOOR = "floor"
     CEIL = "ceil"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Target(str, Enum):
+class Target(_StrEnum):
     """Where the quantized model will run; decides what its int8 kernels can hold.
 
     `auto` probes the onnxruntime at hand (see `onnxq.target`); `generic` means any CPU, so
@@ -103,15 +95,9 @@ class Target(str, Enum):
     GPU = "gpu"
     GENERIC = "generic"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class QuantFormat(str, Enum):
+class QuantFormat(_StrEnum):
     QDQ = "qdq"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass

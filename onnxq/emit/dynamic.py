@@ -191,18 +191,26 @@ def _gemm_bias(c: np.ndarray | None, beta: float, n: int) -> np.ndarray | None:
     return c
 
 
-def _gemm(ctx: _Context, node: ir.Node, spec: ResolvedSpec) -> str | None:
-    if layout.gemm_transposes(node)[0]:
-        return "Gemm with transA=1 is not quantized dynamically"
+def _weight_and_bias(node: ir.Node, bias_label: str) -> tuple[np.ndarray, np.ndarray | None] | str:
+    """The constant weight (input 1) and bias (input 2, if any), or why the node cannot be
+    quantized dynamically."""
     w = constant_array(_input(node, 1))
     if w is None:
         return "weight (input 1) is not a constant"
-    c_value = _input(node, 2)
-    c = constant_array(c_value)
-    if c_value is not None and c is None:
-        return "bias C (input 2) is not a constant"
-    if reason := _float_reason(node.inputs[1], "weight") or _float_reason(node.inputs[0], "input"):
-        return reason
+    bias_value = _input(node, 2)
+    bias = constant_array(bias_value)
+    if bias_value is not None and bias is None:
+        return f"{bias_label} (input 2) is not a constant"
+    return _float_reason(node.inputs[1], "weight") or _float_reason(node.inputs[0], "input") or (w, bias)
+
+
+def _gemm(ctx: _Context, node: ir.Node, spec: ResolvedSpec) -> str | None:
+    if layout.gemm_transposes(node)[0]:
+        return "Gemm with transA=1 is not quantized dynamically"
+    found = _weight_and_bias(node, "bias C")
+    if isinstance(found, str):
+        return found
+    w, c = found
     w = np.asarray(layout.matrix_kn(node, w), dtype=np.float64)
     w = w * float(layout.attr(node, "alpha", 1.0))
     bias = _gemm_bias(c, float(layout.attr(node, "beta", 1.0)), w.shape[1])
@@ -220,15 +228,10 @@ def _conv_weight(w: np.ndarray, spec: ResolvedSpec) -> tuple[QuantizedTensor, st
 
 
 def _conv(ctx: _Context, node: ir.Node, spec: ResolvedSpec) -> str | None:
-    w = constant_array(_input(node, 1))
-    if w is None:
-        return "weight (input 1) is not a constant"
-    bias_value = _input(node, 2)
-    bias = constant_array(bias_value)
-    if bias_value is not None and bias is None:
-        return "bias (input 2) is not a constant"
-    if reason := _float_reason(node.inputs[1], "weight") or _float_reason(node.inputs[0], "input"):
-        return reason
+    found = _weight_and_bias(node, "bias")
+    if isinstance(found, str):
+        return found
+    w, bias = found
     qt, note = _conv_weight(w, spec)
     channel_shape = (-1,) + (1,) * (w.ndim - 2)  # broadcasts on the channel axis of the output
     scale = np.asarray(qt.scale).reshape(channel_shape) if np.ndim(qt.scale) else np.asarray(qt.scale)

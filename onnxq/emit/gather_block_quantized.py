@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import Config
-from onnxq.emit.lowering import LoweringReport, register_lowering
+from onnxq.emit.lowering import LoweringReport, claimed_nodes, register_lowering
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.weights import quantize_weight
@@ -31,14 +31,9 @@ def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpe
     int4/uint4; `clip_search`: its per-block weight-MSE clipping search)."""
     graph = model.graph
     edit = GraphEditor(graph)
-    by_name = {n.name: n for n in graph}
-    skipped: dict[str, str] = {}
-    for name, spec in nodes.items():
-        node = by_name.get(name)
-        reason = "not in the graph" if node is None else can_use_gather_block_quantized(node, spec)
-        if reason is not None:
-            skipped[name] = reason
-            continue
+    ready, skipped = claimed_nodes(graph, nodes, can_use_gather_block_quantized)
+    for node, spec in ready:
+        name = node.name
         table = node.inputs[0]
         qt = quantize_weight(constant_array(table), spec, 1, block_size=spec.group_size,
                              clip_search=clip_search)

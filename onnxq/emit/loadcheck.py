@@ -10,7 +10,7 @@ stay float and the summary says so.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import onnx_ir as ir
@@ -44,8 +44,10 @@ class Trial:
     payload: object = None
 
 
-def find_culprits(candidates: list[str], emit: Callable[[set[str]], Trial]) -> tuple[Trial, list[str]]:
+def find_culprits(candidates: list[Hashable], emit: Callable[[set], Trial]) -> tuple[Trial, list]:
     """Smallest set of `candidates` to keep float so that `emit(kept_float)` loads.
+
+    Candidates are node names (quantized emission) or (op type, type) pairs (float cast).
 
     Culprits are found one at a time: the shortest prefix of the remaining candidates
     (in graph order) that fails when quantized alone ends at a culprit. Each culprit

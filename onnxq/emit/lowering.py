@@ -51,3 +51,20 @@ def register_lowering(strategy: str, order: int) -> Callable[[LoweringFn], Lower
 
 def ordered() -> list[Lowering]:
     return sorted(LOWERINGS.values(), key=lambda lowering: (lowering.order, lowering.strategy))
+
+
+def claimed_nodes(
+    graph: ir.Graph, nodes: Mapping[str, ResolvedSpec], check: Callable[[ir.Node, ResolvedSpec], str | None],
+) -> tuple[list[tuple[ir.Node, ResolvedSpec]], dict[str, str]]:
+    """The claimed nodes a lowering can still rewrite (`check` gives why not, or None),
+    in the order given, and the others with the reason."""
+    by_name = {node.name: node for node in graph}
+    ready, skipped = [], {}
+    for name, spec in nodes.items():
+        node = by_name.get(name)
+        reason = "no node of this name in the graph" if node is None else check(node, spec)
+        if reason:
+            skipped[name] = reason
+        else:
+            ready.append((node, spec))
+    return ready, skipped

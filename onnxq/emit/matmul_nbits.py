@@ -24,7 +24,7 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import Config
-from onnxq.emit.lowering import LoweringReport, register_lowering
+from onnxq.emit.lowering import LoweringReport, claimed_nodes, register_lowering
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import int_type
@@ -151,14 +151,9 @@ def emit_matmul_nbits(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
         raise ValueError(f"accuracy_level must be one of {ACCURACY_LEVELS}, got {accuracy_level}")
     graph = model.graph
     editor = GraphEditor(graph)
-    by_name = {node.name: node for node in graph}
-    skipped: dict[str, str] = {}
-    for name, spec in nodes.items():
-        node = by_name.get(name)
-        reason = "no node of this name in the graph" if node is None else can_use_matmul_nbits(node, spec)
-        if reason:
-            skipped[name] = reason
-            continue
+    ready, skipped = claimed_nodes(graph, nodes, can_use_matmul_nbits)
+    for node, spec in ready:
+        name = node.name
         scale_dtype = FLOAT_TYPES[weight_dtype(node)]
         bq = quantize_blockwise(constant_array(node.inputs[1]), spec, scale_dtype, clip_search,
                                 (importance or {}).get(name))

@@ -14,7 +14,7 @@ data through the model for passes that need activation statistics.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 
 from onnxq.calibrate.data import CalibrationSource
-from onnxq.calibrate.runner import stream_tensors
+from onnxq.calibrate.runner import collect
+from onnxq.calibrate.statistics import Statistic
 from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import CalibrationDataError, ConfigError
 
@@ -37,20 +38,25 @@ class PassContext:
     progress: bool | None = None
     # Nodes a pass created that must stay float (node name -> reason), for the planner.
     keep_float: dict[str, str] = field(default_factory=dict)
+    # Statistics already collected on the model as it is now (by the calibration pass).
+    statistics: dict[Statistic, np.ndarray | None] = field(default_factory=dict)
 
-    def stream(
-        self, model: ir.Model, names: list[str], purpose: str
-    ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-        """Yield (rows, {tensor: batch value}) over the calibration data; nothing is kept."""
+    def collect(self, model: ir.Model, stats: list[Statistic], purpose: str) -> dict[Statistic, np.ndarray | None]:
+        """The requested statistics of `model`: those already collected, else one pass over the data."""
+        if all(stat in self.statistics for stat in stats):
+            return {stat: self.statistics[stat] for stat in stats}
         if self.data is None or self.data.source is None:
             raise CalibrationDataError(f"{purpose} needs calibration data; pass --calib-data PATH")
-        return stream_tensors(model, names, self.data, self.calibration, self.progress, purpose)
+        return collect(model, stats, self.data, self.calibration, self.progress, purpose)
 
 
 PassFn = Callable[[ir.Model, Mapping[str, Any], PassContext], str]
 AlgoFn = Callable[..., "str | tuple[str, Any]"]
 PASSES: dict[str, PassFn] = {}
 ALGORITHMS: dict[str, AlgoFn] = {}
+# Algorithms that can say, before calibration, which statistics they will need:
+# fn(model, plan, options) -> list[Statistic]. The calibration pass collects them too.
+REQUESTS: dict[str, Callable[..., list[Statistic]]] = {}
 DEFAULT_PASSES = ("fold_batchnorm",)
 
 
@@ -68,6 +74,26 @@ def register_algorithm(name: str) -> Callable[[AlgoFn], AlgoFn]:
         return fn
 
     return decorate
+
+
+def statistics_of(name: str) -> Callable[[Callable[..., list[Statistic]]], Callable[..., list[Statistic]]]:
+    """Register the statistics request of algorithm `name` (see `REQUESTS`)."""
+    def decorate(fn: Callable[..., list[Statistic]]) -> Callable[..., list[Statistic]]:
+        REQUESTS[name] = fn
+        return fn
+
+    return decorate
+
+
+def algorithm_requests(
+    model: ir.Model, plan: Any, entries: list[Mapping[str, Any]]
+) -> list[Statistic]:
+    """What the first enabled algorithm will need from the data, for the calibration pass to
+    collect. Only the first: each algorithm rewrites the model the next one observes."""
+    enabled = [e for e in entries if e.get("enabled", True)]
+    if not enabled or enabled[0]["name"] not in REQUESTS:
+        return []
+    return REQUESTS[enabled[0]["name"]](model, plan, _options(enabled[0]))
 
 
 def _check_entries(entries: list[Mapping[str, Any]], table: Mapping[str, Any], what: str) -> None:
@@ -109,6 +135,7 @@ def run_algorithms(
         if not e.get("enabled", True):
             continue
         result = ALGORITHMS[e["name"]](model, plan, ranges, _options(e), ctx)
+        ctx.statistics = {}  # collected on the model before this algorithm changed it
         note, plan = result if isinstance(result, tuple) else (result, plan)
         notes.append(f"{e['name']}: {note}")
     return plan, notes

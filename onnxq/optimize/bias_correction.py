@@ -3,7 +3,7 @@
 Rounding weights shifts the mean of every output channel: E[y_q - y] = (W_q - W) E[x].
 This algorithm runs after calibration, quantizes each weight exactly as the emitter will
 (same spec, axis and bias-safe scale floor), measures E[x] of the layer's input on the
-calibration data (one streaming pass for all layers, sums only) and subtracts the expected
+calibration data (collected in the calibration pass: per-channel sums inside onnxruntime) and subtracts the expected
 error from the bias.
 
 - Gemm / MatMul: the error is (W_q - W) applied to the per-channel mean of the input.
@@ -28,13 +28,14 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from onnxq.calibrate.statistics import Statistic
 from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import QuantizationSpec
 from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor, set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import dequantize, is_float8, is_integer
-from onnxq.optimize import PassContext, register_algorithm
+from onnxq.optimize import PassContext, register_algorithm, statistics_of
 from onnxq.optimize.options import parse_options
 from onnxq.plan import Kind, QuantPlan, TensorPlan
 from onnxq.plan.params import biases_by_weight, emitted_weight
@@ -125,51 +126,47 @@ def find_layers(graph: ir.Graph, plan: QuantPlan, opts: BiasCorrectionOptions) -
     return layers, skipped
 
 
+@dataclass(frozen=True)
 class InputMean:
-    """Running mean of a tensor per channel along some axes, and over the batch axis only
-    (the mean image, for convolutions) when `image` is set."""
+    """E[x] of a layer input: per channel along each requested axis, and the mean image
+    (over samples only, for convolutions; None when spatial sizes vary between batches)."""
 
-    def __init__(self, image: bool = False) -> None:
-        self.full: np.ndarray | None = None  # sum over axis 0 (None once shapes disagree)
-        self.consistent = image
-        self.rows = 0
-        self.channel: dict[int, tuple[np.ndarray, int]] = {}  # axis -> (sum, count)
-
-    def update(self, x: np.ndarray, axes: set[int]) -> None:
-        x = np.asarray(x, dtype=np.float64)
-        if self.consistent:
-            batch_sum = x.sum(axis=0)
-            if self.full is None:
-                self.full = batch_sum
-            elif self.full.shape == batch_sum.shape:
-                self.full += batch_sum
-            else:
-                self.consistent, self.full = False, None
-        self.rows += x.shape[0]
-        for axis in axes:
-            others = tuple(i for i in range(x.ndim) if i != axis % x.ndim)
-            total, count = self.channel.get(axis, (0.0, 0))
-            self.channel[axis] = (total + x.sum(axis=others), count + x.size // x.shape[axis])
+    channel: Mapping[int, np.ndarray]
+    full: np.ndarray | None = None
 
     def channel_mean(self, axis: int) -> np.ndarray:
-        total, count = self.channel[axis]
-        return total / max(count, 1)
+        return self.channel[axis]
 
     def image(self) -> np.ndarray | None:
-        return None if self.full is None else self.full / max(self.rows, 1)
+        return self.full
+
+
+def requests(layers: list[Layer]) -> list[Statistic]:
+    """The statistics bias correction needs: per-channel means of every layer input, and the
+    mean input image of convolutions."""
+    stats = [Statistic(layer.node.inputs[0].name, "mean", layer.channel_axis) for layer in layers]
+    stats += [Statistic(layer.node.inputs[0].name, "image") for layer in layers if layer.node.op_type == "Conv"]
+    return list(dict.fromkeys(stats))
 
 
 def input_means(model: ir.Model, layers: list[Layer], ctx: PassContext) -> dict[str, InputMean]:
-    """Stream the calibration data once; E[x] of every layer input."""
-    axes: dict[str, set[int]] = {}
-    for layer in layers:
-        axes.setdefault(layer.node.inputs[0].name, set()).add(layer.channel_axis)
-    convs = {layer.node.inputs[0].name for layer in layers if layer.node.op_type == "Conv"}
-    means = {name: InputMean(image=name in convs) for name in axes}
-    for _, values in ctx.stream(model, list(axes), "bias correction"):
-        for name, value in values.items():
-            means[name].update(value, axes[name])
+    """E[x] of every layer input: collected with calibration, or in one pass of its own."""
+    stats = requests(layers)
+    found = ctx.collect(model, stats, "bias correction")
+    means: dict[str, InputMean] = {}
+    for name in dict.fromkeys(stat.tensor for stat in stats):
+        channel = {st.axis: found[st] for st in stats if st.tensor == name and st.reduce == "mean"}
+        if any(v is None for v in channel.values()):
+            continue
+        means[name] = InputMean(channel, found.get(Statistic(name, "image")))
     return means
+
+
+@statistics_of("bias_correction")
+def bias_correction_requests(model: ir.Model, plan: QuantPlan, options: Mapping[str, Any]) -> list[Statistic]:
+    """Requested before calibration, so the calibration pass collects them too."""
+    layers, _ = find_layers(model.graph, plan, parse_options(BiasCorrectionOptions, options, "bias_correction"))
+    return requests(layers)
 
 
 def _conv_output_mean(node: ir.Node, image: np.ndarray, eps: np.ndarray) -> np.ndarray:
@@ -302,6 +299,8 @@ def bias_correction(
                 or layer.bias_node.inputs[layer.bias_index] is None)
     corrected = 0
     for layer in layers:
+        if layer.node.inputs[0].name not in means:
+            continue
         new_plan = correct(model, plan, layer, means[layer.node.inputs[0].name], emission, bias_spec)
         if new_plan is not None:
             plan, corrected = new_plan, corrected + 1

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnxq.calibrate.statistics import Reduce, Statistic
 from onnxq.errors import ConfigError
 from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
@@ -282,6 +283,14 @@ def _absorbable(pair: Pair) -> bool:
     return (pads is None or not any(pads)) and auto_pad in ("NOTSET", "VALID")
 
 
+def _channel_stat(model: ir.Model, names: list[str], reduce: Reduce, ctx: PassContext,
+                  purpose: str) -> dict[str, np.ndarray]:
+    """Per-channel (axis 1) `reduce` of each named tensor over the calibration data."""
+    stats = {name: Statistic(name, reduce, 1) for name in names}
+    found = ctx.collect(model, list(stats.values()), purpose)
+    return {name: found[stat] for name, stat in stats.items() if found[stat] is not None}
+
+
 def absorb_high_biases(model: ir.Model, pairs: list[Pair], params: _Params, ctx: PassContext) -> str:
     """Move each channel's smallest calibrated pre-activation (if > 0) from b1 into b2."""
     pairs = [p for p in pairs if _absorbable(p) and params.b[p.first.name] is not None]
@@ -289,12 +298,7 @@ def absorb_high_biases(model: ir.Model, pairs: list[Pair], params: _Params, ctx:
         return "no pair qualifies for high-bias absorption (Relu, then a Gemm or an unpadded Conv)"
     params.write(model.graph)  # stream the equalized model
     names = [p.first.outputs[0].name for p in pairs]
-    lows: dict[str, np.ndarray] = {}
-    for _, values in ctx.stream(model, names, "cle bias absorption"):
-        for name, value in values.items():
-            axes = tuple(i for i in range(value.ndim) if i != 1)
-            low = value.min(axis=axes).astype(np.float64)
-            lows[name] = np.minimum(lows[name], low) if name in lows else low
+    lows = _channel_stat(model, names, "min", ctx, "cle bias absorption")
     absorbed = 0
     for pair, name in zip(pairs, names):
         if name not in lows:
@@ -317,11 +321,7 @@ def bound_clipped_scales(model: ir.Model, pairs: list[Pair], ctx: PassContext) -
     Returns the number of pinned channels.
     """
     names = [p.first.outputs[0].name for p in pairs]
-    highs: dict[str, np.ndarray] = {}
-    for _, values in ctx.stream(model, names, "cle clip bounds"):
-        for name, value in values.items():
-            high = value.max(axis=tuple(i for i in range(value.ndim) if i != 1)).astype(np.float64)
-            highs[name] = np.maximum(highs[name], high) if name in highs else high
+    highs = _channel_stat(model, names, "max", ctx, "cle clip bounds")
     pinned = 0
     for pair, name in zip(pairs, names):
         m, t = highs[name], pair.clip_max

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnxq.calibrate.statistics import Statistic
 from onnxq.errors import ConfigError
 from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor, set_constant
@@ -116,13 +117,9 @@ def find_groups(graph: ir.Graph, opts: SmoothQuantOptions) -> dict[str, list[Con
 
 def channel_absmax(model: ir.Model, groups: dict[str, list[Consumer]], ctx: PassContext) -> dict[str, np.ndarray]:
     """max |x| per input channel of every grouped activation, in one pass over the data."""
-    result: dict[str, np.ndarray] = {}
-    for _, values in ctx.stream(model, list(groups), "smoothquant"):
-        for name, value in values.items():
-            axis = groups[name][0].act_axis % value.ndim
-            m = np.abs(value).max(axis=tuple(i for i in range(value.ndim) if i != axis)).astype(np.float64)
-            result[name] = np.maximum(result[name], m) if name in result else m
-    return result
+    stats = {name: Statistic(name, "absmax", consumers[0].act_axis) for name, consumers in groups.items()}
+    found = ctx.collect(model, list(stats.values()), "smoothquant")
+    return {name: found[stat] for name, stat in stats.items() if found[stat] is not None}
 
 
 def smoothing_scales(xmax: np.ndarray, wmax: np.ndarray, alpha: float) -> np.ndarray:

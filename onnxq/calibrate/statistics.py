@@ -1,0 +1,174 @@
+"""Statistics requests: what a pass needs from the calibration data, declared as values.
+
+A pass asks for per-channel reductions of tensors (`Statistic`) instead of streaming the
+data itself; `collect` answers any number of requests, together with the calibration
+observers when asked in the same call, in one streaming pass. Each reduction runs inside
+onnxruntime (ReduceMin/ReduceMax/ReduceSum over every axis but the channel, in double for
+sums), so a batch returns C numbers per request, not the tensor; only tensors of unknown
+rank come back whole and are reduced in numpy.
+
+Data passes per recipe: calibration 1; bias correction adds none (its means are requested
+before calibration and collected in the same pass); SmoothQuant 1 (its scales change the
+tensors calibration then observes); CLE 1 per data-driven step (clip bounds on the
+original model, bias absorption on the equalized one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import onnx_ir as ir
+
+Reduce = Literal["min", "max", "absmax", "mean", "image"]
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """One reduction of one tensor over all calibration samples.
+
+    min / max / absmax / mean: per index of `axis`, over every other axis and sample.
+    image: the mean over samples only (axis 0), None when batches disagree in shape.
+    """
+
+    tensor: str
+    reduce: Reduce
+    axis: int = 0
+
+
+_FOLD = {"min": np.minimum, "max": np.maximum, "absmax": np.maximum}
+
+
+class _Accumulator:
+    """Running value of one statistic across batches (float64)."""
+
+    def __init__(self, stat: Statistic) -> None:
+        self.stat = stat
+        self.value: np.ndarray | None = None
+        self.count = 0
+        self.consistent = True
+
+    def add_reduced(self, value: np.ndarray, count: int) -> None:
+        value = np.asarray(value, dtype=np.float64)
+        if self.stat.reduce == "image" and self.value is not None and self.value.shape != value.shape:
+            self.consistent = False
+        if not self.consistent:
+            return
+        if self.value is None:
+            self.value = value.copy()
+        elif self.stat.reduce in _FOLD:
+            self.value = _FOLD[self.stat.reduce](self.value, value)
+        else:
+            self.value += value
+        self.count += count
+
+    def add_batch(self, x: np.ndarray) -> None:
+        """Reduce a whole batch in numpy (tensors of unknown rank)."""
+        x = np.asarray(x)
+        reduce, axis = self.stat.reduce, self.stat.axis % max(x.ndim, 1)
+        others = tuple(i for i in range(x.ndim) if i != axis)
+        if reduce == "image":
+            self.add_reduced(x.astype(np.float64).sum(axis=0), x.shape[0])
+        elif reduce == "mean":
+            self.add_reduced(x.astype(np.float64).sum(axis=others), x.size // max(x.shape[axis], 1))
+        else:
+            y = np.abs(x) if reduce == "absmax" else x
+            self.add_reduced((y.min if reduce == "min" else y.max)(axis=others), 0)
+
+    def result(self) -> np.ndarray | None:
+        if self.value is None or not self.consistent:
+            return None
+        if self.stat.reduce in ("mean", "image"):
+            return self.value / max(self.count, 1)
+        return self.value
+
+
+def _suffix(stat: Statistic) -> str:
+    return f"__onnxq_{stat.reduce}_{stat.axis % 1000}"
+
+
+def reduction_nodes(value: ir.Value, stat: Statistic, opset: int) -> tuple[list[ir.Node], list[ir.Value]] | None:
+    """Nodes computing `stat` of one batch inside the session: its outputs are the reduced
+    value and, for means, the count of values per channel. None when the rank is unknown."""
+    rank = len(value.shape) if value.shape is not None else None
+    if rank is None or rank == 0:
+        return None
+    name = value.name + _suffix(stat)
+    if stat.reduce == "image":
+        axes = [0]
+    else:
+        axis = stat.axis % rank
+        axes = [i for i in range(rank) if i != axis]
+    nodes: list[ir.Node] = []
+    source = value
+    if stat.reduce in ("mean", "image"):
+        cast = ir.node("Cast", [value], {"to": ir.DataType.DOUBLE}, name=name + "_cast",
+                       outputs=[ir.Value(name=name + "_cast")])
+        nodes.append(cast)
+        source = cast.outputs[0]
+    elif stat.reduce == "absmax":
+        nodes.append(ir.node("Abs", [value], name=name + "_abs", outputs=[ir.Value(name=name + "_abs")]))
+        source = nodes[-1].outputs[0]
+    op = {"min": "ReduceMin", "max": "ReduceMax", "absmax": "ReduceMax"}.get(stat.reduce, "ReduceSum")
+    out = ir.Value(name=name)
+    if op == "ReduceSum" or opset >= 18:  # axes as an input (ReduceSum-13, ReduceMin/Max-18)
+        constant = ir.node("Constant", [], {"value": ir.tensor(np.array(axes, np.int64))}, name=name + "_axes",
+                           outputs=[ir.Value(name=name + "_axes")])
+        nodes.append(constant)
+        nodes.append(ir.node(op, [source, constant.outputs[0]], {"keepdims": 0}, outputs=[out], name=name))
+    else:
+        nodes.append(ir.node(op, [source], {"keepdims": 0, "axes": axes}, outputs=[out], name=name))
+    outputs = [out]
+    if stat.reduce in ("mean", "image"):
+        shape = ir.node("Shape", [value], name=name + "_shape", outputs=[ir.Value(name=name + "_shape")])
+        nodes.append(shape)
+        outputs.append(shape.outputs[0])
+    return nodes, outputs
+
+
+def _count(stat: Statistic, shape: np.ndarray) -> int:
+    """Values summed per entry of a mean/image reduction, from the batch's shape."""
+    if stat.reduce == "image":
+        return int(shape[0])
+    axis = stat.axis % len(shape)
+    return int(np.prod(shape)) // max(int(shape[axis]), 1)
+
+
+class StatisticsSet:
+    """The requested statistics, fed batch by batch from a session's outputs."""
+
+    def __init__(self, stats: Iterable[Statistic]) -> None:
+        self.accumulators = {stat: _Accumulator(stat) for stat in dict.fromkeys(stats)}
+        self.in_session: dict[Statistic, list[str]] = {}  # stat -> session outputs
+        self.whole: dict[Statistic, str] = {}  # stat -> tensor returned whole
+
+    def attach(self, model: ir.Model) -> tuple[list[ir.Node], list[ir.Value], list[str]]:
+        """Reduction nodes to add to `model`, the outputs to add, and the tensors needed whole."""
+        opset = model.opset_imports.get("", 13)
+        values = {v.name: v for v in model.graph.inputs}
+        values.update({o.name: o for n in model.graph for o in n.outputs if o.name})
+        nodes: list[ir.Node] = []
+        outputs: list[ir.Value] = []
+        for stat in self.accumulators:
+            built = reduction_nodes(values[stat.tensor], stat, opset) if stat.tensor in values else None
+            if built is None:
+                self.whole[stat] = stat.tensor
+                continue
+            nodes.extend(built[0])
+            outputs.extend(built[1])
+            self.in_session[stat] = [v.name for v in built[1]]
+        return nodes, outputs, sorted(set(self.whole.values()))
+
+    def update(self, got: Mapping[str, np.ndarray]) -> None:
+        for stat, names in self.in_session.items():
+            if stat.reduce in ("mean", "image"):
+                self.accumulators[stat].add_reduced(got[names[0]], _count(stat, got[names[1]]))
+            else:
+                self.accumulators[stat].add_reduced(got[names[0]], 0)
+        for stat, tensor in self.whole.items():
+            self.accumulators[stat].add_batch(got[tensor])
+
+    def results(self) -> dict[Statistic, np.ndarray | None]:
+        return {stat: acc.result() for stat, acc in self.accumulators.items()}

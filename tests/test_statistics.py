@@ -1,0 +1,69 @@
+"""Statistics requests (`onnxq.calibrate.statistics`): in-session reductions equal numpy's,
+and bias correction's statistics come with the calibration pass (no pass of its own)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import GraphBuilder, random_feeds, stack_feeds
+
+import onnxq
+from onnxq.calibrate import runner
+from onnxq.calibrate.runner import collect
+from onnxq.calibrate.statistics import Statistic
+from onnxq.config.spec import CalibrationConfig
+from onnxq.graph.load import load_model
+
+
+def conv_net():
+    b = GraphBuilder(7)
+    x = b.input("x", ["N", 3, 6, 6])
+    h = b.relu(b.conv(x, 3, 8))
+    return b.build([b.conv(h, 8, 4)], name="stats_net")
+
+
+def test_in_session_reductions_match_numpy():
+    proto = conv_net()
+    model, _ = load_model(proto)
+    feeds = random_feeds(proto, 5, seed=3)
+    x = stack_feeds(feeds)["x"].astype(np.float64)
+    stats = [Statistic("x", "min", 1), Statistic("x", "max", 1), Statistic("x", "absmax", 1),
+             Statistic("x", "mean", 1), Statistic("x", "mean", -1), Statistic("x", "image")]
+    found = collect(model, stats, feeds, CalibrationConfig(batch_size=2))
+    np.testing.assert_allclose(found[stats[0]], x.min(axis=(0, 2, 3)), rtol=1e-6)
+    np.testing.assert_allclose(found[stats[1]], x.max(axis=(0, 2, 3)), rtol=1e-6)
+    np.testing.assert_allclose(found[stats[2]], np.abs(x).max(axis=(0, 2, 3)), rtol=1e-6)
+    np.testing.assert_allclose(found[stats[3]], x.mean(axis=(0, 2, 3)), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(found[stats[4]], x.mean(axis=(0, 1, 2)), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(found[stats[5]], x.mean(axis=0), rtol=1e-9, atol=1e-12)
+
+
+def test_tensors_of_unknown_rank_are_reduced_in_numpy():
+    proto = conv_net()
+    model, _ = load_model(proto)
+    hidden = next(iter(model.graph)).outputs[0]
+    hidden.shape = None  # as if shape inference had failed
+    feeds = random_feeds(proto, 4, seed=4)
+    stat = Statistic(hidden.name, "absmax", 1)
+    found = collect(model, [stat], feeds, CalibrationConfig(batch_size=3))
+    assert found[stat].shape == (8,) and np.all(found[stat] > 0)
+
+
+def test_bias_correction_statistics_come_with_calibration(monkeypatch: pytest.MonkeyPatch):
+    purposes: list[str] = []
+    real = runner.stream_tensors
+
+    def spy(model, names, data, options, progress=None, purpose="calibrating", *args, **kwargs):
+        purposes.append(purpose)
+        return real(model, names, data, options, progress, purpose, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "stream_tensors", spy)
+    proto = conv_net()
+    feeds = random_feeds(proto, 6, seed=5)
+    config = onnxq.get_preset("U8S8")
+    config.global_quant_config.weight.qscheme = "per_tensor"
+    config.algo_config = [{"name": "bias_correction"}]
+    config.target_algorithms = False
+    result = onnxq.quantize(proto, None, config, feeds)
+    assert purposes == ["calibrating"]  # one pass over the data for calibration and bias correction
+    assert any(n.startswith("bias_correction: 2 of 2 biases corrected") for n in result.summary.notes)
