@@ -5,7 +5,10 @@ plain, with CLE, with bias correction, with both. MiniLM (STS-B dev): Spearman x
 embedding cosine to float, with and without SmoothQuant. Calibration and evaluation
 samples never overlap. Usage:
 
-    python benchmarks/passes.py [--models mobilenet minilm] [--calib 200] [--eval 800]
+    python benchmarks/passes.py [--models mobilenet minilm cost] [--calib 200] [--eval 800]
+
+`cost` times MiniLM quantization plain and with CLE + SmoothQuant + bias correction and
+counts the data passes each needs (issue target: at most 1.3x).
 """
 
 from __future__ import annotations
@@ -147,10 +150,56 @@ def minilm(shared: Path, n_calib: int, n_pairs: int) -> dict[str, Any]:
     return rows
 
 
+def pass_cost(shared: Path, n_calib: int, repeats: int = 2) -> dict[str, Any]:
+    """Quantization time of MiniLM plain and with CLE + SmoothQuant + bias correction
+    (interleaved runs, the best of `repeats` each), and the data passes each needed."""
+    model = str(shared / "models" / "all_minilm_l6_v2.onnx")
+    calib = load_stsb(shared / "data" / "stsb_dev", stsb_rows(stsb_split(n_calib, None)[0]))
+    recipes = {"plain": ([], []), "cle+smoothquant+bias_correction": ([CLE, SQ], [BC])}
+    best: dict[str, float] = {}
+    streams: dict[str, int] = {}
+    for _ in range(repeats):
+        for name, (passes, algos) in recipes.items():
+            config = onnxq.get_preset("U8S8")
+            config.pre_quant_opt_config, config.algo_config = passes, algos
+            counted = _count_streams()
+            start = time.perf_counter()
+            onnxq.quantize(model, None, config, calib)
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+            streams[name] = counted()
+    ratio = best["cle+smoothquant+bias_correction"] / best["plain"]
+    for name in recipes:
+        print(f"  {name:<40} {best[name]:.2f} s  data passes {streams[name]}")
+    print(f"  ratio (target <= 1.3): {ratio:.2f}x")
+    return {"seconds": {k: round(v, 2) for k, v in best.items()}, "data_passes": streams, "ratio": round(ratio, 2)}
+
+
+def _count_streams() -> Callable[[], int]:
+    """Count the streaming passes over the calibration data from now on."""
+    from onnxq.calibrate import runner
+
+    real, calls = runner.stream_tensors, []
+
+    def counting(model: Any, names: Any, data: Any, options: Any, progress: Any = None,
+                 purpose: str = "calibrating", *args: Any, **kwargs: Any) -> Any:
+        if purpose != "sizing calibration":
+            calls.append(purpose)
+        return real(model, names, data, options, progress, purpose, *args, **kwargs)
+
+    runner.stream_tensors = counting
+
+    def stop() -> int:
+        runner.stream_tensors = real
+        return len(calls)
+
+    return stop
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shared", type=Path, default=default_shared_dir())
-    parser.add_argument("--models", nargs="+", default=["mobilenet", "minilm"], choices=["mobilenet", "minilm"])
+    parser.add_argument("--models", nargs="+", default=["mobilenet", "minilm", "cost"],
+                        choices=["mobilenet", "minilm", "cost"], help="cost: MiniLM quantization time per recipe")
     parser.add_argument("--calib", type=int, default=200, help="MobileNet calibration images")
     parser.add_argument("--eval", type=int, default=800, help="MobileNet evaluation images")
     parser.add_argument("--calib-sentences", type=int, default=256)
@@ -165,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         results["mobilenet_v1_075"] = mobilenet(args.shared, args.calib, args.eval)
     if "minilm" in args.models:
         results["all_minilm_l6_v2"] = minilm(args.shared, args.calib_sentences, args.eval_pairs)
+    if "cost" in args.models:
+        print(f"pass cost, all-MiniLM-L6-v2, {args.calib_sentences} calibration sentences")
+        results["pass_cost"] = pass_cost(args.shared, args.calib_sentences)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
