@@ -16,7 +16,6 @@ import onnx_ir as ir
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.calibrate.ranges_io import load_ranges, save_ranges
 from onnxq.calibrate.runner import CalibrationResult, calibrate
-from onnxq.calibrate.statistics import Statistic
 from onnxq.config import (
     Config,
     config_from_dict,
@@ -115,18 +114,18 @@ def _drop_unquantizable(plan: QuantPlan, ranges: dict[str, tuple[float, float]])
 
 def _calibrate_or_load(
     model: ir.Model, plan: QuantPlan, data: CalibrationSource, config: Config, progress: bool | None,
-    statistics: list[Statistic],
+    algorithms: list[dict[str, Any]],
 ) -> CalibrationResult:
-    """Calibrate (collecting the `statistics` the algorithms asked for in the same pass), or
-    take ranges from `calibration.load_ranges`; save them if asked."""
+    """Calibrate (collecting in the same pass the statistics the first algorithm asks for),
+    or take ranges from `calibration.load_ranges`; save them if asked."""
     tensors = plan.calibrated_tensors()
     options = config.calibration
     if options.load_ranges:
         ranges, samples = load_ranges(options.load_ranges, list(tensors))
         result = CalibrationResult(ranges, samples, 0, 0)
     else:
-        statistics = statistics if data.source is not None else []
-        result = calibrate(model, tensors, data, options, progress, statistics)
+        requests = algorithm_requests(model, plan, algorithms) if data.source is not None else []
+        result = calibrate(model, tensors, data, options, progress, requests)
     if options.save_ranges:
         save_ranges(options.save_ranges, result.ranges, tensors, result.num_samples)
     return result
@@ -154,14 +153,14 @@ def _algorithms(
 def _emit_loadable(
     model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], config: Config,
     ctx: PassContext, target: TargetProfile,
-) -> tuple[ir.Model, QuantPlan, EmitResult]:
+) -> tuple[ir.Model, EmitResult]:
     """Emit, then open the result as a deployment would; if onnxruntime refuses it, keep
     the nodes responsible float (found by re-emitting from a copy) instead of writing it."""
     pristine = model.clone()
     emitted = emit_model(model, plan, ranges, config)
     providers = config.calibration.providers
     if model_loads(model, providers):
-        return model, emitted.plan, emitted
+        return model, emitted
     order = [node.name for node in pristine.graph if node.name in plan.quantized_nodes]
 
     def trial(kept: set[str]) -> Trial:
@@ -178,7 +177,7 @@ def _emit_loadable(
     result = final.payload
     result.notes.append(f"{len(culprits)} nodes kept float because onnxruntime could not load them quantized: "
                         + ", ".join(culprits[:5]) + (", ..." if len(culprits) > 5 else ""))
-    return final.model, result.plan, result
+    return final.model, result
 
 
 def quantize(
@@ -218,8 +217,7 @@ def quantize(
         algorithms = _algorithms(config, target, plan, data, summary)
 
     with summary.stage("calibrate"):
-        requests = algorithm_requests(ir_model, plan, algorithms)
-        calibration = _calibrate_or_load(ir_model, plan, data, config, progress, requests)
+        calibration = _calibrate_or_load(ir_model, plan, data, config, progress, algorithms)
     ctx.statistics = calibration.statistics
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)
@@ -232,7 +230,8 @@ def quantize(
     summary.notes.extend(notes)
 
     with summary.stage("emit"):
-        ir_model, plan, emitted = _emit_loadable(ir_model, plan, calibration.ranges, config, ctx, target)
+        ir_model, emitted = _emit_loadable(ir_model, plan, calibration.ranges, config, ctx, target)
+    plan = emitted.plan
     summary.quantized_by_op = dict(sorted(Counter(plan.quantized_nodes.values()).items()))
     summary.float_nodes = plan.float_nodes
     summary.fused_activations = len(emitted.qdq.removed_activations)

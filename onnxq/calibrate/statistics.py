@@ -86,7 +86,7 @@ class _Accumulator:
 
 
 def _suffix(stat: Statistic) -> str:
-    return f"__onnxq_{stat.reduce}_{stat.axis % 1000}"
+    return f"__onnxq_{stat.reduce}_{stat.axis}".replace("-", "m")
 
 
 def reduction_nodes(value: ir.Value, stat: Statistic, opset: int) -> tuple[list[ir.Node], list[ir.Value]] | None:

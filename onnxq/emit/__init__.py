@@ -37,11 +37,11 @@ def emit_model(
         # Lay float8 Q/DQ out so onnxruntime's CPU optimiser keeps it exact (emit/float8.py).
         note = make_float8_deployable(model).note()
         result.notes.extend([note] if note else [])
+    ops = {n.name: n.op_type for n in model.graph}  # of the claimed nodes, before any rewrite
     for lowering in ordered():
         nodes = plan.nodes_for(lowering.strategy)
         if not nodes:
             continue
-        ops = {n.name: n.op_type for n in model.graph}
         report = lowering.run(model, nodes, config)
         result.plan = result.plan.with_quantized_nodes(report.converted, ops) \
             .with_float_nodes(report.skipped, ops)

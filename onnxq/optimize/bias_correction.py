@@ -18,6 +18,7 @@ error from the bias.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,7 +275,8 @@ def correct(model: ir.Model, plan: QuantPlan, layer: Layer, mean: InputMean, emi
         node.resize_inputs(3)
         node.replace_input_with(2, value)
         if bias_plan is not None:
-            plan = plan.with_tensor(bias_plan.replace(name=value.name, axis=0 if channels > 1 else None))
+            plan = plan.with_tensor(dataclasses.replace(bias_plan, name=value.name,
+                                                                 axis=0 if channels > 1 else None))
     else:
         shape = old.shape if old.size == channels else (channels,)
         set_constant(model.graph, layer.bias_node, layer.bias_index, bias.reshape(shape).astype(old.dtype),

@@ -54,10 +54,8 @@ class TensorPlan:
     # Consumers that want this activation in another type (mixed precision): requantized.
     requant: Mapping[Use, ResolvedSpec] = field(default_factory=lambda: EMPTY)
 
-    def replace(self, **changes: Any) -> TensorPlan:
-        if "requant" in changes:
-            changes["requant"] = frozen_map(changes["requant"])
-        return dataclasses.replace(self, **changes)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "requant", frozen_map(self.requant))
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ class Planner:
 
     def update(self, name: str, **changes: object) -> TensorPlan:
         """Replace the planned tensor `name` by a copy with `changes`."""
-        tensor = self.plan.tensors[name] = self.plan.tensors[name].replace(**changes)
+        tensor = self.plan.tensors[name] = dataclasses.replace(self.plan.tensors[name], **changes)
         return tensor
 
     def add_use(self, value: ir.Value, kind: Kind, spec: ResolvedSpec, node: ir.Node, index: int,

@@ -140,16 +140,14 @@ def _settle(
     loads a rewrite with some pairs excluded, so no decision reads the error text."""
     with tempfile.TemporaryDirectory(prefix="onnxq_float_cast_") as tmp:
         workdir = Path(tmp)
-        probe = KernelProbe(model, providers, workdir, accept_upcast) if providers else None
-        plan = plan_casts(model, assigned, keep, probe, {})
         if not providers:
-            return plan
-        nodes = list(model.graph)
-        groups = list(dict.fromkeys((nodes[i].op_type, target) for i, (target, _) in plan.compute.items()))
-        reason = {g: f"no {g[1].name.lower()} kernel in {', '.join(providers)}" for g in groups}
+            return plan_casts(model, assigned, keep, None, {})
+        probe = KernelProbe(model, providers, workdir, accept_upcast)
+        where = ", ".join(providers)
 
         def trial(excluded: set) -> Trial:
-            trial_plan = plan_casts(model, assigned, keep, probe, {g: reason[g] for g in excluded})
+            reasons = {g: f"no {g[1].name.lower()} kernel in {where}" for g in excluded}
+            trial_plan = plan_casts(model, assigned, keep, probe, reasons)
             copy = model.clone()
             Rewriter(copy, trial_plan, tensors).run()
             return Trial(copy, session_error(copy, providers, workdir) is None, trial_plan)
@@ -159,7 +157,9 @@ def _settle(
             return first.payload
         if session_error(model, providers, workdir) is not None:
             report.notes.append(f"float cast: {_CANNOT_LOAD} the model before conversion; runtime check skipped")
-            return plan
+            return first.payload
+        nodes = list(model.graph)
+        groups = list(dict.fromkeys((nodes[i].op_type, t) for i, (t, _) in first.payload.compute.items()))
         try:
             final, _ = find_culprits(groups, trial)
         except OnnxqError:

@@ -10,7 +10,6 @@ None (not its node: ask the next). A new strategy is one module that calls
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -74,5 +73,12 @@ def ordered() -> list[Strategy]:
     return sorted(STRATEGIES.values(), key=lambda s: (s.order, s.name))
 
 
-for _module in ("float_target", "gather_int4", "weight_only", "dynamic", "matmul_nbits", "static"):
-    importlib.import_module(f"{__name__}.{_module}")
+# Importing the built-in strategies registers them.
+from onnxq.plan.strategies import (  # noqa: E402, F401
+    dynamic,
+    float_target,
+    gather_int4,
+    matmul_nbits,
+    static,
+    weight_only,
+)
