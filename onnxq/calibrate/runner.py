@@ -60,12 +60,17 @@ def stream_tensors(
         disable=not _progress(progress), leave=False,
     )
     extra_nodes, extra_outputs, whole = statistics.attach(model) if statistics else ([], [], [])
-    exposed = list(dict.fromkeys([*names, *whole]))
-    reduced = set(reduced) - set(whole)
-    outputs = [n for n in exposed if n not in reduced]
-    outputs += [n + suffix for n in exposed if n in reduced for suffix in REDUCED_SUFFIXES]
+    outputs = [n for n in names if n not in reduced]
+    outputs += [n + suffix for n in names if n in reduced for suffix in REDUCED_SUFFIXES]
     outputs += [v.name for v in extra_outputs]
-    with exposed_session(model, exposed, options.providers, reduced, (extra_nodes, extra_outputs)) as session, bar:
+    # Tensors the statistics need whole that the calibration does not already return whole
+    # (a tensor reduced to [min, max] for its observer is also returned whole).
+    returned = {n for n in names if n not in reduced}
+    exposed = list(dict.fromkeys([*names, *whole]))
+    extra_whole = [n for n in whole if n in reduced]
+    outputs += [n for n in whole if n not in returned]
+    with exposed_session(model, exposed, options.providers, reduced, (extra_nodes, extra_outputs),
+                         also_whole=extra_whole) as session, bar:
         for feed in iter_batches(data, inputs, options.batch_size, options.max_samples, purpose):
             rows = len(next(iter(feed.values())))
             got = dict(zip(outputs, session.run(outputs, feed)))

@@ -70,13 +70,14 @@ def session_source(model: ir.Model) -> Iterator[str | bytes]:
 @contextlib.contextmanager
 def exposed_session(
     model: ir.Model, tensor_names: list[str], providers: list[str], reduced: Collection[str] = (),
-    extra: tuple[list[ir.Node], list[ir.Value]] = ([], []),
+    extra: tuple[list[ir.Node], list[ir.Value]] = ([], []), also_whole: Collection[str] = (),
 ) -> Iterator[ort.InferenceSession]:
     """Yield a session whose outputs include `tensor_names`; the model is left unchanged.
 
     Tensors in `reduced` are not returned whole: the session computes their min and max
     (outputs `<name>__onnxq_min` / `<name>__onnxq_max`), so only two scalars come back.
-    `extra`: more nodes and outputs to add for the session (statistics reductions).
+    `extra`: more nodes and outputs to add for the session (statistics reductions);
+    `also_whole`: tensors of `reduced` that are returned whole as well.
     """
     graph = model.graph
     values = {v.name: v for v in graph.inputs}
@@ -84,7 +85,8 @@ def exposed_session(
     present = {v.name for v in graph.outputs}
     nodes, reduced_outputs = _reduction_nodes([values[n] for n in tensor_names if n in reduced])
     nodes += extra[0]
-    added = [values[n] for n in tensor_names if n not in present and n not in reduced] + reduced_outputs
+    whole = [n for n in tensor_names if n not in reduced or n in also_whole]
+    added = [values[n] for n in dict.fromkeys(whole) if n not in present] + reduced_outputs
     added += extra[1]
     graph.extend(nodes)
     graph.outputs.extend(added)

@@ -4,8 +4,10 @@ A pass asks for per-channel reductions of tensors (`Statistic`) instead of strea
 data itself; `collect` answers any number of requests, together with the calibration
 observers when asked in the same call, in one streaming pass. Each reduction runs inside
 onnxruntime (ReduceMin/ReduceMax/ReduceSum over every axis but the channel, in double for
-sums), so a batch returns C numbers per request, not the tensor; only tensors of unknown
-rank come back whole and are reduced in numpy.
+sums), so a batch returns C numbers per request, not the tensor. Means are exact sums in
+float64, which onnxruntime could only give through a double copy of every tensor (that
+copy doubled peak memory on MobileNet): so means, and tensors of unknown rank, come back
+whole and are summed in numpy.
 
 Data passes per recipe: calibration 1; bias correction adds none (its means are requested
 before calibration and collected in the same pass); SmoothQuant 1 (its scales change the
@@ -65,7 +67,7 @@ class _Accumulator:
         self.count += count
 
     def add_batch(self, x: np.ndarray) -> None:
-        """Reduce a whole batch in numpy (tensors of unknown rank)."""
+        """Reduce a whole batch in numpy (means, tensors of unknown rank)."""
         x = np.asarray(x)
         reduce, axis = self.stat.reduce, self.stat.axis % max(x.ndim, 1)
         others = tuple(i for i in range(x.ndim) if i != axis)
@@ -90,50 +92,29 @@ def _suffix(stat: Statistic) -> str:
 
 
 def reduction_nodes(value: ir.Value, stat: Statistic, opset: int) -> tuple[list[ir.Node], list[ir.Value]] | None:
-    """Nodes computing `stat` of one batch inside the session: its outputs are the reduced
-    value and, for means, the count of values per channel. None when the rank is unknown."""
+    """Nodes computing a min/max/absmax `stat` of one batch inside the session, and their
+    output. None for means and when the rank is unknown (reduced in numpy)."""
     rank = len(value.shape) if value.shape is not None else None
-    if rank is None or rank == 0:
-        return None
+    if rank is None or rank == 0 or stat.reduce in ("mean", "image"):
+        return None  # summed in numpy (module doc)
     name = value.name + _suffix(stat)
-    if stat.reduce == "image":
-        axes = [0]
-    else:
-        axis = stat.axis % rank
-        axes = [i for i in range(rank) if i != axis]
+    axis = stat.axis % rank
+    axes = [i for i in range(rank) if i != axis]
     nodes: list[ir.Node] = []
     source = value
-    if stat.reduce in ("mean", "image"):
-        cast = ir.node("Cast", [value], {"to": ir.DataType.DOUBLE}, name=name + "_cast",
-                       outputs=[ir.Value(name=name + "_cast")])
-        nodes.append(cast)
-        source = cast.outputs[0]
-    elif stat.reduce == "absmax":
+    if stat.reduce == "absmax":
         nodes.append(ir.node("Abs", [value], name=name + "_abs", outputs=[ir.Value(name=name + "_abs")]))
         source = nodes[-1].outputs[0]
-    op = {"min": "ReduceMin", "max": "ReduceMax", "absmax": "ReduceMax"}.get(stat.reduce, "ReduceSum")
+    op = "ReduceMin" if stat.reduce == "min" else "ReduceMax"
     out = ir.Value(name=name)
-    if op == "ReduceSum" or opset >= 18:  # axes as an input (ReduceSum-13, ReduceMin/Max-18)
+    if opset >= 18:  # axes as an input
         constant = ir.node("Constant", [], {"value": ir.tensor(np.array(axes, np.int64))}, name=name + "_axes",
                            outputs=[ir.Value(name=name + "_axes")])
         nodes.append(constant)
         nodes.append(ir.node(op, [source, constant.outputs[0]], {"keepdims": 0}, outputs=[out], name=name))
     else:
         nodes.append(ir.node(op, [source], {"keepdims": 0, "axes": axes}, outputs=[out], name=name))
-    outputs = [out]
-    if stat.reduce in ("mean", "image"):
-        shape = ir.node("Shape", [value], name=name + "_shape", outputs=[ir.Value(name=name + "_shape")])
-        nodes.append(shape)
-        outputs.append(shape.outputs[0])
-    return nodes, outputs
-
-
-def _count(stat: Statistic, shape: np.ndarray) -> int:
-    """Values summed per entry of a mean/image reduction, from the batch's shape."""
-    if stat.reduce == "image":
-        return int(shape[0])
-    axis = stat.axis % len(shape)
-    return int(np.prod(shape)) // max(int(shape[axis]), 1)
+    return nodes, [out]
 
 
 class StatisticsSet:
@@ -163,10 +144,7 @@ class StatisticsSet:
 
     def update(self, got: Mapping[str, np.ndarray]) -> None:
         for stat, names in self.in_session.items():
-            if stat.reduce in ("mean", "image"):
-                self.accumulators[stat].add_reduced(got[names[0]], _count(stat, got[names[1]]))
-            else:
-                self.accumulators[stat].add_reduced(got[names[0]], 0)
+            self.accumulators[stat].add_reduced(got[names[0]], 0)
         for stat, tensor in self.whole.items():
             self.accumulators[stat].add_batch(got[tensor])
 
