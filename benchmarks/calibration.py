@@ -21,11 +21,8 @@ See benchmarks/README.md for the protocol and caveats.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
-import traceback
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
@@ -105,42 +102,12 @@ def quantize_ort(job: dict[str, Any], data: Any, n: int) -> dict[str, Any]:
 
 
 def run_worker(quantizer: str, job_path: str) -> int:
-    job = json.loads(Path(job_path).read_text())
-    t_load = time.perf_counter()
-    data, n = make_data(job["data"])
-    load_s = time.perf_counter() - t_load
-    # Both libraries in both workers, so the baseline is the same on each side.
-    import onnx  # noqa: F401
-    import onnxruntime.quantization  # noqa: F401
+    def load(spec: Any) -> tuple[tuple[Any, int], int]:
+        made = make_data(spec)  # (data, samples): the quantizers take both
+        return made, made[1]
 
-    import onnxq  # noqa: F401
-
-    quantize = {"onnxq": quantize_onnxq, "ort": quantize_ort}[quantizer]
-
-    def call() -> dict[str, Any]:
-        # A failing quantizer still reports how long it ran and how much memory it took.
-        try:
-            return quantize(job, data, n)
-        except Exception as exc:  # noqa: BLE001
-            lines = str(exc).strip().splitlines()
-            return {
-                "error": f"{type(exc).__name__}: {lines[0] if lines else ''}"[:400],
-                "traceback": traceback.format_exc(),
-            }
-
-    info, stats = C.measure_call(call, job.get("rss_limit_mb"))
-    result = {
-        "quantizer": quantizer,
-        "method": job["method"],
-        **stats,
-        "data_load_s": load_s,
-        "calib_samples": n,
-        **info,
-    }
-    if "error" not in info:
-        result["size_mb"] = C.file_mb(job["output"])
-    Path(job["result"]).write_text(json.dumps(C.jsonable(result), indent=2))
-    return 0
+    quantizers = {"onnxq": lambda job, d: quantize_onnxq(job, *d), "ort": lambda job, d: quantize_ort(job, *d)}
+    return C.quantizer_worker(quantizer, job_path, load, quantizers)
 
 
 # =========================================================================== parent side
@@ -165,17 +132,10 @@ def worker(
 
 
 def methods_task(task: CO.Task, args: Namespace, workdir: Path) -> dict[str, Any]:
-    def log(msg: str) -> None:
-        print(f"[{task.name}] {msg}", file=sys.stderr, flush=True)
-
+    log = CO.task_log(task)
     log(f"calibration: {task.calib_desc}; evaluation: {task.eval_desc}")
-    task.eval_feeds, task.labels, task.extra = task.load_eval()
     rows: dict[str, dict[str, Any]] = {}
-    fl, reference = CO.evaluate(task, task.model, None, args)
-    fl.update(size_mb=C.file_mb(task.model), **CO.qdq_counts(task.model))
-    fl["agree"] = 1.0 if task.kind == "encoder" else 100.0
-    rows["float"] = fl
-    log(f"float: metric {fl['metric']:.2f}")
+    rows["float"], reference = CO.float_row(task, args)
     runs = [("onnxq", m) for m in args.methods] + [("ort", m) for m in args.ort_methods]
     for quantizer, method in runs:
         name = f"{quantizer}-{method}"
@@ -183,38 +143,13 @@ def methods_task(task: CO.Task, args: Namespace, workdir: Path) -> dict[str, Any
         job = {"model": str(task.model), "data": task.calib_spec}
         res = worker(quantizer, method, job, workdir, args, task.name)
         res["load_average"] = C.load_average()
-        if "error" not in res:
-            metrics, _ = CO.evaluate(task, res["output"], reference, args)
-            res.update(metrics, **CO.qdq_counts(res["output"]))
-            log(
-                f"{name}: {res['time_s']:.2f} s, peak {res['peak_rss_mb']:.0f} MB, "
-                f"metric {res['metric']:.2f}"
-            )
-        else:
-            log(f"{name}: FAILED ({res['error']})")
+        rows[name] = CO.score_run(task, res, reference, args, name)
         if args.keep is None and "output" in res:
             Path(res["output"]).unlink(missing_ok=True)
-        rows[name] = res
     task.eval_feeds = task.labels = None
-    ratios: dict[str, dict[str, float]] = {}
-    for m in HIST_METHODS:
-        a = rows.get(f"onnxq-{m}", {})
-        for o in ("entropy", "percentile"):
-            b = rows.get(f"ort-{o}", {})
-            if "time_s" in a and "time_s" in b and "error" not in a and "error" not in b:
-                ratios[f"onnxq-{m}/ort-{o}"] = {
-                    "time": a["time_s"] / b["time_s"],
-                    "rss": a["peak_rss_mb"] / b["peak_rss_mb"],
-                    "rss_increase": a["rss_increase_mb"] / max(b["rss_increase_mb"], 1e-9),
-                }
-    return {
-        "model": str(task.model),
-        "calibration": task.calib_desc,
-        "evaluation": task.eval_desc,
-        "metric": task.metric_name,
-        "rows": rows,
-        "ratios": ratios,
-    }
+    ratios = {f"onnxq-{m}/ort-{o}": r for m in HIST_METHODS for o in ("entropy", "percentile")
+              if (r := CO.cost_ratio(rows.get(f"onnxq-{m}", {}), rows.get(f"ort-{o}", {}))) is not None}
+    return CO.task_report(task, rows, ratios=ratios)
 
 
 def flat_runs(args: Namespace, shared: Path, workdir: Path) -> dict[str, Any]:
@@ -258,44 +193,10 @@ def flat_runs(args: Namespace, shared: Path, workdir: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- printing
 
 
-def _fmt(v: Any, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def format_methods(name: str, res: dict[str, Any]) -> str:
-    encoder = res["metric"].startswith("Spearman")
-    agree_name = "cos vs fp" if encoder else "agree %"
-    agree_fmt = ".4f" if encoder else ".2f"
-    lines = [
-        f"== {name}: calibration {res['calibration']}; evaluation {res['evaluation']}; "
-        "U8S8 QDQ, per-channel weights",
-        f"{'':20} {'quant s':>8} {'peak RSS MB':>12} {'+RSS MB':>8} {res['metric']:>14} "
-        f"{agree_name:>10} {'Q/DQ':>9} {'load':>5}",
-    ]
-    for row_name, r in res["rows"].items():
-        if "error" in r:
-            after = (
-                f" (after {r['time_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB)"
-                if "time_s" in r
-                else ""
-            )
-            lines.append(f"{row_name:20} FAILED{after}: {r['error'][:160]}")
-            continue
-        qdq = f"{r.get('QuantizeLinear', 0)}/{r.get('DequantizeLinear', 0)}"
-        load = r.get("load_average")
-        lines.append(
-            f"{row_name:20} {_fmt(r.get('time_s'), '8.2f'):>8} "
-            f"{_fmt(r.get('peak_rss_mb'), '12.0f'):>12} {_fmt(r.get('rss_increase_mb'), '8.0f'):>8} "
-            f"{_fmt(r.get('metric'), '14.2f'):>14} {_fmt(r.get('agree'), agree_fmt):>10} "
-            f"{qdq:>9} {_fmt(load[0] if load else None, '5.2f'):>5}"
-        )
-    if encoder:
-        alls = ", ".join(
-            f"{k} {_fmt(r.get('spearman_all_pairs'), '.2f')}"
-            for k, r in res["rows"].items()
-            if "error" not in r
-        )
-        lines.append(f"Spearman x100 on all 1500 pairs (incl. calibration pairs): {alls}")
+    title = f"== {name}: calibration {res['calibration']}; evaluation {res['evaluation']}; U8S8 QDQ, per-channel weights"
+    lines = C.run_table(title, res, ("quant s", "peak RSS MB", "+RSS MB", "metric", "agree", "Q/DQ", "load"), 20,
+                        "all 1500 pairs")
     for m in HIST_METHODS:
         for o in ("entropy", "percentile"):
             key = f"onnxq-{m}/ort-{o}"
@@ -341,11 +242,7 @@ def format_flat(res: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--shared-dir", type=Path, default=C.default_shared_dir())
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p = C.harness_parser(__doc__, MODELS, ("onnxq", "ort"))
     p.add_argument(
         "--methods",
         nargs="*",
@@ -382,10 +279,6 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
         type=float,
         help="stop a worker whose RSS passes this (default: 80%% of available memory at start)",
     )
-    p.add_argument("--json", type=Path, help="write every number to this JSON file")
-    p.add_argument("--keep", type=Path, help="keep quantized models, jobs and logs here")
-    p.add_argument("--worker", choices=("onnxq", "ort"), help=argparse.SUPPRESS)
-    p.add_argument("--job", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

@@ -6,13 +6,14 @@ so a quantizer worker can load its calibration data before importing anything he
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import resource
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -392,6 +393,107 @@ def measure_call(fn: Any, limit_mb: float | None = None) -> tuple[Any, dict[str,
         "sampled_peak_rss_mb": sampler.peak,
         "process_maxrss_mb": maxrss_after,
     }
+
+
+def quantizer_worker(
+    quantizer: str, job_path: str, load: Any, quantizers: Mapping[str, Any]
+) -> int:
+    """The body of a benchmark's worker process: `load(job["data"])` gives (data, samples);
+    both libraries are imported so the memory baseline is the same on each side; then
+    `quantizers[quantizer](job, data)` runs under `measure_call` and the result (time,
+    memory, its own info, or the error of a failing quantizer) goes to `job["result"]`."""
+    import json
+    import time
+    import traceback
+
+    job = json.loads(Path(job_path).read_text())
+    t_load = time.perf_counter()
+    data, samples = load(job["data"])
+    load_s = time.perf_counter() - t_load
+    import onnx  # noqa: F401
+    import onnxruntime.quantization  # noqa: F401
+
+    import onnxq  # noqa: F401
+
+    def call() -> dict[str, Any]:
+        try:
+            return quantizers[quantizer](job, data)
+        except Exception as exc:  # noqa: BLE001  (reported in the result)
+            lines = str(exc).strip().splitlines()
+            return {"error": f"{type(exc).__name__}: {lines[0] if lines else ''}"[:400],
+                    "traceback": traceback.format_exc()}
+
+    info, stats = measure_call(call, job.get("rss_limit_mb"))
+    result = {"quantizer": quantizer, "method": job.get("method"), **stats, "data_load_s": load_s,
+              "calib_samples": samples, **info}
+    if "error" not in info:
+        result["size_mb"] = file_mb(job["output"])
+    Path(job["result"]).write_text(json.dumps(jsonable(result), indent=2))
+    return 0
+
+
+def harness_parser(doc: str, models: Sequence[str] = (), workers: Sequence[str] | None = None,
+                   keep: str = "keep quantized models, jobs and logs here") -> argparse.ArgumentParser:
+    """The options every benchmark shares: --shared-dir, --models (when `models` are
+    given; all by default), --json, --keep, and the hidden --worker/--job by which a
+    benchmark runs each quantizer in a fresh process of its own."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shared-dir", type=Path, default=default_shared_dir())
+    if models:
+        p.add_argument("--models", nargs="+", default=list(models), choices=list(models))
+    p.add_argument("--json", type=Path, help="write every number to this JSON file")
+    p.add_argument("--keep", type=Path, help=keep)
+    if workers is not None:
+        p.add_argument("--worker", choices=list(workers) or None, help=argparse.SUPPRESS)
+        p.add_argument("--job", help=argparse.SUPPRESS)
+    return p
+
+
+def fmt(v: Any, spec: str) -> str:
+    """`v` formatted by `spec`, or "-" when missing."""
+    return "-" if v is None else format(v, spec)
+
+
+def _cell(name: str, row: dict[str, Any], encoder: bool) -> str:
+    """One cell of `run_table`, right-aligned to its column's width."""
+    load = row.get("load_average")
+    cells = {
+        "quant s": (row.get("time_s"), "8.2f"),
+        "peak RSS MB": (row.get("peak_rss_mb"), "12.0f"),
+        "+RSS MB": (row.get("rss_increase_mb"), "8.0f"),
+        "size MB": (row.get("size_mb"), "8.2f"),
+        "metric": (row.get("metric"), "14.2f"),
+        "agree": (row.get("agree"), "10.4f" if encoder else "10.2f"),
+        "infer ms": (row.get("infer_ms"), "9.3f"),
+        "load": (load[0] if load else None, "5.2f"),
+    }
+    if name == "Q/DQ":
+        return f"{row.get('QuantizeLinear', 0)}/{row.get('DequantizeLinear', 0)}".rjust(9)
+    value, spec = cells[name]
+    return fmt(value, spec).rjust(int(spec.split(".")[0]))
+
+
+def run_table(title: str, res: dict[str, Any], columns: tuple[str, ...], width: int, all_pairs: str) -> list[str]:
+    """The lines of a quantizer comparison: a header, one line per run in `res["rows"]`
+    (FAILED with the error for a failed run), and for sentence encoders the Spearman on
+    `all_pairs`. Columns are named as in `_cell`; "metric" is titled `res["metric"]`."""
+    encoder = res["metric"].startswith("Spearman")
+    headers = {"metric": res["metric"], "agree": "cos vs fp" if encoder else "agree %"}
+    widths = {"quant s": 8, "peak RSS MB": 12, "+RSS MB": 8, "size MB": 8, "metric": 14, "agree": 10,
+              "infer ms": 9, "Q/DQ": 9, "load": 5}
+    lines = [title, " ".join([" " * width] + [headers.get(c, c).rjust(widths[c]) for c in columns])]
+    for name, row in res["rows"].items():
+        if "error" in row:
+            after = (f" (after {row['time_s']:.1f} s, peak RSS {row['peak_rss_mb']:.0f} MB)"
+                     if "time_s" in row and "peak_rss_mb" in row else "")
+            lines.append(f"{name:{width}} FAILED{after}: {row['error'][:160]}")
+            continue
+        lines.append(" ".join([f"{name:{width}}"] + [_cell(c, row, encoder) for c in columns]))
+    if encoder:
+        alls = ", ".join(f"{k} {fmt(r.get('spearman_all_pairs'), '.2f')}"
+                         for k, r in res["rows"].items() if "error" not in r)
+        lines.append(f"Spearman x100 on {all_pairs} (incl. calibration pairs): {alls}")
+    return lines
 
 
 def spawn_worker(

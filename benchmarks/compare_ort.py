@@ -14,8 +14,6 @@ per model. See benchmarks/README.md for the settings used on each side.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
 import platform
 import sys
@@ -100,44 +98,11 @@ def quantize_ort(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str
 
 
 def run_worker(quantizer: str, job_path: str) -> int:
-    job = json.loads(Path(job_path).read_text())
-    t_load = time.perf_counter()
-    arrays = load_calibration(job["data"])
-    load_s = time.perf_counter() - t_load
-    # Import both libraries in both workers so the memory baseline is the same on each side.
-    import onnx  # noqa: F401
-    import onnxruntime.quantization  # noqa: F401
+    def load(spec: Any) -> tuple[dict[str, np.ndarray], int]:
+        arrays = load_calibration(spec)
+        return arrays, C.num_samples(arrays)
 
-    import onnxq  # noqa: F401
-
-    quantize = {"onnxq": quantize_onnxq, "ort": quantize_ort}[quantizer]
-    gc.collect()
-    rss_before = C.current_rss_mb()
-    maxrss_before = C.peak_rss_mb()
-    with C.RssLimitSampler() as sampler:
-        t0 = time.perf_counter()
-        info = quantize(job, arrays)
-        elapsed = time.perf_counter() - t0
-    maxrss_after = C.peak_rss_mb()
-    # ru_maxrss is exact but covers the whole process; when it rose during the call the new
-    # maximum belongs to the call, otherwise fall back to the sampled peak of the call.
-    peak = maxrss_after if maxrss_after > maxrss_before else sampler.peak
-    result = {
-        "quantizer": quantizer,
-        "method": job["method"],
-        "time_s": elapsed,
-        "peak_rss_mb": peak,
-        "rss_before_mb": rss_before,
-        "rss_increase_mb": peak - rss_before,
-        "sampled_peak_rss_mb": sampler.peak,
-        "process_maxrss_mb": maxrss_after,
-        "data_load_s": load_s,
-        "calib_samples": C.num_samples(arrays),
-        "size_mb": C.file_mb(job["output"]),
-        **info,
-    }
-    Path(job["result"]).write_text(json.dumps(C.jsonable(result), indent=2))
-    return 0
+    return C.quantizer_worker(quantizer, job_path, load, {"onnxq": quantize_onnxq, "ort": quantize_ort})
 
 
 # =========================================================================== parent side
@@ -367,19 +332,54 @@ def qdq_counts(path: str | Path) -> dict[str, int]:
     }
 
 
-def compare_task(task: Task, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    log = lambda msg: print(f"[{task.name}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    rows: dict[str, dict[str, Any]] = {}
-    log(f"calibration: {task.calib_desc}; evaluation: {task.eval_desc}")
+def task_log(task: Task) -> Any:
+    return lambda msg: print(f"[{task.name}] {msg}", file=sys.stderr, flush=True)
+
+
+def float_row(task: Task, args: argparse.Namespace) -> tuple[dict[str, Any], np.ndarray]:
+    """Load the task's evaluation data and score the float model: its row and outputs."""
     task.eval_feeds, task.labels, task.extra = task.load_eval()
-    float_metrics, reference = evaluate(task, task.model, None, args)
-    float_metrics.update(size_mb=C.file_mb(task.model), **qdq_counts(task.model))
+    row, reference = evaluate(task, task.model, None, args)
+    row.update(size_mb=C.file_mb(task.model), **qdq_counts(task.model))
     if task.kind == "encoder":
-        float_metrics["agree"] = 1.0
+        row["agree"] = 1.0
     elif reference.ndim == 2 and reference.shape[1] > 1:
-        float_metrics["agree"] = 100.0
-    rows["float"] = float_metrics
-    log(f"float: metric {float_metrics['metric']}")
+        row["agree"] = 100.0
+    task_log(task)(f"float: metric {row['metric']:.2f}")
+    return row, reference
+
+
+def score_run(task: Task, res: dict[str, Any], reference: np.ndarray, args: argparse.Namespace,
+              name: str) -> dict[str, Any]:
+    """Score a quantizer's output (unless it failed) into its row, and log it."""
+    log = task_log(task)
+    if "error" in res:
+        log(f"{name}: FAILED ({res['error']})")
+        return res
+    metrics, _ = evaluate(task, res["output"], reference, args)
+    res.update(metrics, **qdq_counts(res["output"]))
+    log(f"{name}: {res['time_s']:.2f} s, peak {res['peak_rss_mb']:.0f} MB, metric {res['metric']:.2f}")
+    return res
+
+
+def cost_ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float] | None:
+    """Time and memory of run `a` over run `b`, when both ran."""
+    if "time_s" not in a or "time_s" not in b or "error" in a or "error" in b:
+        return None
+    return {"time": a["time_s"] / b["time_s"], "rss": a["peak_rss_mb"] / b["peak_rss_mb"],
+            "rss_increase": a["rss_increase_mb"] / max(b["rss_increase_mb"], 1e-9)}
+
+
+def task_report(task: Task, rows: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"model": str(task.model), "calibration": task.calib_desc, "evaluation": task.eval_desc,
+            "metric": task.metric_name, "rows": rows, **extra}
+
+
+def compare_task(task: Task, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    log = task_log(task)
+    log(f"calibration: {task.calib_desc}; evaluation: {task.eval_desc}")
+    rows: dict[str, dict[str, Any]] = {}
+    rows["float"], reference = float_row(task, args)
     for method in args.methods:
         for quantizer in QUANTIZERS:
             job = {
@@ -394,69 +394,17 @@ def compare_task(task: Task, args: argparse.Namespace, workdir: Path) -> dict[st
             }
             log(f"{quantizer}-{method}: quantizing ...")
             res = run_repeated(quantizer, job, workdir, args)
-            if "error" not in res:
-                metrics, _ = evaluate(task, res["output"], reference, args)
-                res.update(metrics, **qdq_counts(res["output"]))
-                log(
-                    f"{quantizer}-{method}: {res['time_s']:.2f} s, peak {res['peak_rss_mb']:.0f} MB, "
-                    f"metric {res['metric']}"
-                )
-            else:
-                log(f"{quantizer}-{method}: FAILED ({res['error']})")
-            rows[f"{quantizer}-{method}"] = res
-    ratios = {}
-    for method in args.methods:
-        a, b = rows.get(f"onnxq-{method}", {}), rows.get(f"ort-{method}", {})
-        if "time_s" in a and "time_s" in b:
-            ratios[method] = {
-                "time": a["time_s"] / b["time_s"],
-                "rss": a["peak_rss_mb"] / b["peak_rss_mb"],
-                "rss_increase": a["rss_increase_mb"] / max(b["rss_increase_mb"], 1e-9),
-            }
-    return {
-        "model": str(task.model),
-        "calibration": task.calib_desc,
-        "evaluation": task.eval_desc,
-        "metric": task.metric_name,
-        "methods": list(args.methods),
-        "rows": rows,
-        "ratios": ratios,
-    }
-
-
-def _fmt(v: Any, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+            rows[f"{quantizer}-{method}"] = score_run(task, res, reference, args, f"{quantizer}-{method}")
+    ratios = {m: r for m in args.methods
+              if (r := cost_ratio(rows.get(f"onnxq-{m}", {}), rows.get(f"ort-{m}", {}))) is not None}
+    return task_report(task, rows, methods=list(args.methods), ratios=ratios)
 
 
 def format_table(name: str, res: dict[str, Any], per_tensor: bool) -> str:
-    encoder = res["metric"].startswith("Spearman")
-    agree_name = "cos vs fp" if encoder else "agree %"
-    agree_fmt = ".4f" if encoder else ".2f"
     weights = "per-tensor" if per_tensor else "per-channel"
-    lines = [
-        f"== {name}: calibration {res['calibration']}; evaluation {res['evaluation']}; "
-        f"U8S8 QDQ, {weights} weights",
-        f"{'':18} {'quant s':>8} {'peak RSS MB':>12} {'+RSS MB':>8} {'size MB':>8} "
-        f"{res['metric']:>14} {agree_name:>10} {'infer ms':>9} {'Q/DQ':>9}",
-    ]
-    for row_name, r in res["rows"].items():
-        if "error" in r:
-            lines.append(f"{row_name:18} FAILED: {r['error']}")
-            continue
-        qdq = f"{r.get('QuantizeLinear', 0)}/{r.get('DequantizeLinear', 0)}"
-        lines.append(
-            f"{row_name:18} {_fmt(r.get('time_s'), '8.2f'):>8} {_fmt(r.get('peak_rss_mb'), '12.0f'):>12} "
-            f"{_fmt(r.get('rss_increase_mb'), '8.0f'):>8} {_fmt(r.get('size_mb'), '8.2f'):>8} "
-            f"{_fmt(r.get('metric'), '14.2f'):>14} {_fmt(r.get('agree'), agree_fmt):>10} "
-            f"{_fmt(r.get('infer_ms'), '9.3f'):>9} {qdq:>9}"
-        )
-    if encoder:
-        alls = ", ".join(
-            f"{k} {_fmt(r.get('spearman_all_pairs'), '.2f')}"
-            for k, r in res["rows"].items()
-            if "error" not in r
-        )
-        lines.append(f"Spearman x100 on all evaluated pairs (incl. calibration pairs): {alls}")
+    title = f"== {name}: calibration {res['calibration']}; evaluation {res['evaluation']}; U8S8 QDQ, {weights} weights"
+    lines = C.run_table(title, res, ("quant s", "peak RSS MB", "+RSS MB", "size MB", "metric", "agree",
+                                      "infer ms", "Q/DQ"), 18, "all evaluated pairs")
     for method in res["methods"]:
         q = res["ratios"].get(method)
         if q is None:
@@ -489,9 +437,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = C.harness_parser(__doc__, (), QUANTIZERS, keep="keep quantized models and worker logs in this folder")
     p.add_argument("model", nargs="?", help="float ONNX model (not with --shared)")
     p.add_argument(
         "--calib",
@@ -504,7 +450,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--shared", action="store_true", help="run the real models of ../shared (see MANIFEST.md)"
     )
-    p.add_argument("--shared-dir", type=Path, default=C.default_shared_dir())
     p.add_argument(
         "--models",
         nargs="+",
@@ -536,10 +481,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeat", type=int, default=1, help="quantizer runs per row (fastest kept; default 1)"
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per quantizer run")
-    p.add_argument("--json", type=Path, help="write every number to this JSON file")
-    p.add_argument("--keep", type=Path, help="keep quantized models and worker logs in this folder")
-    p.add_argument("--worker", choices=QUANTIZERS, help=argparse.SUPPRESS)
-    p.add_argument("--job", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return args

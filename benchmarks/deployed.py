@@ -155,10 +155,7 @@ def format_table(name: str, metric: str, rows: dict[str, dict[str, Any]]) -> str
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shared-dir", type=Path, default=C.default_shared_dir())
-    p.add_argument("--models", nargs="+", default=["resnet20", "mobilenet", "minilm"],
-                   choices=["resnet20", "mobilenet", "minilm"])
+    p = C.harness_parser(__doc__, ("resnet20", "mobilenet", "minilm"), ())
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--samples", type=int, default=200, help="calibration images")
     p.add_argument("--text-samples", type=int, default=256, help="calibration sentences (MiniLM)")
@@ -167,10 +164,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="threads of the evaluation sessions")
     p.add_argument("--latency-runs", type=int, default=20)
     p.add_argument("--timeout", type=float, default=1200.0)
-    p.add_argument("--json", type=Path)
-    p.add_argument("--keep", type=Path, help="keep the quantized models and worker logs here")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--job", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

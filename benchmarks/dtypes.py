@@ -16,7 +16,6 @@ error. See benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -204,13 +203,7 @@ def model_rows(key: str, args: Namespace, workdir: Path) -> dict[str, Any]:
         rows[FLOAT]["agree"] = 1.0
     elif "error" not in rows[FLOAT]:
         rows[FLOAT]["agree"] = 100.0
-    return {
-        "model": str(task.model),
-        "calibration": task.calib_desc,
-        "evaluation": task.eval_desc,
-        "metric": task.metric_name,
-        "rows": rows,
-    }
+    return CO.task_report(task, rows)
 
 
 def _job_base(key: str, args: Namespace) -> dict[str, Any]:
@@ -296,11 +289,7 @@ def format_model(name: str, res: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--shared-dir", type=Path, default=C.default_shared_dir())
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p = C.harness_parser(__doc__, MODELS, ("variant",))
     p.add_argument(
         "--presets",
         nargs="*",
@@ -327,10 +316,6 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="intra-op threads")
     p.add_argument("--warmup", type=int, default=3, help="untimed runs before timing")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per (model, preset)")
-    p.add_argument("--json", type=Path, help="write every number to this JSON file")
-    p.add_argument("--keep", type=Path, help="keep quantized models, jobs and logs here")
-    p.add_argument("--worker", choices=("variant",), help=argparse.SUPPRESS)
-    p.add_argument("--job", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not args.worker and len(args.runs) != len(args.batches):
         p.error("--runs needs one count per --batches entry")

@@ -46,9 +46,9 @@ FLOAT = "float32"
 ENV_DIR = "ONNXQ_LLM_DIR"
 
 
-def default_llm_dir() -> Path:
+def default_llm_dir(shared_dir: Path) -> Path:
     """$ONNXQ_LLM_DIR, else ../shared/llm next to the repository."""
-    return Path(os.environ[ENV_DIR]) if os.environ.get(ENV_DIR) else C.default_shared_dir() / "llm"
+    return Path(os.environ[ENV_DIR]) if os.environ.get(ENV_DIR) else shared_dir / "llm"
 
 
 def model_files(llm_dir: Path, seq: int) -> tuple[Path, Path]:
@@ -211,7 +211,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.harness_parser(__doc__, (), ["onnxq", "ort"])
     p.add_argument("llm_dir", nargs="?", type=Path, default=None,
                    help=f"export folder (default ${ENV_DIR}, else ../shared/llm)")
     p.add_argument("--seq", type=int, default=256, help="window length of the export (default 256)")
@@ -223,10 +223,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also onnxq with the embedding table as int4 (W4_GROUP128's coverage)")
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads for scoring")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per quantizer run")
-    p.add_argument("--json", type=Path, default=None, help="write every number here")
-    p.add_argument("--keep", type=Path, default=None, help="keep quantized models and logs here")
-    p.add_argument("--worker", choices=["onnxq", "ort"], help=argparse.SUPPRESS)
-    p.add_argument("--job", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -234,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args.worker, args.job)
-    args.llm_dir = args.llm_dir or default_llm_dir()
+    args.llm_dir = args.llm_dir or default_llm_dir(args.shared_dir)
     model, data = model_files(args.llm_dir, args.seq)
     if not model.exists() or not data.exists():
         print(f"llm_int4: no {model.name} / {data.name} in {args.llm_dir}; export them with "

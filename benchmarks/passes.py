@@ -13,7 +13,6 @@ counts the data passes each needs (issue target: at most 1.3x).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -26,8 +25,8 @@ import onnx
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
 from common import (  # noqa: E402
-    default_shared_dir,
     load_imagenet,
     load_stsb,
     load_stsb_scores,
@@ -150,7 +149,7 @@ def minilm(shared: Path, n_calib: int, n_pairs: int) -> dict[str, Any]:
     return rows
 
 
-def pass_cost(shared: Path, n_calib: int, repeats: int = 2) -> dict[str, Any]:
+def pass_cost(shared: Path, n_calib: int, repeats: int = 3) -> dict[str, Any]:
     """Quantization time of MiniLM plain and with CLE + SmoothQuant + bias correction
     (interleaved runs, the best of `repeats` each), and the data passes each needed."""
     model = str(shared / "models" / "all_minilm_l6_v2.onnx")
@@ -196,27 +195,23 @@ def _count_streams() -> Callable[[], int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shared", type=Path, default=default_shared_dir())
-    parser.add_argument("--models", nargs="+", default=["mobilenet", "minilm", "cost"],
-                        choices=["mobilenet", "minilm", "cost"], help="cost: MiniLM quantization time per recipe")
+    parser = C.harness_parser(__doc__, ("mobilenet", "minilm", "cost"))
     parser.add_argument("--calib", type=int, default=200, help="MobileNet calibration images")
     parser.add_argument("--eval", type=int, default=800, help="MobileNet evaluation images")
     parser.add_argument("--calib-sentences", type=int, default=256)
     parser.add_argument("--eval-pairs", type=int, default=600)
-    parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
-    if not (args.shared / "models").is_dir():
-        print(f"no models under {args.shared}; pass --shared", file=sys.stderr)
+    if not (args.shared_dir / "models").is_dir():
+        print(f"no models under {args.shared_dir}; pass --shared-dir", file=sys.stderr)
         return 2
     results = {}
     if "mobilenet" in args.models:
-        results["mobilenet_v1_075"] = mobilenet(args.shared, args.calib, args.eval)
+        results["mobilenet_v1_075"] = mobilenet(args.shared_dir, args.calib, args.eval)
     if "minilm" in args.models:
-        results["all_minilm_l6_v2"] = minilm(args.shared, args.calib_sentences, args.eval_pairs)
+        results["all_minilm_l6_v2"] = minilm(args.shared_dir, args.calib_sentences, args.eval_pairs)
     if "cost" in args.models:
         print(f"pass cost, all-MiniLM-L6-v2, {args.calib_sentences} calibration sentences")
-        results["pass_cost"] = pass_cost(args.shared, args.calib_sentences)
+        results["pass_cost"] = pass_cost(args.shared_dir, args.calib_sentences)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

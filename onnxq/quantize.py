@@ -15,7 +15,9 @@ import onnx_ir as ir
 
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.calibrate.ranges_io import load_ranges, save_ranges
+from onnxq.calibrate.rescale import calibrate_deferred
 from onnxq.calibrate.runner import CalibrationResult, calibrate
+from onnxq.calibrate.statistics import Statistic
 from onnxq.config import (
     Config,
     config_from_dict,
@@ -33,9 +35,12 @@ from onnxq.graph.load import load_model
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
 from onnxq.optimize import (
+    Deferred,
     PassContext,
+    Rescale,
     algorithm_requests,
     check_config_entries,
+    finish_deferred,
     run_algorithms,
     run_passes,
 )
@@ -114,15 +119,24 @@ def _drop_unquantizable(plan: QuantPlan, ranges: dict[str, tuple[float, float]])
 
 def _calibrate_or_load(
     model: ir.Model, plan: QuantPlan, data: CalibrationSource, config: Config, progress: bool | None,
-    algorithms: list[dict[str, Any]],
+    algorithms: list[dict[str, Any]], deferred: Deferred | None, notes: list[str],
 ) -> CalibrationResult:
-    """Calibrate (collecting in the same pass the statistics the first algorithm asks for),
-    or take ranges from `calibration.load_ranges`; save them if asked."""
+    """Calibrate (collecting in the same pass the statistics the first algorithm and a
+    deferred pass ask for, then finishing that pass), or take ranges from
+    `calibration.load_ranges`; save them if asked."""
     tensors = plan.calibrated_tensors()
     options = config.calibration
     if options.load_ranges:
         ranges, samples = load_ranges(options.load_ranges, list(tensors))
         result = CalibrationResult(ranges, samples, 0, 0)
+    elif deferred is not None:
+        def finish(found: Mapping[Statistic, Any]) -> dict[str, Rescale]:
+            note, rescaled = finish_deferred(model, deferred, found)
+            notes.append(note)
+            return rescaled
+
+        requests = [*algorithm_requests(model, plan, algorithms), *deferred.statistics]
+        result = calibrate_deferred(model, tensors, data, options, progress, requests, deferred.rescalable, finish)
     else:
         requests = algorithm_requests(model, plan, algorithms) if data.source is not None else []
         result = calibrate(model, tensors, data, options, progress, requests)
@@ -157,7 +171,7 @@ def _emit_loadable(
     """Emit, then open the result as a deployment would; if onnxruntime refuses it, keep
     the nodes responsible float (found by re-emitting from a copy) instead of writing it."""
     pristine = model.clone()
-    emitted = emit_model(model, plan, ranges, config)
+    emitted = emit_model(model, plan, ranges, config, ctx.weights)
     providers = config.calibration.providers
     if model_loads(model, providers):
         return model, emitted
@@ -196,7 +210,7 @@ def quantize(
     config = as_config(config)
     check_config_entries(config.pre_quant_opt_config, config.algo_config)
     data = CalibrationSource(calibration_data)
-    ctx = PassContext(data, config.calibration, progress)
+    ctx = PassContext(data, config.calibration, progress, deferrable=not config.calibration.load_ranges)
     if output is not None:
         check_output_path(output, model if isinstance(model, str | os.PathLike) else None)
     summary = Summary()
@@ -217,7 +231,8 @@ def quantize(
         algorithms = _algorithms(config, target, plan, data, summary)
 
     with summary.stage("calibrate"):
-        calibration = _calibrate_or_load(ir_model, plan, data, config, progress, algorithms)
+        calibration = _calibrate_or_load(ir_model, plan, data, config, progress, algorithms, ctx.deferred,
+                                         summary.notes)
     ctx.statistics = calibration.statistics
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)

@@ -10,7 +10,7 @@ from helpers import GraphBuilder, op_count, random_feeds, run
 
 from onnxq.config.spec import CalibrationConfig
 from onnxq.graph.load import load_model
-from onnxq.optimize import PassContext, run_passes
+from onnxq.optimize import CONTRACTS, PassContext, run_passes
 from onnxq.optimize.fold_batchnorm import fold_batchnorm
 
 
@@ -52,7 +52,7 @@ def no_data() -> PassContext:
 
 def fold(model: onnx.ModelProto, **options) -> tuple[onnx.ModelProto, str]:
     ir_model, _ = load_model(model)
-    note = fold_batchnorm(ir_model, options, no_data())
+    note = fold_batchnorm(ir_model, CONTRACTS["fold_batchnorm"].parse("fold_batchnorm", options), no_data())
     return ir.to_proto(ir_model), note
 
 

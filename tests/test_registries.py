@@ -10,6 +10,7 @@ onnxruntime session and matches the float model by the stated metric.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -20,7 +21,8 @@ from helpers import GraphBuilder, cosine, random_feeds, run
 import onnxq
 from onnxq.config.compose import compose_config
 from onnxq.emit.lowering import LOWERINGS, LoweringReport, register_lowering
-from onnxq.optimize import PASSES, register_pass
+from onnxq.errors import ConfigError
+from onnxq.optimize import CONTRACTS, PASSES, register_pass
 from onnxq.plan.strategies import STRATEGIES, Lower, register_strategy
 
 
@@ -47,12 +49,17 @@ def toy_strategy():
     LOWERINGS.pop("relu_as_max_toy", None)
 
 
+@dataclass(frozen=True)
+class DropOptions:
+    keep: tuple[str, ...] = ()  # Mul nodes left alone
+
+
 @pytest.fixture
 def toy_pass():
-    @register_pass("drop_mul_by_one_toy")
-    def drop_mul_by_one(model: ir.Model, options, ctx) -> str:
+    @register_pass("drop_mul_by_one_toy", options=DropOptions, rewrites=("graph",))
+    def drop_mul_by_one(model: ir.Model, opts: DropOptions, ctx) -> str:
         dropped = 0
-        for node in list(model.graph):
+        for node in [n for n in model.graph if n.name not in opts.keep]:
             one = node.inputs[1] if node.op_type == "Mul" and len(node.inputs) == 2 else None
             if one is None or one.const_value is None or not np.all(one.const_value.numpy() == 1):
                 continue
@@ -63,6 +70,7 @@ def toy_pass():
 
     yield "drop_mul_by_one_toy"
     PASSES.pop("drop_mul_by_one_toy", None)
+    CONTRACTS.pop("drop_mul_by_one_toy", None)
 
 
 def relu_matmul_model() -> onnx.ModelProto:
@@ -105,6 +113,10 @@ def test_registered_pass_runs_from_python_and_dict_configs(toy_pass):
                              feeds)
     assert by_dict.model.SerializeToString() == result.model.SerializeToString()
     assert cosine(run(result.model, feeds), run(model, feeds)) > 0.999
+    # Its contract types its options: a misspelled one fails before the model is read.
+    with pytest.raises(ConfigError, match="did you mean 'keep'"):
+        onnxq.quantize("no-such-model.onnx", None,
+                       compose_config("U8S8", None, {"pre_quant_opt_config": [{"name": toy_pass, "kepp": []}]}))
 
 
 def test_a_strategy_name_cannot_be_registered_twice(toy_strategy):

@@ -36,6 +36,9 @@ def test_in_session_reductions_match_numpy():
     np.testing.assert_allclose(found[stats[3]], x.mean(axis=(0, 2, 3)), rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(found[stats[4]], x.mean(axis=(0, 1, 2)), rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(found[stats[5]], x.mean(axis=0), rtol=1e-9, atol=1e-12)
+    # absmax alone is reduced in the session; with min and max of the same axis, derived from them
+    alone = collect(model, [stats[2]], feeds, CalibrationConfig(batch_size=2))
+    np.testing.assert_array_equal(alone[stats[2]], found[stats[2]])
 
 
 def test_tensors_of_unknown_rank_are_reduced_in_numpy():

@@ -138,9 +138,7 @@ def calibrate(
     algorithms after calibration requested) are collected in the first pass.
     """
     result = CalibrationResult()
-    if not tensors:
-        if statistics:
-            result.statistics = collect(model, statistics, data, options, progress)
+    if not tensors and not statistics:
         return result
     found = StatisticsSet(statistics) if statistics else None
     observers: dict[str, Observer] = {name: make_observer(spec) for name, spec in tensors.items()}

@@ -10,9 +10,17 @@ copy doubled peak memory on MobileNet): so means, and tensors of unknown rank, c
 whole and are summed in numpy.
 
 Data passes per recipe: calibration 1; bias correction adds none (its means are requested
-before calibration and collected in the same pass); SmoothQuant 1 (its scales change the
-tensors calibration then observes); CLE 1 per data-driven step (clip bounds on the
-original model, bias absorption on the equalized one).
+before calibration and collected in the same pass); SmoothQuant none as the last pass (its
+channel maxima come with calibration and the tensors it scales are settled exactly,
+`calibrate/rescale.py`), 1 when histogram observers must see the scaled tensors; CLE 1
+per data-driven step (clip bounds on the original model, bias absorption on the
+equalized one).
+
+An absmax requested with the min and max of the same axis is derived from them, not
+reduced again. Min/max reductions stay inside onnxruntime although its per-channel
+ReduceMin is about 2x slower than reducing a returned tensor in numpy: returning whole
+tensors would make memory grow with the number of requested tensors (an LLM's hidden
+states at batch 8 are ~9 MB each).
 """
 
 from __future__ import annotations
@@ -121,7 +129,13 @@ class StatisticsSet:
     """The requested statistics, fed batch by batch from a session's outputs."""
 
     def __init__(self, stats: Iterable[Statistic]) -> None:
-        self.accumulators = {stat: _Accumulator(stat) for stat in dict.fromkeys(stats)}
+        requested = list(dict.fromkeys(stats))
+        # absmax = max(-min, max), exactly: not reduced again when min and max are requested.
+        self.derived = {stat: (Statistic(stat.tensor, "min", stat.axis), Statistic(stat.tensor, "max", stat.axis))
+                        for stat in requested if stat.reduce == "absmax"}
+        self.derived = {stat: pair for stat, pair in self.derived.items() if set(pair) <= set(requested)}
+        self.order = requested
+        self.accumulators = {stat: _Accumulator(stat) for stat in requested if stat not in self.derived}
         self.in_session: dict[Statistic, list[str]] = {}  # stat -> session outputs
         self.whole: dict[Statistic, str] = {}  # stat -> tensor returned whole
 
@@ -149,4 +163,7 @@ class StatisticsSet:
             self.accumulators[stat].add_batch(got[tensor])
 
     def results(self) -> dict[Statistic, np.ndarray | None]:
-        return {stat: acc.result() for stat, acc in self.accumulators.items()}
+        found = {stat: acc.result() for stat, acc in self.accumulators.items()}
+        for stat, (lo, hi) in self.derived.items():
+            found[stat] = None if found[lo] is None or found[hi] is None else np.maximum(-found[lo], found[hi])
+        return {stat: found[stat] for stat in self.order}

@@ -19,6 +19,7 @@ from onnxq.emit.lowering import ordered
 from onnxq.emit.qdq import EmitReport, emit_qdq
 from onnxq.numerics.qmath import is_float8
 from onnxq.plan import QuantPlan
+from onnxq.plan.params import WeightCache
 
 
 @dataclass
@@ -29,10 +30,12 @@ class EmitResult:
 
 
 def emit_model(
-    model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], config: Config
+    model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], config: Config,
+    weights: WeightCache | None = None,
 ) -> EmitResult:
-    """Apply the QDQ lowering and every registered lowering the plan needs to `model`, in place."""
-    result = EmitResult(emit_qdq(model, plan, ranges, config.qdq_domain), plan)
+    """Apply the QDQ lowering and every registered lowering the plan needs to `model`, in
+    place (`weights`: weights the algorithms already quantized, not quantized again)."""
+    result = EmitResult(emit_qdq(model, plan, ranges, config.qdq_domain, weights), plan)
     if any(is_float8(t.spec.dtype) for t in plan.tensors.values()):
         # Lay float8 Q/DQ out so onnxruntime's CPU optimiser keeps it exact (emit/float8.py).
         note = make_float8_deployable(model).note()

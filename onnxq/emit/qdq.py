@@ -21,7 +21,13 @@ from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import int_type, is_float8, is_integer, qdq_opset, quantize
 from onnxq.numerics.weights import QuantizedTensor, quantize_bias
 from onnxq.plan import Kind, QuantPlan, TensorPlan, qparams_key
-from onnxq.plan.params import activation_qparams, bias_input_spec, biases_by_weight, emitted_weight
+from onnxq.plan.params import (
+    WeightCache,
+    activation_qparams,
+    bias_input_spec,
+    biases_by_weight,
+    emitted_weight,
+)
 
 CONTRIB = "com.microsoft"
 
@@ -51,8 +57,9 @@ class _Params:
 
 class _Emitter:
     def __init__(self, model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]],
-                 qdq_domain: str) -> None:
+                 qdq_domain: str, weights: WeightCache | None) -> None:
         self.model = model
+        self.weights = weights or WeightCache()
         self.graph = model.graph
         self.plan = plan
         self.ranges = ranges
@@ -198,7 +205,10 @@ class _Emitter:
 
     def quantize_offline(self, tensor: TensorPlan) -> None:
         if tensor.kind is Kind.WEIGHT:
-            qt = emitted_weight(self.plan, self.ranges, self.constant_of, tensor, self.bias_of.get(tensor.name))
+            value = self.values[tensor.name]
+            plain = self.weights.unfloored(tensor, value.const_value, self.constant_of(tensor.name))
+            qt = emitted_weight(self.plan, self.ranges, self.constant_of, tensor, self.bias_of.get(tensor.name),
+                                unfloored=plain)
             if not qt.block_size and is_integer(tensor.spec.dtype):
                 self.weight_scales[tensor.name] = qt.scale
             self.report.weights += 1
@@ -243,7 +253,9 @@ class _Emitter:
 
 
 def emit_qdq(
-    model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], qdq_domain: str = "ai.onnx"
+    model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], qdq_domain: str = "ai.onnx",
+    weights: WeightCache | None = None,
 ) -> EmitReport:
-    """Rewrite `model` in place into QDQ format following `plan` and calibrated `ranges`."""
-    return _Emitter(model, plan, ranges, qdq_domain).run()
+    """Rewrite `model` in place into QDQ format following `plan` and calibrated `ranges`
+    (`weights`: weights an algorithm already quantized)."""
+    return _Emitter(model, plan, ranges, qdq_domain, weights).run()

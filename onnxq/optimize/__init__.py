@@ -2,21 +2,29 @@
 
 Two registries, one module per entry:
 - `PASSES` run before calibration (`Config.pre_quant_opt_config`, applied in order):
-  `fn(model, options, ctx) -> str`. Passes in `DEFAULT_PASSES` run first unless the list
+  `fn(model, options, ctx) -> str`, `options` parsed as the pass's `Contract` declares. Passes in `DEFAULT_PASSES` run first unless the list
   names them (to configure them, or to turn them off with `enabled: false`).
 - `ALGORITHMS` run after calibration, before emission (`Config.algo_config`):
   `fn(model, plan, ranges, options, ctx) -> str | (str, QuantPlan)`; they see what will be
   quantized and how, and one that changes a decision (a bias it adds) returns the new plan.
 Each returns one line saying what it changed, for the summary. `ctx` streams calibration
 data through the model for passes that need activation statistics.
+
+A pass whose statistics can be read from the model before it runs (SmoothQuant's channel
+maxima) may defer its data-dependent half when it is the last pass: it makes its
+structural edits with neutral values, hands a `Deferred` to `ctx`, and the calibration
+pass collects its statistics together with the ranges. `finish` then writes the real
+values and says which tensors it scaled per channel, so their ranges follow exactly
+(`calibrate/rescale.py`) instead of costing a second pass over the data.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnx_ir as ir
@@ -27,6 +35,26 @@ from onnxq.calibrate.runner import collect
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import CalibrationDataError, ConfigError
+from onnxq.optimize.options import parse_options
+from onnxq.plan.params import WeightCache
+
+# A tensor a pass scaled per channel: its values became old * factor along axis (factor > 0).
+Rescale = tuple[int, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """The data-dependent half of a pass, run after the calibration pass (module doc).
+
+    statistics: what `finish` needs, collected on the model as the pass left it.
+    rescalable: tensor -> channel axis, every tensor `finish` may scale.
+    finish(statistics) -> (report line, {tensor: (axis, factor)} of the tensors it scaled).
+    """
+
+    name: str
+    statistics: tuple[Statistic, ...]
+    rescalable: Mapping[str, int]
+    finish: Callable[[Mapping[Statistic, np.ndarray | None]], tuple[str, dict[str, Rescale]]]
 
 
 @dataclass
@@ -40,6 +68,20 @@ class PassContext:
     keep_float: dict[str, str] = field(default_factory=dict)
     # Statistics already collected on the model as it is now (by the calibration pass).
     statistics: dict[Statistic, np.ndarray | None] = field(default_factory=dict)
+    # Whether the pass now running may defer (`Deferred`); set by `run_passes` for the last
+    # pass when the caller calibrates afterwards (`deferrable`).
+    # Weights quantized by an algorithm, reused by emission (`plan.params.WeightCache`).
+    weights: WeightCache = field(default_factory=WeightCache)
+    deferrable: bool = False
+    may_defer: bool = False
+    deferred: Deferred | None = None
+
+    def defer(self, deferred: Deferred) -> bool:
+        """Hand the pass's data-dependent half to the calibration pass, if allowed now."""
+        if not self.may_defer:
+            return False
+        self.deferred = deferred
+        return True
 
     def collect(self, model: ir.Model, stats: list[Statistic], purpose: str) -> dict[Statistic, np.ndarray | None]:
         """The requested statistics of `model`: those already collected, else one pass over the data."""
@@ -50,27 +92,72 @@ class PassContext:
         return collect(model, stats, self.data, self.calibration, self.progress, purpose)
 
 
-PassFn = Callable[[ir.Model, Mapping[str, Any], PassContext], str]
+PassFn = Callable[[ir.Model, Any, PassContext], str]
 AlgoFn = Callable[..., "str | tuple[str, Any]"]
+DataUse = Literal["none", "optional", "required"]
+REWRITES = ("weights", "biases", "graph", "activations")
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a pass that takes none."""
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a pass or algorithm declares when it registers.
+
+    options: its frozen options dataclass (parsed with `parse_options`: a misspelled key
+      is an error naming the nearest) or a function parsing the options mapping; the
+      function receives the parsed value, and the config is checked before the model loads.
+    data: whether it reads the calibration data ("optional": some steps do).
+    rewrites: what it may change: "weights", "biases" (initializers), "graph" (nodes
+      added, removed or replaced), "activations" (tensors scaled per channel).
+    """
+
+    options: Any = NoOptions
+    data: DataUse = "none"
+    rewrites: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.rewrites) - set(REWRITES))
+        if unknown:
+            raise ValueError(f"unknown rewrites {unknown}; use {', '.join(REWRITES)}")
+
+    def parse(self, name: str, options: Mapping[str, Any]) -> Any:
+        if dataclasses.is_dataclass(self.options):
+            return parse_options(self.options, options, name)
+        return self.options(options)
+
+
 PASSES: dict[str, PassFn] = {}
 ALGORITHMS: dict[str, AlgoFn] = {}
+CONTRACTS: dict[str, Contract] = {}  # pass or algorithm name -> its contract
 # Algorithms that can say, before calibration, which statistics they will need:
 # fn(model, plan, options) -> list[Statistic]. The calibration pass collects them too.
 REQUESTS: dict[str, Callable[..., list[Statistic]]] = {}
 DEFAULT_PASSES = ("fold_batchnorm",)
 
 
-def register_pass(name: str) -> Callable[[PassFn], PassFn]:
+def register_pass(name: str, options: Any = NoOptions, data: DataUse = "none",
+                  rewrites: tuple[str, ...] = ()) -> Callable[[PassFn], PassFn]:
+    """Register `fn(model, options, ctx) -> report line` as pass `name` (see `Contract`)."""
+    contract = Contract(options, data, rewrites)
+
     def decorate(fn: PassFn) -> PassFn:
-        PASSES[name] = fn
+        PASSES[name], CONTRACTS[name] = fn, contract
         return fn
 
     return decorate
 
 
-def register_algorithm(name: str) -> Callable[[AlgoFn], AlgoFn]:
+def register_algorithm(name: str, options: Any = NoOptions, data: DataUse = "required",
+                       rewrites: tuple[str, ...] = ()) -> Callable[[AlgoFn], AlgoFn]:
+    """Register `fn(model, plan, ranges, options, ctx)` as algorithm `name` (see `Contract`)."""
+    contract = Contract(options, data, rewrites)
+
     def decorate(fn: AlgoFn) -> AlgoFn:
-        ALGORITHMS[name] = fn
+        ALGORITHMS[name], CONTRACTS[name] = fn, contract
         return fn
 
     return decorate
@@ -107,20 +194,38 @@ def _check_entries(entries: list[Mapping[str, Any]], table: Mapping[str, Any], w
             raise ConfigError(f"unknown {what} {name!r}{hint}")
 
 
-def _options(entry: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in entry.items() if k not in ("name", "enabled")}
+def _options(entry: Mapping[str, Any]) -> Any:
+    """The entry's options, parsed as its contract says."""
+    return CONTRACTS[entry["name"]].parse(entry["name"], {k: v for k, v in entry.items()
+                                                           if k not in ("name", "enabled")})
 
 
 def run_passes(model: ir.Model, entries: list[Mapping[str, Any]], ctx: PassContext) -> list[str]:
-    """Apply the configured pre-quantization passes in order; one report line per pass."""
+    """Apply the configured pre-quantization passes in order; one report line per pass
+    (none for a pass that deferred its second half to `ctx.deferred`)."""
     _check_entries(entries, PASSES, "pre_quant_opt_config pass")
     named = {entry["name"] for entry in entries}
     entries = [{"name": d} for d in DEFAULT_PASSES if d not in named] + list(entries)
-    reports = [
-        f"{e['name']}: {PASSES[e['name']](model, _options(e), ctx)}" for e in entries if e.get("enabled", True)
-    ]
+    enabled = [e for e in entries if e.get("enabled", True)]
+    reports = []
+    for i, e in enumerate(enabled):
+        ctx.may_defer = ctx.deferrable and i == len(enabled) - 1
+        report = PASSES[e["name"]](model, _options(e), ctx)
+        if ctx.deferred is None or ctx.deferred.name != e["name"]:
+            reports.append(f"{e['name']}: {report}")
+    ctx.may_defer = False
     ir_passes.RemoveUnusedNodesPass()(model)  # drops initializers the passes replaced
     return reports
+
+
+def finish_deferred(
+    model: ir.Model, deferred: Deferred, statistics: Mapping[Statistic, np.ndarray | None]
+) -> tuple[str, dict[str, Rescale]]:
+    """Run a deferred pass's second half on the statistics the calibration pass collected:
+    its report line and the tensors it scaled."""
+    report, rescaled = deferred.finish(statistics)
+    ir_passes.RemoveUnusedNodesPass()(model)
+    return f"{deferred.name}: {report}", rescaled
 
 
 def run_algorithms(
@@ -142,9 +247,12 @@ def run_algorithms(
 
 
 def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping[str, Any]]) -> None:
-    """Fail early (before loading the model) on unknown pass or algorithm names."""
+    """Fail early (before loading the model) on unknown pass or algorithm names and on
+    options their contracts reject."""
     _check_entries(pre_quant, PASSES, "pre_quant_opt_config pass")
     _check_entries(algos, ALGORITHMS, "algo_config algorithm")
+    for entry in [*pre_quant, *algos]:
+        _options(entry)
 
 
 # Importing the modules fills the registries.

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import onnx
@@ -36,10 +35,10 @@ from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor, set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import dequantize, is_float8, is_integer
+from onnxq.numerics.weights import QuantizedTensor
 from onnxq.optimize import PassContext, register_algorithm, statistics_of
-from onnxq.optimize.options import parse_options
 from onnxq.plan import Kind, QuantPlan, TensorPlan
-from onnxq.plan.params import biases_by_weight, emitted_weight
+from onnxq.plan.params import WeightCache, biases_by_weight, emitted_weight
 
 OP_TYPES = ("Conv", "Gemm", "MatMul")
 
@@ -164,9 +163,9 @@ def input_means(model: ir.Model, layers: list[Layer], ctx: PassContext) -> dict[
 
 
 @statistics_of("bias_correction")
-def bias_correction_requests(model: ir.Model, plan: QuantPlan, options: Mapping[str, Any]) -> list[Statistic]:
+def bias_correction_requests(model: ir.Model, plan: QuantPlan, opts: BiasCorrectionOptions) -> list[Statistic]:
     """Requested before calibration, so the calibration pass collects them too."""
-    layers, _ = find_layers(model.graph, plan, parse_options(BiasCorrectionOptions, options, "bias_correction"))
+    layers, _ = find_layers(model.graph, plan, opts)
     return requests(layers)
 
 
@@ -205,11 +204,14 @@ def output_error(layer: Layer, eps: np.ndarray, mean: InputMean) -> np.ndarray:
 class _Emission:
     """How emission will quantize each weight (shared with the emitter: `plan.params`)."""
 
-    def __init__(self, model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]]) -> None:
+    def __init__(self, model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],
+                 weights: WeightCache) -> None:
         self.plan = plan
         self.ranges = ranges
         self.initializers = model.graph.initializers
         self.bias_of = biases_by_weight(plan)
+        self.weights = weights
+        self.dequantized: dict[str, tuple[QuantizedTensor, np.ndarray]] = {}  # weight -> (unfloored, as float)
 
     def constant_of(self, name: str) -> np.ndarray | None:
         return constant_array(self.initializers.get(name))
@@ -218,9 +220,20 @@ class _Emission:
                            bias: np.ndarray) -> np.ndarray:
         """W_q as float, given the bias the layer will have (it floors the weight scale)."""
         usable = bias_plan is not None and bias_plan.bias_inputs[0] in self.plan.tensors
+        stored = self.initializers.get(tensor.name)
+        plain = self.weights.unfloored(tensor, stored.const_value if stored is not None else None, w)
         qt = emitted_weight(self.plan, self.ranges, self.constant_of, tensor,
-                            bias_plan if usable else None, bias)
-        return dequantize(qt.data, qt.scale, qt.zero_point, qt.axis, qt.block_size).astype(np.float64)
+                            bias_plan if usable else None, bias, plain)
+        if qt is not plain:  # the bias floors this weight's scale
+            return _dequantized(qt)
+        cached = self.dequantized.get(tensor.name)
+        if cached is None or cached[0] is not plain:
+            cached = self.dequantized[tensor.name] = plain, _dequantized(plain)
+        return cached[1]
+
+
+def _dequantized(qt: QuantizedTensor) -> np.ndarray:
+    return dequantize(qt.data, qt.scale, qt.zero_point, qt.axis, qt.block_size).astype(np.float64)
 
 
 def _bias_spec(plan: QuantPlan) -> ResolvedSpec | None:
@@ -284,18 +297,17 @@ def correct(model: ir.Model, plan: QuantPlan, layer: Layer, mean: InputMean, emi
     return plan
 
 
-@register_algorithm("bias_correction")
+@register_algorithm("bias_correction", options=BiasCorrectionOptions, data="required", rewrites=("biases",))
 def bias_correction(
     model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],
-    options: Mapping[str, Any], ctx: PassContext,
+    opts: BiasCorrectionOptions, ctx: PassContext,
 ) -> str | tuple[str, QuantPlan]:
     """Remove the mean output error that weight rounding causes (see module doc)."""
-    opts = parse_options(BiasCorrectionOptions, options, "bias_correction")
     layers, skipped = find_layers(model.graph, plan, opts)
     if not layers:
         return "no quantized layer to correct" + (f"; skipped {', '.join(skipped[:5])}" if skipped else "")
     means = input_means(model, layers, ctx)
-    emission = _Emission(model, plan, ranges)
+    emission = _Emission(model, plan, ranges, ctx.weights)
     bias_spec = _bias_spec(plan)
     added = sum(1 for layer in layers if layer.bias_index >= len(layer.bias_node.inputs)
                 or layer.bias_node.inputs[layer.bias_index] is None)

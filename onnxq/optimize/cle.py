@@ -25,9 +25,7 @@ where the second layer is a Gemm or an unpadded Conv (zero padding would not car
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -38,7 +36,6 @@ from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.optimize import PassContext, register_pass
-from onnxq.optimize.options import parse_options
 
 LAYERS = {"Conv", "Gemm"}
 HOMOGENEOUS = {"Relu", "LeakyRelu"}  # f(s x) == s f(x) for s > 0
@@ -336,10 +333,9 @@ def _has_data(ctx: PassContext) -> bool:
     return ctx.data is not None and ctx.data.source is not None
 
 
-@register_pass("cle")
-def cross_layer_equalization(model: ir.Model, options: Mapping[str, Any], ctx: PassContext) -> str:
+@register_pass("cle", options=CLEOptions, data="optional", rewrites=("weights", "biases", "graph"))
+def cross_layer_equalization(model: ir.Model, opts: CLEOptions, ctx: PassContext) -> str:
     """Equalize per-channel weight ranges of adjacent Conv/Gemm layers (see module doc)."""
-    opts = parse_options(CLEOptions, options, "cle")
     graph = model.graph
     pairs = [p for p in find_pairs(graph, set(opts.skip_layers)) if _bias_ok(p.first)]
     clipped = [p for p in pairs if p.clip_max is not None]

@@ -8,9 +8,7 @@ weight tensor instead of a weight plus a float affine op it cannot quantize.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -19,7 +17,6 @@ from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.optimize import PassContext, register_pass
-from onnxq.optimize.options import parse_options
 
 FOLDABLE = {"Conv", "ConvTranspose", "Gemm"}
 
@@ -76,13 +73,13 @@ def _fold(graph: ir.Graph, node: ir.Node, bn: ir.Node) -> bool:
     return True
 
 
-@register_pass("fold_batchnorm")
-def fold_batchnorm(model: ir.Model, options: Mapping[str, Any], ctx: PassContext) -> str:
+@register_pass("fold_batchnorm", options=FoldBatchNormOptions, rewrites=("weights", "biases", "graph"))
+def fold_batchnorm(model: ir.Model, opts: FoldBatchNormOptions, ctx: PassContext) -> str:
     """Fold every BN that alone consumes a Conv/ConvTranspose/Gemm output.
 
     Options: `FoldBatchNormOptions` (a misspelled option is an error naming the nearest).
     """
-    skip = set(parse_options(FoldBatchNormOptions, options, "fold_batchnorm").skip_fusion_layers)
+    skip = set(opts.skip_fusion_layers)
     graph = model.graph
     folded, kept = 0, []
     for bn in [n for n in graph if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]:

@@ -31,7 +31,7 @@ from onnxq.errors import ConfigError
 from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor, set_constant
 from onnxq.graph.fold import constant_array
-from onnxq.optimize import PassContext, register_pass
+from onnxq.optimize import Deferred, PassContext, Rescale, register_pass
 from onnxq.optimize.options import parse_options
 
 SMOOTHABLE = {"MatMul", "Gemm", "Conv"}
@@ -115,13 +115,6 @@ def find_groups(graph: ir.Graph, opts: SmoothQuantOptions) -> dict[str, list[Con
     return groups
 
 
-def channel_absmax(model: ir.Model, groups: dict[str, list[Consumer]], ctx: PassContext) -> dict[str, np.ndarray]:
-    """max |x| per input channel of every grouped activation, in one pass over the data."""
-    stats = {name: Statistic(name, "absmax", consumers[0].act_axis) for name, consumers in groups.items()}
-    found = ctx.collect(model, list(stats.values()), "smoothquant")
-    return {name: found[stat] for name, stat in stats.items() if found[stat] is not None}
-
-
 def smoothing_scales(xmax: np.ndarray, wmax: np.ndarray, alpha: float) -> np.ndarray:
     """s_j = max|x_j|^alpha / max|W_j|^(1 - alpha); 1 for dead channels; clamped."""
     alive = (xmax > 0) & (wmax > 0)
@@ -149,8 +142,9 @@ def _const_input(node: ir.Node) -> tuple[int, np.ndarray] | None:
     return found[0] if len(found) == 1 and len(node.inputs) == 2 else None
 
 
-def fold_edits(value: ir.Value, factor: np.ndarray, axis: int) -> list[Edit] | None:
-    """Edits that make `value` come out multiplied by `factor` along `axis`, or None."""
+def fold_edits(value: ir.Value, factor: np.ndarray, axis: int) -> tuple[list[Edit], list[ir.Value]] | None:
+    """Edits that make `value` come out multiplied by `factor` along `axis`, and every
+    tensor they scale (the producer chain down to `value`); None when it cannot."""
     node = value.producer()
     if node is None or node.domain not in ("", "ai.onnx") or value is not node.outputs[0]:
         return None
@@ -160,7 +154,24 @@ def fold_edits(value: ir.Value, factor: np.ndarray, axis: int) -> list[Edit] | N
         inner = node.inputs[0]
         if inner is None or inner.is_graph_output() or len(inner.uses()) != 1:
             return None
-        return fold_edits(inner, factor, axis)
+        found = fold_edits(inner, factor, axis)
+        return None if found is None else (found[0], found[1] + [value])
+    edits = _own_edits(node, op, factor, f, axis)
+    if edits is not None:
+        return edits, [value]
+    found = _const_input(node)
+    if found is None or op not in ("Add", "Sub"):
+        return None
+    index = found[0]
+    other = node.inputs[1 - index]
+    if other.is_graph_output() or len(other.uses()) != 1:
+        return None
+    inner = fold_edits(other, factor, axis)
+    return None if inner is None else (inner[0] + [(node, index, f)], inner[1] + [value])
+
+
+def _own_edits(node: ir.Node, op: str, factor: np.ndarray, f: np.ndarray, axis: int) -> list[Edit] | None:
+    """Edits of `node`'s own constants that scale its output by `factor`, or None."""
     if op == "Conv":
         w = constant_array(node.inputs[1])
         bias = node.inputs[2] if len(node.inputs) > 2 else None
@@ -186,19 +197,10 @@ def fold_edits(value: ir.Value, factor: np.ndarray, axis: int) -> list[Edit] | N
             edits.append((node, 2, factor))
         return edits
     found = _const_input(node)
-    if found is None:
-        return None
-    index, _ = found
-    if op == "Mul":
-        return [(node, index, f)]
-    if op == "Div" and index == 1:
-        return [(node, index, 1.0 / f)]
-    if op in ("Add", "Sub"):
-        other = node.inputs[1 - index]
-        if other.is_graph_output() or len(other.uses()) != 1:
-            return None
-        inner = fold_edits(other, factor, axis)
-        return None if inner is None else inner + [(node, index, f)]
+    if found is not None and op == "Mul":
+        return [(node, found[0], f)]
+    if found is not None and op == "Div" and found[0] == 1:
+        return [(node, 1, 1.0 / f)]
     return None
 
 
@@ -209,16 +211,15 @@ def _apply(graph: ir.Graph, edits: list[Edit]) -> None:
         set_constant(graph, node, index, new, f"{node.name}_smoothquant")
 
 
-def _insert_mul(graph: ir.Graph, value: ir.Value, factor: np.ndarray, axis: int,
-                readers: list[ir.Node]) -> str:
-    """Feed `readers` with value * factor (a new Mul) instead of `value`; the Mul's name."""
+def _insert_mul(graph: ir.Graph, value: ir.Value, channels: int, axis: int, readers: list[ir.Node]) -> ir.Node:
+    """Feed `readers` with value * factor (a new Mul, factor 1 until `finish_group`)."""
     edit = GraphEditor(graph)
     dtype = value.dtype.numpy() if value.dtype is not None else np.float32
-    const = edit.initializer(f"{value.name}_smoothquant_scale", _along(factor, axis).astype(dtype))
+    const = edit.initializer(f"{value.name}_smoothquant_scale", _along(np.ones(channels), axis).astype(dtype))
     out = edit.add_node("Mul", [value, const], f"{value.name}_smoothquant", dtype=value.dtype, shape=value.shape)
     for node in readers:
         node.replace_input_with(0, out)
-    return out.producer().name
+    return out.producer()
 
 
 def _readers(value: ir.Value) -> list[ir.Node]:
@@ -230,36 +231,80 @@ def _readers(value: ir.Value) -> list[ir.Node]:
     return list(seen.values())
 
 
-def smooth_group(graph: ir.Graph, value: ir.Value, consumers: list[Consumer], s: np.ndarray,
-                 insert_mul: bool, keep_float: dict[str, str] | None = None) -> str | None:
-    """Scale the consumers' weights by s and the activation by 1/s; how, or None if skipped."""
+@dataclass
+class Group:
+    """Where one activation's 1/s goes: folded into its producer chain, or a Mul."""
+
+    value: ir.Value
+    consumers: list[Consumer]
+    mul: ir.Node | None  # the inserted Mul, or None when folding
+    rescaled: list[ir.Value]  # the tensors 1/s scales
+
+    @property
+    def axis(self) -> int:
+        return self.consumers[0].act_axis
+
+    @property
+    def read(self) -> ir.Value:
+        """What the consumers read: the Mul's output, or the activation (same values until finished)."""
+        return self.value if self.mul is None else self.mul.outputs[0]
+
+
+def place_group(graph: ir.Graph, value: ir.Value, consumers: list[Consumer], insert_mul: bool,
+                keep_float: dict[str, str] | None = None) -> Group | None:
+    """Decide, from the graph alone, where the group's 1/s goes; insert its Mul (factor 1)
+    when the producer cannot absorb it. None when neither is possible."""
     axis = consumers[0].act_axis
+    channels = _weight_absmax(consumers[0]).shape[0]
     nodes = {id(c.node) for c in consumers}
     others = [n for n in _readers(value) if id(n) not in nodes]
-    edits = None if others or value.is_graph_output() else fold_edits(value, 1.0 / s, axis)
-    if edits is not None:
-        _apply(graph, edits)
-        how = f"folded into {edits[0][0].op_type}"  # the layer (or LayerNorm) absorbing 1/s
-    elif insert_mul:
-        mul = _insert_mul(graph, value, 1.0 / s, axis, [c.node for c in consumers])
-        if keep_float is not None:
-            keep_float[mul] = "SmoothQuant scaling; quantized it would bring the outliers back"
-        how = "Mul inserted"
-    else:
+    chain = None if others or value.is_graph_output() else fold_edits(value, np.ones(channels), axis)
+    if chain is not None:
+        return Group(value, consumers, None, chain[1])
+    if not insert_mul:
         return None
-    for c in consumers:
+    mul = _insert_mul(graph, value, channels, axis, [c.node for c in consumers])
+    if keep_float is not None:
+        keep_float[mul.name] = "SmoothQuant scaling; quantized it would bring the outliers back"
+    return Group(value, consumers, mul, [mul.outputs[0]])
+
+
+def finish_group(graph: ir.Graph, group: Group, s: np.ndarray) -> tuple[str, np.ndarray]:
+    """Scale the consumers' weights by s and the activation by 1/s: how, and the factor
+    the rescaled tensors now carry (exactly the Mul's constant when one was inserted)."""
+    axis = group.axis
+    if group.mul is None:
+        edits, _ = fold_edits(group.value, 1.0 / s, axis)
+        _apply(graph, edits)
+        how, factor = f"folded into {edits[0][0].op_type}", 1.0 / s  # the layer absorbing 1/s
+    else:
+        dtype = group.value.dtype.numpy() if group.value.dtype is not None else np.float32
+        constant = _along(1.0 / s, axis).astype(dtype)
+        set_constant(graph, group.mul, 1, constant, f"{group.value.name}_smoothquant_scale")
+        how, factor = "Mul inserted", constant.reshape(-1)
+    for c in group.consumers:
         w = constant_array(c.node.inputs[1])
         shape = [1] * w.ndim
         shape[c.weight_axis] = -1
         set_constant(graph, c.node, 1, (w.astype(np.float64) * s.reshape(shape)).astype(w.dtype),
                      f"{c.node.name}_smoothquant_weight")
-    return how
+    return how, factor
 
 
-@register_pass("smoothquant")
-def smoothquant(model: ir.Model, options: Mapping[str, Any], ctx: PassContext) -> str:
-    """Migrate activation outliers of MatMul/Gemm inputs into their weights (module doc)."""
-    opts = _parse(options)
+def _unplace(group: Group, keep_float: dict[str, str]) -> None:
+    """Undo a group's inserted Mul (its consumers read the activation again)."""
+    if group.mul is not None:
+        for c in group.consumers:
+            c.node.replace_input_with(0, group.value)
+        keep_float.pop(group.mul.name, None)
+
+
+@register_pass("smoothquant", options=_parse, data="required", rewrites=("weights", "graph", "activations"))
+def smoothquant(model: ir.Model, opts: SmoothQuantOptions, ctx: PassContext) -> str:
+    """Migrate activation outliers of MatMul/Gemm inputs into their weights (module doc).
+
+    The channel maxima are read from the model before scaling, so the pass defers its
+    second half to the calibration pass when it may (`optimize.Deferred`)."""
     graph = model.graph
     groups = find_groups(graph, opts)
     if not groups:
@@ -267,19 +312,34 @@ def smoothquant(model: ir.Model, options: Mapping[str, Any], ctx: PassContext) -
     if ctx.data is None or ctx.data.source is None:  # e.g. `onnxq inspect`
         return f"{sum(map(len, groups.values()))} layers could be smoothed; skipped (needs calibration data)"
     values = {v.name: v for node in graph for v in node.inputs if v is not None and v.name in groups}
-    xmax = channel_absmax(model, groups, ctx)
-    counts: dict[str, int] = {}
-    layers = 0
-    for name, consumers in groups.items():
-        wmax = np.max([_weight_absmax(c) for c in consumers], axis=0)
-        if name not in xmax or xmax[name].shape != wmax.shape:
-            counts["skipped"] = counts.get("skipped", 0) + 1
-            continue
-        how = smooth_group(graph, values[name], consumers, smoothing_scales(xmax[name], wmax, opts.alpha),
-                           opts.insert_mul, ctx.keep_float)
-        counts[how or "skipped"] = counts.get(how or "skipped", 0) + 1
-        layers += len(consumers) if how else 0
+    placed = {name: place_group(graph, values[name], consumers, opts.insert_mul, ctx.keep_float)
+              for name, consumers in groups.items()}
+    # Asked of what the consumers read, which the calibration pass also reduces per channel.
+    stats = {name: Statistic(g.read.name, "absmax", g.axis) for name, g in placed.items() if g is not None}
     graph.sort()  # inserted Muls go before their consumers
-    detail = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
-    smoothed = sum(n for k, n in counts.items() if k != "skipped")
-    return f"{layers} layers smoothed in {smoothed} groups (alpha {opts.alpha:g}): {detail}"
+    deferred = ctx.may_defer
+
+    def finish(found: Mapping[Statistic, np.ndarray | None]) -> tuple[str, dict[str, Rescale]]:
+        counts: dict[str, int] = {}
+        rescaled: dict[str, Rescale] = {}
+        layers = 0
+        for name, group in placed.items():
+            xmax = found.get(stats[name]) if name in stats else None
+            wmax = None if group is None else np.max([_weight_absmax(c) for c in group.consumers], axis=0)
+            if group is None or xmax is None or xmax.shape != wmax.shape:
+                if group is not None and not deferred:
+                    _unplace(group, ctx.keep_float)
+                counts["skipped"] = counts.get("skipped", 0) + 1
+                continue
+            how, factor = finish_group(graph, group, smoothing_scales(xmax, wmax, opts.alpha))
+            rescaled.update({v.name: (group.axis, factor) for v in group.rescaled})
+            counts[how] = counts.get(how, 0) + 1
+            layers += len(group.consumers)
+        detail = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        smoothed = sum(n for k, n in counts.items() if k != "skipped")
+        return f"{layers} layers smoothed in {smoothed} groups (alpha {opts.alpha:g}): {detail}", rescaled
+
+    rescalable = {v.name: g.axis for g in placed.values() if g is not None for v in g.rescaled}
+    if ctx.defer(Deferred("smoothquant", tuple(stats.values()), rescalable, finish)):
+        return "deferred to the calibration pass"
+    return finish(ctx.collect(model, list(stats.values()), "smoothquant"))[0]

@@ -49,16 +49,19 @@ def bias_input_spec(plan: QuantPlan, bias: TensorPlan) -> ResolvedSpec | None:
 def emitted_weight(
     plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], constant_of: ConstantOf,
     tensor: TensorPlan, bias: TensorPlan | None, bias_values: np.ndarray | None = None,
+    unfloored: QuantizedTensor | None = None,
 ) -> QuantizedTensor:
     """A weight quantized exactly as emission stores it (`bias_values`: a candidate bias
-    to use instead of the stored one, for algorithms that are about to change it).
+    to use instead of the stored one, for algorithms that are about to change it;
+    `unfloored`: the weight already quantized without a scale floor, returned as is when
+    the bias needs none).
 
     When the weight's int32 bias would overflow, its scale is raised just enough, per
     channel. A per-tensor scale is raised at most 2x (further would coarsen every
     channel); past that the bias stays float instead.
     """
     array = constant_of(tensor.name)
-    qt = quantize_weight(array, tensor.spec, tensor.axis, 0.0, tensor.block_size)
+    qt = unfloored or quantize_weight(array, tensor.spec, tensor.axis, 0.0, tensor.block_size)
     if bias is None or tensor.block_size or bias.bias_inputs[0] not in plan.tensors:
         return qt
     s_in, _ = activation_qparams(plan, ranges, constant_of, bias.bias_inputs[0], bias_input_spec(plan, bias))
@@ -69,6 +72,27 @@ def emitted_weight(
     if np.any(floor > qt.scale) and (tensor.axis is not None or np.all(floor <= 2 * qt.scale)):
         qt = quantize_weight(array, tensor.spec, tensor.axis, floor, tensor.block_size)
     return qt
+
+
+class WeightCache:
+    """Weights quantized without a scale floor, computed once per pipeline and shared by
+    the algorithms that predict emission (bias correction) and emission itself. An entry
+    remembers the stored tensor it came from and is used only while that tensor is still
+    the weight's value, so a pass that rewrites a weight never sees a stale one."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[object, QuantizedTensor]] = {}
+
+    def unfloored(self, tensor: TensorPlan, source: object, array: np.ndarray) -> QuantizedTensor:
+        """`array` (the values of `source`, a stored tensor or None) quantized as `tensor` says."""
+        if source is None:
+            return quantize_weight(array, tensor.spec, tensor.axis, 0.0, tensor.block_size)
+        key = (tensor.name, tensor.spec, tensor.axis, tensor.block_size)
+        entry = self._entries.get(key)
+        if entry is None or entry[0] is not source:
+            entry = source, quantize_weight(array, tensor.spec, tensor.axis, 0.0, tensor.block_size)
+            self._entries[key] = entry
+        return entry[1]
 
 
 def biases_by_weight(plan: QuantPlan) -> dict[str, TensorPlan]:
