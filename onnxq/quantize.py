@@ -171,7 +171,7 @@ def _emit_loadable(
     """Emit, then open the result as a deployment would; if onnxruntime refuses it, keep
     the nodes responsible float (found by re-emitting from a copy) instead of writing it."""
     pristine = model.clone()
-    emitted = emit_model(model, plan, ranges, config, ctx.weights)
+    emitted = emit_model(model, plan, ranges, config, ctx.weights, target.runs_on_cpu())
     providers = config.calibration.providers
     if model_loads(model, providers):
         return model, emitted
@@ -184,7 +184,7 @@ def _emit_loadable(
         missing = set(new_plan.calibrated_tensors()) - set(ranges)
         if missing:
             new_plan, _ = new_plan.without(missing, "not calibrated")
-        result = emit_model(copy, new_plan, ranges, config)
+        result = emit_model(copy, new_plan, ranges, config, cpu=target.runs_on_cpu())
         return Trial(copy, model_loads(copy, providers), result)
 
     final, culprits = find_culprits(order, trial)

@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from onnxq.config.spec import Config
 from onnxq.emit import dynamic, float_cast, gather_block_quantized, matmul_nbits  # noqa: F401 (register lowerings)
+from onnxq.emit.cpu_layout import keep_layernorm_apart
 from onnxq.emit.float8 import make_float8_deployable
 from onnxq.emit.lowering import ordered
 from onnxq.emit.qdq import EmitReport, emit_qdq
@@ -31,10 +32,11 @@ class EmitResult:
 
 def emit_model(
     model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], config: Config,
-    weights: WeightCache | None = None,
+    weights: WeightCache | None = None, cpu: bool = False,
 ) -> EmitResult:
     """Apply the QDQ lowering and every registered lowering the plan needs to `model`, in
-    place (`weights`: weights the algorithms already quantized, not quantized again)."""
+    place (`weights`: weights the algorithms already quantized, not quantized again;
+    `cpu`: the target runs onnxruntime's CPU provider, see `cpu_layout`)."""
     result = EmitResult(emit_qdq(model, plan, ranges, config.qdq_domain, weights), plan)
     if any(is_float8(t.spec.dtype) for t in plan.tensors.values()):
         # Lay float8 Q/DQ out so onnxruntime's CPU optimiser keeps it exact (emit/float8.py).
@@ -49,5 +51,9 @@ def emit_model(
         result.plan = result.plan.with_quantized_nodes(report.converted, ops) \
             .with_float_nodes(report.skipped, ops)
         result.notes.extend(report.notes)
+    apart = keep_layernorm_apart(model) if cpu else 0
+    if apart:
+        result.notes.append(f"{apart} float Add -> LayerNormalization written as Sum: onnxruntime's CPU "
+                            "SkipLayerNormalization fusion runs slower than the two ops (emit/cpu_layout.py)")
     model.graph.sort()
     return result

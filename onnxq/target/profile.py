@@ -54,6 +54,10 @@ class TargetProfile:
             return REDUCED_BITS
         return None
 
+    def runs_on_cpu(self) -> bool:
+        """Whether the model will run on onnxruntime's CPU provider."""
+        return self.name != Target.GPU.value
+
     def narrows_weights(self) -> bool:
         """Whether some int8 weights get fewer than 8 bits on this target."""
         if self.reduce_range is not None:
