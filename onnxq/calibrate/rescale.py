@@ -20,25 +20,17 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from onnxq.calibrate.observers import make_observer
+from onnxq.calibrate.observers import make_observer, observer_class
 from onnxq.calibrate.runner import CalibrationResult, calibrate
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
+from onnxq.graph import layout
+from onnxq.graph.edit import values_by_name
 
 # tensor -> (channel axis, factor): how a deferred pass scaled it.
 Rescales = Mapping[str, tuple[int, np.ndarray]]
 Finish = Callable[[Mapping[Statistic, np.ndarray | None]], Rescales]
-
-
-def _values(model: ir.Model) -> dict[str, ir.Value]:
-    values = {v.name: v for v in model.graph.inputs}
-    values.update({o.name: o for node in model.graph for o in node.outputs if o.name})
-    return values
-
-
-def _along(factor: np.ndarray, axis: int) -> np.ndarray:
-    return factor.reshape((-1,) + (1,) * (-axis - 1))
 
 
 def rescale_statistics(
@@ -56,7 +48,7 @@ def rescale_statistics(
         if rank is not None and axis >= 0:
             axis -= rank
         if stat.reduce == "image" and axis < 0 and value.ndim >= -axis:
-            out[stat] = value * _along(factor, axis)
+            out[stat] = value * layout.along(factor, axis)
         elif stat.reduce != "image" and rank is not None and stat.axis % rank == axis % rank \
                 and value.shape == factor.shape:
             out[stat] = value * factor
@@ -91,18 +83,19 @@ def calibrate_deferred(
     rewrites `model` and says what it scaled), and settle the scaled tensors (module doc)."""
     held = {n: tensors[n] for n in rescalable if n in tensors}
     extremes = {n: (Statistic(n, "min", rescalable[n]), Statistic(n, "max", rescalable[n]))
-                for n, spec in held.items() if make_observer(spec).min_max_only}
+                for n, spec in held.items() if observer_class(spec.calib_method).min_max_only}
     internal = [s for pair in extremes.values() for s in pair if s not in statistics]
     rest = {n: spec for n, spec in tensors.items() if n not in held}
     result = calibrate(model, rest, data, options, progress, [*statistics, *internal])
     found = result.statistics
     rescales = finish(found)
-    values = _values(model)
+    values = values_by_name(model.graph)
     ranges: dict[str, tuple[float, float]] = {}
     for name, (lo, hi) in extremes.items():
         value = values.get(name)
         dtype = value.dtype.numpy() if value is not None and value.dtype is not None else np.float32
-        scaled = _scaled_range(held[name], found[lo], found[hi], rescales.get(name, (0, None))[1], dtype)
+        factor = rescales[name][1] if name in rescales else None  # None: not scaled after all
+        scaled = _scaled_range(held[name], found[lo], found[hi], factor, dtype)
         if scaled is not None:
             ranges[name] = scaled
     again = {n: spec for n, spec in held.items() if n not in ranges}

@@ -11,6 +11,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from onnxq.errors import OnnxqError
+from onnxq.graph.edit import values_by_name
 
 # Above this many bytes of weights the model goes to onnxruntime through a file with
 # external data instead of one serialized protobuf (which is limited to 2 GB).
@@ -80,8 +81,7 @@ def exposed_session(
     `also_whole`: tensors of `reduced` that are returned whole as well.
     """
     graph = model.graph
-    values = {v.name: v for v in graph.inputs}
-    values.update({o.name: o for n in graph for o in n.outputs if o.name})
+    values = values_by_name(graph)
     present = {v.name for v in graph.outputs}
     nodes, reduced_outputs = _reduction_nodes([values[n] for n in tensor_names if n in reduced])
     nodes += extra[0]

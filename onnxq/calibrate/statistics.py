@@ -32,6 +32,8 @@ from typing import Literal
 import numpy as np
 import onnx_ir as ir
 
+from onnxq.graph.edit import values_by_name
+
 Reduce = Literal["min", "max", "absmax", "mean", "image"]
 
 
@@ -131,9 +133,9 @@ class StatisticsSet:
     def __init__(self, stats: Iterable[Statistic]) -> None:
         requested = list(dict.fromkeys(stats))
         # absmax = max(-min, max), exactly: not reduced again when min and max are requested.
-        self.derived = {stat: (Statistic(stat.tensor, "min", stat.axis), Statistic(stat.tensor, "max", stat.axis))
-                        for stat in requested if stat.reduce == "absmax"}
-        self.derived = {stat: pair for stat, pair in self.derived.items() if set(pair) <= set(requested)}
+        pairs = {stat: (Statistic(stat.tensor, "min", stat.axis), Statistic(stat.tensor, "max", stat.axis))
+                 for stat in requested if stat.reduce == "absmax"}
+        self.derived = {stat: pair for stat, pair in pairs.items() if set(pair) <= set(requested)}
         self.order = requested
         self.accumulators = {stat: _Accumulator(stat) for stat in requested if stat not in self.derived}
         self.in_session: dict[Statistic, list[str]] = {}  # stat -> session outputs
@@ -142,8 +144,7 @@ class StatisticsSet:
     def attach(self, model: ir.Model) -> tuple[list[ir.Node], list[ir.Value], list[str]]:
         """Reduction nodes to add to `model`, the outputs to add, and the tensors needed whole."""
         opset = model.opset_imports.get("", 13)
-        values = {v.name: v for v in model.graph.inputs}
-        values.update({o.name: o for n in model.graph for o in n.outputs if o.name})
+        values = values_by_name(model.graph)
         nodes: list[ir.Node] = []
         outputs: list[ir.Value] = []
         for stat in self.accumulators:

@@ -205,8 +205,7 @@ class _Emitter:
 
     def quantize_offline(self, tensor: TensorPlan) -> None:
         if tensor.kind is Kind.WEIGHT:
-            value = self.values[tensor.name]
-            plain = self.weights.unfloored(tensor, value.const_value, self.constant_of(tensor.name))
+            plain = self.weights.unfloored(tensor, self.values[tensor.name])
             qt = emitted_weight(self.plan, self.ranges, self.constant_of, tensor, self.bias_of.get(tensor.name),
                                 unfloored=plain)
             if not qt.block_size and is_integer(tensor.spec.dtype):

@@ -14,6 +14,13 @@ def make_initializer(name: str, array: np.ndarray) -> ir.Value:
     return value
 
 
+def values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    """The graph's inputs and every node output, by name (the tensors a session can expose)."""
+    values = {v.name: v for v in graph.inputs}
+    values.update({o.name: o for node in graph for o in node.outputs if o.name})
+    return values
+
+
 class GraphEditor:
     """Creates uniquely named initializers and nodes in one graph."""
 

@@ -133,6 +133,11 @@ def act_channel_axis(node: ir.Node, rank: int) -> int:
     raise _unknown(node)
 
 
+def along(factor: np.ndarray, axis: int) -> np.ndarray:
+    """A per-channel `factor` shaped to broadcast along `axis` (negative) of a tensor."""
+    return factor.reshape((-1,) + (1,) * (-axis - 1))
+
+
 def matrix_kn(node: ir.Node, w: np.ndarray) -> np.ndarray:
     """A Gemm or MatMul weight as [K, N] (Gemm's transB undone)."""
     return w.T if node.op_type == "Gemm" and gemm_transposes(node)[1] else w

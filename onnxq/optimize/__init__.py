@@ -2,8 +2,9 @@
 
 Two registries, one module per entry:
 - `PASSES` run before calibration (`Config.pre_quant_opt_config`, applied in order):
-  `fn(model, options, ctx) -> str`, `options` parsed as the pass's `Contract` declares. Passes in `DEFAULT_PASSES` run first unless the list
-  names them (to configure them, or to turn them off with `enabled: false`).
+  `fn(model, options, ctx) -> str`, `options` parsed as the pass's `Contract` declares.
+  Passes in `DEFAULT_PASSES` run first unless the list names them (to configure them, or
+  to turn them off with `enabled: false`).
 - `ALGORITHMS` run after calibration, before emission (`Config.algo_config`):
   `fn(model, plan, ranges, options, ctx) -> str | (str, QuantPlan)`; they see what will be
   quantized and how, and one that changes a decision (a bias it adds) returns the new plan.
@@ -68,10 +69,10 @@ class PassContext:
     keep_float: dict[str, str] = field(default_factory=dict)
     # Statistics already collected on the model as it is now (by the calibration pass).
     statistics: dict[Statistic, np.ndarray | None] = field(default_factory=dict)
-    # Whether the pass now running may defer (`Deferred`); set by `run_passes` for the last
-    # pass when the caller calibrates afterwards (`deferrable`).
     # Weights quantized by an algorithm, reused by emission (`plan.params.WeightCache`).
     weights: WeightCache = field(default_factory=WeightCache)
+    # Whether the pass now running may defer (`Deferred`); set by `run_passes` for the last
+    # pass when the caller calibrates afterwards (`deferrable`).
     deferrable: bool = False
     may_defer: bool = False
     deferred: Deferred | None = None

@@ -216,12 +216,11 @@ class _Emission:
     def constant_of(self, name: str) -> np.ndarray | None:
         return constant_array(self.initializers.get(name))
 
-    def dequantized_weight(self, tensor: TensorPlan, w: np.ndarray, bias_plan: TensorPlan | None,
+    def dequantized_weight(self, tensor: TensorPlan, weight: ir.Value, bias_plan: TensorPlan | None,
                            bias: np.ndarray) -> np.ndarray:
         """W_q as float, given the bias the layer will have (it floors the weight scale)."""
         usable = bias_plan is not None and bias_plan.bias_inputs[0] in self.plan.tensors
-        stored = self.initializers.get(tensor.name)
-        plain = self.weights.unfloored(tensor, stored.const_value if stored is not None else None, w)
+        plain = self.weights.unfloored(tensor, weight)
         qt = emitted_weight(self.plan, self.ranges, self.constant_of, tensor,
                             bias_plan if usable else None, bias, plain)
         if qt is not plain:  # the bias floors this weight's scale
@@ -275,7 +274,7 @@ def correct(model: ir.Model, plan: QuantPlan, layer: Layer, mean: InputMean, emi
         bias_plan = emission.bias_of.get(layer.weight.name)
     bias = base
     for _ in range(3):  # the weight scale floor depends on the bias: let it settle
-        wq = emission.dequantized_weight(layer.weight, w, bias_plan, bias)
+        wq = emission.dequantized_weight(layer.weight, node.inputs[1], bias_plan, bias)
         new = base - output_error(layer, wq - w.astype(np.float64), mean) / beta
         settled = np.array_equal(new, bias)
         bias = new

@@ -127,11 +127,6 @@ def _weight_absmax(consumer: Consumer) -> np.ndarray:
     return w.max(axis=tuple(i for i in range(w.ndim) if i != consumer.weight_axis))
 
 
-def _along(factor: np.ndarray, axis: int) -> np.ndarray:
-    """`factor` shaped to broadcast along `axis` (negative) of a tensor."""
-    return factor.reshape((-1,) + (1,) * (-axis - 1))
-
-
 # An edit multiplies input `index` of `node` by `factor` (broadcasting).
 Edit = tuple[ir.Node, int, np.ndarray]
 
@@ -148,7 +143,7 @@ def fold_edits(value: ir.Value, factor: np.ndarray, axis: int) -> tuple[list[Edi
     node = value.producer()
     if node is None or node.domain not in ("", "ai.onnx") or value is not node.outputs[0]:
         return None
-    f = _along(factor, axis)
+    f = layout.along(factor, axis)
     op = node.op_type
     if op in HOMOGENEOUS and len(node.outputs) == 1:
         inner = node.inputs[0]
@@ -215,7 +210,7 @@ def _insert_mul(graph: ir.Graph, value: ir.Value, channels: int, axis: int, read
     """Feed `readers` with value * factor (a new Mul, factor 1 until `finish_group`)."""
     edit = GraphEditor(graph)
     dtype = value.dtype.numpy() if value.dtype is not None else np.float32
-    const = edit.initializer(f"{value.name}_smoothquant_scale", _along(np.ones(channels), axis).astype(dtype))
+    const = edit.initializer(f"{value.name}_smoothquant_scale", layout.along(np.ones(channels), axis).astype(dtype))
     out = edit.add_node("Mul", [value, const], f"{value.name}_smoothquant", dtype=value.dtype, shape=value.shape)
     for node in readers:
         node.replace_input_with(0, out)
@@ -279,7 +274,7 @@ def finish_group(graph: ir.Graph, group: Group, s: np.ndarray) -> tuple[str, np.
         how, factor = f"folded into {edits[0][0].op_type}", 1.0 / s  # the layer absorbing 1/s
     else:
         dtype = group.value.dtype.numpy() if group.value.dtype is not None else np.float32
-        constant = _along(1.0 / s, axis).astype(dtype)
+        constant = layout.along(1.0 / s, axis).astype(dtype)
         set_constant(graph, group.mul, 1, constant, f"{group.value.name}_smoothquant_scale")
         how, factor = "Mul inserted", constant.reshape(-1)
     for c in group.consumers:

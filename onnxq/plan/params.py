@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import numpy as np
+import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
+from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import compute_qparams
 from onnxq.numerics.weights import QuantizedTensor, bias_safe_weight_scale, quantize_weight
 from onnxq.plan import Kind, QuantPlan, TensorPlan
@@ -83,15 +85,15 @@ class WeightCache:
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple[object, QuantizedTensor]] = {}
 
-    def unfloored(self, tensor: TensorPlan, source: object, array: np.ndarray) -> QuantizedTensor:
-        """`array` (the values of `source`, a stored tensor or None) quantized as `tensor` says."""
-        if source is None:
-            return quantize_weight(array, tensor.spec, tensor.axis, 0.0, tensor.block_size)
+    def unfloored(self, tensor: TensorPlan, value: ir.Value) -> QuantizedTensor:
+        """The constant `value` quantized as `tensor` says, read only when not cached."""
+        source = value.const_value
         key = (tensor.name, tensor.spec, tensor.axis, tensor.block_size)
         entry = self._entries.get(key)
-        if entry is None or entry[0] is not source:
-            entry = source, quantize_weight(array, tensor.spec, tensor.axis, 0.0, tensor.block_size)
-            self._entries[key] = entry
+        if source is None or entry is None or entry[0] is not source:
+            entry = source, quantize_weight(constant_array(value), tensor.spec, tensor.axis, 0.0, tensor.block_size)
+            if source is not None:
+                self._entries[key] = entry
         return entry[1]
 
 

@@ -18,6 +18,7 @@ from onnxq.calibrate.observers.histogram import StreamingHistogram
 from onnxq.calibrate.observers.registry import (
     OBSERVERS,
     make_observer,
+    observer_class,
     observer_options,
     register_observer,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "Observer",
     "StreamingHistogram",
     "make_observer",
+    "observer_class",
     "observer_options",
     "register_observer",
 ]

@@ -38,6 +38,11 @@ def make_observer(spec: ResolvedSpec) -> Observer:
     return _lookup(spec.calib_method)(spec)
 
 
+def observer_class(method: str) -> type[Observer]:
+    """The observer class registered for calib method `method`."""
+    return _lookup(method)
+
+
 def observer_options(method: str) -> type | None:
     """The options dataclass of calib method `method`, or None if it takes no options."""
     return _lookup(method).options_class
