@@ -1,4 +1,4 @@
-"""Command line: `onnxq quantize`, `onnxq presets`, `onnxq inspect`.
+"""Command line: `onnxq quantize`, `analyze`, `compare`, `presets`, `inspect`.
 
 Flags override the config file, which overrides the preset. A user mistake prints one
 line on stderr and exits with status 2; `--debug` shows the traceback instead.
@@ -53,6 +53,9 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("max_calib_memory", ("calibration", "max_memory_mb")),
     ("save_ranges", ("calibration", "save_ranges")),
     ("load_ranges", ("calibration", "load_ranges")),
+    ("eval_data", ("mixed_precision", "eval_data")),
+    ("labels", ("mixed_precision", "labels")),
+    ("ladder", ("mixed_precision", "ladder")),
 )
 
 
@@ -77,7 +80,22 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
         values.append((("pre_quant_opt_config",), passes))
     if args.bias_correction:
         values.append((("algo_config",), [{"name": "bias_correction"}]))
+    if args.accuracy_target is not None or args.metric is not None:
+        values.append((("mixed_precision", "target"), _target_text(args.accuracy_target, args.metric)))
     return values
+
+
+def _target_text(expression: str | None, metric: str | None) -> str:
+    """`--accuracy-target` with `--metric` folded in (`float-0.5` + top1 -> `top1>=float-0.5`)."""
+    from onnxq.search.target import parse_target
+
+    if expression is None:
+        raise OnnxqError("--metric names what --accuracy-target measures; add e.g. --accuracy-target float-0.5")
+    target = parse_target(expression, metric)
+    if metric is not None and target.metric != metric:
+        raise OnnxqError(f"--metric {metric} conflicts with the metric in --accuracy-target {expression!r}; "
+                         "give the metric once")
+    return target.describe()
 
 
 def _spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -102,9 +120,18 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     config = compose_config(args.preset, args.config, _spec_overrides(args))
     progress = False if args.quiet else None
-    result = quantize(args.input, args.output, config, args.calib_data, progress=progress)
+    result = quantize(args.input, args.output, config, args.calib_data, progress=progress, report=args.report)
+    if args.save_config:
+        from onnxq.config import save_config
+
+        mp = result.summary.mixed_precision
+        save_config(mp.config if mp is not None else config, args.save_config)
     if not args.quiet:
         print(format_summary(result.summary))
+        if args.save_config:
+            print(f"  config written to {args.save_config}")
+        if args.report:
+            print(f"  report written to {args.report}")
     return 0
 
 
@@ -150,29 +177,58 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_compare(args: argparse.Namespace) -> int:
+def _data_and_labels(data: str, key: str | None) -> tuple[object, object]:
+    """`--data` and the labels array `--labels KEY` names in it (split off the inputs)."""
     from pathlib import Path
 
     import numpy as np
 
     from onnxq.errors import CalibrationDataError
-    from onnxq.evaluate import compare_models, format_comparison
 
-    data: object = args.data
-    labels = None
-    if args.labels is not None:
-        path = Path(args.data)
-        if path.suffix != ".npz" or not path.is_file():
-            raise CalibrationDataError("--labels KEY needs --data to be one .npz file holding that key")
-        with np.load(path) as npz:
-            if args.labels not in npz.files:
-                raise CalibrationDataError(f"{path} has no array {args.labels!r}; keys: {', '.join(npz.files)}")
-            arrays = {k: npz[k] for k in npz.files}
-        labels = arrays.pop(args.labels)
-        data = arrays
-    for model in (args.float_model, args.quant_model):
+    if key is None:
+        return data, None
+    path = Path(data)
+    if path.suffix != ".npz" or not path.is_file():
+        raise CalibrationDataError("--labels KEY needs --data to be one .npz file holding that key")
+    with np.load(path) as npz:
+        if key not in npz.files:
+            raise CalibrationDataError(f"{path} has no array {key!r}; keys: {', '.join(npz.files)}")
+        arrays = {k: npz[k] for k in npz.files}
+    return arrays, arrays.pop(key)
+
+
+def _check_model_files(*models: str) -> None:
+    from pathlib import Path
+
+    from onnxq.errors import CalibrationDataError
+
+    for model in models:
         if not Path(model).is_file():
             raise CalibrationDataError(f"model file not found: {model}")
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from onnxq.analyze import analyze_models, format_analysis
+
+    _check_model_files(args.float_model, args.quant_model)
+    data, _ = _data_and_labels(args.data, args.labels)
+    analysis = analyze_models(args.float_model, args.quant_model, data, max_samples=args.max_samples,
+                              providers=args.providers, progress=False if args.quiet else None)
+    if args.json:
+        analysis.to_json(args.json)
+    if args.report:
+        from onnxq.analyze.html import write_html_report
+
+        write_html_report(args.report, analysis=analysis, title=f"onnxq analysis of {args.quant_model}")
+    print(format_analysis(analysis, args.top))
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    data, labels = _data_and_labels(args.data, args.labels)
+    _check_model_files(args.float_model, args.quant_model)
+    from onnxq.evaluate import compare_models, format_comparison
+
     result = compare_models(args.float_model, args.quant_model, data, labels, args.max_samples,
                             providers=args.providers, kernels=args.kernels,
                             progress=False if args.quiet else None)
@@ -232,6 +288,22 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-samples", type=int, help="use at most N calibration samples")
     q.add_argument("--batch-size", type=int, help="calibration batch size (dynamic-batch models)")
     q.add_argument("--providers", nargs="+", help="onnxruntime execution providers for calibration")
+    q.add_argument("--accuracy-target", metavar="EXPR",
+                   help="raise the most sensitive layers up --ladder until the model meets EXPR, e.g. "
+                        "'top1>=float-0.5', 'cosine>=0.999', 'sqnr>=30' (scored in a default session)")
+    q.add_argument("--metric", choices=("top1", "cosine", "sqnr"),
+                   help="what --accuracy-target measures when EXPR names no metric (e.g. float-0.5)")
+    q.add_argument("--eval-data", metavar="PATH",
+                   help="labelled evaluation set for --accuracy-target (.npz with a 'labels' array for "
+                        "top1; default: the calibration data)")
+    q.add_argument("--labels", metavar="KEY", help="the labels array in --eval-data (default: labels)")
+    q.add_argument("--ladder", nargs="+", metavar="RUNG",
+                   help="what a sensitive layer may be raised to, cheapest first: int16, fp16, bf16, "
+                        "float (default: int16 float)")
+    q.add_argument("--save-config", metavar="FILE.yaml",
+                   help="write the config used (with the layers an accuracy target promoted) to reuse")
+    q.add_argument("--report", metavar="FILE.html",
+                   help="write an HTML report: settings, summary, per-layer error, ranges, promotions")
     q.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     q.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     q.set_defaults(func=_cmd_quantize)
@@ -253,6 +325,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     c.set_defaults(func=_cmd_compare)
+
+    a = sub.add_parser("analyze", help="per-layer and per-tensor error of a quantized model")
+    a.add_argument("float_model")
+    a.add_argument("quant_model")
+    a.add_argument("--data", required=True, help="inputs: .npz, .npy or a folder of them")
+    a.add_argument("--labels", metavar="KEY", help="an array in the --data .npz to leave out (labels)")
+    a.add_argument("--max-samples", type=int)
+    a.add_argument("--json", metavar="FILE.json", help="write every figure as JSON")
+    a.add_argument("--report", metavar="FILE.html", help="write an HTML report")
+    a.add_argument("--top", type=int, default=15, help="rows of each table on the terminal (default 15)")
+    a.add_argument("--providers", nargs="+", help="onnxruntime execution providers")
+    a.add_argument("--quiet", action="store_true", help="no progress bar")
+    a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    a.set_defaults(func=_cmd_analyze)
 
     i = sub.add_parser("inspect", help="describe a model and what would be quantized")
     i.add_argument("model")

@@ -77,7 +77,7 @@ def cosine(ref: np.ndarray, test: np.ndarray) -> float:
     return float(a @ b / denom) if denom else 1.0
 
 
-def _inputs(session: ort.InferenceSession) -> list[InputSpec]:
+def session_inputs(session: ort.InferenceSession) -> list[InputSpec]:
     kinds = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
              "tensor(float16)": np.float16, "tensor(double)": np.float64, "tensor(uint8)": np.uint8,
              "tensor(bool)": np.bool_, "tensor(int8)": np.int8}
@@ -150,7 +150,7 @@ def compare_models(
     sessions = {k: deployed_session(quant_model, providers, reference=k == "reference") for k, on in runs.items() if on}
     names = [o.name for o in ref.get_outputs()]
     outputs: dict[str, dict[str, list[np.ndarray]]] = {k: {n: [] for n in names} for k in ("float", *sessions)}
-    for feed in _progress(iter_batches(data, _inputs(ref), batch_size, max_samples), progress):
+    for feed in _progress(iter_batches(data, session_inputs(ref), batch_size, max_samples), progress):
         for kind, session in (("float", ref), *sessions.items()):
             for n, y in zip(names, session.run(names, feed)):
                 outputs[kind][n].append(y)

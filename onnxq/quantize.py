@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections import Counter
@@ -45,11 +46,45 @@ from onnxq.optimize import (
     run_passes,
 )
 from onnxq.plan import QuantPlan, plan_quantization
+from onnxq.plan.params import WeightCache
 from onnxq.report import Summary
 from onnxq.target import TargetProfile, resolve_target
 
 ModelSource = str | os.PathLike | onnx.ModelProto | ir.Model
 DEFAULT_PRESET = "U8S8"
+
+
+@dataclass
+class PipelineState:
+    """What emission started from, kept when asked (`keep_state`): the float model after
+    the passes and calibration, and everything needed to emit it again under another
+    config with the same ranges (a mixed-precision trial) or to analyse against it."""
+
+    float_model: ir.Model
+    ranges: dict[str, tuple[float, float]]
+    statistics: dict[Statistic, Any]
+    ctx: PassContext
+    target: TargetProfile
+    algorithms: list[dict[str, Any]]
+
+    def emit(self, config: Config) -> ir.Model:
+        """The model emitted under `config` (node overrides of the original one) with the
+        calibrated ranges: tensors the new plan needs but nobody calibrated stay float."""
+        model = self.float_model.clone()
+        ctx = dataclasses.replace(self.ctx, statistics=dict(self.statistics), weights=WeightCache())
+        plan = plan_quantization(model, config, ctx.keep_float, self.target)
+        missing = {n: spec for n, spec in plan.calibrated_tensors().items() if n not in self.ranges}
+        if missing and ctx.data is not None and ctx.data.source is not None:
+            # A tensor no plan calibrated before (the input of a node whose producer was
+            # raised to float): calibrate it as a run of this config would.
+            self.ranges.update(calibrate(model, missing, ctx.data, ctx.calibration, False, []).ranges)
+        plan, _ = _drop_unquantizable(plan, self.ranges)
+        missing = set(plan.calibrated_tensors()) - set(self.ranges)
+        if missing:
+            plan, _ = plan.without(missing, "not calibrated")
+        plan, _ = run_algorithms(model, plan, self.ranges, self.algorithms, ctx)
+        model, _ = _emit_loadable(model, plan, self.ranges, config, ctx, self.target)
+        return model
 
 
 @dataclass
@@ -60,6 +95,7 @@ class QuantizationResult:
     summary: Summary
     ranges: dict[str, tuple[float, float]]
     plan: QuantPlan
+    state: PipelineState | None = None
 
     @functools.cached_property
     def model(self) -> onnx.ModelProto:
@@ -98,7 +134,7 @@ def required_opset(config: Config) -> int:
     opsets = [qdq_opset(s.dtype) for s in specs if s is not None and s.dtype is not None
               and DType(s.dtype) not in FLOAT_TARGETS | {DType.FLOAT32}]
     opsets += [21 for s in specs if s is not None and s.qscheme == QScheme.PER_GROUP]
-    return max(opsets, default=13)
+    return max([*opsets, config.opset or 13])
 
 
 # Ranges beyond this come from masking sentinels (float min, -1e38): no integer grid can
@@ -201,13 +237,49 @@ def quantize(
     calibration_data: Any = None,
     *,
     progress: bool | None = None,
+    evaluate: Any = None,
+    report: str | os.PathLike | None = None,
 ) -> QuantizationResult:
     """Quantize `model` and, when `output` is given, save it there atomically.
 
     `calibration_data` is a path (.npz, .npy or a folder of them), a dict of arrays with
     samples on axis 0, an iterable of feed dicts, or a `CalibrationDataReader`.
+    With `config.mixed_precision.target` set, the most sensitive layers are raised in
+    precision until the model meets it (`onnxq.search`); `evaluate(session) -> float`
+    scores a model for a `custom` target. `report`: write an HTML report there (per-layer
+    error measured on the evaluation data, else the calibration data).
     """
     config = as_config(config)
+    keep = report is not None
+    if config.mixed_precision.target is not None:
+        from onnxq.search import quantize_to_target
+
+        result = quantize_to_target(model, output, config, calibration_data, progress, evaluate, keep)
+    elif evaluate is not None:
+        raise ConfigError("evaluate= scores models for an accuracy target; set "
+                          "mixed_precision.target too, e.g. 'custom>=float-0.5'")
+    else:
+        result = run_pipeline(model, output, config, calibration_data, progress, keep_state=keep)
+    if report is not None:
+        from onnxq.analyze.quantized import report_quantization
+
+        data = config.mixed_precision.eval_data or calibration_data
+        report_quantization(report, result, config, data, progress)
+    return result
+
+
+def run_pipeline(
+    model: ModelSource,
+    output: str | os.PathLike | None,
+    config: Config,
+    calibration_data: Any,
+    progress: bool | None = None,
+    keep_state: bool = False,
+) -> QuantizationResult:
+    """Load, optimise, calibrate, emit and save: the pipeline for one config.
+
+    `keep_state`: also return what emission started from (`PipelineState`).
+    """
     check_config_entries(config.pre_quant_opt_config, config.algo_config)
     data = CalibrationSource(calibration_data)
     ctx = PassContext(data, config.calibration, progress, deferrable=not config.calibration.load_ranges)
@@ -240,6 +312,10 @@ def quantize(
     plan, notes = _drop_unquantizable(plan, calibration.ranges)
     summary.notes.extend(notes)
 
+    state = None
+    if keep_state:
+        state = PipelineState(ir_model.clone(), dict(calibration.ranges), dict(calibration.statistics),
+                              dataclasses.replace(ctx), target, algorithms)
     with summary.stage("optimise"):
         plan, notes = run_algorithms(ir_model, plan, calibration.ranges, algorithms, ctx)
     summary.notes.extend(notes)
@@ -258,7 +334,7 @@ def quantize(
         with summary.stage("save"):
             summary.output = str(save_model(ir_model, output))
     summary.size_after = _size(output, ir_model) if output is not None else weight_bytes(ir_model)
-    return QuantizationResult(ir_model, summary, calibration.ranges, plan)
+    return QuantizationResult(ir_model, summary, calibration.ranges, plan, state)
 
 
 class ModelQuantizer:

@@ -7,6 +7,35 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Promotion:
+    node: str
+    rung: str
+    relative_noise: float  # the error the layer added alone, as noise / signal
+
+
+@dataclass
+class MixedPrecisionSummary:
+    """What the accuracy-target search measured, promoted and what that cost."""
+
+    target: str
+    met: bool
+    float_score: float
+    base_score: float  # every layer quantized
+    final_score: float
+    promotions: list[Promotion]
+    ranked_layers: int
+    evaluations: int  # models scored, the float and all-quantized ones included
+    trials: list[dict[str, Any]]
+    size_before: int
+    size_after: int
+    latency_ms_before: float  # batch 1, default session, median
+    latency_ms_after: float
+    seconds: float
+    config: Any = None  # the resulting Config: node overrides, reusable without searching
 
 
 @dataclass
@@ -29,6 +58,7 @@ class Summary:
     size_after: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    mixed_precision: MixedPrecisionSummary | None = None
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -71,5 +101,21 @@ def format_summary(s: Summary) -> str:
         lines.append(f"  size: {_mb(s.size_before)} -> {_mb(s.size_after)} ({ratio:.0%})")
     timing = ", ".join(f"{k} {v:.2f}s" for k, v in s.stage_seconds.items())
     lines.append(f"  time: {timing}")
+    if s.mixed_precision is not None:
+        lines.extend(format_mixed_precision(s.mixed_precision))
     lines.extend(f"  note: {n}" for n in s.notes)
     return "\n".join(lines)
+
+
+def format_mixed_precision(m: MixedPrecisionSummary) -> list[str]:
+    verdict = "met" if m.met else "NOT met"
+    lines = [f"  accuracy target {m.target}: {verdict} (float {m.float_score:.4g}, all quantized "
+             f"{m.base_score:.4g}, final {m.final_score:.4g}); {m.evaluations} models scored for "
+             f"{m.ranked_layers} ranked layers in {m.seconds:.1f}s"]
+    if m.promotions:
+        by_rung = Counter(p.rung for p in m.promotions)
+        lines.append("  promoted: " + ", ".join(f"{n} to {r}" for r, n in sorted(by_rung.items())) + ": "
+                     + ", ".join(p.node for p in m.promotions[:6]) + (", ..." if len(m.promotions) > 6 else ""))
+        lines.append(f"  promotion cost: size {_mb(m.size_before)} -> {_mb(m.size_after)}, latency (batch 1) "
+                     f"{m.latency_ms_before:.2f} -> {m.latency_ms_after:.2f} ms")
+    return lines

@@ -72,13 +72,15 @@ def session_source(model: ir.Model) -> Iterator[str | bytes]:
 def exposed_session(
     model: ir.Model, tensor_names: list[str], providers: list[str], reduced: Collection[str] = (),
     extra: tuple[list[ir.Node], list[ir.Value]] = ([], []), also_whole: Collection[str] = (),
+    options: ort.SessionOptions | None = None,
 ) -> Iterator[ort.InferenceSession]:
     """Yield a session whose outputs include `tensor_names`; the model is left unchanged.
 
     Tensors in `reduced` are not returned whole: the session computes their min and max
     (outputs `<name>__onnxq_min` / `<name>__onnxq_max`), so only two scalars come back.
     `extra`: more nodes and outputs to add for the session (statistics reductions);
-    `also_whole`: tensors of `reduced` that are returned whole as well.
+    `also_whole`: tensors of `reduced` that are returned whole as well; `options`: the
+    session's options (default: basic optimisation, as calibration runs).
     """
     graph = model.graph
     values = values_by_name(graph)
@@ -92,7 +94,7 @@ def exposed_session(
     graph.outputs.extend(added)
     try:
         with session_source(model) as source:
-            session = ort.InferenceSession(source, session_options(), providers=check_providers(providers))
+            session = ort.InferenceSession(source, options or session_options(), providers=check_providers(providers))
         yield session
     finally:
         for value in added:

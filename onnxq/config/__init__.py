@@ -16,6 +16,7 @@ from onnxq.config.spec import (
     CalibrationConfig,
     Config,
     DType,
+    MixedPrecisionConfig,
     QScheme,
     QuantFormat,
     QuantizationConfig,
@@ -28,6 +29,7 @@ from onnxq.config.validate import validate_config, validate_node_configs
 
 __all__ = [
     "PRESETS",
+    "MixedPrecisionConfig",
     "CalibMethod",
     "CalibrationConfig",
     "Config",

@@ -279,8 +279,10 @@ def save_config(config: Config, path: str | os.PathLike[str]) -> None:
     """Write `config` as YAML or JSON, chosen by the suffix of `path`."""
     p = Path(path)
     text = config_to_json(config) if _format_of(p) == "json" else config_to_yaml(config)
+    from onnxq.graph.save import write_text_atomic
+
     try:
-        p.write_text(text, encoding="utf-8")
+        write_text_atomic(p, text)
     except OSError as e:
         raise ConfigError(f"cannot write config file {p}: {e.strerror or e}") from None
 

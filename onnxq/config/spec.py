@@ -154,6 +154,29 @@ class CalibrationConfig:
     load_ranges: str | None = None
 
 
+# Rungs of the mixed-precision ladder (`onnxq.search`): what a sensitive layer is raised to.
+LADDER_RUNGS = ("int16", "fp16", "bf16", "float")
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """Raise the most sensitive layers up `ladder` until the model meets `target`.
+
+    target: `METRIC>=VALUE` (or `<=`); METRIC top1 (needs labels), cosine or sqnr (against
+      the float model's first output), or `custom` with `quantize(..., evaluate=fn)`;
+      VALUE a number or `float-X` / `float+X` (relative to the float model's score).
+    ladder: the rungs tried, cheapest first (int16 activations, fp16, bf16, float).
+    eval_data: the labelled evaluation set (.npz, .npy or a folder; default: the
+      calibration data); labels: its array of class labels (top1).
+    """
+
+    target: str | None = None
+    ladder: list[str] = field(default_factory=lambda: ["int16", "float"])
+    eval_data: str | None = None
+    labels: str = "labels"
+    max_samples: int | None = None
+
+
 @dataclass
 class Config:
     """The whole recipe: what to quantize, how, and which passes run first."""
@@ -193,6 +216,10 @@ class Config:
     )
     pre_quant_opt_config: list[dict[str, Any]] = field(default_factory=list)
     algo_config: list[dict[str, Any]] = field(default_factory=list)
+    # Search which layers to raise in precision until an accuracy target is met.
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    # Lowest ai.onnx opset of the output (default: the lowest the configured types need).
+    opset: int | None = None
 
 
 # Values a fully resolved spec takes where no level of the config set a field.

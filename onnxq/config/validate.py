@@ -17,8 +17,9 @@ from dataclasses import fields
 from enum import Enum
 from typing import Any
 
+from onnxq.config.io import closest_name
 from onnxq.config.resolve import merge_specs, resolve_node_config
-from onnxq.config.spec import TENSOR_CLASSES, Config, QuantFormat, QuantizationConfig
+from onnxq.config.spec import LADDER_RUNGS, TENSOR_CLASSES, Config, QuantFormat, QuantizationConfig
 from onnxq.errors import ConfigError
 
 ACTIVATIONS = ("input_tensors", "output_tensors")
@@ -130,11 +131,31 @@ def _check_top_level(config: Config) -> None:
                 f"exclude entry {entry!r} is neither a node name nor a valid regex ({exc}); "
                 "escape special characters, e.g. with re.escape"
             ) from None
+    _check_mixed_precision(config)
+    if config.opset is not None and not 13 <= config.opset <= 23:
+        raise ConfigError(f"invalid opset {config.opset}; use 13..23 or remove it")
     if _plain(config.quant_format) != QuantFormat.QDQ.value:
         raise ConfigError(
             f"unsupported quant_format '{_plain(config.quant_format)}' in config; "
             "only qdq (QuantizeLinear/DequantizeLinear pairs) is supported"
         )
+
+
+def _check_mixed_precision(config: Config) -> None:
+    mp = config.mixed_precision
+    for rung in mp.ladder:
+        if rung not in LADDER_RUNGS:
+            hint = closest_name(str(rung), list(LADDER_RUNGS))
+            raise ConfigError(f"unknown ladder rung {rung!r} in mixed_precision"
+                              + (f"; did you mean {hint!r}?" if hint else f"; use {', '.join(LADDER_RUNGS)}"))
+    if mp.target is not None and not mp.ladder:
+        raise ConfigError("mixed_precision.ladder is empty; give at least one rung, e.g. [float]")
+    if mp.target is not None:
+        from onnxq.search.target import parse_target
+
+        parse_target(mp.target)
+    if mp.max_samples is not None and mp.max_samples < 1:
+        raise ConfigError(f"invalid max_samples {mp.max_samples} in mixed_precision; use 1 or more")
 
 
 # ---------------------------------------------------------------------------------------

@@ -307,6 +307,19 @@ def fix_prelu_slopes(model: ir.Model, original_opset: int) -> int:
     return fixed
 
 
+def read_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> ir.Model:
+    """Read a model as it is (checked, not normalised): for looking at a model this tool
+    or another one wrote, where normalising would change what is looked at."""
+    if isinstance(source, ir.Model):
+        return source
+    proto, base_dir, name = _read_proto(source)
+    _check(proto, None if isinstance(source, onnx.ModelProto) else str(source))
+    model = ir.serde.deserialize_model(proto)
+    if base_dir:
+        ir.external_data.set_base_dir(model.graph, base_dir)
+    return model
+
+
 def load_model(
     source: str | os.PathLike | onnx.ModelProto | ir.Model, min_opset: int = MIN_OPSET
 ) -> tuple[ir.Model, LoadReport]:

@@ -30,6 +30,20 @@ def check_output_path(output: str | os.PathLike, source: str | os.PathLike | Non
     return out
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` through a temporary file and a rename: an interrupted run
+    (Ctrl-C) leaves the old file or none, never half of one."""
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
 def weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 

@@ -1,0 +1,272 @@
+"""`analyze_models`: where a quantized model loses accuracy, tensor by tensor and layer by layer.
+
+One pass over the data runs three sessions side by side, batch by batch, and keeps only
+running sums (memory does not grow with the number of samples):
+
+- the float model, with each layer of the quantized model copied beside it and fed from
+  float tensors (`isolate.py`): the error each layer adds on its own;
+- the quantized model with its quantized tensors exposed: the error each tensor carries
+  with everything before it quantized too (exposing a tensor keeps onnxruntime from
+  fusing the Q/DQ around it, so these figures use reference arithmetic there);
+- the quantized model in a default session, as it deploys: the error of the outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from onnxq.analyze.accumulate import AgreementStats, ErrorStats, RangeStats
+from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
+from onnxq.analyze.qgraph import QuantizedActivation, layers, quantized_activations
+from onnxq.calibrate.data import iter_batches
+from onnxq.calibrate.session import check_providers, exposed_session, session_source
+from onnxq.evaluate import session_inputs
+from onnxq.graph.edit import values_by_name
+from onnxq.graph.load import load_model, read_model
+from onnxq.graph.save import write_text_atomic
+
+ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model
+
+
+@dataclass
+class TensorReport:
+    """One quantized activation: its error with every tensor before it quantized too, and
+    how its float values sit in the range its Q/DQ represents."""
+
+    name: str
+    dtype: str
+    sqnr_db: float
+    cosine: float
+    max_abs_error: float
+    used_range: tuple[float, float]
+    calibrated_range: tuple[float, float]
+    saturation: float  # fraction of float values outside the calibrated range
+    histogram: dict[str, list[float]] = field(default_factory=dict)  # edges, counts
+
+
+@dataclass
+class LayerReport:
+    """One layer: the error it adds alone (`own_*`) and with its prefix quantized (`prefix_*`)."""
+
+    name: str
+    op_type: str
+    own_sqnr_db: float
+    own_cosine: float
+    own_max_abs_error: float
+    prefix_sqnr_db: float | None
+    prefix_cosine: float | None
+    relative_noise: float  # noise / signal of the layer alone
+    channel_noise: float  # mean over channels of noise / signal, alone: the sensitivity ranking key
+
+
+@dataclass
+class OutputReport:
+    name: str
+    sqnr_db: float
+    cosine: float
+    max_abs_error: float
+    top1_agreement: float | None = None
+
+
+@dataclass
+class Analysis:
+    """Per-tensor and per-layer figures, worst first; outputs as a default session runs them."""
+
+    samples: int
+    tensors: list[TensorReport]
+    layers: list[LayerReport]
+    outputs: list[OutputReport]
+    notes: list[str] = field(default_factory=list)
+    method: str = ("layers alone: integer kernels as deployed; tensors with prefix: tensors exposed, "
+                   "their Q/DQ unfused (reference arithmetic); outputs: default onnxruntime session")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data; an infinite SQNR (no error at all) becomes null."""
+        return _finite(asdict(self))
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            write_text_atomic(path, text)
+        return text
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _deployed_options() -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return options
+
+
+def _float_reference(float_model: ModelLike, quant: ir.Model, normalised: bool) -> ir.Model:
+    """The float model normalised as the quantizer saw it (same opset, constants folded)."""
+    if normalised and isinstance(float_model, ir.Model):
+        return float_model.clone()
+    opset = quant.opset_imports.get("", 13)
+    model, _ = load_model(float_model, opset)
+    return model
+
+
+def _pairs(
+    activations: list[QuantizedActivation], float_values: dict[str, ir.Value]
+) -> list[QuantizedActivation]:
+    return [a for a in activations if a.name in float_values]
+
+
+def analyze_models(
+    float_model: ModelLike,
+    quant_model: ModelLike,
+    data: Any,
+    *,
+    max_samples: int | None = None,
+    batch_size: int = 8,
+    providers: list[str] | None = None,
+    progress: bool | None = None,
+    normalised: bool = False,
+    layers_only: bool = False,
+) -> Analysis:
+    """Measure `quant_model` against `float_model` on `data` (any calibration-data source).
+
+    `normalised`: `float_model` is the model the quantizer emitted from (after its
+    passes), so tensors rescaled by a pass (CLE) still match by name. `layers_only`:
+    measure only the layers alone (one session; what a sensitivity ranking needs).
+    """
+    providers = check_providers(providers or ["CPUExecutionProvider"])
+    quant = read_model(quant_model)
+    reference = _float_reference(float_model, quant, normalised)
+    float_values = values_by_name(reference.graph)
+    activations = [] if layers_only else _pairs(quantized_activations(quant), float_values)
+    found = layers(quant)
+    graph_outputs = [v.name for v in reference.graph.outputs]
+    isolated, skipped = add_isolated_layers(reference, quant, found)
+    notes = [f"layer not isolated: {s}" for s in skipped[:10]]
+    if len(skipped) > 10:
+        notes.append(f"... and {len(skipped) - 10} more layers not isolated")
+    missing = len(quantized_activations(quant)) - len(activations)
+    if missing and not layers_only:
+        notes.append(f"{missing} quantized tensors have no tensor of the same name in the float model "
+                     "(added by a pass, or the models differ): not compared")
+
+    ref_names = list(dict.fromkeys([a.name for a in activations] + [i.reference for i in isolated]
+                                   + [i.output for i in isolated] + graph_outputs))
+    quant_values = values_by_name(quant.graph)
+    prefix_names = {} if layers_only else {i.layer.name: i.layer.quantized_output or i.layer.output
+                                           for i in isolated}
+    test_names = list(dict.fromkeys([a.dequantized for a in activations]
+                                    + [n for n in prefix_names.values() if n in quant_values]))
+
+    tensor_err = {a.name: ErrorStats() for a in activations}
+    ranges = {a.name: RangeStats(a.low, a.high) for a in activations}
+    own = {i.layer.name: ErrorStats() for i in isolated}
+    prefix = {i.layer.name: ErrorStats() for i in isolated}
+    out_err = {n: ErrorStats() for n in graph_outputs}
+    agreement = {n: AgreementStats() for n in graph_outputs}
+    samples = 0
+    with contextlib.ExitStack() as stack:
+        ref_session = stack.enter_context(
+            exposed_session(reference, ref_names, providers, options=_deployed_options()))
+        test_session = stack.enter_context(exposed_session(quant, test_names, providers)) if test_names else None
+        deployed = None
+        if not layers_only:
+            source = stack.enter_context(session_source(quant))
+            deployed = ort.InferenceSession(source, _deployed_options(), providers=providers)
+        out_names = [] if deployed is None else [o.name for o in deployed.get_outputs()]
+        for feed in _progress(iter_batches(data, session_inputs(ref_session), batch_size, max_samples), progress):
+            ref = dict(zip(ref_names, ref_session.run(ref_names, feed)))
+            test = dict(zip(test_names, test_session.run(test_names, feed))) if test_session else {}
+            out = dict(zip(out_names, deployed.run(out_names, feed))) if deployed is not None else {}
+            for a in activations:
+                tensor_err[a.name].update(ref[a.name], test[a.dequantized])
+                ranges[a.name].update(ref[a.name])
+            for i in isolated:
+                own[i.layer.name].update(ref[i.reference], ref[i.output])
+                name = prefix_names.get(i.layer.name)
+                if name in test and test[name].shape == ref[i.reference].shape:
+                    prefix[i.layer.name].update(ref[i.reference], test[name])
+            for n in graph_outputs:
+                if n in out:
+                    out_err[n].update(ref[n], out[n])
+                    agreement[n].update(ref[n], out[n])
+            samples += len(next(iter(feed.values())))
+
+    tensor_reports = [_tensor_report(a, tensor_err[a.name], ranges[a.name]) for a in activations]
+    layer_reports = [_layer_report(i, own[i.layer.name], prefix[i.layer.name]) for i in isolated]
+    tensor_reports.sort(key=lambda t: (t.sqnr_db, t.name))
+    layer_reports.sort(key=lambda r: (-r.channel_noise, r.name))
+    outputs = [OutputReport(n, e.sqnr_db, e.cosine, e.max_abs, agreement[n].rate)
+               for n, e in out_err.items() if e.count]
+    return Analysis(samples, tensor_reports, layer_reports, outputs, notes)
+
+
+def _tensor_report(a: QuantizedActivation, err: ErrorStats, rng: RangeStats) -> TensorReport:
+    return TensorReport(
+        a.name, a.dtype, err.sqnr_db, err.cosine, err.max_abs,
+        (rng.used_min, rng.used_max), (a.low, a.high), rng.saturation,
+        {"edges": [float(e) for e in rng.edges], "counts": [int(c) for c in rng.counts]},
+    )
+
+
+def _layer_report(i: IsolatedLayer, own: ErrorStats, prefix: ErrorStats) -> LayerReport:
+    return LayerReport(
+        i.layer.name, i.layer.op_type, own.sqnr_db, own.cosine, own.max_abs,
+        prefix.sqnr_db if prefix.count else None, prefix.cosine if prefix.count else None,
+        own.relative_noise, own.channel_relative_noise,
+    )
+
+
+def _progress(batches: Iterable[dict[str, np.ndarray]], enabled: bool | None) -> Iterable[dict[str, np.ndarray]]:
+    if enabled is False:
+        return batches
+    from tqdm import tqdm
+
+    return tqdm(batches, desc="analyze", unit="batch", leave=False, disable=None)
+
+
+def _fmt_db(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return "inf" if math.isinf(x) else f"{x:.1f}"
+
+
+def format_analysis(a: Analysis, top: int = 15) -> str:
+    """The worst layers and tensors first, as a terminal table."""
+    lines = [f"analysed on {a.samples} samples ({a.method})"]
+    for o in a.outputs:
+        extra = f", top-1 agreement {o.top1_agreement:.2%}" if o.top1_agreement is not None else ""
+        lines.append(f"output {o.name}: SQNR {_fmt_db(o.sqnr_db)} dB, cosine {o.cosine:.5f}{extra}")
+    lines.append(f"layers, worst first ({min(top, len(a.layers))} of {len(a.layers)}):")
+    lines.append(f"  {'layer':<40} {'op':<14} {'alone dB':>9} {'w/ prefix dB':>13} {'cosine':>9}")
+    for r in a.layers[:top]:
+        lines.append(f"  {r.name[-40:]:<40} {r.op_type:<14} {_fmt_db(r.own_sqnr_db):>9} "
+                     f"{_fmt_db(r.prefix_sqnr_db):>13} {r.own_cosine:>9.5f}")
+    lines.append(f"tensors, worst first ({min(top, len(a.tensors))} of {len(a.tensors)}):")
+    lines.append(f"  {'tensor':<40} {'dB':>6} {'cosine':>9} {'max err':>9} {'used range':>22} "
+                 f"{'calibrated':>22} {'clipped':>8}")
+    for t in a.tensors[:top]:
+        used = f"[{t.used_range[0]:.3g}, {t.used_range[1]:.3g}]"
+        cal = f"[{t.calibrated_range[0]:.3g}, {t.calibrated_range[1]:.3g}]"
+        lines.append(f"  {t.name[-40:]:<40} {_fmt_db(t.sqnr_db):>6} {t.cosine:>9.5f} {t.max_abs_error:>9.3g} "
+                     f"{used:>22} {cal:>22} {t.saturation:>8.2%}")
+    lines.extend(f"note: {n}" for n in a.notes)
+    return "\n".join(lines)
+

@@ -1,0 +1,118 @@
+"""One model that shows the error each layer adds on its own.
+
+The float model, plus, for each layer of the quantized model, a copy of that layer with
+its Q/DQ (weights dequantized, activations quantized and read back) fed from the float
+model's tensors. Its output, next to the float output of the same name, is the error of
+quantizing that layer alone; one pass over the data measures every layer at once.
+The copies run in a default session, so their QDQ groups fuse into the same integer
+kernels a deployment runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from onnxq.analyze.qgraph import GLUE_OPS, Layer
+from onnxq.graph.edit import values_by_name
+
+PREFIX = "onnxq_isolated/"
+
+
+@dataclass(frozen=True)
+class IsolatedLayer:
+    """Layer `layer` copied: `output` (in the merged model) against float `reference`."""
+
+    layer: Layer
+    output: str
+    reference: str
+
+
+class _Copier:
+    """Copies a quantized layer and the Q/DQ glue before it into the float graph."""
+
+    def __init__(self, float_model: ir.Model) -> None:
+        self.graph = float_model.graph
+        self.float_values = values_by_name(self.graph)
+        self.copied: dict[int, ir.Value] = {}
+        self.count: dict[str, int] = {}
+
+    def unique(self, name: str) -> str:
+        """`PREFIX + name`, numbered when a copy of the same name exists (a layer output's
+        Q/DQ is copied once for the layer and once as glue for the layers reading it)."""
+        base = PREFIX + name
+        self.count[base] = self.count.get(base, 0) + 1
+        return base if self.count[base] == 1 else f"{base}~{self.count[base]}"
+
+    def value(self, v: ir.Value) -> ir.Value | None:
+        """The merged-model value standing for the quantized model's `v` in isolation."""
+        key = id(v)
+        if key in self.copied:
+            return self.copied[key]
+        producer = v.producer()
+        if v.const_value is not None and producer is None:
+            out = ir.Value(name=self.unique(v.name), type=v.type, shape=v.shape, const_value=v.const_value)
+            self.graph.register_initializer(out)
+        elif producer is not None and producer.op_type in GLUE_OPS:
+            out = self.node(producer, v, shared=True)
+        else:
+            out = self.float_values.get(v.name)
+        if out is not None:
+            self.copied[key] = out
+        return out
+
+    def node(self, node: ir.Node, wanted: ir.Value | None = None, inputs: list | None = None,
+             shared: bool = False) -> ir.Value | None:
+        """Copy `node` with its inputs mapped (or `inputs`); return the copy of `wanted`
+        (default: its first output). `shared`: the copy stands for `node` wherever it is
+        read (glue fed from float tensors); a layer's own copy and its output Q/DQ are not
+        shared: the next layer reads the float tensor instead."""
+        if inputs is None:
+            inputs = [None if v is None else self.value(v) for v in node.inputs]
+            if any(v is None for v, orig in zip(inputs, node.inputs) if orig is not None):
+                return None
+        outputs = [ir.Value(name=self.unique(o.name or f"{node.name}_{i}"), type=o.type, shape=o.shape)
+                   for i, o in enumerate(node.outputs)]
+        copy = ir.Node(node.domain, node.op_type, inputs, attributes=list(node.attributes.values()),
+                       outputs=outputs, name=self.unique(node.name), version=node.version)
+        self.graph.append(copy)
+        if shared:
+            self.copied.update({id(o): c for o, c in zip(node.outputs, outputs)})
+        return outputs[node.outputs.index(wanted or node.outputs[0])]
+
+    def requantized(self, out: ir.Value, quant_out: ir.Value) -> ir.Value | None:
+        """`out` (a copied layer output) through the Q/DQ the quantized model applies to it."""
+        q = next((u.node for u in quant_out.uses() if u.node.op_type == "QuantizeLinear"), None)
+        if q is None:
+            return out
+        dq = next((u.node for u in q.outputs[0].uses() if u.node.op_type == "DequantizeLinear"), None)
+        params = [self.value(v) if v is not None else None for v in q.inputs[1:]]
+        if dq is None or any(p is None for p, v in zip(params, q.inputs[1:]) if v is not None):
+            return None
+        q_copy = self.node(q, inputs=[out, *params])
+        dq_params = [self.value(v) if v is not None else None for v in dq.inputs[1:]]
+        return self.node(dq, inputs=[q_copy, *dq_params])
+
+
+def add_isolated_layers(
+    float_model: ir.Model, quant_model: ir.Model, found: list[Layer]
+) -> tuple[list[IsolatedLayer], list[str]]:
+    """Add to `float_model` (in place) an isolated copy of each layer of `found`; return
+    the copies and the layers that could not be isolated (their inputs have no float
+    counterpart), with why."""
+    copier = _Copier(float_model)
+    nodes = {node.name: node for node in quant_model.graph}
+    isolated, skipped = [], []
+    for layer in found:
+        node = nodes[layer.name]
+        reference = next((n for n in (layer.output, layer.quantized_output)
+                          if n is not None and n in copier.float_values), None)
+        out = copier.node(node) if reference is not None else None
+        if out is not None:
+            out = copier.requantized(out, node.outputs[0])
+        if out is None:
+            skipped.append(f"{layer.name}: its inputs or output have no counterpart in the float model")
+            continue
+        isolated.append(IsolatedLayer(layer, out.name, reference))
+    return isolated, skipped

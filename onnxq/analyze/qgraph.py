@@ -1,0 +1,113 @@
+"""Read a quantized model's structure: which activations pass through Q/DQ and with what
+parameters, and which nodes compute on dequantized inputs (the layers).
+
+Works on any QDQ model (onnxq's or another tool's): it looks only at QuantizeLinear /
+DequantizeLinear nodes and their constant scale and zero point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+from onnxq.graph.fold import constant_array
+
+QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
+# Ops the emitters put between a float tensor and the node reading it.
+GLUE_OPS = QDQ_OPS | {"Cast"}
+
+_FLOAT8_MAX = {
+    ml_dtypes.float8_e4m3fn: 448.0,
+    ml_dtypes.float8_e5m2: 57344.0,
+}
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """An activation `name` quantized by `q_node` and read back as `dequantized`."""
+
+    name: str
+    dequantized: str
+    dtype: str
+    low: float  # the smallest value the grid represents (the calibrated range)
+    high: float
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A node that computes on at least one dequantized input."""
+
+    name: str
+    op_type: str
+    output: str  # the node's float output as the float model names it
+    quantized_output: str | None  # what consumers read when the output is Q/DQ'd
+
+
+def _grid(zero_point: np.ndarray, scale: float) -> tuple[float, float] | None:
+    """The real range a per-tensor (scale, zero point) represents."""
+    dtype = zero_point.dtype
+    zp = zero_point.reshape(-1)[0]
+    if dtype.type in _FLOAT8_MAX:
+        limit = _FLOAT8_MAX[dtype.type] * scale
+        return -limit, limit
+    if np.issubdtype(dtype, np.integer) or dtype in (ml_dtypes.int4, ml_dtypes.uint4):
+        info = ml_dtypes.iinfo(dtype) if dtype in (ml_dtypes.int4, ml_dtypes.uint4) else np.iinfo(dtype)
+        return (float(info.min) - float(zp)) * scale, (float(info.max) - float(zp)) * scale
+    return None
+
+
+def _activation(q: ir.Node) -> QuantizedActivation | None:
+    """The activation quantized by QuantizeLinear `q`, if it is per-tensor and read back by a DQ."""
+    value = q.inputs[0]
+    if value is None or constant_array(value) is not None or len(q.inputs) < 3:
+        return None
+    scale, zp = constant_array(q.inputs[1]), constant_array(q.inputs[2])
+    if scale is None or zp is None or scale.size != 1:
+        return None
+    dq = next((u.node for u in q.outputs[0].uses() if u.node.op_type == "DequantizeLinear"), None)
+    grid = _grid(zp, float(scale.reshape(-1)[0]))
+    if dq is None or grid is None or not value.name:
+        return None
+    return QuantizedActivation(value.name, dq.outputs[0].name, str(zp.dtype), *grid)
+
+
+def quantized_activations(model: ir.Model) -> list[QuantizedActivation]:
+    """Every per-tensor quantized activation of `model`, in graph order."""
+    found = []
+    for node in model.graph:
+        if node.op_type == "QuantizeLinear":
+            act = _activation(node)
+            if act is not None:
+                found.append(act)
+    return found
+
+
+def _reads_dequantized(node: ir.Node) -> bool:
+    return any(v is not None and v.producer() is not None and v.producer().op_type == "DequantizeLinear"
+               for v in node.inputs)
+
+
+def _quantized_output(value: ir.Value) -> str | None:
+    """The DQ output consumers read when `value` is quantized right after it is computed."""
+    for use in value.uses():
+        if use.node.op_type == "QuantizeLinear":
+            dq = next((u.node for u in use.node.outputs[0].uses() if u.node.op_type == "DequantizeLinear"), None)
+            if dq is not None:
+                return dq.outputs[0].name
+    return None
+
+
+def layers(model: ir.Model) -> list[Layer]:
+    """The nodes that compute on dequantized inputs, in graph order."""
+    found = []
+    for node in model.graph:
+        if node.op_type in GLUE_OPS or not node.outputs or not _reads_dequantized(node):
+            continue
+        out = node.outputs[0]
+        if not out.name:
+            continue
+        found.append(Layer(node.name, node.op_type, out.name, _quantized_output(out)))
+    return found

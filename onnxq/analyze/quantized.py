@@ -1,0 +1,29 @@
+"""The report of one `quantize()` run: analyse the result against the float model it was
+emitted from (after the passes, so rescaled tensors still match), then write the HTML."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from onnxq.analyze.analysis import analyze_models
+from onnxq.config.spec import Config
+
+# The per-layer analysis of a report runs on at most this many samples.
+REPORT_SAMPLES = 256
+
+
+def report_quantization(path: str | os.PathLike, result: Any, config: Config, data: Any,
+                        progress: bool | None = None) -> None:
+    """Analyse `result` (a `QuantizationResult` with its state kept) on `data`; write the report."""
+    from onnxq.analyze.html import write_html_report
+    from onnxq.search.target import load_eval_set
+
+    state = result.state
+    data = load_eval_set(data, config.mixed_precision.labels).data
+    analysis = analyze_models(state.float_model, result.ir_model, data, normalised=True,
+                              max_samples=REPORT_SAMPLES, providers=config.calibration.providers,
+                              progress=progress)
+    result.summary.notes.extend(f"report: {n}" for n in analysis.notes)
+    write_html_report(path, analysis=analysis, summary=result.summary, config=config,
+                      title=f"onnxq report: {result.summary.source}")

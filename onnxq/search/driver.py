@@ -1,0 +1,185 @@
+"""`quantize_to_target`: quantize, then raise the most sensitive layers until a target is met.
+
+1. Quantize with the config as given (the ladder's types widen the opset up front, so
+   every trial and the final model share one opset), keeping the calibrated state.
+2. Score the float model and the all-quantized model in default sessions; done if met.
+3. Rank layers by the error each adds alone (`onnxq.analyze`, one pass over the data).
+4. Bisect the number of top-ranked layers to promote (`bisect.py`); each trial re-emits
+   the calibrated model under the promoted config, with no new calibration.
+5. The result is an ordinary config (node overrides, opset pinned): the final model is
+   quantized from it, so saving that config and running it again gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxq.calibrate.data import CalibrationSource
+from onnxq.calibrate.session import session_source
+from onnxq.config.spec import Config, MixedPrecisionConfig
+from onnxq.errors import CalibrationDataError
+from onnxq.evaluate import deployed_session
+from onnxq.graph.save import save_model, weight_bytes
+from onnxq.report import MixedPrecisionSummary, Promotion
+from onnxq.search.bisect import bisect_promotions
+from onnxq.search.ladder import rung_opset, with_promotions
+from onnxq.search.target import (
+    SELF_SCORE,
+    EvalSet,
+    float_score,
+    load_eval_set,
+    parse_target,
+    scorer,
+)
+
+# Layers ranked on at most this many samples (one analysis pass).
+SENSITIVITY_SAMPLES = 64
+LATENCY_RUNS = 20
+
+
+def _eval_set(mp: MixedPrecisionConfig, calibration_data: Any, custom: bool) -> tuple[EvalSet, list[str]]:
+    """The evaluation data with its labels split off; the calibration data if none is given."""
+    if mp.eval_data is None:
+        what = "ranked" if custom else "ranked and scored"
+        note = (f"no eval_data given: layers were {what} on the calibration data "
+                "(pass --eval-data for a held-out set)")
+        return load_eval_set(calibration_data, mp.labels, mp.max_samples), [note]
+    return load_eval_set(mp.eval_data, mp.labels, mp.max_samples), []
+
+
+def _session(model: ir.Model, providers: list[str]) -> Any:
+    with session_source(model) as source:
+        return deployed_session(source if isinstance(source, bytes) else source, providers)
+
+
+def promotion_order(layers: list[Any], plan: Any) -> list[tuple[str, float]]:
+    """Every quantized node, most sensitive first. A Relu/Clip fused to the op before it is
+    not a unit of its own: its error counts for that op, which takes it along when raised.
+    Nodes the analysis could not isolate come last, in graph order (sensitivity unknown)."""
+    worst: dict[str, float] = {}
+    for r in layers:
+        node = plan.fused_activations.get(r.name, r.name)
+        if node in plan.quantized_nodes:
+            worst[node] = max(worst.get(node, 0.0), r.channel_noise)
+    ranked = sorted(worst.items(), key=lambda item: -item[1])
+    rest = [(n, float("nan")) for n in plan.quantized_nodes if n not in worst and n not in plan.fused_activations]
+    return ranked + rest
+
+
+def _progress_bar(progress: bool | None, layers: int) -> Any:
+    """A bar over the models the search scores (about log2(layers) + rungs of them)."""
+    from tqdm import tqdm
+
+    return tqdm(desc="search", unit="model", leave=False, disable=True if progress is False else None,
+                total=max(1, layers).bit_length() + 2)
+
+
+def _latency_ms(session: Any, feed: dict[str, np.ndarray]) -> float:
+    session.run(None, feed)
+    times = []
+    for _ in range(LATENCY_RUNS):
+        start = time.perf_counter()
+        session.run(None, feed)
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:
+    feed = next(iter(evalset.batches(session)))
+    return {k: v[:1] for k, v in feed.items()}
+
+
+def quantize_to_target(
+    model: Any, output: str | os.PathLike | None, config: Config, calibration_data: Any,
+    progress: bool | None, evaluate: Any, keep_state: bool = False,
+) -> Any:
+    """Quantize `model` to meet `config.mixed_precision.target` with the fewest promotions."""
+    from onnxq.analyze import analyze_models
+    from onnxq.graph.save import check_output_path
+    from onnxq.quantize import required_opset, run_pipeline
+
+    start = time.perf_counter()
+    mp = config.mixed_precision
+    target = parse_target(mp.target)
+    if output is not None:
+        check_output_path(output, model if isinstance(model, str | os.PathLike) else None)
+    if calibration_data is None and mp.eval_data is None:
+        raise CalibrationDataError("an accuracy target needs data to rank layers and score models; pass "
+                                   "--eval-data PATH (or --calib-data)")
+    if calibration_data is not None and not CalibrationSource(calibration_data).replayable:
+        raise CalibrationDataError("an accuracy target reads the calibration data more than once; pass a "
+                                   "path, a dict of arrays, a list of feeds or a reader with rewind()")
+    base_config = dataclasses.replace(config, mixed_precision=MixedPrecisionConfig(),
+                                      opset=max(required_opset(config), rung_opset(mp.ladder)))
+    evalset, notes = _eval_set(mp, calibration_data, evaluate is not None and target.metric in (None, "custom"))
+    providers = config.calibration.providers
+
+    base = run_pipeline(model, None, base_config, calibration_data, progress, keep_state=True)
+    state = base.state
+    float_session = _session(state.float_model, providers)
+    score = scorer(target, evalset, evaluate)
+    if target.metric in ("cosine", "sqnr"):
+        evalset.reference = evalset.first_output(float_session)
+    reference_score = float_score(target, score, float_session)
+    base_session = _session(base.ir_model, providers)
+    base_score = score(base_session)
+
+    order: list[tuple[str, float]] = []
+    if not target.met(base_score, reference_score):
+        analysis = analyze_models(state.float_model, base.ir_model, evalset.data, normalised=True,
+                                  max_samples=min(SENSITIVITY_SAMPLES, mp.max_samples or SENSITIVITY_SAMPLES),
+                                  providers=providers, progress=progress, layers_only=True)
+        order = promotion_order(analysis.layers, base.plan)
+
+    bar = _progress_bar(progress, len(order))
+
+    def score_of(promotions: dict[str, str]) -> float:
+        value = score(_session(state.emit(with_promotions(base_config, promotions)), providers))
+        bar.update(1)
+        bar.set_postfix_str(f"{len(promotions)} raised: {value:.4g}")
+        return value
+
+    try:
+        outcome = bisect_promotions([name for name, _ in order], mp.ladder, score_of,
+                                    lambda s: target.met(s, reference_score), base_score)
+    finally:
+        bar.close()
+    final_config = with_promotions(base_config, outcome.promotions)
+    if outcome.promotions:
+        result = run_pipeline(model, output, final_config, calibration_data, progress, keep_state)
+    else:
+        result = base
+        if output is not None:
+            result.summary.output = str(save_model(base.ir_model, output))
+    final_session = _session(result.ir_model, providers)
+    final_score = score(final_session) if outcome.promotions else base_score
+    feed = _first_sample(evalset, final_session)
+    ranks = dict(order)
+    result.summary.mixed_precision = MixedPrecisionSummary(
+        target=target.describe(),
+        met=target.met(final_score, reference_score),
+        float_score=reference_score,
+        base_score=base_score,
+        final_score=final_score,
+        promotions=[Promotion(n, r, ranks.get(n, 0.0)) for n, r in outcome.promotions.items()],
+        ranked_layers=len(order),
+        evaluations=(target.metric not in SELF_SCORE) + 1 + len(outcome.trials) + bool(outcome.promotions),
+        trials=[dataclasses.asdict(t) for t in outcome.trials],
+        size_before=weight_bytes(base.ir_model),
+        size_after=weight_bytes(result.ir_model),
+        latency_ms_before=_latency_ms(base_session, feed),
+        latency_ms_after=_latency_ms(final_session, feed),
+        seconds=time.perf_counter() - start,
+        config=final_config,
+    )
+    result.summary.notes.extend(notes)
+    if not result.summary.mixed_precision.met:
+        result.summary.notes.append(f"accuracy target {target.describe()} not met even with every ranked "
+                                    f"layer raised to {mp.ladder[-1]}; the all-quantized model is kept")
+    return result

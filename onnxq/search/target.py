@@ -1,0 +1,160 @@
+"""Accuracy targets (`top1>=float-0.5`, `cosine>=0.999`) and the metrics that score a model.
+
+Every score comes from the model loaded in a default onnxruntime session (what deploys).
+Built-in metrics: `top1` (percent of labels matched by the first output's argmax),
+`cosine` (mean per-sample cosine of the first output against the float model's) and
+`sqnr` (dB of the first output against the float model's). `custom` is a caller's
+`evaluate(session) -> float`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from onnxq.calibrate.data import iter_batches
+from onnxq.errors import CalibrationDataError, ConfigError
+
+METRICS = ("top1", "cosine", "sqnr", "custom")
+# The score of the float model against itself, for metrics measured against it.
+SELF_SCORE = {"cosine": 1.0, "sqnr": math.inf}
+_TARGET = re.compile(
+    r"^\s*(?:(?!float\b)(?P<metric>[A-Za-z_][A-Za-z_0-9]*)\s*)?(?P<op>>=|<=)?\s*"
+    r"(?P<rhs>float\s*(?:[-+]\s*[0-9.eE+-]+)?|[-+]?[0-9.]+(?:[eE][-+]?[0-9]+)?)\s*$"
+)
+
+Evaluate = Callable[[ort.InferenceSession], float]
+
+
+@dataclass(frozen=True)
+class AccuracyTarget:
+    """`metric op value`, with `value` relative to the float model's score when `relative`."""
+
+    metric: str | None
+    op: str
+    value: float
+    relative: bool
+
+    def threshold(self, float_score: float | None) -> float:
+        if not self.relative:
+            return self.value
+        if float_score is None or not math.isfinite(float_score):
+            raise ConfigError(f"target {self.describe()} is relative to the float model, whose "
+                              f"{self.metric} score is {float_score}; give an absolute value")
+        return float_score + self.value
+
+    def met(self, score: float, float_score: float | None) -> bool:
+        limit = self.threshold(float_score)
+        return score >= limit if self.op == ">=" else score <= limit
+
+    def describe(self) -> str:
+        rhs = (f"float{self.value:+g}" if self.value else "float") if self.relative else f"{self.value:g}"
+        return f"{self.metric or 'custom'}{self.op}{rhs}"
+
+
+def parse_target(text: str, metric: str | None = None) -> AccuracyTarget:
+    """Parse `[METRIC] (>=|<=) (NUMBER | float[+-X])`; `metric` fills a missing METRIC."""
+    m = _TARGET.match(str(text))
+    if m is None:
+        raise ConfigError(f"cannot read accuracy target {text!r}; write e.g. 'top1>=float-0.5', "
+                          "'cosine>=0.999' or 'sqnr>=30'")
+    name = (m.group("metric") or metric or "").lower() or None
+    if name is not None and name not in METRICS:
+        raise ConfigError(f"unknown metric {name!r} in accuracy target {text!r}; use "
+                          f"{', '.join(METRICS)}")
+    rhs = m.group("rhs").replace(" ", "")
+    relative = rhs.startswith("float")
+    try:
+        value = float(rhs[5:] or 0) if relative else float(rhs)
+    except ValueError:
+        raise ConfigError(f"cannot read the value of accuracy target {text!r}") from None
+    return AccuracyTarget(name, m.group("op") or ">=", value, relative)
+
+
+@dataclass
+class EvalSet:
+    """The evaluation data, its labels and the float model's first output on it."""
+
+    data: Any
+    labels: np.ndarray | None
+    max_samples: int | None
+    batch_size: int = 16
+    reference: np.ndarray | None = None
+
+    def batches(self, session: ort.InferenceSession) -> Iterator[dict[str, np.ndarray]]:
+        from onnxq.evaluate import session_inputs
+
+        return iter_batches(self.data, session_inputs(session), self.batch_size, self.max_samples)
+
+    def first_output(self, session: ort.InferenceSession) -> np.ndarray:
+        name = session.get_outputs()[0].name
+        return np.concatenate([session.run([name], feed)[0] for feed in self.batches(session)])
+
+
+def load_eval_set(source: Any, labels_key: str, max_samples: int | None = None) -> EvalSet:
+    """An evaluation set from a path or arrays: the `labels_key` array (when there is one)
+    split off the model inputs."""
+    labels = None
+    if isinstance(source, str | os.PathLike) and Path(source).suffix == ".npz":
+        if not Path(source).is_file():
+            raise CalibrationDataError(f"evaluation data file not found: {source}")
+        with np.load(source) as npz:
+            source = {k: npz[k] for k in npz.files}
+    if isinstance(source, dict) and labels_key in source:
+        source = dict(source)
+        labels = np.asarray(source.pop(labels_key))
+    return EvalSet(source, labels, max_samples)
+
+
+def _top1(out: np.ndarray, labels: np.ndarray) -> float:
+    if out.ndim != 2:
+        raise CalibrationDataError(f"top1 needs class scores [batch, classes] as the first output; "
+                                   f"got shape {out.shape}; use --metric cosine or sqnr")
+    n = min(len(out), len(labels))
+    return 100.0 * float(np.mean(out[:n].argmax(1) == np.asarray(labels)[:n]))
+
+
+def _cosine(ref: np.ndarray, out: np.ndarray) -> float:
+    a = ref.reshape(len(ref), -1).astype(np.float64)
+    b = out.reshape(len(out), -1).astype(np.float64)
+    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    cos = np.where(den > 0, np.sum(a * b, axis=1) / np.maximum(den, 1e-30), 1.0)
+    return float(np.mean(cos))
+
+
+def _sqnr(ref: np.ndarray, out: np.ndarray) -> float:
+    noise = float(np.sum((ref.astype(np.float64) - out) ** 2))
+    signal = float(np.sum(ref.astype(np.float64) ** 2))
+    return math.inf if noise == 0 else 10.0 * math.log10(max(signal, 1e-30) / noise)
+
+
+def scorer(target: AccuracyTarget, evalset: EvalSet, evaluate: Evaluate | None) -> Evaluate:
+    """The function that scores a session for `target`."""
+    metric = target.metric
+    if evaluate is not None and metric in (None, "custom"):
+        return evaluate
+    if metric in (None, "custom"):
+        raise ConfigError(f"accuracy target {target.describe()} names no metric; write e.g. "
+                          "'top1>=float-0.5' or pass evaluate=fn to quantize()")
+    if metric == "top1":
+        if evalset.labels is None:
+            raise CalibrationDataError("metric top1 needs labels: an --eval-data .npz holding a "
+                                       "'labels' array (or --labels KEY), or use --metric cosine")
+        return lambda session: _top1(evalset.first_output(session), evalset.labels)
+    compare = _cosine if metric == "cosine" else _sqnr
+    return lambda session: compare(evalset.reference, evalset.first_output(session))
+
+
+def float_score(target: AccuracyTarget, score: Evaluate, float_session: ort.InferenceSession) -> float:
+    """The float model's own score (1.0 / inf for metrics measured against it)."""
+    if target.metric in SELF_SCORE:
+        return SELF_SCORE[target.metric]
+    return score(float_session)

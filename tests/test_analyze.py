@@ -1,0 +1,164 @@
+"""`onnxq analyze`: per-tensor and per-layer error, checked against numpy recomputations."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import onnx
+import pytest
+from helpers import GraphBuilder, random_feeds, stack_feeds
+
+from onnxq.analyze import analyze_models, format_analysis
+from onnxq.analyze.accumulate import ErrorStats, RangeStats
+from onnxq.cli import main
+from onnxq.config.compose import compose_config
+from onnxq.quantize import quantize
+
+
+def deep_chain(layers: int = 10, channels: int = 8, seed: int = 0, classes: int | None = None) -> onnx.ModelProto:
+    """Conv+Relu x `layers` on [N,4,8,8], then a Conv to 4 channels (or, with `classes`,
+    global pooling and a Gemm to class scores)."""
+    b = GraphBuilder(seed)
+    x = b.input("x", ["N", 4, 8, 8])
+    x = b.relu(b.conv(x, 4, channels))
+    for _ in range(layers - 1):
+        x = b.relu(b.conv(x, channels, channels))
+    if classes is None:
+        return b.build([b.conv(x, channels, 4)], name="deep_chain")
+    x = b.node("Flatten", [b.node("GlobalAveragePool", [x])])
+    return b.build([b.gemm(x, channels, classes)], name="deep_classifier")
+
+
+def _data(model: onnx.ModelProto, n: int, seed: int, scale: float = 1.0) -> dict[str, np.ndarray]:
+    data = stack_feeds(random_feeds(model, n, seed))
+    return {k: (v * scale).astype(v.dtype) for k, v in data.items()}
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    model = deep_chain()
+    path = tmp_path_factory.mktemp("analyze") / "chain.onnx"
+    onnx.save(model, path)
+    quant = path.with_name("chain.q.onnx")
+    quantize(path, quant, "U8S8", _data(model, 32, 0), progress=False)
+    return path, quant, model
+
+
+def test_error_stats_match_numpy():
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((6, 3, 4, 4)).astype(np.float32)
+    test = ref + 0.01 * rng.standard_normal(ref.shape).astype(np.float32)
+    stats = ErrorStats()
+    for i in range(0, 6, 2):  # streaming in batches gives the whole-array figures
+        stats.update(ref[i:i + 2], test[i:i + 2])
+    expected = 10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / np.sum((ref - test).astype(np.float64) ** 2))
+    assert stats.sqnr_db == pytest.approx(expected, abs=1e-3)
+    cos = np.sum(ref * test) / np.linalg.norm(ref) / np.linalg.norm(test)
+    assert stats.cosine == pytest.approx(cos, abs=1e-6)
+    assert stats.max_abs == pytest.approx(np.max(np.abs(ref - test)), rel=1e-6)
+    per_channel = [np.sum((ref - test)[:, c] ** 2) / np.sum(ref[:, c] ** 2) for c in range(3)]
+    assert stats.channel_relative_noise == pytest.approx(np.mean(per_channel), rel=1e-4)
+    same = ErrorStats()
+    same.update(ref, ref)
+    assert math.isinf(same.sqnr_db)
+
+
+def test_range_stats_count_clipped_values():
+    stats = RangeStats(-1.0, 1.0)
+    stats.update(np.array([-2.0, -0.5, 0.0, 0.5, 1.5], np.float32))
+    assert stats.saturation == pytest.approx(2 / 5)
+    assert (stats.used_min, stats.used_max) == (-2.0, 1.5)
+    assert stats.counts.sum() == 5
+
+
+def test_tensor_figures_match_a_direct_comparison(chain):
+    path, quant, model = chain
+    data = _data(model, 16, 1)
+    analysis = analyze_models(path, quant, data, progress=False)
+    assert analysis.samples == 16
+    # Recompute one tensor's error directly: float tensor vs the DQ output the quantized
+    # model's consumers read, both exposed by onnxruntime.
+    worst = analysis.tensors[0]
+    q = onnx.load(quant)
+    dq = next(n.output[0] for n in q.graph.node if n.op_type == "DequantizeLinear"
+              and n.input[0] == next(m.output[0] for m in q.graph.node
+                                     if m.op_type == "QuantizeLinear" and m.input[0] == worst.name))
+    ref = _exposed(model, worst.name, data)
+    test = _exposed(q, dq, data)
+    expected = 10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / np.sum((ref - test).astype(np.float64) ** 2))
+    assert worst.sqnr_db == pytest.approx(expected, abs=0.05)
+    assert worst.used_range == pytest.approx((float(ref.min()), float(ref.max())), rel=1e-5)
+    # Worst first, and sorted.
+    assert [t.sqnr_db for t in analysis.tensors] == sorted(t.sqnr_db for t in analysis.tensors)
+
+
+def _exposed(model: onnx.ModelProto, name: str, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    import onnxruntime as ort
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    m.graph.output.append(onnx.ValueInfoProto(name=name))
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    session = ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run([name], feeds)[0]
+
+
+def test_layers_alone_lose_less_than_with_their_prefix(chain):
+    path, quant, model = chain
+    analysis = analyze_models(path, quant, _data(model, 16, 2), progress=False)
+    convs = [r for r in analysis.layers if r.op_type == "Conv"]
+    assert len(convs) == 11
+    # Deep in the chain the error of everything before a layer adds up: the layer alone
+    # is clearly better than the layer with its prefix quantized too.
+    deeper = [r for r in convs if r.prefix_sqnr_db is not None and r.prefix_sqnr_db < r.own_sqnr_db - 1]
+    assert len(deeper) >= 5
+    assert all(r.own_sqnr_db > 25 for r in convs)  # uint8/int8 per channel: each layer alone is fine
+    assert analysis.outputs[0].sqnr_db > 15
+
+
+def test_the_layer_made_coarse_ranks_first(tmp_path):
+    model = deep_chain(seed=3)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    coarse = next(n.name for n in model.graph.node if n.op_type == "Conv" and n.name != model.graph.node[0].name)
+    config = compose_config("U8S8", None, {"layer_quant_config": {coarse: {"weight": {"bits": 3}}}})
+    quantize(path, tmp_path / "q.onnx", config, _data(model, 32, 0), progress=False)
+    analysis = analyze_models(path, tmp_path / "q.onnx", _data(model, 16, 5), progress=False)
+    assert analysis.layers[0].name == coarse
+    assert analysis.layers[0].own_sqnr_db < min(r.own_sqnr_db for r in analysis.layers[1:] if r.op_type == "Conv")
+
+
+def test_out_of_range_data_shows_saturation(chain):
+    path, quant, model = chain
+    analysis = analyze_models(path, quant, _data(model, 8, 3, scale=4.0), progress=False)
+    clipped = [t for t in analysis.tensors if t.saturation > 0]
+    assert clipped, "inputs 4x the calibration range must clip somewhere"
+    for t in clipped:
+        assert t.used_range[1] > t.calibrated_range[1] or t.used_range[0] < t.calibrated_range[0]
+
+
+def test_json_is_strict_and_complete(chain, tmp_path):
+    path, quant, model = chain
+    analysis = analyze_models(path, quant, _data(model, 4, 4), progress=False)
+    text = analysis.to_json(tmp_path / "a.json")
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert len(data["layers"]) == len(analysis.layers)
+    assert set(data["tensors"][0]) >= {"name", "sqnr_db", "cosine", "saturation", "used_range",
+                                       "calibrated_range", "histogram"}
+    assert "worst first" in format_analysis(analysis)
+
+
+def test_cli_analyze_writes_json_and_rejects_missing_models(chain, tmp_path, capsys):
+    path, quant, model = chain
+    np.savez(tmp_path / "d.npz", x=_data(model, 4, 6)["x"], labels=np.zeros(4, np.int64))
+    out = tmp_path / "a.json"
+    assert main(["analyze", str(path), str(quant), "--data", str(tmp_path / "d.npz"), "--labels", "labels",
+                 "--json", str(out), "--quiet", "--top", "3"]) == 0
+    assert json.loads(out.read_text())["samples"] == 4
+    assert "layers, worst first" in capsys.readouterr().out
+    assert main(["analyze", str(path), str(tmp_path / "nope.onnx"), "--data", str(tmp_path / "d.npz")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not found" in err

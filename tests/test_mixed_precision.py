@@ -1,0 +1,219 @@
+"""Mixed precision to an accuracy target: the search finds the sensitive layers, meets the
+target in a default session, scores fewer models than there are layers, and its config
+reproduces the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from helpers import random_feeds, stack_feeds
+from test_analyze import deep_chain
+
+from onnxq.cli import main
+from onnxq.config.compose import compose_config
+from onnxq.errors import ConfigError
+from onnxq.quantize import quantize
+from onnxq.search import parse_target
+from onnxq.search.bisect import bisect_promotions
+from onnxq.search.ladder import with_promotions
+
+
+def _data(model: onnx.ModelProto, n: int, seed: int) -> dict[str, np.ndarray]:
+    return stack_feeds(random_feeds(model, n, seed))
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.reshape(len(a), -1).astype(np.float64), b.reshape(len(b), -1).astype(np.float64)
+    return float(np.mean(np.sum(a * b, 1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)))
+
+
+def _run(model, feeds):
+    session = ort.InferenceSession(model if isinstance(model, bytes) else str(model),
+                                   providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+@pytest.fixture(scope="module")
+def coarse_chain(tmp_path_factory):
+    """A 16-conv chain in which two layers get 2-bit weights: they wreck the output."""
+    model = deep_chain(layers=15, seed=7)
+    path = tmp_path_factory.mktemp("mp") / "chain.onnx"
+    onnx.save(model, path)
+    convs = [n.name for n in model.graph.node if n.op_type == "Conv"]
+    coarse = [convs[4], convs[11]]
+    overrides = {"layer_quant_config": {n: {"weight": {"bits": 2}} for n in coarse}}
+    return path, model, coarse, overrides
+
+
+def test_parse_target():
+    t = parse_target("top1>=float-0.5")
+    assert (t.metric, t.op, t.value, t.relative) == ("top1", ">=", -0.5, True)
+    assert t.met(85.6, 86.0) and not t.met(85.4, 86.0)
+    t = parse_target("cosine >= 0.999")
+    assert (t.metric, t.value, t.relative) == ("cosine", 0.999, False)
+    assert parse_target("float-1", metric="top1").describe() == "top1>=float-1"
+    assert parse_target("custom<=float+0.3").met(10.2, 10.0)
+    for bad in ("top1 > 3", "accuracy>=0.5", "top1>=floaty"):
+        with pytest.raises(ConfigError):
+            parse_target(bad)
+
+
+def test_bisect_finds_the_fewest_layers_in_log_time():
+    order = [f"l{i}" for i in range(32)]
+    needed = 11  # the score is met once the 11 most sensitive layers are promoted
+
+    def score_of(promotions):
+        return float(sum(1 for n in promotions if int(n[1:]) < needed and promotions[n] == "float"))
+
+    outcome = bisect_promotions(order, ["int16", "float"], score_of, lambda s: s >= needed, 0.0)
+    assert outcome.met and len(outcome.promotions) == needed
+    assert set(outcome.promotions.values()) == {"float"}
+    assert len(outcome.trials) <= 2 + 5  # each rung's all-in trial, then log2(32) bisection steps
+
+
+def test_search_meets_a_cosine_target_with_few_promotions(coarse_chain, tmp_path):
+    path, model, coarse, overrides = coarse_chain
+    calib, evaluation, held_out = _data(model, 64, 0), _data(model, 32, 1), _data(model, 32, 2)
+    base_cfg = compose_config("U8S8", None, overrides)
+    plain = quantize(path, tmp_path / "plain.onnx", base_cfg, calib, progress=False)
+    float_out = _run(path, held_out)
+    base_cos = _cosine(float_out, _run(tmp_path / "plain.onnx", held_out))
+    assert base_cos < 0.99, "the 2-bit layers must hurt for this test to mean anything"
+
+    cfg = compose_config("U8S8", None, {**overrides, "mixed_precision": {"target": "cosine>=0.998"}})
+    np.savez(tmp_path / "eval.npz", **evaluation)
+    cfg.mixed_precision.eval_data = str(tmp_path / "eval.npz")
+    result = quantize(path, tmp_path / "mp.onnx", cfg, calib, progress=False)
+    mp = result.summary.mixed_precision
+    assert mp.met and mp.final_score >= 0.998
+    assert mp.base_score == pytest.approx(_cosine(_run(path, evaluation), _run(tmp_path / "plain.onnx", evaluation)),
+                                          abs=1e-4)
+    # The two 2-bit layers rank first; the rest of the target takes a few uint8 layers more.
+    assert {p.node for p in mp.promotions[:2]} == set(coarse) and len(mp.promotions) <= 8
+    assert mp.evaluations < mp.ranked_layers  # fewer models scored than there are layers
+    onnx.checker.check_model(str(tmp_path / "mp.onnx"), full_check=True)
+    assert _cosine(float_out, _run(tmp_path / "mp.onnx", held_out)) > 0.995  # held-out data too
+    convs = [sum(op == "Conv" for op in r.plan.quantized_nodes.values()) for r in (plain, result)]
+    assert convs[1] == convs[0] - len(mp.promotions)
+
+    # The resulting config is ordinary: running it again gives the same bytes.
+    again = quantize(path, tmp_path / "again.onnx", mp.config, calib, progress=False)
+    assert again.summary.mixed_precision is None
+    assert (tmp_path / "again.onnx").read_bytes() == (tmp_path / "mp.onnx").read_bytes()
+
+
+def test_target_met_as_is_promotes_nothing(tmp_path):
+    model = deep_chain(layers=4, seed=1)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    cfg = compose_config("U8S8", None, {"mixed_precision": {"target": "cosine>=0.9", "ladder": ["float"]}})
+    result = quantize(path, tmp_path / "q.onnx", cfg, _data(model, 16, 0), progress=False)
+    mp = result.summary.mixed_precision
+    assert mp.met and not mp.promotions and mp.evaluations == 1
+    assert any("calibration data" in n for n in result.summary.notes)  # no eval set: said so
+
+
+def test_custom_evaluate_callable_and_unreachable_target(coarse_chain, tmp_path):
+    path, model, coarse, overrides = coarse_chain
+    feeds = _data(model, 16, 3)
+    reference = _run(path, feeds)
+    seen = []
+
+    def evaluate(session: ort.InferenceSession) -> float:
+        seen.append(session.get_session_options().graph_optimization_level)
+        out = session.run(None, feeds)[0]
+        return -float(np.abs(out - reference).max())  # higher is better
+
+    cfg = compose_config("U8S8", None, {**overrides, "mixed_precision": {"target": "custom>=-1e-9",
+                                                                           "ladder": ["int16"]}})
+    result = quantize(path, tmp_path / "q.onnx", cfg, feeds, progress=False, evaluate=evaluate)
+    mp = result.summary.mixed_precision
+    assert not mp.met and not mp.promotions  # int16 activations cannot undo 2-bit weights
+    assert any("not met" in n for n in result.summary.notes)
+    assert set(seen) == {ort.GraphOptimizationLevel.ORT_ENABLE_ALL}  # what deploys
+    onnx.checker.check_model(str(tmp_path / "q.onnx"))
+
+
+def test_cli_accuracy_target_and_bad_input(tmp_path, capsys):
+    """The bundled digits classifier with 4-bit per-tensor weights loses top-1; the search
+    raises layers until it is within 0.3 points of float on the labelled eval set."""
+    import yaml
+
+    models = Path(__file__).resolve().parent.parent / "models"
+    args = ["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "q.onnx"),
+            "--calib-data", str(models / "digits_calib.npz"), "--per-tensor", "--weight-bits", "4",
+            "--eval-data", str(models / "digits_eval.npz"),
+            "--accuracy-target", "float-0.3", "--metric", "top1", "--save-config", str(tmp_path / "out.yaml")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "accuracy target top1>=float-0.3: met" in out and "promoted:" in out
+    saved = yaml.safe_load((tmp_path / "out.yaml").read_text())
+    assert any(c.get("weight", {}).get("dtype") == "float32" or c.get("input_tensors", {}).get("dtype") == "int16"
+               for c in saved["layer_quant_config"].values())
+    assert "target" not in saved.get("mixed_precision", {})
+    assert main(["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "again.onnx"), "--calib-data",
+                 str(models / "digits_calib.npz"), "--config", str(tmp_path / "out.yaml"), "--quiet"]) == 0
+    assert (tmp_path / "again.onnx").read_bytes() == (tmp_path / "q.onnx").read_bytes()
+    for bad, words in ((["--accuracy-target", "top1 > 2"], "cannot read accuracy target"),
+                       (["--metric", "top1"], "--metric names what"),
+                       (["--accuracy-target", "cosine>=0.9", "--ladder", "int61"], "did you mean 'int16'"),
+                       (["--accuracy-target", "top1>=float-1", "--metric", "cosine"], "conflicts")):
+        assert main(args[:6] + bad) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+
+
+def test_ctrl_c_leaves_no_partial_files(tmp_path, monkeypatch, capsys):
+    """Interrupted while the model is written (the slowest write), the CLI exits 130 and
+    leaves neither the output nor a temporary file behind; the same for the config."""
+    import onnx_ir as ir
+
+    models = Path(__file__).resolve().parent.parent / "models"
+    real_save = ir.save
+
+    def interrupted(model, path, **kwargs):
+        real_save(model, path, **kwargs)  # the temporary file is complete on disk...
+        raise KeyboardInterrupt  # ...when the user presses Ctrl-C
+
+    monkeypatch.setattr(ir, "save", interrupted)
+    args = ["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "q.onnx"),
+            "--calib-data", str(models / "digits_calib.npz"), "--quiet"]
+    assert main(args) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+
+    from onnxq.config import get_preset, save_config
+    from onnxq.graph import save as save_module
+
+    def broken_replace(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(save_module.os, "replace", broken_replace)
+    with pytest.raises(KeyboardInterrupt):
+        save_config(get_preset("U8S8"), tmp_path / "c.yaml")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("promoted", [["global_avg_pool", "flatten"], ["conv2"], ["conv1", "residual_add"]])
+def test_a_trial_is_the_model_its_config_gives(promoted):
+    """What the search scores (a re-emission of the calibrated model) is byte for byte what
+    quantizing with the resulting config gives, also when raising a node leaves a tensor
+    that no plan calibrated before (the Gemm's input once pooling and Flatten are float)."""
+    import onnx_ir as ir
+
+    from onnxq.quantize import run_pipeline
+
+    models = Path(__file__).resolve().parent.parent / "models"
+    model, data = models / "digits_cnn.onnx", str(models / "digits_calib.npz")
+    config = compose_config("U8S8", None, {"opset": 21})
+    base = run_pipeline(model, None, config, data, progress=False, keep_state=True)
+    promoted_config = with_promotions(config, {n: "float" for n in promoted})
+    trial = ir.to_proto(base.state.emit(promoted_config)).SerializeToString()
+    direct = ir.to_proto(run_pipeline(model, None, promoted_config, data, progress=False).ir_model)
+    assert trial == direct.SerializeToString()
+    assert ir.to_proto(base.state.emit(config)).SerializeToString() == ir.to_proto(base.ir_model).SerializeToString()
