@@ -216,13 +216,13 @@ def report(name: str, task: Task, rows: dict[str, Any]) -> str:
     lines.append(f"  onnxruntime quantize_static {o['metric']:6.2f} [{o['search_metric']:6.2f}]  "
                  f"{o['size_mb']:6.2f} MB  {o['latency_ms']:6.2f} ms  ({o['seconds']:.1f} s)")
     for drop, t in rows["targets"].items():
-        gap = f["metric"] - t["metric"]
+        delta = t["metric"] - f["metric"]
         share = "" if t["matmul_int8_share"] is None else f", MatMul int8 {t['matmul_int8_share']:.0%}"
         lines.append(
             f"  target float-{drop}: {t['promotions']} of {t['ranked_layers']} layers raised, "
             f"{t['evaluations']} models scored, {t['seconds']:.1f} s ({t['seconds'] / o['seconds']:.1f}x "
-            f"onnxruntime's quantize time): held-out {t['metric']:.2f} (float {gap:+.2f} -> "
-            f"{'met' if gap <= drop else 'MISSED'}){share}, {t['size_mb']:.2f} MB, {t['latency_ms']:.2f} ms "
+            f"onnxruntime's quantize time): held-out {t['metric']:.2f} ({delta:+.2f} vs float: "
+            f"{'met' if delta >= -drop else 'MISSED'}){share}, {t['size_mb']:.2f} MB, {t['latency_ms']:.2f} ms "
             f"({t['latency_ms'] / o['latency_ms']:.2f}x onnxruntime's int8)")
     return "\n".join(lines)
 

@@ -236,6 +236,20 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_pair_parser(sub: Any, name: str, help_text: str, labels_help: str) -> argparse.ArgumentParser:
+    """A subcommand reading a float model, its quantized model and data (compare, analyze)."""
+    c = sub.add_parser(name, help=help_text)
+    c.add_argument("float_model")
+    c.add_argument("quant_model")
+    c.add_argument("--data", required=True, help="inputs: .npz, .npy or a folder of them")
+    c.add_argument("--labels", metavar="KEY", help=labels_help)
+    c.add_argument("--max-samples", type=int)
+    c.add_argument("--providers", nargs="+", help="onnxruntime execution providers")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return c
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onnxq", description="Post-training quantization for ONNX models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -312,32 +326,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show", metavar="NAME", help="print one preset as YAML")
     p.set_defaults(func=_cmd_presets)
 
-    c = sub.add_parser("compare", help="compare a quantized model with its float original")
-    c.add_argument("float_model")
-    c.add_argument("quant_model")
-    c.add_argument("--data", required=True, help="inputs: .npz, .npy or a folder of them")
-    c.add_argument("--labels", metavar="KEY", help="array in the --data .npz holding class labels")
-    c.add_argument("--max-samples", type=int)
+    c = _model_pair_parser(sub, "compare", "compare a quantized model with its float original",
+                           "array in the --data .npz holding class labels")
     c.add_argument("--kernels", choices=("deployed", "reference", "both"), default="deployed",
                    help="deployed: a default onnxruntime session, as users run it (default); "
                         "reference: Q/DQ unfused, float arithmetic; both: report both")
-    c.add_argument("--providers", nargs="+", help="onnxruntime execution providers")
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
-    c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     c.set_defaults(func=_cmd_compare)
 
-    a = sub.add_parser("analyze", help="per-layer and per-tensor error of a quantized model")
-    a.add_argument("float_model")
-    a.add_argument("quant_model")
-    a.add_argument("--data", required=True, help="inputs: .npz, .npy or a folder of them")
-    a.add_argument("--labels", metavar="KEY", help="an array in the --data .npz to leave out (labels)")
-    a.add_argument("--max-samples", type=int)
+    a = _model_pair_parser(sub, "analyze", "per-layer and per-tensor error of a quantized model",
+                           "an array in the --data .npz to leave out (labels)")
     a.add_argument("--json", metavar="FILE.json", help="write every figure as JSON")
     a.add_argument("--report", metavar="FILE.html", help="write an HTML report")
     a.add_argument("--top", type=int, default=15, help="rows of each table on the terminal (default 15)")
-    a.add_argument("--providers", nargs="+", help="onnxruntime execution providers")
-    a.add_argument("--quiet", action="store_true", help="no progress bar")
-    a.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     a.set_defaults(func=_cmd_analyze)
 
     i = sub.add_parser("inspect", help="describe a model and what would be quantized")
