@@ -88,16 +88,21 @@ def session_inputs(session: ort.InferenceSession) -> list[InputSpec]:
     return specs
 
 
-def deployed_session(
-    model: str | os.PathLike | bytes, providers: list[str], reference: bool = False
-) -> ort.InferenceSession:
-    """A session as a deployment opens it (default options), or with reference kernels."""
+def deployed_options(reference: bool = False) -> ort.SessionOptions:
+    """Default session options, as a deployment has them (quiet), or reference kernels."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if reference:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return options
+
+
+def deployed_session(
+    model: str | os.PathLike | bytes, providers: list[str], reference: bool = False
+) -> ort.InferenceSession:
+    """A session as a deployment opens it (default options), or with reference kernels."""
     source = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(source, options, providers=providers)
+    return ort.InferenceSession(source, deployed_options(reference), providers=providers)
 
 
 def _metrics(

@@ -78,10 +78,7 @@ class PipelineState:
             # A tensor no plan calibrated before (the input of a node whose producer was
             # raised to float): calibrate it as a run of this config would.
             self.ranges.update(calibrate(model, missing, ctx.data, ctx.calibration, False, []).ranges)
-        plan, _ = _drop_unquantizable(plan, self.ranges)
-        missing = set(plan.calibrated_tensors()) - set(self.ranges)
-        if missing:
-            plan, _ = plan.without(missing, "not calibrated")
+        plan = _within_ranges(plan, self.ranges)
         plan, _ = run_algorithms(model, plan, self.ranges, self.algorithms, ctx)
         model, _ = _emit_loadable(model, plan, self.ranges, config, ctx, self.target)
         return model
@@ -153,6 +150,14 @@ def _drop_unquantizable(plan: QuantPlan, ranges: dict[str, tuple[float, float]])
                   f"(masking constants such as float min): {names}"]
 
 
+def _within_ranges(plan: QuantPlan, ranges: dict[str, tuple[float, float]]) -> QuantPlan:
+    """A re-made plan without what `ranges` cannot quantize: unquantizable ranges and
+    tensors nobody calibrated."""
+    plan, _ = _drop_unquantizable(plan, ranges)
+    missing = set(plan.calibrated_tensors()) - set(ranges)
+    return plan.without(missing, "not calibrated")[0] if missing else plan
+
+
 def _calibrate_or_load(
     model: ir.Model, plan: QuantPlan, data: CalibrationSource, config: Config, progress: bool | None,
     algorithms: list[dict[str, Any]], deferred: Deferred | None, notes: list[str],
@@ -216,10 +221,7 @@ def _emit_loadable(
     def trial(kept: set[str]) -> Trial:
         copy = pristine.clone()
         keep = {**ctx.keep_float, **{name: UNLOADABLE for name in kept}}
-        new_plan, _ = _drop_unquantizable(plan_quantization(copy, config, keep, target), ranges)
-        missing = set(new_plan.calibrated_tensors()) - set(ranges)
-        if missing:
-            new_plan, _ = new_plan.without(missing, "not calibrated")
+        new_plan = _within_ranges(plan_quantization(copy, config, keep, target), ranges)
         result = emit_model(copy, new_plan, ranges, config, cpu=target.runs_on_cpu())
         return Trial(copy, model_loads(copy, providers), result)
 

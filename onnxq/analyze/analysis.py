@@ -14,24 +14,24 @@ running sums (memory does not grow with the number of samples):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 
 from onnxq.analyze.accumulate import AgreementStats, ErrorStats, RangeStats
 from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
 from onnxq.analyze.qgraph import QuantizedActivation, layers, quantized_activations
 from onnxq.calibrate.data import iter_batches
 from onnxq.calibrate.session import check_providers, exposed_session, session_source
-from onnxq.evaluate import session_inputs
+from onnxq.evaluate import deployed_options, deployed_session, session_inputs
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
 from onnxq.graph.save import write_text_atomic
@@ -93,7 +93,7 @@ class Analysis:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data; an infinite SQNR (no error at all) becomes null."""
-        return _finite(asdict(self))
+        return json_safe(self)
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
@@ -102,20 +102,20 @@ class Analysis:
         return text
 
 
-def _finite(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """JSON-safe data: dataclasses as dicts, tuples as lists, numpy scalars as Python
+    numbers, NaN and infinities as null."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return json_safe({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, str | bytes):  # numpy scalar
+        value = value.item()
     if isinstance(value, float):
         return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
     return value
-
-
-def _deployed_options() -> ort.SessionOptions:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return options
 
 
 def _float_reference(float_model: ModelLike, quant: ir.Model, normalised: bool) -> ir.Model:
@@ -125,12 +125,6 @@ def _float_reference(float_model: ModelLike, quant: ir.Model, normalised: bool) 
     opset = quant.opset_imports.get("", 13)
     model, _ = load_model(float_model, opset)
     return model
-
-
-def _pairs(
-    activations: list[QuantizedActivation], float_values: dict[str, ir.Value]
-) -> list[QuantizedActivation]:
-    return [a for a in activations if a.name in float_values]
 
 
 def analyze_models(
@@ -155,15 +149,16 @@ def analyze_models(
     quant = read_model(quant_model)
     reference = _float_reference(float_model, quant, normalised)
     float_values = values_by_name(reference.graph)
-    activations = [] if layers_only else _pairs(quantized_activations(quant), float_values)
+    quantized = [] if layers_only else quantized_activations(quant)
+    activations = [a for a in quantized if a.name in float_values]
     found = layers(quant)
-    graph_outputs = [v.name for v in reference.graph.outputs]
+    graph_outputs = [] if layers_only else [v.name for v in reference.graph.outputs]
     isolated, skipped = add_isolated_layers(reference, quant, found)
     notes = [f"layer not isolated: {s}" for s in skipped[:10]]
     if len(skipped) > 10:
         notes.append(f"... and {len(skipped) - 10} more layers not isolated")
-    missing = len(quantized_activations(quant)) - len(activations)
-    if missing and not layers_only:
+    missing = len(quantized) - len(activations)
+    if missing:
         notes.append(f"{missing} quantized tensors have no tensor of the same name in the float model "
                      "(added by a pass, or the models differ): not compared")
 
@@ -184,12 +179,11 @@ def analyze_models(
     samples = 0
     with contextlib.ExitStack() as stack:
         ref_session = stack.enter_context(
-            exposed_session(reference, ref_names, providers, options=_deployed_options()))
+            exposed_session(reference, ref_names, providers, options=deployed_options()))
         test_session = stack.enter_context(exposed_session(quant, test_names, providers)) if test_names else None
         deployed = None
         if not layers_only:
-            source = stack.enter_context(session_source(quant))
-            deployed = ort.InferenceSession(source, _deployed_options(), providers=providers)
+            deployed = deployed_session(stack.enter_context(session_source(quant)), providers)
         out_names = [] if deployed is None else [o.name for o in deployed.get_outputs()]
         for feed in _progress(iter_batches(data, session_inputs(ref_session), batch_size, max_samples), progress):
             ref = dict(zip(ref_names, ref_session.run(ref_names, feed)))

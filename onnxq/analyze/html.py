@@ -16,14 +16,13 @@ import json
 import math
 import os
 import re
-import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from onnxq.analyze.analysis import Analysis
+from onnxq.analyze.analysis import Analysis, json_safe
 from onnxq.config.io import config_to_dict, config_to_yaml
 from onnxq.errors import OnnxqError
+from onnxq.graph.save import write_text_atomic
 from onnxq.report import Summary, format_summary
 
 if TYPE_CHECKING:
@@ -55,21 +54,6 @@ figure svg{max-width:100%;height:auto}figcaption{font-size:12px;color:#555}
 nav a{margin-right:1em}"""
 
 
-def _plain(value: Any) -> Any:
-    """JSON-safe data: dataclasses as dicts, tuples as lists, NaN and infinities as null."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _plain({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if hasattr(value, "item") and not isinstance(value, str | bytes):  # numpy scalar
-        value = value.item()
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    return value
-
-
 def _threshold(target: str, float_score: float) -> float | None:
     """The score the target asks for, when it can be worked out."""
     try:
@@ -84,15 +68,15 @@ def report_data(analysis: Analysis | None, summary: Summary | None,
                 config: Config | None) -> dict[str, Any]:
     """The JSON embedded in the page: the analysis fields at the top level (`layers`,
     `tensors`, `outputs`, ...), then `summary`, `mixed_precision` and `config` (or null)."""
-    data: dict[str, Any] = _plain(analysis.to_dict()) if analysis is not None else {}
-    data["summary"] = None if summary is None else _plain(
+    data: dict[str, Any] = json_safe(analysis.to_dict()) if analysis is not None else {}
+    data["summary"] = None if summary is None else json_safe(
         {f.name: getattr(summary, f.name) for f in dataclasses.fields(summary)
          if f.name != "mixed_precision"})
     mp = summary.mixed_precision if summary is not None else None
-    data["mixed_precision"] = None if mp is None else _plain(
+    data["mixed_precision"] = None if mp is None else json_safe(
         {f.name: getattr(mp, f.name) for f in dataclasses.fields(mp) if f.name != "config"}
         | {"threshold": _threshold(mp.target, mp.float_score)})
-    data["config"] = None if config is None else _plain(config_to_dict(config))
+    data["config"] = None if config is None else json_safe(config_to_dict(config))
     return data
 
 
@@ -333,13 +317,4 @@ def write_html_report(path: str | os.PathLike, *, analysis: Analysis | None = No
     _figure_class()  # fail early, before any work, when matplotlib is missing
     path = Path(path)
     text = render_html(report_data(analysis, summary, config), summary, config, title)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(path, text)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from onnxq.analyze.qgraph import GLUE_OPS, Layer
+from onnxq.analyze.qgraph import GLUE_OPS, Layer, dequantizer
 from onnxq.graph.edit import values_by_name
 
 PREFIX = "onnxq_isolated/"
@@ -86,7 +86,7 @@ class _Copier:
         q = next((u.node for u in quant_out.uses() if u.node.op_type == "QuantizeLinear"), None)
         if q is None:
             return out
-        dq = next((u.node for u in q.outputs[0].uses() if u.node.op_type == "DequantizeLinear"), None)
+        dq = dequantizer(q)
         params = [self.value(v) if v is not None else None for v in q.inputs[1:]]
         if dq is None or any(p is None for p, v in zip(params, q.inputs[1:]) if v is not None):
             return None

@@ -9,20 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
 from onnxq.graph.fold import constant_array
+from onnxq.numerics.qmath import FLOAT8_TYPES, INT_TYPES
 
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 # Ops the emitters put between a float tensor and the node reading it.
 GLUE_OPS = QDQ_OPS | {"Cast"}
 
-_FLOAT8_MAX = {
-    ml_dtypes.float8_e4m3fn: 448.0,
-    ml_dtypes.float8_e5m2: 57344.0,
-}
 
 
 @dataclass(frozen=True)
@@ -47,16 +43,21 @@ class Layer:
 
 
 def _grid(zero_point: np.ndarray, scale: float) -> tuple[float, float] | None:
-    """The real range a per-tensor (scale, zero point) represents."""
-    dtype = zero_point.dtype
-    zp = zero_point.reshape(-1)[0]
-    if dtype.type in _FLOAT8_MAX:
-        limit = _FLOAT8_MAX[dtype.type] * scale
-        return -limit, limit
-    if np.issubdtype(dtype, np.integer) or dtype in (ml_dtypes.int4, ml_dtypes.uint4):
-        info = ml_dtypes.iinfo(dtype) if dtype in (ml_dtypes.int4, ml_dtypes.uint4) else np.iinfo(dtype)
-        return (float(info.min) - float(zp)) * scale, (float(info.max) - float(zp)) * scale
+    """The real range a per-tensor (scale, zero point) represents (`numerics.qmath` types)."""
+    kind = zero_point.dtype.type
+    zp = float(zero_point.reshape(-1)[0])
+    for f8 in FLOAT8_TYPES.values():
+        if kind is f8.np_dtype:
+            return -f8.max_value * scale, f8.max_value * scale
+    for info in INT_TYPES.values():
+        if kind is info.np_dtype:
+            return (info.qmin - zp) * scale, (info.qmax - zp) * scale
     return None
+
+
+def dequantizer(q: ir.Node) -> ir.Node | None:
+    """The DequantizeLinear reading QuantizeLinear `q`'s output, if any."""
+    return next((u.node for u in q.outputs[0].uses() if u.node.op_type == "DequantizeLinear"), None)
 
 
 def _activation(q: ir.Node) -> QuantizedActivation | None:
@@ -67,7 +68,7 @@ def _activation(q: ir.Node) -> QuantizedActivation | None:
     scale, zp = constant_array(q.inputs[1]), constant_array(q.inputs[2])
     if scale is None or zp is None or scale.size != 1:
         return None
-    dq = next((u.node for u in q.outputs[0].uses() if u.node.op_type == "DequantizeLinear"), None)
+    dq = dequantizer(q)
     grid = _grid(zp, float(scale.reshape(-1)[0]))
     if dq is None or grid is None or not value.name:
         return None
@@ -94,7 +95,7 @@ def _quantized_output(value: ir.Value) -> str | None:
     """The DQ output consumers read when `value` is quantized right after it is computed."""
     for use in value.uses():
         if use.node.op_type == "QuantizeLinear":
-            dq = next((u.node for u in use.node.outputs[0].uses() if u.node.op_type == "DequantizeLinear"), None)
+            dq = dequantizer(use.node)
             if dq is not None:
                 return dq.outputs[0].name
     return None

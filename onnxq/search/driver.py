@@ -55,7 +55,7 @@ def _eval_set(mp: MixedPrecisionConfig, calibration_data: Any, custom: bool) -> 
 
 def _session(model: ir.Model, providers: list[str]) -> Any:
     with session_source(model) as source:
-        return deployed_session(source if isinstance(source, bytes) else source, providers)
+        return deployed_session(source, providers)
 
 
 def promotion_order(layers: list[Any], plan: Any) -> list[tuple[str, float]]:

@@ -8,20 +8,20 @@ result of a search can be saved and reused without searching again.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
-from onnxq.config.spec import Config, DType, QuantizationConfig, QuantizationSpec
+from onnxq.config.compose import deep_merge
+from onnxq.config.io import config_from_dict, config_to_dict
+from onnxq.config.spec import Config, DType
 from onnxq.numerics.qmath import qdq_opset
 
 
-def _rung_config(rung: str) -> QuantizationConfig:
+def _rung_override(rung: str) -> dict[str, dict[str, str]]:
+    """A node override, in the config-file shape, that raises a node to `rung`."""
     if rung == "int16":
-        act = QuantizationSpec(dtype=DType.INT16)
-        return QuantizationConfig(input_tensors=act, output_tensors=act)
-    dtype = {"fp16": DType.FLOAT16, "bf16": DType.BFLOAT16, "float": DType.FLOAT32}[rung]
-    spec = QuantizationSpec(dtype=dtype)
-    return QuantizationConfig(input_tensors=spec, output_tensors=spec, weight=spec, bias=spec)
+        return {"input_tensors": {"dtype": "int16"}, "output_tensors": {"dtype": "int16"}}
+    dtype = {"fp16": "float16", "bf16": "bfloat16", "float": "float32"}[rung]
+    return {tc: {"dtype": dtype} for tc in ("input_tensors", "output_tensors", "weight", "bias")}
 
 
 def rung_opset(ladder: list[str]) -> int:
@@ -30,24 +30,9 @@ def rung_opset(ladder: list[str]) -> int:
 
 
 def with_promotions(config: Config, promotions: Mapping[str, str]) -> Config:
-    """`config` with each promoted node overridden to its rung (over any override it had)."""
-    layers = dict(config.layer_quant_config)
-    for node, rung in promotions.items():
-        layers[node] = _merged(layers.get(node), _rung_config(rung))
-    return dataclasses.replace(config, layer_quant_config=layers)
-
-
-def _merged(base: QuantizationConfig | None, top: QuantizationConfig) -> QuantizationConfig:
-    """`top`'s specs over `base`'s, field by field (a rung changes only what it names)."""
-    if base is None:
-        return top
-    merged = {}
-    for f in dataclasses.fields(QuantizationConfig):
-        low, high = getattr(base, f.name), getattr(top, f.name)
-        if isinstance(high, QuantizationSpec) and isinstance(low, QuantizationSpec):
-            values = {g.name: getattr(high, g.name) if getattr(high, g.name) is not None else getattr(low, g.name)
-                      for g in dataclasses.fields(QuantizationSpec)}
-            merged[f.name] = QuantizationSpec(**values)
-        else:
-            merged[f.name] = high if high is not None else low
-    return QuantizationConfig(**merged)
+    """`config` with each promoted node overridden to its rung, merged over any override it
+    had field by field (a rung changes only what it names), as a config file would be."""
+    if not promotions:
+        return config
+    overrides = {node: _rung_override(rung) for node, rung in promotions.items()}
+    return config_from_dict(deep_merge(config_to_dict(config), {"layer_quant_config": overrides}))

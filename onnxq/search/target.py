@@ -22,6 +22,7 @@ import onnxruntime as ort
 
 from onnxq.calibrate.data import iter_batches
 from onnxq.errors import CalibrationDataError, ConfigError
+from onnxq.evaluate import sqnr_db
 
 METRICS = ("top1", "cosine", "sqnr", "custom")
 # The score of the float model against itself, for metrics measured against it.
@@ -130,12 +131,6 @@ def _cosine(ref: np.ndarray, out: np.ndarray) -> float:
     return float(np.mean(cos))
 
 
-def _sqnr(ref: np.ndarray, out: np.ndarray) -> float:
-    noise = float(np.sum((ref.astype(np.float64) - out) ** 2))
-    signal = float(np.sum(ref.astype(np.float64) ** 2))
-    return math.inf if noise == 0 else 10.0 * math.log10(max(signal, 1e-30) / noise)
-
-
 def scorer(target: AccuracyTarget, evalset: EvalSet, evaluate: Evaluate | None) -> Evaluate:
     """The function that scores a session for `target`."""
     metric = target.metric
@@ -149,7 +144,7 @@ def scorer(target: AccuracyTarget, evalset: EvalSet, evaluate: Evaluate | None) 
             raise CalibrationDataError("metric top1 needs labels: an --eval-data .npz holding a "
                                        "'labels' array (or --labels KEY), or use --metric cosine")
         return lambda session: _top1(evalset.first_output(session), evalset.labels)
-    compare = _cosine if metric == "cosine" else _sqnr
+    compare = _cosine if metric == "cosine" else sqnr_db
     return lambda session: compare(evalset.reference, evalset.first_output(session))
 
 
