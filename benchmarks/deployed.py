@@ -75,14 +75,17 @@ def quantize_job(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str
     return {}
 
 
-def run_worker(job_path: str) -> int:
+def run_worker(job_path: str, quantize: Any = None) -> int:
+    """Worker side: load the job's calibration data, run `quantize(job, arrays)` (default
+    `quantize_job`) measured, write its result next to the job."""
     job = json.loads(Path(job_path).read_text())
     arrays = CO.load_calibration(job["data"])
     import onnxruntime.quantization  # noqa: F401 - same import baseline for both tools
 
     import onnxq  # noqa: F401
 
-    info, stats = C.measure_call(lambda: quantize_job(job, arrays))
+    quantize = quantize or quantize_job
+    info, stats = C.measure_call(lambda: quantize(job, arrays))
     Path(job["result"]).write_text(json.dumps(C.jsonable({**stats, **info,
                                                           "size_mb": C.file_mb(job["output"])})))
     return 0
@@ -154,16 +157,21 @@ def format_table(name: str, metric: str, rows: dict[str, dict[str, Any]]) -> str
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = C.harness_parser(__doc__, ("resnet20", "mobilenet", "minilm"), ())
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+def add_task_options(p: argparse.ArgumentParser, timeout: float) -> None:
+    """The data and evaluation options of a benchmark over the shared tasks."""
     p.add_argument("--samples", type=int, default=200, help="calibration images")
     p.add_argument("--text-samples", type=int, default=256, help="calibration sentences (MiniLM)")
     p.add_argument("--eval-samples", type=int, help="cap on evaluation samples (STS-B: pairs)")
     p.add_argument("--eval-batch", type=int, default=32)
     p.add_argument("--threads", type=int, help="threads of the evaluation sessions")
+    p.add_argument("--timeout", type=float, default=timeout)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = C.harness_parser(__doc__, ("resnet20", "mobilenet", "minilm"), ())
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--latency-runs", type=int, default=20)
-    p.add_argument("--timeout", type=float, default=1200.0)
+    add_task_options(p, 1200.0)
     return p.parse_args(argv)
 
 

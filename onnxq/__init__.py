@@ -14,12 +14,16 @@ from onnxq.config import (
     load_config,
 )
 from onnxq.errors import OnnxqError
+from onnxq.optimize.adaquant import AdaQuantConfig
+from onnxq.optimize.adaround import AdaRoundConfig
 from onnxq.quantize import ModelQuantizer, QuantizationResult, quantize
 from onnxq.report import Summary, format_summary
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaQuantConfig",
+    "AdaRoundConfig",
     "Config",
     "ModelQuantizer",
     "OnnxqError",

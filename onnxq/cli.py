@@ -18,7 +18,7 @@ from onnxq.errors import OnnxqError
 EXIT_USAGE = 2
 
 
-def _key_values(items: list[str]) -> dict[str, Any]:
+def _key_values(items: list[str], flag: str = "--calib-option") -> dict[str, Any]:
     """Parse KEY=VALUE flags; values are YAML scalars (numbers, true/false, strings)."""
     import yaml
 
@@ -26,7 +26,7 @@ def _key_values(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise OnnxqError(f"--calib-option expects KEY=VALUE, got {item!r}")
+            raise OnnxqError(f"{flag} expects KEY=VALUE, got {item!r}")
         out[key] = yaml.safe_load(value)
     return out
 
@@ -78,11 +78,32 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
         passes.append({"name": "smoothquant", "alpha": args.smoothquant})
     if passes:
         values.append((("pre_quant_opt_config",), passes))
-    if args.bias_correction:
-        values.append((("algo_config",), [{"name": "bias_correction"}]))
+    algorithms = [name for name in ALGORITHM_FLAGS if getattr(args, name)]
+    entries = _algorithm_options(algorithms, args.algo_option or [])
+    if entries:
+        values.append((("algo_config",), entries))
     if args.accuracy_target is not None or args.metric is not None:
         values.append((("mixed_precision", "target"), _target_text(args.accuracy_target, args.metric)))
     return values
+
+
+# Flags that switch an algorithm on (`algo_config` entries, in this order).
+ALGORITHM_FLAGS = ("bias_correction", "adaround", "adaquant")
+
+
+def _algorithm_options(flagged: list[str], options: list[str]) -> list[dict[str, Any]]:
+    """`algo_config` entries for the algorithm flags, with `--algo-option [ALGO.]KEY=VALUE`
+    merged in (a bare KEY goes to the one algorithm a flag switched on)."""
+    entries = {name: {"name": name} for name in flagged}
+    for key, value in _key_values(options, "--algo-option").items():
+        name, dot, option = key.rpartition(".")
+        if not dot:
+            if len(flagged) != 1:
+                raise OnnxqError(f"--algo-option {key}: name its algorithm, e.g. adaround.{key}=..., "
+                                 f"since {'no' if not flagged else 'more than one'} algorithm flag is given")
+            name = flagged[0]
+        entries.setdefault(name, {"name": name})[option] = value
+    return list(entries.values())
 
 
 def _target_text(expression: str | None, metric: str | None) -> str:
@@ -271,6 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SmoothQuant with migration strength ALPHA in [0, 1] (MatMul/Gemm outliers)")
     q.add_argument("--bias-correction", action="store_true",
                    help="correct the mean output error that weight quantization adds to each bias")
+    q.add_argument("--adaround", action="store_true",
+                   help="learn each weight's rounding, layer by layer, against the float model (AdaRound)")
+    q.add_argument("--adaquant", action="store_true",
+                   help="optimise weights and biases layer by layer through the rounding (AdaQuant)")
+    q.add_argument("--algo-option", action="append", metavar="[ALGO.]KEY=VALUE",
+                   help="option of an algorithm, e.g. num_iteration=500 or adaround.reg_param=0.02 "
+                        "(repeatable; a bare KEY goes to the one algorithm flag given)")
     q.add_argument("--max-calib-memory", type=int, metavar="MIB",
                    help="bound on activations held per batch; calibrates in groups above it")
     q.add_argument("--save-ranges", metavar="FILE.json", help="write calibrated ranges to a file")

@@ -41,11 +41,12 @@ from onnxq.optimize import (
     Rescale,
     algorithm_requests,
     check_config_entries,
+    equalizing_algorithm,
     finish_deferred,
     run_algorithms,
     run_passes,
 )
-from onnxq.plan import QuantPlan, plan_quantization
+from onnxq.plan import Kind, QuantPlan, plan_quantization
 from onnxq.plan.params import WeightCache
 from onnxq.report import Summary
 from onnxq.target import TargetProfile, resolve_target
@@ -205,6 +206,26 @@ def _algorithms(
     return algorithms + added
 
 
+def _with_equalization(
+    model: ir.Model, config: Config, ctx: PassContext, target: TargetProfile, summary: Summary
+) -> list[dict[str, Any]]:
+    """The configured passes, plus cross-layer equalization where a layer-wise algorithm
+    wants it (its `equalize` option) and no `cle` entry decides it already."""
+    passes = list(config.pre_quant_opt_config)
+    if any(p.get("name") == "cle" for p in passes) or not config.algo_config:
+        return passes
+    plan = plan_quantization(model, config, ctx.keep_float, target)
+    per_tensor = any(t.kind is Kind.WEIGHT and t.axis is None and not t.block_size
+                     and any(plan.quantized_nodes.get(n) in ("Conv", "Gemm") for n, _ in t.consumers)
+                     for t in plan.tensors.values())
+    name = equalizing_algorithm(config.algo_config, per_tensor)
+    if name is None:
+        return passes
+    summary.notes.append(f"{name} adds cle before calibration (per-tensor Conv/Gemm weights); "
+                         "equalize: never, or a cle entry with enabled: false, turns it off")
+    return [*passes, {"name": "cle"}]
+
+
 def _emit_loadable(
     model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], config: Config,
     ctx: PassContext, target: TargetProfile,
@@ -284,7 +305,8 @@ def run_pipeline(
     """
     check_config_entries(config.pre_quant_opt_config, config.algo_config)
     data = CalibrationSource(calibration_data)
-    ctx = PassContext(data, config.calibration, progress, deferrable=not config.calibration.load_ranges)
+    ctx = PassContext(data, config.calibration, progress, deferrable=not config.calibration.load_ranges,
+                      qdq_domain=config.qdq_domain)
     if output is not None:
         check_output_path(output, model if isinstance(model, str | os.PathLike) else None)
     summary = Summary()
@@ -300,7 +322,8 @@ def run_pipeline(
     summary.target = target.describe()
 
     with summary.stage("optimise"):
-        summary.notes.extend(run_passes(ir_model, config.pre_quant_opt_config, ctx))
+        passes = _with_equalization(ir_model, config, ctx, target, summary)
+        summary.notes.extend(run_passes(ir_model, passes, ctx))
         plan = plan_quantization(ir_model, config, ctx.keep_float, target)
         algorithms = _algorithms(config, target, plan, data, summary)
 

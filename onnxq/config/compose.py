@@ -3,7 +3,7 @@
 All three are dicts of the config-file shape, so a CLI flag, a YAML key and a Python
 dict mean exactly the same thing. Nested mappings merge key by key; other values
 (lists included) replace, except `exclude`, which accumulates, and the pass lists
-(`pre_quant_opt_config`, `algo_config`), whose entries merge by `name`.
+(`pre_quant_opt_config`, `algo_config`), whose entries merge by `name` (key by key).
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ NAMED_LISTS = ("pre_quant_opt_config", "algo_config")
 
 
 def _merge_by_name(base: list[Any], override: list[Any]) -> list[Any]:
-    """Entries of `override` replace same-named entries of `base` (in place) or append."""
+    """Entries of `override` merge into same-named entries of `base` (their keys win, in
+    place) or append."""
     merged = list(base)
     names = [e.get("name") if isinstance(e, Mapping) else None for e in merged]
     for entry in override:
         name = entry.get("name") if isinstance(entry, Mapping) else None
         if name is not None and name in names:
-            merged[names.index(name)] = entry
+            at = names.index(name)
+            merged[at] = {**merged[at], **entry} if isinstance(merged[at], Mapping) else entry
         else:
             merged.append(entry)
             names.append(name)

@@ -11,6 +11,7 @@ known with the model, so `validate_node_configs` checks those combinations per n
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import fields
@@ -30,10 +31,23 @@ INTEGER_DTYPES = {"int4": 4, "uint4": 4, "int8": 8, "uint8": 8, "int16": 16, "ui
 Rule = Callable[[dict[str, Any], str, bool], tuple[str, str] | None]
 
 
+def entry_dict(entry: Any) -> Any:
+    """A typed pass or algorithm config (a dataclass naming its algorithm in the class
+    attribute `ALGORITHM`, e.g. `AdaRoundConfig(num_iteration=500)`) as its dict entry;
+    anything else unchanged."""
+    name = getattr(type(entry), "ALGORITHM", None)
+    if not name or not dataclasses.is_dataclass(entry) or isinstance(entry, type):
+        return entry
+    values = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
+    return {"name": name, **{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}}
+
+
 def validate_config(config: Config) -> None:
     """Raise `ConfigError` for wrong value types or invalid combinations in `config`."""
     from onnxq.config.io import check_types  # io imports this module
 
+    config.pre_quant_opt_config[:] = [entry_dict(e) for e in config.pre_quant_opt_config]
+    config.algo_config[:] = [entry_dict(e) for e in config.algo_config]
     check_types(config)
     _check_top_level(config)
     for where, level in _levels(config):

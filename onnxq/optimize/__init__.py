@@ -75,6 +75,8 @@ class PassContext:
     # pass when the caller calibrates afterwards (`deferrable`).
     deferrable: bool = False
     may_defer: bool = False
+    # The Q/DQ domain emission uses (algorithms that emit a trial graph use the same).
+    qdq_domain: str = "ai.onnx"
     deferred: Deferred | None = None
 
     def defer(self, deferred: Deferred) -> bool:
@@ -247,6 +249,18 @@ def run_algorithms(
     return plan, notes
 
 
+def equalizing_algorithm(entries: list[Mapping[str, Any]], per_tensor: bool) -> str | None:
+    """The first enabled algorithm that wants cross-layer equalization before calibration
+    (option `equalize`: "always", or "auto" when some Conv/Gemm weight is per tensor)."""
+    for e in entries:
+        if not e.get("enabled", True) or e.get("name") not in ALGORITHMS:
+            continue
+        mode = getattr(_options(e), "equalize", None)
+        if mode == "always" or (mode == "auto" and per_tensor):
+            return e["name"]
+    return None
+
+
 def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping[str, Any]]) -> None:
     """Fail early (before loading the model) on unknown pass or algorithm names and on
     options their contracts reject."""
@@ -257,4 +271,4 @@ def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping
 
 
 # Importing the modules fills the registries.
-from onnxq.optimize import bias_correction, cle, fold_batchnorm, smoothquant  # noqa: E402, F401
+from onnxq.optimize import adaquant, adaround, bias_correction, cle, fold_batchnorm, smoothquant  # noqa: E402, F401

@@ -96,6 +96,16 @@ class WeightCache:
                 self._entries[key] = entry
         return entry[1]
 
+    def pin(self, tensor: TensorPlan, value: ir.Value, quantized: QuantizedTensor) -> None:
+        """Make `quantized` the weight's quantized form while `value` holds its current
+        tensor (an algorithm that learned the rounding: AdaRound, AdaQuant)."""
+        if value.const_value is not None:
+            self._entries[(tensor.name, tensor.spec, tensor.axis, tensor.block_size)] = (value.const_value, quantized)
+
+    def unpin(self, tensor: TensorPlan) -> None:
+        """Forget the weight's quantized form: emission rounds it to nearest again."""
+        self._entries.pop((tensor.name, tensor.spec, tensor.axis, tensor.block_size), None)
+
 
 def biases_by_weight(plan: QuantPlan) -> dict[str, TensorPlan]:
     """The bias plan of each weight that has one."""

@@ -1,0 +1,117 @@
+"""AdaRound (Nagel et al., "Up or Down? Adaptive Rounding for Post-Training Quantization",
+ICML 2020): learn, per weight, whether to round down or up.
+
+Each weight's code is floor(w / s) + h(V), h the rectified sigmoid
+clip(sigmoid(V) (zeta - gamma) + gamma, 0, 1) with zeta = 1.1, gamma = -0.1, V
+initialised so that h equals the weight's fractional part. Adam minimises the layer's
+output error with quantized inputs (`layerwise`) plus `reg_param` * sum(1 - |2h - 1|^beta),
+the regulariser that drives every h to 0 or 1, off for the first `warm_start` share of
+the iterations, then with beta annealed from `beta_range_start` to `beta_range_end`
+(cosine). The codes finally round h at 1/2, and a layer whose output error does not
+drop below nearest rounding's keeps nearest rounding.
+
+The error is computed from each layer's input statistics (`layerwise/gram.py`), exact
+over every position of every calibration sample, so each iteration is one full-batch
+gradient step at the cost of an [M, K] x [K, K] product: a few hundred of them do what the
+paper's 10k-20k mini-batch steps do. The weights' granularity, bits and type come from
+the weight's QuantizationSpec (per-tensor or per-channel, int2..int8, 7-bit and pair-safe
+target weights included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from onnxq.optimize import register_algorithm
+from onnxq.optimize.layerwise.adam import Adam
+from onnxq.optimize.layerwise.driver import Problem, Solution, reconstruct
+from onnxq.optimize.layerwise.options import LayerwiseConfig, check
+
+ZETA, GAMMA = 1.1, -0.1
+
+
+@dataclass(frozen=True)
+class AdaRoundConfig(LayerwiseConfig):
+    """Options of `adaround`: those of `LayerwiseConfig` and AMCT ADA's regulariser
+    fields. reg_param: weight of the rounding regulariser. beta_range_start /
+    beta_range_end: its annealed exponent. warm_start: share of the steps before the
+    regulariser starts."""
+
+    ALGORITHM: ClassVar[str] = "adaround"
+
+    reg_param: float = 0.01
+    beta_range_start: float = 20.0
+    beta_range_end: float = 2.0
+    warm_start: float = 0.2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.reg_param >= 0, "adaround: reg_param must be >= 0")
+        check(self.beta_range_start >= self.beta_range_end > 0,
+              "adaround: need beta_range_start >= beta_range_end > 0 (e.g. 20 and 2)")
+        check(0 <= self.warm_start < 1, "adaround: warm_start is a share of the iterations in [0, 1)")
+
+
+def _beta(options: AdaRoundConfig, step: int) -> float | None:
+    """The regulariser's exponent at `step`, None during the warm start."""
+    warm = int(options.warm_start * options.num_iteration)
+    if step < warm:
+        return None
+    rel = (step - warm) / max(options.num_iteration - warm, 1)
+    start, end = options.beta_range_start, options.beta_range_end
+    return end + 0.5 * (start - end) * (1 + np.cos(rel * np.pi))
+
+
+def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
+    """The codes AdaRound learns for one layer (module doc)."""
+    u = problem.w / problem.scale
+    floor = np.floor(u)
+    # Codes that cannot move (floor or floor + 1 off the grid) keep their nearest value.
+    free = (floor >= problem.lo) & (floor + 1 <= problem.hi)
+    base = np.where(free, floor, problem.nearest).astype(np.float32)
+    rest = np.clip(u - floor, 0.0, 1.0)
+    p = np.clip((rest - GAMMA) / (ZETA - GAMMA), 1e-4, 1 - 1e-4)
+    v = np.log(p / (1 - p)).astype(np.float32)
+    h32 = problem.h.astype(np.float32)
+    t32 = np.ascontiguousarray(problem.t[:, :, :-1], dtype=np.float32)
+    scale32 = problem.scale.astype(np.float32)
+    k = problem.w.shape[2]
+    full = np.empty(problem.t.shape, dtype=np.float32)
+    full[:, :, k] = problem.bias
+    # d loss / d h per weight = coef * (V H - T): loss scale, grid step, movable or not.
+    coef = (2.0 / (problem.outputs * max(problem.energy, 1e-30)) * problem.scale * free).astype(np.float32)
+    span = np.float32(ZETA - GAMMA)
+    adam = Adam(options.learning_rate)
+    sig, soft, grad = (np.empty_like(v) for _ in range(3))
+    for step in range(options.num_iteration):
+        np.negative(v, out=sig)
+        np.exp(sig, out=sig)
+        sig += 1
+        np.reciprocal(sig, out=sig)
+        np.multiply(sig, span, out=soft)
+        soft += np.float32(GAMMA)
+        active = (soft > 0) & (soft < 1)  # the rectified sigmoid's gradient is 0 outside
+        np.clip(soft, 0, 1, out=soft)
+        np.multiply(soft, free, out=full[:, :, :k])
+        full[:, :, :k] += base
+        full[:, :, :k] *= scale32
+        np.matmul(full, h32[:, :, :k], out=grad)
+        grad -= t32
+        grad *= coef
+        beta = _beta(options, step)
+        if beta is not None and options.reg_param:
+            d = 2 * soft - 1
+            grad -= np.float32(options.reg_param * 2 * beta) * np.abs(d) ** np.float32(beta - 1) * np.sign(d)
+        grad *= sig * (1 - sig) * span * active
+        adam.step(0, v, grad)
+    codes = np.where(free, floor + (v >= 0), problem.nearest)
+    return Solution(codes)
+
+
+@register_algorithm("adaround", options=AdaRoundConfig, data="required", rewrites=("weights",))
+def adaround(model, plan, ranges, opts: AdaRoundConfig, ctx) -> str:
+    """Learn the rounding of every quantized Conv/Gemm/MatMul weight (module doc)."""
+    return reconstruct("adaround", learn_rounding, model, plan, ranges, opts, ctx)

@@ -1,0 +1,421 @@
+"""Walk the layers in graph order: statistics, optimise, keep the better rounding, pin it.
+
+`reconstruct` is the whole of an algorithm but its per-layer optimiser: AdaRound and
+AdaQuant each register a function `optimise(problem, options) -> Solution` and call it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from tqdm import tqdm
+
+from onnxq.calibrate.data import iter_batches, model_inputs
+from onnxq.emit.qdq import emit_qdq
+from onnxq.errors import CalibrationDataError
+from onnxq.graph.edit import set_constant
+from onnxq.graph.fold import constant_array
+from onnxq.numerics.qmath import broadcast_param, int_type
+from onnxq.numerics.weights import QuantizedTensor, bias_safe_weight_scale
+from onnxq.optimize.layerwise.gram import Gram, position_stride
+from onnxq.optimize.layerwise.guard import keep_learned
+from onnxq.optimize.layerwise.layers import (
+    Layer,
+    find_layers,
+    from_matrices,
+    to_channels,
+    to_matrices,
+)
+from onnxq.optimize.layerwise.replay import Replay, ReplayError
+from onnxq.plan import QuantPlan
+from onnxq.plan.params import (
+    WeightCache,
+    activation_qparams,
+    bias_input_spec,
+    biases_by_weight,
+    emitted_weight,
+)
+from onnxq.target.pairs import enforce_pairs
+
+WEIGHT_PREFIX = "onnxq_layerwise_w::"
+BIAS_PREFIX = "onnxq_layerwise_b::"
+
+
+@dataclass
+class Problem:
+    """One layer's reconstruction, in code units of its weight grid.
+
+    Weights are [g, M, K] matrices (`layers.to_matrices`); `h` [g, K+1, K+1] and `t`
+    [g, M, K+1] are `gram.Gram`'s H and T per position, with `damping` times the mean
+    diagonal of H holding weights near their float values where the data says nothing;
+    `energy` is the float output's mean square per output channel and position.
+    Codes are relative to the zero point and lie in [lo, hi].
+    """
+
+    name: str
+    w: np.ndarray  # float weights [g, M, K]
+    bias: np.ndarray  # [g, M]
+    scale: np.ndarray  # [g, M, 1]
+    lo: np.ndarray  # [g, M, 1]
+    hi: np.ndarray  # [g, M, 1]
+    nearest: np.ndarray  # codes of nearest rounding as emitted [g, M, K]
+    h: np.ndarray
+    t: np.ndarray
+    energy: float
+    has_bias: bool  # whether the algorithm may change the bias
+    per_channel: bool  # one scale per output channel (else one for the tensor)
+
+    @property
+    def outputs(self) -> int:
+        return self.w.shape[0] * self.w.shape[1]
+
+    def full(self, weights: np.ndarray, bias: np.ndarray) -> np.ndarray:
+        """[g, M, K+1]: weights with the bias column."""
+        return np.concatenate([weights, bias[..., None]], axis=2)
+
+    def loss(self, weights: np.ndarray, bias: np.ndarray) -> float:
+        """Mean squared output error per output channel and position, relative to the
+        float output's mean square."""
+        v = self.full(weights, bias)
+        value = (np.sum(v * (v @ self.h)) - 2.0 * np.sum(v * self.t)) / self.outputs + self.energy
+        return float(value / self.energy) if self.energy > 0 else float(value)
+
+    def gradient(self, weights: np.ndarray, bias: np.ndarray) -> np.ndarray:
+        """d loss / d [weights | bias], [g, M, K+1] (same scale as `loss`)."""
+        v = self.full(weights, bias)
+        return (2.0 * (v @ self.h) - 2.0 * self.t) / (self.outputs * max(self.energy, 1e-30))
+
+    def best_bias(self, weights: np.ndarray) -> np.ndarray:
+        """The bias minimising the loss for `weights` (the least-squares mean correction)."""
+        k = weights.shape[2]
+        num = self.t[:, :, k] - np.einsum("gmk,gk->gm", weights, self.h[:, :k, k])
+        return num / np.maximum(self.h[:, k, k][:, None], 1e-30)
+
+
+@dataclass
+class Solution:
+    """What an optimiser returns: codes [g, M, K] relative to the zero point, and
+    optionally new float weights, a new bias [g, M] and new scales (like `Problem.scale`)."""
+
+    codes: np.ndarray
+    weights: np.ndarray | None = None
+    bias: np.ndarray | None = None
+    scale: np.ndarray | None = None
+
+
+Optimiser = Callable[[Problem, object], Solution]
+
+
+def _statistics(layer: Layer, replay: Replay, wbar: np.ndarray, kernel: tuple[int, ...], xq: str, xf: str,
+                cap: int) -> Gram:
+    gram = None
+    for batch in replay.inputs(list(dict.fromkeys([xq, xf]))):
+        if gram is None:
+            stride = position_stride(layer.node, batch[xq], kernel, replay.samples, cap)
+            gram = Gram.empty(wbar.shape[0], wbar.shape[2] - 1, kernel, stride)
+        gram.update(layer.node, wbar, batch[xq], batch[xf])
+    return gram
+
+
+def _problem(layer: Layer, qt: QuantizedTensor, gram: Gram, damping: float, spec_bits: tuple) -> Problem:
+    node, w = layer.node, layer.weight_array().astype(np.float64)
+    wm = to_matrices(node, w)
+    g, m, k = wm.shape
+    scale = to_channels(node, qt.scale, w.shape, g, m)
+    zp = to_channels(node, qt.zero_point, w.shape, g, m)
+    info = int_type(*spec_bits)
+    positions = max(gram.positions, 1)
+    h, c = gram.h / positions, gram.c / positions
+    bias = layer.bias_array().reshape(g, m)
+    full = np.concatenate([wm, bias[..., None]], axis=2)
+    t = full @ c.transpose(0, 2, 1)
+    energy = gram.energy / positions / (g * m)
+    # Damping: + delta |V - W|^2 on the weight part, delta a share of H's mean diagonal.
+    diag = np.einsum("gii->gi", h[:, :k, :k])
+    delta = damping * np.maximum(diag.mean(axis=1), 1e-12)  # per group
+    h = h.copy()
+    h[:, np.arange(k), np.arange(k)] += delta[:, None]
+    t = t.copy()
+    t[:, :, :k] += delta[:, None, None] * wm
+    energy += float(np.sum(delta[:, None, None] * wm * wm)) / (g * m)
+    nearest = to_matrices(node, qt.data.astype(np.float64)) - zp
+    return Problem(node.name, wm, bias, scale, info.qmin - zp, info.qmax - zp, nearest, h, t, energy,
+                   layer.bias is not None, np.size(qt.scale) > 1)
+
+
+def _emitted(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], ctx, layer: Layer,
+             bias_values: np.ndarray | None = None) -> QuantizedTensor:
+    """The layer's weight as emission will quantize it (nearest, with the bias's scale floor)."""
+    def constant_of(name: str) -> np.ndarray | None:
+        return constant_array(model.graph.initializers.get(name))
+
+    plain = ctx.weights.unfloored(layer.weight, layer.node.inputs[1])
+    bias_plan = biases_by_weight(plan).get(layer.weight.name)
+    usable = bias_plan if bias_plan is not None and bias_plan.bias_inputs[0] in plan.tensors else None
+    return emitted_weight(plan, ranges, constant_of, layer.weight, usable, bias_values, plain)
+
+
+def _bias_fits(model: ir.Model, plan: QuantPlan, ranges, layer: Layer, bias: np.ndarray, scale: np.ndarray) -> bool:
+    """Whether a new bias keeps its int32 form in range with the weight scale `scale`."""
+    bias_plan = biases_by_weight(plan).get(layer.weight.name)
+    if bias_plan is None or bias_plan.bias_inputs[0] not in plan.tensors:
+        return True
+    s_in, _ = activation_qparams(plan, ranges, lambda n: constant_array(model.graph.initializers.get(n)),
+                                 bias_plan.bias_inputs[0], bias_input_spec(plan, bias_plan))
+    floor = bias_safe_weight_scale(bias, float(s_in), np.size(scale), bias_plan.spec)
+    return bool(np.all(floor <= np.asarray(scale, dtype=np.float64).reshape(-1) * (1 + 1e-6)))
+
+
+def _quantized_graph(model: ir.Model, plan: QuantPlan, ranges, ctx, inputs: str) -> ir.Model:
+    """The graph the layers' inputs come from: the model as emitted (`quantized`), or the
+    float model whose layers get their quantized weights (`weights`, `float`: see the
+    options of AdaRound)."""
+    qmodel = model.clone()
+    if inputs == "quantized":
+        emit_qdq(qmodel, plan, ranges, ctx.qdq_domain, ctx.weights)
+    return qmodel
+
+
+def _store(model: ir.Model, layer: Layer, solution: Solution, problem: Problem, qt: QuantizedTensor) -> QuantizedTensor:
+    """Write the solution into the float model (new weights and bias) and return the
+    quantized weight emission must use."""
+    node = layer.node
+    shape = layer.weight_array().shape
+    if solution.weights is not None:
+        w = from_matrices(node, solution.weights, shape).astype(layer.weight_array().dtype)
+        set_constant(model.graph, node, 1, w, f"{node.name}_weight")
+    if solution.bias is not None and layer.bias is not None:
+        holder, index = layer.bias
+        old = constant_array(holder.inputs[index]) if index < len(holder.inputs) else None
+        beta = float(node.attributes["beta"].value) if node.op_type == "Gemm" and "beta" in node.attributes else 1.0
+        b = solution.bias.reshape(-1) / beta
+        set_constant(model.graph, holder, index, b.reshape(old.shape).astype(old.dtype), f"{node.name}_bias")
+    scale = qt.scale
+    if solution.scale is not None:
+        scale = (solution.scale.reshape(-1) if problem.per_channel else solution.scale.reshape(-1)[:1].reshape(())
+                 ).astype(qt.scale.dtype)
+    g, m = solution.codes.shape[:2]
+    zp = to_channels(node, qt.zero_point, shape, g, m)
+    codes = from_matrices(node, solution.codes + zp, shape)
+    return QuantizedTensor(np.rint(codes).astype(qt.data.dtype), np.asarray(scale), qt.zero_point, qt.axis)
+
+
+def _dequantized(node, qt: QuantizedTensor, shape) -> np.ndarray:
+    scale = broadcast_param(np.asarray(qt.scale, dtype=np.float64), shape, qt.axis)
+    zp = broadcast_param(np.asarray(qt.zero_point, dtype=np.float64), shape, qt.axis)
+    return ((qt.data.astype(np.float64) - zp) * scale).astype(np.float32)
+
+
+def reconstruct(
+    name: str, optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],
+    options, ctx,
+) -> str:
+    """Optimise every layer `options` selects with `optimise`, in graph order (module doc)."""
+    layers, refused = find_layers(model.graph, plan, options.op_types, options.skip_layers)
+    if not layers:
+        return "no quantized layer to optimise" + _listed("skipped", refused)
+    if ctx.data is None or ctx.data.source is None:
+        raise CalibrationDataError(f"{name} needs calibration data; pass --calib-data PATH")
+    if not ctx.data.replayable:
+        return ("skipped: the calibration data can be read only once; pass a path, a dict of arrays, "
+                "a list of feeds or a reader with rewind()")
+    original = model.clone() if options.validation_every else None
+    qmodel = _quantized_graph(model, plan, ranges, ctx, options.inputs)
+    qnodes = {n.name: n for n in qmodel.graph}
+    for layer in [x for x in layers if x.name not in qnodes]:
+        refused[layer.name] = "not found in the emitted graph"
+        layers.remove(layer)
+    nearest = {layer.name: _emitted(model, plan, ranges, ctx, layer) for layer in layers}
+    split = _Split(options.validation_every)
+    batches = split.training(_batches(ctx, model, name))
+    float_proto = ir.to_proto(model)
+    replay = Replay(float_proto, ir.to_proto(qmodel), batches, ctx.calibration.providers,
+                    int(options.cache_budget_mb) << 20)
+    del qmodel
+    for layer in layers:
+        qt = nearest[layer.name]
+        replay.set_initializer(WEIGHT_PREFIX + layer.name,
+                               _dequantized(layer.node, qt, layer.weight_array().shape))
+        replay.set_input(layer.name, 1, WEIGHT_PREFIX + layer.name)
+    report = _Report(name)
+    bar = tqdm(layers, desc=name, unit="layer", file=sys.stderr, leave=False,
+               disable=not (sys.stderr.isatty() if ctx.progress is None else ctx.progress))
+    try:
+        for layer in bar:
+            qt = nearest[layer.name]
+            xf = replay.float_name(layer.node.inputs[0].name)
+            xq = xf if options.inputs == "float" else qnodes[layer.name].inputs[0].name
+            try:
+                result = _one_layer(optimise, model, plan, ranges, options, layer, qt, replay, (xq, xf), report)
+            except ReplayError as exc:
+                report.kept[layer.name] = str(exc)
+                break
+            bar.set_postfix_str(report.last)
+            if result is not None:
+                ctx.weights.pin(layer.weight, layer.node.inputs[1], result)
+                report.pinned.append(layer)
+                replay.set_initializer(WEIGHT_PREFIX + layer.name,
+                                       _dequantized(layer.node, result, layer.weight_array().shape))
+                if report.bias_changed.get(layer.name) is not None:
+                    replay.set_initializer(BIAS_PREFIX + layer.name, report.bias_changed[layer.name])
+                    replay.set_input(layer.name, 2, BIAS_PREFIX + layer.name)
+    finally:
+        bar.close()
+        replay.close()
+    line = report.line(len(layers), refused, replay.samples)
+    if original is not None and report.pinned:
+        if split.held_out:
+            line += _guard(name, model, original, float_proto, plan, ranges, ctx, split, report)
+        else:
+            line += (f"; no model-level check: fewer than {options.validation_every} calibration batches "
+                     "to hold one out")
+    return line
+
+
+def _batches(ctx, model: ir.Model, name: str) -> Iterator[Mapping[str, np.ndarray]]:
+    return iter_batches(ctx.data, model_inputs(model), ctx.calibration.batch_size, ctx.calibration.max_samples,
+                        f"{name} data")
+
+
+class _Split:
+    """Every n-th calibration batch held out from the statistics, to check the model on."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.held_out = 0
+
+    def _validation(self, index: int) -> bool:
+        return bool(self.every) and index % self.every == self.every - 1
+
+    def training(self, batches: Iterable[Mapping[str, np.ndarray]]) -> Iterator[Mapping[str, np.ndarray]]:
+        for i, batch in enumerate(batches):
+            if self._validation(i):
+                self.held_out += 1
+            else:
+                yield batch
+
+    def validation(self, batches: Iterable[Mapping[str, np.ndarray]]) -> Iterator[Mapping[str, np.ndarray]]:
+        return (batch for i, batch in enumerate(batches) if self._validation(i))
+
+
+def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: QuantPlan, ranges, ctx,
+           split: _Split, report: _Report) -> str:
+    """Check the whole model (`guard.py`); undo everything when nearest rounding is closer."""
+    def emitted(source: ir.Model, weights: WeightCache) -> onnx.ModelProto:
+        copy = source.clone()
+        emit_qdq(copy, plan, ranges, ctx.qdq_domain, weights)
+        return ir.to_proto(copy)
+
+    keep, learned_db, near_db = keep_learned(
+        emitted(original, WeightCache()), emitted(model, ctx.weights), float_proto,
+        split.validation(_batches(ctx, model, name)), ctx.calibration.providers)
+    where = f"{split.held_out} held-out calibration batches"
+    if keep:
+        return f"; model output SQNR on {where} {learned_db:.1f} dB (nearest rounding {near_db:.1f} dB)"
+    for layer in report.pinned:
+        ctx.weights.unpin(layer.weight)
+        for holder, index in [(layer.node, 1), *([layer.bias] if layer.bias is not None else [])]:
+            value = holder.inputs[index]
+            before = original.graph.initializers.get(value.name) if value is not None else None
+            if before is not None and before.const_value is not value.const_value:
+                set_constant(model.graph, holder, index, before.const_value.numpy(), value.name)
+    return (f"; undone: the model's output SQNR on {where} fell to "
+            f"{learned_db:.1f} dB from nearest rounding's {near_db:.1f} dB (errors of many layers add up "
+            f"differently; with per-tensor weights try cross-layer equalization first: --cle)")
+
+
+def _one_layer(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],
+               options, layer: Layer, qt: QuantizedTensor, replay: Replay, names: tuple[str, str],
+               report: _Report) -> QuantizedTensor | None:
+    node = layer.node
+    w = layer.weight_array()
+    wm = to_matrices(node, w.astype(np.float64))
+    g, m, k = wm.shape
+    bias = layer.bias_array().reshape(g, m)
+    wbar = np.concatenate([wm, bias[..., None]], axis=2)
+    kernel = tuple(w.shape[2:]) if node.op_type == "Conv" else ()
+    gram = _statistics(layer, replay, wbar, kernel, *names, options.max_positions)
+    if gram.positions < options.min_rows * (k + 1):
+        report.short[layer.name] = math.ceil(options.min_rows * (k + 1) / max(gram.positions / replay.samples, 1e-9))
+        report.losses.append((layer.name, float("nan"), float("nan")))
+        return None
+    problem = _problem(layer, qt, gram, options.damping, (layer.weight.spec.dtype, layer.weight.spec.bits))
+    before = problem.loss(problem.nearest * problem.scale, problem.bias)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        solution = optimise(problem, options)
+    if layer.weight.spec.pairs is not None:
+        solution.codes = _pair_safe(layer, qt, solution, problem)
+    scale = solution.scale if solution.scale is not None else problem.scale
+    new_bias = solution.bias if solution.bias is not None else problem.bias
+    after = problem.loss(solution.codes * scale, new_bias)
+    if not (math.isfinite(after) and math.isfinite(before)):
+        report.kept[layer.name] = "loss not finite (NaN/Inf): nearest rounding kept"
+        report.last = "non-finite loss"
+        return None
+    report.last = f"{layer.name}: {before:.3g} -> {after:.3g}"
+    if after >= before:
+        report.losses.append((layer.name, before, before))
+        return None
+    if solution.bias is not None and not _bias_fits(model, plan, ranges, layer, solution.bias, scale):
+        solution = Solution(solution.codes, solution.weights, None, solution.scale)
+        after = problem.loss(solution.codes * scale, problem.bias)
+        if after >= before:
+            report.losses.append((layer.name, before, before))
+            return None
+    report.losses.append((layer.name, before, after))
+    result = _store(model, layer, solution, problem, qt)
+    if solution.bias is not None and layer.bias is not None:
+        report.bias_changed[layer.name] = solution.bias.reshape(-1).astype(np.float32)
+    return result
+
+
+def _pair_safe(layer: Layer, qt: QuantizedTensor, solution: Solution, problem: Problem) -> np.ndarray:
+    """The solution's codes with every kernel pair the saturating kernels add held in range."""
+    node, shape = layer.node, layer.weight_array().shape
+    scale = solution.scale if solution.scale is not None else problem.scale
+    real = solution.weights if solution.weights is not None else problem.w
+    codes = from_matrices(node, solution.codes, shape)
+    fixed = enforce_pairs(codes, from_matrices(node, real / scale, shape), qt.axis, layer.weight.spec.pairs)
+    return to_matrices(node, fixed)
+
+
+class _Report:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.losses: list[tuple[str, float, float]] = []
+        self.kept: dict[str, str] = {}
+        self.short: dict[str, int] = {}  # layer -> calibration samples it needs
+        self.bias_changed: dict[str, np.ndarray | None] = {}
+        self.pinned: list[Layer] = []
+        self.last = ""
+
+    def line(self, total: int, refused: Mapping[str, str], samples: int) -> str:
+        improved = [(n, b, a) for n, b, a in self.losses if a < b]
+        text = f"{len(improved)} of {total} layers improved on nearest rounding"
+        measured = [(b, a) for _, b, a in self.losses if math.isfinite(b)]
+        if measured:
+            before = float(np.median([b for b, _ in measured]))
+            after = float(np.median([a for _, a in measured]))
+            text += f" (median relative output error {before:.3g} -> {after:.3g})"
+        text += _listed("kept nearest", self.kept) + _listed("not optimised", refused)
+        if self.short:
+            need = max(self.short.values())
+            text += (f"; warning: {len(self.short)} layers kept nearest rounding, too few calibration rows for "
+                     f"their weights ({', '.join(list(self.short)[:3])}): calibrate on at least {need} samples "
+                     f"(now {samples}) to optimise them")
+        return text
+
+
+def _listed(what: str, reasons: Mapping[str, str]) -> str:
+    if not reasons:
+        return ""
+    items = [f"{n} ({r})" for n, r in list(reasons.items())[:3]]
+    return f"; {what}: {len(reasons)}: " + ", ".join(items) + (" ..." if len(reasons) > 3 else "")

@@ -1,0 +1,64 @@
+"""The model-level check after layer-wise reconstruction: keep the learned weights only
+if the whole model's outputs are at least as close to the float model's as with nearest
+rounding, on calibration samples.
+
+Each layer's own error always drops (a layer that does not improve keeps nearest
+rounding), but the errors of many layers can still add up worse than nearest rounding's
+where the quantized model is far from the float one: MobileNet with per-tensor weights,
+whose depthwise layers lose whole channels, is such a case (its output SQNR falls when
+every layer's own error falls). The check runs on calibration batches the statistics
+never saw (`validation_every`), so a model that fits its calibration samples rather than
+the data fails it; it costs one pass of three models over those batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from onnxq.calibrate.session import check_providers, session_options
+
+
+def output_sqnr(reference: onnx.ModelProto, models: list[onnx.ModelProto], batches: Iterable[Mapping[str, Any]],
+                providers: list[str]) -> list[float]:
+    """SQNR in dB of each model's outputs (all outputs together, each sample's mean
+    removed) against `reference`'s."""
+    providers = check_providers(providers)
+
+    def session(model: onnx.ModelProto) -> ort.InferenceSession:
+        return ort.InferenceSession(model.SerializeToString(), session_options(), providers=providers)
+
+    ref = session(reference)
+    others = [session(m) for m in models]
+    names = [o.name for o in ref.get_outputs()]
+    signal = 0.0
+    noise = [0.0] * len(models)
+    for feed in batches:
+        expected = [_centred(e) for e in ref.run(names, feed)]
+        signal += sum(float(np.sum(np.square(e))) for e in expected if e is not None)
+        for i, other in enumerate(others):
+            got = [_centred(g) for g in other.run(names, feed)]
+            noise[i] += sum(float(np.sum(np.square(g - e))) for g, e in zip(got, expected) if e is not None)
+    return [float("inf") if n == 0 else 10 * np.log10(max(signal, 1e-30) / n) for n in noise]
+
+
+def _centred(value: object) -> np.ndarray | None:
+    """A float output less each sample's mean (None for other outputs): an offset shared
+    by all of a sample's values (a logit bias) carries no information, and a model
+    whose outputs collapse onto it must not score well."""
+    if not isinstance(value, np.ndarray) or value.dtype.kind != "f":
+        return None
+    v = value.astype(np.float64)
+    return v - (v.mean(axis=tuple(range(1, v.ndim)), keepdims=True) if v.ndim > 1 else v.mean())
+
+
+def keep_learned(nearest: onnx.ModelProto, learned: onnx.ModelProto, reference: onnx.ModelProto,
+                 batches: Iterable[Mapping[str, Any]], providers: list[str]) -> tuple[bool, float, float]:
+    """(whether the learned model is at least as close as nearest rounding's, its output
+    SQNR, nearest rounding's)."""
+    near_db, learned_db = output_sqnr(reference, [nearest, learned], batches, providers)
+    return learned_db >= near_db, learned_db, near_db

@@ -1,0 +1,70 @@
+"""Options every layer-wise algorithm takes (AdaRound and AdaQuant extend them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from onnxq.errors import ConfigError
+from onnxq.optimize.layerwise.layers import OP_TYPES
+
+INPUTS = ("quantized", "weights", "float")
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class LayerwiseConfig:
+    """num_iteration: Adam steps per layer. learning_rate: Adam's step size.
+    damping: share of the input statistics' mean diagonal added as a pull toward the
+      float weights (keeps layers that saw little data near nearest rounding).
+    inputs: where each layer's input comes from: "quantized" (the model as emitted, with
+      the layers before it already optimised: errors do not compound), "weights" (the
+      float model with the optimised quantized weights, activations float) or "float".
+    op_types / skip_layers: which layers.
+    max_positions: positions (rows) per layer its statistics keep, evenly strided.
+    cache_budget_mb: tensors kept between layers stay in memory up to this, on disk beyond.
+    validation_every: every n-th calibration batch is kept out of the statistics; on
+      those batches the whole model must come out at least as close to float as with
+      nearest rounding, else everything is undone (0: no check, every batch fits).
+    equalize: run cross-layer equalization (`cle`) before calibration: "auto" when some
+      Conv/Gemm weight is quantized per tensor (no rounding rescues a depthwise layer
+      whose small channels a per-tensor scale wipes out), "always" or "never"; a `cle`
+      entry in pre_quant_opt_config, enabled or not, takes precedence.
+    min_rows: a layer whose statistics saw fewer than min_rows x (inputs per output + 1)
+      rows keeps nearest rounding (it would fit the calibration samples, not the data).
+    """
+
+    ALGORITHM: ClassVar[str] = ""
+    EQUALIZE: ClassVar[tuple[str, ...]] = ("auto", "always", "never")
+
+    num_iteration: int = 300
+    learning_rate: float = 0.01
+    damping: float = 0.01
+    inputs: str = "quantized"
+    op_types: tuple[str, ...] = OP_TYPES
+    skip_layers: tuple[str, ...] = field(default_factory=tuple)
+    max_positions: int = 65536
+    cache_budget_mb: int = 256
+    validation_every: int = 4
+    min_rows: float = 4.0
+    equalize: str = "auto"
+
+    def __post_init__(self) -> None:
+        name = self.ALGORITHM
+        check(self.num_iteration >= 1, f"{name}: num_iteration must be at least 1")
+        check(self.learning_rate > 0, f"{name}: learning_rate must be > 0")
+        check(self.damping >= 0, f"{name}: damping must be >= 0")
+        check(self.inputs in INPUTS, f"{name}: inputs is one of {', '.join(INPUTS)}; got {self.inputs!r}")
+        check(set(self.op_types) <= set(OP_TYPES),
+              f"{name}: op_types may hold {', '.join(OP_TYPES)}; got {', '.join(self.op_types)}")
+        check(self.max_positions >= 1, f"{name}: max_positions must be at least 1")
+        check(self.cache_budget_mb >= 0, f"{name}: cache_budget_mb must be >= 0")
+        check(self.validation_every >= 0 and self.validation_every != 1,
+              f"{name}: validation_every is 0 (no check) or at least 2")
+        check(self.min_rows >= 0, f"{name}: min_rows must be >= 0")
+        check(self.equalize in self.EQUALIZE, f"{name}: equalize is one of {', '.join(self.EQUALIZE)}; "
+              f"got {self.equalize!r}")

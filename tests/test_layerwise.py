@@ -1,0 +1,322 @@
+"""AdaRound and AdaQuant (onnxq/optimize/layerwise): exact statistics, layer inputs that
+match the models, better held-out outputs than nearest rounding in a default session,
+determinism, and the bad-input paths."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from helpers import run, sqnr_db
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxq
+from onnxq.cli import main
+from onnxq.errors import ConfigError
+from onnxq.optimize.layerwise import driver
+from onnxq.optimize.layerwise.gram import Gram
+from onnxq.optimize.layerwise.layers import to_matrices
+from onnxq.optimize.layerwise.replay import Replay
+from onnxq.target.pairs import PAIR_LIMIT, pair_indices
+
+
+def _uneven(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    w = rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))
+    return (w * np.exp(rng.uniform(-1.5, 1.5, shape[0])).reshape([-1] + [1] * (len(shape) - 1))).astype(np.float32)
+
+
+def cnn(seed: int = 0) -> onnx.ModelProto:
+    """Conv-Relu, depthwise Conv-Relu, pointwise Conv-Relu, pool, Gemm: a small MobileNet."""
+    rng = np.random.default_rng(seed)
+    inits = {
+        "w1": _uneven(rng, (16, 3, 3, 3)), "b1": rng.normal(0, 0.1, 16).astype(np.float32),
+        "w2": _uneven(rng, (16, 1, 3, 3)) * 3, "b2": rng.normal(0, 0.1, 16).astype(np.float32),
+        "w3": _uneven(rng, (24, 16, 1, 1)), "b3": rng.normal(0, 0.1, 24).astype(np.float32),
+        "w4": _uneven(rng, (10, 24)), "b4": rng.normal(0, 0.1, 10).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="dw", pads=[1, 1, 1, 1], group=16, strides=[2, 2]),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3", "b3"], ["c3"], name="pw"),
+        helper.make_node("Relu", ["c3"], ["r3"], name="relu3"),
+        helper.make_node("GlobalAveragePool", ["r3"], ["p"], name="pool"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "w4", "b4"], ["y"], name="fc", transB=1),
+    ]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def images(n: int, seed: int) -> np.ndarray:
+    """Smooth random images: sums of a few low-frequency waves per channel."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
+    out = np.zeros((n, 3, 16, 16), np.float32)
+    for _ in range(4):
+        fy, fx, phase = rng.uniform(0, 0.6, (3, n, 3, 1, 1))
+        out += np.sin(fy * yy + fx * xx + 6 * phase) * rng.uniform(0.2, 1.0, (n, 3, 1, 1))
+    return out
+
+
+CALIB, HELD_OUT = images(64, 1), images(48, 2)
+INT4_PER_CHANNEL = {"weight": {"dtype": "int4", "qscheme": "per_channel", "symmetric": True}}
+
+
+def quantize(model: onnx.ModelProto, algo: list | None = None, **extra) -> onnxq.QuantizationResult:
+    config = {"global_quant_config": INT4_PER_CHANNEL, "algo_config": algo or [], **extra}
+    return onnxq.quantize(model, None, onnxq.config.compose.compose_config("U8S8", None, config),
+                          {"x": CALIB}, progress=False)
+
+
+def held_out_sqnr(model: onnx.ModelProto, result: onnxq.QuantizationResult) -> float:
+    """Output SQNR on data no algorithm saw, in a default (deployed) session."""
+    return sqnr_db(run(model, {"x": HELD_OUT}), run(result.model, {"x": HELD_OUT}))
+
+
+# --- statistics and replay ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attrs, wshape, xshape", [
+    (dict(strides=[2, 2], pads=[1, 1, 1, 1]), (8, 4, 3, 3), (3, 4, 9, 9)),
+    (dict(group=4, pads=[1, 0, 1, 2], dilations=[2, 1]), (8, 1, 3, 3), (2, 4, 9, 9)),
+    (dict(group=2, auto_pad="SAME_UPPER", strides=[2, 2]), (6, 2, 3, 3), (2, 4, 8, 7)),
+    (dict(pads=[1, 1]), (5, 3, 3), (2, 3, 11)),
+])
+def test_statistics_give_the_exact_output_energy(attrs: dict, wshape: tuple, xshape: tuple) -> None:
+    """tr(W H W^T) over im2col statistics equals sum(y^2) of onnxruntime's convolution."""
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal(wshape).astype(np.float32), rng.standard_normal(wshape[0]).astype(np.float32)
+    x = rng.standard_normal(xshape).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    node = next(iter(ir.from_proto(model).graph))
+    wm = to_matrices(node, w.astype(np.float64))
+    full = np.concatenate([wm, b.reshape(wm.shape[0], wm.shape[1])[..., None]], axis=2)
+    gram = Gram.empty(wm.shape[0], wm.shape[2], wshape[2:])
+    gram.update(node, full, x, x)
+    expected = float(np.sum(y.astype(np.float64) ** 2))
+    assert gram.positions * wshape[0] == y.size
+    assert np.sum(full * (full @ gram.h)) == pytest.approx(expected, rel=1e-5)
+    assert gram.energy == pytest.approx(expected, rel=1e-5)
+    np.testing.assert_allclose(gram.h, gram.c, rtol=1e-5, atol=1e-4)  # same inputs on both sides
+
+
+def test_replay_yields_the_tensors_the_models_compute() -> None:
+    """Segment by segment (with a residual branch), the replay gives each tensor exactly as
+    the whole model computes it, from memory and from disk alike."""
+    model = cnn()
+    nodes = list(model.graph.node)
+    nodes[-1].input[0] = "f2"
+    nodes.insert(-1, helper.make_node("Add", ["f", "f"], ["f2"], name="residual"))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    batches = [{"x": CALIB[i:i + 8]} for i in range(0, 32, 8)]
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    exposed.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in ("r1", "c3", "f2"))
+    expected = run(exposed, {"x": CALIB[:32]}, output=None)
+    for budget in (1 << 30, 0):
+        replay = Replay(model, model, iter(batches), ["CPUExecutionProvider"], budget)
+        for name, want in zip(("r1", "c3", "f2"), expected[1:]):
+            got = np.concatenate([b[name] for b in replay.inputs([name])])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            got = np.concatenate([b[replay.float_name(name)] for b in replay.inputs([replay.float_name(name)])])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert (replay.store.folder is not None) == (budget == 0)
+        replay.close()
+
+
+# --- the algorithms ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nearest() -> tuple[onnx.ModelProto, onnxq.QuantizationResult]:
+    model = cnn()
+    return model, quantize(model)
+
+
+@pytest.mark.parametrize("algo", ["adaround", "adaquant"])
+def test_algorithm_beats_nearest_rounding_on_held_out_data(nearest, algo: str) -> None:
+    model, plain = nearest
+    result = quantize(model, [{"name": algo}])
+    onnx.checker.check_model(result.model, full_check=True)
+    note = next(n for n in result.summary.notes if n.startswith(algo))
+    assert "3 of 4 layers improved" in note and "fc" in note and "calibrate on at least" in note
+    gain = held_out_sqnr(model, result) - held_out_sqnr(model, plain)
+    assert gain > 1.0, (gain, note)
+
+
+def test_adaround_changes_only_rounding_and_is_deterministic(nearest, tmp_path) -> None:
+    """Every learned code is floor or ceil of w / s with the emitted scale; two runs write
+    the same bytes."""
+    model, plain = nearest
+    result = quantize(model, [{"name": "adaround"}])
+    again = quantize(model, [{"name": "adaround"}])
+    assert result.model.SerializeToString() == again.model.SerializeToString()
+    w = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    inits = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
+    near = {t.name: numpy_helper.to_array(t) for t in plain.model.graph.initializer}
+    flipped = 0
+    for name in ("w1", "w2", "w3"):
+        q, scale = inits[f"{name}_quantized"], inits[f"{name}_scale"].reshape(-1, *[1] * (w[name].ndim - 1))
+        u = w[name] / scale
+        assert np.all((q == np.floor(u)) | (q == np.ceil(u)) | (q == -8) | (q == 7))
+        flipped += int(np.sum(q != near[f"{name}_quantized"]))
+    assert flipped > 0
+
+
+def test_cache_on_disk_gives_the_same_model(nearest) -> None:
+    model, _ = nearest
+    memory = quantize(model, [{"name": "adaround", "num_iteration": 50}])
+    disk = quantize(model, [{"name": "adaround", "num_iteration": 50, "cache_budget_mb": 0}])
+    assert memory.model.SerializeToString() == disk.model.SerializeToString()
+
+
+def test_typed_config_equals_the_dict_entry(nearest) -> None:
+    model, _ = nearest
+    typed = onnxq.Config(**{**vars(onnxq.config.compose.compose_config("U8S8", None, {
+        "global_quant_config": INT4_PER_CHANNEL})), "algo_config": [onnxq.AdaRoundConfig(num_iteration=40)]})
+    a = onnxq.quantize(model, None, typed, {"x": CALIB}, progress=False)
+    b = quantize(model, [{"name": "adaround", "num_iteration": 40}])
+    assert a.model.SerializeToString() == b.model.SerializeToString()
+    text = onnxq.config.config_to_yaml(typed)
+    assert "name: adaround" in text and "num_iteration: 40" in text
+
+
+def test_pair_safe_weights_stay_pair_safe() -> None:
+    """On a target whose int8 kernels add weight pairs in int16, learned codes keep every
+    pair within the limit."""
+    model = cnn()
+    config = onnxq.config.compose.compose_config("U8S8", None, {"target": "x86-avx2",
+                                                                "algo_config": [{"name": "adaround"}]})
+    result = onnxq.quantize(model, None, config, {"x": CALIB}, progress=False)
+    inits = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
+    for name in ("w1", "w3"):
+        q = inits[f"{name}_quantized"].astype(np.int64)
+        for pairs in pair_indices(q.shape, 0, (*range(2, q.ndim), 1)):
+            flat = np.append(q.reshape(-1), 0)
+            assert np.abs(flat[pairs].sum(axis=2)).max() <= PAIR_LIMIT
+
+
+def test_per_tensor_weights_bring_equalization_first() -> None:
+    model = cnn()
+    per_tensor = {"weight": {"qscheme": "per_tensor"}}
+    result = quantize(model, [{"name": "adaround", "num_iteration": 20}], global_quant_config=per_tensor)
+    assert any(n.startswith("adaround adds cle") for n in result.summary.notes)
+    assert any(n.startswith("cle:") for n in result.summary.notes)
+    result = quantize(model, [{"name": "adaround", "num_iteration": 20, "equalize": "never"}],
+                      global_quant_config=per_tensor)
+    assert not any("cle" in n for n in result.summary.notes)
+
+
+def test_weight_only_static_layers_are_optimised() -> None:
+    """No activation quantization: the layers' inputs carry only earlier weights' errors."""
+    model = cnn()
+    config = {"global_quant_config": {"input_tensors": None, "output_tensors": None, **INT4_PER_CHANNEL}}
+    plain = onnxq.quantize(model, None, onnxq.config.compose.compose_config("U8S8", None, config), {"x": CALIB},
+                           progress=False)
+    learned = quantize(model, [{"name": "adaround"}], **{k: v for k, v in config.items() if k != "global_quant_config"},
+                       global_quant_config=config["global_quant_config"])
+    assert held_out_sqnr(model, learned) > held_out_sqnr(model, plain) + 1.0
+
+
+# --- what goes wrong -----------------------------------------------------------------------
+
+
+def test_model_level_check_undoes_everything(nearest, monkeypatch) -> None:
+    """When the whole model comes out worse than with nearest rounding, nothing changes."""
+    model, plain = nearest
+    monkeypatch.setattr(driver, "keep_learned", lambda *a, **k: (False, 1.0, 2.0))
+    result = quantize(model, [{"name": "adaquant"}])
+    assert "undone" in next(n for n in result.summary.notes if n.startswith("adaquant"))
+    assert result.model.SerializeToString() == plain.model.SerializeToString()
+
+
+def test_non_finite_loss_keeps_nearest(nearest, monkeypatch) -> None:
+    model, plain = nearest
+    monkeypatch.setattr("onnxq.optimize.adaround.learn_rounding",
+                        lambda problem, options: driver.Solution(np.full(problem.w.shape, np.nan)))
+    monkeypatch.setitem(onnxq.optimize.ALGORITHMS, "adaround",
+                        lambda m, p, r, o, c: driver.reconstruct("adaround", onnxq.optimize.adaround.learn_rounding,
+                                                                 m, p, r, o, c))
+    result = quantize(model, [{"name": "adaround"}])
+    note = next(n for n in result.summary.notes if n.startswith("adaround"))
+    assert "0 of 4 layers improved" in note and "not finite" in note
+    assert result.model.SerializeToString() == plain.model.SerializeToString()
+
+
+def test_layers_it_cannot_optimise_are_named(nearest) -> None:
+    model, _ = nearest
+    result = quantize(model, [{"name": "adaround", "op_types": ["Gemm"], "num_iteration": 10}])
+    note = next(n for n in result.summary.notes if n.startswith("adaround"))
+    assert "0 of 1 layers" in note and "calibrate on at least" in note
+
+
+def test_data_read_once_is_reported(nearest) -> None:
+    model, _ = nearest
+    feeds = iter([{"x": CALIB[i:i + 8]} for i in range(0, 64, 8)])
+    config = onnxq.config.compose.compose_config("U8S8", None, {"algo_config": [{"name": "adaround"}]})
+    result = onnxq.quantize(model, None, config, feeds, progress=False)
+    assert any("read only once" in n for n in result.summary.notes)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"name": "adaround", "num_iteratoin": 5}, "did you mean 'num_iteration'"),
+    ({"name": "adaround", "beta_range_start": 1.0}, "beta_range_start >= beta_range_end"),
+    ({"name": "adaquant", "inputs": "noisy"}, "inputs is one of"),
+    ({"name": "adaroud"}, "did you mean 'adaround'"),
+])
+def test_bad_options_fail_before_loading(entry: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        onnxq.quantize("does-not-exist.onnx", None, {"algo_config": [entry]}, None)
+
+
+def test_cli_flags_and_options(tmp_path, capsys) -> None:
+    model_path, data = tmp_path / "m.onnx", tmp_path / "calib.npz"
+    onnx.save(cnn(), model_path)
+    np.savez(data, x=CALIB)
+    out = tmp_path / "q.onnx"
+    code = main(["quantize", str(model_path), str(out), "--calib-data", str(data), "--adaround",
+                 "--algo-option", "num_iteration=30", "--quiet"])
+    assert code == 0 and out.exists()
+    assert main(["quantize", str(model_path), str(out), "--calib-data", str(data), "--adaround", "--adaquant",
+                 "--algo-option", "num_iteration=30"]) == 2
+    assert "name its algorithm" in capsys.readouterr().err
+    assert main(["quantize", str(model_path), str(out), "--calib-data", str(data), "--adaround",
+                 "--algo-option", "warm_start=2"]) == 2
+    assert "warm_start" in capsys.readouterr().err
+
+
+def test_matmul_layers_of_a_transformer_block_improve() -> None:
+    """MatMul weights (with their bias Adds left alone) on token sequences."""
+    rng = np.random.default_rng(3)
+    inits = {"w1": _uneven(rng, (48, 32)).T.copy(), "b1": rng.normal(0, 0.1, 48).astype(np.float32),
+             "w2": _uneven(rng, (16, 48)).T.copy()}
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="up"),
+             helper.make_node("Add", ["h", "b1"], ["hb"], name="up_bias"),
+             helper.make_node("Relu", ["hb"], ["r"], name="act"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="down")]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 12, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 12, 16])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    mix = rng.standard_normal((32, 32)) * np.exp(-np.arange(32) / 6)[:, None]  # correlated features
+    calib, held = ((rng.standard_normal((n, 12, 32)) @ mix).astype(np.float32) for n in (64, 32))
+
+    def sqnr(algo: list) -> float:
+        config = onnxq.config.compose.compose_config("U8S8", None, {"global_quant_config": INT4_PER_CHANNEL,
+                                                                    "algo_config": algo})
+        result = onnxq.quantize(model, None, config, {"x": calib}, progress=False)
+        return sqnr_db(run(model, {"x": held}), run(result.model, {"x": held}))
+
+    assert sqnr([{"name": "adaround"}]) > sqnr([]) + 2.0
