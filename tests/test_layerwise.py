@@ -320,3 +320,26 @@ def test_matmul_layers_of_a_transformer_block_improve() -> None:
         return sqnr_db(run(model, {"x": held}), run(result.model, {"x": held}))
 
     assert sqnr([{"name": "adaround"}]) > sqnr([]) + 2.0
+
+
+def test_narrow_weights_keep_their_bit_width(nearest) -> None:
+    """6-bit weights in an int8 container (AMCT ARQ): learned codes stay within 6 bits."""
+    model, _ = nearest
+    config = onnxq.config.compose.compose_config("U8S8", None, {
+        "global_quant_config": {"weight": {"bits": 6}}, "algo_config": [{"name": "adaround"}]})
+    result = onnxq.quantize(model, None, config, {"x": CALIB}, progress=False)
+    assert "3 of 4 layers improved" in next(n for n in result.summary.notes if n.startswith("adaround"))
+    inits = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
+    for name in ("w1", "w2", "w3"):
+        q = inits[f"{name}_quantized"].astype(np.int64)
+        assert q.min() >= -32 and q.max() <= 31
+
+
+@pytest.mark.parametrize("algo", ["adaround", "adaquant"])
+def test_bias_correction_after_it_still_helps(nearest, algo: str) -> None:
+    """Bias correction after the algorithm measures the learned weights' error against the
+    float weights (which the algorithm leaves alone)."""
+    model, _ = nearest
+    corrected = quantize(model, [{"name": "bias_correction"}])
+    both = quantize(model, [{"name": algo}, {"name": "bias_correction"}])
+    assert held_out_sqnr(model, both) > held_out_sqnr(model, corrected) + 1.0

@@ -12,8 +12,8 @@ inputs from the already optimised prefix: the paper's sequential AdaQuant, whose
 correction comes with every step rather than after.
 
 The best step by loss is kept; a layer whose error does not drop below nearest
-rounding's keeps nearest rounding. The float weights written to the model are the
-learned ones, so a later re-emission or bias correction sees them.
+rounding's keeps nearest rounding. Only the quantized weights change: the model keeps
+its float weights, so a later bias correction measures the error against them.
 """
 
 from __future__ import annotations

@@ -184,16 +184,14 @@ def _quantized_graph(model: ir.Model, plan: QuantPlan, ranges, ctx, inputs: str)
 
 
 def _store(model: ir.Model, layer: Layer, solution: Solution, problem: Problem, qt: QuantizedTensor) -> QuantizedTensor:
-    """Write the solution into the float model (new weights and bias) and return the
-    quantized weight emission must use."""
+    """Write a new bias into the float model and return the quantized weight emission must
+    use. The float weights stay as they are: later algorithms (bias correction) measure
+    the quantized weights' error against them."""
     node = layer.node
     shape = layer.weight_array().shape
-    if solution.weights is not None:
-        w = from_matrices(node, solution.weights, shape).astype(layer.weight_array().dtype)
-        set_constant(model.graph, node, 1, w, f"{node.name}_weight")
     if solution.bias is not None and layer.bias is not None:
         holder, index = layer.bias
-        old = constant_array(holder.inputs[index]) if index < len(holder.inputs) else None
+        old = constant_array(holder.inputs[index])
         beta = float(node.attributes["beta"].value) if node.op_type == "Gemm" and "beta" in node.attributes else 1.0
         b = solution.bias.reshape(-1) / beta
         set_constant(model.graph, holder, index, b.reshape(old.shape).astype(old.dtype), f"{node.name}_bias")
@@ -321,7 +319,7 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
         return f"; model output SQNR on {where} {learned_db:.1f} dB (nearest rounding {near_db:.1f} dB)"
     for layer in report.pinned:
         ctx.weights.unpin(layer.weight)
-        for holder, index in [(layer.node, 1), *([layer.bias] if layer.bias is not None else [])]:
+        for holder, index in [layer.bias] if layer.bias is not None else []:
             value = holder.inputs[index]
             before = original.graph.initializers.get(value.name) if value is not None else None
             if before is not None and before.const_value is not value.const_value:
