@@ -18,6 +18,12 @@ from onnxq.errors import OnnxqError
 EXIT_USAGE = 2
 
 
+def _version() -> str:
+    from onnxq import __version__
+
+    return __version__
+
+
 def _key_values(items: list[str], flag: str = "--calib-option") -> dict[str, Any]:
     """Parse KEY=VALUE flags; values are YAML scalars (numbers, true/false, strings)."""
     import yaml
@@ -274,6 +280,7 @@ def _model_pair_parser(sub: Any, name: str, help_text: str, labels_help: str) ->
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onnxq", description="Post-training quantization for ONNX models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--version", action="version", version=f"onnxq {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     q = sub.add_parser("quantize", help="quantize a model with calibration data")

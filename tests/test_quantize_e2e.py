@@ -437,3 +437,36 @@ def test_shared_weight_is_quantized_once():
 def test_shared_bias_gets_each_convs_scale():
     q = quantize(_shared_conv_params(share_bias=True)).model
     assert max(_bias_scale_ratios(q)) < 1e-6
+
+
+def test_absorbed_clip_leaves_no_unused_initializers() -> None:
+    """The bounds of a Clip absorbed into its producer's output quantization go with it:
+    onnxruntime warns about every initializer no node reads."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    import onnxq
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "lo"),
+             numpy_helper.from_array(np.array(6.0, np.float32), "hi")]
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+         helper.make_node("Clip", ["c", "lo", "hi"], ["y"], name="relu6")],
+        "clip", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8, 8, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    result = onnxq.quantize(model, None, "U8S8", {"x": rng.standard_normal((16, 3, 8, 8)).astype(np.float32)},
+                            progress=False)
+    assert result.summary.fused_activations == 1
+    used = {name for node in result.model.graph.node for name in node.input}
+    assert [t.name for t in result.model.graph.initializer if t.name not in used] == []
+
+
+def test_version_flag(capsys) -> None:
+    import onnxq
+    from onnxq.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"onnxq {onnxq.__version__}"

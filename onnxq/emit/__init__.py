@@ -18,6 +18,7 @@ from onnxq.emit.cpu_layout import keep_layernorm_apart
 from onnxq.emit.float8 import make_float8_deployable
 from onnxq.emit.lowering import ordered
 from onnxq.emit.qdq import EmitReport, emit_qdq
+from onnxq.graph.edit import drop_unused_initializers
 from onnxq.numerics.qmath import is_float8
 from onnxq.plan import QuantPlan
 from onnxq.plan.params import WeightCache
@@ -55,5 +56,6 @@ def emit_model(
     if apart:
         result.notes.append(f"{apart} float Add -> LayerNormalization written as Sum: onnxruntime's CPU "
                             "SkipLayerNormalization fusion runs slower than the two ops (emit/cpu_layout.py)")
+    drop_unused_initializers(model.graph)
     model.graph.sort()
     return result

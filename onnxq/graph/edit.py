@@ -82,3 +82,13 @@ def set_constant(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, 
     node.replace_input_with(index, value)
     if current is not None and current.const_value is not None and not current.uses():
         graph.initializers.pop(current.name, None)
+
+
+def drop_unused_initializers(graph: ir.Graph) -> int:
+    """Remove initializers no node reads (the bounds of an absorbed Clip, say), which
+    onnxruntime would otherwise warn about on every load; how many went."""
+    unused = [name for name, value in graph.initializers.items()
+              if not value.uses() and not value.is_graph_output() and not value.is_graph_input()]
+    for name in unused:
+        graph.initializers.pop(name)
+    return len(unused)
