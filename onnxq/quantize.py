@@ -212,8 +212,8 @@ def _with_equalization(
     """The configured passes, plus cross-layer equalization where a layer-wise algorithm
     wants it (its `equalize` option) and no `cle` entry decides it already."""
     passes = list(config.pre_quant_opt_config)
-    if any(p.get("name") == "cle" for p in passes) or not config.algo_config:
-        return passes
+    if any(p.get("name") == "cle" for p in passes) or equalizing_algorithm(config.algo_config, True) is None:
+        return passes  # nothing would ask for it: no planning pass spent finding out
     plan = plan_quantization(model, config, ctx.keep_float, target)
     per_tensor = any(t.kind is Kind.WEIGHT and t.axis is None and not t.block_size
                      and any(plan.quantized_nodes.get(n) in ("Conv", "Gemm") for n, _ in t.consumers)

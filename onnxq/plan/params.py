@@ -88,7 +88,7 @@ class WeightCache:
     def unfloored(self, tensor: TensorPlan, value: ir.Value) -> QuantizedTensor:
         """The constant `value` quantized as `tensor` says, read only when not cached."""
         source = value.const_value
-        key = (tensor.name, tensor.spec, tensor.axis, tensor.block_size)
+        key = self._key(tensor)
         entry = self._entries.get(key)
         if source is None or entry is None or entry[0] is not source:
             entry = source, quantize_weight(constant_array(value), tensor.spec, tensor.axis, 0.0, tensor.block_size)
@@ -100,11 +100,15 @@ class WeightCache:
         """Make `quantized` the weight's quantized form while `value` holds its current
         tensor (an algorithm that learned the rounding: AdaRound, AdaQuant)."""
         if value.const_value is not None:
-            self._entries[(tensor.name, tensor.spec, tensor.axis, tensor.block_size)] = (value.const_value, quantized)
+            self._entries[self._key(tensor)] = (value.const_value, quantized)
 
     def unpin(self, tensor: TensorPlan) -> None:
         """Forget the weight's quantized form: emission rounds it to nearest again."""
-        self._entries.pop((tensor.name, tensor.spec, tensor.axis, tensor.block_size), None)
+        self._entries.pop(self._key(tensor), None)
+
+    @staticmethod
+    def _key(tensor: TensorPlan) -> tuple:
+        return (tensor.name, tensor.spec, tensor.axis, tensor.block_size)
 
 
 def biases_by_weight(plan: QuantPlan) -> dict[str, TensorPlan]:

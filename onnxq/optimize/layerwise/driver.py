@@ -22,7 +22,7 @@ from onnxq.emit.qdq import emit_qdq
 from onnxq.errors import CalibrationDataError
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
-from onnxq.numerics.qmath import broadcast_param, int_type
+from onnxq.numerics.qmath import dequantize, int_type
 from onnxq.numerics.weights import QuantizedTensor, bias_safe_weight_scale
 from onnxq.optimize.layerwise.gram import Gram, position_stride
 from onnxq.optimize.layerwise.guard import keep_learned
@@ -59,7 +59,6 @@ class Problem:
     Codes are relative to the zero point and lie in [lo, hi].
     """
 
-    name: str
     w: np.ndarray  # float weights [g, M, K]
     bias: np.ndarray  # [g, M]
     scale: np.ndarray  # [g, M, 1]
@@ -86,11 +85,6 @@ class Problem:
         v = self.full(weights, bias)
         value = (np.sum(v * (v @ self.h)) - 2.0 * np.sum(v * self.t)) / self.outputs + self.energy
         return float(value / self.energy) if self.energy > 0 else float(value)
-
-    def gradient(self, weights: np.ndarray, bias: np.ndarray) -> np.ndarray:
-        """d loss / d [weights | bias], [g, M, K+1] (same scale as `loss`)."""
-        v = self.full(weights, bias)
-        return (2.0 * (v @ self.h) - 2.0 * self.t) / (self.outputs * max(self.energy, 1e-30))
 
     def best_bias(self, weights: np.ndarray) -> np.ndarray:
         """The bias minimising the loss for `weights` (the least-squares mean correction)."""
@@ -124,42 +118,39 @@ def _statistics(layer: Layer, replay: Replay, wbar: np.ndarray, kernel: tuple[in
     return gram
 
 
-def _problem(layer: Layer, qt: QuantizedTensor, gram: Gram, damping: float, spec_bits: tuple) -> Problem:
-    node, w = layer.node, layer.weight_array().astype(np.float64)
-    wm = to_matrices(node, w)
+def _problem(layer: Layer, qt: QuantizedTensor, gram: Gram, damping: float, full: np.ndarray) -> Problem:
+    """The layer's `Problem` from its statistics; `full`: its float weights with the bias
+    column, [g, M, K+1]."""
+    wm, bias = full[:, :, :-1], full[:, :, -1]
     g, m, k = wm.shape
-    scale = to_channels(node, qt.scale, w.shape, g, m)
-    zp = to_channels(node, qt.zero_point, w.shape, g, m)
-    info = int_type(*spec_bits)
+    scale, zp = to_channels(qt.scale, g, m), to_channels(qt.zero_point, g, m)
+    info = int_type(layer.weight.spec.dtype, layer.weight.spec.bits)
     positions = max(gram.positions, 1)
     h, c = gram.h / positions, gram.c / positions
-    bias = layer.bias_array().reshape(g, m)
-    full = np.concatenate([wm, bias[..., None]], axis=2)
     t = full @ c.transpose(0, 2, 1)
     energy = gram.energy / positions / (g * m)
     # Damping: + delta |V - W|^2 on the weight part, delta a share of H's mean diagonal.
     diag = np.einsum("gii->gi", h[:, :k, :k])
     delta = damping * np.maximum(diag.mean(axis=1), 1e-12)  # per group
-    h = h.copy()
     h[:, np.arange(k), np.arange(k)] += delta[:, None]
-    t = t.copy()
     t[:, :, :k] += delta[:, None, None] * wm
     energy += float(np.sum(delta[:, None, None] * wm * wm)) / (g * m)
-    nearest = to_matrices(node, qt.data.astype(np.float64)) - zp
-    return Problem(node.name, wm, bias, scale, info.qmin - zp, info.qmax - zp, nearest, h, t, energy,
+    nearest = to_matrices(layer.node, qt.data.astype(np.float64)) - zp
+    return Problem(wm, bias, scale, info.qmin - zp, info.qmax - zp, nearest, h, t, energy,
                    layer.bias is not None, np.size(qt.scale) > 1)
 
 
-def _emitted(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], ctx, layer: Layer,
-             bias_values: np.ndarray | None = None) -> QuantizedTensor:
-    """The layer's weight as emission will quantize it (nearest, with the bias's scale floor)."""
-    def constant_of(name: str) -> np.ndarray | None:
-        return constant_array(model.graph.initializers.get(name))
+def _constant_of(model: ir.Model) -> Callable[[str], np.ndarray | None]:
+    return lambda name: constant_array(model.graph.initializers.get(name))
 
+
+def _emitted(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], ctx,
+             layer: Layer) -> QuantizedTensor:
+    """The layer's weight as emission will quantize it (nearest, with the bias's scale floor)."""
     plain = ctx.weights.unfloored(layer.weight, layer.node.inputs[1])
     bias_plan = biases_by_weight(plan).get(layer.weight.name)
     usable = bias_plan if bias_plan is not None and bias_plan.bias_inputs[0] in plan.tensors else None
-    return emitted_weight(plan, ranges, constant_of, layer.weight, usable, bias_values, plain)
+    return emitted_weight(plan, ranges, _constant_of(model), layer.weight, usable, None, plain)
 
 
 def _bias_fits(model: ir.Model, plan: QuantPlan, ranges, layer: Layer, bias: np.ndarray, scale: np.ndarray) -> bool:
@@ -167,8 +158,8 @@ def _bias_fits(model: ir.Model, plan: QuantPlan, ranges, layer: Layer, bias: np.
     bias_plan = biases_by_weight(plan).get(layer.weight.name)
     if bias_plan is None or bias_plan.bias_inputs[0] not in plan.tensors:
         return True
-    s_in, _ = activation_qparams(plan, ranges, lambda n: constant_array(model.graph.initializers.get(n)),
-                                 bias_plan.bias_inputs[0], bias_input_spec(plan, bias_plan))
+    s_in, _ = activation_qparams(plan, ranges, _constant_of(model), bias_plan.bias_inputs[0],
+                                 bias_input_spec(plan, bias_plan))
     floor = bias_safe_weight_scale(bias, float(s_in), np.size(scale), bias_plan.spec)
     return bool(np.all(floor <= np.asarray(scale, dtype=np.float64).reshape(-1) * (1 + 1e-6)))
 
@@ -190,25 +181,19 @@ def _store(model: ir.Model, layer: Layer, solution: Solution, problem: Problem, 
     node = layer.node
     shape = layer.weight_array().shape
     if solution.bias is not None and layer.bias is not None:
-        holder, index = layer.bias
-        old = constant_array(holder.inputs[index])
-        beta = float(node.attributes["beta"].value) if node.op_type == "Gemm" and "beta" in node.attributes else 1.0
-        b = solution.bias.reshape(-1) / beta
-        set_constant(model.graph, holder, index, b.reshape(old.shape).astype(old.dtype), f"{node.name}_bias")
+        layer.set_bias(model.graph, solution.bias.reshape(-1))
     scale = qt.scale
     if solution.scale is not None:
         scale = (solution.scale.reshape(-1) if problem.per_channel else solution.scale.reshape(-1)[:1].reshape(())
                  ).astype(qt.scale.dtype)
     g, m = solution.codes.shape[:2]
-    zp = to_channels(node, qt.zero_point, shape, g, m)
+    zp = to_channels(qt.zero_point, g, m)
     codes = from_matrices(node, solution.codes + zp, shape)
     return QuantizedTensor(np.rint(codes).astype(qt.data.dtype), np.asarray(scale), qt.zero_point, qt.axis)
 
 
-def _dequantized(node, qt: QuantizedTensor, shape) -> np.ndarray:
-    scale = broadcast_param(np.asarray(qt.scale, dtype=np.float64), shape, qt.axis)
-    zp = broadcast_param(np.asarray(qt.zero_point, dtype=np.float64), shape, qt.axis)
-    return ((qt.data.astype(np.float64) - zp) * scale).astype(np.float32)
+def _dequantized(qt: QuantizedTensor) -> np.ndarray:
+    return dequantize(qt.data, qt.scale, qt.zero_point, qt.axis)
 
 
 def reconstruct(
@@ -239,10 +224,9 @@ def reconstruct(
     del qmodel
     for layer in layers:
         qt = nearest[layer.name]
-        replay.set_initializer(WEIGHT_PREFIX + layer.name,
-                               _dequantized(layer.node, qt, layer.weight_array().shape))
+        replay.set_initializer(WEIGHT_PREFIX + layer.name, _dequantized(qt))
         replay.set_input(layer.name, 1, WEIGHT_PREFIX + layer.name)
-    report = _Report(name)
+    report = _Report()
     bar = tqdm(layers, desc=name, unit="layer", file=sys.stderr, leave=False,
                disable=not (sys.stderr.isatty() if ctx.progress is None else ctx.progress))
     try:
@@ -259,8 +243,7 @@ def reconstruct(
             if result is not None:
                 ctx.weights.pin(layer.weight, layer.node.inputs[1], result)
                 report.pinned.append(layer)
-                replay.set_initializer(WEIGHT_PREFIX + layer.name,
-                                       _dequantized(layer.node, result, layer.weight_array().shape))
+                replay.set_initializer(WEIGHT_PREFIX + layer.name, _dequantized(result))
                 if report.bias_changed.get(layer.name) is not None:
                     replay.set_initializer(BIAS_PREFIX + layer.name, report.bias_changed[layer.name])
                     replay.set_input(layer.name, 2, BIAS_PREFIX + layer.name)
@@ -336,15 +319,14 @@ def _one_layer(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Ma
     w = layer.weight_array()
     wm = to_matrices(node, w.astype(np.float64))
     g, m, k = wm.shape
-    bias = layer.bias_array().reshape(g, m)
-    wbar = np.concatenate([wm, bias[..., None]], axis=2)
+    wbar = np.concatenate([wm, layer.bias_array().reshape(g, m, 1)], axis=2)
     kernel = tuple(w.shape[2:]) if node.op_type == "Conv" else ()
     gram = _statistics(layer, replay, wbar, kernel, *names, options.max_positions)
     if gram.positions < options.min_rows * (k + 1):
         report.short[layer.name] = math.ceil(options.min_rows * (k + 1) / max(gram.positions / replay.samples, 1e-9))
         report.losses.append((layer.name, float("nan"), float("nan")))
         return None
-    problem = _problem(layer, qt, gram, options.damping, (layer.weight.spec.dtype, layer.weight.spec.bits))
+    problem = _problem(layer, qt, gram, options.damping, wbar)
     before = problem.loss(problem.nearest * problem.scale, problem.bias)
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -386,8 +368,7 @@ def _pair_safe(layer: Layer, qt: QuantizedTensor, solution: Solution, problem: P
 
 
 class _Report:
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self) -> None:
         self.losses: list[tuple[str, float, float]] = []
         self.kept: dict[str, str] = {}
         self.short: dict[str, int] = {}  # layer -> calibration samples it needs

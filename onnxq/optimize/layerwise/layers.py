@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.graph import layout
+from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import is_integer
 from onnxq.plan import Kind, QuantPlan, TensorPlan
@@ -53,8 +54,18 @@ class Layer:
         b = constant_array(value) if value is not None else None
         if b is None:
             return np.zeros(channels)
-        beta = float(layout.attr(self.node, "beta", 1.0)) if self.node.op_type == "Gemm" else 1.0
-        return beta * np.broadcast_to(b.astype(np.float64).reshape(-1), (channels,))
+        return self._beta() * np.broadcast_to(b.astype(np.float64).reshape(-1), (channels,))
+
+    def set_bias(self, graph: ir.Graph, values: np.ndarray) -> None:
+        """Make the bias per output channel `values` (Gemm's beta undone, the stored shape
+        and type kept); the layer must have one (`bias`)."""
+        holder, index = self.bias
+        old = constant_array(holder.inputs[index])
+        new = (values / self._beta()).reshape(old.shape).astype(old.dtype)
+        set_constant(graph, holder, index, new, f"{self.node.name}_bias")
+
+    def _beta(self) -> float:
+        return float(layout.attr(self.node, "beta", 1.0)) if self.node.op_type == "Gemm" else 1.0
 
 
 def to_matrices(node: ir.Node, w: np.ndarray) -> np.ndarray:
@@ -73,7 +84,7 @@ def from_matrices(node: ir.Node, m: np.ndarray, shape: tuple[int, ...]) -> np.nd
     return kn.T if node.op_type == "Gemm" and layout.gemm_transposes(node)[1] else kn
 
 
-def to_channels(node: ir.Node, per_channel: np.ndarray, shape: tuple[int, ...], g: int, rows: int) -> np.ndarray:
+def to_channels(per_channel: np.ndarray, g: int, rows: int) -> np.ndarray:
     """A per-output-channel (or scalar) parameter laid out as [g, M, 1]."""
     per_channel = np.asarray(per_channel, dtype=np.float64)
     if per_channel.size == 1:
