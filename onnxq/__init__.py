@@ -10,12 +10,18 @@ from onnxq.config import (
     Config,
     QuantizationConfig,
     QuantizationSpec,
+    as_config,
+    compose_config,
     get_preset,
     load_config,
 )
 from onnxq.errors import OnnxqError
 from onnxq.optimize.adaquant import AdaQuantConfig
 from onnxq.optimize.adaround import AdaRoundConfig
+from onnxq.optimize.bias_correction import BiasCorrectionConfig
+from onnxq.optimize.cle import CLEConfig
+from onnxq.optimize.fold_batchnorm import FoldBatchNormConfig
+from onnxq.optimize.smoothquant import SmoothQuantConfig
 from onnxq.quantize import ModelQuantizer, QuantizationResult, quantize
 from onnxq.report import Summary, format_summary
 
@@ -24,13 +30,19 @@ __version__ = "0.1.0"
 __all__ = [
     "AdaQuantConfig",
     "AdaRoundConfig",
+    "BiasCorrectionConfig",
+    "CLEConfig",
     "Config",
+    "FoldBatchNormConfig",
     "ModelQuantizer",
     "OnnxqError",
     "QuantizationConfig",
     "QuantizationResult",
     "QuantizationSpec",
+    "SmoothQuantConfig",
     "Summary",
+    "as_config",
+    "compose_config",
     "format_summary",
     "get_preset",
     "load_config",

@@ -7,7 +7,9 @@ line on stderr and exits with status 2; `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from collections import Counter
 from typing import Any
 
@@ -16,6 +18,7 @@ from onnxq.config.compose import compose_config
 from onnxq.errors import OnnxqError
 
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a command a closed pipe stopped
 
 
 def _version() -> str:
@@ -172,6 +175,23 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    print(config_to_yaml(compose_config(args.preset, args.config, _spec_overrides(args))), end="")
+    return 0
+
+
+def _cmd_config_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from onnxq.config import save_config
+
+    if Path(args.output).resolve() == Path(args.input).resolve():
+        raise OnnxqError(f"convert would overwrite its input {args.input}; give another output path")
+    save_config(compose_config(args.preset, args.input), args.output)
+    print(f"onnxq: wrote {args.output}")
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from onnxq.graph.load import load_model
     from onnxq.optimize import PassContext, run_passes
@@ -277,18 +297,11 @@ def _model_pair_parser(sub: Any, name: str, help_text: str, labels_help: str) ->
     return c
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onnxq", description="Post-training quantization for ONNX models.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    parser.add_argument("--version", action="version", version=f"onnxq {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    q = sub.add_parser("quantize", help="quantize a model with calibration data")
-    q.add_argument("input", help="float ONNX model")
-    q.add_argument("output", help="where to write the quantized model")
+def add_config_flags(q: argparse.ArgumentParser) -> None:
+    """The flags that set the config (`quantize` and `config show` share them)."""
     q.add_argument("--preset", help=f"starting recipe ({', '.join(PRESETS)}; default U8S8)")
-    q.add_argument("--config", help="YAML/JSON config file, applied over the preset")
-    q.add_argument("--calib-data", help="calibration data: .npz, .npy or a folder of them")
+    q.add_argument("--config", help="config file applied over the preset: YAML, JSON or an AMCT "
+                   "simplified config (.cfg); its `preset:` key picks the preset when --preset is not given")
     q.add_argument("--calib-method", help="activation calibration method (minmax, percentile, ...)")
     q.add_argument("--percentile", type=float, help="percentile for --calib-method percentile")
     q.add_argument("--num-bins", type=int, help="histogram bins for histogram-based methods")
@@ -321,8 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--qdq-domain", help="ai.onnx (upgrade opset when a type needs it) or com.microsoft")
     q.add_argument("--matmul-nbits", action="store_true",
                    help="weight-only int4/uint4 per-group MatMul as onnxruntime MatMulNBits")
-    q.add_argument("--activation-type", help="activation dtype (uint8, int8)")
-    q.add_argument("--weight-type", help="weight dtype (int8, uint8)")
+    q.add_argument("--activation-type",
+                   help="activation dtype: uint8, int8, uint16, int16 (opset 21), float8_e4m3fn, float8_e5m2 "
+                        "(opset 19), float16 or bfloat16 (float compute), float32 (not quantized)")
+    q.add_argument("--weight-type",
+                   help="weight dtype: int8, uint8, int4, uint4 (opset 21), int16, uint16, float8_e4m3fn, "
+                        "float8_e5m2, float16, bfloat16 or float32 (not quantized)")
     q.add_argument("--weight-bits", type=int, metavar="N",
                    help="weight bit width 2..8 inside the weight dtype (e.g. 7 or 6, AMCT ARQ)")
     q.add_argument("--target", help="where the model runs: auto (default: probe this onnxruntime), "
@@ -349,6 +366,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--ladder", nargs="+", metavar="RUNG",
                    help="what a sensitive layer may be raised to, cheapest first: int16, fp16, bf16, "
                         "float (default: int16 float)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="onnxq", description="Post-training quantization for ONNX models.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--version", action="version", version=f"onnxq {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    q = sub.add_parser("quantize", help="quantize a model with calibration data")
+    q.add_argument("input", help="float ONNX model")
+    q.add_argument("output", help="where to write the quantized model")
+    q.add_argument("--calib-data", help="calibration data: .npz, .npy or a folder of them")
+    add_config_flags(q)
     q.add_argument("--save-config", metavar="FILE.yaml",
                    help="write the config used (with the layers an accuracy target promoted) to reuse")
     q.add_argument("--report", metavar="FILE.html",
@@ -375,6 +405,20 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--top", type=int, default=15, help="rows of each table on the terminal (default 15)")
     a.set_defaults(func=_cmd_analyze)
 
+    cfg = sub.add_parser("config", help="show the config a set of flags resolves to, or convert a config file")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    show = cfg_sub.add_parser("show", help="print the resolved config (preset < --config < flags) as YAML")
+    add_config_flags(show)
+    show.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    show.set_defaults(func=_cmd_config_show)
+    convert = cfg_sub.add_parser("convert", help="write a config file (YAML, JSON or AMCT .cfg) as a "
+                                 "complete onnxq YAML/JSON config")
+    convert.add_argument("input", help="config file to read")
+    convert.add_argument("output", help="where to write it (.yaml, .yml or .json)")
+    convert.add_argument("--preset", help="preset under the input (default: its preset: key, else U8S8)")
+    convert.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    convert.set_defaults(func=_cmd_config_convert)
+
     i = sub.add_parser("inspect", help="describe a model and what would be quantized")
     i.add_argument("model")
     i.add_argument("--preset")
@@ -386,17 +430,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; the exit status is 0, 2 for a user mistake (one line on
+    stderr, or its traceback with --debug: the status does not change), 130 when
+    interrupted, 141 when the reader of stdout went away (`onnxq presets | head -1`)."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except OnnxqError as exc:
         if args.debug:
-            raise
-        print(f"onnxq: error: {exc}", file=sys.stderr)
+            traceback.print_exc()
+        else:
+            print(f"onnxq: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("onnxq: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Python would report the closed pipe again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

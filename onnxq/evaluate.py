@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from onnxq.calibrate.data import InputSpec, iter_batches
+from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.calibrate.session import check_providers
-from onnxq.errors import OnnxqError
+from onnxq.errors import ModelError, OnnxqError
 
 KERNELS = ("deployed", "reference", "both")
 # Deployed and reference figures further apart than this get a one-line warning.
@@ -47,6 +47,7 @@ class Comparison:
     quant_accuracy: float | None = None
     kernels: str = "deployed"
     reference: Comparison | None = None
+    ignored: list[str] = field(default_factory=list)  # data arrays that are no model input
 
     def kernel_gap(self) -> str | None:
         """A warning when this CPU's int8 kernels lose much more than the QDQ arithmetic."""
@@ -154,16 +155,39 @@ def compare_models(
     runs = {"deployed": kernels in ("deployed", "both"), "reference": kernels in ("reference", "both")}
     sessions = {k: deployed_session(quant_model, providers, reference=k == "reference") for k, on in runs.items() if on}
     names = [o.name for o in ref.get_outputs()]
+    _check_outputs(names, next(iter(sessions.values())))
     outputs: dict[str, dict[str, list[np.ndarray]]] = {k: {n: [] for n in names} for k in ("float", *sessions)}
-    for feed in _progress(iter_batches(data, session_inputs(ref), batch_size, max_samples), progress):
+    source = CalibrationSource(data)
+    for feed in _progress(iter_batches(source, session_inputs(ref), batch_size, max_samples), progress):
         for kind, session in (("float", ref), *sessions.items()):
             for n, y in zip(names, session.run(names, feed)):
                 outputs[kind][n].append(y)
+        for n in names:
+            _check_shapes(n, outputs["float"][n][-1], [outputs[k][n][-1] for k in sessions])
     arrays = {k: {n: np.concatenate(v) for n, v in per.items()} for k, per in outputs.items()}
     results = {k: _metrics(arrays["float"], arrays[k], labels, k) for k in sessions}
     result = results.get("deployed") or results["reference"]
     result.reference = results.get("reference") if "deployed" in results else None
+    result.ignored = sorted(source.ignored)
     return result
+
+
+def _check_outputs(names: list[str], quant: ort.InferenceSession) -> None:
+    """Both models must have the float model's outputs (a quantized model of another
+    model is a user mistake, not a crash in the metrics)."""
+    have = {o.name for o in quant.get_outputs()}
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise ModelError(f"the quantized model has no output {missing[0]!r} (its outputs: {', '.join(sorted(have))}); "
+                         "compare a quantized model with the float model it came from")
+
+
+def _check_shapes(name: str, ref: np.ndarray, tests: list[np.ndarray]) -> None:
+    for test in tests:
+        if test.shape != ref.shape:
+            raise ModelError(f"output {name!r} has shape {list(test.shape)} in the quantized model but "
+                             f"{list(ref.shape)} in the float model; compare a quantized model with the float "
+                             "model it came from")
 
 
 def _format_figures(c: Comparison, label: str) -> list[str]:
@@ -182,6 +206,9 @@ def format_comparison(c: Comparison) -> str:
             else "reference kernels (no fused int8 kernels: not what a default session runs)")
     lines = [f"compared on {c.samples} samples, quantized model in a {what}"]
     lines += _format_figures(c, "")
+    if c.ignored:
+        lines.append(f"  note: left out {', '.join(c.ignored)} from the data (no model input; --labels KEY "
+                     "scores top-1 accuracy against one)")
     if c.reference is not None:
         lines += _format_figures(c.reference, " [reference kernels]")
         gap = c.kernel_gap()

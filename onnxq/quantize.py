@@ -19,20 +19,12 @@ from onnxq.calibrate.ranges_io import load_ranges, save_ranges
 from onnxq.calibrate.rescale import calibrate_deferred
 from onnxq.calibrate.runner import CalibrationResult, calibrate
 from onnxq.calibrate.statistics import Statistic
-from onnxq.config import (
-    Config,
-    config_from_dict,
-    get_preset,
-    load_config,
-    validate_config,
-    validate_node_configs,
-)
-from onnxq.config.presets import PRESETS
+from onnxq.config import Config, as_config, validate_node_configs
 from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads
 from onnxq.errors import ConfigError
-from onnxq.graph.load import load_model
+from onnxq.graph.load import check_runnable, load_model
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
 from onnxq.optimize import (
@@ -98,22 +90,6 @@ class QuantizationResult:
     @functools.cached_property
     def model(self) -> onnx.ModelProto:
         return ir.to_proto(self.ir_model)
-
-
-def as_config(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> Config:
-    """Accept a Config, a dict, a preset name or a YAML/JSON path (None: the U8S8 preset)."""
-    if config is None:
-        return get_preset(DEFAULT_PRESET)
-    if isinstance(config, Config):
-        validate_config(config)
-        return config
-    if isinstance(config, Mapping):
-        return config_from_dict(config)
-    if isinstance(config, str) and config in PRESETS:
-        return get_preset(config)
-    if Path(config).exists():
-        return load_config(config)
-    raise ConfigError(f"config {str(config)!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
 
 
 def _size(source: Any, model: ir.Model) -> int:
@@ -316,7 +292,8 @@ def run_pipeline(
     summary.source, summary.opset = loaded.source, (loaded.original_opset, loaded.opset)
     summary.notes.extend(loaded.notes)
     summary.size_before = _size(model, ir_model)
-    validate_node_configs(config, [(node.name, node.op_type) for node in ir_model.graph])
+    check_runnable(ir_model, loaded.source)
+    validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(ir_model.graph)])
 
     target = resolve_target(config)
     summary.target = target.describe()
@@ -334,6 +311,8 @@ def run_pipeline(
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)
     summary.calibration_passes = calibration.num_passes
+    if data.ignored:
+        summary.notes.append(f"calibration data: left out {', '.join(sorted(data.ignored))} (no model input)")
     plan, notes = _drop_unquantizable(plan, calibration.ranges)
     summary.notes.extend(notes)
 

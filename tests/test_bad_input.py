@@ -179,16 +179,14 @@ def test_cli_success_is_quiet_on_stderr(ws, capsys):
     assert sha256(ws.model) == before
 
 
-def test_cli_debug_after_subcommand_shows_the_traceback(ws):
-    argv = _wrong_dim(ws)
-    with pytest.raises(CalibrationDataError):
-        main(["quantize", *argv, "--debug"])
-
-
-def test_cli_debug_before_subcommand_shows_the_traceback(ws):
-    argv = _wrong_dim(ws)
-    with pytest.raises(CalibrationDataError):
-        main(["--debug", "quantize", *argv])
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_cli_debug_shows_the_traceback_and_keeps_exit_status_2(ws, capsys, where):
+    argv = ["quantize", *_wrong_dim(ws)]
+    argv = [*argv, "--debug"] if where == "after" else ["--debug", *argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):")
+    assert "CalibrationDataError" in err
 
 
 @pytest.mark.parametrize("flags", [["--per-tensor", "--per-channel"], ["--per-channel", "--per-tensor"]])

@@ -442,7 +442,7 @@ def test_missing_file(tmp_path):
 def test_unsupported_suffix(tmp_path):
     path = write(tmp_path, "{}", "config.toml")
     with pytest.raises(
-        ConfigError, match=r"unsupported suffix '\.toml'; use \.yaml, \.yml or \.json"
+        ConfigError, match=r"unsupported suffix '\.toml'; use \.yaml, \.yml, \.json or an AMCT"
     ):
         load_config(path)
 
@@ -543,12 +543,12 @@ INVALID = {
         "group_size 128 with qscheme per_tensor in layer_type_quant_config['MatMul'].weight "
         "(merged over global_quant_config)",
     ),
-    "group_size_with_default_qscheme": (
+    "group_size_with_preset_qscheme": (
         """
         global_quant_config:
           weight: {group_size: 128}
         """,
-        "group_size 128 with qscheme per_tensor in global_quant_config.weight",
+        "group_size 128 with qscheme per_channel in global_quant_config.weight",
     ),
     "per_group_without_group_size": (
         """
@@ -759,11 +759,11 @@ VALID = {
         """,
     "percentile_100": """
         global_quant_config:
-          input_tensors: {percentile: 100}
+          input_tensors: {calib_method: percentile, percentile: 100}
         """,
     "num_bins_2_and_max_samples_1": """
         global_quant_config:
-          input_tensors: {num_bins: 2}
+          input_tensors: {calib_method: entropy, num_bins: 2}
         calibration: {max_samples: 1, batch_size: 1}
         """,
     "dynamic_activations": """

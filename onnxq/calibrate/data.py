@@ -181,6 +181,9 @@ class CalibrationSource:
     def __init__(self, source: Any) -> None:
         self.source = source
         self.reads = 0
+        # Arrays in the data that are no model input (a `labels` array): left out, named
+        # in the summary.
+        self.ignored: set[str] = set()
 
     @property
     def replayable(self) -> bool:
@@ -200,16 +203,11 @@ class CalibrationSource:
 
 
 def check_feed(feed: Mapping[str, Any], inputs: list[InputSpec]) -> Feed:
-    """Validate one feed against the model inputs; returns arrays with a batch axis."""
+    """Validate one feed against the model inputs; returns arrays with a batch axis (arrays
+    that are no model input are left out)."""
     if not isinstance(feed, Mapping):
         raise CalibrationDataError(
             f"calibration sample is a {type(feed).__name__}, expected a dict of input name -> array"
-        )
-    names = {s.name for s in inputs}
-    extra = sorted(set(feed) - names)
-    if extra:
-        raise CalibrationDataError(
-            f"calibration data has {extra[0]!r}, which is not a model input; model inputs: {', '.join(sorted(names))}"
         )
     out: Feed = {}
     for spec in inputs:
@@ -221,10 +219,33 @@ def check_feed(feed: Mapping[str, Any], inputs: list[InputSpec]) -> Feed:
         if spec.name not in feed:
             raise CalibrationDataError(
                 f"calibration data is missing input {spec.name!r} (expected {spec.describe()}); "
-                f"given: {', '.join(sorted(feed)) or 'nothing'}"
+                + _given(feed, inputs)
             )
         out[spec.name] = _check_array(spec, np.asarray(feed[spec.name]))
+        _check_finite(spec, out[spec.name])
     return out
+
+
+def _given(feed: Mapping[str, Any], inputs: list[InputSpec]) -> str:
+    names = {spec.name for spec in inputs}
+    extra = [repr(k) for k in sorted(feed) if k not in names]
+    if not feed:
+        return "given: nothing"
+    if not extra:
+        return f"given: {', '.join(repr(k) for k in sorted(feed))}"
+    return f"it has {', '.join(extra)}, which {'is not a model input' if len(extra) == 1 else 'are no model inputs'}"
+
+
+def _check_finite(spec: InputSpec, array: np.ndarray) -> None:
+    """NaN or infinity in a float input would be calibrated around silently (observers
+    skip non-finite values) while the model's outputs on it are garbage."""
+    if array.dtype.kind != "f" or np.isfinite(array).all():
+        return
+    nan, inf = int(np.isnan(array).sum()), int(np.isinf(array).sum())
+    raise CalibrationDataError(
+        f"calibration input {spec.name!r} holds {nan} NaN and {inf} infinite values; "
+        "replace them or drop those samples from the calibration data"
+    )
 
 
 def _check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
@@ -318,9 +339,10 @@ def _short_of_one_sample(inputs: list[InputSpec], feed: Feed, units: Mapping[str
 
 def iter_batches(
     source: Any, inputs: list[InputSpec], batch_size: int, max_samples: int | None,
-    purpose: str = "calibration",
+    purpose: str = "calibration", max_batches: int | None = None,
 ) -> Iterator[Feed]:
-    """Validated batches of up to `batch_size` samples; one whole input with a fixed batch.
+    """Validated batches of up to `batch_size` samples; one whole input with a fixed batch;
+    at most `max_batches` of them.
 
     `max_samples` counts samples as `sample_rows` defines them. A model with a fixed
     batch runs each whole input on its own; rows that fill no whole input are dropped, and
@@ -332,8 +354,10 @@ def iter_batches(
     fixed = _has_fixed_batch(inputs)
     target = Fraction(1 if fixed else max(batch_size, 1))
     seen, batches, pending, pending_samples = Fraction(0), 0, [], Fraction(0)
+    names = {spec.name for spec in inputs}
     for raw in source.feeds(inputs, purpose):
         feed = check_feed(raw, inputs)
+        source.ignored.update(set(raw) - names)
         if max_samples is not None:
             if max_samples - seen <= 0:
                 break
@@ -344,6 +368,8 @@ def iter_batches(
             if not fixed:  # a fixed-batch model cannot run a partial input: drop it
                 yield _concat(pending)
                 batches += 1
+                if max_batches is not None and batches >= max_batches:
+                    return
             pending, pending_samples = [], Fraction(0)
         pending.append(feed)
         pending_samples += samples
@@ -351,6 +377,8 @@ def iter_batches(
             merged = _concat(pending)
             yield _take(merged, units, target)
             batches += 1
+            if max_batches is not None and batches >= max_batches:
+                return
             pending_samples -= target
             pending = [_take(merged, units, pending_samples, target)] if pending_samples else []
         if max_samples is not None and seen >= max_samples:

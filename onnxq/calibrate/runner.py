@@ -71,7 +71,8 @@ def stream_tensors(
     outputs += [n for n in whole if n not in returned]
     with exposed_session(model, exposed, options.providers, reduced, (extra_nodes, extra_outputs),
                          also_whole=extra_whole) as session, bar:
-        for feed in iter_batches(data, inputs, options.batch_size, options.max_samples, purpose):
+        for feed in iter_batches(data, inputs, options.batch_size, options.max_samples, purpose,
+                                 options.max_batches):
             rows = len(next(iter(feed.values())))
             got = dict(zip(outputs, session.run(outputs, feed)))
             if statistics is not None:

@@ -12,10 +12,7 @@ import onnxruntime as ort
 
 from onnxq.errors import OnnxqError
 from onnxq.graph.edit import values_by_name
-
-# Above this many bytes of weights the model goes to onnxruntime through a file with
-# external data instead of one serialized protobuf (which is limited to 2 GB).
-INLINE_LIMIT = 1 << 30
+from onnxq.graph.load import INLINE_LIMIT  # above it, sessions read the model from a file
 
 
 def check_providers(providers: list[str]) -> list[str]:

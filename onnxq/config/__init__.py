@@ -1,11 +1,11 @@
 """Quantization configs: dataclasses, YAML/JSON files, validation, presets, resolution."""
 
+from onnxq.config.compose import as_config, compose_config, load_config
 from onnxq.config.io import (
     config_from_dict,
     config_to_dict,
     config_to_json,
     config_to_yaml,
-    load_config,
     save_config,
     spec_from_dict,
 )
@@ -44,6 +44,8 @@ __all__ = [
     "ResolvedSpec",
     "RoundMethod",
     "ScaleType",
+    "as_config",
+    "compose_config",
     "config_from_dict",
     "config_to_dict",
     "config_to_json",

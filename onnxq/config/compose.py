@@ -1,23 +1,42 @@
-"""Layer configuration sources: preset < config file < explicit overrides.
+"""One precedence rule for every config source: preset < config file or dict < explicit
+flags or arguments; within each source, node > op type > global.
 
 All three are dicts of the config-file shape, so a CLI flag, a YAML key and a Python
 dict mean exactly the same thing. Nested mappings merge key by key; other values
 (lists included) replace, except `exclude`, which accumulates, and the pass lists
 (`pre_quant_opt_config`, `algo_config`), whose entries merge by `name` (key by key).
+
+A spec field a higher source sets globally also replaces that field in the lower
+sources' op-type and node overrides: `--per-group 32` over W4_GROUP128 (whose MatMul
+override says 128) means 32 for MatMul too, not a flag silently outvoted by the preset.
+Overrides that keep a tensor class float (dtype float32) stay as they are: a flag that
+changes how tensors are quantized does not change which are.
+A file or dict may name its base preset with a top-level `preset:` key (`none`: it is
+the whole config, as the documents onnxq writes are); an explicit preset argument wins.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from onnxq.config.io import config_from_dict, config_to_dict, read_config_dict
-from onnxq.config.presets import get_preset
+from onnxq.config.io import (
+    NO_PRESET,
+    closest_name,
+    config_from_dict,
+    config_to_dict,
+    read_config_dict,
+)
+from onnxq.config.presets import PRESETS, get_preset
 from onnxq.config.spec import Config
 from onnxq.errors import ConfigError
 
 NAMED_LISTS = ("pre_quant_opt_config", "algo_config")
+OVERRIDE_LEVELS = ("layer_type_quant_config", "layer_quant_config")
+DEFAULT_PRESET = "U8S8"
 
 
 def _merge_by_name(base: list[Any], override: list[Any]) -> list[Any]:
@@ -51,20 +70,100 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str
     return merged
 
 
+def _yield_to(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` without the op-type and node settings of the spec fields that `override`
+    sets globally (module doc): a higher source's global setting beats them."""
+    top = override.get("global_quant_config")
+    if not isinstance(top, Mapping):
+        return base
+    base = copy.deepcopy(base)
+    for attr in OVERRIDE_LEVELS:
+        for level in (base.get(attr) or {}).values():
+            if not isinstance(level, dict):
+                continue
+            for tensor_class, spec in top.items():
+                lower = level.get(tensor_class)
+                keeps_float = isinstance(lower, dict) and str(lower.get("dtype", "")).lower() == "float32"
+                if isinstance(spec, Mapping) and isinstance(lower, dict) and not keeps_float:
+                    for key in spec:
+                        lower.pop(key, None)
+    return base
+
+
+def overlay(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`override` (a higher-precedence source) over `base`, by the module's rule."""
+    return deep_merge(_yield_to(dict(base), override), override)
+
+
 def compose_config(
     preset: str | None = None,
     config_file: str | os.PathLike | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> Config:
-    """The config made of a preset (default U8S8), a file over it, and overrides over both."""
-    layers = config_to_dict(get_preset(preset or "U8S8"))
-    where = "options"
+    """The config made of a preset, a file over it, and overrides over both.
+
+    The preset is `preset`, else the file's or the overrides' `preset:` key, else U8S8;
+    `none` means no preset: the sources are the whole config (as onnxq writes configs).
+    """
+    from onnxq.config.validate import entry_dict
+
+    sources = []
     if config_file is not None:
-        layers = deep_merge(layers, read_config_dict(config_file))
-        where = str(config_file)
+        sources.append((str(config_file), read_config_dict(config_file)))
     if overrides:
-        layers = deep_merge(layers, overrides)
+        overrides = {key: [entry_dict(e) for e in value] if key in NAMED_LISTS and isinstance(value, list)
+                     else value for key, value in overrides.items()}
+        sources.append(("options", overrides))
+    named = [source.pop("preset") for _, source in sources if "preset" in source]
+    base = preset or (named[-1] if named else None) or DEFAULT_PRESET
+    if not isinstance(base, str):
+        raise ConfigError(f"preset must be a preset name such as {DEFAULT_PRESET}, got {base!r}")
+    stack = [config_to_dict(Config() if base.lower() == NO_PRESET else get_preset(base))]
+    for _, source in sources:
+        stack.append(overlay(stack[-1], source))
     try:
-        return config_from_dict(layers)
+        return config_from_dict(stack[-1])
     except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        raise ConfigError(f"{_blame(stack, sources)}: {exc}") from None
+
+
+def _blame(stack: list[dict[str, Any]], sources: list[tuple[str, dict[str, Any]]]) -> str:
+    """The first source whose layer makes the config invalid (for the error's prefix)."""
+    for (where, _), layers in zip(sources, stack[1:], strict=True):
+        try:
+            config_from_dict(layers)
+        except ConfigError:
+            return where
+    return sources[-1][0] if sources else "preset"
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """A `.yaml`, `.yml` or `.json` config file over its `preset:` (default U8S8), checked.
+
+    Every problem, in the file or in the config it holds, is a one-line `ConfigError`
+    that starts with the file name.
+    """
+    return compose_config(None, path)
+
+
+def as_config(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> Config:
+    """What the Python API accepts as a config, read by the module's rule: a `Config`
+    (complete as given), a dict (overrides on the default preset, or on its `preset:`),
+    a preset name (any case) or a YAML/JSON path; None is the default preset."""
+    from onnxq.config.validate import validate_config
+
+    if config is None:
+        return get_preset(DEFAULT_PRESET)
+    if isinstance(config, Config):
+        validate_config(config)
+        return config
+    if isinstance(config, Mapping):
+        return compose_config(None, None, config)
+    if isinstance(config, str) and config.upper() in {name.upper() for name in PRESETS}:
+        return get_preset(config)
+    if Path(config).is_file():
+        return load_config(config)
+    hint = closest_name(str(config), list(PRESETS)) if isinstance(config, str) else None
+    did_you_mean = f"did you mean '{hint}'? " if hint else ""
+    raise ConfigError(f"config {str(config)!r} is neither a preset nor a file; {did_you_mean}"
+                      f"presets: {', '.join(PRESETS)}")

@@ -25,6 +25,8 @@ from onnxq.config.spec import Config, QuantizationSpec
 from onnxq.errors import ConfigError
 
 YAML_SUFFIXES = (".yaml", ".yml")
+# The `preset:` value of a complete config: nothing comes from a preset.
+NO_PRESET = "none"
 JSON_SUFFIXES = (".json",)
 
 # Wording for type errors, by expected Python type.
@@ -43,9 +45,21 @@ _EXPECTED = {
 
 
 def config_from_dict(d: Mapping[str, Any]) -> Config:
-    """Build a `Config` from plain data (as parsed from YAML/JSON) and validate it."""
+    """Build a `Config` from plain data (as parsed from YAML/JSON) and validate it.
+
+    The data is the whole config (fields it leaves out take `Config`'s defaults); a
+    `preset: none` key, which documents onnxq writes, says just that. To lay data over a
+    preset, use `onnxq.config.compose_config` or `as_config`.
+    """
     from onnxq.config.validate import validate_config
 
+    if not isinstance(d, Mapping):
+        raise _type_error(d, dict, "", "")
+    d = dict(d)
+    base = d.pop("preset", NO_PRESET)
+    if not isinstance(base, str) or base.lower() != NO_PRESET:
+        raise ConfigError(f"preset {base!r} in a whole config; read it with onnxq.config.as_config "
+                          "or compose_config, which lay it over its preset")
     config = _convert(d, Config, "", "")
     validate_config(config)
     return config
@@ -230,18 +244,24 @@ def _defaults_to_none(f: Any) -> bool:
     return f.default is None or (f.default is MISSING and f.default_factory is MISSING)
 
 
+def config_document(config: Config) -> dict[str, Any]:
+    """`config_to_dict` headed by `preset: none`: the document is the whole config, so
+    reading it back (over no preset) gives `config` exactly."""
+    return {"preset": NO_PRESET, **config_to_dict(config)}
+
+
 def config_to_yaml(config: Config) -> str:
-    """The config as a YAML document, in field order."""
+    """The config as a complete YAML document (`config_document`), in field order."""
     try:
-        return yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False)
+        return yaml.safe_dump(config_document(config), sort_keys=False, default_flow_style=False)
     except yaml.YAMLError as e:
         raise ConfigError(f"cannot write config as YAML: {_one_line(e)}") from None
 
 
 def config_to_json(config: Config) -> str:
-    """The config as an indented JSON document, in field order."""
+    """The config as a complete, indented JSON document (`config_document`), in field order."""
     try:
-        return json.dumps(config_to_dict(config), indent=2) + "\n"
+        return json.dumps(config_document(config), indent=2) + "\n"
     except (TypeError, ValueError) as e:
         raise ConfigError(f"cannot write config as JSON: {e}") from None
 
@@ -251,28 +271,21 @@ def config_to_json(config: Config) -> str:
 
 
 def read_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse a `.yaml`, `.yml` or `.json` config file into a plain dict (not yet checked)."""
+    """Parse a `.yaml`, `.yml` or `.json` config file, or an AMCT simplified config
+    (`.cfg`, or any suffix with AMCT's fields: `onnxq.config.amct`), into a plain dict (not
+    yet checked)."""
     p = Path(path)
-    data = _parse(_read_text(p), p)
+    text = _read_text(p)
+    if _format_of(p, text) == "amct":
+        from onnxq.config.amct import read_amct
+
+        return read_amct(text, p)
+    data = _parse(text, p)
     if data is None:
         raise ConfigError(f"{p}: the config file is empty")
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: config must be a mapping, got {type(data).__name__}")
     return data
-
-
-def load_config(path: str | os.PathLike[str]) -> Config:
-    """Read, convert and validate a `.yaml`, `.yml` or `.json` config file.
-
-    Every problem, in the file or in the config it holds, is a one-line `ConfigError`
-    that starts with the file name.
-    """
-    p = Path(path)
-    data = read_config_dict(p)
-    try:
-        return config_from_dict(data)
-    except ConfigError as e:
-        raise ConfigError(f"{p}: {e}") from None
 
 
 def save_config(config: Config, path: str | os.PathLike[str]) -> None:
@@ -287,19 +300,27 @@ def save_config(config: Config, path: str | os.PathLike[str]) -> None:
         raise ConfigError(f"cannot write config file {p}: {e.strerror or e}") from None
 
 
-def _format_of(p: Path) -> str:
+def _format_of(p: Path, text: str | None = None) -> str:
+    """yaml, json or (reading, given the `text`) amct: by suffix, else by content."""
+    from onnxq.config.amct import AMCT_SUFFIXES, looks_like_amct
+
     suffix = p.suffix.lower()
     if suffix in YAML_SUFFIXES:
         return "yaml"
     if suffix in JSON_SUFFIXES:
         return "json"
+    if text is not None and (suffix in AMCT_SUFFIXES or looks_like_amct(text)):
+        return "amct"
+    if text is None:
+        raise ConfigError(f"cannot write config file {p}: unsupported suffix '{p.suffix}'; "
+                          "use .yaml, .yml or .json")
     raise ConfigError(
-        f"config file {p} has unsupported suffix '{p.suffix}'; use .yaml, .yml or .json"
+        f"config file {p} has unsupported suffix '{p.suffix}'; use .yaml, .yml, .json "
+        "or an AMCT simplified config (.cfg)"
     )
 
 
 def _read_text(p: Path) -> str:
-    _format_of(p)
     if not p.exists():
         raise ConfigError(f"config file {p} not found")
     try:

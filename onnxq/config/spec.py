@@ -145,6 +145,8 @@ class CalibrationConfig:
 
     max_samples: int | None = None
     batch_size: int = 8
+    # At most this many batches (AMCT's batch_num); with max_samples, whichever ends first.
+    max_batches: int | None = None
     providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
     # Bound on the exposed activations held per batch (MiB); above it, tensors are
     # calibrated in groups over several passes of the data.

@@ -19,7 +19,7 @@ from enum import Enum
 from typing import Any
 
 from onnxq.config.io import closest_name
-from onnxq.config.resolve import merge_specs, resolve_node_config
+from onnxq.config.resolve import is_excluded, merge_specs, resolve_node_config
 from onnxq.config.spec import LADDER_RUNGS, TENSOR_CLASSES, Config, QuantFormat, QuantizationConfig
 from onnxq.errors import ConfigError
 
@@ -64,11 +64,20 @@ def validate_config(config: Config) -> None:
 
 
 def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> None:
-    """Check the resolved config of each `(node name, op type)` of a model.
-
-    Catches conflicts between a node override and its op type's override, which
-    `validate_config` cannot see without the model.
+    """Check the config against a model's `(node name, op type)`s: each exclude entry and
+    node override must name a node (a typo would silently quantize the node), and each
+    node's resolved config must be valid (a node override can conflict with its op
+    type's override, which `validate_config` cannot see without the model).
     """
+    nodes = list(nodes)
+    names = [name for name, _ in nodes]
+    for entry in config.exclude:
+        if not any(is_excluded(Config(exclude=[entry]), name) for name in names):
+            raise ConfigError(f"exclude entry {entry!r} matches no node of the model{_nearest(entry, names)}")
+    for name in config.layer_quant_config:
+        if name not in names:
+            raise ConfigError(f"layer_quant_config names {name!r}, which is no node of the model"
+                              f"{_nearest(name, names)}")
     for name, op_type in nodes:
         resolved = resolve_node_config(config, name, op_type)
         if resolved is None:
@@ -78,6 +87,11 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> N
             if spec is not None:
                 path = f"node {name!r} ({op_type}).{tensor_class} as resolved"
                 check_spec(_plain_values(spec), tensor_class, path, resolved=True)
+
+
+def _nearest(word: str, names: list[str]) -> str:
+    hint = closest_name(word, names)
+    return f"; did you mean '{hint}'?" if hint else "; see the node names with onnxq inspect MODEL"
 
 
 def check_spec(
@@ -127,6 +141,11 @@ def _check_top_level(config: Config) -> None:
         raise ConfigError(
             f"invalid max_samples {calibration.max_samples} in calibration; "
             "use 1 or more, or remove it to use every sample"
+        )
+    if calibration.max_batches is not None and calibration.max_batches < 1:
+        raise ConfigError(
+            f"invalid max_batches {calibration.max_batches} in calibration; "
+            "use 1 or more, or remove it to use every batch"
         )
     if calibration.max_memory_mb is not None and calibration.max_memory_mb < 0:
         raise ConfigError(
@@ -293,8 +312,25 @@ def _calib_method_registered(v: dict[str, Any], tc: str, resolved: bool) -> tupl
             "(or register an observer with onnxq.calibrate.observers.register_observer)")
 
 
+def _method_reads_its_fields(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    """percentile or num_bins set beside a method that ignores it (same level only: a
+    preset's value under a user's method is the preset's business)."""
+    from onnxq.calibrate.observers import OBSERVERS
+
+    method = v["calib_method"]
+    if resolved or method is None or method not in OBSERVERS:
+        return None
+    for key in ("percentile", "num_bins"):
+        if v[key] is not None and key not in OBSERVERS[method].spec_fields:
+            users = sorted(name for name, cls in OBSERVERS.items() if key in cls.spec_fields)
+            return (f"{key} {v[key]} with calib_method {method}, which does not use it",
+                    f"use calib_method {' or '.join(users)}, or remove {key}")
+    return None
+
+
 SPEC_RULES: tuple[Rule, ...] = (
     _calib_method_registered,
+    _method_reads_its_fields,
     _int32_only_for_bias,
     _bias_dtype,
     _group_size_positive,

@@ -10,6 +10,7 @@ optional values keep their types; training graphs and map-typed graph inputs or 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -101,6 +102,28 @@ def _refuse_training(proto: onnx.ModelProto, name: str) -> None:
                 f"{name} is a training graph: node {node.name or node.op_type!r} ({node.op_type}) is in the "
                 f"training-only domain {TRAINING_DOMAIN}; export the inference graph (model in eval mode, "
                 "without gradient or optimizer nodes) and quantize that"
+            )
+
+
+@functools.cache
+def _kernel_domains() -> frozenset[str]:
+    """The op domains this onnxruntime build has kernels for (from its kernel registry)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as C
+
+    return frozenset({"ai.onnx"} | {k.domain for k in C.get_all_opkernel_def()})
+
+
+def check_runnable(model: ir.Model, name: str) -> None:
+    """Refuse a model with ops of a domain onnxruntime has no kernels for (a custom-op
+    library's): calibration and the output's load check run it in onnxruntime."""
+    local = {f.domain for f in model.functions.values()}
+    known = _kernel_domains() | local
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain not in known:
+            raise UnsupportedModelError(
+                f"{name}: node {node.name!r} is {node.domain}::{node.op_type}, a custom op onnxruntime has no "
+                f"kernel for (domain {node.domain!r}); onnxq runs the model in onnxruntime to calibrate and "
+                "check it: export it with standard ONNX ops"
             )
 
 
@@ -307,6 +330,20 @@ def fix_prelu_slopes(model: ir.Model, original_opset: int) -> int:
     return fixed
 
 
+# Up to this many bytes of external weights are read into memory at load: sessions built
+# from serialized bytes then work from any working directory (onnxruntime resolves a
+# serialized model's external data against the current one). Bigger models keep them
+# external and reach onnxruntime through files (`calibrate.session.session_source`).
+INLINE_LIMIT = 1 << 30
+
+
+def _inline_external(model: ir.Model) -> None:
+    external = [v.const_value for v in model.graph.initializers.values()
+                if isinstance(v.const_value, ir.ExternalTensor)]
+    if external and sum(t.nbytes for t in external) <= INLINE_LIMIT:
+        ir.external_data.load_to_model(model)
+
+
 def read_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> ir.Model:
     """Read a model as it is (checked, not normalised): for looking at a model this tool
     or another one wrote, where normalising would change what is looked at."""
@@ -342,6 +379,7 @@ def load_model(
     model = ir.serde.deserialize_model(proto)
     if base_dir:
         ir.external_data.set_base_dir(model.graph, base_dir)
+        _inline_external(model)
     report = LoadReport(source=name, original_opset=original, opset=max(original, min_opset))
     if original < min_opset:
         report.notes.append(f"upgraded opset {original} -> {min_opset}")

@@ -192,6 +192,9 @@ def _check_entries(entries: list[Mapping[str, Any]], table: Mapping[str, Any], w
         if not isinstance(name, str):
             raise ConfigError(f"each {what} entry needs a 'name' key; available: {', '.join(sorted(table))}")
         if name not in table:
+            other = ("algo_config", ALGORITHMS) if table is PASSES else ("pre_quant_opt_config", PASSES)
+            if name in other[1]:
+                raise ConfigError(f"{name} belongs in {other[0]}, not in {what.split()[0]}; move the entry there")
             close = difflib.get_close_matches(name, table, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; available: {', '.join(sorted(table)) or 'none'}"
             raise ConfigError(f"unknown {what} {name!r}{hint}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import onnx
@@ -44,12 +45,14 @@ OP_TYPES = ("Conv", "Gemm", "MatMul")
 
 
 @dataclass(frozen=True)
-class BiasCorrectionOptions:
+class BiasCorrectionConfig:
     """Options of the `bias_correction` algorithm.
 
     op_types: layer types to correct. skip_layers: node names left alone.
     add_bias: give Conv/Gemm layers without a bias one to hold the correction.
     """
+
+    ALGORITHM: ClassVar[str] = "bias_correction"
 
     op_types: tuple[str, ...] = OP_TYPES
     skip_layers: tuple[str, ...] = field(default_factory=tuple)
@@ -86,7 +89,7 @@ def _shared(value: ir.Value | None) -> bool:
     return value is not None and len(value.uses()) > 1
 
 
-def find_layers(graph: ir.Graph, plan: QuantPlan, opts: BiasCorrectionOptions) -> tuple[list[Layer], list[str]]:
+def find_layers(graph: ir.Graph, plan: QuantPlan, opts: BiasCorrectionConfig) -> tuple[list[Layer], list[str]]:
     """The quantized layers whose bias can take a correction, and why others cannot."""
     layers, skipped = [], []
     for node in graph:
@@ -163,7 +166,7 @@ def input_means(model: ir.Model, layers: list[Layer], ctx: PassContext) -> dict[
 
 
 @statistics_of("bias_correction")
-def bias_correction_requests(model: ir.Model, plan: QuantPlan, opts: BiasCorrectionOptions) -> list[Statistic]:
+def bias_correction_requests(model: ir.Model, plan: QuantPlan, opts: BiasCorrectionConfig) -> list[Statistic]:
     """Requested before calibration, so the calibration pass collects them too."""
     layers, _ = find_layers(model.graph, plan, opts)
     return requests(layers)
@@ -296,10 +299,10 @@ def correct(model: ir.Model, plan: QuantPlan, layer: Layer, mean: InputMean, emi
     return plan
 
 
-@register_algorithm("bias_correction", options=BiasCorrectionOptions, data="required", rewrites=("biases",))
+@register_algorithm("bias_correction", options=BiasCorrectionConfig, data="required", rewrites=("biases",))
 def bias_correction(
     model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],
-    opts: BiasCorrectionOptions, ctx: PassContext,
+    opts: BiasCorrectionConfig, ctx: PassContext,
 ) -> str | tuple[str, QuantPlan]:
     """Remove the mean output error that weight rounding causes (see module doc)."""
     layers, skipped = find_layers(model.graph, plan, opts)

@@ -26,6 +26,7 @@ where the second layer is a Gemm or an unpadded Conv (zero padding would not car
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -52,7 +53,7 @@ CLIP_HEADROOM = 1.25
 
 
 @dataclass(frozen=True)
-class CLEOptions:
+class CLEConfig:
     """Options of the `cle` pass.
 
     steps: maximum sweeps over all pairs; stops earlier once no scale moves by more than
@@ -62,6 +63,8 @@ class CLEOptions:
     relu6_to_relu: replace Clip(0, max) between equalized layers by Relu.
     skip_layers: node names never equalized (as either layer of a pair).
     """
+
+    ALGORITHM: ClassVar[str] = "cle"
 
     steps: int = 20
     scale_append_bias: bool = False
@@ -333,8 +336,8 @@ def _has_data(ctx: PassContext) -> bool:
     return ctx.data is not None and ctx.data.source is not None
 
 
-@register_pass("cle", options=CLEOptions, data="optional", rewrites=("weights", "biases", "graph"))
-def cross_layer_equalization(model: ir.Model, opts: CLEOptions, ctx: PassContext) -> str:
+@register_pass("cle", options=CLEConfig, data="optional", rewrites=("weights", "biases", "graph"))
+def cross_layer_equalization(model: ir.Model, opts: CLEConfig, ctx: PassContext) -> str:
     """Equalize per-channel weight ranges of adjacent Conv/Gemm layers (see module doc)."""
     graph = model.graph
     pairs = [p for p in find_pairs(graph, set(opts.skip_layers)) if _bias_ok(p.first)]

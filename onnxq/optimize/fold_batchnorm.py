@@ -9,6 +9,7 @@ weight tensor instead of a weight plus a float affine op it cannot quantize.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -22,12 +23,14 @@ FOLDABLE = {"Conv", "ConvTranspose", "Gemm"}
 
 
 @dataclass(frozen=True)
-class FoldBatchNormOptions:
+class FoldBatchNormConfig:
     """Options of the `fold_batchnorm` pass.
 
     skip_fusion_layers: names of BatchNormalization nodes, or of their producers, to leave
       unfolded.
     """
+
+    ALGORITHM: ClassVar[str] = "fold_batchnorm"
 
     skip_fusion_layers: tuple[str, ...] = ()
 
@@ -73,11 +76,11 @@ def _fold(graph: ir.Graph, node: ir.Node, bn: ir.Node) -> bool:
     return True
 
 
-@register_pass("fold_batchnorm", options=FoldBatchNormOptions, rewrites=("weights", "biases", "graph"))
-def fold_batchnorm(model: ir.Model, opts: FoldBatchNormOptions, ctx: PassContext) -> str:
+@register_pass("fold_batchnorm", options=FoldBatchNormConfig, rewrites=("weights", "biases", "graph"))
+def fold_batchnorm(model: ir.Model, opts: FoldBatchNormConfig, ctx: PassContext) -> str:
     """Fold every BN that alone consumes a Conv/ConvTranspose/Gemm output.
 
-    Options: `FoldBatchNormOptions` (a misspelled option is an error naming the nearest).
+    Options: `FoldBatchNormConfig` (a misspelled option is an error naming the nearest).
     """
     skip = set(opts.skip_fusion_layers)
     graph = model.graph

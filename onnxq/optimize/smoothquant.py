@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import onnx_ir as ir
@@ -42,7 +42,7 @@ SCALE_RANGE = (1e-5, 1e5)
 
 
 @dataclass(frozen=True)
-class SmoothQuantOptions:
+class SmoothQuantConfig:
     """Options of the `smoothquant` pass.
 
     alpha: migration strength in [0, 1] (`migration_strength`, in [0.2, 0.8], is an alias).
@@ -50,6 +50,8 @@ class SmoothQuantOptions:
     insert_mul: when the producer cannot absorb 1/s, insert a Mul (else leave the layers).
     skip_layers: consumer node names left alone.
     """
+
+    ALGORITHM: ClassVar[str] = "smoothquant"
 
     alpha: float = 0.5
     op_types: tuple[str, ...] = ("MatMul", "Gemm")
@@ -64,7 +66,7 @@ class SmoothQuantOptions:
             raise ConfigError(f"smoothquant: cannot smooth {unknown}; op_types may hold {sorted(SMOOTHABLE)}")
 
 
-def _parse(options: Mapping[str, Any]) -> SmoothQuantOptions:
+def _parse(options: Mapping[str, Any]) -> SmoothQuantConfig:
     options = dict(options)
     if "migration_strength" in options:
         strength = options.pop("migration_strength")
@@ -73,7 +75,7 @@ def _parse(options: Mapping[str, Any]) -> SmoothQuantOptions:
         if not isinstance(strength, int | float) or not 0.2 <= strength <= 0.8:
             raise ConfigError(f"smoothquant: migration_strength must be in [0.2, 0.8], got {strength!r}")
         options["alpha"] = float(strength)
-    return parse_options(SmoothQuantOptions, options, "smoothquant")
+    return parse_options(SmoothQuantConfig, options, "smoothquant")
 
 
 @dataclass
@@ -101,7 +103,7 @@ def _consumer(node: ir.Node, op_types: tuple[str, ...], skip: tuple[str, ...]) -
     return Consumer(node, layout.weight_in_axis(node, rank), layout.act_channel_axis(node, rank))
 
 
-def find_groups(graph: ir.Graph, opts: SmoothQuantOptions) -> dict[str, list[Consumer]]:
+def find_groups(graph: ir.Graph, opts: SmoothQuantConfig) -> dict[str, list[Consumer]]:
     """Smoothable consumers grouped by the activation they read (input 0)."""
     groups: dict[str, list[Consumer]] = {}
     for node in graph:
@@ -295,7 +297,7 @@ def _unplace(group: Group, keep_float: dict[str, str]) -> None:
 
 
 @register_pass("smoothquant", options=_parse, data="required", rewrites=("weights", "graph", "activations"))
-def smoothquant(model: ir.Model, opts: SmoothQuantOptions, ctx: PassContext) -> str:
+def smoothquant(model: ir.Model, opts: SmoothQuantConfig, ctx: PassContext) -> str:
     """Migrate activation outliers of MatMul/Gemm inputs into their weights (module doc).
 
     The channel maxima are read from the model before scaling, so the pass defers its

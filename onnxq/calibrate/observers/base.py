@@ -30,6 +30,9 @@ class Observer(abc.ABC):
     # Observers that only need each batch's min and max: the calibration session then
     # computes those inside onnxruntime instead of returning whole tensors.
     min_max_only: ClassVar[bool] = False
+    # Spec fields (percentile, num_bins) the method reads; setting another beside it is
+    # a config error, not a silently ignored value.
+    spec_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, spec: ResolvedSpec) -> None:
         self.spec = spec
@@ -69,6 +72,7 @@ class Observer(abc.ABC):
 
 
 class HistogramObserver(Observer):
+    spec_fields = ("num_bins",)
     """An observer whose state is one `StreamingHistogram` plus the signed data range."""
 
     def __init__(self, spec: ResolvedSpec) -> None:

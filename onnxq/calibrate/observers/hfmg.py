@@ -65,6 +65,7 @@ class HfmgObserver(HistogramObserver):
     `asymmetric` picks the search (None: follow spec.symmetric)."""
 
     options_class = HfmgOptions
+    spec_fields = ()  # its bin count is the option num_of_bins
 
     def _num_bins(self) -> int:
         return int(self.options.num_of_bins)

@@ -14,6 +14,7 @@ class PercentileObserver(HistogramObserver):
     and p-th percentiles of x. p = spec.percentile, in [50, 100]."""
 
     integer_only = False
+    spec_fields = ("percentile", "num_bins")
 
     def __init__(self, spec: ResolvedSpec) -> None:
         if not 50.0 <= float(spec.percentile) <= 100.0:

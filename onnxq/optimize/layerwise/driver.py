@@ -201,7 +201,7 @@ def reconstruct(
     options, ctx,
 ) -> str:
     """Optimise every layer `options` selects with `optimise`, in graph order (module doc)."""
-    layers, refused = find_layers(model.graph, plan, options.op_types, options.skip_layers)
+    layers, refused = find_layers(model.graph, plan, options.op_types, options.skip_layers, options.layers)
     if not layers:
         return "no quantized layer to optimise" + _listed("skipped", refused)
     if ctx.data is None or ctx.data.source is None:
@@ -262,7 +262,7 @@ def reconstruct(
 
 def _batches(ctx, model: ir.Model, name: str) -> Iterator[Mapping[str, np.ndarray]]:
     return iter_batches(ctx.data, model_inputs(model), ctx.calibration.batch_size, ctx.calibration.max_samples,
-                        f"{name} data")
+                        f"{name} data", ctx.calibration.max_batches)
 
 
 class _Split:

@@ -124,11 +124,13 @@ def _bias_of(node: ir.Node, w: np.ndarray) -> tuple[ir.Node, int] | None:
 
 
 def find_layers(graph: ir.Graph, plan: QuantPlan, op_types: tuple[str, ...],
-                skip: tuple[str, ...]) -> tuple[list[Layer], dict[str, str]]:
-    """The quantized layers to optimise, in graph order, and why others are not."""
+                skip: tuple[str, ...], named: tuple[str, ...] = ()) -> tuple[list[Layer], dict[str, str]]:
+    """The quantized layers to optimise, in graph order, and why others are not: those of
+    `op_types` and those `named` (of any type in OP_TYPES), less those in `skip`."""
     layers, refused = [], {}
     for node in graph:
-        if node.op_type not in op_types or node.domain not in ("", "ai.onnx") or node.name in skip:
+        chosen = node.op_type in op_types or (node.name in named and node.op_type in OP_TYPES)
+        if not chosen or node.domain not in ("", "ai.onnx") or node.name in skip:
             continue
         if node.name not in plan.quantized_nodes or len(node.inputs) < 2 or node.inputs[1] is None:
             continue

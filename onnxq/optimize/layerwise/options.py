@@ -24,7 +24,8 @@ class LayerwiseConfig:
     inputs: where each layer's input comes from: "quantized" (the model as emitted, with
       the layers before it already optimised: errors do not compound), "weights" (the
       float model with the optimised quantized weights, activations float) or "float".
-    op_types / skip_layers: which layers.
+    op_types / layers / skip_layers: which layers: those of op_types and those named in
+      layers (empty op_types and a list of layers: only those), less skip_layers.
     max_positions: positions (rows) per layer its statistics keep, evenly strided.
     cache_budget_mb: tensors kept between layers stay in memory up to this, on disk beyond.
     validation_every: every n-th calibration batch is kept out of the statistics; on
@@ -47,6 +48,7 @@ class LayerwiseConfig:
     inputs: str = "quantized"
     op_types: tuple[str, ...] = OP_TYPES
     skip_layers: tuple[str, ...] = field(default_factory=tuple)
+    layers: tuple[str, ...] = field(default_factory=tuple)
     max_positions: int = 65536
     cache_budget_mb: int = 256
     validation_every: int = 4
