@@ -163,7 +163,7 @@ def compare_models(
             for n, y in zip(names, session.run(names, feed)):
                 outputs[kind][n].append(y)
         for n in names:
-            _check_shapes(n, outputs["float"][n][-1], [outputs[k][n][-1] for k in sessions])
+            check_same_shape(n, outputs["float"][n][-1], [outputs[k][n][-1] for k in sessions])
     arrays = {k: {n: np.concatenate(v) for n, v in per.items()} for k, per in outputs.items()}
     results = {k: _metrics(arrays["float"], arrays[k], labels, k) for k in sessions}
     result = results.get("deployed") or results["reference"]
@@ -182,7 +182,7 @@ def _check_outputs(names: list[str], quant: ort.InferenceSession) -> None:
                          "compare a quantized model with the float model it came from")
 
 
-def _check_shapes(name: str, ref: np.ndarray, tests: list[np.ndarray]) -> None:
+def check_same_shape(name: str, ref: np.ndarray, tests: list[np.ndarray]) -> None:
     for test in tests:
         if test.shape != ref.shape:
             raise ModelError(f"output {name!r} has shape {list(test.shape)} in the quantized model but "

@@ -31,7 +31,7 @@ from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
 from onnxq.analyze.qgraph import QuantizedActivation, layers, quantized_activations
 from onnxq.calibrate.data import iter_batches
 from onnxq.calibrate.session import check_providers, exposed_session, session_source
-from onnxq.evaluate import deployed_options, deployed_session, session_inputs
+from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
 from onnxq.graph.save import write_text_atomic
@@ -199,6 +199,7 @@ def analyze_models(
                     prefix[i.layer.name].update(ref[i.reference], test[name])
             for n in graph_outputs:
                 if n in out:
+                    check_same_shape(n, ref[n], [out[n]])
                     out_err[n].update(ref[n], out[n])
                     agreement[n].update(ref[n], out[n])
             samples += len(next(iter(feed.values())))

@@ -1,0 +1,308 @@
+"""One precedence rule for every config source, and AMCT's simplified config (issue 16).
+
+preset < config file or Python dict < explicit flags or arguments; within each source,
+node > op type > global. An AMCT `.cfg` is one more kind of config file: it must resolve,
+node by node, to the same config as the onnxq YAML a user would write by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+
+import onnxq
+from onnxq.cli import main
+from onnxq.config import (
+    compose_config,
+    config_to_dict,
+    load_config,
+    resolve_node_config,
+)
+from onnxq.config.io import config_from_dict
+from onnxq.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = ROOT / "models" / "digits_cnn.onnx"
+SHARED = ROOT.parent / "shared"
+
+
+# ---------------------------------------------------------------------------------------
+# precedence
+
+
+def test_flag_beats_the_presets_op_type_setting():
+    """`--per-group 32` over W4_GROUP128 (MatMul at 128): MatMul gets 32, keeps int4."""
+    flags = {"global_quant_config": {"weight": {"qscheme": "per_group", "group_size": 32}}}
+    config = compose_config("W4_GROUP128", None, flags)
+    matmul = resolve_node_config(config, "mm", "MatMul")
+    assert matmul.weight.group_size == 32
+    assert matmul.weight.dtype.value == "int4"
+
+
+def test_cli_per_group_beats_the_preset(tmp_path, capsys):
+    out = tmp_path / "show.yaml"
+    assert main(["config", "show", "--preset", "W4_GROUP128", "--per-group", "32"]) == 0
+    out.write_text(capsys.readouterr().out)
+    config = load_config(out)
+    assert resolve_node_config(config, "mm", "MatMul").weight.group_size == 32
+
+
+def test_flags_do_not_unfloat_what_a_preset_keeps_float():
+    """W8_DYNAMIC keeps Conv float; a weight-type flag changes how, not which, tensors are quantized."""
+    config = compose_config("W8_DYNAMIC", None, {"global_quant_config": {"weight": {"dtype": "uint8"}}})
+    assert resolve_node_config(config, "conv", "Conv").weight is None
+    assert resolve_node_config(config, "mm", "MatMul").weight.dtype.value == "uint8"
+
+
+def test_python_dict_is_overrides_on_the_default_preset():
+    config = onnxq.as_config({"global_quant_config": {"weight": {"qscheme": "per_tensor"}}})
+    resolved = resolve_node_config(config, "conv", "Conv")
+    assert resolved.input_tensors.dtype.value == "uint8"  # from U8S8
+    assert resolved.weight.qscheme == "per_tensor"
+
+
+def test_preset_key_in_a_dict_or_file_and_the_explicit_preset_wins(tmp_path):
+    assert onnxq.as_config({"preset": "s8s8"}) == onnxq.get_preset("S8S8")
+    path = tmp_path / "c.yaml"
+    path.write_text("preset: S8S8\ncalibration: {max_samples: 5}\n")
+    from_file = load_config(path)
+    assert from_file.global_quant_config.input_tensors.dtype.value == "int8"
+    assert from_file.calibration.max_samples == 5
+    explicit = compose_config("U8S8", path)
+    assert explicit.global_quant_config.input_tensors.dtype.value == "uint8"
+    assert explicit.calibration.max_samples == 5
+
+
+def test_written_configs_read_back_exactly(tmp_path):
+    config = compose_config("XINT8", None, {"exclude": ["fc"]})
+    path = tmp_path / "saved.yaml"
+    onnxq.config.save_config(config, path)
+    assert yaml.safe_load(path.read_text())["preset"] == "none"
+    assert load_config(path) == config
+
+
+def test_typed_pass_configs_round_trip():
+    config = onnxq.as_config({"pre_quant_opt_config": [onnxq.CLEConfig(steps=5)],
+                              "algo_config": [onnxq.BiasCorrectionConfig(op_types=("Conv",))]})
+    assert config.pre_quant_opt_config[0]["name"] == "cle" and config.pre_quant_opt_config[0]["steps"] == 5
+    assert config.algo_config[0]["op_types"] == ["Conv"]
+    again = config_from_dict(yaml.safe_load(onnxq.config.config_to_yaml(config)))
+    assert again == config
+
+
+def test_pass_in_the_wrong_list_names_the_right_one():
+    with pytest.raises(ConfigError, match="cle belongs in pre_quant_opt_config"):
+        from onnxq.optimize import check_config_entries
+
+        check_config_entries([], [config_to_dict(onnxq.CLEConfig()) | {"name": "cle"}])
+
+
+# ---------------------------------------------------------------------------------------
+# AMCT
+
+
+AMCT_CFG = """
+# uniform quantization: ARQ 7-bit per channel, IFMR, skip layers and overrides
+batch_num : 2
+activation_offset : true
+skip_layers : "conv1"
+do_fusion : true
+common_config : {
+    arq_quantize : {
+        channel_wise : true
+        quant_bits : 7
+    }
+    ifmr_quantize : {
+        search_range_start : 0.7
+        search_range_end : 1.3
+        search_step : 0.01
+        max_percentile : 0.999999
+        min_percentile : 0.999999
+        asymmetric : true
+    }
+}
+override_layer_types : {
+    layer_type : "Gemm"
+    calibration_config : {
+        arq_quantize : { channel_wise : false }
+        ifmr_quantize : {
+            search_range_start : 0.8
+            search_range_end : 1.2
+            search_step : 0.02
+            asymmetric : false
+        }
+    }
+}
+override_layer_configs : {
+    layer_name : "conv3"
+    calibration_config : {
+        hfmg_quantize : { num_of_bins : 4096 }
+    }
+}
+"""
+
+# What a user would write in onnxq's own format for the same decisions.
+HAND_WRITTEN = """
+global_quant_config:
+  input_tensors: &act
+    dtype: uint8
+    symmetric: false
+    calib_method: ifmr
+    calib_options: {search_range_start: 0.7, search_range_end: 1.3, search_step: 0.01,
+                    max_percentile: 0.999999, min_percentile: 0.999999}
+  output_tensors: *act
+  weight: {dtype: int8, symmetric: true, qscheme: per_channel, calib_method: minmax}
+layer_type_quant_config:
+  Conv:
+    weight: {bits: 7}
+  Gemm:
+    input_tensors: &gemm
+      dtype: int8
+      symmetric: true
+      calib_method: ifmr
+      calib_options: {search_range_start: 0.8, search_range_end: 1.2, search_step: 0.02}
+    output_tensors: *gemm
+    weight: {qscheme: per_tensor, calib_method: minmax}
+layer_quant_config:
+  conv3:
+    input_tensors: {calib_method: hfmg, calib_options: {num_of_bins: 4096}}
+    output_tensors: {calib_method: hfmg, calib_options: {num_of_bins: 4096}}
+exclude: [conv1]
+calibration: {max_batches: 2}
+"""
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _nodes(model_path: Path) -> list[tuple[str, str]]:
+    return [(n.name, n.op_type) for n in onnx.load(str(model_path), load_external_data=False).graph.node]
+
+
+def _same_decisions(a: onnxq.Config, b: onnxq.Config, model_path: Path) -> None:
+    for name, op_type in _nodes(model_path):
+        assert resolve_node_config(a, name, op_type) == resolve_node_config(b, name, op_type), name
+    assert a.calibration == b.calibration and a.algo_config == b.algo_config
+    assert a.pre_quant_opt_config == b.pre_quant_opt_config
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_amct_config_resolves_like_the_hand_written_one(tmp_path):
+    amct = load_config(_write(tmp_path, "quant.cfg", AMCT_CFG))
+    hand = load_config(_write(tmp_path, "quant.yaml", HAND_WRITTEN))
+    _same_decisions(amct, hand, DIGITS)
+    assert resolve_node_config(amct, "conv1", "Conv") is None  # skip_layers
+    assert resolve_node_config(amct, "conv2", "Conv").weight.bits == 7
+    assert resolve_node_config(amct, "fc", "Gemm").weight.bits is None  # 7 bits: Conv only, as in AMCT
+    assert resolve_node_config(amct, "fc", "Gemm").input_tensors.dtype.value == "int8"
+
+
+def test_amct_config_quantizes_the_bundled_model_like_the_hand_written_one(tmp_path):
+    cfg, hand = _write(tmp_path, "quant.cfg", AMCT_CFG), _write(tmp_path, "quant.yaml", HAND_WRITTEN)
+    outs = []
+    for config in (cfg, hand):
+        out = tmp_path / f"{config.suffix[1:]}.onnx"
+        assert main(["quantize", str(DIGITS), str(out), "--config", str(config), "--calib-data",
+                     str(ROOT / "models" / "digits_calib.npz"), "--quiet"]) == 0
+        outs.append(out)
+    assert _digest(outs[0]) == _digest(outs[1])
+    onnx.checker.check_model(str(outs[0]))
+
+
+@pytest.mark.skipif(not (SHARED / "models" / "resnet20_cifar10.onnx").is_file(), reason="no ../shared models")
+def test_amct_config_on_a_shared_model(tmp_path):
+    model = SHARED / "models" / "resnet20_cifar10.onnx"
+    images = np.load(SHARED / "data" / "cifar10_test2000" / "images_u8_nhwc.npy", mmap_mode="r")[:16]
+    x = (images.astype(np.float32) / 255 - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225]
+    data = tmp_path / "calib.npz"
+    np.savez(data, input=x.transpose(0, 3, 1, 2).astype(np.float32))
+    names = {"conv1": "/conv1/Conv", "conv3": "/layer2/layer2.0/conv1/Conv"}
+    cfg_text, hand_text = AMCT_CFG, HAND_WRITTEN
+    for short, full in names.items():
+        cfg_text = cfg_text.replace(f'"{short}"', f'"{full}"')
+        hand_text = hand_text.replace(f"  {short}:", f"  {full}:").replace(f"[{short}]", f"['{full}']")
+    cfg, hand = _write(tmp_path, "quant.cfg", cfg_text), _write(tmp_path, "quant.yaml", hand_text)
+    _same_decisions(load_config(cfg), load_config(hand), model)
+    outs = []
+    for config in (cfg, hand):
+        out = tmp_path / f"{config.suffix[1:]}.onnx"
+        assert main(["quantize", str(model), str(out), "--config", str(config), "--calib-data", str(data),
+                     "--quiet"]) == 0
+        outs.append(out)
+    assert _digest(outs[0]) == _digest(outs[1])
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("common_config { nuq_quantize { num_steps: 32 } }", ("line 1", "nuq_quantize", "non-uniform")),
+    ("enable_auto_nuq: true", ("enable_auto_nuq", "NUQ")),
+    ("joint_quant: true", ("joint_quant", "no onnxq counterpart")),
+    ("common_config {\n  arq_quantize { chanel_wise: true }\n}", ("line 2", "chanel_wise", "did you mean 'channel_wise'")),
+    ("common_config { ifmr_quantize { search_step: fast } }", ("search_step must be a number",)),
+    ("common_config {\n  arq_quantize { channel_wise: true }\n", ("never closed",)),
+    ("override_layer_configs { layer_name: 'a' calibration_config { dmq_balancer { migration_strength: 0.5 } } }",
+     ("dmq_balancer in override_layer_configs",)),
+    ("skip_layer_types: 'Conv'\noverride_layer_types { layer_type: 'Conv' calibration_config { } }",
+     ("both in skip_layer_types and override_layer_types",)),
+])
+def test_amct_config_errors_are_one_line_with_exit_2(tmp_path, text, words):
+    cfg = _write(tmp_path, "bad.cfg", text)
+    out = tmp_path / "out.onnx"
+    proc = subprocess.run([sys.executable, "-m", "onnxq", "quantize", str(DIGITS), str(out), "--config", str(cfg),
+                           "--calib-data", str(ROOT / "models" / "digits_calib.npz")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(cfg) in lines[0], proc.stderr
+    for word in words:
+        assert word in lines[0]
+    assert not out.exists()
+
+
+def test_amct_algorithms_map_to_onnxq_entries(tmp_path):
+    text = """
+    do_fusion: false
+    common_config {
+      arq_quantize { channel_wise: true }
+      dmq_balancer { migration_strength: 0.6 }
+    }
+    override_layer_types { layer_type: "Conv"
+      calibration_config { ada_quantize { num_iteration: 50 reg_param: 0.02 channel_wise: false } } }
+    override_layer_configs { layer_name: "conv2"
+      calibration_config { arq_quantize { channel_wise: true } } }
+    override_layer_configs { layer_name: "fc"
+      calibration_config { ada_quantize { num_iteration: 50 reg_param: 0.02 } weight_compress_only: true } }
+    """
+    config = load_config(_write(tmp_path, "algos.cfg", text))
+    assert config.pre_quant_opt_config == [{"name": "fold_batchnorm", "enabled": False},
+                                           {"name": "smoothquant", "migration_strength": 0.6}]
+    assert config.algo_config == [{"name": "adaround", "num_iteration": 50, "reg_param": 0.02,
+                                   "op_types": ["Conv"], "layers": ["fc"], "skip_layers": ["conv2"]}]
+    assert resolve_node_config(config, "conv1", "Conv").weight.qscheme == "per_tensor"
+    assert resolve_node_config(config, "conv2", "Conv").weight.qscheme == "per_channel"
+    fc = resolve_node_config(config, "fc", "Gemm")
+    assert fc.input_tensors is None and fc.weight is not None  # weight_compress_only
+
+
+def test_config_convert_and_show(tmp_path, capsys):
+    cfg = _write(tmp_path, "quant.cfg", AMCT_CFG)
+    out = tmp_path / "quant.yaml"
+    assert main(["config", "convert", str(cfg), str(out)]) == 0
+    assert load_config(out) == load_config(cfg)
+    capsys.readouterr()
+    assert main(["config", "show", "--config", str(cfg)]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == yaml.safe_load(out.read_text())
+    assert main(["config", "convert", str(cfg), str(cfg)]) == 2
+    assert "overwrite its input" in capsys.readouterr().err
