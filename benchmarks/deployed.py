@@ -44,6 +44,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ort": {"tool": "ort", "reduce_range": False, "per_channel": True},
     "ort_rr": {"tool": "ort", "reduce_range": True, "per_channel": True},
     "ort_pt": {"tool": "ort", "reduce_range": False, "per_channel": False},
+    "qoperator": {"tool": "onnxq", "config": {"quant_format": "qoperator"}},
+    "ort_qop": {"tool": "ort", "reduce_range": False, "per_channel": True, "format": "qoperator"},
 }
 ORT_BASELINE = {"pt_cle_bc": "ort_pt"}  # ratio rows: per-tensor against per-tensor
 
@@ -68,7 +70,8 @@ def quantize_job(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str
         return {"summary": onnxq.format_summary(result.summary)}
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    quantize_static(job["model"], job["output"], C.FeedReader(arrays), quant_format=QuantFormat.QDQ,
+    fmt = QuantFormat.QOperator if variant.get("format") == "qoperator" else QuantFormat.QDQ
+    quantize_static(job["model"], job["output"], C.FeedReader(arrays), quant_format=fmt,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                     per_channel=variant["per_channel"], reduce_range=variant["reduce_range"],
                     calibrate_method=CalibrationMethod.MinMax)
@@ -91,20 +94,25 @@ def run_worker(job_path: str, quantize: Any = None) -> int:
     return 0
 
 
-def latency(paths: dict[str, str], feeds: dict[str, np.ndarray], runs: int) -> dict[str, dict[str, float]]:
-    """Median ms per run at batch 1 and 8, one thread, all sessions interleaved."""
+def latency(paths: dict[str, str], feeds: dict[str, np.ndarray], runs: int,
+            threads: tuple[int, ...] = (1,)) -> dict[str, dict[str, float]]:
+    """Median ms per run at batch 1 and 8, all sessions interleaved; keys `b{batch}_ms` for
+    one thread, `b{batch}_t{threads}_ms` for others."""
     out: dict[str, dict[str, float]] = {name: {} for name in paths}
     for batch in (1, 8):
         feed = {k: v[:batch] for k, v in feeds.items()}
-        sessions = {name: C.make_session(p, threads=1) for name, p in paths.items()}
-        wanted = {name: {i.name for i in s.get_inputs()} for name, s in sessions.items()}
-        per = {name: {k: v for k, v in feed.items() if k in wanted[name]} for name in sessions}
-        for name, t in C.median_latency_ms(sessions, per, runs).items():
-            out[name][f"b{batch}_ms"] = t["median_ms"]
+        for n in threads:
+            sessions = {name: C.make_session(p, threads=n) for name, p in paths.items()}
+            wanted = {name: {i.name for i in s.get_inputs()} for name, s in sessions.items()}
+            per = {name: {k: v for k, v in feed.items() if k in wanted[name]} for name in sessions}
+            key = f"b{batch}_ms" if n == 1 else f"b{batch}_t{n}_ms"
+            for name, t in C.median_latency_ms(sessions, per, runs).items():
+                out[name][key] = t["median_ms"]
     return out
 
 
-def bench_task(task: CO.Task, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def bench_task(task: CO.Task, args: argparse.Namespace, workdir: Path,
+               threads: tuple[int, ...] = (1,)) -> dict[str, Any]:
     log = lambda msg: print(f"[{task.name}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     task.eval_feeds, task.labels, task.extra = task.load_eval()
     rows: dict[str, dict[str, Any]] = {}
@@ -126,7 +134,7 @@ def bench_task(task: CO.Task, args: argparse.Namespace, workdir: Path) -> dict[s
                       "size_mb": res["size_mb"], "summary": res.get("summary")}
         paths[name] = res["output"]
     log("latency")
-    for name, t in latency(paths, task.eval_feeds, args.latency_runs).items():
+    for name, t in latency(paths, task.eval_feeds, args.latency_runs, threads).items():
         rows[name].update(t)
     return rows
 

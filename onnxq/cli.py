@@ -53,6 +53,7 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("scale_type", ("weight", "scale_type")),
     ("exclude", ("exclude",)),
     ("qdq_domain", ("qdq_domain",)),
+    ("format", ("quant_format",)),
     ("target", ("target",)),
     ("reduce_range", ("reduce_range",)),
     ("target_algorithms", ("target_algorithms",)),
@@ -189,6 +190,13 @@ def _cmd_config_convert(args: argparse.Namespace) -> int:
         raise OnnxqError(f"convert would overwrite its input {args.input}; give another output path")
     save_config(compose_config(args.preset, args.input), args.output)
     print(f"onnxq: wrote {args.output}")
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from onnxq.emit.qoperator import convert_model
+
+    print(convert_model(args.input, args.output, args.to))
     return 0
 
 
@@ -331,6 +339,9 @@ def add_config_flags(q: argparse.ArgumentParser) -> None:
     q.add_argument("--scale-type", help="float32, float16 or power_of_two")
     q.add_argument("--dynamic", action="store_true",
                    help="quantize activations at run time (MatMul/Gemm/Conv/LSTM); no calibration")
+    q.add_argument("--format", choices=("qdq", "qoperator"),
+                   help="qdq: QuantizeLinear/DequantizeLinear around float ops (default); qoperator: "
+                        "onnxruntime's integer kernels (QLinearConv, QLinearMatMul, QGemm, QLinearAdd, ...)")
     q.add_argument("--qdq-domain", help="ai.onnx (upgrade opset when a type needs it) or com.microsoft")
     q.add_argument("--matmul-nbits", action="store_true",
                    help="weight-only int4/uint4 per-group MatMul as onnxruntime MatMulNBits")
@@ -418,6 +429,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--preset", help="preset under the input (default: its preset: key, else U8S8)")
     convert.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     convert.set_defaults(func=_cmd_config_convert)
+
+    conv = sub.add_parser("convert", help="rewrite a quantized model in another format")
+    conv.add_argument("input", help="quantized ONNX model")
+    conv.add_argument("output", help="where to write the converted model")
+    conv.add_argument("--to", required=True, choices=("qdq", "qoperator", "float"),
+                      help="qdq: Q/DQ around float ops; qoperator: integer kernels; float: every Q/DQ "
+                           "stripped (weights dequantized, activations clipped to their range), for debugging")
+    conv.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    conv.set_defaults(func=_cmd_convert)
 
     i = sub.add_parser("inspect", help="describe a model and what would be quantized")
     i.add_argument("model")

@@ -705,11 +705,11 @@ INVALID = {
         """,
         "is_dynamic true in layer_quant_config['fc'].weight;",
     ),
-    "quant_format_qoperator": (
+    "quant_format_unknown": (
         """
-        quant_format: qoperator
+        quant_format: qlinear
         """,
-        "invalid quant_format 'qoperator' in config; valid values: qdq",
+        "invalid quant_format 'qlinear' in config; valid values: qdq, qoperator",
     ),
 }
 

@@ -97,7 +97,11 @@ class Target(_StrEnum):
 
 
 class QuantFormat(_StrEnum):
+    """How quantized ops are written: QuantizeLinear/DequantizeLinear around float ops
+    (`qdq`), or onnxruntime's integer kernels (`qoperator`: QLinearConv, QGemm, ...)."""
+
     QDQ = "qdq"
+    QOPERATOR = "qoperator"
 
 
 @dataclass

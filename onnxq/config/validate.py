@@ -20,7 +20,7 @@ from typing import Any
 
 from onnxq.config.io import closest_name
 from onnxq.config.resolve import is_excluded, merge_specs, resolve_node_config
-from onnxq.config.spec import LADDER_RUNGS, TENSOR_CLASSES, Config, QuantFormat, QuantizationConfig
+from onnxq.config.spec import LADDER_RUNGS, TENSOR_CLASSES, Config, QuantizationConfig
 from onnxq.errors import ConfigError
 
 ACTIVATIONS = ("input_tensors", "output_tensors")
@@ -167,11 +167,6 @@ def _check_top_level(config: Config) -> None:
     _check_mixed_precision(config)
     if config.opset is not None and not 13 <= config.opset <= 23:
         raise ConfigError(f"invalid opset {config.opset}; use 13..23 or remove it")
-    if _plain(config.quant_format) != QuantFormat.QDQ.value:
-        raise ConfigError(
-            f"unsupported quant_format '{_plain(config.quant_format)}' in config; "
-            "only qdq (QuantizeLinear/DequantizeLinear pairs) is supported"
-        )
 
 
 def _check_mixed_precision(config: Config) -> None:

@@ -4,6 +4,8 @@
 integer and float8 types), then hands the nodes each strategy claimed to the lowering
 registered for it (`lowering.LOWERINGS`: dynamic, MatMulNBits, GatherBlockQuantized,
 float16/bfloat16). A node a lowering refuses stays float; the plan returned says so.
+In the QOperator format (`quant_format: qoperator`) the QDQ patterns then become
+onnxruntime's integer kernels (`emit/qoperator.py`).
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from onnxq.config.spec import Config
+from onnxq.config.spec import Config, QuantFormat
 from onnxq.emit import dynamic, float_cast, gather_block_quantized, matmul_nbits  # noqa: F401 (register lowerings)
 from onnxq.emit.cpu_layout import keep_layernorm_apart
 from onnxq.emit.float8 import make_float8_deployable
 from onnxq.emit.lowering import ordered
 from onnxq.emit.qdq import EmitReport, emit_qdq
+from onnxq.emit.qoperator import to_qoperator
 from onnxq.graph.edit import drop_unused_initializers
 from onnxq.numerics.qmath import is_float8
 from onnxq.plan import QuantPlan
@@ -52,6 +55,8 @@ def emit_model(
         result.plan = result.plan.with_quantized_nodes(report.converted, ops) \
             .with_float_nodes(report.skipped, ops)
         result.notes.extend(report.notes)
+    if config.quant_format == QuantFormat.QOPERATOR:
+        result.notes.append(to_qoperator(model).note("qoperator format"))
     apart = keep_layernorm_apart(model) if cpu else 0
     if apart:
         result.notes.append(f"{apart} float Add -> LayerNormalization written as Sum: onnxruntime's CPU "

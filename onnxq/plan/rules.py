@@ -74,6 +74,11 @@ OP_RULES: dict[str, OpRule] = {
     "Concat": OpRule(None, OutputMode.OWN),
     "AveragePool": OpRule((0,), OutputMode.OWN),
     "GlobalAveragePool": OpRule((0,), OutputMode.OWN),
+    # Elementwise ops with integer kernels (QLinearSigmoid, QLinearLeakyRelu, QLinearSoftmax);
+    # Softmax stays float unless configured (Config.float_op_types).
+    "Sigmoid": OpRule((0,), OutputMode.OWN),
+    "LeakyRelu": OpRule((0,), OutputMode.OWN),
+    "Softmax": OpRule((0,), OutputMode.OWN),
     "MaxPool": _SHARED,
     "GlobalMaxPool": _SHARED,
     "Resize": _SHARED,

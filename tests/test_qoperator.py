@@ -1,0 +1,198 @@
+"""QOperator format (issue 12): each op with an integer kernel, quantized as QDQ and as
+QOperator, gives outputs within one output quantization step of each other in a default
+onnxruntime session; inside the integer region there is no Q/DQ; `onnxq convert`
+round-trips qdq -> qoperator -> qdq with identical outputs, and `--to float` strips
+every Q/DQ."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from helpers import GraphBuilder, conv_relu_chain, random_feeds, run, stack_feeds
+
+import onnxq
+from onnxq.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+Builder = Callable[[], onnx.ModelProto]
+
+
+def _conv() -> onnx.ModelProto:
+    return conv_relu_chain()
+
+
+def _matmul() -> onnx.ModelProto:
+    b = GraphBuilder(4)
+    x = b.input("x", ["N", 12, 24])
+    return b.build([b.matmul(b.relu(b.matmul(x, 24, 32)), 32, 16)], name="matmul2")
+
+
+def _gemm() -> onnx.ModelProto:
+    b = GraphBuilder(3)
+    x = b.input("x", ["N", 32])
+    return b.build([b.gemm(b.relu(b.gemm(x, 32, 48)), 48, 10)], name="gemm")
+
+
+def _binary(op: str) -> Builder:
+    def build() -> onnx.ModelProto:
+        b = GraphBuilder(5)
+        x = b.input("x", ["N", 4, 8, 8])
+        left, right = b.relu(b.conv(x, 4, 6)), b.conv(x, 4, 6, k=1)
+        return b.build([b.conv(b.node(op, [left, right]), 6, 4, k=1)], name=op.lower())
+    return build
+
+
+def _concat() -> onnx.ModelProto:
+    b = GraphBuilder(2)
+    x = b.input("x", ["N", 4, 8, 8])
+    cat = b.node("Concat", [b.relu(b.conv(x, 4, 6, k=1)), b.conv(x, 4, 5)], axis=1)
+    return b.build([b.conv(cat, 11, 4, k=1)], name="concat")
+
+
+def _unary(op: str, **attrs: object) -> Builder:
+    def build() -> onnx.ModelProto:
+        b = GraphBuilder(6)
+        x = b.input("x", ["N", 4, 8, 8])
+        y = b.node(op, [b.conv(x, 4, 6)], **attrs)
+        return b.build([b.conv(y, 6, 4, k=1)], name=op.lower())
+    return build
+
+
+def _softmax() -> onnx.ModelProto:
+    b = GraphBuilder(7)
+    x = b.input("x", ["N", 32])
+    y = b.node("Softmax", [b.gemm(x, 32, 16)], axis=-1)
+    return b.build([b.gemm(y, 16, 8)], name="softmax")
+
+
+def _data_movement() -> onnx.ModelProto:
+    """MaxPool, Reshape, Transpose and Flatten between integer kernels."""
+    b = GraphBuilder(8)
+    x = b.input("x", ["N", 4, 8, 8])
+    y = b.node("MaxPool", [b.relu(b.conv(x, 4, 8))], kernel_shape=[2, 2], strides=[2, 2])
+    y = b.node("Transpose", [y], perm=[0, 1, 3, 2])
+    y = b.node("Reshape", [y, b.const("shape", np.array([0, 8, 16], np.int64))])
+    y = b.node("Flatten", [y], axis=1)
+    return b.build([b.gemm(y, 128, 10)], name="movement")
+
+
+CASES: dict[str, tuple[Builder, str, dict]] = {
+    "QLinearConv": (_conv, "QLinearConv", {}),
+    "QLinearMatMul": (_matmul, "QLinearMatMul", {}),
+    "MatMulIntegerToFloat": (_matmul, "MatMulIntegerToFloat", {}),
+    "QGemm": (_gemm, "QGemm", {}),
+    "QLinearAdd": (_binary("Add"), "QLinearAdd", {}),
+    "QLinearMul": (_binary("Mul"), "QLinearMul", {}),
+    "QLinearConcat": (_concat, "QLinearConcat", {}),
+    "QLinearAveragePool": (_unary("AveragePool", kernel_shape=[2, 2], strides=[2, 2]), "QLinearAveragePool", {}),
+    "QLinearGlobalAveragePool": (_unary("GlobalAveragePool"), "QLinearGlobalAveragePool", {}),
+    "QLinearSigmoid": (_unary("Sigmoid"), "QLinearSigmoid", {}),
+    "QLinearLeakyRelu": (_unary("LeakyRelu", alpha=0.1), "QLinearLeakyRelu", {}),
+    "QLinearSoftmax": (_softmax, "QLinearSoftmax", {"layer_type_quant_config": {"Softmax": {}}}),
+    "data movement": (_data_movement, "MaxPool", {}),
+}
+
+
+def _quantize(model: onnx.ModelProto, data: dict, fmt: str, extra: dict) -> onnx.ModelProto:
+    config = onnxq.as_config({"quant_format": fmt, **extra})
+    return onnxq.quantize(model, None, config, data, progress=False).model
+
+
+def _ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node]
+
+
+def _output_step(model: onnx.ModelProto) -> float:
+    """The scale of the quantized tensor the model's first output dequantizes (1e-6 when
+    the output is float: then the two formats must agree to float rounding)."""
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    out = model.graph.output[0].name
+    producer = next(n for n in model.graph.node if out in n.output)
+    if producer.op_type == "DequantizeLinear":
+        return float(inits[producer.input[1]])
+    return 1e-6
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_qoperator_matches_qdq_within_one_step(case):
+    build, kernel, extra = CASES[case]
+    model = build()
+    data = stack_feeds(random_feeds(model, 24, seed=1))
+    qdq = _quantize(model, data, "qdq", extra)
+    qop = _quantize(model, data, "qoperator", extra)
+    onnx.checker.check_model(qop, full_check=True)
+    if case == "data movement":
+        assert {"MaxPool", "Transpose", "Reshape", "Flatten"} <= set(_ops(qop))
+        moved = [n for n in qop.graph.node if n.op_type in ("MaxPool", "Transpose", "Reshape", "Flatten")]
+        types = {v.name: v.type.tensor_type.elem_type for v in onnx.shape_inference.infer_shapes(qop).graph.value_info}
+        assert all(types.get(n.output[0]) == onnx.TensorProto.UINT8 for n in moved)
+    else:
+        assert kernel in _ops(qop), _ops(qop)
+        assert kernel not in _ops(qdq)
+    # Q only at the entry, DQ only at the exit: nothing between integer ops.
+    assert _ops(qop).count("QuantizeLinear") <= len(qop.graph.input)
+    assert _ops(qop).count("DequantizeLinear") <= len(qop.graph.output)
+    feeds = random_feeds(model, 8, seed=2)
+    a, b = run(qdq, feeds), run(qop, feeds)
+    assert np.max(np.abs(a - b)) <= _output_step(qdq) * 1.001 + 1e-5
+
+
+def test_kept_patterns_are_named(tmp_path):
+    """A MatMul whose activation is int16 has no QLinearMatMul: it stays QDQ, and the note says why."""
+    model = _matmul()
+    data = stack_feeds(random_feeds(model, 16, seed=3))
+    config = onnxq.as_config({"preset": "A16W8", "quant_format": "qoperator"})
+    result = onnxq.quantize(model, None, config, data, progress=False)
+    note = next(n for n in result.summary.notes if n.startswith("qoperator format"))
+    assert "kept as Q/DQ" in note and "not 8-bit" in note
+    onnx.checker.check_model(result.model)
+
+
+def test_convert_round_trip_and_float(tmp_path, capsys):
+    model = _data_movement()
+    path = tmp_path / "float.onnx"
+    onnx.save(model, str(path))
+    data = stack_feeds(random_feeds(model, 24, seed=4))
+    np.savez(tmp_path / "calib.npz", **data)
+    qdq = tmp_path / "qdq.onnx"
+    assert main(["quantize", str(path), str(qdq), "--calib-data", str(tmp_path / "calib.npz"), "--quiet"]) == 0
+    steps = {}
+    for src, to in (("qdq", "qoperator"), ("qoperator", "qdq2"), ("qoperator", "float")):
+        src_path = tmp_path / f"{src}.onnx"
+        fmt = to.rstrip("2")
+        assert main(["convert", str(src_path), str(tmp_path / f"{to}.onnx"), "--to", fmt]) == 0
+        steps[to] = onnx.load(str(tmp_path / f"{to}.onnx"))
+        onnx.checker.check_model(steps[to], full_check=True)
+    feeds = random_feeds(model, 8, seed=5)
+    reference = run(onnx.load(str(qdq)), feeds)
+    assert np.array_equal(run(steps["qoperator"], feeds), reference)
+    assert np.array_equal(run(steps["qdq2"], feeds), reference)
+    assert "QGemm" not in _ops(steps["qdq2"]) and "DequantizeLinear" in _ops(steps["qdq2"])
+    as_float = steps["float"]
+    assert not {"QuantizeLinear", "DequantizeLinear", "QGemm", "QLinearConv"} & set(_ops(as_float))
+    flt = run(model, feeds)
+    # Only rounding is gone: closer to the float model than the quantized one is, or as close.
+    assert np.abs(run(as_float, feeds) - flt).mean() <= np.abs(reference - flt).mean() * 1.05 + 1e-6
+
+
+def test_convert_refuses_a_float_model_and_writes_nothing(tmp_path, capsys):
+    path = tmp_path / "float.onnx"
+    onnx.save(conv_relu_chain(), str(path))
+    out = tmp_path / "out.onnx"
+    assert main(["convert", str(path), str(out), "--to", "qoperator"]) == 2
+    assert "not a quantized model" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["convert", str(path), str(path), "--to", "qdq"]) == 2
+    assert "is the input model" in capsys.readouterr().err
+
+
+def test_bundled_model_in_qoperator_format(tmp_path):
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", str(ROOT / "models" / "digits_cnn.onnx"), str(out), "--calib-data",
+                 str(ROOT / "models" / "digits_calib.npz"), "--format", "qoperator", "--quiet"]) == 0
+    ops = _ops(onnx.load(str(out)))
+    assert ops.count("QLinearConv") == 3 and "QGemm" in ops and "DequantizeLinear" not in ops
