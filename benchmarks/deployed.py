@@ -143,26 +143,30 @@ def _ratio(a: Any, b: Any) -> str:
     return f"{a / b:.2f}" if isinstance(a, float) and isinstance(b, float) and b else "-"
 
 
+def table(head: str, rows: dict[str, dict[str, Any]], line: Any) -> str:
+    """`head`, then `line(row, values, float metric)` for each row (an error row says so)."""
+    fl = rows["float"]["deployed"]
+    return "\n".join([head] + [f"{row:<10} error: {r['error']}" if "error" in r else line(row, r, fl)
+                               for row, r in rows.items()])
+
+
 def format_table(name: str, metric: str, rows: dict[str, dict[str, Any]]) -> str:
     head = (f"{name} ({metric}; deployed = default onnxruntime session, reference = level basic, "
             "no fused int8 kernels)\n"
             f"{'row':<10} {'deployed':>9} {'reference':>9} {'vs float':>8} {'b1 ms':>7} {'b8 ms':>7} "
             f"{'quant s':>7} {'RSS MB':>7} {'MB':>6}  ratios vs ort (b1, b8, time, RSS)")
-    lines = [head]
-    fl = rows["float"]["deployed"]
-    for row, r in rows.items():
-        if "error" in r:
-            lines.append(f"{row:<10} error: {r['error']}")
-            continue
+
+    def line(row: str, r: dict[str, Any], fl: float) -> str:
         base = rows.get(ORT_BASELINE.get(row, "ort"), {})
         ratios = ", ".join(_ratio(r.get(k), base.get(k)) for k in ("b1_ms", "b8_ms", "quant_s", "peak_rss_mb"))
         fmt = lambda v, spec: format(v, spec) if isinstance(v, float) else "-"  # noqa: E731
-        lines.append(
+        return (
             f"{row:<10} {fmt(r['deployed'], '9.2f')} {fmt(r['reference'], '9.2f')} "
             f"{fmt(r['deployed'] - fl, '+8.2f')} {fmt(r.get('b1_ms'), '7.2f')} {fmt(r.get('b8_ms'), '7.2f')} "
             f"{fmt(r.get('quant_s'), '7.1f')} {fmt(r.get('peak_rss_mb'), '7.0f')} {fmt(r.get('size_mb'), '6.2f')}"
             + (f"  {ratios}" if row not in ("float",) and not row.startswith("ort") else ""))
-    return "\n".join(lines)
+
+    return table(head, rows, line)
 
 
 def add_task_options(p: argparse.ArgumentParser, timeout: float) -> None:

@@ -32,18 +32,15 @@ def format_table(name: str, metric: str, rows: dict[str, dict[str, Any]]) -> str
             "in the same format)\n"
             f"{'row':<10} {'metric':>8} {'vs float':>8} " + " ".join(f"{k[:-3]:>8}" for k in LATENCY)
             + f" {'MB':>6}  ratios (" + ", ".join(k[:-3] for k in LATENCY) + ")")
-    lines = [head]
-    fl = rows["float"]["deployed"]
-    for row, r in rows.items():
-        if "error" in r:
-            lines.append(f"{row:<10} error: {r['error']}")
-            continue
+
+    def line(row: str, r: dict[str, Any], fl: float) -> str:
         base = rows.get(BASELINE.get(row, ""), {})
         ratios = ", ".join(D._ratio(r.get(k), base.get(k)) for k in LATENCY)
-        lines.append(f"{row:<10} {C.fmt(r['deployed'], '8.2f')} {C.fmt(r['deployed'] - fl, '+8.2f')} "
-                     + " ".join(C.fmt(r.get(k), "8.2f") for k in LATENCY)
-                     + f" {C.fmt(r.get('size_mb'), '6.2f')}" + (f"  {ratios}" if row in BASELINE else ""))
-    return "\n".join(lines)
+        return (f"{row:<10} {C.fmt(r['deployed'], '8.2f')} {C.fmt(r['deployed'] - fl, '+8.2f')} "
+                + " ".join(C.fmt(r.get(k), "8.2f") for k in LATENCY)
+                + f" {C.fmt(r.get('size_mb'), '6.2f')}" + (f"  {ratios}" if row in BASELINE else ""))
+
+    return D.table(head, rows, line)
 
 
 def main(argv: list[str] | None = None) -> int:

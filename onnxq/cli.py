@@ -200,6 +200,22 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from onnxq.evaluate import run_model
+
+    _check_model_files(args.model)
+    outputs = run_model(args.model, args.data, args.max_samples, args.providers)
+    for name, array in outputs.items():
+        print(f"{name}: {array.dtype} {list(array.shape)} min {array.min():.6g} max {array.max():.6g} "
+              f"mean {array.mean():.6g}")
+    if args.out:
+        from onnxq.graph.save import write_npz_atomic
+
+        write_npz_atomic(args.out, outputs)
+        print(f"  outputs written to {args.out}")
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from onnxq.graph.load import load_model
     from onnxq.optimize import PassContext, run_passes
@@ -339,9 +355,11 @@ def add_config_flags(q: argparse.ArgumentParser) -> None:
     q.add_argument("--scale-type", help="float32, float16 or power_of_two")
     q.add_argument("--dynamic", action="store_true",
                    help="quantize activations at run time (MatMul/Gemm/Conv/LSTM); no calibration")
-    q.add_argument("--format", choices=("qdq", "qoperator"),
+    q.add_argument("--format", choices=("qdq", "qoperator", "qdq-ext"),
                    help="qdq: QuantizeLinear/DequantizeLinear around float ops (default); qoperator: "
-                        "onnxruntime's integer kernels (QLinearConv, QLinearMatMul, QGemm, QLinearAdd, ...)")
+                        "onnxruntime's integer kernels (QLinearConv, QLinearMatMul, QGemm, QLinearAdd, ...); "
+                        "qdq-ext: QDQ plus onnxq's extended ops where stock Q/DQ cannot express an activation "
+                        "(any bit width, int32, rounding modes; run with onnxq.runtime or onnxq run)")
     q.add_argument("--qdq-domain", help="ai.onnx (upgrade opset when a type needs it) or com.microsoft")
     q.add_argument("--matmul-nbits", action="store_true",
                    help="weight-only int4/uint4 per-group MatMul as onnxruntime MatMulNBits")
@@ -438,6 +456,15 @@ def build_parser() -> argparse.ArgumentParser:
                            "stripped (weights dequantized, activations clipped to their range), for debugging")
     conv.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     conv.set_defaults(func=_cmd_convert)
+
+    r = sub.add_parser("run", help="run a model (extended qdq-ext ops included) on data")
+    r.add_argument("model")
+    r.add_argument("--data", required=True, help="inputs: .npz, .npy or a folder of them")
+    r.add_argument("--out", metavar="FILE.npz", help="write every output, concatenated over the data")
+    r.add_argument("--max-samples", type=int)
+    r.add_argument("--providers", nargs="+", help="onnxruntime execution providers")
+    r.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    r.set_defaults(func=_cmd_run)
 
     i = sub.add_parser("inspect", help="describe a model and what would be quantized")
     i.add_argument("model")

@@ -90,8 +90,11 @@ def session_inputs(session: ort.InferenceSession) -> list[InputSpec]:
 
 
 def deployed_options(reference: bool = False) -> ort.SessionOptions:
-    """Default session options, as a deployment has them (quiet), or reference kernels."""
-    options = ort.SessionOptions()
+    """Default session options, as a deployment has them (quiet), or reference kernels;
+    onnxq's extended ops are registered (`onnxq.runtime`), for qdq-ext models."""
+    from onnxq.runtime import session_options
+
+    options = session_options()
     options.log_severity_level = 3
     if reference:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
@@ -170,6 +173,21 @@ def compare_models(
     result.reference = results.get("reference") if "deployed" in results else None
     result.ignored = sorted(source.ignored)
     return result
+
+
+def run_model(model: str | os.PathLike, data: Any, max_samples: int | None = None,
+              providers: list[str] | None = None, batch_size: int = 32) -> dict[str, np.ndarray]:
+    """Every output of `model` over `data`, concatenated, in a default session with onnxq's
+    extended ops registered (`onnxq run`)."""
+    session = deployed_session(model, check_providers(providers or ["CPUExecutionProvider"]))
+    names = [o.name for o in session.get_outputs()]
+    outputs: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    for feed in iter_batches(data, session_inputs(session), batch_size, max_samples):
+        for n, y in zip(names, session.run(names, feed)):
+            outputs[n].append(y)
+    if not outputs[names[0]]:
+        raise OnnxqError("the data holds no sample")
+    return {n: np.concatenate(v) for n, v in outputs.items()}
 
 
 def _check_outputs(names: list[str], quant: ort.InferenceSession) -> None:

@@ -72,7 +72,8 @@ class RoundMethod(_StrEnum):
     """How offline-quantized tensors (weights, bias) are rounded.
 
     QuantizeLinear in onnxruntime always rounds half to even, so activations only
-    accept `half_even`.
+    accept `half_even`, except in the qdq-ext format (onnxq's extended op rounds any way).
+    `half_up` rounds ties away from zero.
     """
 
     HALF_EVEN = "half_even"
@@ -98,10 +99,14 @@ class Target(_StrEnum):
 
 class QuantFormat(_StrEnum):
     """How quantized ops are written: QuantizeLinear/DequantizeLinear around float ops
-    (`qdq`), or onnxruntime's integer kernels (`qoperator`: QLinearConv, QGemm, ...)."""
+    (`qdq`), onnxruntime's integer kernels (`qoperator`: QLinearConv, QGemm, ...), or QDQ
+    with onnxq's extended ops where stock Q/DQ cannot express a tensor's quantization
+    (`qdq-ext`: activations of any bit width up to 32 and any rounding mode; run with
+    `onnxq.runtime`)."""
 
     QDQ = "qdq"
     QOPERATOR = "qoperator"
+    QDQ_EXT = "qdq-ext"
 
 
 @dataclass

@@ -24,7 +24,10 @@ from onnxq.config.spec import LADDER_RUNGS, TENSOR_CLASSES, Config, Quantization
 from onnxq.errors import ConfigError
 
 ACTIVATIONS = ("input_tensors", "output_tensors")
-INTEGER_DTYPES = {"int4": 4, "uint4": 4, "int8": 8, "uint8": 8, "int16": 16, "uint16": 16}
+INTEGER_DTYPES = {"int4": 4, "uint4": 4, "int8": 8, "uint8": 8, "int16": 16, "uint16": 16, "int32": 32, "uint32": 32}
+# Rules read this key of a spec's values: True when the config's format is qdq-ext, whose
+# extended ops lift the limits of stock QuantizeLinear/DequantizeLinear for activations.
+EXTENDED = "_extended"
 
 # A rule gets (spec values as plain data, tensor class, resolved?) and returns None or
 # (problem, fix). When `resolved` is False a `None` value means "inherited": not judged.
@@ -50,17 +53,18 @@ def validate_config(config: Config) -> None:
     config.algo_config[:] = [entry_dict(e) for e in config.algo_config]
     check_types(config)
     _check_top_level(config)
+    extended = _plain(config.quant_format) == "qdq-ext"
     for where, level in _levels(config):
         for tensor_class in TENSOR_CLASSES:
             spec = getattr(level, tensor_class)
             if spec is not None:
-                check_spec(_plain_values(spec), tensor_class, f"{where}.{tensor_class}")
+                check_spec(_plain_values(spec, extended), tensor_class, f"{where}.{tensor_class}")
     for where, stack in _merged_levels(config):
         for tensor_class in TENSOR_CLASSES:
             resolved = merge_specs([getattr(level, tensor_class) for level in stack], tensor_class)
             if resolved is not None:
                 path = f"{where}.{tensor_class}" + _merged_note(where)
-                check_spec(_plain_values(resolved), tensor_class, path, resolved=True)
+                check_spec(_plain_values(resolved, extended), tensor_class, path, resolved=True)
 
 
 def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> None:
@@ -86,7 +90,8 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> N
             spec = getattr(resolved, tensor_class)
             if spec is not None:
                 path = f"node {name!r} ({op_type}).{tensor_class} as resolved"
-                check_spec(_plain_values(spec), tensor_class, path, resolved=True)
+                check_spec(_plain_values(spec, _plain(config.quant_format) == "qdq-ext"), tensor_class, path,
+                           resolved=True)
 
 
 def _nearest(word: str, names: list[str]) -> str:
@@ -109,8 +114,8 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
-def _plain_values(spec: Any) -> dict[str, Any]:
-    return {f.name: _plain(getattr(spec, f.name)) for f in fields(spec)}
+def _plain_values(spec: Any, extended: bool = False) -> dict[str, Any]:
+    return {**{f.name: _plain(getattr(spec, f.name)) for f in fields(spec)}, EXTENDED: extended}
 
 
 def _levels(config: Config) -> list[tuple[str, QuantizationConfig]]:
@@ -229,20 +234,20 @@ def _activation_per_channel_needs_axis(
 def _activation_rounds_half_even(
     v: dict[str, Any], tc: str, resolved: bool
 ) -> tuple[str, str] | None:
-    if tc in ACTIVATIONS and v["round_method"] not in (None, "half_even"):
+    if tc in ACTIVATIONS and v["round_method"] not in (None, "half_even") and not v[EXTENDED]:
         return (
             f"round_method {v['round_method']}",
             "QuantizeLinear rounds activations half to even at run time: "
-            "use round_method: half_even or remove it",
+            "use round_method: half_even, or quant_format: qdq-ext (extended ops)",
         )
     return None
 
 
 def _int32_only_for_bias(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
-    if tc != "bias" and v["dtype"] in ("int32", "uint32"):
+    if tc != "bias" and v["dtype"] in ("int32", "uint32") and not (v[EXTENDED] and tc in ACTIVATIONS):
         return f"dtype {v['dtype']}", (
             "32-bit integers are only for bias (activations and weights have no stock onnxruntime "
-            "kernel): use int8/uint8 or int16/uint16"
+            "kernel): use int8/uint8 or int16/uint16, or for activations quant_format: qdq-ext"
         )
     return None
 
@@ -279,14 +284,17 @@ def _bits_range(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] |
     bits = v["bits"]
     if bits is None:
         return None
-    if tc != "weight":
-        return f"bits {bits}", "bits narrows weights only: remove it from activations and bias"
-    if not 2 <= bits <= 8:
-        return f"invalid bits {bits}", "use a weight bit width from 2 to 8"
+    if tc != "weight" and not (v[EXTENDED] and tc in ACTIVATIONS):
+        return f"bits {bits}", ("bits narrows weights only (activations too with quant_format: qdq-ext): "
+                                "remove it from activations and bias")
+    top = 8 if tc == "weight" else 32
+    if not 2 <= bits <= top:
+        return f"invalid bits {bits}", f"use a bit width from 2 to {top}"
     if resolved and (v["dtype"] not in INTEGER_DTYPES or bits > INTEGER_DTYPES[v["dtype"]]):
         return (
             f"bits {bits} with dtype {v['dtype']}",
-            "bits must not exceed the integer dtype's width: use dtype int8/uint8 for 5..8 bits",
+            "bits must not exceed the integer dtype's width: use dtype int8/uint8 for 5..8 bits, "
+            "int16/uint16 or int32/uint32 for more",
         )
     return None
 

@@ -41,7 +41,11 @@ def emit_model(
     """Apply the QDQ lowering and every registered lowering the plan needs to `model`, in
     place (`weights`: weights the algorithms already quantized, not quantized again;
     `cpu`: the target runs onnxruntime's CPU provider, see `cpu_layout`)."""
-    result = EmitResult(emit_qdq(model, plan, ranges, config.qdq_domain, weights), plan)
+    extended = config.quant_format == QuantFormat.QDQ_EXT
+    result = EmitResult(emit_qdq(model, plan, ranges, config.qdq_domain, weights, extended), plan)
+    if result.qdq.extended:
+        result.notes.append(f"qdq-ext format: {result.qdq.extended} activations through OnnxqQuantizeDequantize; "
+                            "run the model with onnxq.runtime.InferenceSession (onnxruntime-extensions)")
     if any(is_float8(t.spec.dtype) for t in plan.tensors.values()):
         # Lay float8 Q/DQ out so onnxruntime's CPU optimiser keeps it exact (emit/float8.py).
         note = make_float8_deployable(model).note()

@@ -45,6 +45,7 @@ class EmitReport:
     removed_activations: list[str] = field(default_factory=list)
     kept_activations: list[str] = field(default_factory=list)
     contrib_qdq: int = 0
+    extended: int = 0  # activations quantized by onnxq's extended op (qdq-ext format)
 
 
 @dataclass
@@ -57,8 +58,9 @@ class _Params:
 
 class _Emitter:
     def __init__(self, model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]],
-                 qdq_domain: str, weights: WeightCache | None) -> None:
+                 qdq_domain: str, weights: WeightCache | None, extended: bool = False) -> None:
         self.model = model
+        self.extended = extended
         self.weights = weights or WeightCache()
         self.graph = model.graph
         self.plan = plan
@@ -124,7 +126,7 @@ class _Emitter:
         lower_is_zero = act.op_type == "Relu" or (
             act.inputs[1] is not None and float(constant_array(act.inputs[1])) == 0.0
         )
-        clamps_at_zero = is_integer(spec.dtype) and int(p.zp_array) == int_type(spec.dtype).qmin
+        clamps_at_zero = is_integer(spec.dtype) and int(p.zp_array) == int_type(spec.dtype, spec.bits).qmin
         if not (lower_is_zero and clamps_at_zero):
             self.report.kept_activations.append(act_name)
             return
@@ -138,13 +140,29 @@ class _Emitter:
         self.report.removed_activations.append(act_name)
 
     def qdq_pair(self, value: ir.Value, name: str, spec: ResolvedSpec, p: _Params) -> ir.Value:
+        if self.extended and needs_extended(spec):
+            return self.extended_pair(value, name, spec, p)
         q = self.qdq_node("QuantizeLinear", [value, p.scale, p.zero_point], f"{name}_q", spec, value)
         return self.qdq_node("DequantizeLinear", [q, p.scale, p.zero_point], f"{name}_dq", spec, value)
+
+    def extended_pair(self, value: ir.Value, name: str, spec: ResolvedSpec, p: _Params) -> ir.Value:
+        """One `OnnxqQuantizeDequantize` (onnxq.runtime) where stock Q/DQ cannot express the
+        grid: its bit width, 32-bit type or rounding mode."""
+        from onnxq.runtime import DOMAIN, NO_AXIS, QDQ_OP
+
+        info = int_type(spec.dtype, spec.bits)
+        zero = self.edit.initializer(f"{name}_zero_point_float", np.asarray(p.zp_array, np.float32).reshape(()))
+        attrs = {"qmin": int(info.qmin), "qmax": int(info.qmax), "round_mode": str(spec.round_method),
+                 "axis": NO_AXIS}
+        self.model.opset_imports.setdefault(DOMAIN, 1)
+        self.report.extended += 1
+        return self.edit.add_node(QDQ_OP, [value, p.scale, zero], f"{name}_qdq", attrs, dtype=value.dtype,
+                                  shape=value.shape, domain=DOMAIN)
 
     def quantize_activation(self, tensor: TensorPlan) -> None:
         value = self.values[tensor.name]
         dq = self.qdq_pair(value, tensor.name, tensor.spec, self.activation_params(tensor.name))
-        q_node = dq.producer().inputs[0].producer()
+        q_node = dq.producer() if dq.producer().inputs[0] is value else dq.producer().inputs[0].producer()
         if tensor.all_consumers:
             for use in list(value.uses()):
                 if use.node is not q_node:
@@ -251,10 +269,16 @@ class _Emitter:
         return self.report
 
 
+def needs_extended(spec: ResolvedSpec) -> bool:
+    """Whether stock QuantizeLinear/DequantizeLinear cannot quantize an activation of `spec`."""
+    return spec.bits is not None or str(spec.dtype) in ("int32", "uint32") or str(spec.round_method) != "half_even"
+
+
 def emit_qdq(
     model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], qdq_domain: str = "ai.onnx",
-    weights: WeightCache | None = None,
+    weights: WeightCache | None = None, extended: bool = False,
 ) -> EmitReport:
     """Rewrite `model` in place into QDQ format following `plan` and calibrated `ranges`
-    (`weights`: weights an algorithm already quantized)."""
-    return _Emitter(model, plan, ranges, qdq_domain, weights).run()
+    (`weights`: weights an algorithm already quantized; `extended`: the qdq-ext format,
+    `OnnxqQuantizeDequantize` where stock Q/DQ cannot express an activation's grid)."""
+    return _Emitter(model, plan, ranges, qdq_domain, weights, extended).run()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 
 from onnxq.errors import OnnxqError
@@ -30,18 +32,31 @@ def check_output_path(output: str | os.PathLike, source: str | os.PathLike | Non
     return out
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` to `path` through a temporary file and a rename: an interrupted run
-    (Ctrl-C) leaves the old file or none, never half of one."""
+def _write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` then rename tmp to `path`: an interrupted run (Ctrl-C) leaves the old
+    file or none, never half of one."""
     out = Path(path)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        write(tmp)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
             tmp.unlink()
     return out
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` to `path` atomically."""
+    return _write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_npz_atomic(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> Path:
+    """Write `arrays` as an .npz file atomically."""
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+    return _write_atomic(path, write)
 
 
 def weight_bytes(model: ir.Model) -> int:

@@ -189,7 +189,9 @@ def compute_qparams(
     return scale.astype(np.float32), zp.astype(info.np_dtype)
 
 
-def _round(x: np.ndarray, round_method: str) -> np.ndarray:
+def round_values(x: np.ndarray, round_method: str) -> np.ndarray:
+    """Round to integers: half_even (as QuantizeLinear), half_up (ties away from zero, as
+    C's round()), floor or ceil."""
     if round_method == "half_even":
         return np.rint(x)
     if round_method == "half_up":
@@ -244,7 +246,7 @@ def quantize(
     z = broadcast_param(np.asarray(zero_point, dtype=np.float64), x.shape, axis, block_size)
     # QuantizeLinear divides in float32: ties must fall where onnxruntime's fall.
     ratio = (x.astype(np.float32) / s.astype(np.float32)).astype(np.float64)
-    q = _round(ratio, round_method) + z
+    q = round_values(ratio, round_method) + z
     return np.clip(q, info.qmin, info.qmax).astype(info.np_dtype)
 
 

@@ -39,7 +39,7 @@ def activation_qparams(
     root = plan.root_of(name)
     spec = spec or plan.tensors[root].spec
     rmin, rmax = activation_range(plan, ranges, constant_of, root)
-    return compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type)
+    return compute_qparams(rmin, rmax, spec.dtype, spec.symmetric, spec.scale_type, bits=spec.bits)
 
 
 def bias_input_spec(plan: QuantPlan, bias: TensorPlan) -> ResolvedSpec | None:
