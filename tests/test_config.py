@@ -321,7 +321,8 @@ def test_bad_enum_value_lists_valid_values():
     assert str(e.value) == (
         "invalid dtype 'int9' in global_quant_config.weight; "
         "valid values: int4, uint4, int8, uint8, int16, uint16, int32, uint32, "
-        "float8_e4m3fn, float8_e5m2, float16, bfloat16, float32"
+        "float8_e4m3fn, float8_e5m2, float16, bfloat16, float32, mxint8, mxfp8_e4m3, mxfp8_e5m2, mxfp6_e3m2, "
+        "mxfp6_e2m3, mxfp4_e2m1, bfp16"
     )
 
 

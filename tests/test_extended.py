@@ -143,3 +143,32 @@ def test_extended_settings_need_the_extended_format():
     config = onnxq.as_config({"quant_format": "qdq-ext", "global_quant_config": {
         "input_tensors": {"dtype": "int32"}, "output_tensors": {"dtype": "int32"}}})
     assert config.global_quant_config.input_tensors.dtype.value == "int32"
+
+
+def test_block_formats_end_to_end_match_the_reference():
+    """A Gemm with MXFP8 activations and MXFP4 weights computes exactly the float Gemm of the
+    block-quantized input and weight; no calibration data is needed."""
+    from helpers import gemm
+
+    model = gemm(trans_b=1)
+    spec = {"quant_format": "qdq-ext", "global_quant_config": {
+        "input_tensors": {"dtype": "mxfp8_e4m3"}, "output_tensors": None, "weight": {"dtype": "mxfp4_e2m1"},
+        "bias": None}}
+    result = onnxq.quantize(model, None, onnxq.as_config(spec), None, progress=False)
+    assert result.summary.quantized_by_op == {"Gemm": 2}
+    x = np.random.default_rng(0).standard_normal((5, 32)).astype(np.float32)
+    got = rt.InferenceSession(result.model.SerializeToString()).run(None, {"x": x})[0]
+    inits = {i.name: nh.to_array(i) for i in model.graph.initializer}
+    first, second = model.graph.node[0], model.graph.node[2]
+    h = block_fake_quantize(x, "mxfp8_e4m3", -1) @ block_fake_quantize(inits[first.input[1]], "mxfp4_e2m1", 1).T
+    h = np.maximum(h + inits[first.input[2]], 0)
+    want = block_fake_quantize(h, "mxfp8_e4m3", -1) @ block_fake_quantize(inits[second.input[1]], "mxfp4_e2m1", 1).T
+    want = want + inits[second.input[2]]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_block_formats_need_the_extended_format():
+    with pytest.raises(ConfigError, match="qdq-ext"):
+        onnxq.as_config({"global_quant_config": {"weight": {"dtype": "mxfp4_e2m1"}}})
+    with pytest.raises(ConfigError, match="inputs and weights"):
+        onnxq.as_config({"quant_format": "qdq-ext", "global_quant_config": {"output_tensors": {"dtype": "mxint8"}}})

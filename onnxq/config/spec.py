@@ -25,7 +25,9 @@ class DType(_StrEnum):
 
     Integer types are quantized with a scale and zero point; `float16`/`bfloat16` convert
     the tensor (and the op computing it) to that float type; the float8 types quantize
-    through QuantizeLinear/DequantizeLinear with a scale and a float8 zero point.
+    through QuantizeLinear/DequantizeLinear with a scale and a float8 zero point. The
+    block formats (OCP Microscaling MX*, BFP16: one shared power-of-two exponent per block,
+    no calibration) need the qdq-ext format (`onnxq.numerics.extended`).
     """
 
     INT4 = "int4"
@@ -41,6 +43,13 @@ class DType(_StrEnum):
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
     FLOAT32 = "float32"
+    MXINT8 = "mxint8"
+    MXFP8_E4M3 = "mxfp8_e4m3"
+    MXFP8_E5M2 = "mxfp8_e5m2"
+    MXFP6_E3M2 = "mxfp6_e3m2"
+    MXFP6_E2M3 = "mxfp6_e2m3"
+    MXFP4_E2M1 = "mxfp4_e2m1"
+    BFP16 = "bfp16"
 
 
 class QScheme(_StrEnum):

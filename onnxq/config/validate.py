@@ -331,7 +331,22 @@ def _method_reads_its_fields(v: dict[str, Any], tc: str, resolved: bool) -> tupl
     return None
 
 
+BLOCK_FORMATS = ("mxint8", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_e2m1", "bfp16")
+
+
+def _block_formats_where_they_run(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    if v["dtype"] not in BLOCK_FORMATS:
+        return None
+    if not v[EXTENDED]:
+        return f"dtype {v['dtype']}", "block formats run through onnxq's extended ops: set quant_format: qdq-ext"
+    if tc not in ("input_tensors", "weight"):
+        return (f"dtype {v['dtype']} for {tc}",
+                "block formats quantize the inputs and weights of Conv/Gemm/MatMul: use them there")
+    return None
+
+
 SPEC_RULES: tuple[Rule, ...] = (
+    _block_formats_where_they_run,
     _calib_method_registered,
     _method_reads_its_fields,
     _int32_only_for_bias,

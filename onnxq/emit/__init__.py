@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from onnxq.config.spec import Config, QuantFormat
-from onnxq.emit import dynamic, float_cast, gather_block_quantized, matmul_nbits  # noqa: F401 (register lowerings)
+from onnxq.emit import (  # noqa: F401 (register lowerings)
+    block_format,
+    dynamic,
+    float_cast,
+    gather_block_quantized,
+    matmul_nbits,
+)
 from onnxq.emit.cpu_layout import keep_layernorm_apart
 from onnxq.emit.float8 import make_float8_deployable
 from onnxq.emit.lowering import ordered

@@ -84,6 +84,9 @@ FLOAT8_TYPES: dict[DType, Float8Type] = {
 # Target float types (the tensor is converted, not quantized) and Brevitas-style
 # (exponent_bits, mantissa_bits) descriptions of every standard float type.
 FLOAT_TARGETS = {DType.FLOAT16, DType.BFLOAT16}
+# Shared-exponent block formats of the qdq-ext format (`numerics.extended.BLOCK_FORMATS`).
+BLOCK_DTYPES = {DType.MXINT8, DType.MXFP8_E4M3, DType.MXFP8_E5M2, DType.MXFP6_E3M2, DType.MXFP6_E2M3,
+                DType.MXFP4_E2M1, DType.BFP16}
 FLOAT_BY_BITS: dict[tuple[int, int], DType] = {
     (4, 3): DType.FLOAT8_E4M3FN,
     (5, 2): DType.FLOAT8_E5M2,

@@ -75,6 +75,7 @@ def ordered() -> list[Strategy]:
 
 # Importing the built-in strategies registers them.
 from onnxq.plan.strategies import (  # noqa: E402, F401
+    block_format,
     dynamic,
     float_target,
     gather_int4,
