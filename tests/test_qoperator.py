@@ -196,3 +196,30 @@ def test_bundled_model_in_qoperator_format(tmp_path):
                  str(ROOT / "models" / "digits_calib.npz"), "--format", "qoperator", "--quiet"]) == 0
     ops = _ops(onnx.load(str(out)))
     assert ops.count("QLinearConv") == 3 and "QGemm" in ops and "DequantizeLinear" not in ops
+
+
+@pytest.mark.parametrize("case", ["corrupt", "unknown_to", "wrong_data"])
+def test_format_commands_refuse_bad_input_in_one_line(tmp_path, case):
+    import subprocess
+    import sys
+
+    model = tmp_path / "q.onnx"
+    assert main(["quantize", str(ROOT / "models" / "digits_cnn.onnx"), str(model), "--calib-data",
+                 str(ROOT / "models" / "digits_calib.npz"), "--quiet"]) == 0
+    out = tmp_path / "out.onnx"
+    if case == "corrupt":
+        bad = tmp_path / "bad.onnx"
+        bad.write_bytes(b"not a model")
+        argv = ["convert", str(bad), str(out), "--to", "qdq"]
+    elif case == "unknown_to":
+        argv = ["convert", str(model), str(out), "--to", "int3"]
+    else:
+        np.savez(tmp_path / "x.npz", x=np.zeros((2, 3), np.float32))
+        argv = ["run", str(model), "--data", str(tmp_path / "x.npz"), "--out", str(tmp_path / "o.npz")]
+        out = tmp_path / "o.npz"
+    proc = subprocess.run([sys.executable, "-m", "onnxq", *argv], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(("onnxq: error:", "onnxq convert: error:"))
+    assert not out.exists()

@@ -31,7 +31,11 @@ def _weight_bytes(model: ir.Model) -> int:
 
 
 def session_options(threads: int = 0) -> ort.SessionOptions:
-    options = ort.SessionOptions()
+    """Calibration-style options (basic optimisation, quiet), with onnxq's extended ops
+    registered so qdq-ext models (analysed, compared) run too."""
+    from onnxq.runtime import session_options as with_extended_ops
+
+    options = with_extended_ops()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.log_severity_level = 3
     options.intra_op_num_threads = threads
