@@ -56,7 +56,7 @@ def three_level_config() -> Config:
         ),
         layer_type_quant_config={
             "Conv": QuantizationConfig(
-                weight=QuantizationSpec(symmetric=False, calib_method=CalibMethod.PERCENTILE)
+                weight=QuantizationSpec(symmetric=False, round_method=RoundMethod.HALF_UP)
             )
         },
         layer_quant_config={
@@ -102,7 +102,7 @@ def test_node_beats_op_type_beats_global_field_by_field():
     conv1 = resolve_node_config(config, "conv1", "Conv")
     assert conv1.weight.dtype is DType.UINT8  # node
     assert conv1.weight.symmetric is False  # op type
-    assert conv1.weight.calib_method == "percentile"  # op type
+    assert conv1.weight.round_method == "half_up"  # op type
     assert conv1.weight.qscheme == "per_channel"  # global
     assert conv1.input_tensors.dtype is DType.INT8  # node
     assert conv1.input_tensors.symmetric is False  # global
@@ -112,7 +112,7 @@ def test_node_beats_op_type_beats_global_field_by_field():
 
     matmul = resolve_node_config(config, "conv1_like", "MatMul")
     assert (matmul.weight.dtype, matmul.weight.symmetric) == (DType.INT8, True)
-    assert matmul.weight.calib_method == "minmax"
+    assert matmul.weight.round_method == "half_even"
 
 
 def test_unset_fields_fall_back_to_spec_defaults():

@@ -299,9 +299,27 @@ def _bits_range(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] |
     return None
 
 
+WEIGHT_METHODS = ("minmax", "hqq")
+
+
+def _weight_method(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    """Weights are quantized offline: min-max (with the 4-bit clipping search), or HQQ's
+    optimised zero points for asymmetric per-group weights."""
+    method = v["calib_method"]
+    if tc != "weight" or method is None:
+        return None
+    if method not in WEIGHT_METHODS:
+        return (f"weight calib_method {method!r}",
+                f"weights are quantized with {' or '.join(WEIGHT_METHODS)} (calibration methods are for activations)")
+    if method == "hqq" and resolved and (v["symmetric"] or v["qscheme"] != "per_group"):
+        return ("weight calib_method hqq with " + ("symmetric weights" if v["symmetric"] else f"qscheme {v['qscheme']}"),
+                "hqq optimises each block's zero point: set symmetric: false and qscheme: per_group")
+    return None
+
+
 def _calib_method_registered(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
     method = v["calib_method"]
-    if method is None:
+    if method is None or tc == "weight":
         return None
     from onnxq.calibrate.observers import OBSERVERS  # the registry is open: read it now
     from onnxq.config.io import closest_name
@@ -347,6 +365,7 @@ def _block_formats_where_they_run(v: dict[str, Any], tc: str, resolved: bool) ->
 
 SPEC_RULES: tuple[Rule, ...] = (
     _block_formats_where_they_run,
+    _weight_method,
     _calib_method_registered,
     _method_reads_its_fields,
     _int32_only_for_bias,

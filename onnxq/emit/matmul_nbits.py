@@ -41,7 +41,7 @@ class BlockQuantized:
 
     packed: np.ndarray  # uint8 [N, k_blocks, blob_size]
     scales: np.ndarray  # [N, k_blocks]
-    zero_points: np.ndarray | None  # packed uint8 [N, ceil(k_blocks * bits / 8)], or None
+    zero_points: np.ndarray | None  # packed uint8 [N, ceil(k_blocks * bits / 8)], float [N, k_blocks], or None
     k: int
     n: int
     bits: int
@@ -87,13 +87,17 @@ def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np
     padded[:, :k] = np.asarray(w).T
     if importance is not None:
         importance = block_importance(importance, block)
+    float_zp = spec.calib_method == "hqq"  # optimised float zero points, which MatMulNBits takes
     q, scale, zp = quantize_blocks(padded.reshape(n * k_blocks, block), spec, scale_dtype,
-                                   clip_search=clip_search, importance=importance)
+                                   clip_search=clip_search, importance=importance, float_zero_point=float_zp)
     offset = -int_type(spec.dtype).qmin  # stored unsigned: int4 -8..7 -> 0..15
     stored = (q.astype(np.int16) + offset).astype(np.uint8).reshape(n, k_blocks, block)
-    zp_stored = (zp.astype(np.int16) + offset).astype(np.uint8).reshape(n, k_blocks)
-    default_zp = 1 << (bits - 1)
-    zero_points = None if np.all(zp_stored == default_zp) else pack_bits(zp_stored, bits)
+    if float_zp:
+        zero_points = (zp.astype(np.float64) + offset).astype(scale.dtype).reshape(n, k_blocks)
+    else:
+        zp_stored = (zp.astype(np.int16) + offset).astype(np.uint8).reshape(n, k_blocks)
+        default_zp = 1 << (bits - 1)
+        zero_points = None if np.all(zp_stored == default_zp) else pack_bits(zp_stored, bits)
     return BlockQuantized(pack_bits(stored, bits), scale.reshape(n, k_blocks), zero_points, k, n, bits, block)
 
 
@@ -103,6 +107,8 @@ def dequantize_blockwise(bq: BlockQuantized) -> np.ndarray:
     q = unpack_bits(bq.packed, bq.bits, bq.block_size).astype(np.float32)  # [N, k_blocks, block]
     if bq.zero_points is None:
         zp = np.full((bq.n, k_blocks), 1 << (bq.bits - 1), dtype=np.float32)
+    elif bq.zero_points.dtype != np.uint8:  # float zero points (hqq)
+        zp = bq.zero_points.astype(np.float32)
     else:
         zp = unpack_bits(bq.zero_points, bq.bits, k_blocks).astype(np.float32)
     w = (q - zp[..., None]) * bq.scales.astype(np.float32)[..., None]

@@ -188,8 +188,12 @@ def quantize_blocks(
     clip_search: bool | None = None,
     grid: tuple[float, ...] = CLIP_GRID,
     importance: np.ndarray | None = None,
+    float_zero_point: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Quantize each row of `blocks` [M, block] with its own scale and zero point.
+
+    `spec.calib_method` hqq optimises each zero point (`numerics.hqq`): a float one when
+    `float_zero_point` (MatMulNBits takes it), else rounded onto the grid.
 
     Returns the codes [M, block] (in the dtype), scales [M] (`scale_dtype`, the type the
     kernel reads, so rounding happens with the scale it will use) and zero points [M].
@@ -200,12 +204,26 @@ def quantize_blocks(
     blocks = np.asarray(blocks, dtype=np.float32)
     scale, zp = weight_qparams(blocks.min(axis=1), blocks.max(axis=1), spec, min_scale, signed=True)
     scale = cast_scale(scale, scale_dtype)
+    if spec.calib_method == "hqq":
+        return _hqq_blocks(blocks, scale, zp, spec, float_zero_point)
     search = importance is not None if clip_search is None else clip_search
     if searchable(spec):  # chunked; an empty grid is plain rounding
         q, scale = search_clip_scales(blocks, scale, zp, spec, min_scale, grid if search else (), importance)
         return q, scale, zp
     q = quantize(blocks, scale[:, None], zp[:, None], spec.dtype, round_method=spec.round_method, bits=spec.bits)
     return q, scale, zp
+
+
+def _hqq_blocks(blocks: np.ndarray, scale: np.ndarray, zp: np.ndarray, spec: ResolvedSpec,
+                float_zero_point: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    from onnxq.numerics.hqq import hqq_zero_points
+
+    info = int_type(spec.dtype, spec.bits)
+    z = hqq_zero_points(blocks, scale, zp.astype(np.float64), info)
+    if not float_zero_point:
+        z = np.clip(np.rint(z), info.qmin, info.qmax)
+    q = np.clip(np.rint(blocks / scale.astype(np.float64)[:, None] + z[:, None]), info.qmin, info.qmax)
+    return q.astype(info.np_dtype), scale, z.astype(np.float32) if float_zero_point else z.astype(info.np_dtype)
 
 
 def search_clip_scales(
