@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -131,23 +130,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        return D.run_worker(args.job, quantize_job)
-    if not (args.shared_dir / "models").is_dir():
-        print(f"adaround: no shared folder at {args.shared_dir}; nothing to do (skipped)")
-        return 0
-    report = C.start_report(args, CO.machine_info())
-    t0 = time.perf_counter()
     args.models = sorted({SETTINGS[s]["model"] for s in args.settings})
-    with C.scratch_dir(args.keep, "adaround.") as workdir:
-        for task in CO.shared_tasks(args, args.shared_dir):
-            task.eval_feeds, task.labels, task.extra = task.load_eval()
-            key = next(k for k in ("mobilenet", "resnet20", "minilm") if k in task.name)
-            for name in [s for s in args.settings if SETTINGS[s]["model"] == key]:
-                rows = bench_setting(name, task, args, workdir)
-                C.add_result(report, name, rows, format_table(name, task.metric_name, rows))
-            task.eval_feeds = task.labels = None
-    return C.finish_report(report, t0, args.json)
+
+    def each_task(task: CO.Task, workdir: Path) -> list[tuple[str, dict[str, Any], str]]:
+        task.eval_feeds, task.labels, task.extra = task.load_eval()
+        key = next(k for k in ("mobilenet", "resnet20", "minilm") if k in task.name)
+        results = []
+        for name in [s for s in args.settings if SETTINGS[s]["model"] == key]:
+            rows = bench_setting(name, task, args, workdir)
+            results.append((name, rows, format_table(name, task.metric_name, rows)))
+        return results
+
+    return D.run_shared("adaround", args, quantize_job, each_task)
 
 
 if __name__ == "__main__":

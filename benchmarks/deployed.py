@@ -187,21 +187,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_shared(name: str, args: argparse.Namespace, quantize: Any, each_task: Any) -> int:
+    """A benchmark's main over the shared tasks: the worker side, the skip without
+    ../shared, and the report of `each_task(task, workdir) -> [(title, rows, table)]`."""
     if args.worker:
-        return run_worker(args.job)
+        return run_worker(args.job, quantize)
     if not (args.shared_dir / "models").is_dir():
-        print(f"deployed: no shared folder at {args.shared_dir}; nothing to do (skipped)")
+        print(f"{name}: no shared folder at {args.shared_dir}; nothing to do (skipped)")
         return 0
     report = C.start_report(args, CO.machine_info())
     t0 = time.perf_counter()
-    with C.scratch_dir(args.keep, "deployed.") as workdir:
+    with C.scratch_dir(args.keep, f"{name}.") as workdir:
         for task in CO.shared_tasks(args, args.shared_dir):
-            rows = bench_task(task, args, workdir)
+            for title, rows, text in each_task(task, workdir):
+                C.add_result(report, title, rows, text)
             task.eval_feeds = task.labels = None
-            C.add_result(report, task.name, rows, format_table(task.name, task.metric_name, rows))
     return C.finish_report(report, t0, args.json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def each_task(task: CO.Task, workdir: Path) -> list[tuple[str, dict[str, Any], str]]:
+        rows = bench_task(task, args, workdir)
+        return [(task.name, rows, format_table(task.name, task.metric_name, rows))]
+
+    return run_shared("deployed", args, None, each_task)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ each onnxq row against onnxruntime's row of the same format.
 from __future__ import annotations
 
 import sys
-import time
+from pathlib import Path
 from typing import Any
 
 import common as C
@@ -45,20 +45,13 @@ def format_table(name: str, metric: str, rows: dict[str, dict[str, Any]]) -> str
 
 def main(argv: list[str] | None = None) -> int:
     args = D.parse_args(argv)
-    if args.worker:
-        return D.run_worker(args.job)
-    if not (args.shared_dir / "models").is_dir():
-        print(f"formats: no shared folder at {args.shared_dir}; nothing to do (skipped)")
-        return 0
     args.variants = list(VARIANTS)
-    report = C.start_report(args, CO.machine_info())
-    t0 = time.perf_counter()
-    with C.scratch_dir(args.keep, "formats.") as workdir:
-        for task in CO.shared_tasks(args, args.shared_dir):
-            rows = D.bench_task(task, args, workdir, THREADS)
-            task.eval_feeds = task.labels = None
-            C.add_result(report, task.name, rows, format_table(task.name, task.metric_name, rows))
-    return C.finish_report(report, t0, args.json)
+
+    def each_task(task: CO.Task, workdir: Path) -> list[tuple[str, dict[str, Any], str]]:
+        rows = D.bench_task(task, args, workdir, THREADS)
+        return [(task.name, rows, format_table(task.name, task.metric_name, rows))]
+
+    return D.run_shared("formats", args, None, each_task)
 
 
 if __name__ == "__main__":

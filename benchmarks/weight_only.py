@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -101,18 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, nargs="+", default=[32, 128])
     D.add_task_options(p, 900.0)
     args = p.parse_args(argv)
-    if args.worker:
-        return D.run_worker(args.job, quantize)
-    if not (args.shared_dir / "models").is_dir():
-        print(f"weight_only: no shared folder at {args.shared_dir}; nothing to do (skipped)")
-        return 0
-    report = C.start_report(args, CO.machine_info())
-    t0 = time.perf_counter()
-    with C.scratch_dir(args.keep, "weight_only.") as workdir:
-        for task in CO.shared_tasks(args, args.shared_dir):
-            rows = bench(task, args, workdir)
-            C.add_result(report, task.name, rows, format_table(task.name, task.metric_name, rows))
-    return C.finish_report(report, t0, args.json)
+
+    def each_task(task: CO.Task, workdir: Path) -> list[tuple[str, dict[str, Any], str]]:
+        rows = bench(task, args, workdir)
+        return [(task.name, rows, format_table(task.name, task.metric_name, rows))]
+
+    return D.run_shared("weight_only", args, quantize, each_task)
 
 
 if __name__ == "__main__":
