@@ -470,3 +470,17 @@ def test_version_flag(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"onnxq {onnxq.__version__}"
+
+
+def test_opset_upgraded_only_when_the_output_needs_it():
+    """W4_GROUP128 lowers int4 MatMul blocks to MatMulNBits (a contrib kernel): the model keeps
+    its opset; the same blocks as QDQ need opset 21 and get it."""
+    from helpers import matmul
+
+    model = matmul()
+    kept = onnxq.quantize(model, None, "W4_GROUP128", progress=False)
+    assert kept.summary.opset == (17, 17)
+    assert any(n.op_type == "MatMulNBits" for n in kept.model.graph.node)
+    qdq = onnxq.quantize(model, None, {"preset": "W4_GROUP128", "matmul_nbits": False}, progress=False)
+    assert qdq.summary.opset == (17, 21)
+    onnx.checker.check_model(qdq.model)
