@@ -21,6 +21,7 @@ from onnxq.optimize.adaround import AdaRoundConfig
 from onnxq.optimize.bias_correction import BiasCorrectionConfig
 from onnxq.optimize.cle import CLEConfig
 from onnxq.optimize.fold_batchnorm import FoldBatchNormConfig
+from onnxq.optimize.gptq import GPTQConfig
 from onnxq.optimize.smoothquant import SmoothQuantConfig
 from onnxq.quantize import ModelQuantizer, QuantizationResult, quantize
 from onnxq.report import Summary, format_summary
@@ -34,6 +35,7 @@ __all__ = [
     "CLEConfig",
     "Config",
     "FoldBatchNormConfig",
+    "GPTQConfig",
     "ModelQuantizer",
     "OnnxqError",
     "QuantizationConfig",

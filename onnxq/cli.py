@@ -98,7 +98,7 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
 
 
 # Flags that switch an algorithm on (`algo_config` entries, in this order).
-ALGORITHM_FLAGS = ("bias_correction", "adaround", "adaquant")
+ALGORITHM_FLAGS = ("bias_correction", "adaround", "adaquant", "gptq")
 
 
 def _algorithm_options(flagged: list[str], options: list[str]) -> list[dict[str, Any]]:
@@ -340,6 +340,9 @@ def add_config_flags(q: argparse.ArgumentParser) -> None:
                    help="learn each weight's rounding, layer by layer, against the float model (AdaRound)")
     q.add_argument("--adaquant", action="store_true",
                    help="optimise weights and biases layer by layer through the rounding (AdaQuant)")
+    q.add_argument("--gptq", action="store_true",
+                   help="GPTQ for int4 MatMul weights lowered to MatMulNBits (e.g. --preset W4_GROUP128): "
+                        "rounding errors compensated through the calibration inputs' Hessian")
     q.add_argument("--algo-option", action="append", metavar="[ALGO.]KEY=VALUE",
                    help="option of an algorithm, e.g. num_iteration=500 or adaround.reg_param=0.02 "
                         "(repeatable; a bare KEY goes to the one algorithm flag given)")

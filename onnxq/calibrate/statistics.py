@@ -34,7 +34,7 @@ import onnx_ir as ir
 
 from onnxq.graph.edit import values_by_name
 
-Reduce = Literal["min", "max", "absmax", "mean", "image"]
+Reduce = Literal["min", "max", "absmax", "mean", "image", "gram"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class Statistic:
 
     min / max / absmax / mean: per index of `axis`, over every other axis and sample.
     image: the mean over samples only (axis 0), None when batches disagree in shape.
+    gram: E[x x^T] over the rows of the tensor flattened to [rows, last axis] (a layer's
+      input Hessian for GPTQ), in float64.
     """
 
     tensor: str
@@ -85,6 +87,9 @@ class _Accumulator:
             self.add_reduced(x.astype(np.float64).sum(axis=0), x.shape[0])
         elif reduce == "mean":
             self.add_reduced(x.astype(np.float64).sum(axis=others), x.size // max(x.shape[axis], 1))
+        elif reduce == "gram":
+            rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
+            self.add_reduced(rows.T @ rows, rows.shape[0])
         else:
             y = np.abs(x) if reduce == "absmax" else x
             self.add_reduced((y.min if reduce == "min" else y.max)(axis=others), 0)
@@ -92,7 +97,7 @@ class _Accumulator:
     def result(self) -> np.ndarray | None:
         if self.value is None or not self.consistent:
             return None
-        if self.stat.reduce in ("mean", "image"):
+        if self.stat.reduce in ("mean", "image", "gram"):
             return self.value / max(self.count, 1)
         return self.value
 
@@ -105,7 +110,7 @@ def reduction_nodes(value: ir.Value, stat: Statistic, opset: int) -> tuple[list[
     """Nodes computing a min/max/absmax `stat` of one batch inside the session, and their
     output. None for means and when the rank is unknown (reduced in numpy)."""
     rank = len(value.shape) if value.shape is not None else None
-    if rank is None or rank == 0 or stat.reduce in ("mean", "image"):
+    if rank is None or rank == 0 or stat.reduce in ("mean", "image", "gram"):
         return None  # summed in numpy (module doc)
     name = value.name + _suffix(stat)
     axis = stat.axis % rank

@@ -61,7 +61,7 @@ def emit_model(
         nodes = plan.nodes_for(lowering.strategy)
         if not nodes:
             continue
-        report = lowering.run(model, nodes, config)
+        report = lowering.run(model, nodes, config, weights)
         result.plan = result.plan.with_quantized_nodes(report.converted, ops) \
             .with_float_nodes(report.skipped, ops)
         result.notes.extend(report.notes)

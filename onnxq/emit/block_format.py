@@ -29,7 +29,7 @@ def _activation_axis(node: ir.Node) -> int:
 
 
 @register_lowering("block_format", order=5)
-def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config) -> LoweringReport:
+def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config, weights: object = None) -> LoweringReport:
     from onnxq.runtime import BLOCK_OP, DOMAIN
 
     graph = model.graph

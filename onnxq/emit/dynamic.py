@@ -333,6 +333,6 @@ def emit_dynamic(model: ir.Model, nodes: Mapping[str, ResolvedSpec]) -> DynamicR
 
 
 @register_lowering("dynamic", order=10)
-def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config) -> LoweringReport:
+def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config, weights: object = None) -> LoweringReport:
     report = emit_dynamic(model, nodes)
     return LoweringReport(report.skipped, notes=[f"dynamic {name}: {note}" for name, note in report.notes.items()])

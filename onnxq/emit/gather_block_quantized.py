@@ -58,5 +58,5 @@ def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpe
 
 
 @register_lowering("gather_block_quantized", order=30)
-def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config) -> LoweringReport:
+def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config, weights: object = None) -> LoweringReport:
     return LoweringReport(skipped=emit_gather_block_quantized(model, nodes))

@@ -1,8 +1,8 @@
 """The lowering table: for each strategy of `plan/strategies` that claims whole nodes, the
 function that rewrites them in the graph.
 
-A lowering takes the model, the nodes its strategy claimed (name -> spec, in graph order)
-and the config; it rewrites what it can in place and reports the nodes it had to leave
+A lowering takes the model, the nodes its strategy claimed (name -> spec, in graph order),
+the config and the weights algorithms quantized; it rewrites what it can in place and reports the nodes it had to leave
 float (with why), the nodes it converted (for strategies counted only once converted) and
 notes for the summary. Static QDQ is not in the table: `emit/qdq` lowers the tensors of
 the plan, and runs first.
@@ -10,6 +10,7 @@ the plan, and runs first.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -26,7 +27,9 @@ class LoweringReport:
     notes: list[str] = field(default_factory=list)
 
 
-LoweringFn = Callable[[ir.Model, Mapping[str, "ResolvedSpec | DType"], Config], LoweringReport]
+# fn(model, nodes, config, weights): `weights` is the pipeline's `plan.params.WeightCache`,
+# where an algorithm may have pinned a node's quantized weight (GPTQ for MatMulNBits).
+LoweringFn = Callable[[ir.Model, Mapping[str, "ResolvedSpec | DType"], Config, object], LoweringReport]
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,14 @@ LOWERINGS: dict[str, Lowering] = {}
 
 
 def register_lowering(strategy: str, order: int) -> Callable[[LoweringFn], LoweringFn]:
-    """Register `fn` as the lowering of the nodes `strategy` claims."""
+    """Register `fn(model, nodes, config[, weights])` as the lowering of the nodes
+    `strategy` claims (a lowering that needs no pinned weights may omit `weights`)."""
     def decorate(fn: LoweringFn) -> LoweringFn:
         if strategy in LOWERINGS:
             raise ValueError(f"a lowering for {strategy!r} is already registered")
-        LOWERINGS[strategy] = Lowering(strategy, order, fn)
+        takes_weights = len(inspect.signature(fn).parameters) >= 4
+        run = fn if takes_weights else (lambda model, nodes, config, weights: fn(model, nodes, config))
+        LOWERINGS[strategy] = Lowering(strategy, order, run)
         return fn
     return decorate
 

@@ -145,13 +145,14 @@ def _replace_with_nbits(graph: ir.Graph, editor: GraphEditor, node: ir.Node, bq:
 
 def emit_matmul_nbits(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
                       accuracy_level: int = 0, clip_search: bool | None = None,
-                      importance: Mapping[str, np.ndarray] | None = None) -> dict[str, str]:
+                      importance: Mapping[str, np.ndarray] | None = None, weights: object = None) -> dict[str, str]:
     """Rewrite the MatMuls in `nodes` (name -> weight spec) as MatMulNBits, in place.
 
     `accuracy_level` is MatMulNBits' attribute (0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8
     computation of A). `importance` (node name -> mean x^2 of each of A's K channels over
     calibration data) and `clip_search` drive the 4-bit clipping search, see
-    `quantize_blockwise`. Returns the skipped nodes with the reason.
+    `quantize_blockwise`; `weights` (a `WeightCache`) may hold a node's weight already in
+    MatMulNBits' layout (GPTQ). Returns the skipped nodes with the reason.
     """
     if accuracy_level not in ACCURACY_LEVELS:
         raise ValueError(f"accuracy_level must be one of {ACCURACY_LEVELS}, got {accuracy_level}")
@@ -161,8 +162,10 @@ def emit_matmul_nbits(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
     for node, spec in ready:
         name = node.name
         scale_dtype = FLOAT_TYPES[weight_dtype(node)]
-        bq = quantize_blockwise(constant_array(node.inputs[1]), spec, scale_dtype, clip_search,
-                                (importance or {}).get(name))
+        bq = weights.pinned_node(name, node.inputs[1]) if weights is not None else None
+        if bq is None:
+            bq = quantize_blockwise(constant_array(node.inputs[1]), spec, scale_dtype, clip_search,
+                                    (importance or {}).get(name))
         _replace_with_nbits(graph, editor, node, bq, accuracy_level)
     if len(skipped) < len(nodes):
         model.opset_imports.setdefault(CONTRIB, 1)
@@ -170,5 +173,5 @@ def emit_matmul_nbits(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
 
 
 @register_lowering("matmul_nbits", order=20)
-def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config) -> LoweringReport:
-    return LoweringReport(skipped=emit_matmul_nbits(model, nodes))
+def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config, weights: object = None) -> LoweringReport:
+    return LoweringReport(skipped=emit_matmul_nbits(model, nodes, weights=weights))

@@ -274,4 +274,12 @@ def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping
 
 
 # Importing the modules fills the registries.
-from onnxq.optimize import adaquant, adaround, bias_correction, cle, fold_batchnorm, smoothquant  # noqa: E402, F401
+from onnxq.optimize import (  # noqa: E402, F401
+    adaquant,
+    adaround,
+    bias_correction,
+    cle,
+    fold_batchnorm,
+    gptq,
+    smoothquant,
+)

@@ -106,6 +106,17 @@ class WeightCache:
         """Forget the weight's quantized form: emission rounds it to nearest again."""
         self._entries.pop(self._key(tensor), None)
 
+    def pin_node(self, node: str, value: ir.Value, quantized: object) -> None:
+        """Make `quantized` the weight of a lowered node (a MatMulNBits layout GPTQ chose)
+        while `value` holds its current tensor."""
+        if value.const_value is not None:
+            self._entries[("node", node)] = (value.const_value, quantized)
+
+    def pinned_node(self, node: str, value: ir.Value) -> object | None:
+        """The weight pinned for lowered node `node`, if `value` still holds its tensor."""
+        entry = self._entries.get(("node", node))
+        return entry[1] if entry is not None and entry[0] is value.const_value else None
+
     @staticmethod
     def _key(tensor: TensorPlan) -> tuple:
         return (tensor.name, tensor.spec, tensor.axis, tensor.block_size)

@@ -218,7 +218,7 @@ def _fill_report(report: FloatCastReport, nodes: list[ir.Node], plan: CastPlan, 
 
 
 @register_lowering("float_target", order=40)
-def _lower(model: ir.Model, nodes: Mapping[str, DType], config: Config) -> LoweringReport:
+def _lower(model: ir.Model, nodes: Mapping[str, DType], config: Config, weights: object = None) -> LoweringReport:
     keep = (*DEFAULT_KEEP_FLOAT32, *config.float_op_types)
     report = convert_float_nodes(model, nodes, keep, config.calibration.providers)
     return LoweringReport(dict(report.kept_float32), list(report.converted), [report.summary_line(), *report.notes])

@@ -1,0 +1,153 @@
+"""GPTQ (Frantar et al. 2022) for the MatMul weights lowered to MatMulNBits, in numpy.
+
+Each MatMul y = x W (W [K, N]) is quantized one input row of W (a column of W^T) at a
+time; the rounding error of each row is spread over the rows not yet quantized in
+proportion to the inverse of H = E[x x^T], the Hessian of the layer's squared output
+error, so later rows compensate it. Rows go in blocks of `block_size` with the updates
+of the rest applied once per block (the paper's lazy batch updates). Per-group scales and
+zero points follow the weight spec (int4/uint4, symmetric or not, `group_size`), computed
+when their group is reached from the weights as updated so far (`static_groups`: from the
+original weights, needed with `desc_act`, which quantizes rows in order of decreasing
+H diagonal). H comes from the calibration pass (one `gram` statistic per MatMul input,
+float64, memory independent of the number of samples); the result is pinned for the
+MatMulNBits lowering, which stores exactly these codes.
+
+Not here yet: inputs from the already-quantized prefix (true-sequential) and AWQ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxq.calibrate.statistics import Statistic
+from onnxq.config.resolve import ResolvedSpec
+from onnxq.emit.matmul_nbits import BlockQuantized, pack_bits
+from onnxq.errors import ConfigError
+from onnxq.graph.fold import constant_array
+from onnxq.numerics.qmath import int_type
+from onnxq.numerics.weights import cast_scale, weight_qparams
+from onnxq.optimize import PassContext, register_algorithm, statistics_of
+from onnxq.plan import QuantPlan
+from onnxq.plan.strategies.matmul_nbits import BITS, FLOAT_TYPES, weight_dtype
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """Options of `gptq` (Quark's GPTQConfig fields where they apply; bits, sym and
+    group_size come from the weight spec). damp_percent: share of H's mean diagonal added
+    to it. desc_act: rows in order of decreasing H diagonal (implies static_groups).
+    block_size: rows per lazy update."""
+
+    ALGORITHM: ClassVar[str] = "gptq"
+
+    damp_percent: float = 0.01
+    desc_act: bool = False
+    static_groups: bool = False
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        if not 0 < self.damp_percent < 1:
+            raise ConfigError(f"gptq: damp_percent must be in (0, 1), got {self.damp_percent}")
+        if self.block_size < 1:
+            raise ConfigError(f"gptq: block_size must be at least 1, got {self.block_size}")
+
+
+def _layers(model: ir.Model, plan: QuantPlan) -> list[tuple[ir.Node, ResolvedSpec]]:
+    names = plan.nodes_for("matmul_nbits")
+    return [(node, names[node.name]) for node in model.graph
+            if node.name in names and constant_array(node.inputs[1]) is not None]
+
+
+@statistics_of("gptq")
+def gptq_requests(model: ir.Model, plan: QuantPlan, options: GPTQConfig) -> list[Statistic]:
+    return list(dict.fromkeys(Statistic(node.inputs[0].name, "gram", -1) for node, _ in _layers(model, plan)))
+
+
+def _group_params(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and zero point (float64) of each row of `w` [N, group], as RTN computes them."""
+    scale, zp = weight_qparams(w.min(axis=1), w.max(axis=1), spec, 1e-12, signed=True)
+    return cast_scale(scale, scale_dtype).astype(np.float64), zp.astype(np.float64)
+
+
+def gptq_quantize(w: np.ndarray, hessian: np.ndarray, spec: ResolvedSpec, options: GPTQConfig,
+                  scale_dtype: type = np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Codes [N, K] (signed, in the spec's range), scales and zero points [N, groups] of
+    W^T = `w` [N, K] under input Hessian `hessian` [K, K] (module doc)."""
+    info = int_type(spec.dtype, spec.bits)
+    n, k = w.shape
+    group = int(spec.group_size)
+    w = w.astype(np.float64).copy()
+    h = hessian.astype(np.float64).copy()
+    dead = np.diag(h) <= 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    order = np.argsort(-np.diag(h), kind="stable") if options.desc_act else np.arange(k)
+    static = options.static_groups or options.desc_act
+    groups = -(-k // group)
+    scales, zeros = np.zeros((n, groups)), np.zeros((n, groups))
+    if static:
+        for g in range(groups):
+            scales[:, g], zeros[:, g] = _group_params(w[:, g * group:(g + 1) * group], spec, scale_dtype)
+    w, h = w[:, order], h[np.ix_(order, order)]
+    h[np.diag_indices(k)] += options.damp_percent * np.mean(np.diag(h))
+    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # H^-1 = U^T U, U upper triangular
+    codes = np.zeros((n, k))
+    for i1 in range(0, k, options.block_size):
+        i2 = min(i1 + options.block_size, k)
+        block, errors = w[:, i1:i2].copy(), np.zeros((n, i2 - i1))
+        for i in range(i2 - i1):
+            col = order[i1 + i]
+            g = col // group
+            if not static and col % group == 0:  # first row of its group: parameters from now
+                current = np.concatenate([block[:, i:], w[:, i2:]], axis=1)[:, :group]
+                scales[:, g], zeros[:, g] = _group_params(current, spec, scale_dtype)
+            s, z = scales[:, g], zeros[:, g]
+            q = np.clip(np.rint(block[:, i] / s + z), info.qmin, info.qmax)
+            codes[:, col] = q
+            err = (block[:, i] - (q - z) * s) / upper[i1 + i, i1 + i]
+            block[:, i:] -= np.outer(err, upper[i1 + i, i1 + i:i2])
+            errors[:, i] = err
+        w[:, i2:] -= errors @ upper[i1:i2, i2:]
+    return codes, scales, zeros
+
+
+def to_block_quantized(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, spec: ResolvedSpec,
+                       scale_dtype: type) -> BlockQuantized:
+    """GPTQ's result in MatMulNBits' layout (`emit.matmul_nbits`): padded, stored unsigned."""
+    info, bits, block = int_type(spec.dtype, spec.bits), BITS[spec.dtype], int(spec.group_size)
+    n, k = codes.shape
+    k_blocks = scales.shape[1]
+    offset = -int_type(spec.dtype).qmin
+    padded = np.zeros((n, k_blocks * block))
+    padded[:, :k] = codes
+    padded[:, k:] = np.repeat(zeros, block, axis=1)[:, k:]  # pad with zero-valued codes
+    stored = (np.clip(padded, info.qmin, info.qmax) + offset).astype(np.uint8).reshape(n, k_blocks, block)
+    zp = (zeros + offset).astype(np.uint8)
+    zero_points = None if np.all(zp == 1 << (bits - 1)) else pack_bits(zp, bits)
+    return BlockQuantized(pack_bits(stored, bits), scales.astype(scale_dtype), zero_points, k, n, bits, block)
+
+
+@register_algorithm("gptq", options=GPTQConfig, data="required", rewrites=("weights",))
+def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: GPTQConfig,
+         ctx: PassContext) -> str:
+    """Quantize every MatMul lowered to MatMulNBits with GPTQ; pin the result for emission."""
+    layers = _layers(model, plan)
+    if not layers:
+        return "no MatMul lowered to MatMulNBits (weight-only int4 blocks, e.g. W4_GROUP128)"
+    stats = ctx.collect(model, gptq_requests(model, plan, options), "gptq")
+    done = 0
+    for node, spec in layers:
+        hessian = stats.get(Statistic(node.inputs[0].name, "gram", -1))
+        if hessian is None:
+            continue
+        scale_dtype = FLOAT_TYPES[weight_dtype(node)]
+        w = constant_array(node.inputs[1]).astype(np.float64)
+        codes, scales, zeros = gptq_quantize(w.T, hessian, spec, options, scale_dtype)
+        ctx.weights.pin_node(node.name, node.inputs[1], to_block_quantized(codes, scales, zeros, spec, scale_dtype))
+        done += 1
+    return f"{done} of {len(layers)} MatMul weights quantized with GPTQ"
