@@ -8,7 +8,8 @@ in a default session), at blocks of 32 and 128, in one run.
 Rows per block size: onnxq `rtn-sym` (W4_GROUP128's MatMul spec: int4 symmetric,
 full-range scales), `rtn-asym` (uint4 asymmetric min-max), `hqq` (uint4 asymmetric,
 half-quadratic zero points, `calib_method: hqq`), `gptq` / `gptq-act` (int4 symmetric,
-GPTQ from the calibration sentences, act-order off / on); onnxruntime `ort-rtn` (symmetric
+GPTQ from the calibration sentences, act-order off / on), `awq` (int4 symmetric, AWQ
+scales); onnxruntime `ort-rtn` (symmetric
 default), `ort-rtn-asym`, `ort-hqq` (`HQQWeightOnlyQuantConfig`). Columns: metric,
 change against float, quantize time and peak RSS of the quantizer's worker process, file
 size; ratios of onnxq's rows against onnxruntime's row of the same method.
@@ -25,15 +26,16 @@ import common as C
 import compare_ort as CO
 import deployed as D
 
-ROWS = ("rtn-sym", "rtn-asym", "hqq", "gptq", "gptq-act", "ort-rtn", "ort-rtn-asym", "ort-hqq")
+ROWS = ("rtn-sym", "rtn-asym", "hqq", "gptq", "gptq-act", "awq", "ort-rtn", "ort-rtn-asym", "ort-hqq")
 BASELINE = {"rtn-sym": "ort-rtn", "rtn-asym": "ort-rtn-asym", "hqq": "ort-hqq"}
 
 
 def onnxq_config(row: str, block: int) -> dict[str, Any]:
-    symmetric = row in ("rtn-sym", "gptq", "gptq-act")
+    symmetric = row in ("rtn-sym", "gptq", "gptq-act", "awq")
     weight = {"dtype": "int4", "symmetric": True} if symmetric else \
         {"dtype": "uint4", "symmetric": False, "calib_method": "hqq" if row == "hqq" else "minmax"}
-    algorithms = [{"name": "gptq", "desc_act": row == "gptq-act"}] if row.startswith("gptq") else []
+    algorithms = [{"name": "gptq", "desc_act": row == "gptq-act"}] if row.startswith("gptq") else \
+        [{"name": "awq"}] if row == "awq" else []
     return {"preset": "W4_GROUP128", "algo_config": algorithms, "layer_type_quant_config": {
         "MatMul": {"weight": {**weight, "qscheme": "per_group", "group_size": block}},
         "Gemm": {"weight": {"dtype": "float32"}}, "Gather": {"weight": {"dtype": "float32"}}}}
@@ -46,7 +48,7 @@ def quantize(job: dict[str, Any], arrays: Any) -> dict[str, Any]:
         import onnxq
 
         result = onnxq.quantize(job["model"], job["output"], onnxq.as_config(onnxq_config(row, block)),
-                                arrays if row.startswith("gptq") else None, progress=False)
+                                arrays if row.startswith(("gptq", "awq")) else None, progress=False)
         return {"summary": onnxq.format_summary(result.summary)}
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,

@@ -18,6 +18,7 @@ from onnxq.config import (
 from onnxq.errors import OnnxqError
 from onnxq.optimize.adaquant import AdaQuantConfig
 from onnxq.optimize.adaround import AdaRoundConfig
+from onnxq.optimize.awq import AWQConfig
 from onnxq.optimize.bias_correction import BiasCorrectionConfig
 from onnxq.optimize.cle import CLEConfig
 from onnxq.optimize.fold_batchnorm import FoldBatchNormConfig
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdaQuantConfig",
+    "AWQConfig",
     "AdaRoundConfig",
     "BiasCorrectionConfig",
     "CLEConfig",

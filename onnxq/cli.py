@@ -98,7 +98,7 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
 
 
 # Flags that switch an algorithm on (`algo_config` entries, in this order).
-ALGORITHM_FLAGS = ("bias_correction", "adaround", "adaquant", "gptq")
+ALGORITHM_FLAGS = ("bias_correction", "adaround", "adaquant", "gptq", "awq")
 
 
 def _algorithm_options(flagged: list[str], options: list[str]) -> list[dict[str, Any]]:
@@ -343,6 +343,9 @@ def add_config_flags(q: argparse.ArgumentParser) -> None:
     q.add_argument("--gptq", action="store_true",
                    help="GPTQ for int4 MatMul weights lowered to MatMulNBits (e.g. --preset W4_GROUP128): "
                         "rounding errors compensated through the calibration inputs' Hessian")
+    q.add_argument("--awq", action="store_true",
+                   help="AWQ for int4 MatMul weights lowered to MatMulNBits: input channels with large "
+                        "activations get finer steps (per-layer alpha search on the calibration data)")
     q.add_argument("--algo-option", action="append", metavar="[ALGO.]KEY=VALUE",
                    help="option of an algorithm, e.g. num_iteration=500 or adaround.reg_param=0.02 "
                         "(repeatable; a bare KEY goes to the one algorithm flag given)")

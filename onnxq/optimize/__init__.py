@@ -277,6 +277,7 @@ def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping
 from onnxq.optimize import (  # noqa: E402, F401
     adaquant,
     adaround,
+    awq,
     bias_correction,
     cle,
     fold_batchnorm,

@@ -57,15 +57,17 @@ class GPTQConfig:
             raise ConfigError(f"gptq: block_size must be at least 1, got {self.block_size}")
 
 
-def _layers(model: ir.Model, plan: QuantPlan) -> list[tuple[ir.Node, ResolvedSpec]]:
+def matmul_nbits_layers(model: ir.Model, plan: QuantPlan) -> list[tuple[ir.Node, ResolvedSpec]]:
+    """The MatMuls the plan lowers to MatMulNBits whose weight is a constant."""
     names = plan.nodes_for("matmul_nbits")
     return [(node, names[node.name]) for node in model.graph
             if node.name in names and constant_array(node.inputs[1]) is not None]
 
 
 @statistics_of("gptq")
-def gptq_requests(model: ir.Model, plan: QuantPlan, options: GPTQConfig) -> list[Statistic]:
-    return list(dict.fromkeys(Statistic(node.inputs[0].name, "gram", -1) for node, _ in _layers(model, plan)))
+def gptq_requests(model: ir.Model, plan: QuantPlan, options: object) -> list[Statistic]:
+    """E[x x^T] of each such MatMul's input (the `gram` statistic)."""
+    return list(dict.fromkeys(Statistic(node.inputs[0].name, "gram", -1) for node, _ in matmul_nbits_layers(model, plan)))
 
 
 def _group_params(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type) -> tuple[np.ndarray, np.ndarray]:
@@ -136,7 +138,7 @@ def to_block_quantized(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
 def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: GPTQConfig,
          ctx: PassContext) -> str:
     """Quantize every MatMul lowered to MatMulNBits with GPTQ; pin the result for emission."""
-    layers = _layers(model, plan)
+    layers = matmul_nbits_layers(model, plan)
     if not layers:
         return "no MatMul lowered to MatMulNBits (weight-only int4 blocks, e.g. W4_GROUP128)"
     stats = ctx.collect(model, gptq_requests(model, plan, options), "gptq")
