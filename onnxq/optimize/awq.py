@@ -26,7 +26,7 @@ from onnxq.errors import ConfigError
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.optimize import PassContext, register_algorithm, statistics_of
-from onnxq.optimize.gptq import gptq_requests, matmul_nbits_layers
+from onnxq.optimize.gptq import NO_LAYERS, gptq_requests, layers_with_hessians
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
 
@@ -81,14 +81,12 @@ def search_scales(w: np.ndarray, hessian: np.ndarray, spec, scale_dtype: type, g
 def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: AWQConfig,
         ctx: PassContext) -> str:
     """Scale the input rows of every MatMul lowered to MatMulNBits (module doc)."""
-    layers = matmul_nbits_layers(model, plan)
+    layers = layers_with_hessians(model, plan, ctx, "awq")
     if not layers:
-        return "no MatMul lowered to MatMulNBits (weight-only int4 blocks, e.g. W4_GROUP128)"
-    stats = ctx.collect(model, awq_requests(model, plan, options), "awq")
+        return NO_LAYERS
     edit = GraphEditor(model.graph)
     alphas = []
-    for node, spec in layers:
-        hessian = stats.get(Statistic(node.inputs[0].name, "gram", -1))
+    for node, spec, hessian in layers:
         weight = node.inputs[1]
         w = constant_array(weight)
         if hessian is None or len(weight.uses()) != 1:

@@ -134,17 +134,27 @@ def to_block_quantized(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
     return BlockQuantized(pack_bits(stored, bits), scales.astype(scale_dtype), zero_points, k, n, bits, block)
 
 
+NO_LAYERS = "no MatMul lowered to MatMulNBits (weight-only int4 blocks, e.g. W4_GROUP128)"
+
+
+def layers_with_hessians(model: ir.Model, plan: QuantPlan, ctx: PassContext,
+                         name: str) -> list[tuple[ir.Node, ResolvedSpec, np.ndarray | None]]:
+    """Each MatMul lowered to MatMulNBits, its weight spec and its input's E[x x^T] (None
+    when the data gave none), from one pass over the calibration data."""
+    layers = matmul_nbits_layers(model, plan)
+    stats = ctx.collect(model, gptq_requests(model, plan, None), name) if layers else {}
+    return [(node, spec, stats.get(Statistic(node.inputs[0].name, "gram", -1))) for node, spec in layers]
+
+
 @register_algorithm("gptq", options=GPTQConfig, data="required", rewrites=("weights",))
 def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: GPTQConfig,
          ctx: PassContext) -> str:
     """Quantize every MatMul lowered to MatMulNBits with GPTQ; pin the result for emission."""
-    layers = matmul_nbits_layers(model, plan)
+    layers = layers_with_hessians(model, plan, ctx, "gptq")
     if not layers:
-        return "no MatMul lowered to MatMulNBits (weight-only int4 blocks, e.g. W4_GROUP128)"
-    stats = ctx.collect(model, gptq_requests(model, plan, options), "gptq")
+        return NO_LAYERS
     done = 0
-    for node, spec in layers:
-        hessian = stats.get(Statistic(node.inputs[0].name, "gram", -1))
+    for node, spec, hessian in layers:
         if hessian is None:
             continue
         scale_dtype = FLOAT_TYPES[weight_dtype(node)]
