@@ -78,6 +78,12 @@ def session_options(options: ort.SessionOptions | None = None) -> ort.SessionOpt
     return options
 
 
+def options_for(model: Any, options: ort.SessionOptions) -> ort.SessionOptions:
+    """`options`, with the extended ops registered only when the onnx-ir `model` imports
+    their domain (the library load stays off the hot paths of ordinary models)."""
+    return session_options(options) if DOMAIN in model.opset_imports else options
+
+
 def InferenceSession(path_or_bytes: str | os.PathLike | bytes, options: ort.SessionOptions | None = None,  # noqa: N802
                      providers: list[str] | None = None, **kwargs: Any) -> ort.InferenceSession:
     """An `onnxruntime.InferenceSession` that can run the extended ops."""

@@ -368,7 +368,7 @@ def iter_batches(
             if not fixed:  # a fixed-batch model cannot run a partial input: drop it
                 yield _concat(pending)
                 batches += 1
-                if max_batches is not None and batches >= max_batches:
+                if batches == max_batches:
                     return
             pending, pending_samples = [], Fraction(0)
         pending.append(feed)
@@ -377,7 +377,7 @@ def iter_batches(
             merged = _concat(pending)
             yield _take(merged, units, target)
             batches += 1
-            if max_batches is not None and batches >= max_batches:
+            if batches == max_batches:
                 return
             pending_samples -= target
             pending = [_take(merged, units, pending_samples, target)] if pending_samples else []

@@ -31,11 +31,7 @@ def _weight_bytes(model: ir.Model) -> int:
 
 
 def session_options(threads: int = 0) -> ort.SessionOptions:
-    """Calibration-style options (basic optimisation, quiet), with onnxq's extended ops
-    registered so qdq-ext models (analysed, compared) run too."""
-    from onnxq.runtime import session_options as with_extended_ops
-
-    options = with_extended_ops()
+    options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.log_severity_level = 3
     options.intra_op_num_threads = threads
@@ -94,8 +90,11 @@ def exposed_session(
     graph.extend(nodes)
     graph.outputs.extend(added)
     try:
+        from onnxq.runtime import options_for  # qdq-ext models (analysed) need onnxq's ops
+
         with session_source(model) as source:
-            session = ort.InferenceSession(source, options or session_options(), providers=check_providers(providers))
+            session = ort.InferenceSession(source, options_for(model, options or session_options()),
+                                           providers=check_providers(providers))
         yield session
     finally:
         for value in added:

@@ -53,7 +53,7 @@ def validate_config(config: Config) -> None:
     config.algo_config[:] = [entry_dict(e) for e in config.algo_config]
     check_types(config)
     _check_top_level(config)
-    extended = _plain(config.quant_format) == "qdq-ext"
+    extended = _extended(config)
     for where, level in _levels(config):
         for tensor_class in TENSOR_CLASSES:
             spec = getattr(level, tensor_class)
@@ -90,8 +90,7 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> N
             spec = getattr(resolved, tensor_class)
             if spec is not None:
                 path = f"node {name!r} ({op_type}).{tensor_class} as resolved"
-                check_spec(_plain_values(spec, _plain(config.quant_format) == "qdq-ext"), tensor_class, path,
-                           resolved=True)
+                check_spec(_plain_values(spec, _extended(config)), tensor_class, path, resolved=True)
 
 
 def _nearest(word: str, names: list[str]) -> str:
@@ -112,6 +111,10 @@ def check_spec(
 
 def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
+
+
+def _extended(config: Config) -> bool:
+    return _plain(config.quant_format) == "qdq-ext"
 
 
 def _plain_values(spec: Any, extended: bool = False) -> dict[str, Any]:
@@ -349,11 +352,10 @@ def _method_reads_its_fields(v: dict[str, Any], tc: str, resolved: bool) -> tupl
     return None
 
 
-BLOCK_FORMATS = ("mxint8", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4_e2m1", "bfp16")
-
-
 def _block_formats_where_they_run(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
-    if v["dtype"] not in BLOCK_FORMATS:
+    from onnxq.numerics.qmath import BLOCK_DTYPES
+
+    if v["dtype"] not in {d.value for d in BLOCK_DTYPES}:
         return None
     if not v[EXTENDED]:
         return f"dtype {v['dtype']}", "block formats run through onnxq's extended ops: set quant_format: qdq-ext"

@@ -18,8 +18,7 @@ import onnxruntime as ort
 
 from onnxq.calibrate.session import check_providers, session_source
 from onnxq.errors import OnnxqError
-from onnxq.runtime import DOMAIN as EXTENDED_DOMAIN
-from onnxq.runtime import session_options
+from onnxq.runtime import options_for
 
 UNLOADABLE = "onnxruntime cannot load this node quantized (default session options)"
 MAX_CULPRITS = 64
@@ -29,8 +28,7 @@ def model_loads(model: ir.Model, providers: list[str]) -> bool:
     """Whether a default session (all optimisations) opens `model` on `providers`."""
     options = ort.SessionOptions()
     options.log_severity_level = 4
-    if any(d == EXTENDED_DOMAIN for d in model.opset_imports):
-        options = session_options(options)
+    options = options_for(model, options)
     with session_source(model) as source:
         try:
             ort.InferenceSession(source, options, providers=check_providers(providers))

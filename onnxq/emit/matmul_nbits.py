@@ -80,7 +80,7 @@ def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np
     `importance` [K]: mean square of each input channel of A over calibration data; with
     it the 4-bit clipping search minimises each block's output error. `clip_search`: None
     searches only with `importance`, True always, False never."""
-    bits, block = BITS[spec.dtype], int(spec.group_size)
+    block = int(spec.group_size)
     k, n = w.shape
     k_blocks = -(-k // block)
     padded = np.zeros((n, k_blocks * block), dtype=np.float32)
@@ -90,15 +90,22 @@ def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np
     float_zp = spec.calib_method == "hqq"  # optimised float zero points, which MatMulNBits takes
     q, scale, zp = quantize_blocks(padded.reshape(n * k_blocks, block), spec, scale_dtype,
                                    clip_search=clip_search, importance=importance, float_zero_point=float_zp)
+    return packed(q.reshape(n, k_blocks, block), scale.reshape(n, k_blocks), zp.reshape(n, k_blocks), spec, k)
+
+
+def packed(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, spec: ResolvedSpec, k: int) -> BlockQuantized:
+    """Signed codes [N, k_blocks, block] with scales and zero points [N, k_blocks] (integer,
+    or float as HQQ gives them) in MatMulNBits' stored layout (module doc)."""
+    bits = BITS[spec.dtype]
+    n, _, block = q.shape
     offset = -int_type(spec.dtype).qmin  # stored unsigned: int4 -8..7 -> 0..15
-    stored = (q.astype(np.int16) + offset).astype(np.uint8).reshape(n, k_blocks, block)
-    if float_zp:
-        zero_points = (zp.astype(np.float64) + offset).astype(scale.dtype).reshape(n, k_blocks)
+    stored = (q.astype(np.int16) + offset).astype(np.uint8)
+    if np.issubdtype(zp.dtype, np.floating):
+        zero_points = (zp.astype(np.float64) + offset).astype(scale.dtype)
     else:
-        zp_stored = (zp.astype(np.int16) + offset).astype(np.uint8).reshape(n, k_blocks)
-        default_zp = 1 << (bits - 1)
-        zero_points = None if np.all(zp_stored == default_zp) else pack_bits(zp_stored, bits)
-    return BlockQuantized(pack_bits(stored, bits), scale.reshape(n, k_blocks), zero_points, k, n, bits, block)
+        zp_stored = (zp.astype(np.int16) + offset).astype(np.uint8)
+        zero_points = None if np.all(zp_stored == 1 << (bits - 1)) else pack_bits(zp_stored, bits)
+    return BlockQuantized(pack_bits(stored, bits), scale, zero_points, k, n, bits, block)
 
 
 def dequantize_blockwise(bq: BlockQuantized) -> np.ndarray:

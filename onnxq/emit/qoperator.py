@@ -147,7 +147,7 @@ def _dq_of(value: ir.Value | None) -> _Dq | None:
     return _Dq(node)
 
 
-def _q_after(value: ir.Value, graph: ir.Graph) -> ir.Node | None:
+def _q_after(value: ir.Value) -> ir.Node | None:
     """The QuantizeLinear that is the only reader of `value`, if any (8-bit, per tensor)."""
     uses = list(value.uses())
     if len(uses) != 1 or value.is_graph_output():
@@ -167,7 +167,7 @@ def _zero_point(editor: GraphEditor, dq_or_q: ir.Node, dtype: ir.DataType) -> ir
     return editor.initializer(f"{dq_or_q.name}_zero_point", np.zeros((), np_dtype))
 
 
-def _refusal(qop: QOp, node: ir.Node, graph: ir.Graph) -> tuple[str | None, list[_Dq], ir.Node | None]:
+def _refusal(qop: QOp, node: ir.Node) -> tuple[str | None, list[_Dq], ir.Node | None]:
     """Why `node` cannot become `qop` (None if it can), its input DQs and output Q."""
     reason = qop.check(node)
     if reason:
@@ -196,7 +196,7 @@ def _refusal(qop: QOp, node: ir.Node, graph: ir.Graph) -> tuple[str | None, list
             if want is None or have is None or not np.allclose(np.broadcast_to(have, want.shape), want, rtol=1e-5,
                                                               atol=0) or np.any(zp != 0):
                 return "its int32 bias is not scaled by input scale x weight scale", [], None
-    q = _q_after(node.outputs[0], graph)
+    q = _q_after(node.outputs[0])
     if q is None and qop.output == "required":
         return "its output is not quantized", [], None
     if q is not None and qop.output == "float":
@@ -252,10 +252,7 @@ def _kernel_inputs(qop: QOp, node: ir.Node, dqs: list[_Dq], q: ir.Node | None,
 def _replace(graph: ir.Graph, old: ir.Node, new: ir.Node, result: ir.Value) -> None:
     """Put `new` where `old` was; `result` (an output of the nodes removed) moves onto it."""
     graph.insert_before(old, new)
-    name = result.name
-    result.replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
-    result.name = None
-    new.outputs[0].name = name
+    _replace_value(result, new.outputs[0])
 
 
 def _remove_unused(graph: ir.Graph, nodes: list[ir.Node]) -> None:
@@ -284,7 +281,7 @@ def to_qoperator(model: ir.Model) -> FormatReport:
         if node.graph is not graph or node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type in DATA_MOVEMENT:
-            dq, q = _dq_of(node.inputs[0]) if node.inputs else None, _q_after(node.outputs[0], graph)
+            dq, q = _dq_of(node.inputs[0]) if node.inputs else None, _q_after(node.outputs[0])
             if dq is not None and q is not None and len(node.outputs) == 1 and _same_params(dq.node, q):
                 out = ir.Value(name=editor.unique(f"{node.name}_int"), type=q.outputs[0].type,
                                shape=q.outputs[0].shape)
@@ -297,7 +294,7 @@ def to_qoperator(model: ir.Model) -> FormatReport:
             continue
         if node.op_type not in QOPS:
             continue
-        tried = [(qop, *_refusal(qop, node, graph)) for qop in QOPS[node.op_type]]
+        tried = [(qop, *_refusal(qop, node)) for qop in QOPS[node.op_type]]
         fits = [t for t in tried if t[1] is None]
         if not fits:
             if any(_dq_of(v) for v in node.inputs):
@@ -486,6 +483,7 @@ def to_float(model: ir.Model) -> FormatReport:
     accuracy: the float model with quantized weights and clipped activations."""
     graph = model.graph
     report = to_qdq(model)
+    editor = GraphEditor(graph)
     removed = Counter()
     for node in list(graph):
         if node.op_type != "DequantizeLinear" or node.domain not in Q_DOMAINS:
@@ -493,12 +491,12 @@ def to_float(model: ir.Model) -> FormatReport:
         source = node.inputs[0]
         producer = source.producer()
         if producer is not None and producer.op_type == "QuantizeLinear" and producer.domain in Q_DOMAINS:
-            value = _clamp(graph, node, producer)
+            value = _clamp(graph, editor, node, producer)
         else:
             array = _dequantized_constant(node)
             if array is None:
                 continue
-            value = GraphEditor(graph).initializer(f"{node.outputs[0].name}_float", array)
+            value = editor.initializer(f"{node.outputs[0].name}_float", array)
         _bypass(graph, node, value)
         removed["DequantizeLinear"] += 1
         if producer is not None and not any(o.uses() or o.is_graph_output() for o in producer.outputs):
@@ -508,7 +506,7 @@ def to_float(model: ir.Model) -> FormatReport:
     return report
 
 
-def _clamp(graph: ir.Graph, dq: ir.Node, q: ir.Node) -> ir.Value:
+def _clamp(graph: ir.Graph, editor: GraphEditor, dq: ir.Node, q: ir.Node) -> ir.Value:
     """The float tensor a Q -> DQ pair quantized, clipped to the pair's representable range
     (which holds any Relu or Clip the quantizer absorbed): only the rounding goes."""
     from onnxq.numerics.qmath import INT_TYPES
@@ -520,7 +518,6 @@ def _clamp(graph: ir.Graph, dq: ir.Node, q: ir.Node) -> ir.Value:
         return q.inputs[0]
     zero = 0 if zp is None else int(np.asarray(zp).reshape(()))
     bounds = [np.asarray((v - zero) * scale.reshape(()), dtype=scale.dtype) for v in (info.qmin, info.qmax)]
-    editor = GraphEditor(graph)
     low, high = (editor.initializer(f"{dq.name}_{end}", b) for end, b in zip(("min", "max"), bounds, strict=True))
     clip = ir.node("Clip", [q.inputs[0], low, high], outputs=[ir.Value(name=editor.unique(f"{dq.name}_clipped"),
                                                                        type=dq.outputs[0].type)],

@@ -26,14 +26,14 @@ import onnx_ir as ir
 
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.resolve import ResolvedSpec
-from onnxq.emit.matmul_nbits import BlockQuantized, pack_bits
+from onnxq.emit.matmul_nbits import BlockQuantized, packed
 from onnxq.errors import ConfigError
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import cast_scale, weight_qparams
 from onnxq.optimize import PassContext, register_algorithm, statistics_of
 from onnxq.plan import QuantPlan
-from onnxq.plan.strategies.matmul_nbits import BITS, FLOAT_TYPES, weight_dtype
+from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
 
 
 @dataclass(frozen=True)
@@ -120,18 +120,14 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, spec: ResolvedSpec, option
 
 def to_block_quantized(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, spec: ResolvedSpec,
                        scale_dtype: type) -> BlockQuantized:
-    """GPTQ's result in MatMulNBits' layout (`emit.matmul_nbits`): padded, stored unsigned."""
-    info, bits, block = int_type(spec.dtype, spec.bits), BITS[spec.dtype], int(spec.group_size)
+    """GPTQ's result in MatMulNBits' layout (`emit.matmul_nbits.packed`), K padded with
+    zero-valued codes."""
+    block = int(spec.group_size)
     n, k = codes.shape
     k_blocks = scales.shape[1]
-    offset = -int_type(spec.dtype).qmin
-    padded = np.zeros((n, k_blocks * block))
+    padded = np.repeat(zeros, block, axis=1)
     padded[:, :k] = codes
-    padded[:, k:] = np.repeat(zeros, block, axis=1)[:, k:]  # pad with zero-valued codes
-    stored = (np.clip(padded, info.qmin, info.qmax) + offset).astype(np.uint8).reshape(n, k_blocks, block)
-    zp = (zeros + offset).astype(np.uint8)
-    zero_points = None if np.all(zp == 1 << (bits - 1)) else pack_bits(zp, bits)
-    return BlockQuantized(pack_bits(stored, bits), scales.astype(scale_dtype), zero_points, k, n, bits, block)
+    return packed(padded.reshape(n, k_blocks, block), scales.astype(scale_dtype), zeros.astype(np.int16), spec, k)
 
 
 NO_LAYERS = "no MatMul lowered to MatMulNBits (weight-only int4 blocks, e.g. W4_GROUP128)"
