@@ -63,6 +63,7 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("max_calib_memory", ("calibration", "max_memory_mb")),
     ("save_ranges", ("calibration", "save_ranges")),
     ("load_ranges", ("calibration", "load_ranges")),
+    ("stats", ("calibration", "stats")),
     ("eval_data", ("mixed_precision", "eval_data")),
     ("labels", ("mixed_precision", "labels")),
     ("ladder", ("mixed_precision", "ladder")),
@@ -163,6 +164,29 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             print(f"  config written to {args.save_config}")
         if args.report:
             print(f"  report written to {args.report}")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from onnxq.quantize import calibrate_shard, calibrate_sharded
+
+    output = args.stats
+    args.stats = None  # the file written, not statistics to read (FLAG_PATHS)
+    config = compose_config(args.preset, args.config, _spec_overrides(args))
+    progress = False if args.quiet else None
+    if args.shard is not None and args.shards is not None:
+        raise OnnxqError("--shard i/n calibrates one shard here, --shards N runs all N on --executor; give one")
+    if args.shard is None and (args.executor is not None or args.ray_address is not None) and args.shards is None:
+        raise OnnxqError("--executor and --ray-address run shards: add --shards N")
+    if args.shard is not None:
+        result = calibrate_shard(args.input, output, config, args.calib_data, args.shard, progress=progress)
+    else:
+        result = calibrate_sharded(args.input, output, config, args.calib_data, args.shards or 1,
+                                   args.executor or "process", args.ray_address, progress=progress)
+    if not args.quiet:
+        first, end = result.window
+        print(f"onnxq: statistics of batches {first}..{end - 1} of {result.total_batches} "
+              f"({result.num_samples} samples) written to {result.path}")
     return 0
 
 
@@ -321,8 +345,9 @@ def _model_pair_parser(sub: Any, name: str, help_text: str, labels_help: str) ->
     return c
 
 
-def add_config_flags(q: argparse.ArgumentParser) -> None:
-    """The flags that set the config (`quantize` and `config show` share them)."""
+def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
+    """The flags that set the config (`quantize`, `calibrate` and `config show` share them;
+    `calibrate` has its own --stats, the file it writes)."""
     q.add_argument("--preset", help=f"starting recipe ({', '.join(PRESETS)}; default U8S8)")
     q.add_argument("--config", help="config file applied over the preset: YAML, JSON or an AMCT "
                    "simplified config (.cfg); its `preset:` key picks the preset when --preset is not given")
@@ -353,6 +378,10 @@ def add_config_flags(q: argparse.ArgumentParser) -> None:
                    help="bound on activations held per batch; calibrates in groups above it")
     q.add_argument("--save-ranges", metavar="FILE.json", help="write calibrated ranges to a file")
     q.add_argument("--load-ranges", metavar="FILE.json", help="use saved ranges, skip calibration")
+    if stats:
+        q.add_argument("--stats", nargs="+", metavar="FILE.npz",
+                       help="merge these statistics files (onnxq calibrate --shard i/n --stats FILE) instead "
+                            "of calibrating; byte-identical to calibrating on all the data")
     granularity = q.add_mutually_exclusive_group()
     granularity.add_argument("--per-tensor", action="store_true", help="one weight scale per tensor")
     granularity.add_argument("--per-channel", action="store_true", help="one weight scale per output channel")
@@ -421,6 +450,23 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     q.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     q.set_defaults(func=_cmd_quantize)
+
+    cal = sub.add_parser("calibrate", help="calibrate (one shard of) the data and save mergeable statistics "
+                         "for quantize --stats")
+    cal.add_argument("input", help="float ONNX model")
+    cal.add_argument("--calib-data", required=True, help="calibration data: .npz, .npy or a folder of them")
+    cal.add_argument("--stats", required=True, metavar="FILE.npz", help="where to write the statistics")
+    cal.add_argument("--shard", metavar="I/N", help="calibrate only shard I of N (1-based): a contiguous "
+                     "stretch of the batches; run every shard (on any machines), then quantize --stats with all files")
+    cal.add_argument("--shards", type=int, metavar="N", help="run all N shards in parallel on --executor and "
+                     "write their merged statistics")
+    cal.add_argument("--executor", choices=("process", "ray"),
+                     help="where --shards run: local processes (default) or Ray tasks (pip install 'onnxq[ray]')")
+    cal.add_argument("--ray-address", metavar="ADDR", help="an existing Ray cluster (default: a local instance)")
+    add_config_flags(cal, stats=False)
+    cal.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    cal.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    cal.set_defaults(func=_cmd_calibrate)
 
     p = sub.add_parser("presets", help="list the named presets")
     p.add_argument("--show", metavar="NAME", help="print one preset as YAML")

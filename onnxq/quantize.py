@@ -17,13 +17,22 @@ import onnx_ir as ir
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.calibrate.ranges_io import load_ranges, save_ranges
 from onnxq.calibrate.rescale import calibrate_deferred
-from onnxq.calibrate.runner import CalibrationResult, calibrate
+from onnxq.calibrate.runner import CalibrationResult, calibrate, observe
+from onnxq.calibrate.shards import (
+    count_batches,
+    fingerprint,
+    header_for,
+    load_stats,
+    parse_shard,
+    save_stats,
+    shard_window,
+)
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config import Config, as_config, validate_node_configs
 from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads
-from onnxq.errors import ConfigError
+from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.graph.load import check_runnable, load_model
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
@@ -161,6 +170,9 @@ def _calibrate_or_load(
     if options.load_ranges:
         ranges, samples = load_ranges(options.load_ranges, list(tensors))
         result = CalibrationResult(ranges, samples, 0, 0)
+    elif options.stats:
+        requests = algorithm_requests(model, plan, algorithms)
+        result = load_stats(options.stats, model, tensors, requests, options).result()
     elif deferred is not None:
         def finish(found: Mapping[Statistic, Any]) -> dict[str, Rescale]:
             note, rescaled = finish_deferred(model, deferred, found)
@@ -185,7 +197,7 @@ def _algorithms(
     algorithms = list(config.algo_config)
     wanted = config.target_algorithms and plan.narrows_weights() and plan.calibrated_tensors()
     added = target.algorithms(algorithms) if wanted else []
-    if added and (data.source is None or not data.replayable):
+    if added and not config.calibration.stats and (data.source is None or not data.replayable):
         summary.notes.append(f"target {target.name} would add bias correction for its narrowed weights, "
                              "but the calibration data can be read only once: pass a path, a dict "
                              "of arrays, a list of feeds or a reader with rewind()")
@@ -281,6 +293,48 @@ def quantize(
     return result
 
 
+@dataclass
+class Prepared:
+    """The model after load and the pre-quantization passes, with its plan: what
+    calibration starts from (one run, or each calibration shard)."""
+
+    model: ir.Model
+    plan: QuantPlan
+    algorithms: list[dict[str, Any]]
+    target: TargetProfile
+    ctx: PassContext
+    data: CalibrationSource
+    summary: Summary
+
+
+def prepare(source: ModelSource, config: Config, calibration_data: Any, progress: bool | None,
+            deferrable: bool) -> Prepared:
+    """Stage 1 (load) and the passes of stage 3 that run before calibration."""
+    check_config_entries(config.pre_quant_opt_config, config.algo_config)
+    options = config.calibration
+    if options.stats and options.load_ranges:
+        raise ConfigError("calibration.stats and calibration.load_ranges both replace calibration; give one")
+    data = CalibrationSource(calibration_data)
+    ctx = PassContext(data, options, progress, deferrable=deferrable, qdq_domain=config.qdq_domain)
+    summary = Summary()
+    target = resolve_target(config)
+    summary.target = target.describe()
+    with summary.stage("load"):
+        ir_model, loaded = _load(source, config, target)
+    summary.source, summary.opset = loaded.source, (loaded.original_opset, loaded.opset)
+    summary.notes.extend(loaded.notes)
+    summary.size_before = _size(source, ir_model)
+    check_runnable(ir_model, loaded.source)
+    validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(ir_model.graph)])
+
+    with summary.stage("optimise"):
+        passes = _with_equalization(ir_model, config, ctx, target, summary)
+        summary.notes.extend(run_passes(ir_model, passes, ctx))
+        plan = plan_quantization(ir_model, config, ctx.keep_float, target)
+        algorithms = _algorithms(config, target, plan, data, summary)
+    return Prepared(ir_model, plan, algorithms, target, ctx, data, summary)
+
+
 def run_pipeline(
     model: ModelSource,
     output: str | os.PathLike | None,
@@ -293,29 +347,13 @@ def run_pipeline(
 
     `keep_state`: also return what emission started from (`PipelineState`).
     """
-    check_config_entries(config.pre_quant_opt_config, config.algo_config)
-    data = CalibrationSource(calibration_data)
-    ctx = PassContext(data, config.calibration, progress, deferrable=not config.calibration.load_ranges,
-                      qdq_domain=config.qdq_domain)
     if output is not None:
         check_output_path(output, model if isinstance(model, str | os.PathLike) else None)
-    summary = Summary()
-
-    target = resolve_target(config)
-    summary.target = target.describe()
-    with summary.stage("load"):
-        ir_model, loaded = _load(model, config, target)
-    summary.source, summary.opset = loaded.source, (loaded.original_opset, loaded.opset)
-    summary.notes.extend(loaded.notes)
-    summary.size_before = _size(model, ir_model)
-    check_runnable(ir_model, loaded.source)
-    validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(ir_model.graph)])
-
-    with summary.stage("optimise"):
-        passes = _with_equalization(ir_model, config, ctx, target, summary)
-        summary.notes.extend(run_passes(ir_model, passes, ctx))
-        plan = plan_quantization(ir_model, config, ctx.keep_float, target)
-        algorithms = _algorithms(config, target, plan, data, summary)
+    options = config.calibration
+    ready = prepare(model, config, calibration_data, progress,
+                    deferrable=not options.load_ranges and not options.stats)
+    ir_model, plan, algorithms, target, ctx, data, summary = (
+        ready.model, ready.plan, ready.algorithms, ready.target, ready.ctx, ready.data, ready.summary)
 
     with summary.stage("calibrate"):
         calibration = _calibrate_or_load(ir_model, plan, data, config, progress, algorithms, ctx.deferred,
@@ -354,6 +392,59 @@ def run_pipeline(
     return QuantizationResult(ir_model, summary, calibration.ranges, plan, state)
 
 
+def _calibration_requests(ready: Prepared) -> tuple[dict[str, Any], list[Statistic]]:
+    """The tensors to observe and the statistics to collect, as a run of this config does
+    (without a deferred pass: shards and `--stats` runs finish every pass up front)."""
+    tensors, statistics = ready.plan.calibrated_tensors(), algorithm_requests(ready.model, ready.plan, ready.algorithms)
+    if not tensors and not statistics:
+        raise ConfigError("this config takes nothing from the data in the calibration pass (weight-only, or "
+                          "algorithms that read the data themselves such as gptq with true_sequential), so "
+                          "shards would be empty: quantize with --calib-data instead")
+    return tensors, statistics
+
+
+@dataclass
+class ShardResult:
+    """What `calibrate_shard` wrote."""
+
+    path: Path
+    window: tuple[int, int]
+    total_batches: int
+    num_samples: int
+
+
+def calibrate_shard(
+    model: ModelSource,
+    stats: str | os.PathLike,
+    config: Config | Mapping[str, Any] | str | os.PathLike | None = None,
+    calibration_data: Any = None,
+    shard: tuple[int, int] | str = (0, 1),
+    *,
+    progress: bool | None = None,
+) -> ShardResult:
+    """Calibrate shard `shard` = (index, count) (or 'i/n', 1-based) of the data: its
+    contiguous stretch of the calibration batches. Writes the observers' and statistics'
+    state to `stats` (.npz); `quantize` with `calibration.stats` = every shard's file gives
+    the model a single run over all the data gives, byte for byte
+    (`onnxq.calibrate.shards`)."""
+    config = as_config(config)
+    index, count = parse_shard(shard) if isinstance(shard, str) else shard
+    if not 0 <= index < count:
+        raise ConfigError(f"shard index {index} is outside 0..{count - 1}")
+    if config.calibration.stats or config.calibration.load_ranges:
+        raise ConfigError("calibrating a shard computes statistics; drop calibration.stats / load_ranges")
+    if calibration_data is None:
+        raise CalibrationDataError("calibrating a shard needs calibration data; pass --calib-data PATH")
+    ready = prepare(model, config, calibration_data, progress, deferrable=False)
+    tensors, statistics = _calibration_requests(ready)
+    total = count_batches(ready.model, ready.data, config.calibration)
+    window = shard_window(index, count, total)
+    state = observe(ready.model, tensors, ready.data, config.calibration, progress, statistics, window)
+    digest = fingerprint(ready.model, tensors, statistics, config.calibration)
+    path = save_stats(stats, state, header_for(state, digest, window, total, statistics))
+    return ShardResult(path, window, total, state.num_samples)
+
+
 class ModelQuantizer:
     """Quark-style entry point: `ModelQuantizer(config).quantize_model(in, out, reader)`."""
 
@@ -365,3 +456,42 @@ class ModelQuantizer:
         calibration_data_reader: Any = None,
     ) -> QuantizationResult:
         return quantize(model_input, model_output, self.config, calibration_data_reader)
+
+
+def _absolute(source: Any) -> Any:
+    """Paths made absolute, so a worker with another working directory finds them."""
+    return str(Path(source).resolve()) if isinstance(source, str | os.PathLike) else source
+
+
+def calibrate_sharded(
+    model: ModelSource,
+    stats: str | os.PathLike,
+    config: Config | Mapping[str, Any] | str | os.PathLike | None = None,
+    calibration_data: Any = None,
+    shards: int = 2,
+    executor: str = "process",
+    address: str | None = None,
+    *,
+    progress: bool | None = None,
+) -> ShardResult:
+    """Calibrate `shards` shards in parallel on `executor` ('process': local processes;
+    'ray': Ray tasks, on the cluster at `address` or a local instance) and write their
+    merged statistics to `stats`, for `quantize` with `calibration.stats`."""
+    import tempfile
+
+    from onnxq.calibrate.executors import run_shards, write_all
+
+    config = as_config(config)
+    if calibration_data is None:
+        raise CalibrationDataError("calibration needs data; pass --calib-data PATH")
+    model, calibration_data = _absolute(model), _absolute(calibration_data)
+    ready = prepare(model, config, calibration_data, progress, deferrable=False)
+    tensors, statistics = _calibration_requests(ready)
+    parts = run_shards(executor, model if not isinstance(model, ir.Model) else ir.to_proto(model), config,
+                       calibration_data, shards, address)
+    with tempfile.TemporaryDirectory(prefix="onnxq-shards-") as folder:
+        state = load_stats(write_all(parts, folder), ready.model, tensors, statistics, config.calibration)
+    total = state.num_batches
+    digest = fingerprint(ready.model, tensors, statistics, config.calibration)
+    path = save_stats(stats, state, header_for(state, digest, (0, total), total, statistics))
+    return ShardResult(path, (0, total), total, state.num_samples)

@@ -76,3 +76,62 @@ def test_gptq_cli_flag_and_bad_options(tmp_path, capsys):
     assert "quantized with GPTQ" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="damp_percent"):
         onnxq.quantize(_model(), None, _config(damp_percent=2.0), _data(4, 6), progress=False)
+
+
+def _two_layers() -> onnx.ModelProto:
+    rng = np.random.default_rng(10)
+    b = GraphBuilder(1)
+    x = b.input("x", ["N", 8, K])
+    w1 = (rng.standard_normal((K, K)) * 0.06).astype(np.float32)
+    w2 = (rng.standard_normal((K, N)) * 0.06).astype(np.float32)
+    h = b.node("Relu", [b.node("MatMul", [x, b.const("w1", w1)])])
+    return b.build([b.node("MatMul", [h, b.const("w2", w2)])], name="two")
+
+
+def test_true_sequential_hessian_comes_from_the_quantized_prefix():
+    """The second layer's H is E[y y^T] of y = relu(x W1q), W1q the weight the walk
+    returned for the first layer, not of the float model's y."""
+    from onnxq.calibrate.data import CalibrationSource
+    from onnxq.config.spec import CalibrationConfig
+    from onnxq.graph.load import load_model
+    from onnxq.optimize import PassContext
+    from onnxq.optimize.gptq import matmul_nbits_layers, sequential_walk
+    from onnxq.plan import plan_quantization
+    from onnxq.target import resolve_target
+
+    config = _config()
+    model, _ = load_model(_two_layers(), 13)
+    plan = plan_quantization(model, config, {}, resolve_target(config))
+    layers = matmul_nbits_layers(model, plan)
+    assert len(layers) == 2
+    first, second = (n.name for n, _ in layers)
+    data = _data(12, 11)
+    seen: dict[str, np.ndarray] = {}
+    rng = np.random.default_rng(12)
+    changed = {}
+
+    def record(node, spec, hessian):
+        seen[node.name] = hessian
+        w = np.asarray(node.inputs[1].const_value.numpy())
+        changed[node.name] = (w + rng.standard_normal(w.shape).astype(np.float32) * 0.05).astype(np.float32)
+        return changed[node.name]
+
+    ctx = PassContext(CalibrationSource(data), CalibrationConfig(batch_size=5), progress=False)
+    assert sequential_walk(model, layers, ctx, "gptq", record, 1) == 2  # budget 1 MB: batches go to disk
+    x = data["x"].reshape(-1, K).astype(np.float64)
+    np.testing.assert_allclose(seen[first], x.T @ x / len(x), rtol=1e-9)
+    y = np.maximum(data["x"] @ changed[first], 0).reshape(-1, K).astype(np.float64)
+    np.testing.assert_allclose(seen[second], y.T @ y / len(y), rtol=1e-4, atol=1e-7)
+    y_float = np.maximum(data["x"] @ np.asarray(layers[0][0].inputs[1].const_value.numpy()), 0).reshape(-1, K)
+    assert not np.allclose(seen[second], y_float.T.astype(np.float64) @ y_float / len(y_float), rtol=1e-3)
+
+
+def test_true_sequential_is_no_worse_than_float_inputs():
+    model, calib, held_out = _two_layers(), _data(48, 13), _data(24, 14)
+    ref = run(model, held_out)
+    scores = {}
+    for seq in (True, False):
+        result = onnxq.quantize(model, None, _config(true_sequential=seq), calib, progress=False)
+        assert "2 of 2 MatMul weights quantized with GPTQ" in " ".join(result.summary.notes)
+        scores[seq] = sqnr_db(ref, run(result.model, held_out))
+    assert scores[True] >= scores[False] - 0.05, scores

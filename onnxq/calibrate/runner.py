@@ -48,11 +48,13 @@ def stream_tensors(
     purpose: str = "calibrating",
     reduced: Collection[str] = (),
     statistics: StatisticsSet | None = None,
+    window: tuple[int, int] | None = None,
 ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
     """Yield (rows, {tensor: value}) for each calibration batch; nothing is kept.
 
     Tensors in `reduced` arrive as [min, max] of the batch, computed inside onnxruntime.
-    `statistics` are fed from the same batches (`calibrate/statistics.py`).
+    `statistics` are fed from the same batches (`calibrate/statistics.py`). `window`:
+    only the batches whose position is in [first, end) run (a calibration shard).
     """
     inputs = model_inputs(model)
     bar = tqdm(
@@ -71,12 +73,16 @@ def stream_tensors(
     outputs += [n for n in whole if n not in returned]
     with exposed_session(model, exposed, options.providers, reduced, (extra_nodes, extra_outputs),
                          also_whole=extra_whole) as session, bar:
-        for feed in iter_batches(data, inputs, options.batch_size, options.max_samples, purpose,
-                                 options.max_batches):
+        for index, feed in enumerate(iter_batches(data, inputs, options.batch_size, options.max_samples,
+                                                  purpose, options.max_batches)):
+            if window is not None and not window[0] <= index < window[1]:
+                if index >= window[1]:
+                    break
+                continue
             rows = len(next(iter(feed.values())))
             got = dict(zip(outputs, session.run(outputs, feed)))
             if statistics is not None:
-                statistics.update(got)
+                statistics.update(got, index)
             for n in names:
                 if n in reduced:
                     got[n] = np.array([got.pop(n + s) for s in REDUCED_SUFFIXES])
@@ -124,6 +130,72 @@ def tensor_groups(model: ir.Model, names: list[str], data: Any, options: Calibra
     return groups
 
 
+@dataclass
+class CalibrationState:
+    """What calibration has seen so far: an observer per tensor and the requested
+    statistics. Two states of consecutive stretches of the data merge exactly
+    (`calibrate/shards.py`), so calibration can be split over processes or machines."""
+
+    observers: dict[str, Observer]
+    statistics: StatisticsSet | None
+    num_samples: int = 0
+    num_batches: int = 0
+    num_passes: int = 1
+
+    def merge(self, other: CalibrationState) -> None:
+        """Fold in the state of the batches that come after this one's."""
+        for name, observer in self.observers.items():
+            observer.merge(other.observers[name])
+        if self.statistics is not None and other.statistics is not None:
+            self.statistics.merge(other.statistics)
+        self.num_samples += other.num_samples
+        self.num_batches += other.num_batches
+
+    def result(self) -> CalibrationResult:
+        if self.num_batches == 0:
+            raise CalibrationDataError("calibration data is empty; give at least one sample")
+        return CalibrationResult(
+            {name: obs.compute_range() for name, obs in self.observers.items()}, self.num_samples,
+            self.num_batches, self.num_passes, self.statistics.results() if self.statistics is not None else {})
+
+
+def observe(
+    model: ir.Model,
+    tensors: dict[str, ResolvedSpec],
+    data: Any,
+    options: CalibrationConfig,
+    progress: bool | None = None,
+    statistics: Collection[Statistic] = (),
+    window: tuple[int, int] | None = None,
+) -> CalibrationState:
+    """Stream the calibration data (the batches in `window`, default all) into an observer
+    per tensor and the requested statistics.
+
+    Tensors are observed in one pass, or in groups over several passes when
+    `options.max_memory_mb` bounds the activations held per batch; statistics are
+    collected in the first pass.
+    """
+    state = CalibrationState({name: make_observer(spec) for name, spec in tensors.items()},
+                             StatisticsSet(statistics) if statistics else None)
+    if not tensors and not statistics:
+        return state
+    groups = tensor_groups(model, list(state.observers), data, options)
+    inputs = model_inputs(model)
+    rows_per_sample = sample_rows(inputs)[inputs[0].name] if inputs else 1
+    for index, group in enumerate(groups):
+        purpose = "calibrating" if len(groups) == 1 else f"calibrating {index + 1}/{len(groups)}"
+        reduced = {n for n in group if state.observers[n].min_max_only}
+        stats = state.statistics if index == 0 else None
+        for rows, values in stream_tensors(model, group, data, options, progress, purpose, reduced, stats, window):
+            for name, value in values.items():
+                state.observers[name].update(np.asarray(value))
+            if index == 0:
+                state.num_samples += rows // max(rows_per_sample, 1)
+                state.num_batches += 1
+    state.num_passes = len(groups)
+    return state
+
+
 def calibrate(
     model: ir.Model,
     tensors: dict[str, ResolvedSpec],
@@ -132,33 +204,8 @@ def calibrate(
     progress: bool | None = None,
     statistics: Collection[Statistic] = (),
 ) -> CalibrationResult:
-    """Run the calibration data through the model and return a range for each tensor.
-
-    Tensors are calibrated in one pass, or in groups over several passes when
-    `options.max_memory_mb` bounds the activations held per batch. `statistics` (what the
-    algorithms after calibration requested) are collected in the first pass.
-    """
-    result = CalibrationResult()
+    """Run the calibration data through the model and return a range for each tensor,
+    and the requested statistics (what the algorithms after calibration asked for)."""
     if not tensors and not statistics:
-        return result
-    found = StatisticsSet(statistics) if statistics else None
-    observers: dict[str, Observer] = {name: make_observer(spec) for name, spec in tensors.items()}
-    groups = tensor_groups(model, list(observers), data, options)
-    inputs = model_inputs(model)
-    rows_per_sample = sample_rows(inputs)[inputs[0].name] if inputs else 1
-    for index, group in enumerate(groups):
-        purpose = "calibrating" if len(groups) == 1 else f"calibrating {index + 1}/{len(groups)}"
-        reduced = {n for n in group if observers[n].min_max_only}
-        stats = found if index == 0 else None
-        for rows, values in stream_tensors(model, group, data, options, progress, purpose, reduced, stats):
-            for name, value in values.items():
-                observers[name].update(np.asarray(value))
-            if index == 0:
-                result.num_samples += rows // max(rows_per_sample, 1)
-                result.num_batches += 1
-    if result.num_batches == 0:
-        raise CalibrationDataError("calibration data is empty; give at least one sample")
-    result.ranges = {name: obs.compute_range() for name, obs in observers.items()}
-    result.num_passes = len(groups)
-    result.statistics = found.results() if found is not None else {}
-    return result
+        return CalibrationResult()
+    return observe(model, tensors, data, options, progress, statistics).result()

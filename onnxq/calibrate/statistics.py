@@ -55,51 +55,113 @@ class Statistic:
 _FOLD = {"min": np.minimum, "max": np.maximum, "absmax": np.maximum}
 
 
-class _Accumulator:
-    """Running value of one statistic across batches (float64)."""
+class Accumulator:
+    """Running value of one statistic across batches (float64).
+
+    Minima and maxima fold exactly in any order. Sums (mean, image, gram) are added along
+    a fixed binary tree over the global batch index: the partial sum of every aligned
+    block of 2**j batches is computed one way only, and a stack holds the blocks not yet
+    paired (at most log2(batches) + 1). The total therefore has the same bits whether
+    the batches streamed through one process or through calibration shards whose
+    accumulators were merged (`merge`), which plain running sums cannot promise.
+    """
 
     def __init__(self, stat: Statistic) -> None:
         self.stat = stat
-        self.value: np.ndarray | None = None
+        self.value: np.ndarray | None = None  # min / max / absmax
+        self.blocks: list[tuple[int, int, np.ndarray]] = []  # sums: (first batch, end, partial sum)
         self.count = 0
         self.consistent = True
 
-    def add_reduced(self, value: np.ndarray, count: int) -> None:
+    @property
+    def additive(self) -> bool:
+        return self.stat.reduce not in _FOLD
+
+    def add_reduced(self, value: np.ndarray, count: int, index: int = 0) -> None:
+        """Fold one batch's reduction in; `index` is the batch's global position (sums)."""
         value = np.asarray(value, dtype=np.float64)
-        if self.stat.reduce == "image" and self.value is not None and self.value.shape != value.shape:
+        if self.stat.reduce == "image" and self.blocks and self.blocks[-1][2].shape != value.shape:
             self.consistent = False
         if not self.consistent:
             return
-        if self.value is None:
-            self.value = value.copy()
-        elif self.stat.reduce in _FOLD:
-            self.value = _FOLD[self.stat.reduce](self.value, value)
-        else:
-            self.value += value
         self.count += count
+        if not self.additive:
+            self.value = value.copy() if self.value is None else _FOLD[self.stat.reduce](self.value, value)
+            return
+        self._push(index, index + 1, value.copy())
 
-    def add_batch(self, x: np.ndarray) -> None:
+    def _push(self, start: int, end: int, value: np.ndarray) -> None:
+        """Append a block, pairing it with its left sibling while there is one."""
+        while self.blocks:
+            lo, hi, left = self.blocks[-1]
+            size = hi - lo
+            if not (hi == start and end - start == size and lo % (2 * size) == 0):
+                break
+            self.blocks.pop()
+            left += value
+            start, value = lo, left
+        self.blocks.append((start, end, value))
+
+    def merge(self, other: Accumulator) -> None:
+        """Fold in the accumulator of batches that all come after this one's."""
+        if not other.consistent or not self.consistent or (
+                self.stat.reduce == "image" and self.blocks and other.blocks
+                and self.blocks[-1][2].shape != other.blocks[0][2].shape):
+            self.consistent = False
+            return
+        self.count += other.count
+        if other.value is not None:
+            self.value = other.value.copy() if self.value is None else _FOLD[self.stat.reduce](self.value, other.value)
+        if self.blocks and other.blocks and other.blocks[0][0] < self.blocks[-1][1]:
+            raise ValueError("statistics shards overlap or come out of order")
+        for start, end, value in other.blocks:
+            self._push(start, end, value.copy())
+
+    def add_batch(self, x: np.ndarray, index: int = 0) -> None:
         """Reduce a whole batch in numpy (means, tensors of unknown rank)."""
         x = np.asarray(x)
         reduce, axis = self.stat.reduce, self.stat.axis % max(x.ndim, 1)
         others = tuple(i for i in range(x.ndim) if i != axis)
         if reduce == "image":
-            self.add_reduced(x.astype(np.float64).sum(axis=0), x.shape[0])
+            self.add_reduced(x.astype(np.float64).sum(axis=0), x.shape[0], index)
         elif reduce == "mean":
-            self.add_reduced(x.astype(np.float64).sum(axis=others), x.size // max(x.shape[axis], 1))
+            self.add_reduced(x.astype(np.float64).sum(axis=others), x.size // max(x.shape[axis], 1), index)
         elif reduce == "gram":
             rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
-            self.add_reduced(rows.T @ rows, rows.shape[0])
+            self.add_reduced(rows.T @ rows, rows.shape[0], index)
         else:
             y = np.abs(x) if reduce == "absmax" else x
             self.add_reduced((y.min if reduce == "min" else y.max)(axis=others), 0)
 
     def result(self) -> np.ndarray | None:
-        if self.value is None or not self.consistent:
+        if not self.consistent:
             return None
-        if self.stat.reduce in ("mean", "image", "gram"):
-            return self.value / max(self.count, 1)
-        return self.value
+        if not self.additive:
+            return self.value
+        if not self.blocks:
+            return None
+        total = self.blocks[0][2].copy()
+        for _, _, value in self.blocks[1:]:
+            total += value
+        return total / max(self.count, 1)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Arrays that `from_state` turns back into this accumulator (stats files)."""
+        out = {"count": np.int64(self.count), "consistent": np.bool_(self.consistent),
+               "spans": np.array([(lo, hi) for lo, hi, _ in self.blocks], np.int64).reshape(-1, 2)}
+        if self.value is not None:
+            out["value"] = self.value
+        out.update({f"block{i}": v for i, (_, _, v) in enumerate(self.blocks)})
+        return out
+
+    @classmethod
+    def from_state(cls, stat: Statistic, arrays: Mapping[str, np.ndarray]) -> Accumulator:
+        acc = cls(stat)
+        acc.count, acc.consistent = int(arrays["count"]), bool(arrays["consistent"])
+        acc.value = np.asarray(arrays["value"], np.float64) if "value" in arrays else None
+        acc.blocks = [(int(lo), int(hi), np.asarray(arrays[f"block{i}"], np.float64))
+                      for i, (lo, hi) in enumerate(arrays["spans"])]
+        return acc
 
 
 def _suffix(stat: Statistic) -> str:
@@ -142,7 +204,7 @@ class StatisticsSet:
                  for stat in requested if stat.reduce == "absmax"}
         self.derived = {stat: pair for stat, pair in pairs.items() if set(pair) <= set(requested)}
         self.order = requested
-        self.accumulators = {stat: _Accumulator(stat) for stat in requested if stat not in self.derived}
+        self.accumulators = {stat: Accumulator(stat) for stat in requested if stat not in self.derived}
         self.in_session: dict[Statistic, list[str]] = {}  # stat -> session outputs
         self.whole: dict[Statistic, str] = {}  # stat -> tensor returned whole
 
@@ -162,11 +224,19 @@ class StatisticsSet:
             self.in_session[stat] = [v.name for v in built[1]]
         return nodes, outputs, sorted(set(self.whole.values()))
 
-    def update(self, got: Mapping[str, np.ndarray]) -> None:
+    def update(self, got: Mapping[str, np.ndarray], index: int = 0) -> None:
+        """Fold in batch number `index` (its global position in the calibration data)."""
         for stat, names in self.in_session.items():
-            self.accumulators[stat].add_reduced(got[names[0]], 0)
+            self.accumulators[stat].add_reduced(got[names[0]], 0, index)
         for stat, tensor in self.whole.items():
-            self.accumulators[stat].add_batch(got[tensor])
+            self.accumulators[stat].add_batch(got[tensor], index)
+
+    def merge(self, other: StatisticsSet) -> None:
+        """Fold in the same requests collected on later batches (a calibration shard)."""
+        if list(other.accumulators) != list(self.accumulators):
+            raise ValueError("statistics shards were collected for different requests")
+        for stat, acc in self.accumulators.items():
+            acc.merge(other.accumulators[stat])
 
     def results(self) -> dict[Statistic, np.ndarray | None]:
         found = {stat: acc.result() for stat, acc in self.accumulators.items()}

@@ -172,6 +172,9 @@ class CalibrationConfig:
     # Write calibrated ranges to this JSON file / take ranges from it and skip calibration.
     save_ranges: str | None = None
     load_ranges: str | None = None
+    # Merge these statistics files (`onnxq calibrate --shard i/n --stats FILE`) instead of
+    # calibrating: the result is byte-identical to calibrating on all the data here.
+    stats: list[str] | None = None
 
 
 # Rungs of the mixed-precision ladder (`onnxq.search`): what a sensitive layer is raised to.

@@ -26,7 +26,7 @@ from onnxq.errors import ConfigError
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.optimize import PassContext, register_algorithm, statistics_of
-from onnxq.optimize.gptq import NO_LAYERS, gptq_requests, layers_with_hessians
+from onnxq.optimize.gptq import NO_LAYERS, hessian_requests, layers_with_hessians
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
 
@@ -51,7 +51,7 @@ class AWQConfig:
 
 @statistics_of("awq")
 def awq_requests(model: ir.Model, plan: QuantPlan, options: AWQConfig) -> list[Statistic]:
-    return gptq_requests(model, plan, options)
+    return hessian_requests(model, plan)
 
 
 def output_error(w: np.ndarray, w_hat: np.ndarray, hessian: np.ndarray) -> float:

@@ -8,30 +8,40 @@ of the rest applied once per block (the paper's lazy batch updates). Per-group s
 zero points follow the weight spec (int4/uint4, symmetric or not, `group_size`), computed
 when their group is reached from the weights as updated so far (`static_groups`: from the
 original weights, needed with `desc_act`, which quantizes rows in order of decreasing
-H diagonal). H comes from the calibration pass (one `gram` statistic per MatMul input,
-float64, memory independent of the number of samples); the result is pinned for the
-MatMulNBits lowering, which stores exactly these codes.
+H diagonal). The result is pinned for the MatMulNBits lowering, which stores exactly
+these codes.
 
-Not here yet: inputs from the already-quantized prefix (true-sequential) and AWQ.
+H is E[x x^T] in float64, accumulated while the data streams (memory independent of the
+number of samples). With `true_sequential` (the default) each layer's x comes from the
+model whose earlier layers already hold their GPTQ weights, so later layers compensate
+the error of earlier ones: the MatMuls are taken in groups sharing one input (q/k/v,
+gate/up), in graph order, and `layerwise.replay` runs only the nodes between one group
+and the next, from the tensors kept per batch, so the whole walk costs one forward pass
+and holds one group's Hessians. Without it, every H comes from the float model in the
+calibration pass (mergeable across calibration shards; `--stats`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
+from tqdm import tqdm
 
-from onnxq.calibrate.statistics import Statistic
+from onnxq.calibrate.data import iter_batches, model_inputs
+from onnxq.calibrate.statistics import Accumulator, Statistic
 from onnxq.config.resolve import ResolvedSpec
-from onnxq.emit.matmul_nbits import BlockQuantized, packed
-from onnxq.errors import ConfigError
+from onnxq.emit.matmul_nbits import BlockQuantized, dequantize_blockwise, packed
+from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import cast_scale, weight_qparams
 from onnxq.optimize import PassContext, register_algorithm, statistics_of
+from onnxq.optimize.layerwise.replay import Replay
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
 
@@ -49,12 +59,16 @@ class GPTQConfig:
     desc_act: bool = False
     static_groups: bool = False
     block_size: int = 128
+    true_sequential: bool = True
+    cache_budget_mb: int = 256
 
     def __post_init__(self) -> None:
         if not 0 < self.damp_percent < 1:
             raise ConfigError(f"gptq: damp_percent must be in (0, 1), got {self.damp_percent}")
         if self.block_size < 1:
             raise ConfigError(f"gptq: block_size must be at least 1, got {self.block_size}")
+        if self.cache_budget_mb < 0:
+            raise ConfigError(f"gptq: cache_budget_mb must be >= 0, got {self.cache_budget_mb}")
 
 
 def matmul_nbits_layers(model: ir.Model, plan: QuantPlan) -> list[tuple[ir.Node, ResolvedSpec]]:
@@ -64,8 +78,7 @@ def matmul_nbits_layers(model: ir.Model, plan: QuantPlan) -> list[tuple[ir.Node,
             if node.name in names and constant_array(node.inputs[1]) is not None]
 
 
-@statistics_of("gptq")
-def gptq_requests(model: ir.Model, plan: QuantPlan, options: object) -> list[Statistic]:
+def hessian_requests(model: ir.Model, plan: QuantPlan, options: object = None) -> list[Statistic]:
     """E[x x^T] of each such MatMul's input (the `gram` statistic)."""
     return list(dict.fromkeys(Statistic(node.inputs[0].name, "gram", -1) for node, _ in matmul_nbits_layers(model, plan)))
 
@@ -138,24 +151,93 @@ def layers_with_hessians(model: ir.Model, plan: QuantPlan, ctx: PassContext,
     """Each MatMul lowered to MatMulNBits, its weight spec and its input's E[x x^T] (None
     when the data gave none), from one pass over the calibration data."""
     layers = matmul_nbits_layers(model, plan)
-    stats = ctx.collect(model, gptq_requests(model, plan, None), name) if layers else {}
+    stats = ctx.collect(model, hessian_requests(model, plan), name) if layers else {}
     return [(node, spec, stats.get(Statistic(node.inputs[0].name, "gram", -1))) for node, spec in layers]
+
+
+@statistics_of("gptq")
+def gptq_requests(model: ir.Model, plan: QuantPlan, options: GPTQConfig) -> list[Statistic]:
+    """The Hessians of the calibration pass; none when true-sequential (they come later)."""
+    return [] if options.true_sequential else hessian_requests(model, plan)
+
+
+Quantizer = Callable[[ir.Node, ResolvedSpec, np.ndarray], np.ndarray | None]
+
+
+def input_groups(model: ir.Model, layers: list[tuple[ir.Node, ResolvedSpec]]) -> list[list[tuple[ir.Node, ResolvedSpec]]]:
+    """The layers grouped by input tensor, groups in the order their input is produced
+    (a group's input never depends on a later group's weights)."""
+    position = {id(node): i for i, node in enumerate(model.graph)}
+    groups: dict[str, list[tuple[ir.Node, ResolvedSpec]]] = {}
+    for node, spec in layers:
+        groups.setdefault(node.inputs[0].name, []).append((node, spec))
+
+    def produced_at(group: list[tuple[ir.Node, ResolvedSpec]]) -> int:
+        producer = group[0][0].inputs[0].producer()
+        return position.get(id(producer), -1) if producer is not None else -1
+
+    return sorted(groups.values(), key=produced_at)
+
+
+def sequential_walk(model: ir.Model, layers: list[tuple[ir.Node, ResolvedSpec]], ctx: PassContext, name: str,
+                    quantize: Quantizer, budget_mb: int) -> int:
+    """Call `quantize(node, spec, H)` for each layer, H from the inputs the model computes
+    with every earlier layer's returned weight [K, N] in place (module doc); the number of
+    layers quantized."""
+    if ctx.data is None or ctx.data.source is None:
+        raise CalibrationDataError(f"{name} with true_sequential reads the calibration data layer by layer; pass "
+                                   "--calib-data PATH (statistics files do not carry it) or set true_sequential: false")
+    if not ctx.data.replayable:
+        raise CalibrationDataError(f"{name} with true_sequential reads the calibration data again; pass a path, "
+                                   "a dict of arrays or a list of feeds, or set true_sequential: false")
+    groups = input_groups(model, layers)
+    batches = iter_batches(ctx.data, model_inputs(model), ctx.calibration.batch_size, ctx.calibration.max_samples,
+                           f"{name} data", ctx.calibration.max_batches)
+    replay = Replay(None, ir.to_proto(model), batches, ctx.calibration.providers, budget_mb << 20)
+    bar = tqdm(groups, desc=name, unit="group", file=sys.stderr, leave=False,
+               disable=not (sys.stderr.isatty() if ctx.progress is None else ctx.progress))
+    done = 0
+    try:
+        for group in bar:
+            x = group[0][0].inputs[0].name
+            gram = Accumulator(Statistic(x, "gram", -1))
+            for index, batch in enumerate(replay.inputs([x])):
+                gram.add_batch(batch[x], index)
+            hessian = gram.result()
+            for node, spec in group:
+                weight = quantize(node, spec, hessian) if hessian is not None else None
+                if weight is not None:
+                    replay.set_initializer(node.inputs[1].name, weight)
+                    done += 1
+    finally:
+        bar.close()
+        replay.close()
+    return done
 
 
 @register_algorithm("gptq", options=GPTQConfig, data="required", rewrites=("weights",))
 def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: GPTQConfig,
          ctx: PassContext) -> str:
     """Quantize every MatMul lowered to MatMulNBits with GPTQ; pin the result for emission."""
-    layers = layers_with_hessians(model, plan, ctx, "gptq")
-    if not layers:
-        return NO_LAYERS
-    done = 0
-    for node, spec, hessian in layers:
-        if hessian is None:
-            continue
+    def quantize(node: ir.Node, spec: ResolvedSpec, hessian: np.ndarray) -> np.ndarray:
         scale_dtype = FLOAT_TYPES[weight_dtype(node)]
         w = constant_array(node.inputs[1]).astype(np.float64)
         codes, scales, zeros = gptq_quantize(w.T, hessian, spec, options, scale_dtype)
-        ctx.weights.pin_node(node.name, node.inputs[1], to_block_quantized(codes, scales, zeros, spec, scale_dtype))
-        done += 1
-    return f"{done} of {len(layers)} MatMul weights quantized with GPTQ"
+        result = to_block_quantized(codes, scales, zeros, spec, scale_dtype)
+        ctx.weights.pin_node(node.name, node.inputs[1], result)
+        return dequantize_blockwise(result).astype(constant_array(node.inputs[1]).dtype)
+
+    if options.true_sequential:
+        layers = matmul_nbits_layers(model, plan)
+        if not layers:
+            return NO_LAYERS
+        done = sequential_walk(model, layers, ctx, "gptq", quantize, options.cache_budget_mb)
+        how = "true-sequential inputs"
+    else:
+        with_h = layers_with_hessians(model, plan, ctx, "gptq")
+        if not with_h:
+            return NO_LAYERS
+        layers = [(node, spec) for node, spec, _ in with_h]
+        done = sum(1 for node, spec, h in with_h if h is not None and quantize(node, spec, h) is not None)
+        how = "float-model inputs"
+    return f"{done} of {len(layers)} MatMul weights quantized with GPTQ ({how})"

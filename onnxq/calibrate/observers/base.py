@@ -61,6 +61,16 @@ class Observer(abc.ABC):
     def num_values(self) -> int:
         """Number of finite values seen so far."""
 
+    def state(self) -> dict[str, np.ndarray]:
+        """The statistics as arrays; `set_state` restores them exactly (stats files).
+        Observers registered without them calibrate in one run only."""
+        raise ConfigError(f"calib_method {self.name!r} cannot save its statistics for calibration shards "
+                          "(its observer has no state()/set_state()); calibrate without --shard")
+
+    def set_state(self, arrays: dict[str, np.ndarray]) -> None:
+        """Replace the statistics with those `state` returned."""
+        self.state()
+
     def merge(self, other: Observer) -> None:
         """Fold another observer of the same tensor and class into self, exactly."""
         if type(other) is not type(self) or other.spec != self.spec:
@@ -106,6 +116,13 @@ class HistogramObserver(Observer):
     @property
     def num_values(self) -> int:
         return self.hist.total
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {**self.hist.state(), "data_range": np.array([self.data_min, self.data_max], np.float64)}
+
+    def set_state(self, arrays: dict[str, np.ndarray]) -> None:
+        self.hist.set_state(arrays)
+        self.data_min, self.data_max = (float(v) for v in arrays["data_range"])
 
     def compute_range(self) -> tuple[float, float]:
         if self.hist.is_empty:

@@ -132,6 +132,21 @@ class StreamingHistogram:
         other._zeros = self._zeros
         return other
 
+    def state(self) -> dict[str, np.ndarray]:
+        """The histogram as arrays (`set_state` restores it exactly; stats files)."""
+        empty = self._hi is None
+        return {"counts": self._counts.copy(), "exp_start_zeros": np.array([self._exp, self._start, self._zeros], np.int64),
+                "lo_hi": np.array([np.nan, np.nan] if empty else [self._lo, self._hi], np.float64)}
+
+    def set_state(self, arrays: dict[str, np.ndarray]) -> None:
+        counts = np.asarray(arrays["counts"], np.int64)
+        if counts.shape != (self.num_bins,):
+            raise ValueError(f"histogram state has {counts.size} bins, expected {self.num_bins}")
+        self._counts = counts.copy()
+        self._exp, self._start, self._zeros = (int(v) for v in arrays["exp_start_zeros"])
+        lo, hi = (float(v) for v in arrays["lo_hi"])
+        self._lo, self._hi = (None, None) if math.isnan(hi) else (lo, hi)
+
     # -- updates -------------------------------------------------------------------------
     def update(self, x: np.ndarray) -> tuple[float, float] | None:
         """Add the finite values of one batch (any shape); nan and inf are ignored.

@@ -40,6 +40,13 @@ class MinMaxObserver(Observer):
     def num_values(self) -> int:
         return self._count
 
+    def state(self) -> dict[str, np.ndarray]:
+        return {"range": np.array([self.min, self.max], np.float64), "count": np.int64(self._count)}
+
+    def set_state(self, arrays: dict[str, np.ndarray]) -> None:
+        self.min, self.max = (float(v) for v in arrays["range"])
+        self._count = int(arrays["count"])
+
     def compute_range(self) -> tuple[float, float]:
         if self._count == 0:
             return 0.0, 0.0

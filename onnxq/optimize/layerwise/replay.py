@@ -124,13 +124,16 @@ class BatchStore:
 class Replay:
     """The combined float + quantized graph and the per-batch frontier (module doc)."""
 
-    def __init__(self, float_model: onnx.ModelProto, quant_model: onnx.ModelProto,
+    def __init__(self, float_model: onnx.ModelProto | None, quant_model: onnx.ModelProto,
                  batches: Iterable[Mapping[str, np.ndarray]], providers: list[str], budget: int) -> None:
-        fgraph = prefixed(float_model.graph, FLOAT_PREFIX)
-        self.float_inputs = {v.name for v in float_model.graph.input}
+        """`float_model` None: replay `quant_model` alone (its weights changed as layers
+        are processed: GPTQ's true-sequential inputs)."""
+        fgraph = prefixed(float_model.graph, FLOAT_PREFIX) if float_model is not None else onnx.GraphProto()
+        self.float_inputs = {v.name for v in float_model.graph.input} if float_model is not None else set()
         qgraph = quant_model.graph
-        self.opsets = {o.domain: o.version for o in [*float_model.opset_import, *quant_model.opset_import]}
-        self.ir_version = max(float_model.ir_version, quant_model.ir_version)
+        both = [quant_model] if float_model is None else [float_model, quant_model]
+        self.opsets = {o.domain: o.version for m in both for o in m.opset_import}
+        self.ir_version = max(m.ir_version for m in both)
         self.providers = check_providers(providers)
         self.nodes = list(qgraph.node) + list(fgraph.node)
         self.initializers = {t.name: t for t in [*qgraph.initializer, *fgraph.initializer]}

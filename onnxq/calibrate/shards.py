@@ -1,0 +1,188 @@
+"""Calibration in shards: each shard observes a contiguous stretch of the batches and
+saves its state; merging the states gives exactly the state of one run over all of them.
+
+Exactness: min/max fold in any order, histograms live on a canonical power-of-two grid
+(`observers/histogram.py`), counts are integers, and sums (means, Hessians) follow a
+fixed tree over the global batch index (`statistics.Accumulator`). So a model quantized
+from merged shard statistics is byte-identical to one calibrated in a single run.
+
+A stats file is an .npz of plain arrays (no pickle): a JSON header (format, the batch
+window it covers, the total number of batches, a fingerprint of the model, the
+calibrated tensors and their specs, the statistics requested and the batching options)
+and each observer's and statistic's state. Files merge when their fingerprints agree and
+their windows tile [0, total) without gap or overlap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxq.calibrate.data import iter_batches, model_inputs
+from onnxq.calibrate.observers import make_observer
+from onnxq.calibrate.runner import CalibrationState
+from onnxq.calibrate.statistics import Accumulator, Statistic, StatisticsSet
+from onnxq.config.resolve import ResolvedSpec
+from onnxq.config.spec import CalibrationConfig
+from onnxq.errors import CalibrationDataError, ConfigError
+
+FORMAT = "onnxq-stats"
+VERSION = 1
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'i/n' (1 <= i <= n) as (i - 1, n)."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+    if not match or not 1 <= int(match[1]) <= int(match[2]):
+        raise ConfigError(f"--shard takes i/n with 1 <= i <= n (e.g. 1/4), got {text!r}")
+    return int(match[1]) - 1, int(match[2])
+
+
+def count_batches(model: ir.Model, data: Any, options: CalibrationConfig) -> int:
+    """How many calibration batches the data makes (reads it once, runs nothing)."""
+    batches = iter_batches(data, model_inputs(model), options.batch_size, options.max_samples,
+                           "counting calibration batches", options.max_batches)
+    return sum(1 for _ in batches)
+
+
+def shard_window(index: int, count: int, total: int) -> tuple[int, int]:
+    """Batches [first, end) of shard `index` (0-based) of `count` over `total` batches."""
+    if total < count:
+        raise CalibrationDataError(f"the calibration data makes {total} batches, fewer than the {count} shards; "
+                                   "use fewer shards or a smaller calibration.batch_size")
+    return index * total // count, (index + 1) * total // count
+
+
+def fingerprint(model: ir.Model, tensors: dict[str, ResolvedSpec], statistics: Collection[Statistic],
+                options: CalibrationConfig) -> str:
+    """A digest of what must agree between shards: the graph (structure and weight
+    shapes, not weight values), the calibrated tensors and specs, the statistics and how
+    the data is batched."""
+    h = hashlib.sha256()
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        h.update(repr((node.domain, node.op_type, [v.name if v is not None else "" for v in node.inputs],
+                       [v.name for v in node.outputs], sorted(node.attributes))).encode())
+    for name, value in sorted(model.graph.initializers.items()):
+        h.update(repr((name, value.shape, value.dtype)).encode())
+    h.update(repr(sorted((n, repr(s)) for n, s in tensors.items())).encode())
+    h.update(repr(list(statistics)).encode())
+    h.update(repr((options.batch_size, options.max_samples, options.max_batches)).encode())
+    return h.hexdigest()
+
+
+@dataclass
+class StatsHeader:
+    """What a stats file says about itself."""
+
+    fingerprint: str
+    window: tuple[int, int]
+    total: int
+    tensors: list[str]
+    statistics: list[Statistic]
+    num_samples: int
+    num_batches: int
+    num_passes: int
+
+
+def save_stats(path: str | os.PathLike, state: CalibrationState, header: StatsHeader) -> Path:
+    """Write a shard's (or a merged) state as an .npz, atomically."""
+    arrays: dict[str, np.ndarray] = {}
+    for i, name in enumerate(header.tensors):
+        arrays.update({f"o{i}.{k}": v for k, v in state.observers[name].state().items()})
+    if state.statistics is not None:
+        for i, stat in enumerate(header.statistics):
+            arrays.update({f"s{i}.{k}": v for k, v in state.statistics.accumulators[stat].state().items()
+                           } if stat in state.statistics.accumulators else {})
+    meta = {"format": FORMAT, "version": VERSION, "fingerprint": header.fingerprint,
+            "window": list(header.window), "total": header.total, "tensors": header.tensors,
+            "statistics": [[s.tensor, s.reduce, s.axis] for s in header.statistics],
+            "num_samples": header.num_samples, "num_batches": header.num_batches, "num_passes": header.num_passes}
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.savez(f, __header__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    os.replace(tmp, out)
+    return out
+
+
+def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+        meta = json.loads(arrays.pop("__header__").tobytes().decode())
+    except FileNotFoundError:
+        raise CalibrationDataError(f"stats file not found: {path}") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise CalibrationDataError(f"{path} is not an onnxq stats file ({exc}); write one with "
+                                   "onnxq calibrate ... --stats FILE") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CalibrationDataError(f"{path} is not an onnxq stats file; write one with onnxq calibrate ... --stats FILE")
+    if meta.get("version") != VERSION:
+        raise CalibrationDataError(f"{path} has stats format version {meta.get('version')}, this onnxq reads "
+                                   f"{VERSION}: calibrate again with this version")
+    return meta, arrays
+
+
+def _prefixed(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+
+def load_stats(paths: Sequence[str | os.PathLike], model: ir.Model, tensors: dict[str, ResolvedSpec],
+               statistics: Sequence[Statistic], options: CalibrationConfig) -> CalibrationState:
+    """The merged state of stats files that together cover all calibration batches of
+    this model and config; a clear error when they do not."""
+    expected = fingerprint(model, tensors, statistics, options)
+    parts = []
+    for p in map(Path, paths):
+        meta, arrays = _read(p)
+        if meta["fingerprint"] != expected:
+            raise CalibrationDataError(
+                f"{p} was calibrated for another model, config or batching (calibration.batch_size, "
+                "max_samples, max_batches): run onnxq calibrate again with the same model and flags as quantize")
+        parts.append((tuple(meta["window"]), meta, arrays, p))
+    parts.sort(key=lambda part: part[0])
+    total = parts[0][1]["total"]
+    end = 0
+    for (first, last), meta, _, p in parts:
+        if meta["total"] != total:
+            raise CalibrationDataError(f"{p} comes from a run over {meta['total']} batches, others over {total}")
+        if first != end:
+            what = "overlaps another file" if first < end else f"leaves batches {end}..{first - 1} uncovered"
+            raise CalibrationDataError(f"{p} (batches {first}..{last - 1}) {what}: pass each shard's file once, "
+                                       "all of them")
+        end = last
+    if end != total:
+        raise CalibrationDataError(f"the stats files cover batches 0..{end - 1} of {total}: a shard's file is "
+                                   f"missing (run onnxq calibrate --shard for it)")
+    state = None
+    for _, meta, arrays, _ in parts:
+        part = CalibrationState({}, StatisticsSet(statistics) if statistics else None,
+                                meta["num_samples"], meta["num_batches"], meta["num_passes"])
+        for i, name in enumerate(meta["tensors"]):
+            part.observers[name] = make_observer(tensors[name])
+            part.observers[name].set_state(_prefixed(arrays, f"o{i}."))
+        if part.statistics is not None:
+            for i, stat in enumerate(statistics):
+                if stat in part.statistics.accumulators:
+                    part.statistics.accumulators[stat] = Accumulator.from_state(stat, _prefixed(arrays, f"s{i}."))
+        if state is None:
+            state = part
+        else:
+            state.merge(part)
+    assert state is not None
+    return state
+
+
+def header_for(state: CalibrationState, fingerprint_: str, window: tuple[int, int], total: int,
+               statistics: Sequence[Statistic]) -> StatsHeader:
+    return StatsHeader(fingerprint_, window, total, list(state.observers), list(statistics), state.num_samples,
+                       state.num_batches, state.num_passes)

@@ -1,0 +1,180 @@
+"""Calibration in shards (issue 14): statistics of contiguous stretches of the batches,
+saved by `onnxq calibrate --shard i/n --stats`, merge into exactly the state of one run,
+so `quantize --stats` writes the same bytes as calibrating on all the data; local
+processes and Ray run the shards; mismatched or incomplete files are clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import onnx
+import pytest
+from helpers import GraphBuilder, conv_relu_chain, random_feeds, stack_feeds
+
+import onnxq
+from onnxq.calibrate.observers.histogram import StreamingHistogram
+from onnxq.calibrate.statistics import Accumulator, Statistic
+from onnxq.cli import main
+from onnxq.errors import CalibrationDataError, ConfigError
+from onnxq.quantize import calibrate_shard, calibrate_sharded
+
+
+def test_tree_sums_are_independent_of_the_split():
+    """Sums of float64 batches merged from any contiguous split have the bits of one
+    sequential accumulation (a plain running sum would not)."""
+    rng = np.random.default_rng(0)
+    batches = [rng.standard_normal((5, 3)) * 10.0 ** rng.integers(-8, 8) for _ in range(23)]
+    stat = Statistic("x", "gram", -1)
+
+    def accumulate(first: int, end: int) -> Accumulator:
+        acc = Accumulator(stat)
+        for i in range(first, end):
+            acc.add_batch(batches[i], i)
+        return acc
+
+    whole = accumulate(0, len(batches)).result()
+    assert len(accumulate(0, len(batches)).blocks) <= 5
+    for cuts in ([7], [1, 2, 3], [8, 16], [5, 11, 17, 22]):
+        edges = [0, *cuts, len(batches)]
+        parts = [accumulate(a, b) for a, b in zip(edges, edges[1:])]
+        merged = parts[0]
+        for part in parts[1:]:
+            merged.merge(Accumulator.from_state(stat, part.state()))
+        assert merged.result().tobytes() == whole.tobytes(), cuts
+    running = sum(b.T @ b for b in batches) / (5 * len(batches))
+    np.testing.assert_allclose(whole, running, rtol=1e-12)
+
+
+def test_histogram_state_round_trip_and_merge_in_any_order():
+    rng = np.random.default_rng(1)
+    parts = [rng.standard_normal(1000) * s for s in (1, 5, 0.1)]
+    one = StreamingHistogram(128)
+    for p in parts:
+        one.update(p)
+    pieces = []
+    for p in parts[::-1]:
+        h = StreamingHistogram(128)
+        h.update(p)
+        copy = StreamingHistogram(128)
+        copy.set_state(h.state())
+        pieces.append(copy)
+    merged = pieces[0]
+    for h in pieces[1:]:
+        merged.merge(h)
+    assert np.array_equal(merged.counts, one.counts) and merged.edges().tobytes() == one.edges().tobytes()
+
+
+def _matmul_model() -> onnx.ModelProto:
+    rng = np.random.default_rng(2)
+    b = GraphBuilder(1)
+    x = b.input("x", ["N", 4, 64])
+    h = b.node("Relu", [b.node("MatMul", [x, b.const("w1", (rng.standard_normal((64, 64)) * 0.1).astype(np.float32))])])
+    return b.build([b.node("MatMul", [h, b.const("w2", (rng.standard_normal((64, 32)) * 0.1).astype(np.float32))])])
+
+
+CASES = {
+    "default": (conv_relu_chain, {}),
+    "entropy": (conv_relu_chain, {"global_quant_config": {"input_tensors": {"calib_method": "entropy"},
+                                                         "output_tensors": {"calib_method": "percentile"}}}),
+    "bias_correction": (conv_relu_chain, {"algo_config": [{"name": "bias_correction"}]}),
+    "gptq_hessians": (_matmul_model, {"preset": "W4_GROUP128",
+                                      "layer_type_quant_config": {"MatMul": {"weight": {"group_size": 32}}},
+                                      "algo_config": [{"name": "gptq", "true_sequential": False}]}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_merged_shards_give_the_bytes_of_one_run(tmp_path, case):
+    build, overrides = CASES[case]
+    model = build()
+    data = stack_feeds(random_feeds(model, 37, seed=3))
+    config = {**overrides, "calibration": {"batch_size": 4}}
+    reference = onnxq.quantize(model, None, config, data, progress=False).model.SerializeToString()
+    files = []
+    for i in range(3):
+        result = calibrate_shard(model, tmp_path / f"s{i}.npz", config, data, f"{i + 1}/3", progress=False)
+        files.append(str(result.path))
+        assert result.total_batches == 10
+    merged = onnxq.as_config(config)
+    merged.calibration.stats = files[::-1]  # any order
+    out = onnxq.quantize(model, None, merged, None, progress=False)
+    assert out.model.SerializeToString() == reference
+    assert out.summary.calibration_samples == 37
+    onnx.checker.check_model(out.model)
+
+
+def test_cli_shards_files_processes_and_errors(tmp_path, capsys):
+    model = conv_relu_chain()
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    np.savez(tmp_path / "calib.npz", **stack_feeds(random_feeds(model, 24, seed=4)))
+    calib = str(tmp_path / "calib.npz")
+    flags = ["--per-tensor", "--batch-size", "4", "--quiet"]
+    assert main(["quantize", str(path), str(tmp_path / "ref.onnx"), "--calib-data", calib, *flags]) == 0
+    for i in (1, 2):
+        assert main(["calibrate", str(path), "--calib-data", calib, "--shard", f"{i}/2",
+                     "--stats", str(tmp_path / f"s{i}.npz"), *flags]) == 0
+    assert main(["quantize", str(path), str(tmp_path / "sh.onnx"), "--stats", str(tmp_path / "s1.npz"),
+                 str(tmp_path / "s2.npz"), *flags]) == 0
+    reference = (tmp_path / "ref.onnx").read_bytes()
+    assert (tmp_path / "sh.onnx").read_bytes() == reference
+    # All shards in local processes, merged into one file.
+    assert main(["calibrate", str(path), "--calib-data", calib, "--shards", "2", "--stats",
+                 str(tmp_path / "all.npz"), *flags]) == 0
+    assert main(["quantize", str(path), str(tmp_path / "all.onnx"), "--stats", str(tmp_path / "all.npz"), *flags]) == 0
+    assert (tmp_path / "all.onnx").read_bytes() == reference
+    capsys.readouterr()
+
+    def fails(argv: list[str], message: str) -> None:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+    out = str(tmp_path / "x.onnx")
+    fails(["quantize", str(path), out, "--stats", str(tmp_path / "s1.npz"), *flags], "a shard's file is missing")
+    fails(["quantize", str(path), out, "--stats", str(tmp_path / "s1.npz"), str(tmp_path / "s1.npz"), *flags],
+          "overlaps another file")
+    fails(["quantize", str(path), out, "--stats", str(tmp_path / "s1.npz"), str(tmp_path / "s2.npz"),
+           "--calib-method", "entropy", "--quiet"], "calibrated for another model, config or batching")
+    fails(["quantize", str(path), out, "--stats", calib, *flags], "is not an onnxq stats file")
+    fails(["quantize", str(path), out, "--stats", str(tmp_path / "none.npz"), *flags], "stats file not found")
+    fails(["calibrate", str(path), "--calib-data", calib, "--shard", "3/2", "--stats", out], "1 <= i <= n")
+    fails(["calibrate", str(path), "--calib-data", calib, "--shard", "1/30", "--stats", out, "--batch-size", "4"],
+          "fewer than the 30 shards")
+    fails(["calibrate", str(path), "--calib-data", calib, "--shard", "1/2", "--shards", "2", "--stats", out],
+          "give one")
+    fails(["calibrate", str(path), "--calib-data", calib, "--stats", out, "--preset", "W4_GROUP128"],
+          "shards would be empty")
+    fails(["quantize", str(path), out, "--stats", str(tmp_path / "all.npz"), "--load-ranges", "r.json"],
+          "give one")
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_true_sequential_gptq_needs_the_data_itself(tmp_path):
+    """Its Hessians come from replaying the data layer by layer, so shards would hold
+    nothing, and quantize --stats without the data says what to do."""
+    model = _matmul_model()
+    data = stack_feeds(random_feeds(model, 8, seed=5))
+    config = {"preset": "W4_GROUP128", "layer_type_quant_config": {"MatMul": {"weight": {"group_size": 32}}},
+              "algo_config": [{"name": "gptq"}]}
+    with pytest.raises(ConfigError, match="shards would be empty"):
+        calibrate_shard(model, tmp_path / "s.npz", config, data, "1/1", progress=False)
+    with pytest.raises(CalibrationDataError, match="statistics files do not carry it"):
+        onnxq.quantize(model, None, config, None, progress=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray not installed (pip install 'onnxq[ray]')")
+def test_shards_on_a_local_ray_instance(tmp_path):
+    model = conv_relu_chain()
+    data = stack_feeds(random_feeds(model, 20, seed=6))
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    config = {"calibration": {"batch_size": 4}}
+    reference = onnxq.quantize(str(path), None, config, data, progress=False).model.SerializeToString()
+    result = calibrate_sharded(str(path), tmp_path / "ray.npz", config, data, shards=2, executor="ray",
+                               progress=False)
+    assert result.window == (0, 5)
+    merged = onnxq.as_config(config)
+    merged.calibration.stats = [str(result.path)]
+    assert onnxq.quantize(str(path), None, merged, None, progress=False).model.SerializeToString() == reference
