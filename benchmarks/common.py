@@ -503,8 +503,10 @@ def spawn_worker(
     workdir: Path,
     tag: str,
     timeout: float | None,
+    python: str | None = None,
 ) -> dict[str, Any]:
-    """Run `python SCRIPT --worker ROLE --job WORKDIR/TAG.job.json`, return its result JSON.
+    """Run `python SCRIPT --worker ROLE --job WORKDIR/TAG.job.json` (`python`: another
+    interpreter, default this one), return its result JSON.
 
     The job gets `output` (WORKDIR/TAG.onnx) and `result` paths added. On a non-zero exit, a
     timeout or a missing result, returns {"error": "...", "log_tail": ...} instead; the log
@@ -522,7 +524,7 @@ def spawn_worker(
     }
     Path(job["result"]).unlink(missing_ok=True)
     job_path.write_text(json.dumps(jsonable(job), indent=2))
-    cmd = [sys.executable, str(Path(script).resolve()), "--worker", role, "--job", str(job_path)]
+    cmd = [python or sys.executable, str(Path(script).resolve()), "--worker", role, "--job", str(job_path)]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         try:

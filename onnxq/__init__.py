@@ -23,6 +23,7 @@ from onnxq.optimize.bias_correction import BiasCorrectionConfig
 from onnxq.optimize.cle import CLEConfig
 from onnxq.optimize.fold_batchnorm import FoldBatchNormConfig
 from onnxq.optimize.gptq import GPTQConfig
+from onnxq.optimize.hqq import HQQConfig
 from onnxq.optimize.smoothquant import SmoothQuantConfig
 from onnxq.quantize import ModelQuantizer, QuantizationResult, quantize
 from onnxq.report import Summary, format_summary
@@ -38,6 +39,7 @@ __all__ = [
     "Config",
     "FoldBatchNormConfig",
     "GPTQConfig",
+    "HQQConfig",
     "ModelQuantizer",
     "OnnxqError",
     "QuantizationConfig",

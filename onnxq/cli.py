@@ -57,6 +57,7 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("target", ("target",)),
     ("reduce_range", ("reduce_range",)),
     ("target_algorithms", ("target_algorithms",)),
+    ("accuracy_level", ("accuracy_level",)),
     ("max_samples", ("calibration", "max_samples")),
     ("batch_size", ("calibration", "batch_size")),
     ("providers", ("calibration", "providers")),
@@ -90,6 +91,13 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
     if passes:
         values.append((("pre_quant_opt_config",), passes))
     algorithms = [name for name in ALGORITHM_FLAGS if getattr(args, name)]
+    if args.algorithm is not None:
+        others = [name for name in algorithms if name in WEIGHT_ONLY_ALGORITHMS]
+        if others or args.algorithm == "rtn" and any(a in ("gptq", "awq") for a in algorithms):
+            raise OnnxqError(f"--algorithm {args.algorithm} and --{others[0]} both pick the weight-only algorithm; "
+                             "give one")
+        if args.algorithm != "rtn":
+            algorithms.append(args.algorithm)
     entries = _algorithm_options(algorithms, args.algo_option or [])
     if entries:
         values.append((("algo_config",), entries))
@@ -100,6 +108,8 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
 
 # Flags that switch an algorithm on (`algo_config` entries, in this order).
 ALGORITHM_FLAGS = ("bias_correction", "adaround", "adaquant", "gptq", "awq")
+# `--algorithm`: how MatMulNBits weights are rounded (rtn: round to nearest with the clipping search).
+WEIGHT_ONLY_ALGORITHMS = ("rtn", "gptq", "awq", "hqq")
 
 
 def _algorithm_options(flagged: list[str], options: list[str]) -> list[dict[str, Any]]:
@@ -371,6 +381,13 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--awq", action="store_true",
                    help="AWQ for int4 MatMul weights lowered to MatMulNBits: input channels with large "
                         "activations get finer steps (per-layer alpha search on the calibration data)")
+    q.add_argument("--algorithm", choices=WEIGHT_ONLY_ALGORITHMS,
+                   help="how int4 MatMul weights lowered to MatMulNBits are rounded: rtn (round to nearest, "
+                        "per-block clipping search; default), gptq, awq, or hqq (half-quadratic zero points, "
+                        "no data)")
+    q.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4),
+                   help="MatMulNBits' accuracy_level: the type its kernel computes the activations in "
+                        "(0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8)")
     q.add_argument("--algo-option", action="append", metavar="[ALGO.]KEY=VALUE",
                    help="option of an algorithm, e.g. num_iteration=500 or adaround.reg_param=0.02 "
                         "(repeatable; a bare KEY goes to the one algorithm flag given)")

@@ -82,3 +82,40 @@ def test_hqq_qdq_rounds_zero_points_onto_the_grid():
 def test_hqq_settings_are_checked(weight, words):
     with pytest.raises(ConfigError, match=words):
         onnxq.as_config({"global_quant_config": {"weight": weight}})
+
+
+def test_hqq_algorithm_on_a_symmetric_preset(tmp_path, capsys):
+    """`--algorithm hqq` / `HQQConfig` quantize the symmetric W4_GROUP128 preset's MatMul
+    weights as HQQ blocks (asymmetric, float zero points), closer to float than RTN;
+    `--accuracy-level` reaches MatMulNBits; conflicting choices are one-line errors."""
+    from onnxq.cli import main
+
+    model = _matmul_model()
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    feeds = random_feeds(model, 16, seed=4)
+    ref = run(model, feeds)
+    scores = {}
+    for algorithm in ("rtn", "hqq"):
+        out = tmp_path / f"{algorithm}.onnx"
+        assert main(["quantize", str(path), str(out), "--preset", "W4_GROUP128", "--per-group", "32",
+                     "--algorithm", algorithm, "--accuracy-level", "4", "--quiet"]) == 0
+        q = onnx.load(str(out))
+        node = next(n for n in q.graph.node if n.op_type == "MatMulNBits")
+        assert onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "accuracy_level")) == 4
+        has_float_zp = len(node.input) > 3 and next(
+            i for i in q.graph.initializer if i.name == node.input[3]).data_type == onnx.TensorProto.FLOAT
+        assert has_float_zp == (algorithm == "hqq")
+        scores[algorithm] = sqnr_db(ref, run(q, feeds))
+    assert scores["hqq"] > scores["rtn"], scores
+    typed = onnxq.as_config({"preset": "W4_GROUP128", "algo_config": [onnxq.HQQConfig(iterations=5)]})
+    result = onnxq.quantize(model, None, typed, None, progress=False)
+    assert "quantized with HQQ" in " ".join(result.summary.notes)
+    capsys.readouterr()
+    assert main(["quantize", str(path), str(tmp_path / "x.onnx"), "--preset", "W4_GROUP128",
+                 "--algorithm", "hqq", "--gptq"]) == 2
+    assert "give one" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="p must be in"):
+        onnxq.quantize(model, None, {"preset": "W4_GROUP128", "algo_config": [{"name": "hqq", "p": 2.0}]}, None)
+    with pytest.raises(ConfigError, match="accuracy_level"):
+        onnxq.as_config({"accuracy_level": 7})

@@ -227,6 +227,9 @@ class Config:
     qdq_domain: str = "ai.onnx"
     # Weight-only int4/uint4 per-group MatMul as onnxruntime's MatMulNBits kernel.
     matmul_nbits: bool = False
+    # MatMulNBits' accuracy_level: the type its kernel computes activations in (0 unset,
+    # 1 fp32, 2 fp16, 3 bf16, 4 int8).
+    accuracy_level: int = 0
     # Op types kept in float unless a layer or op-type override says otherwise.
     float_op_types: list[str] = field(
         default_factory=lambda: [

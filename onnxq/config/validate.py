@@ -159,6 +159,11 @@ def _check_top_level(config: Config) -> None:
         raise ConfigError(
             f"invalid max_memory_mb {calibration.max_memory_mb} in calibration; use 0 or more MiB"
         )
+    if config.accuracy_level not in (0, 1, 2, 3, 4):
+        raise ConfigError(f"invalid accuracy_level {config.accuracy_level}; MatMulNBits takes 0 (unset), 1 (fp32), "
+                          "2 (fp16), 3 (bf16) or 4 (int8)")
+    if calibration.stats is not None and calibration.load_ranges:
+        raise ConfigError("calibration.stats and calibration.load_ranges both replace calibration; give one")
     if config.qdq_domain not in ("ai.onnx", "com.microsoft"):
         raise ConfigError(
             f"invalid qdq_domain {config.qdq_domain!r}; use 'ai.onnx' (upgrade the opset when a "

@@ -181,4 +181,4 @@ def emit_matmul_nbits(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
 
 @register_lowering("matmul_nbits", order=20)
 def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config, weights: object = None) -> LoweringReport:
-    return LoweringReport(skipped=emit_matmul_nbits(model, nodes, weights=weights))
+    return LoweringReport(skipped=emit_matmul_nbits(model, nodes, config.accuracy_level, weights=weights))

@@ -21,7 +21,7 @@ import onnx
 import onnx.version_converter
 import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from onnxq.errors import ModelError, UnsupportedModelError
 from onnxq.graph.edit import GraphEditor, set_constant
@@ -68,16 +68,64 @@ def _read_proto(source: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.Model
     return proto, str(path.parent), str(path)
 
 
+def _copy_fields(source: Message, target: Message, skip: str) -> None:
+    """Copy every set field of message `source` into `target` but `skip`."""
+    for descriptor, value in source.ListFields():
+        name = descriptor.name
+        if name == skip:
+            continue
+        if hasattr(value, "extend"):  # repeated
+            getattr(target, name).extend(value)
+        elif hasattr(value, "CopyFrom"):
+            getattr(target, name).CopyFrom(value)
+        else:
+            setattr(target, name, value)
+
+
+def _without_weight_data(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `proto` whose main-graph initializers are empty stubs of the same name and
+    type: what onnx.checker needs to check the graph, at a fraction of the copy (the
+    checker copies the whole model it is given; for an LLM that doubled peak memory)."""
+    stub = onnx.ModelProto()
+    _copy_fields(proto, stub, skip="graph")
+    _copy_fields(proto.graph, stub.graph, skip="initializer")
+    for tensor in proto.graph.initializer:
+        stub.graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=[0], raw_data=b"")
+    return stub
+
+
+def _check_weight_sizes(proto: onnx.ModelProto) -> None:
+    """Each raw initializer holds exactly the bytes its shape and type need (what the
+    checker would have said about the data the stub left out)."""
+    for tensor in proto.graph.initializer:
+        if not tensor.HasField("raw_data") or tensor.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        except (KeyError, ValueError, TypeError):
+            continue
+        count = int(np.prod(tensor.dims)) if tensor.dims else 1
+        bits = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}.get(tensor.data_type)
+        need = (count * bits + 7) // 8 if bits else count * itemsize
+        if len(tensor.raw_data) != need and tensor.data_type != onnx.TensorProto.STRING:
+            raise ModelError(f"model fails onnx.checker: initializer {tensor.name!r} holds {len(tensor.raw_data)} "
+                             f"bytes for shape {list(tensor.dims)} (needs {need}); fix or re-export the model")
+
+
 def _check(proto: onnx.ModelProto, path: str | None) -> None:
-    """Run onnx.checker; by path when we have one, so >2 GB and external data work."""
+    """Run onnx.checker: by path when the model has external data (the checker then
+    checks the files), else on a copy without weight data plus a size check of each
+    weight (a full copy for the checker doubled peak memory on big models)."""
     if not proto.HasField("graph") or not proto.opset_import:
         name = path or "the model"
         raise ModelError(f"{name} is not an ONNX model (no graph or opset); pass a .onnx model file")
+    external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
     try:
-        if path is not None:
+        if path is not None and external:
             onnx.checker.check_model(path)
         else:
-            onnx.checker.check_model(proto)
+            _check_weight_sizes(proto)
+            onnx.checker.check_model(_without_weight_data(proto))
     except (onnx.checker.ValidationError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"model fails onnx.checker: {first}; fix or re-export the model") from None

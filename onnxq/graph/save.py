@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from onnxq.errors import OnnxqError
@@ -76,3 +77,17 @@ def save_model(model: ir.Model, output: str | os.PathLike) -> Path:
         if tmp.exists():
             tmp.unlink()
     return out
+
+
+def proto_without_weights(model: ir.Model) -> tuple[onnx.ModelProto, dict[str, ir.Value]]:
+    """The main graph as a ModelProto without its initializers, and those initializers by
+    name: for sessions over parts of a big model that serialize only the weights a part
+    reads (`optimize/layerwise/replay.py`), instead of copying every weight at once."""
+    graph = model.graph
+    view = ir.GraphView(graph.inputs, graph.outputs, nodes=list(graph), name=graph.name,
+                        opset_imports=dict(model.opset_imports))
+    proto = onnx.ModelProto(ir_version=model.ir_version)
+    ir.serde.serialize_graph_into(proto.graph, view)
+    for domain, version in model.opset_imports.items():
+        proto.opset_import.add(domain=domain, version=version)
+    return proto, dict(graph.initializers)

@@ -36,26 +36,56 @@ def _shrink(x: np.ndarray, beta: float, p: float) -> np.ndarray:
     """argmin_e |e|^p + beta/2 (e - x)^2, approximately: sign(x) max(|x| - |x|^(p-1)/beta, 0)."""
     a = np.abs(x)
     with np.errstate(divide="ignore"):
-        return np.sign(x) * np.maximum(a - np.power(np.maximum(a, 1e-12), p - 1) / beta, 0.0)
+        shrunk = np.power(np.maximum(a, a.dtype.type(1e-12)), a.dtype.type(p - 1))
+        shrunk *= a.dtype.type(-1.0 / beta)
+        shrunk += a
+        np.maximum(shrunk, 0, out=shrunk)
+        return np.copysign(shrunk, x, out=shrunk)
+
+
+# Rows solved at once: the solver holds a few float64 copies of its chunk, so a whole LLM
+# weight (an lm_head of 28M values) never becomes gigabytes of temporaries.
+CHUNK_VALUES = 1 << 20
 
 
 def hqq_zero_points(blocks: np.ndarray, scale: np.ndarray, zero: np.ndarray, info: IntType,
                     options: HqqOptions = HqqOptions()) -> np.ndarray:
-    """Optimised float zero point of each row of `blocks` [M, B] with scales [M] (module doc)."""
-    w = np.asarray(blocks, dtype=np.float64)
-    s = np.asarray(scale, dtype=np.float64)[:, None]
-    z = np.asarray(zero, dtype=np.float64)[:, None].copy()
+    """Optimised float zero point of each row of `blocks` [M, B] with scales [M] (module
+    doc), solved in chunks of rows (each row is independent)."""
+    rows = max(1, CHUNK_VALUES // max(blocks.shape[1], 1))
+    return np.concatenate([_solve(blocks[i:i + rows], scale[i:i + rows], zero[i:i + rows], info, options)
+                           for i in range(0, len(blocks), rows)]) if len(blocks) else np.zeros(0)
+
+
+def _solve(blocks: np.ndarray, scale: np.ndarray, zero: np.ndarray, info: IntType,
+           options: HqqOptions) -> np.ndarray:
+    """The solver on one chunk, in units of each row's scale: with u = w/s, the residual
+    is r = s (u - q + z), so the steps need one power per value and no division. float32
+    throughout (zero points live in [qmin, qmax]; 7 digits are plenty) for speed."""
+    s = np.asarray(scale, dtype=np.float32)[:, None]
+    u = np.asarray(blocks, dtype=np.float32) / s
+    z = np.asarray(zero, dtype=np.float32)[:, None].copy()
     best_z, best_err = z.copy(), np.full(z.shape, np.inf)
+    q, d = np.empty_like(u), np.empty_like(u)
     beta = options.beta
+
+    def residual(z: np.ndarray) -> np.ndarray:
+        """q (in place) and d = u - q + z = r / s (in place) for zero points z."""
+        np.add(u, z, out=q)
+        np.rint(q, out=q)
+        np.clip(q, info.qmin, info.qmax, out=q)
+        np.subtract(u, q, out=d)
+        np.add(d, z, out=d)
+        return d
+
     for _ in range(options.iterations):
-        q = np.clip(np.rint(w / s + z), info.qmin, info.qmax)
-        r = w - s * (q - z)
-        err = np.mean(np.abs(r), axis=1, keepdims=True)
+        d = residual(z)
+        err = np.mean(np.abs(d), axis=1, keepdims=True) * s  # mean |r|
         better = err < best_err
         best_z, best_err = np.where(better, z, best_z), np.where(better, err, best_err)
-        e = _shrink(r, beta, options.p)
-        z = np.mean(q - (w - e) / s, axis=1, keepdims=True)
+        # e / s with e = shrink(r): z <- mean(q - (w - e) / s) = mean(q - u + e / s)
+        e = _shrink(d * s, beta, options.p) / s
+        z = np.mean(q - u + e, axis=1, keepdims=True)
         beta *= options.kappa
-    q = np.clip(np.rint(w / s + z), info.qmin, info.qmax)
-    err = np.mean(np.abs(w - s * (q - z)), axis=1, keepdims=True)
-    return np.where(err < best_err, z, best_z)[:, 0]
+    err = np.mean(np.abs(residual(z)), axis=1, keepdims=True) * s
+    return np.where(err < best_err, z, best_z)[:, 0].astype(np.float64)

@@ -216,10 +216,12 @@ def quantize_blocks(
 
 def _hqq_blocks(blocks: np.ndarray, scale: np.ndarray, zp: np.ndarray, spec: ResolvedSpec,
                 float_zero_point: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    from onnxq.numerics.hqq import hqq_zero_points
+    from onnxq.calibrate.observers.options import parse_options
+    from onnxq.numerics.hqq import HqqOptions, hqq_zero_points
 
     info = int_type(spec.dtype, spec.bits)
-    z = hqq_zero_points(blocks, scale, zp.astype(np.float64), info)
+    options = parse_options(HqqOptions, "hqq", spec.calib_options)
+    z = hqq_zero_points(blocks, scale, zp.astype(np.float64), info, options)
     if not float_zero_point:
         z = np.clip(np.rint(z), info.qmin, info.qmax)
     q = np.clip(np.rint(blocks / scale.astype(np.float64)[:, None] + z[:, None]), info.qmin, info.qmax)

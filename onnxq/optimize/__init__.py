@@ -282,5 +282,6 @@ from onnxq.optimize import (  # noqa: E402, F401
     cle,
     fold_batchnorm,
     gptq,
+    hqq,
     smoothquant,
 )

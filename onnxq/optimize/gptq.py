@@ -38,6 +38,7 @@ from onnxq.config.resolve import ResolvedSpec
 from onnxq.emit.matmul_nbits import BlockQuantized, dequantize_blockwise, packed
 from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.graph.fold import constant_array
+from onnxq.graph.save import proto_without_weights
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import cast_scale, weight_qparams
 from onnxq.optimize import PassContext, register_algorithm, statistics_of
@@ -89,28 +90,43 @@ def _group_params(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type) -> tuple
     return cast_scale(scale, scale_dtype).astype(np.float64), zp.astype(np.float64)
 
 
+# Output rows quantized at once: rows are independent given H, so an LLM head (49152
+# rows) is done in slices and its float64 working copies stay small.
+ROW_CHUNK = 4096
+
+
 def gptq_quantize(w: np.ndarray, hessian: np.ndarray, spec: ResolvedSpec, options: GPTQConfig,
                   scale_dtype: type = np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Codes [N, K] (signed, in the spec's range), scales and zero points [N, groups] of
     W^T = `w` [N, K] under input Hessian `hessian` [K, K] (module doc)."""
-    info = int_type(spec.dtype, spec.bits)
-    n, k = w.shape
-    group = int(spec.group_size)
-    w = w.astype(np.float64).copy()
+    k = w.shape[1]
     h = hessian.astype(np.float64).copy()
     dead = np.diag(h) <= 0
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
     order = np.argsort(-np.diag(h), kind="stable") if options.desc_act else np.arange(k)
+    h = h[np.ix_(order, order)]
+    h[np.diag_indices(k)] += options.damp_percent * np.mean(np.diag(h))
+    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # H^-1 = U^T U, U upper triangular
+    parts = [_quantize_rows(w[i:i + ROW_CHUNK], dead, order, upper, spec, options, scale_dtype)
+             for i in range(0, w.shape[0], ROW_CHUNK)]
+    return tuple(np.concatenate(p) for p in zip(*parts))  # type: ignore[return-value]
+
+
+def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np.ndarray, spec: ResolvedSpec,
+                   options: GPTQConfig, scale_dtype: type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GPTQ of some rows of W^T, with the permuted inverse Hessian's Cholesky factor."""
+    info = int_type(spec.dtype, spec.bits)
+    n, k = w.shape
+    group = int(spec.group_size)
+    w = w.astype(np.float64)  # a copy
+    w[:, dead] = 0.0
     static = options.static_groups or options.desc_act
     groups = -(-k // group)
     scales, zeros = np.zeros((n, groups)), np.zeros((n, groups))
     if static:
         for g in range(groups):
             scales[:, g], zeros[:, g] = _group_params(w[:, g * group:(g + 1) * group], spec, scale_dtype)
-    w, h = w[:, order], h[np.ix_(order, order)]
-    h[np.diag_indices(k)] += options.damp_percent * np.mean(np.diag(h))
-    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # H^-1 = U^T U, U upper triangular
+    w = w[:, order]
     codes = np.zeros((n, k))
     for i1 in range(0, k, options.block_size):
         i2 = min(i1 + options.block_size, k)
@@ -128,7 +144,7 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, spec: ResolvedSpec, option
             block[:, i:] -= np.outer(err, upper[i1 + i, i1 + i:i2])
             errors[:, i] = err
         w[:, i2:] -= errors @ upper[i1:i2, i2:]
-    return codes, scales, zeros
+    return codes.astype(np.int8), scales, zeros
 
 
 def to_block_quantized(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, spec: ResolvedSpec,
@@ -138,7 +154,7 @@ def to_block_quantized(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
     block = int(spec.group_size)
     n, k = codes.shape
     k_blocks = scales.shape[1]
-    padded = np.repeat(zeros, block, axis=1)
+    padded = np.repeat(zeros.astype(np.int16), block, axis=1)
     padded[:, :k] = codes
     return packed(padded.reshape(n, k_blocks, block), scales.astype(scale_dtype), zeros.astype(np.int16), spec, k)
 
@@ -193,7 +209,8 @@ def sequential_walk(model: ir.Model, layers: list[tuple[ir.Node, ResolvedSpec]],
     groups = input_groups(model, layers)
     batches = iter_batches(ctx.data, model_inputs(model), ctx.calibration.batch_size, ctx.calibration.max_samples,
                            f"{name} data", ctx.calibration.max_batches)
-    replay = Replay(None, ir.to_proto(model), batches, ctx.calibration.providers, budget_mb << 20)
+    structure, weights = proto_without_weights(model)
+    replay = Replay(None, structure, batches, ctx.calibration.providers, budget_mb << 20, weights)
     bar = tqdm(groups, desc=name, unit="group", file=sys.stderr, leave=False,
                disable=not (sys.stderr.isatty() if ctx.progress is None else ctx.progress))
     done = 0
@@ -221,7 +238,7 @@ def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, flo
     """Quantize every MatMul lowered to MatMulNBits with GPTQ; pin the result for emission."""
     def quantize(node: ir.Node, spec: ResolvedSpec, hessian: np.ndarray) -> np.ndarray:
         scale_dtype = FLOAT_TYPES[weight_dtype(node)]
-        w = constant_array(node.inputs[1]).astype(np.float64)
+        w = np.asarray(constant_array(node.inputs[1]))
         codes, scales, zeros = gptq_quantize(w.T, hessian, spec, options, scale_dtype)
         result = to_block_quantized(codes, scales, zeros, spec, scale_dtype)
         ctx.weights.pin_node(node.name, node.inputs[1], result)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
@@ -125,9 +126,12 @@ class Replay:
     """The combined float + quantized graph and the per-batch frontier (module doc)."""
 
     def __init__(self, float_model: onnx.ModelProto | None, quant_model: onnx.ModelProto,
-                 batches: Iterable[Mapping[str, np.ndarray]], providers: list[str], budget: int) -> None:
+                 batches: Iterable[Mapping[str, np.ndarray]], providers: list[str], budget: int,
+                 weights: Mapping[str, ir.Value] | None = None) -> None:
         """`float_model` None: replay `quant_model` alone (its weights changed as layers
-        are processed: GPTQ's true-sequential inputs)."""
+        are processed: GPTQ's true-sequential inputs). `weights`: initializers not in the
+        protos, serialized only while a segment that reads them is built (a big model's
+        weights are then never copied whole)."""
         fgraph = prefixed(float_model.graph, FLOAT_PREFIX) if float_model is not None else onnx.GraphProto()
         self.float_inputs = {v.name for v in float_model.graph.input} if float_model is not None else set()
         qgraph = quant_model.graph
@@ -136,7 +140,8 @@ class Replay:
         self.ir_version = max(m.ir_version for m in both)
         self.providers = check_providers(providers)
         self.nodes = list(qgraph.node) + list(fgraph.node)
-        self.initializers = {t.name: t for t in [*qgraph.initializer, *fgraph.initializer]}
+        self.initializers: dict[str, onnx.TensorProto | ir.Value] = dict(weights or {})
+        self.initializers.update({t.name: t for t in [*qgraph.initializer, *fgraph.initializer]})
         self.node_inputs = [_node_inputs(n) for n in self.nodes]
         self.producer = {o: i for i, n in enumerate(self.nodes) for o in n.output if o}
         self.consumers: dict[str, list[int]] = {}
@@ -196,11 +201,25 @@ class Replay:
             [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(example[n].dtype), None)
              for n in inputs],
             [helper.make_empty_tensor_value_info(n) for n in outputs],
-            [self.initializers[n] for n in sorted(used) if n in self.initializers and n not in inputs],
+            [self._tensor(n) for n in sorted(used) if n in self.initializers and n not in inputs],
         )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in self.opsets.items()],
                                   ir_version=self.ir_version)
         return ort.InferenceSession(model.SerializeToString(), session_options(), providers=self.providers)
+
+    def _tensor(self, name: str) -> onnx.TensorProto:
+        tensor = self.initializers[name]
+        if isinstance(tensor, ir.Value):
+            proto = ir.serde.serialize_tensor(tensor.const_value)
+            proto.name = name
+            return proto
+        return tensor
+
+    def _release(self, done: set[int]) -> None:
+        """Forget initializers that only nodes already run read (nodes run once)."""
+        for name in [n for n in self.initializers if n in self.consumers]:
+            if all(c in done for c in self.consumers[name]):
+                del self.initializers[name]
 
     def inputs(self, targets: list[str]) -> Iterator[dict[str, np.ndarray]]:
         """Run the segment that computes `targets`; yield {target: value} per batch."""
@@ -229,6 +248,7 @@ class Replay:
             yield {t: merged[t] for t in targets}
         self.computed = done
         self.frontier = keep
+        self._release(done)
 
     def close(self) -> None:
         self.store.close()
