@@ -40,7 +40,7 @@ def test_awq_protects_channels_with_large_activations():
     onnx.checker.check_model(result.model)
     ops = [n.op_type for n in result.model.graph.node]
     assert ops == ["Mul", "MatMulNBits"], ops
-    assert "1 of 1 MatMul weights scaled" in " ".join(result.summary.notes)
+    assert "1 of 1 input groups (1 MatMul weights) scaled" in " ".join(result.summary.notes)
     assert sqnr_db(ref, run(result.model, held_out)) > rtn + 1.5
 
 
@@ -48,4 +48,33 @@ def test_awq_leaves_a_layer_it_cannot_help():
     flat = np.ones(K)
     result = _quantize([{"name": "awq", "grid": 4}], _data(16, 3, flat))
     assert [n.op_type for n in result.model.graph.node] == ["MatMulNBits"]
-    assert "0 of 1 MatMul weights scaled" in " ".join(result.summary.notes)
+    assert "0 of 1 input groups (1 MatMul weights) scaled" in " ".join(result.summary.notes)
+
+
+def _shared_input_model() -> onnx.ModelProto:
+    """q/k/v-like: three MatMuls reading one input, their outputs summed."""
+    rng = np.random.default_rng(1)
+    b = GraphBuilder(1)
+    x = b.input("x", ["N", 8, K])
+    mms = [b.node("MatMul", [x, b.const(f"w{i}", (rng.standard_normal((K, N)) * 0.05).astype(np.float32))])
+           for i in range(3)]
+    add = b.node("Add", [mms[0], mms[1]])
+    return b.build([*mms, add, b.node("Add", [add, mms[2]])], name="qkv")
+
+
+def test_matmuls_sharing_an_input_share_one_scale():
+    """AWQ's scaling layers: one Mul feeds all three, from the sequential walk and from the
+    calibration pass alike, and the output gets closer to float than round-to-nearest."""
+    model, calib, held_out = _shared_input_model(), _data(32, 1), _data(16, 2)
+    ref = run(model, held_out)
+    base = {"preset": "W4_GROUP128", "layer_type_quant_config": {"MatMul": {"weight": {"group_size": 32}}}}
+    rtn = sqnr_db(ref, run(onnxq.quantize(model, None, base, calib, progress=False).model, held_out))
+    for sequential in (True, False):
+        config = {**base, "algo_config": [{"name": "awq", "true_sequential": sequential}]}
+        result = onnxq.quantize(model, None, config, calib, progress=False)
+        ops = [n.op_type for n in result.model.graph.node]
+        assert ops.count("Mul") == 1 and ops.count("MatMulNBits") == 3, ops
+        mul = next(n for n in result.model.graph.node if n.op_type == "Mul")
+        assert sum(mul.output[0] in n.input for n in result.model.graph.node) == 3
+        assert "1 of 1 input groups (3 MatMul weights) scaled" in " ".join(result.summary.notes)
+        assert sqnr_db(ref, run(result.model, held_out)) > rtn + 1.0

@@ -43,12 +43,13 @@ def test_gptq_beats_round_to_nearest_on_held_out_data():
     ref = run(model, held_out)
     rtn = onnxq.as_config({"preset": "W4_GROUP128", "layer_type_quant_config": {"MatMul": {"weight": {"group_size": 32}}}})
     scores = {"rtn": sqnr_db(ref, run(onnxq.quantize(model, None, rtn, calib, progress=False).model, held_out))}
-    for name, options in (("gptq", {}), ("act_order", {"desc_act": True})):
+    for name, options in (("gptq", {"desc_act": False}), ("no_clip", {"clip_search": False}), ("act_order", {})):
         result = onnxq.quantize(model, None, _config(**options), calib, progress=False)
         assert "1 of 1 MatMul weights quantized with GPTQ" in " ".join(result.summary.notes)
         scores[name] = sqnr_db(ref, run(result.model, held_out))
     assert scores["gptq"] > scores["rtn"] + 1.0, scores
     assert scores["act_order"] > scores["gptq"], scores
+    assert scores["act_order"] > scores["no_clip"] + 0.5, scores  # H-weighted clipping of group scales
 
 
 def test_stored_weight_is_gptqs_and_deterministic(tmp_path):
@@ -110,11 +111,14 @@ def test_true_sequential_hessian_comes_from_the_quantized_prefix():
     rng = np.random.default_rng(12)
     changed = {}
 
-    def record(node, spec, hessian):
-        seen[node.name] = hessian
-        w = np.asarray(node.inputs[1].const_value.numpy())
-        changed[node.name] = (w + rng.standard_normal(w.shape).astype(np.float32) * 0.05).astype(np.float32)
-        return changed[node.name]
+    def record(group, hessian):
+        out = []
+        for node, _ in group:
+            seen[node.name] = hessian
+            w = np.asarray(node.inputs[1].const_value.numpy())
+            changed[node.name] = (w + rng.standard_normal(w.shape).astype(np.float32) * 0.05).astype(np.float32)
+            out.append(changed[node.name])
+        return out
 
     ctx = PassContext(CalibrationSource(data), CalibrationConfig(batch_size=5), progress=False)
     assert sequential_walk(model, layers, ctx, "gptq", record, 1) == 2  # budget 1 MB: batches go to disk

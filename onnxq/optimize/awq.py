@@ -3,12 +3,17 @@ lowered to MatMulNBits, in numpy.
 
 Input channels that carry large activations matter most. AWQ scales each input row k of
 W [K, N] by s_k = m_k^alpha (m: the channel's RMS over calibration data), quantizes W s
-with round-to-nearest and divides the input by s, so the important rows get finer
-steps. alpha is searched on a grid per layer; each candidate's output error
+and divides the input by s, so the important rows get finer steps; then each block's
+clipping is searched against the output error on the scaled input (importance
+E[x_k^2] / s_k^2), and the result is pinned for the MatMulNBits lowering. alpha is searched on a grid per layer; each candidate's output error
 E[|x (W - Q(W s) / s)|^2] = sum over columns of e^T H e is exact under H = E[x x^T],
 which the calibration pass collects once (the `gram` statistic GPTQ uses), so no
-candidate runs the model. A layer whose best alpha is 0 is left as it is. The division
-is a Mul by 1/s on the MatMul's input (float, per channel).
+candidate runs the model. The MatMuls sharing one input (q/k/v, gate/up: AWQ's scaling
+layers) share one s, searched on their summed error, and one Mul by 1/s on that input
+(float, per channel); a group whose best alpha is 0 is left as it is. Groups go in graph
+order with H taken from the model whose earlier groups are already scaled and quantized
+(`gptq.sequential_walk`, `true_sequential`), so memory holds one group's H; without it,
+every H comes from the float model in the calibration pass.
 """
 
 from __future__ import annotations
@@ -21,12 +26,21 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.calibrate.statistics import Statistic
-from onnxq.emit.matmul_nbits import dequantize_blockwise, quantize_blockwise
+from onnxq.config.resolve import ResolvedSpec
+from onnxq.emit.matmul_nbits import BlockQuantized, dequantize_blockwise, quantize_blockwise
 from onnxq.errors import ConfigError
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.optimize import PassContext, register_algorithm, statistics_of
-from onnxq.optimize.gptq import NO_LAYERS, hessian_requests, layers_with_hessians
+from onnxq.optimize.gptq import (
+    NO_LAYERS,
+    Layer,
+    hessian_requests,
+    input_groups,
+    layers_with_hessians,
+    matmul_nbits_layers,
+    sequential_walk,
+)
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
 
@@ -41,17 +55,26 @@ class AWQConfig:
 
     grid: int = 20
     min_gain: float = 0.02
+    true_sequential: bool = True
+    cache_budget_mb: int = 256
 
     def __post_init__(self) -> None:
         if self.grid < 1:
             raise ConfigError(f"awq: grid must be at least 1, got {self.grid}")
         if not 0 <= self.min_gain < 1:
             raise ConfigError(f"awq: min_gain must be in [0, 1), got {self.min_gain}")
+        if self.cache_budget_mb < 0:
+            raise ConfigError(f"awq: cache_budget_mb must be >= 0, got {self.cache_budget_mb}")
 
 
 @statistics_of("awq")
 def awq_requests(model: ir.Model, plan: QuantPlan, options: AWQConfig) -> list[Statistic]:
-    return hessian_requests(model, plan)
+    return [] if options.true_sequential else hessian_requests(model, plan)
+
+
+# Output columns handled at once: an LLM head (49152 columns) never gets whole float64
+# error copies.
+COLUMN_CHUNK = 4096
 
 
 def output_error(w: np.ndarray, w_hat: np.ndarray, hessian: np.ndarray) -> float:
@@ -60,47 +83,93 @@ def output_error(w: np.ndarray, w_hat: np.ndarray, hessian: np.ndarray) -> float
     return float(np.sum(e * (hessian @ e)))
 
 
-def search_scales(w: np.ndarray, hessian: np.ndarray, spec, scale_dtype: type, grid: int,
-                  min_gain: float = 0.0) -> tuple[float, np.ndarray]:
-    """The alpha of least output error and its per-input-channel scales (module doc);
-    alpha 0 unless the error drops by at least `min_gain`."""
+def _rounded(w: np.ndarray, s: np.ndarray, spec: ResolvedSpec, scale_dtype: type) -> np.ndarray:
+    """Q(W s) / s: what the MatMul computes on the unscaled input (plain rounding)."""
+    return dequantize_blockwise(quantize_blockwise((w * s[:, None]).astype(np.float32), spec, scale_dtype)) / s[:, None]
+
+
+def scaled_error(w: np.ndarray, s: np.ndarray, spec: ResolvedSpec, scale_dtype: type, hessian: np.ndarray) -> float:
+    """`output_error` of `_rounded(w, s)`, a slice of output columns at a time."""
+    return sum(output_error(w[:, i:i + COLUMN_CHUNK], _rounded(w[:, i:i + COLUMN_CHUNK], s, spec, scale_dtype),
+                            hessian) for i in range(0, w.shape[1], COLUMN_CHUNK))
+
+
+def search_scales(weights: list[np.ndarray], hessian: np.ndarray, specs: list[ResolvedSpec],
+                  scale_dtypes: list[type], grid: int, min_gain: float = 0.0) -> tuple[float, np.ndarray]:
+    """The alpha of least summed output error over `weights` (which share the input) and
+    its per-input-channel scales (module doc); alpha 0 unless the error drops by at least
+    `min_gain`."""
     rms = np.sqrt(np.maximum(np.diag(hessian), 1e-12))
-    nearest = output_error(w, dequantize_blockwise(quantize_blockwise(w, spec, scale_dtype)), hessian)
-    best = (nearest * (1 - min_gain), 0.0, np.ones(len(rms)))
+    ones = np.ones(len(rms))
+
+    def error(s: np.ndarray) -> float:
+        return sum(scaled_error(w, s, sp, dt, hessian) for w, sp, dt in zip(weights, specs, scale_dtypes))
+
+    best = (error(ones) * (1 - min_gain), 0.0, ones)
     for alpha in np.arange(1, grid + 1) / grid:
         s = rms ** alpha
         s = s / np.sqrt(s.max() * s.min())  # centred, so the weights keep their magnitude
-        w_hat = dequantize_blockwise(quantize_blockwise((w * s[:, None]).astype(np.float32), spec, scale_dtype))
-        err = output_error(w, w_hat / s[:, None], hessian)
+        err = error(s)
         if err < best[0]:
             best = (err, float(alpha), s)
     return best[1], best[2]
+
+
+def clipped(w: np.ndarray, s: np.ndarray, spec: ResolvedSpec, scale_dtype: type,
+            hessian: np.ndarray) -> BlockQuantized:
+    """W s quantized with each block's clipping searched against the output error of the
+    MatMul's input x / s (importance E[x_k^2] / s_k^2): AWQ's clipping step."""
+    importance = np.diag(hessian) / np.square(s)
+    return quantize_blockwise((w * s[:, None]).astype(np.float32), spec, scale_dtype, True, importance)
 
 
 @register_algorithm("awq", options=AWQConfig, data="required", rewrites=("weights", "graph"))
 def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: AWQConfig,
         ctx: PassContext) -> str:
     """Scale the input rows of every MatMul lowered to MatMulNBits (module doc)."""
-    layers = layers_with_hessians(model, plan, ctx, "awq")
-    if not layers:
-        return NO_LAYERS
     edit = GraphEditor(model.graph)
-    alphas = []
-    for node, spec, hessian in layers:
-        weight = node.inputs[1]
-        w = constant_array(weight)
-        if hessian is None or len(weight.uses()) != 1:
-            continue
-        alpha, s = search_scales(w, hessian, spec, FLOAT_TYPES[weight_dtype(node)], options.grid, options.min_gain)
+    alphas: list[float] = []
+
+    def scale_group(group: list[Layer], hessian: np.ndarray) -> list[np.ndarray | None]:
+        group = [(node, spec) for node, spec in group if len(node.inputs[1].uses()) == 1]
+        if not group:
+            return []
+        weights = [np.asarray(constant_array(node.inputs[1])) for node, _ in group]
+        dtypes = [FLOAT_TYPES[weight_dtype(node)] for node, _ in group]
+        alpha, s = search_scales(weights, hessian, [spec for _, spec in group], dtypes, options.grid,
+                                 options.min_gain)
         alphas.append(alpha)
-        if alpha == 0.0:
-            continue
-        node.replace_input_with(1, edit.initializer(f"{weight.name}_awq", (w * s[:, None]).astype(w.dtype)))
-        inverse = edit.initializer(f"{node.name}_awq_inverse_scale", (1.0 / s).astype(w.dtype))
-        scaled = edit.add_node("Mul", [node.inputs[0], inverse], f"{node.inputs[0].name}_awq",
-                               dtype=node.inputs[0].dtype, shape=node.inputs[0].shape)
-        node.replace_input_with(0, scaled)
+        if alpha > 0.0:
+            x = group[0][0].inputs[0]
+            inverse = edit.initializer(f"{group[0][0].name}_awq_inverse_scale", (1.0 / s).astype(weights[0].dtype))
+            scaled = edit.add_node("Mul", [x, inverse], f"{x.name}_awq", dtype=x.dtype, shape=x.shape)
+        effective = []
+        for (node, spec), w, dtype in zip(group, weights, dtypes):
+            if alpha > 0.0:
+                node.replace_input_with(1, edit.initializer(f"{node.inputs[1].name}_awq",
+                                                            (w * s[:, None]).astype(w.dtype)))
+                node.replace_input_with(0, scaled)
+            result = clipped(w, s, spec, dtype, hessian)
+            ctx.weights.pin_node(node.name, node.inputs[1], result)
+            effective.append((dequantize_blockwise(result) / s[:, None]).astype(w.dtype))
+        return effective
+
+    if options.true_sequential:
+        layers = matmul_nbits_layers(model, plan)
+        if not layers:
+            return NO_LAYERS
+        sequential_walk(model, layers, ctx, "awq", scale_group, options.cache_budget_mb)
+    else:
+        with_h = layers_with_hessians(model, plan, ctx, "awq")
+        if not with_h:
+            return NO_LAYERS
+        layers = [(node, spec) for node, spec, _ in with_h]
+        hessians = {node.inputs[0].name: h for node, _, h in with_h}
+        for group in input_groups(model, layers):
+            if hessians[group[0][0].inputs[0].name] is not None:
+                scale_group(group, hessians[group[0][0].inputs[0].name])
     model.graph.sort()
     moved = sum(a > 0 for a in alphas)
-    return (f"{moved} of {len(layers)} MatMul weights scaled (alpha median "
-            f"{float(np.median(alphas)) if alphas else 0:.2f}); the rest kept round-to-nearest")
+    return (f"{moved} of {len(alphas)} input groups ({len(layers)} MatMul weights) scaled (alpha median "
+            f"{float(np.median(alphas)) if alphas else 0:.2f}); every block's clipping searched against "
+            "its output error")
