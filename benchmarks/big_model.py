@@ -30,7 +30,6 @@ import numpy as np
 def build(folder: Path, layers: int, dim: int) -> Path:
     """model.onnx + weights.bin in `folder`; weights streamed to disk one at a time."""
     from onnx import TensorProto, helper
-    from onnx.external_data_helper import set_external_data
 
     rng = np.random.default_rng(0)
     nodes, inits = [], []
@@ -39,9 +38,10 @@ def build(folder: Path, layers: int, dim: int) -> Path:
         for i in range(layers):
             w = (rng.standard_normal((dim, dim), dtype=np.float32) / np.sqrt(dim)).astype(np.float32)
             f.write(w.tobytes())
-            t = TensorProto(name=f"w{i}", data_type=TensorProto.FLOAT, dims=[dim, dim])
-            set_external_data(t, "weights.bin", offset, w.nbytes)
-            t.data_location = TensorProto.EXTERNAL
+            t = TensorProto(name=f"w{i}", data_type=TensorProto.FLOAT, dims=[dim, dim],
+                            data_location=TensorProto.EXTERNAL)
+            for key, value in (("location", "weights.bin"), ("offset", offset), ("length", w.nbytes)):
+                t.external_data.add(key=key, value=str(value))
             inits.append(t)
             offset += w.nbytes
             x = "x" if i == 0 else f"h{i - 1}"
@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(job["result"]).write_text(json.dumps(C.jsonable(quantize(job))))
         return 0
     t0 = time.perf_counter()
-    report = C.start_report(args, {"git_revision": C.git_revision()})
+    import compare_ort as CO
+
+    report = C.start_report(args, {**CO.machine_info(), "git_revision": C.git_revision()})
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="big_model_"))
     (root / "model").mkdir(parents=True, exist_ok=True)
     (root / "elsewhere").mkdir(exist_ok=True)

@@ -16,6 +16,7 @@ K that is not a multiple of the block size is zero-padded to k_blocks * block_si
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -148,6 +149,16 @@ def _replace_with_nbits(graph: ir.Graph, editor: GraphEditor, node: ir.Node, bq:
     out.name = name
     if not weight.uses() and not weight.is_graph_output():
         graph.initializers.pop(weight.name, None)
+        _release(weight.const_value)
+
+
+def _release(tensor: object) -> None:
+    """Unmap a replaced weight kept in an external data file, so its pages leave the
+    process (a >2 GB model otherwise ends with every weight resident); a no-op while
+    something still holds a view of it."""
+    if isinstance(tensor, ir.ExternalTensor):
+        with contextlib.suppress(BufferError):
+            tensor.release()
 
 
 def emit_matmul_nbits(model: ir.Model, nodes: Mapping[str, ResolvedSpec],

@@ -123,6 +123,22 @@ def clipped(w: np.ndarray, s: np.ndarray, spec: ResolvedSpec, scale_dtype: type,
     return quantize_blockwise((w * s[:, None]).astype(np.float32), spec, scale_dtype, True, importance)
 
 
+def _scaled_initializer(edit: GraphEditor, weight: ir.Value, s: np.ndarray) -> ir.Value:
+    """An initializer W s computed only when read: the lowering stores the pinned int4
+    result, so a big model never holds a second float copy of its scaled weights."""
+    original = weight.const_value
+
+    def scaled() -> ir.Tensor:
+        w = original.numpy()
+        return ir.tensor((w * s[:, None].astype(w.dtype)).astype(w.dtype))
+
+    name = edit.unique(f"{weight.name}_awq")
+    value = ir.Value(name=name, shape=ir.Shape(original.shape), type=ir.TensorType(original.dtype),
+                     const_value=ir.LazyTensor(scaled, original.dtype, ir.Shape(original.shape), name=name))
+    edit.graph.register_initializer(value)
+    return value
+
+
 @register_algorithm("awq", options=AWQConfig, data="required", rewrites=("weights", "graph"))
 def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: AWQConfig,
         ctx: PassContext) -> str:
@@ -146,8 +162,7 @@ def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
         effective = []
         for (node, spec), w, dtype in zip(group, weights, dtypes):
             if alpha > 0.0:
-                node.replace_input_with(1, edit.initializer(f"{node.inputs[1].name}_awq",
-                                                            (w * s[:, None]).astype(w.dtype)))
+                node.replace_input_with(1, _scaled_initializer(edit, node.inputs[1], s))
                 node.replace_input_with(0, scaled)
             result = clipped(w, s, spec, dtype, hessian)
             ctx.weights.pin_node(node.name, node.inputs[1], result)
