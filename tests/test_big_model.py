@@ -66,3 +66,59 @@ def test_external_weights_from_another_directory(tmp_path, monkeypatch, big_path
     ref = run(_stack(), {"x": x[16:]})  # onnx.save moved `model`'s weights out
     assert sqnr_db(ref, run(str(out_dir / "q.onnx"), {"x": x[16:]})) > (25 if flags[0] == "--per-channel" else 14)
     assert (model_dir / "weights.bin").read_bytes() == before  # the input is untouched
+
+
+@pytest.mark.parametrize("flags", [
+    ["--per-channel"],
+    ["--preset", "W4_GROUP128", "--per-group", "32", "--algorithm", "gptq"],
+    ["--preset", "W4_GROUP128", "--per-group", "32", "--algorithm", "awq"],
+], ids=["static", "gptq", "awq"])
+def test_weights_kept_out_of_the_proto_give_the_same_bytes(tmp_path, monkeypatch, flags):
+    """Past SPILL_LIMIT a model file's raw weights are memory maps of the file itself
+    (`graph.wire`), and an in-memory model's are moved into temporary mapped files; either
+    way the output is byte-identical and the input intact."""
+    import onnxq
+    from onnxq.cli import _spec_overrides, build_parser
+    from onnxq.config import compose_config
+
+    path = tmp_path / "m.onnx"
+    onnx.save(_stack(), str(path))
+    source = path.read_bytes()
+    data = {"x": np.random.default_rng(2).standard_normal((16, 4, K)).astype(np.float32)}
+    args = build_parser().parse_args(["quantize", "in", "out", *flags])
+    config = compose_config(args.preset, args.config, _spec_overrides(args))
+
+    def quantized(model: object) -> bytes:
+        return onnxq.quantize(model, None, config, data, progress=False).model.SerializeToString()
+
+    reference = quantized(str(path))
+    monkeypatch.setattr(load_module, "SPILL_LIMIT", 0)
+    monkeypatch.setattr(load_module, "_SPILL_MIN_BYTES", 1024)
+    mapped = load_module.load_model(str(path))[0]
+    assert all(isinstance(v.const_value.raw, np.ndarray) and not v.const_value.raw.flags.writeable
+               for v in mapped.graph.initializers.values() if v.name.startswith("w"))
+    assert quantized(str(path)) == reference  # weights mapped from the model file
+    assert quantized(onnx.load(str(path))) == reference  # weights spilled to temporary files
+    assert path.read_bytes() == source
+
+
+def test_wire_reader_matches_onnx_load(tmp_path):
+    from onnxq.graph.wire import read_split
+
+    model = _stack()
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.arange(6, dtype=np.int64), "typed"))
+    model.graph.initializer[-1].ClearField("raw_data")
+    model.graph.initializer[-1].int64_data.extend(range(6))
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    proto, weights = read_split(path)
+    full = onnx.load(str(path))
+    assert sorted(weights) == sorted(t.name for t in full.graph.initializer if t.HasField("raw_data"))
+    for tensor in full.graph.initializer:
+        expected = onnx.numpy_helper.to_array(tensor)
+        got = weights.get(tensor.name)
+        if got is None:
+            got = onnx.numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == tensor.name))
+        np.testing.assert_array_equal(got, expected)
+    assert [n.name for n in proto.graph.node] == [n.name for n in full.graph.node]
+    assert proto.opset_import == full.opset_import

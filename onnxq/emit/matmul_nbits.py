@@ -28,6 +28,7 @@ from onnxq.config.spec import Config
 from onnxq.emit.lowering import LoweringReport, claimed_nodes, register_lowering
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
+from onnxq.graph.load import drop_pages
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import block_importance, quantize_blocks
 from onnxq.plan.strategies.matmul_nbits import BITS, FLOAT_TYPES, can_use_matmul_nbits, weight_dtype
@@ -153,9 +154,11 @@ def _replace_with_nbits(graph: ir.Graph, editor: GraphEditor, node: ir.Node, bq:
 
 
 def _release(tensor: object) -> None:
-    """Unmap a replaced weight kept in an external data file, so its pages leave the
-    process (a >2 GB model otherwise ends with every weight resident); a no-op while
-    something still holds a view of it."""
+    """Unmap a replaced weight kept in an external data file, or drop the pages of one
+    mapped at load (`graph.load.drop_pages`), so it leaves the process (a >2 GB model
+    otherwise ends with every weight resident); unmapping is skipped while something
+    still holds a view of it."""
+    drop_pages(tensor)
     if isinstance(tensor, ir.ExternalTensor):
         with contextlib.suppress(BufferError):
             tensor.release()

@@ -9,9 +9,14 @@ optional values keep their types; training graphs and map-typed graph inputs or 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import mmap
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +31,7 @@ from google.protobuf.message import DecodeError, Message
 from onnxq.errors import ModelError, UnsupportedModelError
 from onnxq.graph.edit import GraphEditor, set_constant
 from onnxq.graph.fold import fold_constants
+from onnxq.graph.wire import WireError, read_split
 
 # Per-channel QuantizeLinear/DequantizeLinear (the `axis` attribute) needs opset 13.
 MIN_OPSET = 13
@@ -49,15 +55,24 @@ class LoadReport:
     notes: list[str] = field(default_factory=list)
 
 
-def _read_proto(source: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str, str]:
-    """The model proto (external data not loaded), its base directory and a display name."""
+def _read_proto(source: str | os.PathLike | onnx.ModelProto, split: bool = False,
+                ) -> tuple[onnx.ModelProto, str, str, dict[str, np.ndarray]]:
+    """The model proto (external data not loaded), its base directory, a display name and,
+    with `split` for a file past `SPILL_LIMIT`, its raw weights as memory maps of the file
+    (left out of the proto, `graph.wire`)."""
     if isinstance(source, onnx.ModelProto):
-        return source, "", "<ModelProto>"
+        return source, "", "<ModelProto>", {}
     path = Path(source)
     if not path.exists():
         raise ModelError(f"model file not found: {path}; check the path")
     if path.is_dir():
         raise ModelError(f"{path} is a directory, not an .onnx file; pass the model file itself")
+    if split and path.is_file() and path.stat().st_size > SPILL_LIMIT:
+        try:
+            proto, weights = read_split(path)
+            return proto, str(path.parent), str(path), weights
+        except (WireError, OSError):
+            pass  # read as usual; a broken file gets the usual error below
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except (DecodeError, RuntimeError, ValueError, OSError) as exc:
@@ -65,7 +80,7 @@ def _read_proto(source: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.Model
             f"{path} is not a readable ONNX model ({type(exc).__name__}); "
             "check that the file is a complete .onnx export, not truncated or another format"
         ) from None
-    return proto, str(path.parent), str(path)
+    return proto, str(path.parent), str(path), {}
 
 
 def _copy_fields(source: Message, target: Message, skip: str) -> None:
@@ -94,11 +109,13 @@ def _without_weight_data(proto: onnx.ModelProto) -> onnx.ModelProto:
     return stub
 
 
-def _check_weight_sizes(proto: onnx.ModelProto) -> None:
+def _check_weight_sizes(proto: onnx.ModelProto, mapped: set[str] = frozenset()) -> None:
     """Each raw initializer holds exactly the bytes its shape and type need (what the
-    checker would have said about the data the stub left out)."""
+    checker would have said about the data the stub left out; `mapped` weights were
+    sized when they were mapped)."""
     for tensor in proto.graph.initializer:
-        if not tensor.HasField("raw_data") or tensor.data_location == onnx.TensorProto.EXTERNAL:
+        if (not tensor.HasField("raw_data") or tensor.data_location == onnx.TensorProto.EXTERNAL
+                or tensor.name in mapped):
             continue
         try:
             itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
@@ -112,7 +129,7 @@ def _check_weight_sizes(proto: onnx.ModelProto) -> None:
                              f"bytes for shape {list(tensor.dims)} (needs {need}); fix or re-export the model")
 
 
-def _check(proto: onnx.ModelProto, path: str | None) -> None:
+def _check(proto: onnx.ModelProto, path: str | None, mapped: set[str] = frozenset()) -> None:
     """Run onnx.checker: by path when the model has external data (the checker then
     checks the files), else on a copy without weight data plus a size check of each
     weight (a full copy for the checker doubled peak memory on big models)."""
@@ -124,7 +141,7 @@ def _check(proto: onnx.ModelProto, path: str | None) -> None:
         if path is not None and external:
             onnx.checker.check_model(path)
         else:
-            _check_weight_sizes(proto)
+            _check_weight_sizes(proto, mapped)
             onnx.checker.check_model(_without_weight_data(proto))
     except (onnx.checker.ValidationError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -392,12 +409,88 @@ def _inline_external(model: ir.Model) -> None:
         ir.external_data.load_to_model(model)
 
 
+# Weights embedded in the .onnx file past this many bytes are moved at load into
+# temporary per-tensor files and memory-mapped (`_spill_embedded`): the parsed protobuf,
+# which keeps every weight alive until all of them die, is then freed at once, and a
+# weight replaced by its int4 form leaves memory (an LLM's peak RSS went from 2.2x to
+# about 1.3x the model file).
+SPILL_LIMIT = 256 << 20
+_SPILL_MIN_BYTES = 1 << 16  # smaller tensors are copied into memory instead
+
+
+def _owned(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
+    """A tensor that holds its own bytes (not a view into the parsed protobuf)."""
+    if isinstance(tensor, ir.serde.TensorProtoTensor):
+        return ir.Tensor(tensor.numpy().copy(), name=tensor.name)
+    return tensor
+
+
+def _spill_embedded(model: ir.Model) -> None:
+    """Move the embedded weights of a big model out of the parsed protobuf (see
+    `SPILL_LIMIT`): big ones into temporary files mapped read-only (each deleted with its
+    tensor, or at exit), the rest, attribute tensors included, into owned arrays."""
+    values = [v for g in (model.graph, *model.graph.subgraphs()) for v in g.initializers.values()]
+    embedded = [v for v in values if isinstance(v.const_value, ir.serde.TensorProtoTensor)]
+    if sum(v.const_value.nbytes for v in embedded) <= SPILL_LIMIT:
+        return
+    folder = Path(tempfile.mkdtemp(prefix="onnxq-weights-"))
+    atexit.register(shutil.rmtree, folder, True)
+    for i, value in enumerate(embedded):
+        tensor = value.const_value
+        if tensor.nbytes < _SPILL_MIN_BYTES or tensor.dtype.bitwidth < 8:
+            value.const_value = _owned(tensor)
+            continue
+        path = folder / f"w{i}.bin"
+        array = tensor.numpy()
+        array.tofile(path)
+        # A read-only memory map, wrapped like any array: serializing the model inlines it.
+        mapped = np.memmap(path, dtype=array.dtype, mode="r", shape=array.shape)
+        del array
+        spilled = ir.Tensor(mapped, dtype=tensor.dtype, name=tensor.name)
+        weakref.finalize(spilled, _remove, path)
+        value.const_value = spilled
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.serde.TensorProtoTensor):
+                node.attributes[attr.name] = ir.AttrTensor(attr.name, _owned(attr.value))
+
+
+def drop_pages(tensor: object) -> None:
+    """Let the pages of a weight that `_spill_embedded` mapped leave the process's memory
+    (it is read again from its file if anything reads it later): for weights a stage is
+    done with that a copy of the model (a fallback's pristine clone) still references."""
+    array = tensor.raw if isinstance(tensor, ir.Tensor) else None
+    if not isinstance(array, np.ndarray) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    backing = getattr(array, "_mmap", None)  # np.memmap of a spilled weight: its own file
+    if backing is not None:
+        with contextlib.suppress(OSError, ValueError):
+            backing.madvise(mmap.MADV_DONTNEED)
+        return
+    base = array.base
+    while isinstance(base, np.ndarray | memoryview):
+        base = base.obj if isinstance(base, memoryview) else base.base
+    if isinstance(base, mmap.mmap):  # a view into the model file (`graph.wire`): its own pages
+        origin = np.frombuffer(base, np.uint8, count=1).ctypes.data
+        start = array.ctypes.data - origin
+        page = mmap.PAGESIZE
+        first, last = -(-start // page) * page, (start + array.nbytes) // page * page
+        if last > first:
+            with contextlib.suppress(OSError, ValueError):
+                base.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
 def read_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> ir.Model:
     """Read a model as it is (checked, not normalised): for looking at a model this tool
     or another one wrote, where normalising would change what is looked at."""
     if isinstance(source, ir.Model):
         return source
-    proto, base_dir, name = _read_proto(source)
+    proto, base_dir, name, _ = _read_proto(source)
     _check(proto, None if isinstance(source, onnx.ModelProto) else str(source))
     model = ir.serde.deserialize_model(proto)
     if base_dir:
@@ -416,18 +509,25 @@ def load_model(
     min_opset = max(min_opset, MIN_OPSET)
     if isinstance(source, ir.Model):
         source = ir.to_proto(source)
-    proto, base_dir, name = _read_proto(source)
+    proto, base_dir, name, mapped = _read_proto(source, split=True)
+    if mapped and default_opset(proto) < min_opset:  # the opset converter needs the weights
+        proto, base_dir, name, mapped = _read_proto(source)
     _refuse_training(proto, name)
-    _check(proto, None if isinstance(source, onnx.ModelProto) else str(source))
+    _check(proto, None if isinstance(source, onnx.ModelProto) else str(source), set(mapped))
     original = default_opset(proto)
     if isinstance(source, onnx.ModelProto):
         proto = onnx.ModelProto.FromString(proto.SerializeToString())  # never mutate the caller's
     _drop_map_types(proto, name)
     proto = _upgrade_opset(proto, original, min_opset)
     model = ir.serde.deserialize_model(proto)
+    for name_, array in mapped.items():
+        value = model.graph.initializers[name_]
+        value.const_value = ir.Tensor(array, dtype=value.const_value.dtype, name=name_)
     if base_dir:
         ir.external_data.set_base_dir(model.graph, base_dir)
         _inline_external(model)
+    _spill_embedded(model)
+    del proto
     report = LoadReport(source=name, original_opset=original, opset=max(original, min_opset))
     if original < min_opset:
         report.notes.append(f"upgraded opset {original} -> {min_opset}")
