@@ -31,6 +31,7 @@ from onnxq.emit.matmul_nbits import BlockQuantized, dequantize_blockwise, quanti
 from onnxq.errors import ConfigError
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
+from onnxq.graph.load import drop_pages
 from onnxq.optimize import PassContext, register_algorithm, statistics_of
 from onnxq.optimize.gptq import (
     NO_LAYERS,
@@ -151,6 +152,7 @@ def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
         if not group:
             return []
         weights = [np.asarray(constant_array(node.inputs[1])) for node, _ in group]
+        original_tensors = {node.name: node.inputs[1].const_value for node, _ in group}
         dtypes = [FLOAT_TYPES[weight_dtype(node)] for node, _ in group]
         alpha, s = search_scales(weights, hessian, [spec for _, spec in group], dtypes, options.grid,
                                  options.min_gain)
@@ -166,6 +168,7 @@ def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
                 node.replace_input_with(0, scaled)
             result = clipped(w, s, spec, dtype, hessian)
             ctx.weights.pin_node(node.name, node.inputs[1], result)
+            drop_pages(original_tensors[node.name])
             effective.append((dequantize_blockwise(result) / s[:, None]).astype(w.dtype))
         return effective
 

@@ -38,6 +38,7 @@ from onnxq.config.resolve import ResolvedSpec
 from onnxq.emit.matmul_nbits import BlockQuantized, dequantize_blockwise, packed
 from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.graph.fold import constant_array
+from onnxq.graph.load import drop_pages
 from onnxq.graph.save import proto_without_weights
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import cast_scale, search_clip_scales, searchable, weight_qparams
@@ -264,6 +265,7 @@ def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, flo
         codes, scales, zeros = gptq_quantize(w.T, hessian, spec, options, scale_dtype)
         result = to_block_quantized(codes, scales, zeros, spec, scale_dtype)
         ctx.weights.pin_node(node.name, node.inputs[1], result)
+        drop_pages(node.inputs[1].const_value)  # read once; a mapped weight's pages may go
         return dequantize_blockwise(result).astype(w.dtype)
 
     def quantize_group(group: list[Layer], hessian: np.ndarray) -> list[np.ndarray | None]:

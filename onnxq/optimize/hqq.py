@@ -20,6 +20,7 @@ import onnx_ir as ir
 from onnxq.emit.matmul_nbits import quantize_blockwise
 from onnxq.errors import ConfigError
 from onnxq.graph.fold import constant_array
+from onnxq.graph.load import drop_pages
 from onnxq.optimize import PassContext, register_algorithm
 from onnxq.optimize.gptq import NO_LAYERS, matmul_nbits_layers
 from onnxq.plan import QuantPlan
@@ -60,4 +61,5 @@ def hqq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
         w = np.asarray(constant_array(node.inputs[1]))
         ctx.weights.pin_node(node.name, node.inputs[1],
                              quantize_blockwise(w, hqq_spec, FLOAT_TYPES[weight_dtype(node)]))
+        drop_pages(node.inputs[1].const_value)  # read once; a mapped weight's pages may go
     return f"{len(layers)} MatMul weights quantized with HQQ (asymmetric blocks, float zero points)"
