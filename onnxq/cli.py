@@ -93,7 +93,7 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
     algorithms = [name for name in ALGORITHM_FLAGS if getattr(args, name)]
     if args.algorithm is not None:
         others = [name for name in algorithms if name in WEIGHT_ONLY_ALGORITHMS]
-        if others or args.algorithm == "rtn" and any(a in ("gptq", "awq") for a in algorithms):
+        if others:
             raise OnnxqError(f"--algorithm {args.algorithm} and --{others[0]} both pick the weight-only algorithm; "
                              "give one")
         if args.algorithm != "rtn":

@@ -17,11 +17,10 @@ import onnx_ir as ir
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.calibrate.ranges_io import load_ranges, save_ranges
 from onnxq.calibrate.rescale import calibrate_deferred
-from onnxq.calibrate.runner import CalibrationResult, calibrate, observe
+from onnxq.calibrate.runner import CalibrationResult, observe
 from onnxq.calibrate.shards import (
     count_batches,
     fingerprint,
-    header_for,
     load_stats,
     parse_shard,
     save_stats,
@@ -79,7 +78,7 @@ class PipelineState:
         if missing and ctx.data is not None and ctx.data.source is not None:
             # A tensor no plan calibrated before (the input of a node whose producer was
             # raised to float): calibrate it as a run of this config would.
-            self.ranges.update(calibrate(model, missing, ctx.data, ctx.calibration, False, []).ranges)
+            self.ranges.update(observe(model, missing, ctx.data, ctx.calibration, False).result().ranges)
         plan = _within_ranges(plan, self.ranges)
         plan, _ = run_algorithms(model, plan, self.ranges, self.algorithms, ctx)
         model, _ = _emit_loadable(model, plan, self.ranges, config, ctx, self.target)
@@ -183,7 +182,7 @@ def _calibrate_or_load(
         result = calibrate_deferred(model, tensors, data, options, progress, requests, deferred.rescalable, finish)
     else:
         requests = algorithm_requests(model, plan, algorithms) if data.source is not None else []
-        result = calibrate(model, tensors, data, options, progress, requests)
+        result = observe(model, tensors, data, options, progress, requests).result()
     if options.save_ranges:
         save_ranges(options.save_ranges, result.ranges, tensors, result.num_samples)
     return result
@@ -311,11 +310,8 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
             deferrable: bool) -> Prepared:
     """Stage 1 (load) and the passes of stage 3 that run before calibration."""
     check_config_entries(config.pre_quant_opt_config, config.algo_config)
-    options = config.calibration
-    if options.stats and options.load_ranges:
-        raise ConfigError("calibration.stats and calibration.load_ranges both replace calibration; give one")
     data = CalibrationSource(calibration_data)
-    ctx = PassContext(data, options, progress, deferrable=deferrable, qdq_domain=config.qdq_domain)
+    ctx = PassContext(data, config.calibration, progress, deferrable=deferrable, qdq_domain=config.qdq_domain)
     summary = Summary()
     target = resolve_target(config)
     summary.target = target.describe()
@@ -440,8 +436,7 @@ def calibrate_shard(
     total = count_batches(ready.model, ready.data, config.calibration)
     window = shard_window(index, count, total)
     state = observe(ready.model, tensors, ready.data, config.calibration, progress, statistics, window)
-    digest = fingerprint(ready.model, tensors, statistics, config.calibration)
-    path = save_stats(stats, state, header_for(state, digest, window, total, statistics))
+    path = save_stats(stats, state, fingerprint(ready.model, tensors, statistics, config.calibration), window, total)
     return ShardResult(path, window, total, state.num_samples)
 
 
@@ -492,6 +487,6 @@ def calibrate_sharded(
     with tempfile.TemporaryDirectory(prefix="onnxq-shards-") as folder:
         state = load_stats(write_all(parts, folder), ready.model, tensors, statistics, config.calibration)
     total = state.num_batches
-    digest = fingerprint(ready.model, tensors, statistics, config.calibration)
-    path = save_stats(stats, state, header_for(state, digest, (0, total), total, statistics))
+    path = save_stats(stats, state, fingerprint(ready.model, tensors, statistics, config.calibration), (0, total),
+                      total)
     return ShardResult(path, (0, total), total, state.num_samples)

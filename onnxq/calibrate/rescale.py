@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.calibrate.observers import make_observer, observer_class
-from onnxq.calibrate.runner import CalibrationResult, calibrate
+from onnxq.calibrate.runner import CalibrationResult, observe
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
@@ -86,7 +86,7 @@ def calibrate_deferred(
                 for n, spec in held.items() if observer_class(spec.calib_method).min_max_only}
     internal = [s for pair in extremes.values() for s in pair if s not in statistics]
     rest = {n: spec for n, spec in tensors.items() if n not in held}
-    result = calibrate(model, rest, data, options, progress, [*statistics, *internal])
+    result = observe(model, rest, data, options, progress, [*statistics, *internal]).result()
     found = result.statistics
     rescales = finish(found)
     values = values_by_name(model.graph)
@@ -100,7 +100,7 @@ def calibrate_deferred(
             ranges[name] = scaled
     again = {n: spec for n, spec in held.items() if n not in ranges}
     if again:
-        second = calibrate(model, again, data, options, progress)
+        second = observe(model, again, data, options, progress).result()
         ranges.update(second.ranges)
         result.num_passes += second.num_passes
     result.ranges = {name: result.ranges[name] if name in result.ranges else ranges[name] for name in tensors}

@@ -75,9 +75,9 @@ def stream_tensors(
                          also_whole=extra_whole) as session, bar:
         for index, feed in enumerate(iter_batches(data, inputs, options.batch_size, options.max_samples,
                                                   purpose, options.max_batches)):
-            if window is not None and not window[0] <= index < window[1]:
-                if index >= window[1]:
-                    break
+            if window is not None and index >= window[1]:
+                break
+            if window is not None and index < window[0]:
                 continue
             rows = len(next(iter(feed.values())))
             got = dict(zip(outputs, session.run(outputs, feed)))
@@ -152,6 +152,9 @@ class CalibrationState:
         self.num_batches += other.num_batches
 
     def result(self) -> CalibrationResult:
+        """The ranges and statistics; empty when nothing was asked of the data."""
+        if not self.observers and self.statistics is None:
+            return CalibrationResult()
         if self.num_batches == 0:
             raise CalibrationDataError("calibration data is empty; give at least one sample")
         return CalibrationResult(
@@ -169,7 +172,7 @@ def observe(
     window: tuple[int, int] | None = None,
 ) -> CalibrationState:
     """Stream the calibration data (the batches in `window`, default all) into an observer
-    per tensor and the requested statistics.
+    per tensor and the requested statistics; `.result()` gives the ranges.
 
     Tensors are observed in one pass, or in groups over several passes when
     `options.max_memory_mb` bounds the activations held per batch; statistics are
@@ -195,17 +198,3 @@ def observe(
     state.num_passes = len(groups)
     return state
 
-
-def calibrate(
-    model: ir.Model,
-    tensors: dict[str, ResolvedSpec],
-    data: Any,
-    options: CalibrationConfig,
-    progress: bool | None = None,
-    statistics: Collection[Statistic] = (),
-) -> CalibrationResult:
-    """Run the calibration data through the model and return a range for each tensor,
-    and the requested statistics (what the algorithms after calibration asked for)."""
-    if not tensors and not statistics:
-        return CalibrationResult()
-    return observe(model, tensors, data, options, progress, statistics).result()

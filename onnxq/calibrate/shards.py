@@ -8,8 +8,8 @@ from merged shard statistics is byte-identical to one calibrated in a single run
 
 A stats file is an .npz of plain arrays (no pickle): a JSON header (format, the batch
 window it covers, the total number of batches, a fingerprint of the model, the
-calibrated tensors and their specs, the statistics requested and the batching options)
-and each observer's and statistic's state. Files merge when their fingerprints agree and
+calibrated tensors and their specs, the statistics requested and the batching options,
+the calibrated tensors' order, the counts) and each observer's and statistic's state. Files merge when their fingerprints agree and
 their windows tile [0, total) without gap or overlap.
 """
 
@@ -20,7 +20,6 @@ import json
 import os
 import re
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from onnxq.calibrate.statistics import Accumulator, Statistic, StatisticsSet
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import CalibrationDataError, ConfigError
+from onnxq.graph.save import write_npz_atomic
 
 FORMAT = "onnxq-stats"
 VERSION = 1
@@ -79,39 +79,21 @@ def fingerprint(model: ir.Model, tensors: dict[str, ResolvedSpec], statistics: C
     return h.hexdigest()
 
 
-@dataclass
-class StatsHeader:
-    """What a stats file says about itself."""
-
-    fingerprint: str
-    window: tuple[int, int]
-    total: int
-    tensors: list[str]
-    statistics: list[Statistic]
-    num_samples: int
-    num_batches: int
-    num_passes: int
-
-
-def save_stats(path: str | os.PathLike, state: CalibrationState, header: StatsHeader) -> Path:
-    """Write a shard's (or a merged) state as an .npz, atomically."""
+def save_stats(path: str | os.PathLike, state: CalibrationState, fingerprint_: str, window: tuple[int, int],
+               total: int) -> Path:
+    """Write a shard's (or a merged) state covering batches `window` of `total`, atomically."""
+    tensors = list(state.observers)
     arrays: dict[str, np.ndarray] = {}
-    for i, name in enumerate(header.tensors):
+    for i, name in enumerate(tensors):
         arrays.update({f"o{i}.{k}": v for k, v in state.observers[name].state().items()})
-    if state.statistics is not None:
-        for i, stat in enumerate(header.statistics):
-            arrays.update({f"s{i}.{k}": v for k, v in state.statistics.accumulators[stat].state().items()
-                           } if stat in state.statistics.accumulators else {})
-    meta = {"format": FORMAT, "version": VERSION, "fingerprint": header.fingerprint,
-            "window": list(header.window), "total": header.total, "tensors": header.tensors,
-            "statistics": [[s.tensor, s.reduce, s.axis] for s in header.statistics],
-            "num_samples": header.num_samples, "num_batches": header.num_batches, "num_passes": header.num_passes}
-    out = Path(path)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.savez(f, __header__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-    os.replace(tmp, out)
-    return out
+    found = state.statistics
+    for i, stat in enumerate(found.order if found is not None else []):
+        if stat in found.accumulators:  # derived ones (absmax from min and max) are not stored
+            arrays.update({f"s{i}.{k}": v for k, v in found.accumulators[stat].state().items()})
+    meta = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint_, "window": list(window),
+            "total": total, "tensors": tensors, "num_samples": state.num_samples,
+            "num_batches": state.num_batches, "num_passes": state.num_passes}
+    return write_npz_atomic(path, {"__header__": np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays})
 
 
 def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -181,8 +163,3 @@ def load_stats(paths: Sequence[str | os.PathLike], model: ir.Model, tensors: dic
     assert state is not None
     return state
 
-
-def header_for(state: CalibrationState, fingerprint_: str, window: tuple[int, int], total: int,
-               statistics: Sequence[Statistic]) -> StatsHeader:
-    return StatsHeader(fingerprint_, window, total, list(state.observers), list(statistics), state.num_samples,
-                       state.num_batches, state.num_passes)

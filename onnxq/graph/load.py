@@ -409,11 +409,11 @@ def _inline_external(model: ir.Model) -> None:
         ir.external_data.load_to_model(model)
 
 
-# Weights embedded in the .onnx file past this many bytes are moved at load into
-# temporary per-tensor files and memory-mapped (`_spill_embedded`): the parsed protobuf,
-# which keeps every weight alive until all of them die, is then freed at once, and a
-# weight replaced by its int4 form leaves memory (an LLM's peak RSS went from 2.2x to
-# about 1.3x the model file).
+# Models whose embedded weights pass this many bytes keep them out of the parsed protobuf,
+# which holds every weight until all of them die: a file's raw weights are memory maps of
+# the file itself (`graph.wire`), an in-memory model's are moved into temporary mapped
+# files (`_spill_embedded`). A weight replaced by its int4 form then leaves memory
+# (SmolLM2 RTN: peak RSS 2.2x -> 1.4x the model file).
 SPILL_LIMIT = 256 << 20
 _SPILL_MIN_BYTES = 1 << 16  # smaller tensors are copied into memory instead
 
@@ -456,21 +456,17 @@ def _spill_embedded(model: ir.Model) -> None:
 
 
 def drop_pages(tensor: object) -> None:
-    """Let the pages of a weight that `_spill_embedded` mapped leave the process's memory
-    (it is read again from its file if anything reads it later): for weights a stage is
-    done with that a copy of the model (a fallback's pristine clone) still references."""
+    """Let the pages of a weight mapped at load (`graph.wire`, `_spill_embedded`) leave the
+    process's memory (they are read again from the file if anything reads it later): for
+    weights a stage is done with that a copy of the model (a fallback's pristine clone)
+    still references."""
     array = tensor.raw if isinstance(tensor, ir.Tensor) else None
     if not isinstance(array, np.ndarray) or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    backing = getattr(array, "_mmap", None)  # np.memmap of a spilled weight: its own file
-    if backing is not None:
-        with contextlib.suppress(OSError, ValueError):
-            backing.madvise(mmap.MADV_DONTNEED)
         return
     base = array.base
     while isinstance(base, np.ndarray | memoryview):
         base = base.obj if isinstance(base, memoryview) else base.base
-    if isinstance(base, mmap.mmap):  # a view into the model file (`graph.wire`): its own pages
+    if isinstance(base, mmap.mmap):  # the model file (`graph.wire`) or a spilled file: this weight's pages
         origin = np.frombuffer(base, np.uint8, count=1).ctypes.data
         start = array.ctypes.data - origin
         page = mmap.PAGESIZE

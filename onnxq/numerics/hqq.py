@@ -19,17 +19,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnxq.errors import ConfigError
 from onnxq.numerics.qmath import IntType
 
 
 @dataclass(frozen=True)
 class HqqOptions:
-    """iterations, lp norm p, initial beta and its growth kappa (the paper's defaults)."""
+    """iterations of the half-quadratic solver, the lp norm p (< 1 forgives outliers), the
+    initial beta and its growth kappa (the paper's defaults)."""
 
     iterations: int = 20
     p: float = 0.7
     beta: float = 10.0
     kappa: float = 1.01
+
+    def __post_init__(self) -> None:
+        if self.iterations < 1:
+            raise ConfigError(f"hqq: iterations must be at least 1, got {self.iterations}")
+        if not 0 < self.p <= 1:
+            raise ConfigError(f"hqq: p must be in (0, 1], got {self.p}")
+        if self.beta <= 0 or self.kappa < 1:
+            raise ConfigError(f"hqq: beta must be > 0 and kappa >= 1, got beta {self.beta}, kappa {self.kappa}")
 
 
 def _shrink(x: np.ndarray, beta: float, p: float) -> np.ndarray:

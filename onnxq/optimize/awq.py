@@ -33,15 +33,7 @@ from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.graph.load import drop_pages
 from onnxq.optimize import PassContext, register_algorithm, statistics_of
-from onnxq.optimize.gptq import (
-    NO_LAYERS,
-    Layer,
-    hessian_requests,
-    input_groups,
-    layers_with_hessians,
-    matmul_nbits_layers,
-    sequential_walk,
-)
+from onnxq.optimize.gptq import NO_LAYERS, Layer, hessian_requests, walk_groups
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
 
@@ -148,46 +140,37 @@ def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
     alphas: list[float] = []
 
     def scale_group(group: list[Layer], hessian: np.ndarray) -> list[np.ndarray | None]:
-        group = [(node, spec) for node, spec in group if len(node.inputs[1].uses()) == 1]
-        if not group:
-            return []
-        weights = [np.asarray(constant_array(node.inputs[1])) for node, _ in group]
-        original_tensors = {node.name: node.inputs[1].const_value for node, _ in group}
-        dtypes = [FLOAT_TYPES[weight_dtype(node)] for node, _ in group]
-        alpha, s = search_scales(weights, hessian, [spec for _, spec in group], dtypes, options.grid,
+        """The group's layers whose weight only they read get one shared scale; the rest
+        (a shared weight) keep round-to-nearest. Results are aligned with `group`."""
+        own = [(node, spec) for node, spec in group if len(node.inputs[1].uses()) == 1]
+        if not own:
+            return [None] * len(group)
+        weights = [np.asarray(constant_array(node.inputs[1])) for node, _ in own]
+        dtypes = [FLOAT_TYPES[weight_dtype(node)] for node, _ in own]
+        alpha, s = search_scales(weights, hessian, [spec for _, spec in own], dtypes, options.grid,
                                  options.min_gain)
         alphas.append(alpha)
         if alpha > 0.0:
-            x = group[0][0].inputs[0]
-            inverse = edit.initializer(f"{group[0][0].name}_awq_inverse_scale", (1.0 / s).astype(weights[0].dtype))
+            x = own[0][0].inputs[0]
+            inverse = edit.initializer(f"{own[0][0].name}_awq_inverse_scale", (1.0 / s).astype(weights[0].dtype))
             scaled = edit.add_node("Mul", [x, inverse], f"{x.name}_awq", dtype=x.dtype, shape=x.shape)
-        effective = []
-        for (node, spec), w, dtype in zip(group, weights, dtypes):
+        effective: dict[str, np.ndarray] = {}
+        for (node, spec), w, dtype in zip(own, weights, dtypes):
+            original = node.inputs[1].const_value
             if alpha > 0.0:
                 node.replace_input_with(1, _scaled_initializer(edit, node.inputs[1], s))
                 node.replace_input_with(0, scaled)
             result = clipped(w, s, spec, dtype, hessian)
             ctx.weights.pin_node(node.name, node.inputs[1], result)
-            drop_pages(original_tensors[node.name])
-            effective.append((dequantize_blockwise(result) / s[:, None]).astype(w.dtype))
-        return effective
+            drop_pages(original)
+            effective[node.name] = (dequantize_blockwise(result) / s[:, None]).astype(w.dtype)
+        return [effective.get(node.name) for node, _ in group]
 
-    if options.true_sequential:
-        layers = matmul_nbits_layers(model, plan)
-        if not layers:
-            return NO_LAYERS
-        sequential_walk(model, layers, ctx, "awq", scale_group, options.cache_budget_mb)
-    else:
-        with_h = layers_with_hessians(model, plan, ctx, "awq")
-        if not with_h:
-            return NO_LAYERS
-        layers = [(node, spec) for node, spec, _ in with_h]
-        hessians = {node.inputs[0].name: h for node, _, h in with_h}
-        for group in input_groups(model, layers):
-            if hessians[group[0][0].inputs[0].name] is not None:
-                scale_group(group, hessians[group[0][0].inputs[0].name])
+    _, total = walk_groups(model, plan, ctx, "awq", scale_group, options.true_sequential, options.cache_budget_mb)
+    if not total:
+        return NO_LAYERS
     model.graph.sort()
     moved = sum(a > 0 for a in alphas)
-    return (f"{moved} of {len(alphas)} input groups ({len(layers)} MatMul weights) scaled (alpha median "
+    return (f"{moved} of {len(alphas)} input groups ({total} MatMul weights) scaled (alpha median "
             f"{float(np.median(alphas)) if alphas else 0:.2f}); every block's clipping searched against "
             "its output error")

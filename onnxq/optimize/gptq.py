@@ -179,15 +179,6 @@ def to_block_quantized(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
 NO_LAYERS = "no MatMul lowered to MatMulNBits (weight-only int4 blocks, e.g. W4_GROUP128)"
 
 
-def layers_with_hessians(model: ir.Model, plan: QuantPlan, ctx: PassContext,
-                         name: str) -> list[tuple[ir.Node, ResolvedSpec, np.ndarray | None]]:
-    """Each MatMul lowered to MatMulNBits, its weight spec and its input's E[x x^T] (None
-    when the data gave none), from one pass over the calibration data."""
-    layers = matmul_nbits_layers(model, plan)
-    stats = ctx.collect(model, hessian_requests(model, plan), name) if layers else {}
-    return [(node, spec, stats.get(Statistic(node.inputs[0].name, "gram", -1))) for node, spec in layers]
-
-
 @statistics_of("gptq")
 def gptq_requests(model: ir.Model, plan: QuantPlan, options: GPTQConfig) -> list[Statistic]:
     """The Hessians of the calibration pass; none when true-sequential (they come later)."""
@@ -255,6 +246,26 @@ def sequential_walk(model: ir.Model, layers: list[Layer], ctx: PassContext, name
     return done
 
 
+def walk_groups(model: ir.Model, plan: QuantPlan, ctx: PassContext, name: str, quantize: GroupQuantizer,
+                sequential: bool, budget_mb: int) -> tuple[int, int]:
+    """Call `quantize(group, H)` for each group of MatMuls lowered to MatMulNBits that
+    share an input, in graph order: H from the quantized prefix (`sequential_walk`), or
+    from the float model in the calibration pass (collected by the `statistics_of`
+    request). Returns (layers quantized, layers)."""
+    layers = matmul_nbits_layers(model, plan)
+    if not layers:
+        return 0, 0
+    if sequential:
+        return sequential_walk(model, layers, ctx, name, quantize, budget_mb), len(layers)
+    found = ctx.collect(model, hessian_requests(model, plan), name)
+    done = 0
+    for group in input_groups(model, layers):
+        hessian = found.get(Statistic(group[0][0].inputs[0].name, "gram", -1))
+        if hessian is not None:
+            done += sum(w is not None for w in quantize(group, hessian))
+    return done, len(layers)
+
+
 @register_algorithm("gptq", options=GPTQConfig, data="required", rewrites=("weights",))
 def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: GPTQConfig,
          ctx: PassContext) -> str:
@@ -271,17 +282,9 @@ def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, flo
     def quantize_group(group: list[Layer], hessian: np.ndarray) -> list[np.ndarray | None]:
         return [quantize(node, spec, hessian) for node, spec in group]
 
-    if options.true_sequential:
-        layers = matmul_nbits_layers(model, plan)
-        if not layers:
-            return NO_LAYERS
-        done = sequential_walk(model, layers, ctx, "gptq", quantize_group, options.cache_budget_mb)
-        how = "true-sequential inputs"
-    else:
-        with_h = layers_with_hessians(model, plan, ctx, "gptq")
-        if not with_h:
-            return NO_LAYERS
-        layers = [(node, spec) for node, spec, _ in with_h]
-        done = sum(1 for node, spec, h in with_h if h is not None and quantize(node, spec, h) is not None)
-        how = "float-model inputs"
-    return f"{done} of {len(layers)} MatMul weights quantized with GPTQ ({how})"
+    done, total = walk_groups(model, plan, ctx, "gptq", quantize_group, options.true_sequential,
+                              options.cache_budget_mb)
+    if not total:
+        return NO_LAYERS
+    how = "true-sequential inputs" if options.true_sequential else "float-model inputs"
+    return f"{done} of {total} MatMul weights quantized with GPTQ ({how})"

@@ -18,9 +18,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.emit.matmul_nbits import quantize_blockwise
-from onnxq.errors import ConfigError
 from onnxq.graph.fold import constant_array
 from onnxq.graph.load import drop_pages
+from onnxq.numerics.hqq import HqqOptions
 from onnxq.optimize import PassContext, register_algorithm
 from onnxq.optimize.gptq import NO_LAYERS, matmul_nbits_layers
 from onnxq.plan import QuantPlan
@@ -28,24 +28,10 @@ from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
 
 
 @dataclass(frozen=True)
-class HQQConfig:
-    """Options of `hqq`: iterations of the half-quadratic solver, the lp norm p (< 1
-    forgives outliers), the initial beta and its growth kappa (the paper's defaults)."""
+class HQQConfig(HqqOptions):
+    """Options of `hqq`: the solver's (`numerics.hqq.HqqOptions`)."""
 
     ALGORITHM: ClassVar[str] = "hqq"
-
-    iterations: int = 20
-    p: float = 0.7
-    beta: float = 10.0
-    kappa: float = 1.01
-
-    def __post_init__(self) -> None:
-        if self.iterations < 1:
-            raise ConfigError(f"hqq: iterations must be at least 1, got {self.iterations}")
-        if not 0 < self.p <= 1:
-            raise ConfigError(f"hqq: p must be in (0, 1], got {self.p}")
-        if self.beta <= 0 or self.kappa < 1:
-            raise ConfigError(f"hqq: beta must be > 0 and kappa >= 1, got beta {self.beta}, kappa {self.kappa}")
 
 
 @register_algorithm("hqq", options=HQQConfig, data="none", rewrites=("weights",))
