@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 import onnxruntime as ort
 
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
-from onnxq.calibrate.session import check_providers
+from onnxq.calibrate.session import check_providers, open_session
 from onnxq.errors import ModelError, OnnxqError
 
 KERNELS = ("deployed", "reference", "both")
@@ -102,9 +103,12 @@ def deployed_options(reference: bool = False) -> ort.SessionOptions:
 
 
 def deployed_session(
-    model: str | os.PathLike | bytes, providers: list[str], reference: bool = False
+    model: str | os.PathLike | bytes | ir.Model, providers: list[str], reference: bool = False
 ) -> ort.InferenceSession:
-    """A session as a deployment opens it (default options), or with reference kernels."""
+    """A session as a deployment opens it (default options), or with reference kernels;
+    an onnx-ir model is opened as it is in memory (`open_session`)."""
+    if isinstance(model, ir.Model):
+        return open_session(model, deployed_options(reference), providers)
     source = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(source, deployed_options(reference), providers=providers)
 

@@ -37,7 +37,7 @@ def _stack(layers: int = 4) -> onnx.ModelProto:
 def big_paths(monkeypatch):
     """Every limit a >2 GB model passes, set to a few kilobytes."""
     monkeypatch.setattr(load_module, "INLINE_LIMIT", 4096)
-    monkeypatch.setattr(session_module, "INLINE_LIMIT", 4096)
+    monkeypatch.setattr(session_module, "INJECT_MIN_BYTES", 1024)  # weights reach sessions as arrays
     monkeypatch.setattr(save_module, "EXTERNAL_DATA_LIMIT", 4096)
 
 
@@ -122,3 +122,83 @@ def test_wire_reader_matches_onnx_load(tmp_path):
         np.testing.assert_array_equal(got, expected)
     assert [n.name for n in proto.graph.node] == [n.name for n in full.graph.node]
     assert proto.opset_import == full.opset_import
+
+
+def _mixed_model(tmp_path):
+    """Weights of every kind the writer and the sessions meet: big float32 (from an
+    external file), float16, bfloat16 and int4 ones (no numpy type onnxruntime takes),
+    small ones and a string tensor, with model and graph metadata. Returns the onnx-ir
+    model and the float32 weight's name."""
+    import onnx_ir as ir
+
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((K, K)) / np.sqrt(K)).astype(np.float32)
+    b = GraphBuilder(21)
+    x = b.input("x", ["N", K])
+    w_float = b.const("w_float", w)
+    h = b.node("MatMul", [x, w_float])
+    half = b.node("MatMul", [b.node("Cast", [h], to=onnx.TensorProto.FLOAT16), b.const("w_half", w.astype(np.float16))])
+    h16 = b.node("Cast", [half], to=onnx.TensorProto.FLOAT)
+    codes = rng.integers(-8, 8, size=(K - 1, K)).astype(np.int8)
+    b.inits.append(onnx.helper.make_tensor("w_int4", onnx.TensorProto.INT4, codes.shape, codes.reshape(-1).tolist()))
+    dq = b.node("DequantizeLinear", ["w_int4", b.const("s4", np.float32(0.01))])
+    sliced = b.node("Slice", [h16, b.const("st", np.array([0], np.int64)), b.const("en", np.array([K - 1], np.int64)),
+                              b.const("ax", np.array([1], np.int64))])
+    out = b.node("Add", [b.node("MatMul", [sliced, dq]), b.const("bias", np.full(K, 0.5, np.float32))])
+    proto = b.build([out], opset=21, name="mixed")
+    proto.graph.initializer.append(onnx.helper.make_tensor("names", onnx.TensorProto.STRING, [2], [b"a", b"b"]))
+    proto.doc_string, proto.graph.doc_string = "model doc", "graph doc"
+    onnx.helper.set_model_props(proto, {"source": "test"})
+    path = tmp_path / "mixed" / "m.onnx"
+    path.parent.mkdir()
+    onnx.save(proto, str(path), save_as_external_data=True, location="m.bin", size_threshold=4096)
+    model = ir.load(str(path))
+    bf16 = (w.view(np.uint32) >> 16).astype(np.uint16)
+    model.graph.initializers["w_bf16"] = ir.Value(
+        name="w_bf16", const_value=ir.Tensor(bf16, dtype=ir.DataType.BFLOAT16))
+    return model, w_float
+
+
+def test_writer_gives_the_bytes_protobuf_serializes(tmp_path):
+    """`write_model` streams each weight from its buffer, yet writes exactly the bytes
+    onnx-ir's full serialization gives, external weights read in."""
+    import onnx_ir as ir
+
+    from onnxq.graph.save import write_model
+
+    model, w_float = _mixed_model(tmp_path)
+    out = tmp_path / "out.onnx"
+    write_model(model, out)
+    assert isinstance(model.graph.initializers[w_float].const_value, ir.ExternalTensor)  # the model is unchanged
+    written = onnx.load(str(out))
+    for tensor in written.graph.initializer:  # the int4 weight's int32_data is written as raw_data
+        np.testing.assert_array_equal(ir.serde.TensorProtoTensor(tensor).numpy(),
+                                      model.graph.initializers[tensor.name].const_value.numpy())
+    ir.external_data.load_to_model(model)
+    int4 = model.graph.initializers["w_int4"]
+    int4.const_value = ir.Tensor(int4.const_value.numpy(), dtype=ir.DataType.INT4, name="w_int4")
+    assert out.read_bytes() == ir.to_proto(model).SerializeToString()
+
+
+def test_sessions_take_big_weights_as_arrays(tmp_path, monkeypatch):
+    """`open_session` serializes the graph without its big weights and hands those to
+    onnxruntime as arrays; it computes what a session over the saved file computes, from
+    any working directory, while weights without a numpy type travel inline."""
+    import onnxruntime as ort
+
+    from onnxq.calibrate.session import open_session
+    from onnxq.graph.save import write_model
+
+    model, _ = _mixed_model(tmp_path)
+    del model.graph.initializers["w_bf16"]  # no consumer
+    saved = tmp_path / "saved.onnx"
+    write_model(model, saved)
+    x = np.random.default_rng(4).standard_normal((3, K)).astype(np.float32)
+    expected = ort.InferenceSession(str(saved), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(session_module, "INJECT_MIN_BYTES", 1024)
+    session = open_session(model, ort.SessionOptions(), ["CPUExecutionProvider"])
+    assert [tuple(a.shape()) for a in session._onnxq_weights] == [(K, K), (K, K)]  # float32 and float16; int4 inline
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], expected)

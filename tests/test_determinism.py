@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnx_ir
 import pytest
 from helpers import pooling, residual, save
 
 import onnxq
+import onnxq.graph.save as save_module
 from onnxq.cli import main
 
 
@@ -90,7 +90,7 @@ def test_failed_save_leaves_old_output_and_no_temp_file(inputs, tmp_path, monkey
         Path(path).write_bytes(b"partial")
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(onnx_ir, "save", failing_save)
+    monkeypatch.setattr(save_module, "write_model", failing_save)
     with pytest.raises(OSError, match="simulated"):
         onnxq.quantize(model, out, "U8S8", data)
     assert out.read_bytes() == b"previous output"

@@ -30,7 +30,7 @@ from onnxq.analyze.accumulate import AgreementStats, ErrorStats, RangeStats
 from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
 from onnxq.analyze.qgraph import QuantizedActivation, layers, quantized_activations
 from onnxq.calibrate.data import iter_batches
-from onnxq.calibrate.session import check_providers, exposed_session, session_source
+from onnxq.calibrate.session import check_providers, exposed_session
 from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
@@ -183,7 +183,7 @@ def analyze_models(
         test_session = stack.enter_context(exposed_session(quant, test_names, providers)) if test_names else None
         deployed = None
         if not layers_only:
-            deployed = deployed_session(stack.enter_context(session_source(quant)), providers)
+            deployed = deployed_session(quant, providers)
         out_names = [] if deployed is None else [o.name for o in deployed.get_outputs()]
         for feed in _progress(iter_batches(data, session_inputs(ref_session), batch_size, max_samples), progress):
             ref = dict(zip(ref_names, ref_session.run(ref_names, feed)))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 import onnxruntime as ort
 
-from onnxq.calibrate.session import check_providers, session_source
+from onnxq.calibrate.session import open_session
 from onnxq.errors import OnnxqError
 from onnxq.runtime import options_for
 
@@ -29,11 +29,12 @@ def model_loads(model: ir.Model, providers: list[str]) -> bool:
     options = ort.SessionOptions()
     options.log_severity_level = 4
     options = options_for(model, options)
-    with session_source(model) as source:
-        try:
-            ort.InferenceSession(source, options, providers=check_providers(providers))
-        except Exception:  # onnxruntime raises several unrelated types; any failure counts
-            return False
+    try:
+        open_session(model, options, providers)
+    except OnnxqError:
+        raise  # an unavailable provider is the user's to fix, not the model's
+    except Exception:  # onnxruntime raises several unrelated types; any failure counts
+        return False
     return True
 
 

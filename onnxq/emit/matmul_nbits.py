@@ -31,6 +31,7 @@ from onnxq.graph.fold import constant_array
 from onnxq.graph.load import drop_pages
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import block_importance, quantize_blocks
+from onnxq.parallel import ordered_map
 from onnxq.plan.strategies.matmul_nbits import BITS, FLOAT_TYPES, can_use_matmul_nbits, weight_dtype
 
 CONTRIB = "com.microsoft"
@@ -74,6 +75,11 @@ def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     return values.reshape(*packed.shape[:-1], -1)[..., :count]
 
 
+# Columns of W quantized at a time: the transposed slice and the temporaries stay in cache
+# (SmolLM2's LM head, [576, 49152]: 0.6 s -> 0.2 s), and each column's result is the same.
+CHUNK_ELEMENTS = 1 << 19
+
+
 def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np.float32,
                        clip_search: bool | None = None, importance: np.ndarray | None = None) -> BlockQuantized:
     """Quantize W [K, N] per block of `spec.group_size` rows of each column
@@ -85,29 +91,48 @@ def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np
     block = int(spec.group_size)
     k, n = w.shape
     k_blocks = -(-k // block)
-    padded = np.zeros((n, k_blocks * block), dtype=np.float32)
-    padded[:, :k] = np.asarray(w).T
     if importance is not None:
         importance = block_importance(importance, block)
     float_zp = spec.calib_method == "hqq"  # optimised float zero points, which MatMulNBits takes
-    q, scale, zp = quantize_blocks(padded.reshape(n * k_blocks, block), spec, scale_dtype,
-                                   clip_search=clip_search, importance=importance, float_zero_point=float_zp)
-    return packed(q.reshape(n, k_blocks, block), scale.reshape(n, k_blocks), zp.reshape(n, k_blocks), spec, k)
+    columns = max(1, CHUNK_ELEMENTS // (k_blocks * block))
+    codes, scales, zeros = [], [], []
+    for start in range(0, n, columns):
+        part = np.asarray(w[:, start:start + columns], dtype=np.float32)
+        padded = np.zeros((part.shape[1], k_blocks * block), dtype=np.float32)
+        padded[:, :k] = part.T
+        q, scale, zp = quantize_blocks(padded.reshape(-1, block), spec, scale_dtype, clip_search=clip_search,
+                                       importance=importance, float_zero_point=float_zp)
+        codes.append(packed_codes(q.reshape(-1, k_blocks, block), spec))
+        scales.append(scale.reshape(-1, k_blocks))
+        zeros.append(zp.reshape(-1, k_blocks))
+    scale, zp = np.concatenate(scales), np.concatenate(zeros)
+    bits = BITS[spec.dtype]
+    return BlockQuantized(np.concatenate(codes), scale, stored_zero_points(zp, scale.dtype, spec), k, n, bits, block)
+
+
+def packed_codes(q: np.ndarray, spec: ResolvedSpec) -> np.ndarray:
+    """Signed codes [N, k_blocks, block] packed as MatMulNBits stores them (unsigned)."""
+    offset = -int_type(spec.dtype).qmin  # stored unsigned: int4 -8..7 -> 0..15
+    return pack_bits((q.astype(np.int16) + offset).astype(np.uint8), BITS[spec.dtype])
+
+
+def stored_zero_points(zp: np.ndarray, scale_dtype: np.dtype, spec: ResolvedSpec) -> np.ndarray | None:
+    """Zero points [N, k_blocks] as MatMulNBits stores them: float ones (HQQ) offset, in the
+    scales' type; integer ones packed, or None when all are the kernel's default."""
+    bits = BITS[spec.dtype]
+    offset = -int_type(spec.dtype).qmin
+    if np.issubdtype(zp.dtype, np.floating):
+        return (zp.astype(np.float64) + offset).astype(scale_dtype)
+    zp_stored = (zp.astype(np.int16) + offset).astype(np.uint8)
+    return None if np.all(zp_stored == 1 << (bits - 1)) else pack_bits(zp_stored, bits)
 
 
 def packed(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, spec: ResolvedSpec, k: int) -> BlockQuantized:
     """Signed codes [N, k_blocks, block] with scales and zero points [N, k_blocks] (integer,
     or float as HQQ gives them) in MatMulNBits' stored layout (module doc)."""
-    bits = BITS[spec.dtype]
     n, _, block = q.shape
-    offset = -int_type(spec.dtype).qmin  # stored unsigned: int4 -8..7 -> 0..15
-    stored = (q.astype(np.int16) + offset).astype(np.uint8)
-    if np.issubdtype(zp.dtype, np.floating):
-        zero_points = (zp.astype(np.float64) + offset).astype(scale.dtype)
-    else:
-        zp_stored = (zp.astype(np.int16) + offset).astype(np.uint8)
-        zero_points = None if np.all(zp_stored == 1 << (bits - 1)) else pack_bits(zp_stored, bits)
-    return BlockQuantized(pack_bits(stored, bits), scale, zero_points, k, n, bits, block)
+    return BlockQuantized(packed_codes(q, spec), scale, stored_zero_points(zp, scale.dtype, spec), k, n,
+                          BITS[spec.dtype], block)
 
 
 def dequantize_blockwise(bq: BlockQuantized) -> np.ndarray:
@@ -180,13 +205,17 @@ def emit_matmul_nbits(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
     graph = model.graph
     editor = GraphEditor(graph)
     ready, skipped = claimed_nodes(graph, nodes, can_use_matmul_nbits)
-    for node, spec in ready:
-        name = node.name
-        scale_dtype = FLOAT_TYPES[weight_dtype(node)]
-        bq = weights.pinned_node(name, node.inputs[1]) if weights is not None else None
-        if bq is None:
-            bq = quantize_blockwise(constant_array(node.inputs[1]), spec, scale_dtype, clip_search,
-                                    (importance or {}).get(name))
+
+    def quantized(item: tuple[ir.Node, ResolvedSpec]) -> BlockQuantized:
+        node, spec = item
+        bq = weights.pinned_node(node.name, node.inputs[1]) if weights is not None else None
+        if bq is not None:
+            return bq
+        return quantize_blockwise(constant_array(node.inputs[1]), spec, FLOAT_TYPES[weight_dtype(node)],
+                                  clip_search, (importance or {}).get(node.name))
+
+    # Weights are quantized on every core, ahead of the graph edits, which stay in order.
+    for (node, _), bq in zip(ready, ordered_map(quantized, ready)):
         _replace_with_nbits(graph, editor, node, bq, accuracy_level)
     if len(skipped) < len(nodes):
         model.opset_imports.setdefault(CONTRIB, 1)

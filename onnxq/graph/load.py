@@ -395,10 +395,9 @@ def fix_prelu_slopes(model: ir.Model, original_opset: int) -> int:
     return fixed
 
 
-# Up to this many bytes of external weights are read into memory at load: sessions built
-# from serialized bytes then work from any working directory (onnxruntime resolves a
-# serialized model's external data against the current one). Bigger models keep them
-# external and reach onnxruntime through files (`calibrate.session.session_source`).
+# Up to this many bytes of external weights are read into memory at load. Bigger models
+# keep them in their files, memory-mapped when read; sessions take them as arrays either
+# way (`calibrate.session.open_session`), from any working directory.
 INLINE_LIMIT = 1 << 30
 
 

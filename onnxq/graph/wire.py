@@ -1,6 +1,8 @@
-"""Read a big .onnx file without parsing its weights: the protobuf wire format is walked
-to the main graph's initializers, everything else is parsed as usual, and each raw weight
-becomes a read-only memory map of its bytes in the file.
+"""Read and write big .onnx files without parsing or building their weights in one
+protobuf message. Reading: the protobuf wire format is walked to the main graph's
+initializers, everything else is parsed as usual, and each raw weight becomes a read-only
+memory map of its bytes in the file. Writing (`write_filled`): the serialized structure is
+copied and each weight's bytes are written into it from the weight's own buffer.
 
 `onnx.load` reads the whole file and parses it, so a model with embedded weights briefly
 needs twice its size (the bytes and the parsed message) and then keeps every weight in one
@@ -12,13 +14,16 @@ it (and can be dropped again, `graph.load.drop_pages`).
 from __future__ import annotations
 
 import mmap
+from collections.abc import Mapping
 from pathlib import Path
+from typing import BinaryIO, Protocol
 
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 
-MODEL_GRAPH, GRAPH_INITIALIZER, TENSOR_RAW_DATA = 7, 5, 9
+MODEL_GRAPH, GRAPH_INITIALIZER, TENSOR_NAME, TENSOR_RAW_DATA = 7, 5, 8, 9
+LENGTH_DELIMITED = 2
 
 
 class WireError(ValueError):
@@ -112,3 +117,74 @@ def read_split(path: str | Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]
     finally:
         buf.release()
     return model, weights
+
+
+class Bytes(Protocol):
+    """What `write_filled` writes a weight from (an onnx-ir tensor)."""
+
+    nbytes: int
+
+    def tobytes(self) -> bytes: ...
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field_header(number: int, length: int) -> bytes:
+    return _encode_varint(number << 3 | LENGTH_DELIMITED) + _encode_varint(length)
+
+
+def _filled_tensor(buf: memoryview, start: int, end: int,
+                   raw: Mapping[str, Bytes]) -> list[bytes | Bytes] | None:
+    """The tensor message buf[start:end] with its empty raw_data replaced by the bytes of
+    its entry in `raw`, as pieces; None if it is not one of them."""
+    parts = fields(buf, start, end)
+    names = [bytes(buf[p:e]).decode() for n, _, p, e in parts if n == TENSOR_NAME]
+    empty = [(first, stop) for n, first, p, stop in parts if n == TENSOR_RAW_DATA and p == stop]
+    if len(names) != 1 or names[0] not in raw or len(empty) != 1:
+        return None
+    (first, stop), weight = empty[0], raw[names[0]]
+    return [bytes(buf[start:first]), _field_header(TENSOR_RAW_DATA, weight.nbytes), weight, bytes(buf[stop:end])]
+
+
+def _length(pieces: list[bytes | Bytes]) -> int:
+    return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
+
+
+def write_filled(f: BinaryIO, message: bytes, raw: Mapping[str, Bytes]) -> None:
+    """Write the serialized model `message` to `f`, each main-graph initializer named in
+    `raw` (serialized with an empty raw_data) getting `raw[name].tobytes()` as its data:
+    the bytes `SerializeToString` gives for the full model, with one weight's bytes in
+    memory at a time (the inverse of `read_split`)."""
+    buf = memoryview(message)
+    pieces: list[bytes | Bytes] = []
+    found = 0
+    for number, first, start, end in fields(buf, 0, len(buf)):
+        if number != MODEL_GRAPH:
+            pieces.append(bytes(buf[first:end]))
+            continue
+        graph: list[bytes | Bytes] = []
+        for g_number, g_first, g_start, g_end in fields(buf, start, end):
+            tensor = _filled_tensor(buf, g_start, g_end, raw) if g_number == GRAPH_INITIALIZER else None
+            if tensor is None:
+                graph.append(bytes(buf[g_first:g_end]))
+                continue
+            found += 1
+            graph += [_field_header(GRAPH_INITIALIZER, _length(tensor)), *tensor]
+        pieces += [_field_header(MODEL_GRAPH, _length(graph)), *graph]
+    if found != len(raw):
+        raise WireError(f"{len(raw) - found} weights to write have no empty initializer in the message")
+    for piece in pieces:
+        if isinstance(piece, bytes):
+            f.write(piece)
+            continue
+        data = piece.tobytes()
+        if len(data) != piece.nbytes:
+            raise WireError(f"a weight gave {len(data)} bytes, {piece.nbytes} expected")
+        f.write(data)

@@ -18,10 +18,8 @@ import time
 from typing import Any
 
 import numpy as np
-import onnx_ir as ir
 
 from onnxq.calibrate.data import CalibrationSource
-from onnxq.calibrate.session import session_source
 from onnxq.config.spec import Config, MixedPrecisionConfig
 from onnxq.errors import CalibrationDataError
 from onnxq.evaluate import deployed_session
@@ -51,11 +49,6 @@ def _eval_set(mp: MixedPrecisionConfig, calibration_data: Any, custom: bool) -> 
                 "(pass --eval-data for a held-out set)")
         return load_eval_set(calibration_data, mp.labels, mp.max_samples), [note]
     return load_eval_set(mp.eval_data, mp.labels, mp.max_samples), []
-
-
-def _session(model: ir.Model, providers: list[str]) -> Any:
-    with session_source(model) as source:
-        return deployed_session(source, providers)
 
 
 def promotion_order(layers: list[Any], plan: Any) -> list[tuple[str, float]]:
@@ -122,12 +115,12 @@ def quantize_to_target(
 
     base = run_pipeline(model, None, base_config, calibration_data, progress, keep_state=True)
     state = base.state
-    float_session = _session(state.float_model, providers)
+    float_session = deployed_session(state.float_model, providers)
     score = scorer(target, evalset, evaluate)
     if target.metric in ("cosine", "sqnr"):
         evalset.reference = evalset.first_output(float_session)
     reference_score = float_score(target, score, float_session)
-    base_session = _session(base.ir_model, providers)
+    base_session = deployed_session(base.ir_model, providers)
     base_score = score(base_session)
 
     order: list[tuple[str, float]] = []
@@ -140,7 +133,7 @@ def quantize_to_target(
     bar = _progress_bar(progress, len(order))
 
     def score_of(promotions: dict[str, str]) -> float:
-        value = score(_session(state.emit(with_promotions(base_config, promotions)), providers))
+        value = score(deployed_session(state.emit(with_promotions(base_config, promotions)), providers))
         bar.update(1)
         bar.set_postfix_str(f"{len(promotions)} raised: {value:.4g}")
         return value
@@ -157,7 +150,7 @@ def quantize_to_target(
         result = base
         if output is not None:
             result.summary.output = str(save_model(base.ir_model, output))
-    final_session = _session(result.ir_model, providers)
+    final_session = deployed_session(result.ir_model, providers)
     final_score = score(final_session) if outcome.promotions else base_score
     feed = _first_sample(evalset, final_session)
     ranks = dict(order)
