@@ -3,7 +3,7 @@
 against onnxruntime's `MatMulNBitsQuantizer` (RTN, HQQ, optionally GPTQ), in one run.
 
     python benchmarks/llm.py [LLM_DIR] [--blocks 128 32] [--windows 24] [--calib-windows 16]
-                             [--ort-python PY] [--ort-gptq] [--json OUT]
+                             [--ort-python PY] [--ort-gptq] [--only ROW...] [--json OUT]
 
 LLM_DIR (default: $ONNXQ_LLM_DIR, else ../shared/llm) holds what
 ../shared/tools/llm/export_smollm2.py writes: `smollm2_fp32_s{SEQ}.onnx` and
@@ -164,7 +164,7 @@ def variants(args: argparse.Namespace) -> list[dict[str, Any]]:
         ort = ["rtn", "hqq"] + (["gptq"] if args.ort_gptq else [])
         rows += [{"tag": f"ort-{row}-b{block}", "role": "ort", "row": row, "block": block} for row in ort]
         rows += [{"tag": f"onnxq-{row}-b{block}", "role": "onnxq", "row": row, "block": block} for row in ONNXQ_ROWS]
-    return rows
+    return [r for r in rows if not args.only or r["row"] in args.only]
 
 
 def print_table(rows: list[dict[str, Any]], file_mb: float) -> None:
@@ -198,6 +198,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ort-python", default=sys.executable,
                    help="interpreter for onnxruntime's quantizer (one with torch runs its HQQ)")
     p.add_argument("--ort-gptq", action="store_true", help="also onnxruntime's GPTQ (slow)")
+    p.add_argument("--only", nargs="+", default=[], metavar="ROW",
+                   help="only these rows of both quantizers (rtn rtn-asym hqq gptq awq)")
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads for scoring")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per quantizer run")
     return p.parse_args(argv)

@@ -78,3 +78,30 @@ def test_matmuls_sharing_an_input_share_one_scale():
         assert sum(mul.output[0] in n.input for n in result.model.graph.node) == 3
         assert "1 of 1 input groups (3 MatMul weights) scaled" in " ".join(result.summary.notes)
         assert sqnr_db(ref, run(result.model, held_out)) > rtn + 1.0
+
+
+def test_searching_both_scale_families_is_never_worse():
+    """`scaling: both` scores every candidate of the activation-only and the duo family,
+    so its output error is at most the better of the two alone; a bad value is refused."""
+    import pytest
+
+    from onnxq.config.resolve import ResolvedSpec
+    from onnxq.errors import ConfigError
+    from onnxq.numerics.qmath import DType
+    from onnxq.optimize.awq import AWQConfig, _rounded, output_error, search_scales
+
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((K, N)) * 0.05).astype(np.float32)
+    w[:, :4] *= 6  # a few large output columns: the weights' own per-channel magnitudes vary
+    x = (rng.standard_normal((512, K)) * GAIN).astype(np.float32)
+    hessian = (x.T.astype(np.float64) @ x) / len(x)
+    spec = ResolvedSpec(DType.INT4, True, "per_group", None, 32, "minmax", 99.99, 2048, (), None, None,
+                        "float32", "half_even", False)
+    errors = {}
+    for scaling in ("activation", "duo", "both"):
+        _, s = search_scales([w], hessian, [spec], [np.float32], 10, 0.0, scaling)
+        errors[scaling] = output_error(w, _rounded(w, s, spec, np.float32), hessian)
+    assert errors["duo"] != errors["activation"]  # the families differ here
+    assert errors["both"] <= min(errors["activation"], errors["duo"]) * (1 + 1e-9)
+    with pytest.raises(ConfigError, match="scaling must be one of"):
+        AWQConfig(scaling="weights")

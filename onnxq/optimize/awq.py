@@ -2,7 +2,9 @@
 lowered to MatMulNBits, in numpy.
 
 Input channels that carry large activations matter most. AWQ scales each input row k of
-W [K, N] by s_k = m_k^alpha (m: the channel's RMS over calibration data), quantizes W s
+W [K, N] by s_k = m_k^alpha (m: the channel's RMS over calibration data), or by
+m_k^alpha / w_k^(1 - alpha) (AutoAWQ's duo scaling, w_k: the row's relative weight
+magnitude; by default both families are searched), quantizes W s
 and divides the input by s, so the important rows get finer steps; then each block's
 clipping is searched against the output error on the scaled input (importance
 E[x_k^2] / s_k^2), and the result is pinned for the MatMulNBits lowering. alpha is searched on a grid per layer; each candidate's output error
@@ -34,19 +36,28 @@ from onnxq.graph.fold import constant_array
 from onnxq.graph.load import drop_pages
 from onnxq.optimize import PassContext, register_algorithm, statistics_of
 from onnxq.optimize.gptq import NO_LAYERS, Layer, hessian_requests, walk_groups
+from onnxq.parallel import ordered_map
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
+
+SCALINGS = ("activation", "duo", "both")
 
 
 @dataclass(frozen=True)
 class AWQConfig:
     """Options of `awq` (bits, sym and group_size come from the weight spec). grid:
-    alpha candidates in [0, 1]. min_gain: the share by which the output error must drop
-    for a layer to be scaled (its Mul costs time; a smaller gain is noise)."""
+    alpha candidates in (0, 1] per family. scaling: the candidate families, `activation`
+    (s = m^alpha, the paper's), `duo` (s = m^alpha / w^(1 - alpha), AutoAWQ's
+    duo_scaling, w: the input channel's mean weight magnitude relative to its block's
+    largest) or `both` (every candidate of the two; SmolLM2 int4 b32 perplexity 18.90
+    with `activation`, 18.70 with `duo`, 18.39 with `both`). min_gain: the share by which
+    the output error must drop for a layer to be scaled (its Mul costs time; a smaller
+    gain is noise)."""
 
     ALGORITHM: ClassVar[str] = "awq"
 
     grid: int = 20
+    scaling: str = "both"
     min_gain: float = 0.02
     true_sequential: bool = True
     cache_budget_mb: int = 256
@@ -54,6 +65,8 @@ class AWQConfig:
     def __post_init__(self) -> None:
         if self.grid < 1:
             raise ConfigError(f"awq: grid must be at least 1, got {self.grid}")
+        if self.scaling not in SCALINGS:
+            raise ConfigError(f"awq: scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
         if not 0 <= self.min_gain < 1:
             raise ConfigError(f"awq: min_gain must be in [0, 1), got {self.min_gain}")
         if self.cache_budget_mb < 0:
@@ -87,24 +100,52 @@ def scaled_error(w: np.ndarray, s: np.ndarray, spec: ResolvedSpec, scale_dtype: 
                             hessian) for i in range(0, w.shape[1], COLUMN_CHUNK))
 
 
+def weight_magnitude(weights: list[np.ndarray], block: int) -> np.ndarray:
+    """Per input channel, the mean over `weights` (which share the input) of |w| relative
+    to the largest |w| of its quantization block: AutoAWQ's w_mean."""
+    total, count = None, 0
+    for w in weights:
+        k, n = w.shape
+        k_blocks = -(-k // block)
+        padded = np.zeros((k_blocks * block, n), dtype=np.float32)
+        padded[:k] = np.abs(w)
+        blocks = padded.reshape(k_blocks, block, n)
+        relative = blocks / np.maximum(blocks.max(axis=1, keepdims=True), 1e-12)
+        part = relative.reshape(-1, n)[:k].sum(axis=1, dtype=np.float64)
+        total, count = part if total is None else total + part, count + n
+    return total / count
+
+
+def candidates(rms: np.ndarray, magnitude: np.ndarray, grid: int, scaling: str) -> list[tuple[float, np.ndarray]]:
+    """(alpha, s) of each candidate of the `scaling` families (`AWQConfig`), s centred so
+    the weights keep their magnitude."""
+    out = []
+    families = ("activation", "duo") if scaling == "both" else (scaling,)
+    for family in families:
+        for alpha in np.arange(1, grid + 1) / grid:
+            s = rms ** alpha if family == "activation" else rms ** alpha / np.maximum(magnitude, 1e-4) ** (1 - alpha)
+            out.append((float(alpha), s / np.sqrt(s.max() * s.min())))
+    return out
+
+
 def search_scales(weights: list[np.ndarray], hessian: np.ndarray, specs: list[ResolvedSpec],
-                  scale_dtypes: list[type], grid: int, min_gain: float = 0.0) -> tuple[float, np.ndarray]:
-    """The alpha of least summed output error over `weights` (which share the input) and
-    its per-input-channel scales (module doc); alpha 0 unless the error drops by at least
-    `min_gain`."""
+                  scale_dtypes: list[type], grid: int, min_gain: float = 0.0,
+                  scaling: str = "activation") -> tuple[float, np.ndarray]:
+    """The candidate of least summed output error over `weights` (which share the input):
+    its alpha and per-input-channel scales (module doc); alpha 0 (no scaling) unless the
+    error drops by at least `min_gain`. Candidates are scored on every core."""
     rms = np.sqrt(np.maximum(np.diag(hessian), 1e-12))
-    ones = np.ones(len(rms))
+    magnitude = weight_magnitude(weights, int(specs[0].group_size)) if scaling != "activation" else rms
 
     def error(s: np.ndarray) -> float:
         return sum(scaled_error(w, s, sp, dt, hessian) for w, sp, dt in zip(weights, specs, scale_dtypes))
 
+    ones = np.ones(len(rms))
     best = (error(ones) * (1 - min_gain), 0.0, ones)
-    for alpha in np.arange(1, grid + 1) / grid:
-        s = rms ** alpha
-        s = s / np.sqrt(s.max() * s.min())  # centred, so the weights keep their magnitude
-        err = error(s)
-        if err < best[0]:
-            best = (err, float(alpha), s)
+    options = candidates(rms, magnitude, grid, scaling)
+    for (alpha, s), err in zip(options, ordered_map(lambda c: error(c[1]), options)):
+        if err < best[0]:  # in candidate order: ties keep the earlier one, as a serial search does
+            best = (err, alpha, s)
     return best[1], best[2]
 
 
@@ -148,7 +189,7 @@ def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
         weights = [np.asarray(constant_array(node.inputs[1])) for node, _ in own]
         dtypes = [FLOAT_TYPES[weight_dtype(node)] for node, _ in own]
         alpha, s = search_scales(weights, hessian, [spec for _, spec in own], dtypes, options.grid,
-                                 options.min_gain)
+                                 options.min_gain, options.scaling)
         alphas.append(alpha)
         if alpha > 0.0:
             x = own[0][0].inputs[0]
