@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from onnxq.errors import ConfigError
+from onnxq.parallel import cpu_count
 
 
 def shard_task(model: Any, config: Any, data: Any, shard: tuple[int, int]) -> bytes:
@@ -34,7 +35,7 @@ Executor = Callable[[Any, Any, Any, int, str | None], list[bytes]]
 def _processes(model: Any, config: Any, data: Any, count: int, address: str | None) -> list[bytes]:
     if address:
         raise ConfigError("--ray-address goes with --executor ray")
-    workers = max(1, min(count, os.cpu_count() or 1))
+    workers = max(1, min(count, cpu_count()))
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
         futures = [pool.submit(shard_task, model, config, data, (i, count)) for i in range(count)]
         return [f.result() for f in futures]

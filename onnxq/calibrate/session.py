@@ -58,11 +58,16 @@ _NUMPY_TYPES = frozenset({
 _IN_MEMORY = "onnxq-in-memory"  # the stand-ins' location, never read
 
 
+def _injected(tensor: ir.TensorProtocol) -> bool:
+    """Whether onnxruntime takes this weight as an array rather than serialized."""
+    return tensor.nbytes >= INJECT_MIN_BYTES and tensor.dtype in _NUMPY_TYPES
+
+
 def _stand_in(tensor: ir.TensorProtocol) -> ir.TensorProtocol | None:
     """An external-data stub for a weight onnxruntime will take as an array; the data
     itself, inline, for a small weight kept in an external file (whose relative location
     onnxruntime would resolve against the working directory)."""
-    if tensor.nbytes >= INJECT_MIN_BYTES and tensor.dtype in _NUMPY_TYPES:
+    if _injected(tensor):
         return ir.ExternalTensor(_IN_MEMORY, None, None, tensor.dtype, shape=tensor.shape, name=tensor.name)
     if isinstance(tensor, ir.ExternalTensor):
         return ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name)
@@ -77,7 +82,7 @@ def open_session(model: ir.Model, options: ort.SessionOptions, providers: list[s
     and kernels as the model written to a file (SmolLM2 int4 load check: 1.5 s -> 0.5 s)."""
     with tensors_replaced(model.graph, _stand_in) as weights:
         message = ir.to_proto(model).SerializeToString()
-    names = [n for n, t in weights.items() if t.nbytes >= INJECT_MIN_BYTES and t.dtype in _NUMPY_TYPES]
+    names = [n for n, t in weights.items() if _injected(t)]
     arrays = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(weights[n].numpy())) for n in names]
     if names:
         options.add_external_initializers(names, arrays)

@@ -116,9 +116,10 @@ def weight_magnitude(weights: list[np.ndarray], block: int) -> np.ndarray:
     return total / count
 
 
-def candidates(rms: np.ndarray, magnitude: np.ndarray, grid: int, scaling: str) -> list[tuple[float, np.ndarray]]:
+def candidates(rms: np.ndarray, magnitude: np.ndarray | None, grid: int,
+               scaling: str) -> list[tuple[float, np.ndarray]]:
     """(alpha, s) of each candidate of the `scaling` families (`AWQConfig`), s centred so
-    the weights keep their magnitude."""
+    the weights keep their magnitude; `magnitude` (`weight_magnitude`) only for duo."""
     out = []
     families = ("activation", "duo") if scaling == "both" else (scaling,)
     for family in families:
@@ -135,7 +136,7 @@ def search_scales(weights: list[np.ndarray], hessian: np.ndarray, specs: list[Re
     its alpha and per-input-channel scales (module doc); alpha 0 (no scaling) unless the
     error drops by at least `min_gain`. Candidates are scored on every core."""
     rms = np.sqrt(np.maximum(np.diag(hessian), 1e-12))
-    magnitude = weight_magnitude(weights, int(specs[0].group_size)) if scaling != "activation" else rms
+    magnitude = None if scaling == "activation" else weight_magnitude(weights, int(specs[0].group_size))
 
     def error(s: np.ndarray) -> float:
         return sum(scaled_error(w, s, sp, dt, hessian) for w, sp, dt in zip(weights, specs, scale_dtypes))
