@@ -28,6 +28,12 @@ from tests import helpers as H
 
 FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 REFERENCE_SQNR_DB = 40.0  # default session vs ORT_DISABLE_ALL of the same model
+# With one int8 node the default session runs it in a fused QLinearConv, whose
+# requantization may round an output one step differently than DequantizeLinear -> Conv ->
+# QuantizeLinear (it differs between VNNI and non-VNNI kernels); one step on some of a
+# uint8 tensor's elements is about 40 dB below its range (39.6 dB measured on AVX512-VNNI),
+# so this bound allows such steps on every element of it.
+MIXED_REFERENCE_SQNR_DB = 30.0
 MARGIN_DB = 0.5  # default session may be this much further from float than the reference
 # Loose absolute floors vs float on these small random-weight models (measured: e4m3
 # 21-25 dB, e5m2 15-20 dB), so a reference that is itself broken fails too.
@@ -98,14 +104,15 @@ def _session(model: onnx.ModelProto, level: ort.GraphOptimizationLevel | None = 
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def _check_deploys(model: onnx.ModelProto, q: onnx.ModelProto, dtype: str) -> tuple[float, float, float]:
+def _check_deploys(model: onnx.ModelProto, q: onnx.ModelProto, dtype: str,
+                   reference_db: float = REFERENCE_SQNR_DB) -> tuple[float, float, float]:
     onnx.checker.check_model(q, full_check=True)
     feeds = H.random_feeds(model, 4, seed=2)
     ref = H.run(model, feeds)
     default = H.run(_session(q), feeds)  # default options: ORT_ENABLE_ALL
     exact = H.run(_session(q, ort.GraphOptimizationLevel.ORT_DISABLE_ALL), feeds)
     to_ref, to_float, ref_to_float = H.sqnr_db(exact, default), H.sqnr_db(ref, default), H.sqnr_db(ref, exact)
-    assert to_ref >= REFERENCE_SQNR_DB, f"default session vs ORT_DISABLE_ALL: {to_ref:.1f} dB"
+    assert to_ref >= reference_db, f"default session vs ORT_DISABLE_ALL: {to_ref:.1f} dB"
     assert to_float >= ref_to_float - MARGIN_DB, f"{to_float:.1f} dB vs float, reference {ref_to_float:.1f}"
     assert ref_to_float >= FLOAT_FLOOR_DB[dtype], f"reference only {ref_to_float:.1f} dB from float"
     return to_ref, to_float, ref_to_float
@@ -180,7 +187,7 @@ def test_mixed_float8_and_int8():
     stored = {i.data_type for i in q.graph.initializer}
     assert TensorProto.FLOAT8E4M3FN in stored and TensorProto.UINT8 in stored
     _assert_no_fusable_patterns(q)
-    _check_deploys(model, q, "float8_e4m3fn")
+    _check_deploys(model, q, "float8_e4m3fn", MIXED_REFERENCE_SQNR_DB)
 
 
 @pytest.mark.parametrize("dtype", FLOAT8)

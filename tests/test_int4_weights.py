@@ -20,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxq
 from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import QuantizationSpec
+from onnxq.emit import matmul_nbits
 from onnxq.emit.matmul_nbits import emit_matmul_nbits, quantize_blockwise, unpack_bits
 from onnxq.graph.load import load_model
 from onnxq.numerics import weights
@@ -107,6 +108,28 @@ def test_plain_rounding_is_onnxruntime_rtn():
     ref_codes, ref_scale = ort_rtn(w)
     np.testing.assert_array_equal(scale, ref_scale)
     np.testing.assert_array_equal(q.astype(np.int32), ref_codes.astype(np.int32))
+
+
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "int8", "uint8"])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_weight_layout_rounding_is_qdq_arithmetic(dtype, symmetric):
+    """MatMulNBits' plain rounding blocks W [K, N] in its own layout (no transposed float
+    copy): per block of each column, the codes and scales are QuantizeLinear's on the
+    block's min/max parameters, K not a multiple of the block included."""
+    k, n, block = 100, 70, 32
+    w = sample("laplace", (k, n), seed=5)
+    w[:, 3] = 0.0  # an all-zero column
+    s = spec(dtype, symmetric, group_size=block)
+    bq = quantize_blockwise(w, s)
+    rows = np.zeros((n, 4 * block), np.float32)
+    rows[:, :k] = w.T
+    rows = rows.reshape(-1, block)
+    scale, zp = weights.weight_qparams(rows.min(axis=1), rows.max(axis=1), s, weights.MIN_SCALE, signed=True)
+    codes = quantize(rows, scale[:, None], zp[:, None], dtype)
+    np.testing.assert_array_equal(bq.scales.reshape(-1), scale.astype(np.float32))
+    expected = dequantize(codes, scale[:, None], zp[:, None]).reshape(n, -1)[:, :k].T
+    np.testing.assert_array_equal(matmul_nbits.dequantize_blockwise(bq), expected)
+    assert np.unique(codes).size > 8  # the grid is used, not a constant
 
 
 def test_search_still_uses_code_minus_8():

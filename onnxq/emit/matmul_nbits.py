@@ -30,7 +30,7 @@ from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.graph.load import drop_pages
 from onnxq.numerics.qmath import int_type
-from onnxq.numerics.weights import block_importance, quantize_blocks
+from onnxq.numerics.weights import block_importance, plain_rounding, quantize_blocks, round_blocks
 from onnxq.parallel import ordered_map
 from onnxq.plan.strategies.matmul_nbits import BITS, FLOAT_TYPES, can_use_matmul_nbits, weight_dtype
 
@@ -96,12 +96,19 @@ def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np
     float_zp = spec.calib_method == "hqq"  # optimised float zero points, which MatMulNBits takes
     columns = max(1, CHUNK_ELEMENTS // (k_blocks * block))
     codes, scales, zeros = [], [], []
+    plain = plain_rounding(spec, clip_search, importance)
     for start in range(0, n, columns):
         part = np.asarray(w[:, start:start + columns], dtype=np.float32)
-        padded = np.zeros((part.shape[1], k_blocks * block), dtype=np.float32)
-        padded[:, :k] = part.T
-        q, scale, zp = quantize_blocks(padded.reshape(-1, block), spec, scale_dtype, clip_search=clip_search,
-                                       importance=importance, float_zero_point=float_zp)
+        if plain:  # blocked in W's own layout [k_blocks, block, columns]; only the packed codes transpose
+            if k != k_blocks * block:
+                part = np.concatenate([part, np.zeros((k_blocks * block - k, part.shape[1]), np.float32)])
+            q, scale, zp = round_blocks(part.reshape(k_blocks, block, -1), spec, scale_dtype)
+            q, scale, zp = q.transpose(2, 0, 1), scale.T, zp.T
+        else:
+            padded = np.zeros((part.shape[1], k_blocks * block), dtype=np.float32)
+            padded[:, :k] = part.T
+            q, scale, zp = quantize_blocks(padded.reshape(-1, block), spec, scale_dtype, clip_search=clip_search,
+                                           importance=importance, float_zero_point=float_zp)
         codes.append(packed_codes(q.reshape(-1, k_blocks, block), spec))
         scales.append(scale.reshape(-1, k_blocks))
         zeros.append(zp.reshape(-1, k_blocks))
