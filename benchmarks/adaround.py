@@ -9,7 +9,8 @@ Settings (calibration: the first 200 images / 256 sentences; evaluation: the res
 per-channel weights, uint8 activations), `resnet20_w4` (int4 per-channel weights, uint8
 activations), `minilm_int8` (the U8S8 default, static int8). Rows: `nearest` (onnxq,
 round to nearest), `cle_bc` (CLE + bias correction), `adaround`, `adaquant` (default
-options: with per-tensor weights they bring CLE first, see `equalize`), `adaround_raw` /
+options: with per-tensor weights they bring CLE first, see `equalize`), `adaround_bc` /
+`adaquant_bc` (bias correction after them), `adaround_raw` /
 `adaquant_raw` (equalize: never), `cle_adaround`, `cle_adaquant`, and `ort`
 (`quantize_static`, QDQ, MinMax, the setting's weight type and granularity where
 onnxruntime has it). Every model is scored in a default onnxruntime session (the fused
@@ -45,9 +46,12 @@ ROWS: dict[str, dict[str, Any]] = {
     "adaquant": {"algo_config": [{"name": "adaquant"}]},
     "adaquant_raw": {"algo_config": [{"name": "adaquant", "equalize": "never"}]},
     "cle_adaquant": {"pre_quant_opt_config": [{"name": "cle"}], "algo_config": [{"name": "adaquant"}]},
+    "adaround_bc": {"algo_config": [{"name": "adaround"}, {"name": "bias_correction"}]},
+    "adaquant_bc": {"algo_config": [{"name": "adaquant"}, {"name": "bias_correction"}]},
     "ort": {},
 }
-CONV_ONLY = ("cle_bc", "adaround_raw", "cle_adaround", "adaquant_raw", "cle_adaquant")  # no-ops without convs
+CONV_ONLY = ("cle_bc", "adaround_bc", "adaquant_bc", "adaround_raw", "cle_adaround", "adaquant_raw",
+             "cle_adaquant")  # no-ops without convs
 
 
 def quantize_job(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:

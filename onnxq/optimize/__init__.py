@@ -71,9 +71,6 @@ class PassContext:
     statistics: dict[Statistic, np.ndarray | None] = field(default_factory=dict)
     # Weights quantized by an algorithm, reused by emission (`plan.params.WeightCache`).
     weights: WeightCache = field(default_factory=WeightCache)
-    # Layers (node names) whose bias an algorithm already set for their quantized weights;
-    # `bias_correction` leaves them alone rather than correct the same error twice.
-    bias_corrected: set[str] = field(default_factory=set)
     # Whether the pass now running may defer (`Deferred`); set by `run_passes` for the last
     # pass when the caller calibrates afterwards (`deferrable`).
     deferrable: bool = False

@@ -111,7 +111,7 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
     return Solution(codes)
 
 
-@register_algorithm("adaround", options=AdaRoundConfig, data="required", rewrites=("weights", "biases"))
+@register_algorithm("adaround", options=AdaRoundConfig, data="required", rewrites=("weights",))
 def adaround(model, plan, ranges, opts: AdaRoundConfig, ctx) -> str:
     """Learn the rounding of every quantized Conv/Gemm/MatMul weight (module doc)."""
     return reconstruct("adaround", learn_rounding, model, plan, ranges, opts, ctx)

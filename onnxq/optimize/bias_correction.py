@@ -13,8 +13,7 @@ error from the bias.
 - Bias: Conv and Gemm without one get one (int32, like the model's other biases);
   a MatMul is corrected through the Add of a constant [N] vector that alone consumes
   its output, and skipped without one (adding an Add would add a quantized op).
-- Layers whose weight or bias initializer is shared with other nodes are skipped, and so
-  are layers whose bias AdaRound/AdaQuant already corrected (`PassContext.bias_corrected`).
+- Layers whose weight or bias initializer is shared with other nodes are skipped.
 """
 
 from __future__ import annotations
@@ -307,9 +306,6 @@ def bias_correction(
 ) -> str | tuple[str, QuantPlan]:
     """Remove the mean output error that weight rounding causes (see module doc)."""
     layers, skipped = find_layers(model.graph, plan, opts)
-    skipped += [f"{layer.node.name} (bias already set by a layer-wise algorithm)"
-                for layer in layers if layer.node.name in ctx.bias_corrected]
-    layers = [layer for layer in layers if layer.node.name not in ctx.bias_corrected]
     if not layers:
         return "no quantized layer to correct" + (f"; skipped {', '.join(skipped[:5])}" if skipped else "")
     means = input_means(model, layers, ctx)

@@ -245,7 +245,6 @@ def reconstruct(
                 report.pinned.append(layer)
                 replay.set_initializer(WEIGHT_PREFIX + layer.name, _dequantized(result))
                 if report.bias_changed.get(layer.name) is not None:
-                    ctx.bias_corrected.add(layer.node.name)
                     replay.set_initializer(BIAS_PREFIX + layer.name, report.bias_changed[layer.name])
                     replay.set_input(layer.name, 2, BIAS_PREFIX + layer.name)
     finally:
@@ -303,7 +302,6 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
         return f"; model output SQNR on {where} {learned_db:.1f} dB (nearest rounding {near_db:.1f} dB)"
     for layer in report.pinned:
         ctx.weights.unpin(layer.weight)
-        ctx.bias_corrected.discard(layer.node.name)
         for holder, index in [layer.bias] if layer.bias is not None else []:
             value = holder.inputs[index]
             before = original.graph.initializers.get(value.name) if value is not None else None
@@ -317,8 +315,6 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
 def _one_layer(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],
                options, layer: Layer, qt: QuantizedTensor, replay: Replay, names: tuple[str, str],
                report: _Report) -> QuantizedTensor | None:
-    """One layer: statistics, the optimiser's solution (kept if it beats nearest rounding),
-    then bias correction; the quantized weight to pin, or None to keep nearest rounding."""
     node = layer.node
     w = layer.weight_array()
     wm = to_matrices(node, w.astype(np.float64))
@@ -326,26 +322,11 @@ def _one_layer(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Ma
     wbar = np.concatenate([wm, layer.bias_array().reshape(g, m, 1)], axis=2)
     kernel = tuple(w.shape[2:]) if node.op_type == "Conv" else ()
     gram = _statistics(layer, replay, wbar, kernel, *names, options.max_positions)
-    problem = _problem(layer, qt, gram, options.damping, wbar)
     if gram.positions < options.min_rows * (k + 1):
         report.short[layer.name] = math.ceil(options.min_rows * (k + 1) / max(gram.positions / replay.samples, 1e-9))
         report.losses.append((layer.name, float("nan"), float("nan")))
-        solution = None
-    else:
-        solution = _solve(optimise, model, plan, ranges, options, layer, problem, qt, report)
-    if options.bias_correction and layer.bias is not None and (solution is None or solution.bias is None):
-        solution = _bias_corrected(model, plan, ranges, layer, problem, solution, gram, report)
-    if solution is None:
         return None
-    result = _store(model, layer, solution, problem, qt)
-    if solution.bias is not None:
-        report.bias_changed[layer.name] = solution.bias.reshape(-1).astype(np.float32)
-    return result
-
-
-def _solve(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],
-           options, layer: Layer, problem: Problem, qt: QuantizedTensor, report: _Report) -> Solution | None:
-    """The optimiser's solution when it lowers the layer's loss, else None (nearest)."""
+    problem = _problem(layer, qt, gram, options.damping, wbar)
     before = problem.loss(problem.nearest * problem.scale, problem.bias)
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -370,27 +351,10 @@ def _solve(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Mappin
             report.losses.append((layer.name, before, before))
             return None
     report.losses.append((layer.name, before, after))
-    return solution
-
-
-def _bias_corrected(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], layer: Layer,
-                    problem: Problem, solution: Solution | None, gram: Gram, report: _Report) -> Solution | None:
-    """`solution` (None: nearest rounding) with the layer's bias corrected for the mean
-    its quantized weights shift the output by on the float input, (W_q - W) E[x_f]: the
-    `bias_correction` algorithm's arithmetic (E over every position, padding included),
-    which also holds for layers with too few rows to optimise. Unchanged if the new bias
-    would not fit its int32 form."""
-    codes = problem.nearest if solution is None else solution.codes
-    scale = problem.scale if solution is None or solution.scale is None else solution.scale
-    k = problem.w.shape[2]
-    mean = gram.c[:, k, :k] / max(gram.positions, 1)  # E[x_f] per group [g, K]
-    bias = problem.bias - np.einsum("gmk,gk->gm", codes * scale - problem.w, mean)
-    if not (np.all(np.isfinite(bias)) and _bias_fits(model, plan, ranges, layer, bias, scale)):
-        return solution
-    report.corrected += 1
-    if solution is None:
-        return Solution(codes, None, bias)
-    return Solution(solution.codes, solution.weights, bias, solution.scale)
+    result = _store(model, layer, solution, problem, qt)
+    if solution.bias is not None and layer.bias is not None:
+        report.bias_changed[layer.name] = solution.bias.reshape(-1).astype(np.float32)
+    return result
 
 
 def _pair_safe(layer: Layer, qt: QuantizedTensor, solution: Solution, problem: Problem) -> np.ndarray:
@@ -410,7 +374,6 @@ class _Report:
         self.short: dict[str, int] = {}  # layer -> calibration samples it needs
         self.bias_changed: dict[str, np.ndarray | None] = {}
         self.pinned: list[Layer] = []
-        self.corrected = 0  # biases corrected after rounding (`bias_correction`)
         self.last = ""
 
     def line(self, total: int, refused: Mapping[str, str], samples: int) -> str:
@@ -421,8 +384,6 @@ class _Report:
             before = float(np.median([b for b, _ in measured]))
             after = float(np.median([a for _, a in measured]))
             text += f" (median relative output error {before:.3g} -> {after:.3g})"
-        if self.corrected:
-            text += f"; {self.corrected} biases corrected for the rounded weights' mean error"
         text += _listed("kept nearest", self.kept) + _listed("not optimised", refused)
         if self.short:
             need = max(self.short.values())

@@ -37,13 +37,6 @@ class LayerwiseConfig:
       entry in pre_quant_opt_config, enabled or not, takes precedence.
     min_rows: a layer whose statistics saw fewer than min_rows x (inputs per output + 1)
       rows keeps nearest rounding (it would fit the calibration samples, not the data).
-    bias_correction: once each layer's rounding is settled (learned, or nearest where it
-      saw too few rows), correct its bias (Conv/Gemm) for the mean error the rounded
-      weights add on the float input, (W_q - W) E[x_f]: the `bias_correction` algorithm's
-      arithmetic, from the statistics already gathered (not with AdaQuant's `bias`, which
-      re-solves the bias itself). MobileNet v1 with int4 per-channel weights: AdaRound
-      17.4 -> 72.0 top-1, AdaQuant 19.6 -> 74.5; per-tensor int8 and ResNet-20 int4 move
-      within 0.6 points.
     """
 
     ALGORITHM: ClassVar[str] = ""
@@ -61,7 +54,6 @@ class LayerwiseConfig:
     validation_every: int = 4
     min_rows: float = 4.0
     equalize: str = "auto"
-    bias_correction: bool = True
 
     def __post_init__(self) -> None:
         name = self.ALGORITHM
