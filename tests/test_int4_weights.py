@@ -20,8 +20,12 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxq
 from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import QuantizationSpec
-from onnxq.emit import matmul_nbits
-from onnxq.emit.matmul_nbits import emit_matmul_nbits, quantize_blockwise, unpack_bits
+from onnxq.emit.matmul_nbits import (
+    dequantize_blockwise,
+    emit_matmul_nbits,
+    quantize_blockwise,
+    unpack_bits,
+)
 from onnxq.graph.load import load_model
 from onnxq.numerics import weights
 from onnxq.numerics.qmath import compute_qparams, dequantize, quantize
@@ -128,7 +132,7 @@ def test_weight_layout_rounding_is_qdq_arithmetic(dtype, symmetric):
     codes = quantize(rows, scale[:, None], zp[:, None], dtype)
     np.testing.assert_array_equal(bq.scales.reshape(-1), scale.astype(np.float32))
     expected = dequantize(codes, scale[:, None], zp[:, None]).reshape(n, -1)[:, :k].T
-    np.testing.assert_array_equal(matmul_nbits.dequantize_blockwise(bq), expected)
+    np.testing.assert_array_equal(dequantize_blockwise(bq), expected)
     assert np.unique(codes).size > 8  # the grid is used, not a constant
 
 

@@ -192,6 +192,11 @@ def compute_qparams(
     return scale.astype(np.float32), zp.astype(info.np_dtype)
 
 
+# Integer types whose codes plus zero points float32 holds exactly: `quantize` rounds them
+# to nearest even in float32 (a ratio of 2^24 or more clips in them whatever its rounding).
+FLOAT32_EXACT = frozenset({DType.INT4, DType.UINT4, DType.INT8, DType.UINT8})
+
+
 def round_values(x: np.ndarray, round_method: str) -> np.ndarray:
     """Round to integers: half_even (as QuantizeLinear), half_up (ties away from zero, as
     C's round()), floor or ceil."""
@@ -240,16 +245,22 @@ def quantize(
     """Quantize like ONNX QuantizeLinear (saturate=1): saturate(round(x / scale) + zero_point).
 
     `bits` saturates to a narrower range than the dtype's (7-bit weights in int8)."""
-    x = np.asarray(x, dtype=np.float64)
-    s = broadcast_param(np.asarray(scale, dtype=np.float64), x.shape, axis, block_size)
     if is_float8(dtype):
+        x = np.asarray(x, dtype=np.float64)
+        s = broadcast_param(np.asarray(scale, dtype=np.float64), x.shape, axis, block_size)
         f8 = FLOAT8_TYPES[DType(dtype)]
         return np.clip(x / s, -f8.max_value, f8.max_value).astype(np.float32).astype(f8.np_dtype)
     info = int_type(dtype, bits)
+    x = np.asarray(x, dtype=np.float32)
+    s = broadcast_param(np.asarray(scale, dtype=np.float64), x.shape, axis, block_size).astype(np.float32)
     z = broadcast_param(np.asarray(zero_point, dtype=np.float64), x.shape, axis, block_size)
     # QuantizeLinear divides in float32: ties must fall where onnxruntime's fall.
-    ratio = (x.astype(np.float32) / s.astype(np.float32)).astype(np.float64)
-    q = round_values(ratio, round_method) + z
+    ratio = np.asarray(x / s)
+    if round_method == "half_even" and DType(dtype) in FLOAT32_EXACT:  # same codes, no float64 copies
+        np.rint(ratio, out=ratio)
+        ratio += z.astype(np.float32)
+        return np.clip(ratio, info.qmin, info.qmax, out=ratio).astype(info.np_dtype)
+    q = round_values(ratio.astype(np.float64), round_method) + z
     return np.clip(q, info.qmin, info.qmax).astype(info.np_dtype)
 
 
