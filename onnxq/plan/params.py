@@ -71,9 +71,30 @@ def emitted_weight(
     if bias_values is None:
         bias_values = constant_of(bias.source or bias.name)
     floor = bias_safe_weight_scale(bias_values, float(s_in), channels, bias.spec)
-    if np.any(floor > qt.scale) and (tensor.axis is not None or np.all(floor <= 2 * qt.scale)):
-        qt = quantize_weight(array, tensor.spec, tensor.axis, floor, tensor.block_size)
-    return qt
+    short = floor > np.asarray(qt.scale, dtype=np.float64) * (1 + SCALE_TOLERANCE)
+    if not np.any(short) or (tensor.axis is None and np.any(floor > 2 * qt.scale)):
+        return qt
+    floored = quantize_weight(array, tensor.spec, tensor.axis, floor, tensor.block_size)
+    if tensor.axis is None or qt.axis is None:
+        return floored
+    return _merge_channels(qt, floored, short)
+
+
+# Relative slack of the bias floor over a stored scale: a scale floored in float64 and
+# stored as float32 may land a rounding step below the floor it was raised to.
+SCALE_TOLERANCE = 1e-6
+
+
+def _merge_channels(kept: QuantizedTensor, floored: QuantizedTensor, short: np.ndarray) -> QuantizedTensor:
+    """`kept` with the channels in `short` taken from `floored`: only the channels whose
+    scale the bias floor raises are rounded again, so a learned rounding (AdaRound,
+    AdaQuant) of the others survives emission."""
+    shape = [1] * kept.data.ndim
+    shape[kept.axis] = -1
+    data = np.where(short.reshape(shape), floored.data, kept.data).astype(kept.data.dtype)
+    scale = np.where(short, floored.scale, kept.scale).astype(kept.scale.dtype)
+    zero_point = np.where(short, floored.zero_point, kept.zero_point).astype(kept.zero_point.dtype)
+    return QuantizedTensor(data, scale, zero_point, kept.axis, kept.block_size)
 
 
 class WeightCache:
