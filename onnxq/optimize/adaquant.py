@@ -32,16 +32,13 @@ from onnxq.optimize.layerwise.options import LayerwiseConfig, check
 @dataclass(frozen=True)
 class AdaQuantConfig(LayerwiseConfig):
     """Options of `adaquant`: those of `LayerwiseConfig` (learning_rate in grid steps per
-    Adam step), and: bias: re-solve the layer's bias (Conv/Gemm biases) as weights move
-    (off by default: on MobileNet calibrated on 200 images of 200 classes, the re-solved
-    biases fit those classes' means and cost 22 top-1 points on the other 800 classes);
+    Adam step; the bias, with `LayerwiseConfig.bias`, is re-solved at every step), and:
     learn_scale: learn the weight scale too. max_step: how far, in grid steps, a weight may
     move from its float value (0: unbounded, as in the paper); bounded, the weights can
     fit the layer but not the calibration samples' peculiarities."""
 
     ALGORITHM: ClassVar[str] = "adaquant"
 
-    bias: bool = False
     learn_scale: bool = False
     max_step: float = 1.0
 

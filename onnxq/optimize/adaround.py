@@ -36,7 +36,8 @@ ZETA, GAMMA = 1.1, -0.1
 @dataclass(frozen=True)
 class AdaRoundConfig(LayerwiseConfig):
     """Options of `adaround`: those of `LayerwiseConfig` and AMCT ADA's regulariser
-    fields. reg_param: weight of the rounding regulariser. beta_range_start /
+    fields (the bias, with `LayerwiseConfig.bias`, is re-solved at every step). reg_param:
+    weight of the rounding regulariser. beta_range_start /
     beta_range_end: its annealed exponent. warm_start: share of the steps before the
     regulariser starts."""
 
@@ -81,6 +82,7 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
     k = problem.w.shape[2]
     full = np.empty(problem.t.shape, dtype=np.float32)
     full[:, :, k] = problem.bias
+    tune_bias = options.bias and problem.has_bias
     # d loss / d h per weight = coef * (V H - T): loss scale, grid step, movable or not.
     coef = (2.0 / (problem.outputs * max(problem.energy, 1e-30)) * problem.scale * free).astype(np.float32)
     span = np.float32(ZETA - GAMMA)
@@ -98,6 +100,8 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
         np.multiply(soft, free, out=full[:, :, :k])
         full[:, :, :k] += base
         full[:, :, :k] *= scale32
+        if tune_bias:  # the loss's minimum over the bias: its gradient is the partial one there
+            full[:, :, k] = problem.best_bias(full[:, :, :k])
         np.matmul(full, h32[:, :, :k], out=grad)
         grad -= t32
         grad *= coef
@@ -108,10 +112,10 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
         grad *= sig * (1 - sig) * span * active
         adam.step(0, v, grad)
     codes = np.where(free, floor + (v >= 0), problem.nearest)
-    return Solution(codes)
+    return Solution(codes, bias=problem.best_bias(codes * problem.scale) if tune_bias else None)
 
 
-@register_algorithm("adaround", options=AdaRoundConfig, data="required", rewrites=("weights",))
+@register_algorithm("adaround", options=AdaRoundConfig, data="required", rewrites=("weights", "biases"))
 def adaround(model, plan, ranges, opts: AdaRoundConfig, ctx) -> str:
     """Learn the rounding of every quantized Conv/Gemm/MatMul weight (module doc)."""
     return reconstruct("adaround", learn_rounding, model, plan, ranges, opts, ctx)

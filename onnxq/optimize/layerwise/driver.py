@@ -24,6 +24,7 @@ from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import dequantize, int_type
 from onnxq.numerics.weights import QuantizedTensor, bias_safe_weight_scale
+from onnxq.optimize.layerwise.clip import search_scale
 from onnxq.optimize.layerwise.gram import Gram, position_stride
 from onnxq.optimize.layerwise.guard import keep_learned
 from onnxq.optimize.layerwise.layers import (
@@ -36,6 +37,7 @@ from onnxq.optimize.layerwise.layers import (
 from onnxq.optimize.layerwise.replay import Replay, ReplayError
 from onnxq.plan import QuantPlan
 from onnxq.plan.params import (
+    SCALE_TOLERANCE,
     WeightCache,
     activation_qparams,
     bias_input_spec,
@@ -153,15 +155,22 @@ def _emitted(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float,
     return emitted_weight(plan, ranges, _constant_of(model), layer.weight, usable, None, plain)
 
 
-def _bias_fits(model: ir.Model, plan: QuantPlan, ranges, layer: Layer, bias: np.ndarray, scale: np.ndarray) -> bool:
-    """Whether a new bias keeps its int32 form in range with the weight scale `scale`."""
+def _bias_floor(model: ir.Model, plan: QuantPlan, ranges, layer: Layer, bias: np.ndarray,
+                channels: int) -> np.ndarray:
+    """The smallest weight scale per channel ([channels], or [1] per tensor) that keeps
+    the bias `bias` in its int32 range (0 when the bias is not quantized)."""
     bias_plan = biases_by_weight(plan).get(layer.weight.name)
     if bias_plan is None or bias_plan.bias_inputs[0] not in plan.tensors:
-        return True
+        return np.zeros(channels)
     s_in, _ = activation_qparams(plan, ranges, _constant_of(model), bias_plan.bias_inputs[0],
                                  bias_input_spec(plan, bias_plan))
-    floor = bias_safe_weight_scale(bias, float(s_in), np.size(scale), bias_plan.spec)
-    return bool(np.all(floor <= np.asarray(scale, dtype=np.float64).reshape(-1) * (1 + 1e-6)))
+    return np.asarray(bias_safe_weight_scale(bias, float(s_in), channels, bias_plan.spec), dtype=np.float64).reshape(-1)
+
+
+def _bias_fits(model: ir.Model, plan: QuantPlan, ranges, layer: Layer, bias: np.ndarray, scale: np.ndarray) -> bool:
+    """Whether a new bias keeps its int32 form in range with the weight scale `scale`."""
+    floor = _bias_floor(model, plan, ranges, layer, bias, np.size(scale))
+    return bool(np.all(floor <= np.asarray(scale, dtype=np.float64).reshape(-1) * (1 + SCALE_TOLERANCE)))
 
 
 def _quantized_graph(model: ir.Model, plan: QuantPlan, ranges, ctx, inputs: str) -> ir.Model:
@@ -322,15 +331,20 @@ def _one_layer(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Ma
     wbar = np.concatenate([wm, layer.bias_array().reshape(g, m, 1)], axis=2)
     kernel = tuple(w.shape[2:]) if node.op_type == "Conv" else ()
     gram = _statistics(layer, replay, wbar, kernel, *names, options.max_positions)
-    if gram.positions < options.min_rows * (k + 1):
+    short = gram.positions < options.min_rows * (k + 1)
+    if short:  # too few rows to learn K codes per output: fit only its scale and bias
         report.short[layer.name] = math.ceil(options.min_rows * (k + 1) / max(gram.positions / replay.samples, 1e-9))
-        report.losses.append((layer.name, float("nan"), float("nan")))
-        return None
     problem = _problem(layer, qt, gram, options.damping, wbar)
     before = problem.loss(problem.nearest * problem.scale, problem.bias)
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        solution = optimise(problem, options)
+        if options.search_scale and layer.weight.spec.pairs is None:
+            floor = _bias_floor(model, plan, ranges, layer, problem.bias.reshape(-1), np.size(qt.scale))
+            problem = search_scale(problem, to_channels(floor, g, m) if problem.per_channel else floor.max(),
+                                   layer.weight.spec.scale_type)
+        solution = _fit_only(problem, options) if short else optimise(problem, options)
+    if solution.scale is None and not np.array_equal(problem.scale, to_channels(qt.scale, g, m)):
+        solution.scale = problem.scale
     if layer.weight.spec.pairs is not None:
         solution.codes = _pair_safe(layer, qt, solution, problem)
     scale = solution.scale if solution.scale is not None else problem.scale
@@ -355,6 +369,13 @@ def _one_layer(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Ma
     if solution.bias is not None and layer.bias is not None:
         report.bias_changed[layer.name] = solution.bias.reshape(-1).astype(np.float32)
     return result
+
+
+def _fit_only(problem: Problem, options) -> Solution:
+    """Nearest rounding on the problem's (searched) scale, with the bias re-solved: the
+    few parameters that a layer with too few rows to learn its rounding can still fit."""
+    bias = problem.best_bias(problem.nearest * problem.scale) if options.bias and problem.has_bias else None
+    return Solution(problem.nearest.copy(), bias=bias)
 
 
 def _pair_safe(layer: Layer, qt: QuantizedTensor, solution: Solution, problem: Problem) -> np.ndarray:
@@ -387,9 +408,9 @@ class _Report:
         text += _listed("kept nearest", self.kept) + _listed("not optimised", refused)
         if self.short:
             need = max(self.short.values())
-            text += (f"; warning: {len(self.short)} layers kept nearest rounding, too few calibration rows for "
-                     f"their weights ({', '.join(list(self.short)[:3])}): calibrate on at least {need} samples "
-                     f"(now {samples}) to optimise them")
+            text += (f"; warning: {len(self.short)} layers rounded to nearest (only their scale and bias "
+                     f"fitted), too few calibration rows for their weights ({', '.join(list(self.short)[:3])}): "
+                     f"calibrate on at least {need} samples (now {samples}) to optimise them")
         return text
 
 
