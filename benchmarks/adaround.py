@@ -38,7 +38,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "minilm_int8": {"model": "minilm", "weight": {}, "ort": {"per_channel": True}},
 }
 ROWS: dict[str, dict[str, Any]] = {
-    "nearest": {},
+    "nearest": {"target_algorithms": False},  # no default bias correction: plain rounding
     "cle_bc": {"pre_quant_opt_config": [{"name": "cle"}], "algo_config": [{"name": "bias_correction"}]},
     "adaround": {"algo_config": [{"name": "adaround"}]},
     "adaround_raw": {"algo_config": [{"name": "adaround", "equalize": "never"}]},

@@ -17,6 +17,8 @@ MatMulNBits; the embedding stays float):
   onnxq-hqq       `--algorithm hqq`: half-quadratic float zero points, no data
   onnxq-gptq      `--algorithm gptq` (true-sequential, int4 symmetric)
   onnxq-awq       `--algorithm awq` (int4 symmetric)
+  onnxq-awq-hqq   `--algorithm awq` on uint4 asymmetric weights with `calib_method: hqq`
+                  (AWQ's scaling, then half-quadratic float zero points)
   ort-rtn         onnxruntime's default RTN (`DefaultWeightOnlyQuantConfig`, symmetric)
   ort-hqq         `HQQWeightOnlyQuantConfig` (imports torch: give `--ort-python` an
                   interpreter that has torch and onnxruntime, else the row says so)
@@ -49,7 +51,7 @@ import numpy as np
 
 FLOAT = "float32"
 ENV_DIR = "ONNXQ_LLM_DIR"
-ONNXQ_ROWS = ("rtn", "rtn-asym", "hqq", "gptq", "awq")
+ONNXQ_ROWS = ("rtn", "rtn-asym", "hqq", "gptq", "awq", "awq-hqq")
 
 
 def default_llm_dir(shared_dir: Path) -> Path:
@@ -78,8 +80,12 @@ def calibration_windows(data: str, count: int, scored: int) -> np.ndarray:
 def onnxq_config(row: str, block: int) -> dict[str, Any]:
     """W4_GROUP128's MatMul coverage at `block`, the embedding kept float, and the row's
     algorithm (what `--algorithm ROW --per-group BLOCK` gives on the CLI)."""
-    weight = {"dtype": "uint4", "symmetric": False} if row == "rtn-asym" else {"dtype": "int4", "symmetric": True}
-    algorithm = [] if row.startswith("rtn") else [{"name": row}]
+    weight = {"dtype": "int4", "symmetric": True}
+    if row == "rtn-asym":
+        weight = {"dtype": "uint4", "symmetric": False}
+    elif row == "awq-hqq":
+        weight = {"dtype": "uint4", "symmetric": False, "calib_method": "hqq"}
+    algorithm = [] if row.startswith("rtn") else [{"name": row.split("-")[0]}]
     return {"preset": "W4_GROUP128", "algo_config": algorithm, "layer_type_quant_config": {
         "MatMul": {"weight": {**weight, "qscheme": "per_group", "group_size": block}},
         "Gather": {"weight": {"dtype": "float32"}}}}
@@ -89,12 +95,12 @@ def quantize_onnxq(job: dict[str, Any]) -> dict[str, Any]:
     import onnxq
 
     data = None
-    if job["row"] in ("gptq", "awq"):
+    if job["row"] in ("gptq", "awq", "awq-hqq"):
         data = {"input_ids": calibration_windows(job["data"], job["calib_windows"], job["scored"])}
     config = onnxq.as_config(onnxq_config(job["row"], job["block"]))
     result, stats = C.measure_call(lambda: onnxq.quantize(job["model"], job["output"], config, data,
                                                           progress=False))
-    return {**stats, "notes": [n for n in result.summary.notes if job["row"] in n.lower()]}
+    return {**stats, "notes": [n for n in result.summary.notes if job["row"].split("-")[0] in n.lower()]}
 
 
 def quantize_ort(job: dict[str, Any]) -> dict[str, Any]:
@@ -199,7 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="interpreter for onnxruntime's quantizer (one with torch runs its HQQ)")
     p.add_argument("--ort-gptq", action="store_true", help="also onnxruntime's GPTQ (slow)")
     p.add_argument("--only", nargs="+", default=[], metavar="ROW",
-                   help="only these rows of both quantizers (rtn rtn-asym hqq gptq awq)")
+                   help="only these rows of both quantizers (rtn rtn-asym hqq gptq awq awq-hqq)")
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads for scoring")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per quantizer run")
     return p.parse_args(argv)

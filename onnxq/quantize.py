@@ -191,18 +191,19 @@ def _calibrate_or_load(
 def _algorithms(
     config: Config, target: TargetProfile, plan: QuantPlan, data: CalibrationSource, summary: Summary
 ) -> list[dict[str, Any]]:
-    """The configured algorithms plus those the target adds for a static plan (bias
-    correction where it narrows weights), when the data can be read again."""
+    """The configured algorithms plus those the target adds for a static plan with
+    quantized Conv/Gemm layers (bias correction), when the data can be read again."""
     algorithms = list(config.algo_config)
-    wanted = config.target_algorithms and plan.narrows_weights() and plan.calibrated_tensors()
+    layers = any(op in ("Conv", "Gemm") for op in plan.quantized_nodes.values())
+    wanted = config.target_algorithms and layers and plan.calibrated_tensors()
     added = target.algorithms(algorithms) if wanted else []
     if added and not config.calibration.stats and (data.source is None or not data.replayable):
-        summary.notes.append(f"target {target.name} would add bias correction for its narrowed weights, "
-                             "but the calibration data can be read only once: pass a path, a dict "
+        summary.notes.append(f"target {target.name} would add bias correction of the rounded weights' mean "
+                             "error, but the calibration data can be read only once: pass a path, a dict "
                              "of arrays, a list of feeds or a reader with rewind()")
         return algorithms
-    summary.notes.extend(f"target {target.name} adds {a['name']} ({', '.join(a['op_types'])}) to recover "
-                         "the narrowed weights' mean error; target_algorithms: false turns it off"
+    summary.notes.extend(f"target {target.name} adds {a['name']} ({', '.join(a['op_types'])}) to remove "
+                         "the rounded weights' mean error per channel; target_algorithms: false turns it off"
                          for a in added)
     return algorithms + added
 

@@ -105,3 +105,24 @@ def test_searching_both_scale_families_is_never_worse():
     assert errors["both"] <= min(errors["activation"], errors["duo"]) * (1 + 1e-9)
     with pytest.raises(ConfigError, match="scaling must be one of"):
         AWQConfig(scaling="weights")
+
+
+def test_awq_on_hqq_weights_scales_then_solves_zero_points():
+    """uint4 asymmetric weights with `calib_method: hqq`: AWQ scores its candidates with
+    plain rounding and quantizes the chosen scaling with HQQ's float zero points; better
+    than HQQ alone on inputs with outlier channels."""
+    calib, held_out = _data(48, 1), _data(24, 2)
+    ref = run(_model(), held_out)
+    hqq_weight = {"dtype": "uint4", "symmetric": False, "calib_method": "hqq", "group_size": 32}
+
+    def quantize(algorithms: list[dict]) -> onnxq.QuantizationResult:
+        config = {"preset": "W4_GROUP128", "algo_config": algorithms,
+                  "layer_type_quant_config": {"MatMul": {"weight": hqq_weight}}}
+        return onnxq.quantize(_model(), None, onnxq.as_config(config), calib, progress=False)
+
+    hqq, awq = quantize([]), quantize([{"name": "awq"}])
+    onnx.checker.check_model(awq.model)
+    assert [n.op_type for n in awq.model.graph.node] == ["Mul", "MatMulNBits"]
+    zero_points = next(i for i in awq.model.graph.initializer if i.name.endswith("zero_points"))
+    assert zero_points.data_type == onnx.TensorProto.FLOAT  # HQQ's float zero points
+    assert sqnr_db(ref, run(awq.model, held_out)) > sqnr_db(ref, run(hqq.model, held_out)) + 1.0

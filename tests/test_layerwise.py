@@ -336,13 +336,18 @@ def test_narrow_weights_keep_their_bit_width(nearest) -> None:
 
 
 @pytest.mark.parametrize("algo", ["adaround", "adaquant"])
-def test_bias_correction_after_it_still_helps(nearest, algo: str) -> None:
-    """Bias correction after the algorithm measures the learned weights' error against the
-    float weights (which the algorithm leaves alone)."""
+def test_bias_correction_after_it_corrects_only_unfitted_biases(nearest, algo: str) -> None:
+    """Biases the algorithm fitted are left alone by a bias correction after it (a second
+    correction, from float inputs, would undo theirs); with `bias: false` it measures the
+    learned weights' error against the float weights (which the algorithm leaves alone)."""
     model, _ = nearest
-    corrected = quantize(model, [{"name": "bias_correction"}])
+    alone = quantize(model, [{"name": algo}])
     both = quantize(model, [{"name": algo}, {"name": "bias_correction"}])
-    assert held_out_sqnr(model, both) > held_out_sqnr(model, corrected) + 1.0
+    assert both.model.SerializeToString() == alone.model.SerializeToString()
+    assert "bias fitted by " + algo in next(n for n in both.summary.notes if n.startswith("bias_correction"))
+    corrected = quantize(model, [{"name": "bias_correction"}])
+    unfitted = quantize(model, [{"name": algo, "bias": False}, {"name": "bias_correction"}])
+    assert held_out_sqnr(model, unfitted) > held_out_sqnr(model, corrected) + 1.0
 
 
 @pytest.mark.parametrize("algo", ["adaround", "adaquant"])

@@ -78,11 +78,11 @@ def test_avx2_narrows_gemm_kernels_only():
 
 
 @pytest.mark.parametrize("target", ["x86-vnni", "arm64", "gpu"])
-def test_exact_targets_keep_8_bits_and_add_nothing(target):
+def test_exact_targets_keep_8_bits_and_correct_biases(target):
     result = quantize(target=target)
     assert all(np.abs(w).max() == 127 for _, w in weight_codes(result.model).values())
     assert result.summary.target.startswith(f"target {target}")
-    assert not any("bias_correction" in n for n in result.summary.notes)
+    assert any(n.startswith(f"target {target} adds bias_correction") for n in result.summary.notes)
 
 
 def test_generic_is_avx2():
@@ -91,7 +91,7 @@ def test_generic_is_avx2():
     assert [w.tobytes() for _, w in weight_codes(a).values()] == [w.tobytes() for _, w in weight_codes(b).values()]
 
 
-def test_narrowing_target_adds_bias_correction_unless_told_not_to():
+def test_target_adds_bias_correction_unless_told_not_to():
     on = quantize(target="x86-avx2")
     assert any("adds bias_correction" in n for n in on.summary.notes)
     off = quantize(target="x86-avx2", target_algorithms=False)

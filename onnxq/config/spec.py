@@ -216,8 +216,8 @@ class Config:
     # full 8-bit weights even where kernels saturate; None: the target decides (pair-safe
     # 8-bit scales where its int8 kernels saturate, onnxq.target.pairs).
     reduce_range: bool | None = None
-    # Let the target add the algorithms that recover what its constraints cost (bias
-    # correction of Conv/Gemm where it narrows weights).
+    # Let the target add its default algorithms (bias correction of Conv/Gemm in static
+    # plans: the rounded weights' mean error per channel, larger where it narrows weights).
     target_algorithms: bool = True
     # Absorb Relu/Clip that follow a quantized op into the op's output quantization.
     fuse_activations: bool = True

@@ -71,6 +71,9 @@ class PassContext:
     statistics: dict[Statistic, np.ndarray | None] = field(default_factory=dict)
     # Weights quantized by an algorithm, reused by emission (`plan.params.WeightCache`).
     weights: WeightCache = field(default_factory=WeightCache)
+    # Layers whose bias an algorithm fitted on the quantized model's own inputs (node ->
+    # algorithm): it holds their mean correction already, so bias correction leaves them.
+    fitted_biases: dict[str, str] = field(default_factory=dict)
     # Whether the pass now running may defer (`Deferred`); set by `run_passes` for the last
     # pass when the caller calibrates afterwards (`deferrable`).
     deferrable: bool = False

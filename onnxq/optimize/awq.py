@@ -20,6 +20,7 @@ every H comes from the float model in the calibration pass.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -90,8 +91,10 @@ def output_error(w: np.ndarray, w_hat: np.ndarray, hessian: np.ndarray) -> float
 
 
 def _rounded(w: np.ndarray, s: np.ndarray, spec: ResolvedSpec, scale_dtype: type) -> np.ndarray:
-    """Q(W s) / s: what the MatMul computes on the unscaled input (plain rounding)."""
-    return dequantize_blockwise(quantize_blockwise((w * s[:, None]).astype(np.float32), spec, scale_dtype)) / s[:, None]
+    """Q(W s) / s: what the MatMul computes on the unscaled input, with plain rounding
+    (an HQQ weight spec's zero-point solver runs once, on the chosen scaling)."""
+    plain = dataclasses.replace(spec, calib_method="minmax") if spec.calib_method == "hqq" else spec
+    return dequantize_blockwise(quantize_blockwise((w * s[:, None]).astype(np.float32), plain, scale_dtype)) / s[:, None]
 
 
 def scaled_error(w: np.ndarray, s: np.ndarray, spec: ResolvedSpec, scale_dtype: type, hessian: np.ndarray) -> float:

@@ -97,11 +97,6 @@ class QuantPlan:
         opsets += [21 for t in self.tensors.values() if t.block_size]
         return max(opsets, default=13)
 
-    def narrows_weights(self) -> bool:
-        """Whether some weight has fewer bits than its type (`bits`) or pair-safe scales."""
-        return any(t.spec.bits is not None or t.spec.pairs is not None
-                   for t in self.tensors.values() if t.kind is Kind.WEIGHT)
-
     def calibrated_tensors(self) -> dict[str, ResolvedSpec]:
         """Activation tensors that need an observer, in a stable order."""
         return {

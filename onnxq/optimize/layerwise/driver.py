@@ -254,6 +254,7 @@ def reconstruct(
                 report.pinned.append(layer)
                 replay.set_initializer(WEIGHT_PREFIX + layer.name, _dequantized(result))
                 if report.bias_changed.get(layer.name) is not None:
+                    ctx.fitted_biases[layer.name] = name
                     replay.set_initializer(BIAS_PREFIX + layer.name, report.bias_changed[layer.name])
                     replay.set_input(layer.name, 2, BIAS_PREFIX + layer.name)
     finally:
@@ -311,6 +312,7 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
         return f"; model output SQNR on {where} {learned_db:.1f} dB (nearest rounding {near_db:.1f} dB)"
     for layer in report.pinned:
         ctx.weights.unpin(layer.weight)
+        ctx.fitted_biases.pop(layer.name, None)
         for holder, index in [layer.bias] if layer.bias is not None else []:
             value = holder.inputs[index]
             before = original.graph.initializers.get(value.name) if value is not None else None
