@@ -376,3 +376,33 @@ def test_learned_rounding_survives_a_bias_floor(algo: str) -> None:
     assert q["w3_scale"][0] == near["w3_scale"][0] > 1e-9  # raised from 1e-9 / 8 by the floor
     assert np.any(q["w3_quantized"][1:] != near["w3_quantized"][1:])  # learned codes emitted
     assert held_out_sqnr(model, learned) > held_out_sqnr(model, plain) + 1.0
+
+
+@pytest.mark.parametrize("scale_type", ["float32", "power_of_two"])
+def test_scale_search_lowers_every_channels_output_error(scale_type: str) -> None:
+    """Clipping outlier weights buys finer steps: the searched scale of each channel has an
+    output error no larger than min/max's (smaller where a channel has an outlier), stays
+    above the bias floor, and keeps the scale type."""
+    from onnxq.numerics.weights import stored_scale
+    from onnxq.optimize.layerwise.clip import channel_losses, search_scale
+
+    rng = np.random.default_rng(3)
+    m, k, rows = 16, 64, 4096
+    w = rng.standard_normal((1, m, k))
+    w[0, :8, 0] = 6.0  # one outlier in half the channels
+    x = np.concatenate([rng.standard_normal((rows, k)), np.ones((rows, 1))], axis=1)
+    h = (x.T @ x / rows)[None]
+    full = np.concatenate([w, np.zeros((1, m, 1))], axis=2)
+    scale = stored_scale(np.abs(w).max(axis=2, keepdims=True) / 7, scale_type, 0.0).astype(np.float64)
+    floor = np.full((1, m, 1), 1e-6)
+    floor[0, 0, 0] = scale[0, 0, 0]  # this channel's bias allows no smaller scale
+    lo, hi = np.full((1, m, 1), -8.0), np.full((1, m, 1), 7.0)
+    nearest = np.clip(np.rint(w / scale), lo, hi)
+    problem = driver.Problem(w, np.zeros((1, m)), scale, lo, hi, nearest, h, full @ h, 1.0, True, True)
+    searched = search_scale(problem, floor, scale_type)
+    before = channel_losses(problem, problem.nearest * problem.scale)
+    after = channel_losses(searched, searched.nearest * searched.scale)
+    assert np.all(after <= before) and np.all(after[0, 1:8] < 0.8 * before[0, 1:8])
+    assert searched.scale[0, 0, 0] == scale[0, 0, 0] and np.all(searched.scale >= floor)
+    if scale_type == "power_of_two":
+        assert np.all(np.log2(searched.scale) == np.round(np.log2(searched.scale)))

@@ -14,23 +14,27 @@ unless a factor is strictly better.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from onnxq.numerics.weights import stored_scale
 
+if TYPE_CHECKING:  # the driver imports this module
+    from onnxq.optimize.layerwise.driver import Problem
+
 # Shrink factors of the min/max scale tried, 1.0 (min/max) down to 0.5.
 GRID: tuple[float, ...] = tuple(1.0 - 0.02 * i for i in range(26))
 
 
-def channel_losses(problem, weights: np.ndarray) -> np.ndarray:
+def channel_losses(problem: Problem, weights: np.ndarray) -> np.ndarray:
     """Output error per output channel [g, M] of `weights` with the problem's bias, up to
     a constant per channel (the float output's energy)."""
     v = problem.full(weights, problem.bias)
     return np.einsum("gmk,gmk->gm", v @ problem.h, v) - 2.0 * np.einsum("gmk,gmk->gm", v, problem.t)
 
 
-def search_scale(problem, floor: np.ndarray | float, scale_type: str):
+def search_scale(problem: Problem, floor: np.ndarray | float, scale_type: str) -> Problem:
     """`problem` with the scale per output channel (per tensor when the problem's scale
     is one) and its nearest codes that minimise the output error over `GRID`."""
     w32 = problem.w.astype(np.float32)
