@@ -43,6 +43,10 @@ class AdaRoundConfig(LayerwiseConfig):
 
     ALGORITHM: ClassVar[str] = "adaround"
 
+    # Faster than the shared 0.01 for soft rounding variables: 300 steps at 0.03 gave a
+    # higher output SQNR on each shared model (MobileNet int4 10.3 -> 10.6 dB, per-tensor
+    # int8 18.4 -> 18.5 dB, ResNet-20 int4 19.0 -> 19.3 dB).
+    learning_rate: float = 0.03
     reg_param: float = 0.01
     beta_range_start: float = 20.0
     beta_range_end: float = 2.0
