@@ -72,7 +72,8 @@ class PipelineState:
         """The model emitted under `config` (node overrides of the original one) with the
         calibrated ranges: tensors the new plan needs but nobody calibrated stay float."""
         model = self.float_model.clone()
-        ctx = dataclasses.replace(self.ctx, statistics=dict(self.statistics), weights=WeightCache())
+        ctx = dataclasses.replace(self.ctx, statistics=dict(self.statistics), weights=WeightCache(),
+                                  fitted_biases={})
         plan = plan_quantization(model, config, ctx.keep_float, self.target)
         missing = {n: spec for n, spec in plan.calibrated_tensors().items() if n not in self.ranges}
         if missing and ctx.data is not None and ctx.data.source is not None:
@@ -197,10 +198,14 @@ def _algorithms(
     layers = any(op in ("Conv", "Gemm") for op in plan.quantized_nodes.values())
     wanted = config.target_algorithms and layers and plan.calibrated_tensors()
     added = target.algorithms(algorithms) if wanted else []
-    if added and not config.calibration.stats and (data.source is None or not data.replayable):
+    # Alone (first), bias correction takes its statistics from the calibration pass; after
+    # other algorithms it must read the data again.
+    if added and not config.calibration.stats and (data.source is None or (algorithms and not data.replayable)):
+        why = ("the calibration data can be read only once and other algorithms run first: pass a path, a "
+               "dict of arrays, a list of feeds or a reader with rewind()" if data.source is not None else
+               "there is no calibration data to measure it on (ranges loaded from a file): pass --calib-data")
         summary.notes.append(f"target {target.name} would add bias correction of the rounded weights' mean "
-                             "error, but the calibration data can be read only once: pass a path, a dict "
-                             "of arrays, a list of feeds or a reader with rewind()")
+                             f"error, but {why}")
         return algorithms
     summary.notes.extend(f"target {target.name} adds {a['name']} ({', '.join(a['op_types'])}) to remove "
                          "the rounded weights' mean error per channel; target_algorithms: false turns it off"

@@ -214,3 +214,19 @@ def test_float8_weights_are_corrected_too():
     before = np.abs(mean_channel_error(model, plain.model, test, 1))
     after = np.abs(mean_channel_error(model, corrected.model, test, 1))
     assert after.mean() < 0.5 * before.mean(), (before.mean(), after.mean())
+
+
+def test_default_correction_runs_on_data_read_once():
+    """The target's default bias correction, alone, takes its input means from the one
+    calibration pass, so a generator (read once) still gets it."""
+    from helpers import conv_relu_chain, random_feeds, stack_feeds
+
+    model = conv_relu_chain()
+    feeds = stack_feeds(random_feeds(model, 32, seed=3))
+    config = onnxq.as_config({"target": "x86-vnni"})
+    once = onnxq.quantize(model, None, config, iter([{k: v[i:i + 8] for k, v in feeds.items()}
+                                                     for i in range(0, 32, 8)]), progress=False)
+    again = onnxq.quantize(model, None, onnxq.as_config({"target": "x86-vnni"}), feeds, progress=False)
+    assert "bias_correction: 3 of 3 biases corrected" in once.summary.notes
+    assert not any("would add" in n for n in once.summary.notes)
+    assert once.model.SerializeToString() == again.model.SerializeToString()

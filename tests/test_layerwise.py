@@ -406,3 +406,40 @@ def test_scale_search_lowers_every_channels_output_error(scale_type: str) -> Non
     assert searched.scale[0, 0, 0] == scale[0, 0, 0] and np.all(searched.scale >= floor)
     if scale_type == "power_of_two":
         assert np.all(np.log2(searched.scale) == np.round(np.log2(searched.scale)))
+
+
+def test_a_trial_emission_starts_without_the_base_runs_fitted_biases(monkeypatch) -> None:
+    """`PipelineState.emit` (a mixed-precision trial) reruns the algorithms on a fresh
+    context: biases AdaRound fitted in the base run do not stop the trial's bias correction
+    when the trial's AdaRound fits none."""
+    from onnxq.quantize import run_pipeline
+
+    config = onnxq.config.compose.compose_config("U8S8", None, {"global_quant_config": INT4_PER_CHANNEL,
+                                                                "algo_config": [{"name": "adaround"}]})
+    base = run_pipeline(cnn(), None, config, {"x": CALIB}, progress=False, keep_state=True)
+    assert set(base.state.ctx.fitted_biases) == {"conv1", "dw", "pw", "fc"}
+    monkeypatch.setattr(driver, "_one_layer", lambda *args, **kwargs: None)  # the trial fits nothing
+    trial = ir.to_proto(base.state.emit(config))
+    fresh = run_pipeline(cnn(), None, config, {"x": CALIB}, progress=False)
+    assert "4 of 4 biases corrected" in " ".join(fresh.summary.notes)
+    assert trial.SerializeToString() == fresh.model.SerializeToString()
+
+
+def test_one_output_channel_keeps_its_scale_shape() -> None:
+    """A per-channel weight with one output channel: the searched scale keeps shape [1],
+    like its zero point (the ONNX spec wants them alike)."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((1, 3, 3, 3)) / 5).astype(np.float32)
+    w[0, 0, 0, 0] = 2.0  # an outlier the scale search clips
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w1", "b1"], ["y"], name="conv1", pads=[1, 1, 1, 1])], "one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1, 16, 16])],
+        [numpy_helper.from_array(w, "w1"), numpy_helper.from_array(np.array([0.1], np.float32), "b1")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    plain, learned = quantize(model), quantize(model, [{"name": "adaround"}])
+    inits = {t.name: numpy_helper.to_array(t) for t in learned.model.graph.initializer}
+    assert inits["w1_scale"].shape == inits["w1_zero_point"].shape == (1,)
+    assert inits["w1_scale"][0] < numpy_helper.to_array(
+        next(t for t in plain.model.graph.initializer if t.name == "w1_scale"))[0]  # clipped
+    assert held_out_sqnr(model, learned) > held_out_sqnr(model, plain)

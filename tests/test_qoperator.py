@@ -223,3 +223,17 @@ def test_format_commands_refuse_bad_input_in_one_line(tmp_path, case):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(("onnxq: error:", "onnxq convert: error:"))
     assert not out.exists()
+
+
+def test_one_output_channel_conv_becomes_qlinearconv():
+    """A per-channel Conv with a single output channel: its bias scale ([1]) equals the
+    product of input and weight scale (one value); the check used to crash on the shapes."""
+    b = GraphBuilder(5)
+    x = b.input("x", ["N", 3, 16, 16])
+    model = b.build([b.conv(b.relu(b.conv(x, 3, 8)), 8, 1)], name="one_channel")
+    data = stack_feeds(random_feeds(model, 24, seed=1))
+    qop = _quantize(model, data, "qoperator", {})
+    onnx.checker.check_model(qop, full_check=True)
+    assert _ops(qop).count("QLinearConv") == 2
+    ref, out = run(model, data), run(qop, data)
+    assert 10 * np.log10(np.sum(ref ** 2) / np.sum((ref - out) ** 2)) > 25

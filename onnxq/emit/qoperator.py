@@ -193,8 +193,7 @@ def _refusal(qop: QOp, node: ir.Node) -> tuple[str | None, list[_Dq], ir.Node | 
                 return "its bias is not an int32 DequantizeLinear", [], None
             want = bias_scale(node, dqs[0].scale, dqs[1].scale)
             have, zp = constant_array(bias.scale), constant_array(bias.zero_point) if bias.zero_point else 0
-            if want is None or have is None or not np.allclose(np.broadcast_to(have, want.shape), want, rtol=1e-5,
-                                                              atol=0) or np.any(zp != 0):
+            if want is None or have is None or not _same_scales(have, want) or np.any(zp != 0):
                 return "its int32 bias is not scaled by input scale x weight scale", [], None
     q = _q_after(node.outputs[0])
     if q is None and qop.output == "required":
@@ -379,6 +378,14 @@ def _dq(editor: GraphEditor, graph: ir.Graph, before: ir.Node, x: ir.Value, scal
     graph.insert_before(before, ir.node("DequantizeLinear", inputs, attrs, outputs=[out],
                                         name=editor.unique(f"{name}_DequantizeLinear")))
     return out
+
+
+def _same_scales(have: np.ndarray, want: np.ndarray) -> bool:
+    """Whether a bias's scales equal the wanted ones: one value for all, or one per channel
+    (a single channel's [1] and () both count as one)."""
+    have, want = np.ravel(have), np.ravel(want)
+    return have.size in (1, want.size) and bool(np.allclose(np.broadcast_to(have, want.shape), want,
+                                                             rtol=1e-5, atol=0))
 
 
 def bias_scale(node: ir.Node, x_scale: ir.Value, w_scale: ir.Value) -> np.ndarray | None:

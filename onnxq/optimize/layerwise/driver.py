@@ -139,7 +139,7 @@ def _problem(layer: Layer, qt: QuantizedTensor, gram: Gram, damping: float, full
     energy += float(np.sum(delta[:, None, None] * wm * wm)) / (g * m)
     nearest = to_matrices(layer.node, qt.data.astype(np.float64)) - zp
     return Problem(wm, bias, scale, info.qmin - zp, info.qmax - zp, nearest, h, t, energy,
-                   layer.bias is not None, np.size(qt.scale) > 1)
+                   layer.bias is not None, qt.axis is not None)
 
 
 def _constant_of(model: ir.Model) -> Callable[[str], np.ndarray | None]:
@@ -158,13 +158,15 @@ def _emitted(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float,
 def _bias_floor(model: ir.Model, plan: QuantPlan, ranges, layer: Layer, bias: np.ndarray,
                 channels: int) -> np.ndarray:
     """The smallest weight scale per channel ([channels], or [1] per tensor) that keeps
-    the bias `bias` in its int32 range (0 when the bias is not quantized)."""
+    the bias `bias` (per output channel, Gemm's beta applied) in its int32 range (0 when
+    the bias is not quantized); emission floors by the stored bias, without beta."""
     bias_plan = biases_by_weight(plan).get(layer.weight.name)
     if bias_plan is None or bias_plan.bias_inputs[0] not in plan.tensors:
         return np.zeros(channels)
     s_in, _ = activation_qparams(plan, ranges, _constant_of(model), bias_plan.bias_inputs[0],
                                  bias_input_spec(plan, bias_plan))
-    return np.asarray(bias_safe_weight_scale(bias, float(s_in), channels, bias_plan.spec), dtype=np.float64).reshape(-1)
+    stored = np.asarray(bias, dtype=np.float64) / (layer.beta() or 1.0)
+    return np.asarray(bias_safe_weight_scale(stored, float(s_in), channels, bias_plan.spec), dtype=np.float64).reshape(-1)
 
 
 def _bias_fits(model: ir.Model, plan: QuantPlan, ranges, layer: Layer, bias: np.ndarray, scale: np.ndarray) -> bool:

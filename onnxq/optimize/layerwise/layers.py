@@ -54,17 +54,18 @@ class Layer:
         b = constant_array(value) if value is not None else None
         if b is None:
             return np.zeros(channels)
-        return self._beta() * np.broadcast_to(b.astype(np.float64).reshape(-1), (channels,))
+        return self.beta() * np.broadcast_to(b.astype(np.float64).reshape(-1), (channels,))
 
     def set_bias(self, graph: ir.Graph, values: np.ndarray) -> None:
         """Make the bias per output channel `values` (Gemm's beta undone, the stored shape
         and type kept); the layer must have one (`bias`)."""
         holder, index = self.bias
         old = constant_array(holder.inputs[index])
-        new = (values / self._beta()).reshape(old.shape).astype(old.dtype)
+        new = (values / self.beta()).reshape(old.shape).astype(old.dtype)
         set_constant(graph, holder, index, new, f"{self.node.name}_bias")
 
-    def _beta(self) -> float:
+    def beta(self) -> float:
+        """Gemm's beta (1 for other layers): the stored bias times it is the bias added."""
         return float(layout.attr(self.node, "beta", 1.0)) if self.node.op_type == "Gemm" else 1.0
 
 
