@@ -195,9 +195,9 @@ def _algorithms(
     """The configured algorithms plus those the target adds for a static plan with
     quantized Conv/Gemm layers (bias correction), when the data can be read again."""
     algorithms = list(config.algo_config)
-    layers = any(op in ("Conv", "Gemm") for op in plan.quantized_nodes.values())
-    wanted = config.target_algorithms and layers and plan.calibrated_tensors()
-    added = target.algorithms(algorithms) if wanted else []
+    wanted = config.target_algorithms and plan.calibrated_tensors()
+    ops = set(plan.quantized_nodes.values())
+    added = [a for a in (target.algorithms(algorithms) if wanted else []) if ops & set(a["op_types"])]
     # Alone (first), bias correction takes its statistics from the calibration pass; after
     # other algorithms it must read the data again.
     if added and not config.calibration.stats and (data.source is None or (algorithms and not data.replayable)):

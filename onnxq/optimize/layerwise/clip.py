@@ -37,17 +37,17 @@ def channel_losses(problem: Problem, weights: np.ndarray) -> np.ndarray:
 def search_scale(problem: Problem, floor: np.ndarray | float, scale_type: str) -> Problem:
     """`problem` with the scale per output channel (per tensor when the problem's scale
     is one) and its nearest codes that minimise the output error over `GRID`."""
+    def error(weights: np.ndarray) -> np.ndarray:  # per channel, or the tensor's sum on every channel
+        loss = channel_losses(problem, weights)
+        return loss if problem.per_channel else np.full(loss.shape, loss.sum())
+
     w32 = problem.w.astype(np.float32)
-    best = channel_losses(problem, problem.nearest * problem.scale)
-    if not problem.per_channel:
-        best = np.full(best.shape, best.sum())
+    best = error(problem.nearest * problem.scale)
     scale, codes = problem.scale.copy(), problem.nearest.copy()
     for factor in GRID[1:]:
         s = stored_scale(problem.scale * factor, scale_type, floor).astype(np.float64)
         c = np.clip(np.rint(w32 / s.astype(np.float32)), problem.lo, problem.hi).astype(np.float64)
-        loss = channel_losses(problem, c * s)
-        if not problem.per_channel:
-            loss = np.full(loss.shape, loss.sum())
+        loss = error(c * s)
         better = loss < best
         if np.any(better):
             best = np.where(better, loss, best)

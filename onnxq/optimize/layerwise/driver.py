@@ -193,10 +193,9 @@ def _store(model: ir.Model, layer: Layer, solution: Solution, problem: Problem, 
     shape = layer.weight_array().shape
     if solution.bias is not None and layer.bias is not None:
         layer.set_bias(model.graph, solution.bias.reshape(-1))
-    scale = qt.scale
-    if solution.scale is not None:
-        scale = (solution.scale.reshape(-1) if problem.per_channel else solution.scale.reshape(-1)[:1].reshape(())
-                 ).astype(qt.scale.dtype)
+    scale = solution.scale if solution.scale is not None else problem.scale  # learned, else searched
+    scale = (scale.reshape(-1) if problem.per_channel else scale.reshape(-1)[:1]).reshape(np.shape(qt.scale))
+    scale = scale.astype(qt.scale.dtype)
     g, m = solution.codes.shape[:2]
     zp = to_channels(qt.zero_point, g, m)
     codes = from_matrices(node, solution.codes + zp, shape)
@@ -347,8 +346,6 @@ def _one_layer(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Ma
             problem = search_scale(problem, to_channels(floor, g, m) if problem.per_channel else floor.max(),
                                    layer.weight.spec.scale_type)
         solution = _fit_only(problem, options) if short else optimise(problem, options)
-    if solution.scale is None and not np.array_equal(problem.scale, to_channels(qt.scale, g, m)):
-        solution.scale = problem.scale
     if layer.weight.spec.pairs is not None:
         solution.codes = _pair_safe(layer, qt, solution, problem)
     scale = solution.scale if solution.scale is not None else problem.scale
