@@ -443,3 +443,135 @@ def test_one_output_channel_keeps_its_scale_shape() -> None:
     assert inits["w1_scale"][0] < numpy_helper.to_array(
         next(t for t in plain.model.graph.initializer if t.name == "w1_scale"))[0]  # clipped
     assert held_out_sqnr(model, learned) > held_out_sqnr(model, plain)
+
+
+# --- the loss through the activation after a layer (`activation: true`) --------------------
+
+
+ACTIVATION_NODES = [
+    ("Relu", {}, None), ("Clip", {}, (np.float32(0), np.float32(6))), ("LeakyRelu", {"alpha": 0.2}, None),
+    ("PRelu", {}, np.linspace(0.05, 0.4, 6, dtype=np.float32).reshape(6, 1, 1)), ("Sigmoid", {}, None),
+    ("Tanh", {}, None), ("Gelu", {}, None), ("Gelu", {"approximate": "tanh"}, None),
+]
+
+
+def _conv_then(op: str, attrs: dict, extra) -> onnx.ModelProto:
+    """x -> Conv (6 channels) -> `op` -> y, opset 20."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(_uneven(rng, (6, 3, 3, 3)), "w"),
+             numpy_helper.from_array(rng.normal(0, 0.3, 6).astype(np.float32), "b")]
+    inputs = ["c"]
+    if isinstance(extra, tuple):
+        inits += [numpy_helper.from_array(np.asarray(v), n) for n, v in zip(("lo", "hi"), extra)]
+        inputs += ["lo", "hi"]
+    elif extra is not None:
+        inits.append(numpy_helper.from_array(extra, "slope"))
+        inputs.append("slope")
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node(op, inputs, ["y"], name="act", **attrs)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=9)
+
+
+@pytest.mark.parametrize("op, attrs, extra", ACTIVATION_NODES)
+def test_each_activation_matches_onnxruntime_and_its_derivative(op: str, attrs: dict, extra) -> None:
+    """f is the op as onnxruntime computes it (to 1e-5) and f' its finite difference."""
+    from onnxq.optimize.layerwise.activation import following
+
+    model = _conv_then(op, attrs, extra)
+    graph = ir.from_proto(model).graph
+    conv = next(n for n in graph if n.op_type == "Conv")
+    act = following(graph, conv, (1, 6))
+    assert act is not None and act.op_type == op
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = CALIB[:2]
+    pre = run(onnx.helper.make_model(
+        helper.make_graph([model.graph.node[0]], "c", list(model.graph.input),
+                          [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)],
+                          list(model.graph.initializer)[:2]),
+        opset_imports=[helper.make_opsetid("", 20)], ir_version=9), {"x": x})
+    y = pre.transpose(1, 0, 2, 3).reshape(1, 6, -1)  # [g, M, P]
+    expected = sess.run(None, {"x": x})[0].transpose(1, 0, 2, 3).reshape(1, 6, -1)
+    np.testing.assert_allclose(act.forward(y), expected, atol=1e-5, rtol=1e-5)
+    away = np.abs(y) > 1e-2  # off the kinks
+    eps = np.float32(1e-3)
+    numeric = (act.forward(y + eps).astype(np.float64) - act.forward(y - eps)) / (2 * eps)
+    np.testing.assert_allclose(act.derivative(y)[away], numeric[away], atol=2e-3)
+
+
+def test_no_activation_when_the_output_also_goes_elsewhere() -> None:
+    from onnxq.optimize.layerwise.activation import following
+
+    model = _conv_then("Relu", {}, None)
+    model.graph.output.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, None))
+    graph = ir.from_proto(model).graph
+    assert following(graph, next(n for n in graph if n.op_type == "Conv"), (1, 6)) is None
+
+
+def _through_problem(seed: int = 0):
+    """A matrix layer followed by ReLU, its statistics and its sample from the same positions."""
+    from onnxq.optimize.layerwise.activation import ACTIVATIONS
+    from onnxq.optimize.layerwise.sampled import ThroughActivation
+
+    rng = np.random.default_rng(seed)
+    g, m, k, p = 1, 5, 6, 4096
+    xf = rng.standard_normal((g, k, p))
+    xq = xf + 0.05 * rng.standard_normal((g, k, p))
+    ones = np.ones((g, 1, p))
+    xq1, xf1 = np.concatenate([xq, ones], 1), np.concatenate([xf, ones], 1)
+    w, b = rng.standard_normal((g, m, k)), rng.normal(0, 0.5, (g, m))
+    full = np.concatenate([w, b[..., None]], axis=2)
+    h, c = xq1 @ xq1.transpose(0, 2, 1) / p, xq1 @ xf1.transpose(0, 2, 1) / p
+    yf = full @ xf1
+    relu = ACTIVATIONS["Relu"](None, (g, m))
+    through = ThroughActivation.build(relu, xq1, yf, batch=p)
+    problem = driver.Problem(w, b, np.full((g, m, 1), 0.1), np.full((g, m, 1), -8.0), np.full((g, m, 1), 7.0),
+                             np.rint(w / 0.1), h, full @ c.transpose(0, 2, 1), float(np.mean(yf ** 2)), True, True,
+                             through)
+
+    def exact(v: np.ndarray, bias: np.ndarray) -> float:  # the error after ReLU, relative
+        yq = np.concatenate([v, bias[..., None]], axis=2) @ xq1
+        return float(np.mean((np.maximum(yq, 0) - np.maximum(yf, 0)) ** 2)) / problem.reference
+    return problem, exact, rng
+
+
+def test_loss_through_the_activation_and_its_gradient_are_exact() -> None:
+    """Statistics plus the sampled correction give the error after the ReLU exactly when
+    the sample holds every position; the gradient is its derivative."""
+    problem, exact, rng = _through_problem()
+    v = problem.w + 0.1 * rng.standard_normal(problem.w.shape)
+    assert problem.loss(v, problem.bias) == pytest.approx(exact(v, problem.bias), rel=1e-5)
+    full = np.concatenate([v, problem.bias[..., None]], axis=2).astype(np.float32)
+    grad, loss = problem.gradient(full, 0, False, with_loss=True)
+    grad = grad * 2 / (problem.outputs * problem.reference)
+    assert loss == pytest.approx(exact(v, problem.bias), rel=1e-4)
+    eps = 1e-4
+    for index in [(0, 0, 0), (0, 2, 3), (0, 4, 5)]:
+        step = np.zeros_like(v)
+        step[index] = eps
+        numeric = (exact(v + step, problem.bias) - exact(v - step, problem.bias)) / (2 * eps)
+        assert grad[index] == pytest.approx(numeric, rel=1e-3, abs=1e-7)
+
+
+def test_bias_through_the_activation_beats_the_linear_one() -> None:
+    problem, exact, rng = _through_problem(1)
+    v = problem.w + 0.2 * rng.standard_normal(problem.w.shape)
+    linear, best = problem.linear_bias(v), problem.best_bias(v)
+    assert exact(v, best) < exact(v, linear) - 1e-3
+    for channel in range(best.shape[1]):  # no bias on a fine grid around it does better
+        trials = best[0, channel] + np.linspace(-0.3, 0.3, 61)
+        losses = [exact(v, np.where(np.arange(best.shape[1]) == channel, t, best)) for t in trials]
+        assert exact(v, best) <= min(losses) + 1e-6
+
+
+def test_adaround_through_the_activation_beats_nearest(nearest) -> None:
+    """`activation: true`: each layer's error after its ReLU is what AdaRound minimises;
+    the held-out output still beats nearest rounding's by more than 1 dB."""
+    model, plain = nearest
+    result = quantize(model, [{"name": "adaround", "activation": True}])
+    note = next(n for n in result.summary.notes if n.startswith("adaround"))
+    assert "error measured after the activation on 3 layers (Relu)" in note
+    assert held_out_sqnr(model, result) > held_out_sqnr(model, plain) + 1.0
+    again = quantize(model, [{"name": "adaround", "activation": True}])
+    assert again.model.SerializeToString() == result.model.SerializeToString()

@@ -55,25 +55,21 @@ def tune_weights(problem: Problem, options: AdaQuantConfig) -> Solution:
     t = np.ones((1, 1, 1) if not problem.per_channel else s0.shape, dtype=np.float32)
     lo, hi = problem.lo.astype(np.float32), problem.hi.astype(np.float32)
     tune_bias = options.bias and problem.has_bias
-    h32, t32 = problem.h.astype(np.float32), problem.t.astype(np.float32)
     k = problem.w.shape[2]
-    norm = 1.0 / (problem.outputs * max(problem.energy, 1e-30))
     adam = Adam(options.learning_rate)
-    best = (np.inf, None, None, None, None)
+    best = (np.inf, None, None, None)
     full = np.empty(problem.t.shape, dtype=np.float32)
-    for _ in range(options.num_iteration + 1):
+    full[:, :, k] = problem.bias
+    for step in range(options.num_iteration + 1):
         scaled = u / t
         rounded = np.rint(scaled)
         codes = np.clip(rounded, lo, hi)
         weights = codes * (s0 * t)
-        bias = problem.best_bias(weights) if tune_bias else problem.bias
         full[:, :, :k] = weights
-        full[:, :, k] = bias
-        vh = full @ h32
-        loss = float(np.sum(full * (vh - 2 * t32))) * norm + 1.0
+        grad_w, loss = problem.gradient(full, step, tune_bias, with_loss=True)
+        grad_w *= np.float32(2 / (problem.outputs * max(problem.reference, 1e-30)))
         if np.isfinite(loss) and loss < best[0]:
-            best = (loss, codes.copy(), (u * s0).copy(), bias.copy(), (s0 * t).copy())
-        grad_w = ((vh - t32)[:, :, :k] * np.float32(2 * norm)).astype(np.float32)
+            best = (loss, codes.copy(), (u * s0).copy(), (s0 * t).copy())
         inside = rounded == codes
         adam.step(0, u, grad_w * (s0 * inside).astype(np.float32))
         if options.max_step:
@@ -82,11 +78,12 @@ def tune_weights(problem: Problem, options: AdaQuantConfig) -> Solution:
             dt = grad_w * s0 * (codes - scaled * inside)
             adam.step(1, t, dt.sum(axis=2, keepdims=True) if problem.per_channel else dt.sum().reshape(1, 1, 1))
             np.maximum(t, 1e-3, out=t)
-    _, codes, weights, bias, scale = best
+    _, codes, weights, scale = best
     if codes is None:  # every step was NaN/Inf: the driver keeps nearest rounding
         return Solution(np.full(problem.w.shape, np.nan))
-    return Solution(codes.astype(np.float64), weights, bias if tune_bias else None,
-                    scale if options.learn_scale else None)
+    codes = codes.astype(np.float64)
+    bias = problem.best_bias(codes * scale) if tune_bias else None
+    return Solution(codes, weights, bias, scale if options.learn_scale else None)
 
 
 @register_algorithm("adaquant", options=AdaQuantConfig, data="required", rewrites=("weights", "biases"))

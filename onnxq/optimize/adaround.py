@@ -80,18 +80,16 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
     rest = np.clip(u - floor, 0.0, 1.0)
     p = np.clip((rest - GAMMA) / (ZETA - GAMMA), 1e-4, 1 - 1e-4)
     v = np.log(p / (1 - p)).astype(np.float32)
-    h32 = problem.h.astype(np.float32)
-    t32 = np.ascontiguousarray(problem.t[:, :, :-1], dtype=np.float32)
     scale32 = problem.scale.astype(np.float32)
     k = problem.w.shape[2]
     full = np.empty(problem.t.shape, dtype=np.float32)
     full[:, :, k] = problem.bias
     tune_bias = options.bias and problem.has_bias
-    # d loss / d h per weight = coef * (V H - T): loss scale, grid step, movable or not.
-    coef = (2.0 / (problem.outputs * max(problem.energy, 1e-30)) * problem.scale * free).astype(np.float32)
+    # d loss / d h per weight = coef * gradient: loss scale, grid step, movable or not.
+    coef = (2.0 / (problem.outputs * max(problem.reference, 1e-30)) * problem.scale * free).astype(np.float32)
     span = np.float32(ZETA - GAMMA)
     adam = Adam(options.learning_rate)
-    sig, soft, grad = (np.empty_like(v) for _ in range(3))
+    sig, soft = (np.empty_like(v) for _ in range(2))
     for step in range(options.num_iteration):
         np.negative(v, out=sig)
         np.exp(sig, out=sig)
@@ -104,10 +102,7 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
         np.multiply(soft, free, out=full[:, :, :k])
         full[:, :, :k] += base
         full[:, :, :k] *= scale32
-        if tune_bias:  # the loss's minimum over the bias: its gradient is the partial one there
-            full[:, :, k] = problem.best_bias(full[:, :, :k])
-        np.matmul(full, h32[:, :, :k], out=grad)
-        grad -= t32
+        grad, _ = problem.gradient(full, step, tune_bias)
         grad *= coef
         beta = _beta(options, step)
         if beta is not None and options.reg_param:

@@ -6,6 +6,7 @@ AdaQuant each register a function `optimise(problem, options) -> Solution` and c
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -24,6 +25,7 @@ from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import dequantize, int_type
 from onnxq.numerics.weights import QuantizedTensor, bias_safe_weight_scale
+from onnxq.optimize.layerwise.activation import Activation, following
 from onnxq.optimize.layerwise.clip import search_scale
 from onnxq.optimize.layerwise.gram import Gram, position_stride
 from onnxq.optimize.layerwise.guard import keep_learned
@@ -35,6 +37,7 @@ from onnxq.optimize.layerwise.layers import (
     to_matrices,
 )
 from onnxq.optimize.layerwise.replay import Replay, ReplayError
+from onnxq.optimize.layerwise.sampled import BIAS_DAMPING, ThroughActivation
 from onnxq.plan import QuantPlan
 from onnxq.plan.params import (
     SCALE_TOLERANCE,
@@ -46,6 +49,8 @@ from onnxq.plan.params import (
 )
 from onnxq.target.pairs import enforce_pairs
 
+# Bytes of the positions a layer keeps for a loss through its activation (`sampled.py`).
+SAMPLE_BYTES = 64 << 20
 WEIGHT_PREFIX = "onnxq_layerwise_w::"
 BIAS_PREFIX = "onnxq_layerwise_b::"
 
@@ -72,27 +77,83 @@ class Problem:
     energy: float
     has_bias: bool  # whether the algorithm may change the bias
     per_channel: bool  # one scale per output channel (else one for the tensor)
+    through: ThroughActivation | None = None  # the loss through the activation after the layer
+
+    @property
+    def reference(self) -> float:
+        """The mean square the loss is relative to: of the float output, or through an
+        activation of what passes it (so the regulariser keeps its weight)."""
+        if self.through is None:
+            return self.energy
+        return self.through.energy + self.energy - self.through.linear_energy
 
     @property
     def outputs(self) -> int:
         return self.w.shape[0] * self.w.shape[1]
+
+    @functools.cached_property
+    def _h32(self) -> np.ndarray:
+        return self.h.astype(np.float32)
+
+    @functools.cached_property
+    def _t32(self) -> np.ndarray:
+        return self.t.astype(np.float32)
+
+    @functools.cached_property
+    def _t32k(self) -> np.ndarray:
+        return np.ascontiguousarray(self._t32[:, :, :-1])
 
     def full(self, weights: np.ndarray, bias: np.ndarray) -> np.ndarray:
         """[g, M, K+1]: weights with the bias column."""
         return np.concatenate([weights, bias[..., None]], axis=2)
 
     def loss(self, weights: np.ndarray, bias: np.ndarray) -> float:
-        """Mean squared output error per output channel and position, relative to the
-        float output's mean square."""
+        """Mean squared output error per output channel and position (through the
+        activation when `through`), relative to the float output's mean square."""
         v = self.full(weights, bias)
         value = (np.sum(v * (v @ self.h)) - 2.0 * np.sum(v * self.t)) / self.outputs + self.energy
-        return float(value / self.energy) if self.energy > 0 else float(value)
+        if self.through is not None:
+            value += self.through.correction(v.astype(np.float32))[2] / self.outputs
+        return float(value / self.reference) if self.reference > 0 else float(value)
 
-    def best_bias(self, weights: np.ndarray) -> np.ndarray:
-        """The bias minimising the loss for `weights` (the least-squares mean correction)."""
+    def linear_bias(self, weights: np.ndarray) -> np.ndarray:
+        """The bias minimising the output error before any activation for `weights` (the
+        least-squares mean correction)."""
         k = weights.shape[2]
         num = self.t[:, :, k] - np.einsum("gmk,gk->gm", weights, self.h[:, :k, k])
         return num / np.maximum(self.h[:, k, k][:, None], 1e-30)
+
+    def best_bias(self, weights: np.ndarray) -> np.ndarray:
+        """The bias minimising the loss for `weights`."""
+        linear = self.linear_bias(weights)
+        return linear if self.through is None else self.through.best_bias(weights, linear)
+
+    def gradient(self, full: np.ndarray, step: int, tune_bias: bool,
+                 with_loss: bool = False) -> tuple[np.ndarray, float | None]:
+        """The loss's gradient in the weights [g, M, K] at float32 weights with the bias
+        column `full` [g, M, K+1], in units of 2 / (outputs x reference) (the mean of
+        (V x_q - W x_f) x_q^T over positions), and with `with_loss` the loss there (through
+        an activation: its sampled part on step `step`'s mini-batch). With `tune_bias` the
+        bias column first moves to (toward, through an activation) its best, in place."""
+        k = self.w.shape[2]
+        if tune_bias and self.through is None:  # the minimum over the bias: its gradient is the partial one there
+            full[:, :, k] = self.linear_bias(full[:, :, :k])
+        loss = None
+        if with_loss or self.through is not None:
+            vh = full @ self._h32
+            norm = 1.0 / (self.outputs * max(self.reference, 1e-30))
+            loss = float(np.sum(full * (vh - 2 * self._t32))) * norm + self.energy / max(self.reference, 1e-30)
+            grad = vh - self._t32
+        else:
+            grad = full @ self._h32[:, :, :k]
+            grad -= self._t32k
+        if self.through is not None:
+            correction, curvature, value = self.through.correction(full, step)
+            grad += correction
+            loss += value * norm
+            if tune_bias:  # one damped Gauss-Newton step per channel
+                full[:, :, k] -= grad[:, :, k] / (curvature + BIAS_DAMPING)
+        return grad[:, :, :k], loss
 
 
 @dataclass
@@ -110,19 +171,21 @@ Optimiser = Callable[[Problem, object], Solution]
 
 
 def _statistics(layer: Layer, replay: Replay, wbar: np.ndarray, kernel: tuple[int, ...], xq: str, xf: str,
-                cap: int) -> Gram:
+                cap: int, sample_cap: int = 0) -> Gram:
     gram = None
     for batch in replay.inputs(list(dict.fromkeys([xq, xf]))):
         if gram is None:
             stride = position_stride(layer.node, batch[xq], kernel, replay.samples, cap)
-            gram = Gram.empty(wbar.shape[0], wbar.shape[2] - 1, kernel, stride)
+            gram = Gram.empty(wbar.shape[0], wbar.shape[2] - 1, kernel, stride, sample_cap, replay.samples)
         gram.update(layer.node, wbar, batch[xq], batch[xf])
     return gram
 
 
-def _problem(layer: Layer, qt: QuantizedTensor, gram: Gram, damping: float, full: np.ndarray) -> Problem:
+def _problem(layer: Layer, qt: QuantizedTensor, gram: Gram, damping: float, full: np.ndarray,
+             activation: Activation | None = None, batch: int = 0) -> Problem:
     """The layer's `Problem` from its statistics; `full`: its float weights with the bias
-    column, [g, M, K+1]."""
+    column, [g, M, K+1]; `activation`: the one after the layer, when the loss runs
+    through it (on the positions `gram` sampled, `batch` per step)."""
     wm, bias = full[:, :, :-1], full[:, :, -1]
     g, m, k = wm.shape
     scale, zp = to_channels(qt.scale, g, m), to_channels(qt.zero_point, g, m)
@@ -138,8 +201,11 @@ def _problem(layer: Layer, qt: QuantizedTensor, gram: Gram, damping: float, full
     t[:, :, :k] += delta[:, None, None] * wm
     energy += float(np.sum(delta[:, None, None] * wm * wm)) / (g * m)
     nearest = to_matrices(layer.node, qt.data.astype(np.float64)) - zp
+    through = None
+    if activation is not None and gram.kept_x:
+        through = ThroughActivation.build(activation, *gram.sample(), batch)
     return Problem(wm, bias, scale, info.qmin - zp, info.qmax - zp, nearest, h, t, energy,
-                   layer.bias is not None, qt.axis is not None)
+                   layer.bias is not None, qt.axis is not None, through)
 
 
 def _constant_of(model: ir.Model) -> Callable[[str], np.ndarray | None]:
@@ -333,11 +399,15 @@ def _one_layer(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Ma
     g, m, k = wm.shape
     wbar = np.concatenate([wm, layer.bias_array().reshape(g, m, 1)], axis=2)
     kernel = tuple(w.shape[2:]) if node.op_type == "Conv" else ()
-    gram = _statistics(layer, replay, wbar, kernel, *names, options.max_positions)
+    activation = following(model.graph, node, (g, m)) if options.activation else None
+    sample_cap = min(options.sample_positions, SAMPLE_BYTES // (4 * g * (k + 1 + m))) if activation else 0
+    gram = _statistics(layer, replay, wbar, kernel, *names, options.max_positions, sample_cap)
     short = gram.positions < options.min_rows * (k + 1)
     if short:  # too few rows to learn K codes per output: fit only its scale and bias
         report.short[layer.name] = math.ceil(options.min_rows * (k + 1) / max(gram.positions / replay.samples, 1e-9))
-    problem = _problem(layer, qt, gram, options.damping, wbar)
+    problem = _problem(layer, qt, gram, options.damping, wbar, activation, options.batch_positions)
+    if problem.through is not None:
+        report.through[activation.op_type] = report.through.get(activation.op_type, 0) + 1
     before = problem.loss(problem.nearest * problem.scale, problem.bias)
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -396,6 +466,7 @@ class _Report:
         self.short: dict[str, int] = {}  # layer -> calibration samples it needs
         self.bias_changed: dict[str, np.ndarray | None] = {}
         self.pinned: list[Layer] = []
+        self.through: dict[str, int] = {}  # activation op type -> layers whose loss ran through one
         self.last = ""
 
     def line(self, total: int, refused: Mapping[str, str], samples: int) -> str:
@@ -406,6 +477,9 @@ class _Report:
             before = float(np.median([b for b, _ in measured]))
             after = float(np.median([a for _, a in measured]))
             text += f" (median relative output error {before:.3g} -> {after:.3g})"
+        if self.through:
+            text += "; error measured after the activation on " + ", ".join(
+                f"{n} layers ({op})" for op, n in self.through.items())
         text += _listed("kept nearest", self.kept) + _listed("not optimised", refused)
         if self.short:
             need = max(self.short.values())

@@ -6,14 +6,16 @@ weights V on quantized inputs against float weights W on float inputs is
     sum_p |V xq_p - W xf_p|^2 = tr(V H V^T) - 2 tr(V T^T) + E,
     H = sum_p xq_p xq_p^T,  T = W C^T with C = sum_p xq_p xf_p^T,  E = sum_p |W xf_p|^2,
 
-per group, over every position p of every sample. H and C are [g, K+1, K+1] in float64;
-nothing else about the data is kept.
+per group, over every position p of every sample. H and C are [g, K+1, K+1] in float64.
+When the layer's loss runs through its activation (`sampled.py`), an evenly strided
+sample of the positions is kept too: quantized input patches and float outputs, up to
+`sample_cap` positions.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -108,10 +110,31 @@ class Gram:
     energy: float = 0.0
     positions: int = 0
     chunks: int = 0
+    sample_cap: int = 0  # positions of the sample to keep (0: none)
+    samples: int = 0  # calibration samples the data has (to stride the sample evenly)
+    sample_every: int = 0
+    kept_x: list[np.ndarray] = field(default_factory=list)
+    kept_y: list[np.ndarray] = field(default_factory=list)
 
     @classmethod
-    def empty(cls, groups: int, k: int, kernel: tuple[int, ...], stride: int = 1) -> Gram:
-        return cls(np.zeros((groups, k + 1, k + 1)), np.zeros((groups, k + 1, k + 1)), kernel, stride)
+    def empty(cls, groups: int, k: int, kernel: tuple[int, ...], stride: int = 1, sample_cap: int = 0,
+              samples: int = 0) -> Gram:
+        return cls(np.zeros((groups, k + 1, k + 1)), np.zeros((groups, k + 1, k + 1)), kernel, stride,
+                   sample_cap=sample_cap, samples=samples)
+
+    def _keep(self, q: np.ndarray, y: np.ndarray, chunk_samples: int, offset: int) -> None:
+        if not self.sample_every:
+            total = q.shape[2] / max(chunk_samples, 1) * max(self.samples, chunk_samples)
+            self.sample_every = max(1, math.ceil(total / self.sample_cap))
+        pick = slice(offset % self.sample_every, None, self.sample_every)
+        x = q[:, :, pick]
+        self.kept_x.append(np.concatenate([x, np.ones((x.shape[0], 1, x.shape[2]), np.float32)], axis=1))
+        self.kept_y.append(y[:, :, pick])
+
+    def sample(self) -> tuple[np.ndarray, np.ndarray]:
+        """The kept positions: input patches with a row of ones [g, K+1, P] and float
+        outputs [g, M, P]."""
+        return np.concatenate(self.kept_x, axis=2), np.concatenate(self.kept_y, axis=2)
 
     def update(self, node: ir.Node, w: np.ndarray, xq: np.ndarray, xf: np.ndarray) -> None:
         """Add one batch of the layer's quantized and float inputs (`w`: the float
@@ -135,3 +158,5 @@ class Gram:
             y = w32[:, :, :k] @ f + w32[:, :, k:]
             self.energy += float(np.einsum("gmp,gmp->", y, y, dtype=np.float64))
             self.positions += count
+            if self.sample_cap:
+                self._keep(q, y, len(xq[start:start + step]), offset)

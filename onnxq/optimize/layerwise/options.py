@@ -40,6 +40,10 @@ class LayerwiseConfig:
       MobileNet-v1 int4 per-channel AdaRound 75.4 -> 79.5 top-1).
     search_scale: before learning, shrink each output channel's weight scale (the tensor's
       one, per tensor) to the factor of least output error (`layerwise/clip.py`).
+    activation: minimise the error after the activation that alone reads the layer's
+      output (Relu, Clip, LeakyRelu, PRelu, Sigmoid, Tanh, Gelu), as AdaRound's paper and
+      AMCT do, on up to sample_positions positions, batch_positions per step
+      (`layerwise/sampled.py`); else the error of the output before it (exact statistics).
     min_rows: a layer whose statistics saw fewer than min_rows x (inputs per output + 1)
       rows keeps nearest rounding (it would fit the calibration samples, not the data).
     """
@@ -61,6 +65,9 @@ class LayerwiseConfig:
     search_scale: bool = True
     bias: bool = True
     equalize: str = "auto"
+    activation: bool = False
+    sample_positions: int = 8192
+    batch_positions: int = 1024
 
     def __post_init__(self) -> None:
         name = self.ALGORITHM
@@ -74,6 +81,8 @@ class LayerwiseConfig:
         check(self.cache_budget_mb >= 0, f"{name}: cache_budget_mb must be >= 0")
         check(self.validation_every >= 0 and self.validation_every != 1,
               f"{name}: validation_every is 0 (no check) or at least 2")
+        check(self.sample_positions >= 1 and self.batch_positions >= 1,
+              f"{name}: sample_positions and batch_positions must be at least 1")
         check(self.min_rows >= 0, f"{name}: min_rows must be >= 0")
         check(self.equalize in self.EQUALIZE, f"{name}: equalize is one of {', '.join(self.EQUALIZE)}; "
               f"got {self.equalize!r}")
