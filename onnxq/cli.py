@@ -266,6 +266,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  {v.name}: {v.dtype.name if v.dtype else '?'} {dims}")
     ops = Counter(n.op_type for n in graph)
     print(f"nodes: {sum(ops.values())} (" + ", ".join(f"{op} {n}" for op, n in ops.most_common()) + ")")
+    from onnxq.graph.quantized import describe, quantized_ops
+
+    already = quantized_ops(model)
+    if already:
+        print(f"already quantized: {describe(already, limit=8)}; onnxq quantize takes the float model")
+        return 0
     config = compose_config(args.preset, args.config, {"target": args.target} if args.target else None)
     for note in run_passes(model, config.pre_quant_opt_config, PassContext(None, config.calibration)):
         print(f"pass {note}")
@@ -303,13 +309,10 @@ def _data_and_labels(data: str, key: str | None) -> tuple[object, object]:
 
 
 def _check_model_files(*models: str) -> None:
-    from pathlib import Path
-
-    from onnxq.errors import CalibrationDataError
+    from onnxq.graph.load import check_readable
 
     for model in models:
-        if not Path(model).is_file():
-            raise CalibrationDataError(f"model file not found: {model}")
+        check_readable(model)
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:

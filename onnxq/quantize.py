@@ -31,8 +31,9 @@ from onnxq.config import Config, as_config, validate_node_configs
 from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads
-from onnxq.errors import CalibrationDataError, ConfigError
+from onnxq.errors import CalibrationDataError, ConfigError, UnsupportedModelError
 from onnxq.graph.load import check_runnable, load_model
+from onnxq.graph.quantized import describe, quantized_ops
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
 from onnxq.optimize import (
@@ -128,6 +129,11 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
     blocks, but not the nodes lowered to contrib kernels (MatMulNBits,
     GatherBlockQuantized), whose weights W4_GROUP128 configures as int4 blocks."""
     model, report = load_model(source, config.opset or 13)
+    already = quantized_ops(model)
+    if already:
+        raise UnsupportedModelError(
+            f"{report.source} is already quantized ({describe(already)}); pass the float model "
+            "(`onnxq convert --to float` gives a float one back from Q/DQ and QLinear models)")
     if required_opset(config) <= report.opset:
         return model, report
     need = plan_quantization(model, config, {}, target).required_opset()

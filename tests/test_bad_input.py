@@ -121,6 +121,17 @@ def _zero_max_samples(ws: Workspace) -> list[str]:
     return [str(ws.model), str(ws.out), "--calib-data", str(ws.good_data), "--max-samples", "0"]
 
 
+def _missing_channel_axis(ws: Workspace) -> list[str]:
+    data = ws.npz("no_channels.npz", x=np.zeros((4, 16, 16), np.float32))
+    return [str(ws.model), str(ws.out), "--calib-data", str(data)]
+
+
+def _already_quantized(ws: Workspace) -> list[str]:
+    quantized = ws.root / "q.onnx"
+    onnxq.quantize(str(ws.model), str(quantized), calibration_data=str(ws.good_data), progress=False)
+    return [str(quantized), str(ws.out), "--calib-data", str(ws.good_data)]
+
+
 # case -> (builder of the argv after "quantize", words the error line must contain)
 CASES: dict[str, tuple[Callable[[Workspace], list[str]], tuple[str, ...]]] = {
     "truncated_onnx": (_truncated, ("truncated.onnx", "not a readable ONNX model")),
@@ -129,6 +140,10 @@ CASES: dict[str, tuple[Callable[[Workspace], list[str]], tuple[str, ...]]] = {
     "calib_wrong_key": (_wrong_key, ("'y'", "not a model input", "x")),
     "calib_wrong_rank": (_wrong_rank, ("'x'", "rank 2", "rank 4")),
     "calib_wrong_static_dim": (_wrong_dim, ("'x'", "axis 1 must be 3")),
+    # a stack of 4 single-channel images was taken for one sample and split into rows
+    "calib_missing_axis": (_missing_channel_axis, ("'x'", "rank 3", "1 axis missing", "[samples, 3, 16, 16]")),
+    # a second set of Q/DQ on top of the first quantizes twice
+    "already_quantized": (_already_quantized, ("q.onnx", "already quantized", "QuantizeLinear", "float model")),
     "calib_int_for_float": (_wrong_dtype, ("'x'", "int64", "float32")),
     "out_equals_in": (_out_is_in, ("is the input model",)),
     "out_equals_in_other_spelling": (_out_is_in_other_spelling, ("is the input model",)),
@@ -274,3 +289,18 @@ def test_cli_output_parent_is_a_file(ws, capsys):
     rc = main(["quantize", str(ws.model), str(out), "--calib-data", str(ws.good_data)])
     assert rc == 2
     assert_one_error_line(capsys.readouterr().err, ("q.onnx",))
+
+
+@pytest.mark.parametrize("command", ["compare", "analyze", "run"])
+@pytest.mark.parametrize("side", [0, 1])
+def test_cli_truncated_model_for_commands_that_run_it(ws, capsys, command: str, side: int):
+    """compare / analyze / run hand the files to onnxruntime: a truncated one is one line
+    (it was onnxruntime's InvalidProtobuf traceback, exit 1)."""
+    truncated = ws.root / "truncated.onnx"
+    data = ws.model.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    models = [str(ws.model), str(truncated)]
+    models = [models[side], models[1 - side]] if command != "run" else [str(truncated)]
+    rc = main([command, *models, "--data", str(ws.good_data)])
+    assert rc == 2
+    assert_one_error_line(capsys.readouterr().err, ("truncated.onnx", "not a readable ONNX model"))

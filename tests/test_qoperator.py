@@ -190,6 +190,39 @@ def test_convert_refuses_a_float_model_and_writes_nothing(tmp_path, capsys):
     assert "is the input model" in capsys.readouterr().err
 
 
+def test_convert_names_kernels_it_cannot_rewrite(tmp_path, capsys):
+    """A dynamic model (DynamicQuantizeLinear + MatMulInteger) is quantized, not 'not a
+    quantized model'; --to float refuses it in one line (leaving the kernels would not be
+    float), --to qdq leaves them and says so; inspect says the model is already quantized."""
+    model = _matmul_chain(tmp_path)
+    dynamic = tmp_path / "dynamic.onnx"
+    assert main(["quantize", str(model), str(dynamic), "--preset", "W8_DYNAMIC", "--quiet"]) == 0
+    assert "MatMulInteger" in _ops(onnx.load(str(dynamic)))
+    capsys.readouterr()
+    out = tmp_path / "out.onnx"
+    assert main(["convert", str(dynamic), str(out), "--to", "float"]) == 2
+    err = capsys.readouterr().err
+    assert "MatMulInteger" in err and "cannot turn back into float" in err and not out.exists()
+    assert main(["convert", str(dynamic), str(out), "--to", "qdq"]) == 0
+    assert "left as they are (weight-only or dynamic kernels): DynamicQuantizeLinear" in capsys.readouterr().out
+    assert main(["inspect", str(dynamic)]) == 0
+    assert "already quantized: " in capsys.readouterr().out
+
+
+def _matmul_chain(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    w1 = onnx.numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "w1")
+    w2 = onnx.numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32), "w2")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w1"], ["h"]), onnx.helper.make_node("Relu", ["h"], ["r"]),
+         onnx.helper.make_node("MatMul", ["r", "w2"], ["y"])], "chain",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 16])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 8])], [w1, w2])
+    path = tmp_path / "chain.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
 def test_bundled_model_in_qoperator_format(tmp_path):
     out = tmp_path / "q.onnx"
     assert main(["quantize", str(ROOT / "models" / "digits_cnn.onnx"), str(out), "--calib-data",

@@ -140,7 +140,7 @@ def _to_rows(spec: InputSpec | None, array: np.ndarray) -> np.ndarray:
     """
     if spec is None or spec.shape is None or not spec.shape:
         return array
-    if array.ndim == len(spec.shape) - 1:
+    if array.ndim == len(spec.shape) - 1 and spec.fits((spec.shape[0] or 1, *array.shape)):
         return array[None]
     if array.ndim == len(spec.shape) + 1 and spec.shape[0] is not None and spec.fits(array.shape[1:]):
         return array.reshape(-1, *array.shape[2:])
@@ -261,9 +261,13 @@ def _check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
         return array
     array = _to_rows(spec, array)
     if array.ndim != len(spec.shape):
+        dims = ["?" if d is None else str(d) for d in spec.shape[1:]]
+        off = len(spec.shape) - array.ndim
+        off_by = f"{abs(off)} ax{'i' if abs(off) == 1 else 'e'}s {'missing' if off > 0 else 'too many'}"
         raise CalibrationDataError(
-            f"calibration input {spec.name!r} has shape {list(array.shape)} (rank {array.ndim}), "
-            f"expected {spec.describe()} (rank {len(spec.shape)})"
+            f"calibration input {spec.name!r} has rank {array.ndim} (each sample {list(array.shape[1:])}), the "
+            f"model's input rank {len(spec.shape)} ({spec.describe()}): {off_by}; give arrays "
+            f"[{', '.join(['samples', *dims])}]"
         )
     for axis, (want, got) in enumerate(zip(spec.shape, array.shape)):
         if want is not None and axis > 0 and want != got:

@@ -101,6 +101,7 @@ class FormatReport:
 
     converted: Counter = field(default_factory=Counter)
     kept: dict[str, str] = field(default_factory=dict)
+    left: Counter = field(default_factory=Counter)  # weight-only / dynamic kernels, not rewritten
 
     def note(self, what: str) -> str:
         done = ", ".join(f"{op} {n}" for op, n in sorted(self.converted.items())) or "nothing"
@@ -108,6 +109,9 @@ class FormatReport:
         if self.kept:
             reasons = Counter(self.kept.values())
             line += "; kept as Q/DQ: " + "; ".join(f"{why} x{n}" for why, n in sorted(reasons.items()))
+        if self.left:
+            line += "; left as they are (weight-only or dynamic kernels): " + ", ".join(
+                f"{op} x{n}" for op, n in sorted(self.left.items()))
         return line
 
 
@@ -577,10 +581,6 @@ def convert_format(model: ir.Model, to: str) -> FormatReport:
     return report
 
 
-def is_quantized(model: ir.Model) -> bool:
-    """Whether `model` holds anything a format conversion works on."""
-    return any((n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.domain in Q_DOMAINS)
-               or (n.domain, n.op_type) in BY_KERNEL for n in model.graph)
 
 
 def convert_model(source: str, output: str, to: str) -> str:
@@ -588,15 +588,21 @@ def convert_model(source: str, output: str, to: str) -> str:
     and return one summary line. A model with no Q/DQ or integer kernel is refused."""
     from onnxq.errors import ModelError, OnnxqError
     from onnxq.graph.load import read_model
+    from onnxq.graph.quantized import describe, opaque_kernels, quantized_ops
     from onnxq.graph.save import check_output_path, save_model
 
     if to not in FORMATS:
         raise OnnxqError(f"unknown format {to!r}; use one of: {', '.join(FORMATS)}")
     check_output_path(output, source)
     model = read_model(source)
-    if not is_quantized(model):
+    if not quantized_ops(model):
         raise ModelError(f"{source} has no QuantizeLinear/DequantizeLinear or integer kernel: it is not a "
                          "quantized model; quantize it first with onnxq quantize")
+    opaque = opaque_kernels(model)
+    if opaque and to == "float":
+        raise ModelError(f"{source} holds weight-only or dynamic kernels ({describe(opaque)}) that convert "
+                         "cannot turn back into float ops; quantize the float model again instead")
     report = convert_format(model, to)
+    report.left = opaque
     save_model(model, output)
     return f"onnxq: {source} -> {output}\n  {report.note(to)}"

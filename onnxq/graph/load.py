@@ -480,6 +480,14 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def check_readable(path: str | os.PathLike) -> None:
+    """Raise `ModelError` unless `path` parses as an ONNX model with a graph (cheap: big
+    files' weights stay in the file), for commands that hand the file to onnxruntime."""
+    proto, _, name, _ = _read_proto(path, split=True)
+    if not proto.HasField("graph") or not proto.opset_import:
+        raise ModelError(f"{name} is not an ONNX model (no graph or opset); pass a .onnx model file")
+
+
 def read_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> ir.Model:
     """Read a model as it is (checked, not normalised): for looking at a model this tool
     or another one wrote, where normalising would change what is looked at."""

@@ -1,0 +1,43 @@
+"""Which nodes show that a model is already quantized.
+
+`quantize` refuses such a model (a second set of Q/DQ on top of the first quantizes
+twice and measures nothing), `inspect` says so, and `convert` names the kernels it cannot
+rewrite. Q/DQ pairs and onnxruntime's integer kernels (QLinear*, QGemm, ...) are
+rewritable; weight-only and dynamic kernels are not.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import onnx_ir as ir
+
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+# Kernels that hold quantized weights or quantize at run time, whose float form convert
+# does not rebuild.
+OPAQUE_KERNELS = ("MatMulNBits", "GatherBlockQuantized", "MatMulInteger", "ConvInteger", "DynamicQuantizeLinear",
+                  "DynamicQuantizeLSTM", "DynamicQuantizeMatMul", "MatMulFpQ4", "QAttention",
+                  "QEmbedLayerNormalization", "QOrderedMatMul", "MatMulBnb4")
+DOMAINS = ("", "ai.onnx", "com.microsoft")
+
+
+def _quantized_op(node: ir.Node) -> bool:
+    op = node.op_type
+    return node.domain in DOMAINS and (op in QDQ_OPS or op in OPAQUE_KERNELS or op.startswith("QLinear")
+                                       or op in ("QGemm", "MatMulIntegerToFloat"))
+
+
+def quantized_ops(model: ir.Model) -> Counter:
+    """Op type -> count of the nodes of the main graph that belong to a quantized model."""
+    return Counter(n.op_type for n in model.graph if _quantized_op(n))
+
+
+def opaque_kernels(model: ir.Model) -> Counter:
+    """Op type -> count of weight-only and dynamic kernels (`OPAQUE_KERNELS`)."""
+    return Counter(n.op_type for n in model.graph if n.domain in DOMAINS and n.op_type in OPAQUE_KERNELS)
+
+
+def describe(ops: Counter, limit: int = 4) -> str:
+    """'QuantizeLinear x9, DequantizeLinear x21' (the most frequent first)."""
+    items = [f"{op} x{n}" for op, n in ops.most_common(limit)]
+    return ", ".join(items) + (", ..." if len(ops) > limit else "")
