@@ -304,3 +304,25 @@ def test_cli_truncated_model_for_commands_that_run_it(ws, capsys, command: str, 
     rc = main([command, *models, "--data", str(ws.good_data)])
     assert rc == 2
     assert_one_error_line(capsys.readouterr().err, ("truncated.onnx", "not a readable ONNX model"))
+
+
+def test_dequantized_graph_input_is_a_float_model(tmp_path):
+    """A uint8 image input turned into float by a DequantizeLinear (scale 1/255) is float
+    preprocessing, not an already-quantized model: it quantizes, and the result runs."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("DequantizeLinear", ["x", "s", "z"], ["xf"]),
+             helper.make_node("Conv", ["xf", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.UINT8, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])],
+        [numpy_helper.from_array(np.float32(1 / 255), "s"), numpy_helper.from_array(np.uint8(0), "z"),
+         numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    data = {"x": rng.integers(0, 256, (8, 3, 8, 8)).astype(np.uint8)}
+    result = onnxq.quantize(model, tmp_path / "q.onnx", calibration_data=data, progress=False)
+    assert result.summary.quantized_by_op.get("Conv") == 1
+    import onnxruntime as ort
+    out = ort.InferenceSession(str(tmp_path / "q.onnx")).run(None, data)[0]
+    assert out.shape == (8, 4, 8, 8) and np.isfinite(out).all()

@@ -482,7 +482,7 @@ def test_each_activation_matches_onnxruntime_and_its_derivative(op: str, attrs: 
     model = _conv_then(op, attrs, extra)
     graph = ir.from_proto(model).graph
     conv = next(n for n in graph if n.op_type == "Conv")
-    act = following(graph, conv, (1, 6))
+    act = following(graph, conv, (1, 6), 2)
     assert act is not None and act.op_type == op
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     x = CALIB[:2]
@@ -500,13 +500,19 @@ def test_each_activation_matches_onnxruntime_and_its_derivative(op: str, attrs: 
     np.testing.assert_allclose(act.derivative(y)[away], numeric[away], atol=2e-3)
 
 
-def test_no_activation_when_the_output_also_goes_elsewhere() -> None:
+def test_no_activation_when_the_output_also_goes_elsewhere_or_a_slope_is_per_position() -> None:
     from onnxq.optimize.layerwise.activation import following
 
     model = _conv_then("Relu", {}, None)
     model.graph.output.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, None))
     graph = ir.from_proto(model).graph
-    assert following(graph, next(n for n in graph if n.op_type == "Conv"), (1, 6)) is None
+    assert following(graph, next(n for n in graph if n.op_type == "Conv"), (1, 6), 2) is None
+    # a PRelu slope that varies along the last axis, as many values as there are channels
+    for slope in (np.full((1, 6), 0.2, np.float32), np.full(6, 0.2, np.float32)):
+        graph = ir.from_proto(_conv_then("PRelu", {}, slope)).graph
+        assert following(graph, next(n for n in graph if n.op_type == "Conv"), (1, 6), 2) is None
+    graph = ir.from_proto(_conv_then("PRelu", {}, np.full((1, 6, 1, 1), 0.2, np.float32))).graph
+    assert following(graph, next(n for n in graph if n.op_type == "Conv"), (1, 6), 2) is not None
 
 
 def _through_problem(seed: int = 0):
@@ -524,7 +530,7 @@ def _through_problem(seed: int = 0):
     full = np.concatenate([w, b[..., None]], axis=2)
     h, c = xq1 @ xq1.transpose(0, 2, 1) / p, xq1 @ xf1.transpose(0, 2, 1) / p
     yf = full @ xf1
-    relu = ACTIVATIONS["Relu"](None, (g, m))
+    relu = ACTIVATIONS["Relu"](None, (g, m), 0)
     through = ThroughActivation.build(relu, xq1, yf, batch=p)
     problem = driver.Problem(w, b, np.full((g, m, 1), 0.1), np.full((g, m, 1), -8.0), np.full((g, m, 1), 7.0),
                              np.rint(w / 0.1), h, full @ c.transpose(0, 2, 1), float(np.mean(yf ** 2)), True, True,
@@ -532,13 +538,14 @@ def _through_problem(seed: int = 0):
 
     def exact(v: np.ndarray, bias: np.ndarray) -> float:  # the error after ReLU, relative
         yq = np.concatenate([v, bias[..., None]], axis=2) @ xq1
-        return float(np.mean((np.maximum(yq, 0) - np.maximum(yf, 0)) ** 2)) / problem.reference
+        return float(np.mean((np.maximum(yq, 0) - np.maximum(yf, 0)) ** 2)) / float(np.mean(np.maximum(yf, 0) ** 2))
     return problem, exact, rng
 
 
 def test_loss_through_the_activation_and_its_gradient_are_exact() -> None:
     """Statistics plus the sampled correction give the error after the ReLU exactly when
-    the sample holds every position; the gradient is its derivative."""
+    the sample holds every position: the gradient is its derivative; the loss that judges
+    a layer is the error on the sample alone."""
     problem, exact, rng = _through_problem()
     v = problem.w + 0.1 * rng.standard_normal(problem.w.shape)
     assert problem.loss(v, problem.bias) == pytest.approx(exact(v, problem.bias), rel=1e-5)

@@ -140,8 +140,9 @@ def _to_rows(spec: InputSpec | None, array: np.ndarray) -> np.ndarray:
     """
     if spec is None or spec.shape is None or not spec.shape:
         return array
-    if array.ndim == len(spec.shape) - 1 and spec.fits((spec.shape[0] or 1, *array.shape)):
-        return array[None]
+    if array.ndim == len(spec.shape) - 1 and (
+            spec.fits((spec.shape[0] or 1, *array.shape)) or spec.shape[1] in (None, array.shape[0])):
+        return array[None]  # one sample (the later check names a wrong size)
     if array.ndim == len(spec.shape) + 1 and spec.shape[0] is not None and spec.fits(array.shape[1:]):
         return array.reshape(-1, *array.shape[2:])
     return array

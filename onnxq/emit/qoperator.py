@@ -581,8 +581,6 @@ def convert_format(model: ir.Model, to: str) -> FormatReport:
     return report
 
 
-
-
 def convert_model(source: str, output: str, to: str) -> str:
     """Read a quantized model, write it in format `to` (atomically; never over the input)
     and return one summary line. A model with no Q/DQ or integer kernel is refused."""

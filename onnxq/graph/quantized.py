@@ -22,19 +22,33 @@ DOMAINS = ("", "ai.onnx", "com.microsoft")
 
 
 def _quantized_op(node: ir.Node) -> bool:
+    """A quantization op, or a DequantizeLinear of stored codes (a constant) or of a
+    QuantizeLinear's output; one that turns a graph input into float (a uint8 image
+    scaled by 1/255) is preprocessing of a float model."""
     op = node.op_type
-    return node.domain in DOMAINS and (op in QDQ_OPS or op in OPAQUE_KERNELS or op.startswith("QLinear")
-                                       or op in ("QGemm", "MatMulIntegerToFloat"))
+    if node.domain not in DOMAINS:
+        return False
+    if op == "DequantizeLinear":
+        source = node.inputs[0] if node.inputs else None
+        producer = source.producer() if source is not None else None
+        return source is not None and (source.const_value is not None or (
+            producer is not None and producer.op_type in ("QuantizeLinear", "Constant")))
+    return op in QDQ_OPS or op in OPAQUE_KERNELS or op.startswith("QLinear") or op in ("QGemm", "MatMulIntegerToFloat")
+
+
+def _nodes(model: ir.Model):
+    """Every node, in subgraphs (If, Loop, Scan bodies) too."""
+    return ir.traversal.RecursiveGraphIterator(model.graph)
 
 
 def quantized_ops(model: ir.Model) -> Counter:
-    """Op type -> count of the nodes of the main graph that belong to a quantized model."""
-    return Counter(n.op_type for n in model.graph if _quantized_op(n))
+    """Op type -> count of the nodes that belong to a quantized model (subgraphs included)."""
+    return Counter(n.op_type for n in _nodes(model) if _quantized_op(n))
 
 
 def opaque_kernels(model: ir.Model) -> Counter:
     """Op type -> count of weight-only and dynamic kernels (`OPAQUE_KERNELS`)."""
-    return Counter(n.op_type for n in model.graph if n.domain in DOMAINS and n.op_type in OPAQUE_KERNELS)
+    return Counter(n.op_type for n in _nodes(model) if n.domain in DOMAINS and n.op_type in OPAQUE_KERNELS)
 
 
 def describe(ops: Counter, limit: int = 4) -> str:

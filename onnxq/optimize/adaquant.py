@@ -66,7 +66,9 @@ def tune_weights(problem: Problem, options: AdaQuantConfig) -> Solution:
         codes = np.clip(rounded, lo, hi)
         weights = codes * (s0 * t)
         full[:, :, :k] = weights
-        grad_w, loss = problem.gradient(full, step, tune_bias, with_loss=True)
+        if tune_bias and problem.through is None:  # from the float64 weights (closed form)
+            full[:, :, k] = problem.linear_bias(weights)
+        grad_w, loss = problem.gradient(full, step, tune_bias and problem.through is not None, with_loss=True)
         grad_w *= np.float32(2 / (problem.outputs * max(problem.reference, 1e-30)))
         if np.isfinite(loss) and loss < best[0]:
             best = (loss, codes.copy(), (u * s0).copy(), (s0 * t).copy())

@@ -5,7 +5,7 @@ after a ReLU6 an error on an output the activation clips away costs nothing, so 
 rounding can spend its freedom on the outputs that reach the next layer (MobileNet-v1
 int4 per-channel weights: most pointwise outputs are negative before their ReLU6).
 
-`following(graph, node, channels)` returns the `Activation` that is the layer output's only
+`following(graph, node, shape, spatial)` returns the `Activation` that is the layer output's only
 consumer (none when the output feeds anything else too, or is a graph output: its error
 then counts in full). Each op type is one entry of `ACTIVATIONS`, built from the node.
 Values are laid out as the layer's outputs [g, M, P] (`layers.to_matrices`).
@@ -41,11 +41,11 @@ def _constant(node: ir.Node, index: int) -> Array | None:
     return constant_array(node.inputs[index])
 
 
-def _relu(node: ir.Node, shape: tuple[int, int]) -> Activation:
+def _relu(node: ir.Node, shape: tuple[int, int], spatial: int) -> Activation:
     return Activation("Relu", lambda y: np.maximum(y, 0), lambda y: (y > 0).astype(np.float32))
 
 
-def _clip(node: ir.Node, shape: tuple[int, int]) -> Activation | None:
+def _clip(node: ir.Node, shape: tuple[int, int], spatial: int) -> Activation | None:
     if any(i < len(node.inputs) and node.inputs[i] is not None and _constant(node, i) is None for i in (1, 2)):
         return None  # bounds computed at run time
     lo_c, hi_c = _constant(node, 1), _constant(node, 2)
@@ -55,16 +55,22 @@ def _clip(node: ir.Node, shape: tuple[int, int]) -> Activation | None:
                       lambda y: ((y > lo) & (y < hi)).astype(np.float32))
 
 
-def _leaky(node: ir.Node, shape: tuple[int, int]) -> Activation:
+def _leaky(node: ir.Node, shape: tuple[int, int], spatial: int) -> Activation:
     alpha = np.float32(layout.attr(node, "alpha", 0.01))
     return Activation("LeakyRelu", lambda y: np.where(y > 0, y, alpha * y),
                       lambda y: np.where(y > 0, np.float32(1), alpha))
 
 
-def _prelu(node: ir.Node, shape: tuple[int, int]) -> Activation | None:
+def _prelu(node: ir.Node, shape: tuple[int, int], spatial: int) -> Activation | None:
     slope = _constant(node, 1)
-    if slope is None or slope.size not in (1, shape[0] * shape[1]):
-        return None  # a slope per position, or computed
+    if slope is None:
+        return None
+    # Broadcast from the right: only the channel axis (spatial + 1 from the end) may vary.
+    channel = spatial
+    if any(d != 1 for i, d in enumerate(reversed(slope.shape)) if i != channel):
+        return None  # a slope per position
+    if slope.size not in (1, shape[0] * shape[1]):
+        return None
     s = slope.astype(np.float32).reshape(-1)
     s = s.reshape(1, 1, 1) if s.size == 1 else s.reshape(shape[0], shape[1], 1)
     return Activation("PRelu", lambda y: np.where(y > 0, y, s * y),
@@ -75,14 +81,14 @@ def _sigmoid_of(y: Array) -> Array:
     return 1 / (1 + np.exp(-np.clip(y, -60, 60)))
 
 
-def _sigmoid(node: ir.Node, shape: tuple[int, int]) -> Activation:
+def _sigmoid(node: ir.Node, shape: tuple[int, int], spatial: int) -> Activation:
     def derivative(y: Array) -> Array:
         s = _sigmoid_of(y)
         return s * (1 - s)
     return Activation("Sigmoid", _sigmoid_of, derivative)
 
 
-def _tanh(node: ir.Node, shape: tuple[int, int]) -> Activation:
+def _tanh(node: ir.Node, shape: tuple[int, int], spatial: int) -> Activation:
     return Activation("Tanh", np.tanh, lambda y: 1 - np.tanh(y) ** 2)
 
 
@@ -93,7 +99,7 @@ def _erf(x: Array) -> Array:
     return np.sign(x) * (1 - poly * np.exp(-x * x))
 
 
-def _gelu(node: ir.Node, shape: tuple[int, int]) -> Activation:
+def _gelu(node: ir.Node, shape: tuple[int, int], spatial: int) -> Activation:
     approximate = layout.attr(node, "approximate", "none")
     approximate = approximate.decode() if isinstance(approximate, bytes) else str(approximate)
     c = np.float32(math.sqrt(2 / math.pi))
@@ -113,7 +119,7 @@ def _gelu(node: ir.Node, shape: tuple[int, int]) -> Activation:
     return Activation("Gelu", forward, derivative)
 
 
-ACTIVATIONS: dict[str, Callable[[ir.Node, tuple[int, int]], Activation | None]] = {
+ACTIVATIONS: dict[str, Callable[[ir.Node, tuple[int, int], int], Activation | None]] = {
     "Relu": _relu,
     "Clip": _clip,
     "LeakyRelu": _leaky,
@@ -124,9 +130,10 @@ ACTIVATIONS: dict[str, Callable[[ir.Node, tuple[int, int]], Activation | None]] 
 }
 
 
-def following(graph: ir.Graph, node: ir.Node, shape: tuple[int, int]) -> Activation | None:
+def following(graph: ir.Graph, node: ir.Node, shape: tuple[int, int], spatial: int = 0) -> Activation | None:
     """The activation that alone reads `node`'s output, or None; `shape`: (groups, outputs
-    per group) of the layer's weight matrices."""
+    per group) of the layer's weight matrices; `spatial`: axes after the channel axis in
+    the output (a convolution's spatial axes; 0 when channels are last)."""
     out = node.outputs[0]
     uses = list(out.uses())
     if len(uses) != 1 or out in graph.outputs:
@@ -135,4 +142,4 @@ def following(graph: ir.Graph, node: ir.Node, shape: tuple[int, int]) -> Activat
     make = ACTIVATIONS.get(consumer.op_type)
     if make is None or index != 0 or consumer.domain not in ("", "ai.onnx"):
         return None
-    return make(consumer, shape)
+    return make(consumer, shape, spatial)

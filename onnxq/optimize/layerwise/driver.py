@@ -85,7 +85,7 @@ class Problem:
         activation of what passes it (so the regulariser keeps its weight)."""
         if self.through is None:
             return self.energy
-        return self.through.energy + self.energy - self.through.linear_energy
+        return max(self.through.energy, 1e-6 * self.energy)
 
     @property
     def outputs(self) -> int:
@@ -111,10 +111,10 @@ class Problem:
         """Mean squared output error per output channel and position (through the
         activation when `through`), relative to the float output's mean square."""
         v = self.full(weights, bias)
+        if self.through is not None:  # on the sample alone: never below 0, so no step can game it
+            return self.through.sampled_loss(v.astype(np.float32))
         value = (np.sum(v * (v @ self.h)) - 2.0 * np.sum(v * self.t)) / self.outputs + self.energy
-        if self.through is not None:
-            value += self.through.correction(v.astype(np.float32))[2] / self.outputs
-        return float(value / self.reference) if self.reference > 0 else float(value)
+        return float(value / self.energy) if self.energy > 0 else float(value)
 
     def linear_bias(self, weights: np.ndarray) -> np.ndarray:
         """The bias minimising the output error before any activation for `weights` (the
@@ -133,16 +133,18 @@ class Problem:
         """The loss's gradient in the weights [g, M, K] at float32 weights with the bias
         column `full` [g, M, K+1], in units of 2 / (outputs x reference) (the mean of
         (V x_q - W x_f) x_q^T over positions), and with `with_loss` the loss there (through
-        an activation: its sampled part on step `step`'s mini-batch). With `tune_bias` the
+        an activation: on step `step`'s mini-batch alone, as `loss`). With `tune_bias` the
         bias column first moves to (toward, through an activation) its best, in place."""
         k = self.w.shape[2]
         if tune_bias and self.through is None:  # the minimum over the bias: its gradient is the partial one there
             full[:, :, k] = self.linear_bias(full[:, :, :k])
         loss = None
-        if with_loss or self.through is not None:
+        if self.through is not None:
+            grad = full @ self._h32 - self._t32
+        elif with_loss:
             vh = full @ self._h32
-            norm = 1.0 / (self.outputs * max(self.reference, 1e-30))
-            loss = float(np.sum(full * (vh - 2 * self._t32))) * norm + self.energy / max(self.reference, 1e-30)
+            norm = 1.0 / (self.outputs * max(self.energy, 1e-30))
+            loss = float(np.sum(full * (vh - 2 * self._t32))) * norm + 1.0
             grad = vh - self._t32
         else:
             grad = full @ self._h32[:, :, :k]
@@ -150,7 +152,7 @@ class Problem:
         if self.through is not None:
             correction, curvature, value = self.through.correction(full, step)
             grad += correction
-            loss += value * norm
+            loss = value
             if tune_bias:  # one damped Gauss-Newton step per channel
                 full[:, :, k] -= grad[:, :, k] / (curvature + BIAS_DAMPING)
         return grad[:, :, :k], loss
@@ -399,7 +401,7 @@ def _one_layer(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Ma
     g, m, k = wm.shape
     wbar = np.concatenate([wm, layer.bias_array().reshape(g, m, 1)], axis=2)
     kernel = tuple(w.shape[2:]) if node.op_type == "Conv" else ()
-    activation = following(model.graph, node, (g, m)) if options.activation else None
+    activation = following(model.graph, node, (g, m), len(kernel)) if options.activation else None
     sample_cap = min(options.sample_positions, SAMPLE_BYTES // (4 * g * (k + 1 + m))) if activation else 0
     gram = _statistics(layer, replay, wbar, kernel, *names, options.max_positions, sample_cap)
     short = gram.positions < options.min_rows * (k + 1)

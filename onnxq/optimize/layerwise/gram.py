@@ -129,7 +129,7 @@ class Gram:
         pick = slice(offset % self.sample_every, None, self.sample_every)
         x = q[:, :, pick]
         self.kept_x.append(np.concatenate([x, np.ones((x.shape[0], 1, x.shape[2]), np.float32)], axis=1))
-        self.kept_y.append(y[:, :, pick])
+        self.kept_y.append(np.ascontiguousarray(y[:, :, pick]))  # a view would pin the whole chunk
 
     def sample(self) -> tuple[np.ndarray, np.ndarray]:
         """The kept positions: input patches with a row of ones [g, K+1, P] and float

@@ -53,10 +53,6 @@ class ThroughActivation:
         """The mean square of the activation's float output per output and position."""
         return float(np.mean(np.square(self.target, dtype=np.float64)))
 
-    @property
-    def linear_energy(self) -> float:
-        """The mean square of the float output before the activation, on the sample."""
-        return float(np.mean(np.square(self.y, dtype=np.float64)))
 
     @property
     def positions(self) -> int:
@@ -68,11 +64,19 @@ class ThroughActivation:
         start = (step * self.batch) % self.positions
         return slice(start, start + self.batch)
 
+    def sampled_loss(self, full: np.ndarray) -> float:
+        """The error after the activation on the sample alone, relative to its mean square.
+        Never below 0, unlike the loss the optimisers follow (exact part plus sampled
+        bracket), which can be where the sample's clipped positions outweigh theirs in the
+        statistics: a step that exploits that must not pass for better."""
+        e = self.activation.forward(full @ self.x) - self.target
+        return float(np.mean(np.square(e, dtype=np.float64))) / max(self.energy, 1e-30)
+
     def correction(self, full: np.ndarray, step: int | None = None) -> tuple[np.ndarray, np.ndarray, float]:
         """The bracket's mean over the positions of `step`'s mini-batch (all with None) for
         float32 weights with the bias column `full` [g, M, K+1]: its gradient / 2 [g, M, K+1],
         the mean squared activation slope per channel [g, M] (the bias's curvature / 2),
-        and its value summed over outputs."""
+        and the batch's error after the activation alone, relative (as `sampled_loss`)."""
         window = self._window(step)
         x = self.x[:, :, window]
         yq = full @ x
@@ -83,8 +87,8 @@ class ThroughActivation:
         residual = e_act * slope - e_lin
         grad = (residual @ x.transpose(0, 2, 1)) * count
         curvature = np.sum(slope * slope, axis=2) * count
-        value = float(np.sum(np.square(e_act, dtype=np.float64)) - np.sum(np.square(e_lin, dtype=np.float64)))
-        return grad, curvature, value * float(count)
+        value = float(np.mean(np.square(e_act, dtype=np.float64))) / max(self.energy, 1e-30)
+        return grad, curvature, value
 
     def best_bias(self, weights: np.ndarray, linear: np.ndarray) -> np.ndarray:
         """The bias [g, M] of least loss for `weights` [g, M, K], from `linear`, the best
