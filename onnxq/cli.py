@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections import Counter
 from typing import Any
@@ -548,11 +550,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; the exit status is 0, 2 for a user mistake (one line on
     stderr, or its traceback with --debug: the status does not change), 130 when
-    interrupted, 141 when the reader of stdout went away (`onnxq presets | head -1`)."""
+    interrupted, 143 when terminated (SIGTERM; temporary files removed), 141 when the reader of stdout went away (`onnxq presets | head -1`)."""
     args = build_parser().parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    # SIGTERM (kill, a scheduler's timeout) unwinds like Ctrl-C: temporary files go
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    try:
+        return _run(args)
+    finally:
+        if main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except OnnxqError as exc:

@@ -82,7 +82,9 @@ def rich_config() -> Config:
         calib_method=CalibMethod.PERCENTILE,
         percentile=99.99,
         num_bins=1024,
-        calib_options={"symmetric_range": True, "levels": [1, 2]},
+    )
+    config.global_quant_config.input_tensors = QuantizationSpec(
+        dtype=DType.UINT8, calib_method=CalibMethod.IFMR, calib_options={"search_step": 0.02, "asymmetric": True},
     )
     config.global_quant_config.bias = QuantizationSpec(dtype=DType.INT32)
     config.layer_quant_config["matmul7"] = QuantizationConfig(
@@ -277,7 +279,7 @@ def test_config_to_dict_does_not_share_state():
     d = config_to_dict(config)
     loaded = config_from_dict(d)
     d["pre_quant_opt_config"][0]["name"] = "changed"
-    d["global_quant_config"]["output_tensors"]["calib_options"]["levels"].append(3)
+    d["global_quant_config"]["input_tensors"]["calib_options"]["search_step"] = 0.5
     assert loaded == config
 
 

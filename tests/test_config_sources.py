@@ -306,3 +306,17 @@ def test_config_convert_and_show(tmp_path, capsys):
     assert yaml.safe_load(capsys.readouterr().out) == yaml.safe_load(out.read_text())
     assert main(["config", "convert", str(cfg), str(cfg)]) == 2
     assert "overwrite its input" in capsys.readouterr().err
+
+
+def test_unknown_calib_option_is_refused_by_every_route(tmp_path, capsys):
+    """`config show`, `config convert` and `load_config` refuse what `quantize` refuses
+    (an unknown option of the calibration method), naming the valid ones."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("global_quant_config:\n  input_tensors:\n    calib_method: hfmg\n"
+                    "    calib_options: {bogus: 1}\n")
+    assert main(["config", "show", "--calib-method", "hfmg", "--calib-option", "bogus=1"]) == 2
+    assert "unknown calib option 'bogus' for method 'hfmg'" in capsys.readouterr().err
+    assert main(["config", "convert", str(path), str(tmp_path / "bad.json")]) == 2
+    assert "valid options: num_of_bins, asymmetric" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="bogus"):
+        onnxq.load_config(path)

@@ -97,6 +97,38 @@ def test_failed_save_leaves_old_output_and_no_temp_file(inputs, tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "q.onnx"]
 
 
+@pytest.mark.parametrize("fail_at", ["write", "model rename"])
+def test_interrupted_save_with_external_data_never_mixes_runs(inputs, tmp_path, monkeypatch, fail_at):
+    """Past the external-data size the weights go to `<name>.data`: an interruption while
+    writing keeps the old pair; one between the renames leaves no model file (never an
+    old model reading the new weights), and no temporary files either way."""
+    model, data = inputs
+    out = tmp_path / "q.onnx"
+    monkeypatch.setattr(save_module, "EXTERNAL_DATA_LIMIT", 1000)
+    onnxq.quantize(model, out, "U8S8", data)
+    old = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert set(old) == {"q.onnx", "q.onnx.data"}
+    real_replace, real_save = os.replace, save_module.ir.save
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if fail_at == "write":
+        monkeypatch.setattr(save_module.ir, "save", lambda *a, **k: (real_save(*a, **k), interrupt()))
+    else:
+        monkeypatch.setattr(save_module.os, "replace",
+                            lambda a, b: interrupt() if str(b).endswith("q.onnx") else real_replace(a, b))
+    with pytest.raises(KeyboardInterrupt):
+        onnxq.quantize(model, out, {"global_quant_config": {"weight": {"qscheme": "per_tensor"}}}, data)
+    monkeypatch.undo()
+    left = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    if fail_at == "write":
+        assert left == old
+    else:
+        assert "q.onnx" not in left
+
+
 def test_model_proto_input_is_not_mutated(tmp_path):
     model = residual()
     snapshot = model.SerializeToString()

@@ -20,6 +20,7 @@ from helpers import (
     consumers,
     initializers,
     kernel_pair_sums,
+    pooling,
     producers,
     random_feeds,
     reference_run,
@@ -151,8 +152,9 @@ def test_elementwise_ops_on_float_inputs_stay_float_and_quantize_once():
     add = next(n for n in q.graph.node if n.op_type == "Add")
     conv = next(n for n in q.graph.node if n.op_type == "Conv")
     assert mul.input[0] == "x" and prods[add.input[0]] is mul
-    for node in (mul, add):
-        assert "inputs are float" in result.summary.float_nodes[node.name][1]
+    # the Mul's reader (the Add) is float too; the Add's output is rounded once, for the Conv
+    assert result.summary.float_nodes[mul.name][1] == "its inputs and its readers are float"
+    assert "output is quantized once for its readers" in result.summary.float_nodes[add.name][1]
     assert [c.op_type for c in cons[add.output[0]]] == ["QuantizeLinear"]
     assert prods[prods[conv.input[0]].input[0]].op_type == "QuantizeLinear"
     assert sum(n.op_type == "QuantizeLinear" for n in q.graph.node) == 2  # Conv input and output
@@ -160,3 +162,24 @@ def test_elementwise_ops_on_float_inputs_stay_float_and_quantize_once():
     assert all(inits[name].dtype == np.float32 for name in model.doc_string.split())  # constants stay float
     feeds = random_feeds(model, 4, seed=2)
     assert sqnr_db(run(model, feeds), run(q, feeds)) > 30
+
+
+def test_data_movement_before_an_excluded_op_stays_float():
+    """Reshape and Flatten between a pool and an excluded Gemm carry no Q/DQ: nothing
+    quantized reads them (they used to round the features twice for a float Gemm)."""
+    model = pooling()
+    gemm = next(n.name for n in model.graph.node if n.op_type == "Gemm")
+    feeds = random_feeds(model, 8, seed=1)
+    result = onnxq.quantize(model, None, {"exclude": [gemm]}, feeds)
+    q = result.model
+    prods = producers(q)
+    flatten = next(n for n in q.graph.node if n.op_type == "Flatten")
+    reshape = next(n for n in q.graph.node if n.op_type == "Reshape")
+    for node in (flatten, reshape):
+        assert prods[node.input[0]].op_type != "DequantizeLinear"
+        assert "feeds only float ops" in result.summary.float_nodes[node.name][1]
+    gap = next(n for n in q.graph.node if n.op_type == "GlobalAveragePool")
+    assert not any(c.op_type == "QuantizeLinear" for c in consumers(q)[gap.output[0]])
+    test_feeds = random_feeds(model, 4, seed=2)
+    plain = onnxq.quantize(model, None, None, feeds).model
+    assert sqnr_db(run(model, test_feeds), run(q, test_feeds)) > sqnr_db(run(model, test_feeds), run(plain, test_feeds))

@@ -357,6 +357,33 @@ def _method_reads_its_fields(v: dict[str, Any], tc: str, resolved: bool) -> tupl
     return None
 
 
+def _calib_options_known(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    """calib_options name options of the resolved method, with valid values (checked here,
+    not first at calibration: `config show`/`convert` and `load_config` accept nothing that
+    `quantize` would refuse)."""
+    method, options = v["calib_method"], v["calib_options"]
+    if not resolved or method is None or not options:
+        return None
+    from onnxq.calibrate.observers import OBSERVERS
+    from onnxq.calibrate.observers.options import parse_options
+
+    if tc == "weight":
+        if method != "hqq":
+            return None
+        from onnxq.numerics.hqq import HqqOptions
+        cls = HqqOptions
+    elif method in OBSERVERS:
+        cls = OBSERVERS[method].options_class
+    else:
+        return None
+    try:
+        parse_options(cls, method, options)
+    except ConfigError as exc:
+        problem, _, fix = str(exc).partition("; ")
+        return problem, fix or "check the calib_options of this method"
+    return None
+
+
 def _block_formats_where_they_run(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
     from onnxq.numerics.qmath import BLOCK_DTYPES
 
@@ -375,6 +402,7 @@ SPEC_RULES: tuple[Rule, ...] = (
     _weight_method,
     _calib_method_registered,
     _method_reads_its_fields,
+    _calib_options_known,
     _int32_only_for_bias,
     _bias_dtype,
     _group_size_positive,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -71,8 +72,25 @@ def save_model(model: ir.Model, output: str | os.PathLike) -> Path:
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     if weight_bytes(model) > EXTERNAL_DATA_LIMIT:
-        return _write_atomic(out, lambda tmp: ir.save(model, tmp, external_data=f"{out.name}.data"))
+        return _save_with_data(model, out)
     return _write_atomic(out, lambda tmp: write_model(model, tmp))
+
+
+def _save_with_data(model: ir.Model, out: Path) -> Path:
+    """The model and its `<name>.data` written in a private folder beside `out`, then moved
+    into place: the old model file goes first, then the weights, then the new model file,
+    so an interrupted run leaves the old pair, no model file, or the new pair, never a
+    model reading another run's weights (they were written straight to their final name)."""
+    folder = out.with_name(f".{out.name}.tmp{os.getpid()}.d")
+    folder.mkdir(exist_ok=True)
+    try:
+        ir.save(model, folder / out.name, external_data=f"{out.name}.data")
+        out.unlink(missing_ok=True)
+        os.replace(folder / f"{out.name}.data", out.with_name(f"{out.name}.data"))
+        os.replace(folder / out.name, out)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
 
 
 # Weights from this size on are written straight from their buffers (`write_model`).

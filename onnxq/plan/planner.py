@@ -82,6 +82,9 @@ def _target_weight_spec(
     return dataclasses.replace(spec, bits=bits)
 
 
+FLOAT_HEAD = "its inputs are float: run in float, its output is quantized once for its readers"
+
+
 @dataclasses.dataclass
 class _Draft:
     """The plan while the planner builds it (frozen into a `QuantPlan` at the end)."""
@@ -141,6 +144,9 @@ class Planner:
             self.keep_float_head(node)
         for node in reversed(list(self.graph)):
             self.prune_float_tail(node)
+            self.prune_shared_tail(node)
+        for node in self.graph:
+            self.name_float_head(node)
         return QuantPlan(**{f.name: getattr(self.plan, f.name) for f in dataclasses.fields(self.plan)})
 
     def _link_op(self, node: ir.Node) -> OpRule | None:
@@ -181,7 +187,7 @@ class Planner:
                 return  # reads the output of a quantized op: an integer link between kernels
         act = self._fused_activation_of(node)
         out = self.plan.tensors.get(self._output_name(node, act)) if node.outputs else None
-        self._unplan(node, act, "its inputs are float: run in float, its output is quantized once for its readers")
+        self._unplan(node, act, FLOAT_HEAD)
         if out is not None and out.name in self.plan.tensors:
             out = self.update(out.name, all_consumers=False)
             if not out.consumers:
@@ -210,6 +216,33 @@ class Planner:
         elif act is not None:  # the integer kernel writes float; the activation runs after it in float
             del self.plan.fused_activations[act]
             self.plan.quantized_nodes.pop(act, None)
+
+    def prune_shared_tail(self, node: ir.Node) -> None:
+        """Keep a data-movement op (Flatten, Reshape, ...) float when no quantized op reads
+        what it passes on: it would only carry Q/DQ to float readers (an excluded Gemm
+        after a pool and a Flatten). Walked in reverse topological order with
+        `prune_float_tail`, so chains collapse, and the op before it loses its reader."""
+        if node.name not in self.plan.quantized_nodes or not node.inputs or node.inputs[0] is None:
+            return
+        data = node.inputs[0].name
+        source = self.plan.tensors.get(data)
+        outs = [self.plan.tensors.get(o.name) for o in node.outputs if o is not None]
+        if source is None or source.kind is not Kind.ACTIVATION or not outs or \
+                any(t is None or t.alias_of != data or t.consumers for t in outs):
+            return
+        names = {t.name for t in outs}
+        if any(t.alias_of in names for t in self.plan.tensors.values()):
+            return
+        for name in names:
+            del self.plan.tensors[name]
+        self._unplan(node, None, "its output feeds only float ops: data movement stays float")
+
+    def name_float_head(self, node: ir.Node) -> None:
+        """A float head whose output no quantized op reads in the end says so."""
+        if self.plan.float_nodes.get(node.name, (None, None))[1] != FLOAT_HEAD or not node.outputs:
+            return
+        if all(o is None or o.name not in self.plan.tensors for o in node.outputs):
+            self.float_node(node, "its inputs and its readers are float")
 
     def _unplan(self, node: ir.Node, act: str | None, reason: str) -> None:
         """Return a quantized link op (and the activation it absorbed) to float."""

@@ -474,6 +474,9 @@ class _Report:
     def line(self, total: int, refused: Mapping[str, str], samples: int) -> str:
         improved = [(n, b, a) for n, b, a in self.losses if a < b]
         text = f"{len(improved)} of {total} layers improved on nearest rounding"
+        fitted = sum(n in self.short for n, _, _ in improved)
+        if fitted:
+            text += f" ({fitted} of them by their scale and bias alone)"
         measured = [(b, a) for _, b, a in self.losses if math.isfinite(b)]
         if measured:
             before = float(np.median([b for b, _ in measured]))
