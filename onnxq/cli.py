@@ -323,7 +323,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     _check_model_files(args.float_model, args.quant_model)
     data, _ = _data_and_labels(args.data, args.labels)
     analysis = analyze_models(args.float_model, args.quant_model, data, max_samples=args.max_samples,
-                              providers=args.providers, progress=False if args.quiet else None)
+                              providers=args.providers, progress=False if args.quiet else None,
+                              **_batch_size(args))
     if args.json:
         analysis.to_json(args.json)
     if args.report:
@@ -334,6 +335,17 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch_size(args: argparse.Namespace) -> dict[str, int]:
+    """`--batch-size` as a keyword (absent: the command's own default)."""
+    from onnxq.errors import ConfigError
+
+    if args.batch_size is None:
+        return {}
+    if args.batch_size < 1:
+        raise ConfigError(f"invalid --batch-size {args.batch_size}; use 1 or more")
+    return {"batch_size": args.batch_size}
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     data, labels = _data_and_labels(args.data, args.labels)
     _check_model_files(args.float_model, args.quant_model)
@@ -341,7 +353,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     result = compare_models(args.float_model, args.quant_model, data, labels, args.max_samples,
                             providers=args.providers, kernels=args.kernels,
-                            progress=False if args.quiet else None)
+                            progress=False if args.quiet else None, **_batch_size(args))
     print(format_comparison(result))
     return 0
 
@@ -354,6 +366,8 @@ def _model_pair_parser(sub: Any, name: str, help_text: str, labels_help: str) ->
     c.add_argument("--data", required=True, help="inputs: .npz, .npy or a folder of them")
     c.add_argument("--labels", metavar="KEY", help=labels_help)
     c.add_argument("--max-samples", type=int)
+    c.add_argument("--batch-size", type=int, help="samples per run (dynamically quantized models compute "
+                   "their activation scales per run, so their figures depend on it)")
     c.add_argument("--providers", nargs="+", help="onnxruntime execution providers")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

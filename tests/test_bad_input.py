@@ -326,3 +326,17 @@ def test_dequantized_graph_input_is_a_float_model(tmp_path):
     import onnxruntime as ort
     out = ort.InferenceSession(str(tmp_path / "q.onnx")).run(None, data)[0]
     assert out.shape == (8, 4, 8, 8) and np.isfinite(out).all()
+
+
+def test_compare_batch_size(ws, capsys):
+    """`--batch-size` reaches the comparison (a static model's figures do not depend on
+    it); 0 is one line and exit 2."""
+    onnxq.quantize(str(ws.model), str(ws.out), calibration_data=str(ws.good_data), progress=False)
+    figures = []
+    for size in ("1", "3"):
+        assert main(["compare", str(ws.model), str(ws.out), "--data", str(ws.good_data), "--batch-size", size,
+                     "--quiet"]) == 0
+        figures.append(capsys.readouterr().out)
+    assert figures[0] == figures[1] and "SQNR" in figures[0]
+    assert main(["compare", str(ws.model), str(ws.out), "--data", str(ws.good_data), "--batch-size", "0"]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("--batch-size 0",))
