@@ -164,6 +164,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     config = compose_config(args.preset, args.config, _spec_overrides(args))
     progress = False if args.quiet else None
+    _check_side_outputs(args.input, args.save_config)
     result = quantize(args.input, args.output, config, args.calib_data, progress=progress, report=args.report)
     if args.save_config:
         from onnxq.config import save_config
@@ -184,6 +185,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     output = args.stats
     args.stats = None  # the file written, not statistics to read (FLAG_PATHS)
+    _check_side_outputs(args.input, output)
     config = compose_config(args.preset, args.config, _spec_overrides(args))
     progress = False if args.quiet else None
     if args.shard is not None and args.shards is not None:
@@ -317,10 +319,28 @@ def _check_model_files(*models: str) -> None:
         check_readable(model)
 
 
+def _check_side_outputs(source: str, *paths: str | None) -> None:
+    """Refuse unwritable side outputs (reports, JSON) before the work, not after it."""
+    from onnxq.graph.save import check_output_path
+
+    for path in paths:
+        if path is not None:
+            check_output_path(path, source)
+
+
+def _check_samples(args: argparse.Namespace) -> None:
+    from onnxq.errors import ConfigError
+
+    if args.max_samples is not None and args.max_samples < 1:
+        raise ConfigError(f"invalid --max-samples {args.max_samples}; use 1 or more, or leave it out for all")
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from onnxq.analyze import analyze_models, format_analysis
 
     _check_model_files(args.float_model, args.quant_model)
+    _check_samples(args)
+    _check_side_outputs(args.quant_model, args.json, args.report)
     data, _ = _data_and_labels(args.data, args.labels)
     analysis = analyze_models(args.float_model, args.quant_model, data, max_samples=args.max_samples,
                               providers=args.providers, progress=False if args.quiet else None,
@@ -349,6 +369,7 @@ def _batch_size(args: argparse.Namespace) -> dict[str, int]:
 def _cmd_compare(args: argparse.Namespace) -> int:
     data, labels = _data_and_labels(args.data, args.labels)
     _check_model_files(args.float_model, args.quant_model)
+    _check_samples(args)
     from onnxq.evaluate import compare_models, format_comparison
 
     result = compare_models(args.float_model, args.quant_model, data, labels, args.max_samples,

@@ -22,6 +22,7 @@ from onnxq.calibrate.shards import (
     count_batches,
     fingerprint,
     load_stats,
+    model_digest,
     parse_shard,
     save_stats,
     shard_window,
@@ -174,7 +175,7 @@ def _calibrate_or_load(
     tensors = plan.calibrated_tensors()
     options = config.calibration
     if options.load_ranges:
-        ranges, samples = load_ranges(options.load_ranges, list(tensors))
+        ranges, samples = load_ranges(options.load_ranges, list(tensors), model_digest(model))
         result = CalibrationResult(ranges, samples, 0, 0)
     elif options.stats:
         requests = algorithm_requests(model, plan, algorithms)
@@ -191,7 +192,7 @@ def _calibrate_or_load(
         requests = algorithm_requests(model, plan, algorithms) if data.source is not None else []
         result = observe(model, tensors, data, options, progress, requests).result()
     if options.save_ranges:
-        save_ranges(options.save_ranges, result.ranges, tensors, result.num_samples)
+        save_ranges(options.save_ranges, result.ranges, tensors, result.num_samples, model_digest(model))
     return result
 
 
@@ -286,6 +287,10 @@ def quantize(
     error measured on the evaluation data, else the calibration data).
     """
     config = as_config(config)
+    source = model if isinstance(model, str | os.PathLike) else None
+    for side in (report, config.calibration.save_ranges):  # fail now, not after the whole run
+        if side is not None:
+            check_output_path(side, source)
     keep = report is not None
     if config.mixed_precision.target is not None:
         from onnxq.search import quantize_to_target

@@ -340,3 +340,30 @@ def test_compare_batch_size(ws, capsys):
     assert figures[0] == figures[1] and "SQNR" in figures[0]
     assert main(["compare", str(ws.model), str(ws.out), "--data", str(ws.good_data), "--batch-size", "0"]) == 2
     assert_one_error_line(capsys.readouterr().err, ("--batch-size 0",))
+
+
+def test_ranges_and_stats_of_another_pass_setup_are_refused(ws, capsys):
+    """Ranges or statistics calibrated without CLE do not fit a run with it (the weights,
+    and so the activations, differ): refused in one line, not silently used."""
+    ranges, stats = ws.root / "r.json", ws.root / "s.npz"
+    base = [str(ws.model), str(ws.out), "--quiet"]
+    assert main(["quantize", *base, "--calib-data", str(ws.good_data), "--save-ranges", str(ranges)]) == 0
+    assert main(["calibrate", str(ws.model), "--calib-data", str(ws.good_data), "--stats", str(stats),
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["quantize", *base, "--load-ranges", str(ranges), "--cle"]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("r.json", "weight-rewriting passes"))
+    assert main(["quantize", *base, "--stats", str(stats), "--cle"]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("s.npz", "another model, config"))
+    assert main(["quantize", *base, "--load-ranges", str(ranges), "--calib-data", str(ws.good_data)]) == 0
+
+
+@pytest.mark.parametrize("flag", ["--report", "--save-ranges", "--save-config"])
+def test_unwritable_side_output_is_refused_before_the_run(ws, capsys, flag):
+    blocker = ws.root / "file.txt"
+    blocker.write_text("not a folder")
+    rc = main(["quantize", str(ws.model), str(ws.out), "--calib-data", str(ws.good_data), flag,
+               str(blocker / "x.out")])
+    assert rc == 2
+    assert_one_error_line(capsys.readouterr().err, ("file.txt is a file, not a directory",))
+    assert not ws.out.exists()

@@ -9,19 +9,22 @@ from pathlib import Path
 
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.errors import CalibrationDataError
+from onnxq.graph.save import write_text_atomic
 
 FORMAT_VERSION = 1
 
 
 def save_ranges(
     path: str | os.PathLike, ranges: dict[str, tuple[float, float]], specs: dict[str, ResolvedSpec],
-    num_samples: int,
+    num_samples: int, model_digest: str | None = None,
 ) -> None:
-    """Write ranges (and the method that produced each) as JSON, atomically."""
+    """Write ranges (and the method that produced each) as JSON, atomically, with the
+    digest of the model they were calibrated on (`shards.model_digest`)."""
     doc = {
         "format": "onnxq-ranges",
         "version": FORMAT_VERSION,
         "num_samples": num_samples,
+        "model": model_digest,
         "tensors": {
             name: {
                 "min": lo,
@@ -33,14 +36,13 @@ def save_ranges(
             for name, (lo, hi) in ranges.items()
         },
     }
-    out = Path(path)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, out)
+    write_text_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
-def load_ranges(path: str | os.PathLike, needed: list[str]) -> tuple[dict[str, tuple[float, float]], int]:
-    """Ranges for `needed` tensors from a file written by `save_ranges`, and its sample count."""
+def load_ranges(path: str | os.PathLike, needed: list[str],
+                model_digest: str | None = None) -> tuple[dict[str, tuple[float, float]], int]:
+    """Ranges for `needed` tensors from a file written by `save_ranges`, and its sample
+    count; refused when the file names another model digest than `model_digest`."""
     p = Path(path)
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
@@ -50,6 +52,11 @@ def load_ranges(path: str | os.PathLike, needed: list[str]) -> tuple[dict[str, t
         raise CalibrationDataError(f"cannot read ranges file {p}: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != "onnxq-ranges":
         raise CalibrationDataError(f"{p} is not an onnxq ranges file (write one with --save-ranges)")
+    saved = doc.get("model")
+    if model_digest is not None and saved is not None and saved != model_digest:
+        raise CalibrationDataError(
+            f"{p} was calibrated on another model, or on this one with other weight-rewriting passes "
+            "(cle, smoothquant, ...): recalibrate with --save-ranges and the same passes")
     tensors = doc.get("tensors", {})
     missing = [n for n in needed if n not in tensors]
     if missing:

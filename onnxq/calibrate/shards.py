@@ -62,17 +62,33 @@ def shard_window(index: int, count: int, total: int) -> tuple[int, int]:
     return index * total // count, (index + 1) * total // count
 
 
-def fingerprint(model: ir.Model, tensors: dict[str, ResolvedSpec], statistics: Collection[Statistic],
-                options: CalibrationConfig) -> str:
-    """A digest of what must agree between shards: the graph (structure and weight
-    shapes, not weight values), the calibrated tensors and specs, the statistics and how
-    the data is batched."""
+# Values of each weight the digest reads, evenly strided: enough to see any pass that
+# rewrites weights (CLE, SmoothQuant, BatchNorm folding), cheap on a model of many GB.
+SAMPLED_VALUES = 4096
+
+
+def model_digest(model: ir.Model) -> str:
+    """A digest of the graph (structure, weight shapes and a strided sample of each
+    weight's values): statistics and ranges calibrated on one model fit another only if
+    this agrees (CLE before calibration and not after changes the values alone)."""
     h = hashlib.sha256()
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         h.update(repr((node.domain, node.op_type, [v.name if v is not None else "" for v in node.inputs],
                        [v.name for v in node.outputs], sorted(node.attributes))).encode())
     for name, value in sorted(model.graph.initializers.items()):
         h.update(repr((name, value.shape, value.dtype)).encode())
+        if value.const_value is not None:
+            flat = value.const_value.numpy().reshape(-1)
+            h.update(np.ascontiguousarray(flat[::max(1, flat.size // SAMPLED_VALUES)][:SAMPLED_VALUES]).tobytes())
+    return h.hexdigest()
+
+
+def fingerprint(model: ir.Model, tensors: dict[str, ResolvedSpec], statistics: Collection[Statistic],
+                options: CalibrationConfig) -> str:
+    """A digest of what must agree between shards: the model (`model_digest`), the
+    calibrated tensors and specs, the statistics and how the data is batched."""
+    h = hashlib.sha256()
+    h.update(model_digest(model).encode())
     h.update(repr(sorted((n, repr(s)) for n, s in tensors.items())).encode())
     h.update(repr(list(statistics)).encode())
     h.update(repr((options.batch_size, options.max_samples, options.max_batches)).encode())
