@@ -440,7 +440,7 @@ def calibrate_shard(
     state to `stats` (.npz); `quantize` with `calibration.stats` = every shard's file gives
     the model a single run over all the data gives, byte for byte
     (`onnxq.calibrate.shards`)."""
-    config = as_config(config)
+    config = _calibration_config(as_config(config))
     index, count = parse_shard(shard) if isinstance(shard, str) else shard
     if not 0 <= index < count:
         raise ConfigError(f"shard index {index} is outside 0..{count - 1}")
@@ -455,6 +455,16 @@ def calibrate_shard(
     state = observe(ready.model, tensors, ready.data, config.calibration, progress, statistics, window)
     path = save_stats(stats, state, fingerprint(ready.model, tensors, statistics, config.calibration), window, total)
     return ShardResult(path, window, total, state.num_samples)
+
+
+def _calibration_config(config: Config) -> Config:
+    """With an accuracy target, the statistics are those of the search's first model
+    (`search.driver.search_base_config`: its opset), so `quantize --stats` finds them."""
+    if config.mixed_precision.target is None:
+        return config
+    from onnxq.search.driver import search_base_config
+
+    return search_base_config(config)
 
 
 class ModelQuantizer:
@@ -493,7 +503,7 @@ def calibrate_sharded(
 
     from onnxq.calibrate.executors import run_shards, write_all
 
-    config = as_config(config)
+    config = _calibration_config(as_config(config))
     if calibration_data is None:
         raise CalibrationDataError("calibration needs data; pass --calib-data PATH")
     model, calibration_data = _absolute(model), _absolute(calibration_data)

@@ -88,6 +88,15 @@ def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:
     return {k: v[:1] for k, v in feed.items()}
 
 
+def search_base_config(config: Config) -> Config:
+    """The config the search's first model is quantized with: no target, at the opset its
+    ladder's highest rung needs (`onnxq calibrate` with a target calibrates the same)."""
+    from onnxq.quantize import required_opset
+
+    return dataclasses.replace(config, mixed_precision=MixedPrecisionConfig(),
+                               opset=max(required_opset(config), rung_opset(config.mixed_precision.ladder)))
+
+
 def quantize_to_target(
     model: Any, output: str | os.PathLike | None, config: Config, calibration_data: Any,
     progress: bool | None, evaluate: Any, keep_state: bool = False,
@@ -95,7 +104,7 @@ def quantize_to_target(
     """Quantize `model` to meet `config.mixed_precision.target` with the fewest promotions."""
     from onnxq.analyze import analyze_models
     from onnxq.graph.save import check_output_path
-    from onnxq.quantize import required_opset, run_pipeline
+    from onnxq.quantize import run_pipeline
 
     start = time.perf_counter()
     mp = config.mixed_precision
@@ -108,8 +117,7 @@ def quantize_to_target(
     if calibration_data is not None and not CalibrationSource(calibration_data).replayable:
         raise CalibrationDataError("an accuracy target reads the calibration data more than once; pass a "
                                    "path, a dict of arrays, a list of feeds or a reader with rewind()")
-    base_config = dataclasses.replace(config, mixed_precision=MixedPrecisionConfig(),
-                                      opset=max(required_opset(config), rung_opset(mp.ladder)))
+    base_config = search_base_config(config)
     evalset, notes = _eval_set(mp, calibration_data, evaluate is not None and target.metric in (None, "custom"))
     providers = config.calibration.providers
 
