@@ -158,7 +158,7 @@ def test_cli_analyze_writes_json_and_rejects_missing_models(chain, tmp_path, cap
     assert main(["analyze", str(path), str(quant), "--data", str(tmp_path / "d.npz"), "--labels", "labels",
                  "--json", str(out), "--quiet", "--top", "3"]) == 0
     assert json.loads(out.read_text())["samples"] == 4
-    assert "layers, worst first" in capsys.readouterr().out
+    assert "layers, most sensitive first" in capsys.readouterr().out
     assert main(["analyze", str(path), str(tmp_path / "nope.onnx"), "--data", str(tmp_path / "d.npz")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not found" in err

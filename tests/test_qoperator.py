@@ -270,3 +270,18 @@ def test_one_output_channel_conv_becomes_qlinearconv():
     assert _ops(qop).count("QLinearConv") == 2
     ref, out = run(model, data), run(qop, data)
     assert 10 * np.log10(np.sum(ref ** 2) / np.sum((ref - out) ** 2)) > 25
+
+
+def test_analyze_names_the_qoperator_format(tmp_path, capsys):
+    """analyze measures Q/DQ models; on integer kernels it finds no layer and says to
+    analyze the Q/DQ model, which has every layer."""
+    model, calib = ROOT / "models" / "digits_cnn.onnx", ROOT / "models" / "digits_calib.npz"
+    q, qdq = tmp_path / "q.onnx", tmp_path / "qdq.onnx"
+    assert main(["quantize", str(model), str(q), "--calib-data", str(calib), "--format", "qoperator", "--quiet"]) == 0
+    assert main(["analyze", str(model), str(q), "--data", str(calib), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "(0 of 0)" in out and "analyze the Q/DQ model" in out
+    assert main(["quantize", str(model), str(qdq), "--calib-data", str(calib), "--quiet"]) == 0
+    assert main(["analyze", str(model), str(qdq), "--data", str(calib), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "QOperator" not in out and "most sensitive first" in out and "(0 of 0)" not in out

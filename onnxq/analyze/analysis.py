@@ -157,6 +157,9 @@ def analyze_models(
     notes = [f"layer not isolated: {s}" for s in skipped[:10]]
     if len(skipped) > 10:
         notes.append(f"... and {len(skipped) - 10} more layers not isolated")
+    if not found and any(n.op_type.startswith("QLinear") or n.op_type == "QGemm" for n in quant.graph):
+        notes.append("the quantized model holds integer kernels (QOperator format), whose layers and tensors "
+                     "are not measured: analyze the Q/DQ model (quantize without --format qoperator)")
     missing = len(quantized) - len(activations)
     if missing:
         notes.append(f"{missing} quantized tensors have no tensor of the same name in the float model "
@@ -249,10 +252,11 @@ def format_analysis(a: Analysis, top: int = 15) -> str:
     for o in a.outputs:
         extra = f", top-1 agreement {o.top1_agreement:.2%}" if o.top1_agreement is not None else ""
         lines.append(f"output {o.name}: SQNR {_fmt_db(o.sqnr_db)} dB, cosine {o.cosine:.5f}{extra}")
-    lines.append(f"layers, worst first ({min(top, len(a.layers))} of {len(a.layers)}):")
-    lines.append(f"  {'layer':<40} {'op':<14} {'alone dB':>9} {'w/ prefix dB':>13} {'cosine':>9}")
+    lines.append(f"layers, most sensitive first: mean noise/signal of their channels, alone "
+                 f"({min(top, len(a.layers))} of {len(a.layers)}):")
+    lines.append(f"  {'layer':<40} {'op':<14} {'ch noise':>9} {'alone dB':>9} {'w/ prefix dB':>13} {'cosine':>9}")
     for r in a.layers[:top]:
-        lines.append(f"  {r.name[-40:]:<40} {r.op_type:<14} {_fmt_db(r.own_sqnr_db):>9} "
+        lines.append(f"  {r.name[-40:]:<40} {r.op_type:<14} {r.channel_noise:>9.3g} {_fmt_db(r.own_sqnr_db):>9} "
                      f"{_fmt_db(r.prefix_sqnr_db):>13} {r.own_cosine:>9.5f}")
     lines.append(f"tensors, worst first ({min(top, len(a.tensors))} of {len(a.tensors)}):")
     lines.append(f"  {'tensor':<40} {'dB':>6} {'cosine':>9} {'max err':>9} {'used range':>22} "
