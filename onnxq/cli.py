@@ -186,6 +186,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     output = args.stats
     args.stats = None  # the file written, not statistics to read (FLAG_PATHS)
     _check_side_outputs(args.input, output)
+    ignored = [flag for flag, value in (("--save-ranges", args.save_ranges), ("--format", args.format),
+                                        ("--ladder", args.ladder)) if value is not None]
+    if ignored:
+        raise OnnxqError(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect on calibrate, "
+                         "which writes statistics only: give it to onnxq quantize --stats FILE")
+    if args.shards is not None and args.shards < 1:
+        raise OnnxqError(f"invalid --shards {args.shards}; use 1 or more")
     config = compose_config(args.preset, args.config, _spec_overrides(args))
     progress = False if args.quiet else None
     if args.shard is not None and args.shards is not None:

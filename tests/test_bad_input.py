@@ -367,3 +367,16 @@ def test_unwritable_side_output_is_refused_before_the_run(ws, capsys, flag):
     assert rc == 2
     assert_one_error_line(capsys.readouterr().err, ("file.txt is a file, not a directory",))
     assert not ws.out.exists()
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--save-ranges", "r.json"], ("--save-ranges has no effect on calibrate",)),
+    (["--format", "qoperator"], ("--format has no effect on calibrate",)),
+    (["--shards", "0"], ("invalid --shards 0",)),
+])
+def test_calibrate_refuses_flags_it_would_ignore(ws, capsys, extra, words):
+    stats = ws.root / "s.npz"
+    rc = main(["calibrate", str(ws.model), "--calib-data", str(ws.good_data), "--stats", str(stats), *extra])
+    assert rc == 2
+    assert_one_error_line(capsys.readouterr().err, words)
+    assert not stats.exists()
