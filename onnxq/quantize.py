@@ -179,7 +179,10 @@ def _calibrate_or_load(
         result = CalibrationResult(ranges, samples, 0, 0)
     elif options.stats:
         requests = algorithm_requests(model, plan, algorithms)
-        result = load_stats(options.stats, model, tensors, requests, options).result()
+        if tensors or requests:
+            result = load_stats(options.stats, model, tensors, requests, options).result()
+        else:  # nothing left to calibrate (an accuracy target's all-float candidate)
+            result = CalibrationResult({}, 0, 0, 0)
     elif deferred is not None:
         def finish(found: Mapping[Statistic, Any]) -> dict[str, Rescale]:
             note, rescaled = finish_deferred(model, deferred, found)

@@ -178,3 +178,34 @@ def test_shards_on_a_local_ray_instance(tmp_path):
     merged = onnxq.as_config(config)
     merged.calibration.stats = [str(result.path)]
     assert onnxq.quantize(str(path), None, merged, None, progress=False).model.SerializeToString() == reference
+
+
+@pytest.mark.parametrize("method", ["minmax", "entropy", "percentile"])
+def test_one_stats_file_serves_other_types_and_an_accuracy_target(tmp_path, method):
+    """An observer's state does not depend on the type it calibrates for (only its method,
+    bins and folding do): statistics calibrated for uint8 activations give, for int16 ones
+    and for an accuracy target's promoted layers, the bytes a direct run gives."""
+    model = conv_relu_chain()
+    data = stack_feeds(random_feeds(model, 24, seed=3))
+    acts = {"calib_method": method}
+    base = {"global_quant_config": {"input_tensors": acts, "output_tensors": acts}}
+    stats = calibrate_shard(model, tmp_path / "s.npz", base, data, "1/1", progress=False).path
+    wide = {"global_quant_config": {"input_tensors": {**acts, "dtype": "int16"},
+                                    "output_tensors": {**acts, "dtype": "int16"}}}
+    direct = onnxq.quantize(model, None, wide, data, progress=False).model.SerializeToString()
+    reused = onnxq.quantize(model, None, {**wide, "calibration": {"stats": [str(stats)]}}, None, progress=False)
+    assert reused.model.SerializeToString() == direct
+    other_bins = {"global_quant_config": {"input_tensors": {**acts, "num_bins": 512},
+                                          "output_tensors": {**acts, "num_bins": 512}}}
+    np.savez(tmp_path / "eval.npz", **data)
+    target = {**base, "mixed_precision": {"target": "sqnr>=38", "eval_data": str(tmp_path / "eval.npz"),
+                                          "ladder": ["int16"]}}
+    direct = onnxq.quantize(model, None, target, data, progress=False)
+    assert direct.summary.mixed_precision.promotions  # some layers went to int16 or float
+    # calibrated with the same flags (the target's ladder sets the opset the model loads at)
+    stats = calibrate_shard(model, tmp_path / "t.npz", target, data, "1/1", progress=False).path
+    reused = onnxq.quantize(model, None, {**target, "calibration": {"stats": [str(stats)]}}, None, progress=False)
+    assert reused.model.SerializeToString() == direct.model.SerializeToString()
+    if method != "minmax":  # a histogram of other bins is another state: refused
+        with pytest.raises(CalibrationDataError, match="another model, config"):
+            onnxq.quantize(model, None, {**other_bins, "calibration": {"stats": [str(stats)]}}, None, progress=False)

@@ -83,13 +83,22 @@ def model_digest(model: ir.Model) -> str:
     return h.hexdigest()
 
 
+def observed(spec: ResolvedSpec) -> tuple:
+    """What of a tensor's spec shapes its observer's state: the method and its options, the
+    histogram's bins and folding (symmetric), the granularity. The type, bits, percentile
+    and scale type only enter `compute_range`, so one file serves int8 and int16 runs (an
+    accuracy target's promoted layers) and other percentiles alike."""
+    return (spec.calib_method, tuple(sorted(dict(spec.calib_options or ()).items())), spec.num_bins,
+            spec.symmetric, spec.qscheme, spec.ch_axis, spec.is_dynamic)
+
+
 def fingerprint(model: ir.Model, tensors: dict[str, ResolvedSpec], statistics: Collection[Statistic],
                 options: CalibrationConfig) -> str:
     """A digest of what must agree between shards: the model (`model_digest`), the
     calibrated tensors and specs, the statistics and how the data is batched."""
     h = hashlib.sha256()
     h.update(model_digest(model).encode())
-    h.update(repr(sorted((n, repr(s)) for n, s in tensors.items())).encode())
+    h.update(repr(sorted((n, observed(s)) for n, s in tensors.items())).encode())
     h.update(repr(list(statistics)).encode())
     h.update(repr((options.batch_size, options.max_samples, options.max_batches)).encode())
     return h.hexdigest()
