@@ -13,7 +13,7 @@ import sys
 import threading
 import traceback
 from collections import Counter
-from typing import Any
+from typing import Any, NoReturn
 
 from onnxq.config import PRESETS, config_to_yaml, get_preset
 from onnxq.config.compose import compose_config
@@ -496,8 +496,17 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
                         "float (default: int16 float)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes (a bad flag value, a missing argument) as one line and exit 2, like
+    every other user mistake, instead of the whole usage block; subcommands inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"onnxq: error: {message}; see {self.prog} --help", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onnxq", description="Post-training quantization for ONNX models.")
+    parser = _Parser(prog="onnxq", description="Post-training quantization for ONNX models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     parser.add_argument("--version", action="version", version=f"onnxq {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -380,3 +380,15 @@ def test_calibrate_refuses_flags_it_would_ignore(ws, capsys, extra, words):
     assert rc == 2
     assert_one_error_line(capsys.readouterr().err, words)
     assert not stats.exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["quantize", "m.onnx", "o.onnx", "--max-samples", "abc"], ("--max-samples: invalid int value",)),
+    (["quantize"], ("required: input, output", "onnxq quantize --help")),
+    (["quantise"], ("invalid choice: 'quantise'",)),
+])
+def test_usage_mistakes_are_one_line(capsys, argv, words):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, words)
