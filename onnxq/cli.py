@@ -191,8 +191,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if ignored:
         raise OnnxqError(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect on calibrate, "
                          "which writes statistics only: give it to onnxq quantize --stats FILE")
-    if args.shards is not None and args.shards < 1:
-        raise OnnxqError(f"invalid --shards {args.shards}; use 1 or more")
+    _check_counts(args, "--shards")
     config = compose_config(args.preset, args.config, _spec_overrides(args))
     progress = False if args.quiet else None
     if args.shard is not None and args.shards is not None:
@@ -335,18 +334,19 @@ def _check_side_outputs(source: str, *paths: str | None) -> None:
             check_output_path(path, source)
 
 
-def _check_samples(args: argparse.Namespace) -> None:
-    from onnxq.errors import ConfigError
-
-    if args.max_samples is not None and args.max_samples < 1:
-        raise ConfigError(f"invalid --max-samples {args.max_samples}; use 1 or more, or leave it out for all")
+def _check_counts(args: argparse.Namespace, *flags: str) -> None:
+    """Each count flag given (`--max-samples`, `--batch-size`, `--shards`) is at least 1."""
+    for flag in flags:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and value < 1:
+            raise OnnxqError(f"invalid {flag} {value}; use 1 or more, or leave it out")
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from onnxq.analyze import analyze_models, format_analysis
 
     _check_model_files(args.float_model, args.quant_model)
-    _check_samples(args)
+    _check_counts(args, "--max-samples", "--batch-size")
     _check_side_outputs(args.quant_model, args.json, args.report)
     data, _ = _data_and_labels(args.data, args.labels)
     analysis = analyze_models(args.float_model, args.quant_model, data, max_samples=args.max_samples,
@@ -364,19 +364,13 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
 def _batch_size(args: argparse.Namespace) -> dict[str, int]:
     """`--batch-size` as a keyword (absent: the command's own default)."""
-    from onnxq.errors import ConfigError
-
-    if args.batch_size is None:
-        return {}
-    if args.batch_size < 1:
-        raise ConfigError(f"invalid --batch-size {args.batch_size}; use 1 or more")
-    return {"batch_size": args.batch_size}
+    return {} if args.batch_size is None else {"batch_size": args.batch_size}
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     data, labels = _data_and_labels(args.data, args.labels)
     _check_model_files(args.float_model, args.quant_model)
-    _check_samples(args)
+    _check_counts(args, "--max-samples", "--batch-size")
     from onnxq.evaluate import compare_models, format_comparison
 
     result = compare_models(args.float_model, args.quant_model, data, labels, args.max_samples,

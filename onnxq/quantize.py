@@ -174,8 +174,9 @@ def _calibrate_or_load(
     `calibration.load_ranges`; save them if asked."""
     tensors = plan.calibrated_tensors()
     options = config.calibration
+    digest = model_digest(model) if options.load_ranges or options.save_ranges else None
     if options.load_ranges:
-        ranges, samples = load_ranges(options.load_ranges, list(tensors), model_digest(model))
+        ranges, samples = load_ranges(options.load_ranges, list(tensors), digest)
         result = CalibrationResult(ranges, samples, 0, 0)
     elif options.stats:
         requests = algorithm_requests(model, plan, algorithms)
@@ -195,7 +196,7 @@ def _calibrate_or_load(
         requests = algorithm_requests(model, plan, algorithms) if data.source is not None else []
         result = observe(model, tensors, data, options, progress, requests).result()
     if options.save_ranges:
-        save_ranges(options.save_ranges, result.ranges, tensors, result.num_samples, model_digest(model))
+        save_ranges(options.save_ranges, result.ranges, tensors, result.num_samples, digest)
     return result
 
 

@@ -34,6 +34,7 @@ from onnxq.calibrate.session import check_providers, exposed_session
 from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
+from onnxq.graph.quantized import integer_kernel
 from onnxq.graph.save import write_text_atomic
 
 ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model
@@ -157,7 +158,7 @@ def analyze_models(
     notes = [f"layer not isolated: {s}" for s in skipped[:10]]
     if len(skipped) > 10:
         notes.append(f"... and {len(skipped) - 10} more layers not isolated")
-    if not found and any(n.op_type.startswith("QLinear") or n.op_type == "QGemm" for n in quant.graph):
+    if not found and any(integer_kernel(n) for n in quant.graph):
         notes.append("the quantized model holds integer kernels (QOperator format), whose layers and tensors "
                      "are not measured: analyze the Q/DQ model (quantize without --format qoperator)")
     missing = len(quantized) - len(activations)

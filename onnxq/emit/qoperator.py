@@ -25,9 +25,10 @@ import onnx_ir as ir
 
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
+from onnxq.graph.quantized import DOMAINS
 
 CONTRIB = "com.microsoft"
-Q_DOMAINS = ("", "ai.onnx", CONTRIB)
+Q_DOMAINS = DOMAINS  # ai.onnx and onnxruntime's contrib Q/DQ and kernels
 EIGHT_BIT = (ir.DataType.UINT8, ir.DataType.INT8)
 
 # Layout slots of an integer kernel's inputs: ("q", i) the float op's input i as its

@@ -12,13 +12,19 @@ from collections import Counter
 
 import onnx_ir as ir
 
-QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # Kernels that hold quantized weights or quantize at run time, whose float form convert
 # does not rebuild.
 OPAQUE_KERNELS = ("MatMulNBits", "GatherBlockQuantized", "MatMulInteger", "ConvInteger", "DynamicQuantizeLinear",
                   "DynamicQuantizeLSTM", "DynamicQuantizeMatMul", "MatMulFpQ4", "QAttention",
                   "QEmbedLayerNormalization", "QOrderedMatMul", "MatMulBnb4")
 DOMAINS = ("", "ai.onnx", "com.microsoft")
+
+
+def integer_kernel(node: ir.Node) -> bool:
+    """One of onnxruntime's integer kernels that a Q/DQ model becomes in QOperator format
+    (QLinearConv, QGemm, ...), which `convert` rewrites."""
+    op = node.op_type
+    return node.domain in DOMAINS and (op.startswith("QLinear") or op in ("QGemm", "MatMulIntegerToFloat"))
 
 
 def _quantized_op(node: ir.Node) -> bool:
@@ -33,7 +39,7 @@ def _quantized_op(node: ir.Node) -> bool:
         producer = source.producer() if source is not None else None
         return source is not None and (source.const_value is not None or (
             producer is not None and producer.op_type in ("QuantizeLinear", "Constant")))
-    return op in QDQ_OPS or op in OPAQUE_KERNELS or op.startswith("QLinear") or op in ("QGemm", "MatMulIntegerToFloat")
+    return op == "QuantizeLinear" or op in OPAQUE_KERNELS or integer_kernel(node)
 
 
 def _nodes(model: ir.Model):

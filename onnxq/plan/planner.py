@@ -227,14 +227,12 @@ class Planner:
         data = node.inputs[0].name
         source = self.plan.tensors.get(data)
         outs = [self.plan.tensors.get(o.name) for o in node.outputs if o is not None]
+        # A data-movement op reading an output is one of its consumers (`plan_shared`).
         if source is None or source.kind is not Kind.ACTIVATION or not outs or \
                 any(t is None or t.alias_of != data or t.consumers for t in outs):
             return
-        names = {t.name for t in outs}
-        if any(t.alias_of in names for t in self.plan.tensors.values()):
-            return
-        for name in names:
-            del self.plan.tensors[name]
+        for t in outs:
+            del self.plan.tensors[t.name]
         self._unplan(node, None, "its output feeds only float ops: data movement stays float")
 
     def name_float_head(self, node: ir.Node) -> None:

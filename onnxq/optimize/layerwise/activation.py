@@ -46,11 +46,14 @@ def _relu(node: ir.Node, shape: tuple[int, int], spatial: int) -> Activation:
 
 
 def _clip(node: ir.Node, shape: tuple[int, int], spatial: int) -> Activation | None:
-    if any(i < len(node.inputs) and node.inputs[i] is not None and _constant(node, i) is None for i in (1, 2)):
-        return None  # bounds computed at run time
-    lo_c, hi_c = _constant(node, 1), _constant(node, 2)
-    lo = float(lo_c) if lo_c is not None else float(layout.attr(node, "min", -math.inf))
-    hi = float(hi_c) if hi_c is not None else float(layout.attr(node, "max", math.inf))
+    bounds = []
+    for index, attribute, default in ((1, "min", -math.inf), (2, "max", math.inf)):
+        given = index < len(node.inputs) and node.inputs[index] is not None
+        value = _constant(node, index) if given else layout.attr(node, attribute, default)
+        if value is None:
+            return None  # a bound computed at run time
+        bounds.append(float(value))
+    lo, hi = bounds
     return Activation("Clip", lambda y: np.clip(y, lo, hi),
                       lambda y: ((y > lo) & (y < hi)).astype(np.float32))
 

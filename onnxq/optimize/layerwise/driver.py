@@ -136,26 +136,22 @@ class Problem:
         an activation: on step `step`'s mini-batch alone, as `loss`). With `tune_bias` the
         bias column first moves to (toward, through an activation) its best, in place."""
         k = self.w.shape[2]
-        if tune_bias and self.through is None:  # the minimum over the bias: its gradient is the partial one there
-            full[:, :, k] = self.linear_bias(full[:, :, :k])
-        loss = None
         if self.through is not None:
+            correction, curvature, loss = self.through.correction(full, step)
             grad = full @ self._h32 - self._t32
-        elif with_loss:
-            vh = full @ self._h32
-            norm = 1.0 / (self.outputs * max(self.energy, 1e-30))
-            loss = float(np.sum(full * (vh - 2 * self._t32))) * norm + 1.0
-            grad = vh - self._t32
-        else:
-            grad = full @ self._h32[:, :, :k]
-            grad -= self._t32k
-        if self.through is not None:
-            correction, curvature, value = self.through.correction(full, step)
             grad += correction
-            loss = value
             if tune_bias:  # one damped Gauss-Newton step per channel
                 full[:, :, k] -= grad[:, :, k] / (curvature + BIAS_DAMPING)
-        return grad[:, :, :k], loss
+            return grad[:, :, :k], loss
+        if tune_bias:  # the minimum over the bias: its gradient is the partial one there
+            full[:, :, k] = self.linear_bias(full[:, :, :k])
+        if not with_loss:
+            grad = full @ self._h32[:, :, :k]
+            grad -= self._t32k
+            return grad, None
+        vh = full @ self._h32
+        loss = float(np.sum(full * (vh - 2 * self._t32))) * (1.0 / (self.outputs * max(self.energy, 1e-30))) + 1.0
+        return (vh - self._t32)[:, :, :k], loss
 
 
 @dataclass

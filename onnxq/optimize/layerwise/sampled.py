@@ -19,6 +19,7 @@ positions, in a fixed shuffled order (deterministic).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,11 +49,10 @@ class ThroughActivation:
         y = np.ascontiguousarray(y[:, :, order], dtype=np.float32)
         return cls(activation, x, y, activation.forward(y).astype(np.float32), max(1, min(batch, x.shape[2])))
 
-    @property
+    @functools.cached_property
     def energy(self) -> float:
         """The mean square of the activation's float output per output and position."""
         return float(np.mean(np.square(self.target, dtype=np.float64)))
-
 
     @property
     def positions(self) -> int:
@@ -79,24 +79,28 @@ class ThroughActivation:
         and the batch's error after the activation alone, relative (as `sampled_loss`)."""
         window = self._window(step)
         x = self.x[:, :, window]
-        yq = full @ x
-        e_lin = yq - self.y[:, :, window]
-        e_act = self.activation.forward(yq) - self.target[:, :, window]
-        slope = self.activation.derivative(yq)
-        count = np.float32(1.0 / x.shape[2])
-        residual = e_act * slope - e_lin
-        grad = (residual @ x.transpose(0, 2, 1)) * count
-        curvature = np.sum(slope * slope, axis=2) * count
+        residual, curvature, e_act = self._terms(full @ x, window)
+        grad = (residual @ x.transpose(0, 2, 1)) * np.float32(1.0 / x.shape[2])
         value = float(np.mean(np.square(e_act, dtype=np.float64))) / max(self.energy, 1e-30)
         return grad, curvature, value
 
+    def _terms(self, yq: np.ndarray, window: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For quantized outputs `yq` of the positions `window`: the bracket's residual
+        f'(y_q) e_act - e_lin per position, the mean squared slope per channel and e_act."""
+        e_act = self.activation.forward(yq) - self.target[:, :, window]
+        slope = self.activation.derivative(yq)
+        residual = e_act * slope - (yq - self.y[:, :, window])
+        return residual, np.sum(slope * slope, axis=2) * np.float32(1.0 / yq.shape[2]), e_act
+
     def best_bias(self, weights: np.ndarray, linear: np.ndarray) -> np.ndarray:
         """The bias [g, M] of least loss for `weights` [g, M, K], from `linear`, the best
-        bias of the exact quadratic part: Gauss-Newton per channel on every sample."""
+        bias of the exact quadratic part: Gauss-Newton per channel on every sample (the
+        weights' output is computed once; only the bias moves)."""
         k = weights.shape[2]
-        full = np.concatenate([weights, linear[..., None]], axis=2).astype(np.float32)
+        z = weights.astype(np.float32) @ self.x[:, :k]
+        b = linear.astype(np.float32)
         for _ in range(BIAS_ITERATIONS):
-            grad, curvature, _ = self.correction(full)
-            # d/db of the exact part / 2 is (b - linear) per position
-            full[:, :, k] -= (full[:, :, k] - linear + grad[:, :, k]) / (curvature + BIAS_DAMPING)
-        return full[:, :, k].astype(np.float64)
+            residual, curvature, _ = self._terms(z + b[..., None], slice(None))
+            # d/db of the exact part / 2 is (b - linear) per position; of the bracket, its mean residual
+            b -= (b - linear + residual.mean(axis=2)) / (curvature + BIAS_DAMPING)
+        return b.astype(np.float64)
