@@ -6,8 +6,9 @@ nearest rounding, CLE + bias correction and onnxruntime's `quantize_static`.
 
 Settings (calibration: the first 200 images / 256 sentences; evaluation: the rest):
 `mobilenet_pt8` (per-tensor int8 weights, uint8 activations), `mobilenet_w4` (int4
-per-channel weights, uint8 activations), `resnet20_w4` (int4 per-channel weights, uint8
-activations), `minilm_int8` (the U8S8 default, static int8). Rows: `nearest` (onnxq,
+per-channel symmetric weights, uint8 activations), `resnet20_w4` (int4 per-channel
+symmetric weights, uint8 activations), `mobilenet_w4a` / `resnet20_w4a` (the same with
+asymmetric int4 weights, the W4A8 preset's; onnxruntime: QUInt4), `minilm_int8` (the U8S8 default, static int8). Rows: `nearest` (onnxq,
 round to nearest), `cle_bc` (CLE + bias correction), `adaround`, `adaquant` (default
 options: with per-tensor weights they bring CLE first, see `equalize`), `adaround_bc` /
 `adaquant_bc` (bias correction after them), `adaround_raw` /
@@ -31,10 +32,13 @@ import deployed as D
 import numpy as np
 
 INT4_PC = {"dtype": "int4", "qscheme": "per_channel", "symmetric": True}
+INT4_PC_ASYM = {**INT4_PC, "symmetric": False}  # the W4A8 preset's weights
 SETTINGS: dict[str, dict[str, Any]] = {
     "mobilenet_pt8": {"model": "mobilenet", "weight": {"qscheme": "per_tensor"}, "ort": {"per_channel": False}},
     "mobilenet_w4": {"model": "mobilenet", "weight": INT4_PC, "ort": {"per_channel": True, "weight": "QInt4"}},
     "resnet20_w4": {"model": "resnet20", "weight": INT4_PC, "ort": {"per_channel": True, "weight": "QInt4"}},
+    "mobilenet_w4a": {"model": "mobilenet", "weight": INT4_PC_ASYM, "ort": {"per_channel": True, "weight": "QUInt4"}},
+    "resnet20_w4a": {"model": "resnet20", "weight": INT4_PC_ASYM, "ort": {"per_channel": True, "weight": "QUInt4"}},
     "minilm_int8": {"model": "minilm", "weight": {}, "ort": {"per_channel": True}},
 }
 ROWS: dict[str, dict[str, Any]] = {

@@ -64,7 +64,7 @@ def test_numpy_qdq_matches_onnxruntime(dtype, symmetric):
 # weights (target x86-vnni, what auto gives on CPUs whose int8 kernels are exact), the
 # lower of the two. Measured auto / 8-bit: U8S8 30.5 / 31.7, S8S8 28.7 / 29.7, 16-bit
 # activations 38.9 / 37.5 (the target's bias correction), XINT8 25.5 / 28.2, W8_DYNAMIC
-# (Gemm model) 35.9 / 40.0, W4_GROUP128 37.5, FP8_E4M3 21.0, FP16 68.0, BF16 50.5.
+# (Gemm model) 35.9 / 40.0, W4_GROUP128 37.5, W4A8 16.9 (int4 weights: no fused kernel), FP8_E4M3 21.0, FP16 68.0, BF16 50.5.
 PRESET_FLOORS = {
     "U8S8": (28.5, np.int8),
     "S8S8": (26.5, np.int8),
@@ -75,6 +75,7 @@ PRESET_FLOORS = {
     "FP8_E4M3": (19.0, ml_dtypes.float8_e4m3fn),
     "W8_DYNAMIC": (34.0, np.int8),
     "W4_GROUP128": (35.5, np.int8),
+    "W4A8": (15.0, ml_dtypes.int4),
     "FP16": (66.0, np.float16),
     "BF16": (48.5, ml_dtypes.bfloat16),
 }
