@@ -344,7 +344,7 @@ def test_bias_correction_after_it_corrects_only_unfitted_biases(nearest, algo: s
     alone = quantize(model, [{"name": algo}])
     both = quantize(model, [{"name": algo}, {"name": "bias_correction"}])
     assert both.model.SerializeToString() == alone.model.SerializeToString()
-    assert "bias fitted by " + algo in next(n for n in both.summary.notes if n.startswith("bias_correction"))
+    assert "fitted by " + algo in next(n for n in both.summary.notes if n.startswith("bias_correction"))
     corrected = quantize(model, [{"name": "bias_correction"}])
     unfitted = quantize(model, [{"name": algo, "bias": False}, {"name": "bias_correction"}])
     assert held_out_sqnr(model, unfitted) > held_out_sqnr(model, corrected) + 1.0

@@ -309,9 +309,12 @@ def bias_correction(
 ) -> str | tuple[str, QuantPlan]:
     """Remove the mean output error that weight rounding causes (see module doc)."""
     layers, skipped = find_layers(model.graph, plan, opts)
-    skipped += [f"{x.node.name} (bias fitted by {ctx.fitted_biases[x.node.name]})" for x in layers
-                if x.node.name in ctx.fitted_biases]
+    fitted = [x for x in layers if x.node.name in ctx.fitted_biases]
     layers = [x for x in layers if x.node.name not in ctx.fitted_biases]
+    if fitted and not layers and not skipped:
+        by = sorted({ctx.fitted_biases[x.node.name] for x in fitted})
+        return f"nothing to correct: the biases of all {len(fitted)} layers were fitted by {' and '.join(by)}"
+    skipped += [f"{x.node.name} (bias fitted by {ctx.fitted_biases[x.node.name]})" for x in fitted]
     if not layers:
         return "no quantized layer to correct" + (f"; skipped {', '.join(skipped[:5])}" if skipped else "")
     means = input_means(model, layers, ctx)
