@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from onnxq.config import PRESETS, config_to_yaml, get_preset
 from onnxq.config.compose import compose_config
 from onnxq.errors import OnnxqError
+from onnxq.plugins import load_plugins
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a command a closed pipe stopped
@@ -502,6 +503,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="onnxq", description="Post-training quantization for ONNX models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE",
+                        help="import code that registers observers, passes or algorithms first "
+                             "(repeatable; also $ONNXQ_PLUGINS)")
     parser.add_argument("--version", action="version", version=f"onnxq {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -592,7 +596,20 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--target", help="deployment target (default auto)")
     i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     i.set_defaults(func=_cmd_inspect)
+    for command in _leaves(sub):  # --plugin after the command too
+        command.add_argument("--plugin", action="append", dest="command_plugins", default=[],
+                             metavar="FILE.py|MODULE", help="import code that registers observers, "
+                             "passes or algorithms first (repeatable; also $ONNXQ_PLUGINS)")
     return parser
+
+
+def _leaves(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser]:
+    """Every command's parser (`config show` and `config convert`, not `config`)."""
+    leaves = []
+    for parser in dict.fromkeys(sub.choices.values()):
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        leaves += _leaves(nested[0]) if nested else [parser]
+    return leaves
 
 
 def _terminated(signum: int, frame: object) -> None:
@@ -616,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        load_plugins(args.plugin + getattr(args, "command_plugins", []))
         return args.func(args)
     except OnnxqError as exc:
         if args.debug:

@@ -108,3 +108,69 @@ def test_unknown_observer_names_the_nearest():
 def test_a_name_cannot_be_registered_twice(toy):
     with pytest.raises(ValueError, match="already registered"):
         register_observer(toy)(type("Other", (HalfMaxObserver,), {}))
+
+
+PLUGIN = '''
+from onnxq.calibrate.observers import Observer, register_observer
+
+
+@register_observer("halfmax_plugin")
+class HalfMax(Observer):
+    integer_only = False
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.absmax, self.count = 0.0, 0
+
+    def update(self, x):
+        self.absmax = max(self.absmax, float(abs(x).max(initial=0.0)))
+        self.count += x.size
+
+    def _merge(self, other):
+        self.absmax, self.count = max(self.absmax, other.absmax), self.count + other.count
+
+    @property
+    def num_values(self):
+        return self.count
+
+    def compute_range(self):
+        return -self.absmax / 2, self.absmax / 2
+'''
+
+
+def _cli_case(tmp_path):
+    model, feeds = model_and_data()
+    src = save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", x=np.concatenate([f["x"] for f in feeds]))
+    (tmp_path / "halfmax_plugin.py").write_text(PLUGIN)
+    return feeds, ["quantize", str(src), str(tmp_path / "q.onnx"), "--calib-data", str(tmp_path / "calib.npz"),
+                   "--calib-method", "halfmax_plugin", "--quiet"]
+
+
+def test_an_installed_cli_loads_an_observer_from_a_plugin_file(tmp_path):
+    """A fresh `onnxq` process knows nothing of the user's observer until `--plugin` (or
+    $ONNXQ_PLUGINS) imports the file that registers it."""
+    import os
+    import subprocess
+    import sys
+
+    feeds, argv = _cli_case(tmp_path)
+    cli = [sys.executable, "-m", "onnxq.cli"]
+    env = {k: v for k, v in os.environ.items() if k != "ONNXQ_PLUGINS"}
+    without = subprocess.run(cli + argv, capture_output=True, text=True, env=env)
+    assert without.returncode == 2 and "'halfmax_plugin'" in without.stderr and "--plugin FILE.py" in without.stderr
+    plugin = str(tmp_path / "halfmax_plugin.py")
+    for extra, environ in (([], {"ONNXQ_PLUGINS": plugin}), (["--plugin", plugin], {})):
+        done = subprocess.run(cli + argv + extra, capture_output=True, text=True, env={**env, **environ})
+        assert done.returncode == 0, done.stderr
+        assert input_scale(onnx.load(str(tmp_path / "q.onnx"))) == pytest.approx(expected_scale(feeds), rel=1e-6)
+
+
+def test_a_broken_plugin_is_one_line_and_exit_2(tmp_path, capsys):
+    _, argv = _cli_case(tmp_path)
+    (tmp_path / "broken.py").write_text("import numpy\nraise RuntimeError('bad plugin\\nsecond line')\n")
+    for plugin, says in ((tmp_path / "broken.py", "failed to import: RuntimeError: bad plugin"),
+                         (tmp_path / "missing.py", "no such file"), ("no_such_plugin_module", "no module of that name")):
+        assert main(["--plugin", str(plugin)] + argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err and not (tmp_path / "q.onnx").exists()

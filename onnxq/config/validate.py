@@ -338,7 +338,8 @@ def _calib_method_registered(v: dict[str, Any], tc: str, resolved: bool) -> tupl
     did_you_mean = f"did you mean '{hint}'? " if hint else ""
     return (f"invalid calib_method {method!r}",
             f"{did_you_mean}valid values: {', '.join(sorted(OBSERVERS))} "
-            "(or register an observer with onnxq.calibrate.observers.register_observer)")
+            "(or register your own with onnxq.calibrate.observers.register_observer; on the command line, "
+            "load its file with --plugin FILE.py)")
 
 
 def _method_reads_its_fields(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:

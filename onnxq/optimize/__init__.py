@@ -199,7 +199,9 @@ def _check_entries(entries: list[Mapping[str, Any]], table: Mapping[str, Any], w
             if name in other[1]:
                 raise ConfigError(f"{name} belongs in {other[0]}, not in {what.split()[0]}; move the entry there")
             close = difflib.get_close_matches(name, table, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; available: {', '.join(sorted(table)) or 'none'}"
+            hint = (f"; did you mean {close[0]!r}?" if close else
+                    f"; available: {', '.join(sorted(table)) or 'none'} (your own: load the file that "
+                    "registers it with --plugin FILE.py)")
             raise ConfigError(f"unknown {what} {name!r}{hint}")
 
 

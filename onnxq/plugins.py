@@ -1,0 +1,67 @@
+"""Load user code that registers observers, passes or algorithms before a CLI command runs.
+
+`register_observer`, `register_pass` and `register_algorithm` fill tables when their
+module is imported; in Python the user imports it, on the command line `--plugin` (or
+the `ONNXQ_PLUGINS` environment variable, paths or module names separated by the OS path
+separator) names it: a `.py` file or an importable module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+
+from onnxq.errors import ConfigError
+
+ENV = "ONNXQ_PLUGINS"
+
+
+def plugin_names(flags: Iterable[str] | None) -> list[str]:
+    """Plugins from the environment, then the flags, each once, in order."""
+    names = [n for n in os.environ.get(ENV, "").split(os.pathsep) if n.strip()]
+    return list(dict.fromkeys(names + list(flags or [])))
+
+
+def load_plugin(name: str) -> ModuleType:
+    """Import `name`: a `.py` file (by path) or a module name; ConfigError if it cannot."""
+    path = Path(name)
+    is_file = name.endswith(".py") or os.sep in name or (os.altsep is not None and os.altsep in name)
+    try:
+        if is_file:
+            if not path.is_file():
+                raise ConfigError(f"plugin {name}: no such file; pass a .py file or an importable module name")
+            resolved = path.resolve()
+            module_name = f"onnxq_plugin_{hashlib.sha1(str(resolved).encode()).hexdigest()[:12]}"
+            if module_name in sys.modules:
+                return sys.modules[module_name]
+            spec = importlib.util.spec_from_file_location(module_name, resolved)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+            return module
+        return importlib.import_module(name)
+    except ConfigError:
+        raise
+    except ModuleNotFoundError as exc:
+        if not is_file and exc.name == name.split(".")[0]:
+            raise ConfigError(f"plugin {name}: no module of that name; pass a .py file or an "
+                              "importable module name") from None
+        raise ConfigError(f"plugin {name} failed to import: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # the user's code: any error it raises is theirs to fix
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"plugin {name} failed to import: {type(exc).__name__}: {first}") from exc
+
+
+def load_plugins(flags: Iterable[str] | None) -> list[ModuleType]:
+    """Import every plugin `plugin_names` gives."""
+    return [load_plugin(name) for name in plugin_names(flags)]
