@@ -65,6 +65,7 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch_size", ("calibration", "batch_size")),
     ("providers", ("calibration", "providers")),
     ("max_calib_memory", ("calibration", "max_memory_mb")),
+    ("check_samples", ("calibration", "check_samples")),
     ("save_ranges", ("calibration", "save_ranges")),
     ("load_ranges", ("calibration", "load_ranges")),
     ("stats", ("calibration", "stats")),
@@ -477,6 +478,9 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--max-samples", type=int, help="use at most N calibration samples")
     q.add_argument("--batch-size", type=int, help="calibration batch size (dynamic-batch models)")
     q.add_argument("--providers", nargs="+", help="onnxruntime execution providers for calibration")
+    q.add_argument("--check-samples", type=int, metavar="N",
+                   help="run the quantized model on N calibration samples against the float model "
+                        "(default session) and report the output SQNR and cosine (default 8; 0: no check)")
     q.add_argument("--accuracy-target", metavar="EXPR",
                    help="raise the most sensitive layers up --ladder until the model meets EXPR, e.g. "
                         "'top1>=float-0.5', 'cosine>=0.999', 'sqnr>=30' (scored in a default session)")

@@ -13,6 +13,7 @@ from typing import Any
 
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.calibrate.ranges_io import load_ranges, save_ranges
@@ -31,7 +32,8 @@ from onnxq.calibrate.statistics import Statistic
 from onnxq.config import Config, as_config, validate_node_configs
 from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
 from onnxq.emit import EmitResult, emit_model
-from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads
+from onnxq.emit.fidelity import Reference, float_reference, measure
+from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads, open_deployed
 from onnxq.errors import CalibrationDataError, ConfigError, UnsupportedModelError
 from onnxq.graph.load import check_runnable, load_model
 from onnxq.graph.quantized import describe, quantized_ops
@@ -84,7 +86,7 @@ class PipelineState:
             self.ranges.update(observe(model, missing, ctx.data, ctx.calibration, False).result().ranges)
         plan = _within_ranges(plan, self.ranges)
         plan, _ = run_algorithms(model, plan, self.ranges, self.algorithms, ctx)
-        model, _ = _emit_loadable(model, plan, self.ranges, config, ctx, self.target)
+        model, _, _ = _emit_loadable(model, plan, self.ranges, config, ctx, self.target)
         return model
 
 
@@ -247,14 +249,16 @@ def _with_equalization(
 def _emit_loadable(
     model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], config: Config,
     ctx: PassContext, target: TargetProfile,
-) -> tuple[ir.Model, EmitResult]:
+) -> tuple[ir.Model, EmitResult, ort.InferenceSession | None]:
     """Emit, then open the result as a deployment would; if onnxruntime refuses it, keep
-    the nodes responsible float (found by re-emitting from a copy) instead of writing it."""
+    the nodes responsible float (found by re-emitting from a copy) instead of writing it.
+    Also returns the session that opened it (for the output check)."""
     pristine = model.clone()
     emitted = emit_model(model, plan, ranges, config, ctx.weights, target.runs_on_cpu())
     providers = config.calibration.providers
-    if model_loads(model, providers):
-        return model, emitted
+    session = open_deployed(model, providers)
+    if session is not None:
+        return model, emitted, session
     order = [node.name for node in pristine.graph if node.name in plan.quantized_nodes]
 
     def trial(kept: set[str]) -> Trial:
@@ -268,7 +272,7 @@ def _emit_loadable(
     result = final.payload
     result.notes.append(f"{len(culprits)} nodes kept float because onnxruntime could not load them quantized: "
                         + ", ".join(culprits[:5]) + (", ..." if len(culprits) > 5 else ""))
-    return final.model, result
+    return final.model, result, open_deployed(final.model, providers)
 
 
 def quantize(
@@ -325,11 +329,13 @@ class Prepared:
     ctx: PassContext
     data: CalibrationSource
     summary: Summary
+    reference: Reference | None = None  # the float outputs the emitted model is checked against
 
 
 def prepare(source: ModelSource, config: Config, calibration_data: Any, progress: bool | None,
-            deferrable: bool) -> Prepared:
-    """Stage 1 (load) and the passes of stage 3 that run before calibration."""
+            deferrable: bool, check: bool = False) -> Prepared:
+    """Stage 1 (load) and the passes of stage 3 that run before calibration; with `check`,
+    the float outputs on the first `check_samples` samples (before any pass)."""
     check_config_entries(config.pre_quant_opt_config, config.algo_config)
     data = CalibrationSource(calibration_data)
     ctx = PassContext(data, config.calibration, progress, deferrable=deferrable, qdq_domain=config.qdq_domain)
@@ -343,13 +349,18 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     summary.size_before = _size(source, ir_model)
     check_runnable(ir_model, loaded.source)
     validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(ir_model.graph)])
+    reference = None
+    if check and config.calibration.check_samples > 0 and data.source is not None:
+        with summary.stage("check"):
+            reference = float_reference(ir_model, data, config.calibration.check_samples,
+                                        config.calibration.providers)
 
     with summary.stage("optimise"):
         passes = _with_equalization(ir_model, config, ctx, target, summary)
         summary.notes.extend(run_passes(ir_model, passes, ctx))
         plan = plan_quantization(ir_model, config, ctx.keep_float, target)
         algorithms = _algorithms(config, target, plan, data, summary)
-    return Prepared(ir_model, plan, algorithms, target, ctx, data, summary)
+    return Prepared(ir_model, plan, algorithms, target, ctx, data, summary, reference)
 
 
 def run_pipeline(
@@ -368,7 +379,7 @@ def run_pipeline(
         check_output_path(output, model if isinstance(model, str | os.PathLike) else None)
     options = config.calibration
     ready = prepare(model, config, calibration_data, progress,
-                    deferrable=not options.load_ranges and not options.stats)
+                    deferrable=not options.load_ranges and not options.stats, check=True)
     ir_model, plan, algorithms, target, ctx, data, summary = (
         ready.model, ready.plan, ready.algorithms, ready.target, ready.ctx, ready.data, ready.summary)
 
@@ -393,7 +404,11 @@ def run_pipeline(
     summary.notes.extend(notes)
 
     with summary.stage("emit"):
-        ir_model, emitted = _emit_loadable(ir_model, plan, calibration.ranges, config, ctx, target)
+        ir_model, emitted, session = _emit_loadable(ir_model, plan, calibration.ranges, config, ctx, target)
+    if ready.reference is not None and session is not None:
+        with summary.stage("check"):
+            summary.fidelity = measure(session, ready.reference)
+    del session
     plan = emitted.plan
     summary.quantized_by_op = dict(sorted(Counter(plan.quantized_nodes.values()).items()))
     summary.float_nodes = plan.float_nodes
@@ -406,6 +421,10 @@ def run_pipeline(
         with summary.stage("save"):
             summary.output = str(save_model(ir_model, output))
     summary.size_after = _size(output, ir_model) if output is not None else weight_bytes(ir_model)
+    if not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before:
+        summary.notes.append("warning: nothing was quantized: every node stayed float (see 'left in float'); "
+                             "pick a recipe that covers this model's ops (U8S8 for convolutions; W8_DYNAMIC "
+                             "and W4_GROUP128 quantize MatMul/Gemm only)")
     return QuantizationResult(ir_model, summary, calibration.ranges, plan, state)
 
 

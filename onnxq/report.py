@@ -59,6 +59,7 @@ class Summary:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     mixed_precision: MixedPrecisionSummary | None = None
+    fidelity: Any = None  # emit.fidelity.Fidelity: the output check, when it ran
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -101,6 +102,11 @@ def format_summary(s: Summary) -> str:
         lines.append(f"  size: {_mb(s.size_before)} -> {_mb(s.size_after)} ({ratio:.0%})")
     timing = ", ".join(f"{k} {v:.2f}s" for k, v in s.stage_seconds.items())
     lines.append(f"  time: {timing}")
+    if s.fidelity is not None:
+        lines.append(f"  {s.fidelity.line()}")
+        warning = s.fidelity.warning()
+        if warning:
+            lines.append(f"  warning: {warning}")
     if s.mixed_precision is not None:
         lines.extend(format_mixed_precision(s.mixed_precision))
     lines.extend(f"  note: {n}" for n in s.notes)

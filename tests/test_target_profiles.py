@@ -230,14 +230,16 @@ def test_find_culprits_refuses_when_even_float_fails():
 def test_nodes_onnxruntime_refuses_stay_float(monkeypatch):
     victim = next(n.name for n in MODEL.graph.node if n.op_type == "Conv" and
                   any(a.name == "group" and a.i > 1 for a in n.attribute))
-    real = loadcheck.model_loads
+    real = loadcheck.open_deployed
 
     def refuses_victim(model, providers):
         quantized = any(n.name == victim and n.inputs[1].producer() is not None
                         and n.inputs[1].producer().op_type == "DequantizeLinear" for n in model.graph)
-        return not quantized and real(model, providers)
+        return None if quantized else real(model, providers)
 
-    monkeypatch.setattr(importlib.import_module("onnxq.quantize"), "model_loads", refuses_victim)
+    module = importlib.import_module("onnxq.quantize")
+    monkeypatch.setattr(module, "open_deployed", refuses_victim)
+    monkeypatch.setattr(module, "model_loads", lambda model, providers: refuses_victim(model, providers) is not None)
     result = quantize(target="x86-vnni")
     assert victim in result.summary.float_nodes
     assert any("could not load them quantized" in n and victim in n for n in result.summary.notes)

@@ -175,6 +175,9 @@ class CalibrationConfig:
     # Merge these statistics files (`onnxq calibrate --shard i/n --stats FILE`) instead of
     # calibrating: the result is byte-identical to calibrating on all the data here.
     stats: list[str] | None = None
+    # The quantized model is run on this many calibration samples against the float model
+    # (default session): SQNR and cosine in the summary, a warning when far off; 0: no check.
+    check_samples: int = 8
 
 
 # Rungs of the mixed-precision ladder (`onnxq.search`): what a sensitive layer is raised to.

@@ -155,6 +155,10 @@ def _check_top_level(config: Config) -> None:
             f"invalid max_batches {calibration.max_batches} in calibration; "
             "use 1 or more, or remove it to use every batch"
         )
+    if not isinstance(calibration.check_samples, int) or calibration.check_samples < 0:
+        raise ConfigError(
+            f"invalid check_samples {calibration.check_samples!r} in calibration; use 0 (no output check) or more"
+        )
     if calibration.max_memory_mb is not None and calibration.max_memory_mb < 0:
         raise ConfigError(
             f"invalid max_memory_mb {calibration.max_memory_mb} in calibration; use 0 or more MiB"

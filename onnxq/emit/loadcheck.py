@@ -24,18 +24,23 @@ UNLOADABLE = "onnxruntime cannot load this node quantized (default session optio
 MAX_CULPRITS = 64
 
 
-def model_loads(model: ir.Model, providers: list[str]) -> bool:
-    """Whether a default session (all optimisations) opens `model` on `providers`."""
+def open_deployed(model: ir.Model, providers: list[str]) -> ort.InferenceSession | None:
+    """A default session (all optimisations) of `model` on `providers`, None if
+    onnxruntime cannot open it."""
     options = ort.SessionOptions()
     options.log_severity_level = 4
     options = options_for(model, options)
     try:
-        open_session(model, options, providers)
+        return open_session(model, options, providers)
     except OnnxqError:
         raise  # an unavailable provider is the user's to fix, not the model's
     except Exception:  # onnxruntime raises several unrelated types; any failure counts
-        return False
-    return True
+        return None
+
+
+def model_loads(model: ir.Model, providers: list[str]) -> bool:
+    """Whether a default session (all optimisations) opens `model` on `providers`."""
+    return open_deployed(model, providers) is not None
 
 
 @dataclass

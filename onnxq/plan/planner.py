@@ -314,6 +314,22 @@ class Planner:
                 self.add_output(out, source.spec, alias_of=data.name)
         self.plan.quantized_nodes[node.name] = node.op_type
 
+    def _why_unconfigured(self, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> str:
+        """Why a compute node has no tensor to quantize: a weight-only config whose weight
+        is not where the op's kernels take it, or the config level that keeps it float."""
+        i = rule.weight_input
+        if cfg.weight is not None and i is not None:
+            other = [k for k, v in enumerate(node.inputs) if k != i and v is not None and constant_array(v) is not None]
+            if other:
+                return (f"weight-only quantization takes the constant weight as input {i} of {node.op_type}; "
+                        f"this node's constant is input {other[0]}")
+            return f"weight-only quantization needs a constant weight as input {i}; this one is computed at run time"
+        if node.name in self.config.layer_quant_config:
+            return f"kept float by its node override (layer_quant_config: {node.name})"
+        if node.op_type in self.config.layer_type_quant_config:
+            return f"kept float by the config's {node.op_type} override (layer_type_quant_config)"
+        return "no tensor of this node is configured for quantization"
+
     def plan_compute(self, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> None:
         weight_index = self.plan_weight(node, rule, cfg)
         act_spec = cfg.input_tensors
@@ -328,7 +344,7 @@ class Planner:
                 self.add_use(value, kind, act_spec, node, i)
                 quantized_inputs.append(i)
         if weight_index is None and not quantized_inputs:
-            self.float_node(node, "no tensor of this node is configured for quantization")
+            self.float_node(node, self._why_unconfigured(node, rule, cfg))
             return
         self.plan.quantized_nodes[node.name] = node.op_type
         if act_spec is not None and weight_index is not None and rule.bias_input is not None:

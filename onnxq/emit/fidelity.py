@@ -1,0 +1,101 @@
+"""Check the emitted model against the float one on a few calibration samples.
+
+A recipe can be far worse on one model than on others (float8 activations through a deep
+CNN, per-tensor weights on depthwise layers); the summary says so at once, measured as the
+model deploys (a default onnxruntime session), rather than leaving it to a later
+`onnxq compare`. The float outputs come from the model as loaded, before any pass,
+one sample at a time, and are held up to `REFERENCE_BYTES`; the figures are on samples
+the ranges were calibrated on, so they flatter held-out data a little.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+
+from onnxq.calibrate.data import CalibrationSource, iter_batches, model_inputs
+from onnxq.evaluate import cosine, deployed_session, sqnr_db
+
+REFERENCE_BYTES = 64 << 20
+# Worst-output SQNR below which the summary warns: the outputs are then off by more than
+# a third of their magnitude (MobileNet v1: float8 activations 6.5 dB, int8 24 dB).
+WARN_DB = 10.0
+FLOAT_OUTPUTS = ("tensor(float)", "tensor(float16)", "tensor(double)", "tensor(bfloat16)")
+
+
+@dataclass
+class Reference:
+    """Feeds and the float model's floating-point outputs on them, sample by sample."""
+
+    feeds: list[dict[str, np.ndarray]]
+    outputs: list[list[np.ndarray]]
+    names: list[str]
+
+
+@dataclass
+class Fidelity:
+    """The worst output's figures over the checked samples."""
+
+    samples: int
+    output: str
+    outputs: int
+    sqnr_db: float
+    cosine: float
+    top1_agreement: float | None
+
+    def line(self) -> str:
+        which = f"worst of {self.outputs} outputs, '{self.output}'" if self.outputs > 1 else f"output '{self.output}'"
+        top1 = f", top-1 agreement {self.top1_agreement:.0%}" if self.top1_agreement is not None else ""
+        return (f"check on {self.samples} calibration samples (default onnxruntime session): {which}: "
+                f"SQNR {self.sqnr_db:.1f} dB, cosine {self.cosine:.4f}{top1}")
+
+    def warning(self) -> str | None:
+        if self.sqnr_db >= WARN_DB:
+            return None
+        return (f"output '{self.output}' is far from the float model's (SQNR {self.sqnr_db:.1f} dB); "
+                "`onnxq analyze FLOAT QUANT --data DATA` names the tensors that lose it, and "
+                "--accuracy-target (e.g. 'sqnr>=20') raises the sensitive layers")
+
+
+def float_reference(model: ir.Model, data: CalibrationSource, samples: int, providers: list[str]) -> Reference | None:
+    """The float model's outputs on the first `samples` samples of `data` (None when there
+    is nothing to check: no samples asked, no data, data that can be read only once, or
+    no floating-point output)."""
+    if samples <= 0 or data.source is None or not data.replayable:
+        return None
+    session = deployed_session(model, providers)
+    names = [o.name for o in session.get_outputs() if o.type in FLOAT_OUTPUTS]
+    if not names:
+        return None
+    reference, held = Reference([], [], names), 0
+    for feed in iter_batches(data, model_inputs(model), 1, samples, purpose="the output check"):
+        outputs = session.run(names, feed)
+        reference.feeds.append(feed)
+        reference.outputs.append(outputs)
+        held += sum(a.nbytes for a in outputs) + sum(np.asarray(a).nbytes for a in feed.values())
+        if held >= REFERENCE_BYTES:
+            break
+    return reference if reference.feeds else None
+
+
+def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity:
+    """The quantized model (`session`) against `reference`; the output with the lowest
+    SQNR is the one reported."""
+    tests = [session.run(reference.names, feed) for feed in reference.feeds]
+    worst = None
+    for i, name in enumerate(reference.names):
+        ref = np.concatenate([np.ravel(r[i]).astype(np.float64) for r in reference.outputs])
+        test = np.concatenate([np.ravel(t[i]).astype(np.float64) for t in tests])
+        top1 = None
+        shapes = {r[i].shape for r in reference.outputs}
+        if len(shapes) == 1 and len(next(iter(shapes))) == 2 and next(iter(shapes))[1] > 1:
+            top1 = float(np.mean([np.argmax(r[i], 1) == np.argmax(t[i], 1)
+                                  for r, t in zip(reference.outputs, tests)]))
+        figures = Fidelity(len(reference.feeds), name, len(reference.names), float(sqnr_db(ref, test)),
+                           cosine(ref, test), top1)
+        if worst is None or figures.sqnr_db < worst.sqnr_db:
+            worst = figures
+    return worst

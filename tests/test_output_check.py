@@ -1,0 +1,107 @@
+"""The output check every quantization ends with: the emitted model against the float one
+on the first `check_samples` calibration samples, in a default onnxruntime session."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import gemm, random_feeds, residual, save
+
+import onnxq
+from onnxq.cli import main
+from onnxq.config.compose import compose_config
+from onnxq.errors import ConfigError
+from onnxq.evaluate import compare_models
+
+CLIPPED = {"global_quant_config": {
+    "input_tensors": {"calib_method": "percentile", "percentile": 50.0},
+    "output_tensors": {"calib_method": "percentile", "percentile": 50.0}}}
+
+
+def test_check_matches_compare_on_the_same_samples(tmp_path):
+    """The figures are the ones `compare` gives on those samples (deployed session)."""
+    model = residual()
+    calib = random_feeds(model, 24, seed=1)
+    out = tmp_path / "q.onnx"
+    result = onnxq.quantize(model, out, "U8S8", calib)
+    check = result.summary.fidelity
+    assert check.samples == 8 and check.output == model.graph.output[0].name
+    first = {k: np.concatenate([f[k] for f in calib[:8]]) for k in calib[0]}
+    measured = compare_models(save(model, tmp_path / "m.onnx"), out, first)
+    assert check.sqnr_db == pytest.approx(measured.outputs[0].sqnr_db, abs=0.01)
+    assert check.cosine == pytest.approx(measured.outputs[0].cosine, abs=1e-4)
+    text = onnxq.format_summary(result.summary)
+    assert f"SQNR {check.sqnr_db:.1f} dB" in text and "warning: output" not in text
+    assert check.sqnr_db > 25  # U8S8 on this model: 32 dB
+
+
+def test_a_recipe_far_from_float_is_a_warning():
+    """Ranges clipped at the median (percentile 50) wreck the model: the summary says so."""
+    model = residual()
+    result = onnxq.quantize(model, None, compose_config("U8S8", None, CLIPPED), random_feeds(model, 24, seed=1))
+    assert result.summary.fidelity.sqnr_db < 5
+    text = onnxq.format_summary(result.summary)
+    assert "warning: output" in text and "far from the float model" in text and "onnxq analyze" in text
+
+
+def test_class_scores_get_top1_agreement_and_the_model_does_not_change():
+    model = gemm()
+    calib = random_feeds(model, 12, seed=3)
+    checked = onnxq.quantize(model, None, "U8S8", calib)
+    unchecked = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 0}}), calib)
+    assert checked.model.SerializeToString() == unchecked.model.SerializeToString()
+    assert unchecked.summary.fidelity is None and "check on" not in onnxq.format_summary(unchecked.summary)
+    assert checked.summary.fidelity.top1_agreement is not None
+    assert 0.0 <= checked.summary.fidelity.top1_agreement <= 1.0
+
+
+def test_no_check_without_replayable_data_or_samples():
+    model = residual()
+    feeds = random_feeds(model, 12, seed=1)
+    once = onnxq.quantize(model, None, "U8S8", iter(feeds))  # a one-shot iterator: read by calibration only
+    assert once.summary.fidelity is None
+    few = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 3}}), feeds)
+    assert few.summary.fidelity.samples == 3
+
+
+def test_check_samples_from_every_source(tmp_path, capsys):
+    model = residual()
+    src = save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "c.npz", **{k: np.concatenate([f[k] for f in random_feeds(model, 6, seed=1)])
+                                    for k in random_feeds(model, 1, seed=1)[0]})
+    argv = ["quantize", str(src), str(tmp_path / "q.onnx"), "--calib-data", str(tmp_path / "c.npz")]
+    assert main(argv + ["--check-samples", "2"]) == 0
+    assert "check on 2 calibration samples" in capsys.readouterr().out
+    assert main(argv + ["--check-samples", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid check_samples -1" in err
+    with pytest.raises(ConfigError, match="check_samples"):
+        onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": -3}}))
+
+
+def test_nothing_quantized_is_a_warning_with_the_config_level_named():
+    """W8_DYNAMIC keeps convolutions float by its Conv override: on a convolution-only
+    model nothing is quantized, and the summary says so and why."""
+    model = residual()
+    result = onnxq.quantize(model, None, "W8_DYNAMIC", random_feeds(model, 8, seed=1))
+    assert not result.summary.quantized_by_op
+    assert any(n.startswith("warning: nothing was quantized") for n in result.summary.notes)
+    reasons = {why for op, why in result.summary.float_nodes.values() if op == "Conv"}
+    assert reasons == {"kept float by the config's Conv override (layer_type_quant_config)"}
+    fp16 = onnxq.quantize(model, None, "FP16", random_feeds(model, 8, seed=1))  # weights stored in float16
+    assert not any("nothing was quantized" in n for n in fp16.summary.notes)
+
+
+def test_weight_only_matmul_with_its_constant_first_says_so():
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32), "W")
+    graph = helper.make_graph([helper.make_node("MatMul", ["W", "x"], ["y"], name="w_at_x")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 8])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    result = onnxq.quantize(model, None, "W4_GROUP128")
+    assert result.summary.float_nodes["w_at_x"] == (
+        "MatMul", "weight-only quantization takes the constant weight as input 1 of MatMul; this node's constant is input 0")
