@@ -162,3 +162,28 @@ def test_cli_analyze_writes_json_and_rejects_missing_models(chain, tmp_path, cap
     assert main(["analyze", str(path), str(tmp_path / "nope.onnx"), "--data", str(tmp_path / "d.npz")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not found" in err
+
+
+def test_a_tensor_a_clip_reads_is_measured_after_the_clip(tmp_path):
+    """Float8 layouts quantize a Conv output and run its Clip(0, 6) after the DQ, with the
+    grid fitted to the Clip's range: values beyond 6 never reach the model, so they are
+    neither clipping nor error (they were reported as 50% clipped)."""
+    b = GraphBuilder(2)
+    x = b.input("x", ["N", 4, 8, 8])
+    lo, hi = b.const("lo", np.array(0.0, np.float32)), b.const("hi", np.array(6.0, np.float32))
+    y = b.node("Clip", [b.conv(x, 4, 8), lo, hi])
+    model = b.build([b.conv(y, 8, 4)], name="conv_clip")
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    quant = tmp_path / "q.onnx"
+    data = _data(model, 16, 0, scale=20.0)  # conv outputs far beyond 6
+    quantize(path, quant, "FP8_E4M3", data, progress=False)
+    q = onnx.load(quant)
+    clip = next(n for n in q.graph.node if n.op_type == "Clip")
+    dq = next(n for n in q.graph.node if n.output[0] == clip.input[0])
+    assert dq.op_type == "DequantizeLinear"  # the layout this test is about
+    conv_out = next(n for n in q.graph.node if n.op_type == "QuantizeLinear" and n.output[0] == dq.input[0]).input[0]
+    analysis = analyze_models(path, quant, data, progress=False)
+    report = next(t for t in analysis.tensors if t.name == conv_out)
+    assert report.saturation == 0.0
+    assert report.used_range[1] <= 6.0 + 1e-6 and report.sqnr_db > 20

@@ -117,7 +117,8 @@ class RangeStats:
             return
         self.used_min = min(self.used_min, float(v.min()))
         self.used_max = max(self.used_max, float(v.max()))
-        self.saturated += int(np.count_nonzero((v < self.low) | (v > self.high)))
+        slack = 1e-5 * (self.high - self.low)  # a bound the grid misses by its scale's rounding
+        self.saturated += int(np.count_nonzero((v < self.low - slack) | (v > self.high + slack)))
         self.count += v.size
         lo, hi = self.edges[0], self.edges[-1]
         bins = ((v - lo) * (HISTOGRAM_BINS / (hi - lo))).astype(np.int64)

@@ -194,8 +194,8 @@ def analyze_models(
             test = dict(zip(test_names, test_session.run(test_names, feed))) if test_session else {}
             out = dict(zip(out_names, deployed.run(out_names, feed))) if deployed is not None else {}
             for a in activations:
-                tensor_err[a.name].update(ref[a.name], test[a.dequantized])
-                ranges[a.name].update(ref[a.name])
+                tensor_err[a.name].update(a.bounded(ref[a.name]), a.bounded(test[a.dequantized]))
+                ranges[a.name].update(a.bounded(ref[a.name]))
             for i in isolated:
                 own[i.layer.name].update(ref[i.reference], ref[i.output])
                 name = prefix_names.get(i.layer.name)

@@ -30,6 +30,13 @@ class QuantizedActivation:
     dtype: str
     low: float  # the smallest value the grid represents (the calibrated range)
     high: float
+    # When a Relu or Clip alone reads the dequantized tensor (float8 layouts put it after
+    # the DQ), the bounds it clips to: error and clipping count after it, since values
+    # beyond them never reach the model.
+    bounds: tuple[float, float] | None = None
+
+    def bounded(self, x: np.ndarray) -> np.ndarray:
+        return x if self.bounds is None else np.clip(x, *self.bounds)
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,31 @@ def _activation(q: ir.Node) -> QuantizedActivation | None:
     grid = _grid(zp, float(scale.reshape(-1)[0]))
     if dq is None or grid is None or not value.name:
         return None
-    return QuantizedActivation(value.name, dq.outputs[0].name, str(zp.dtype), *grid)
+    return QuantizedActivation(value.name, dq.outputs[0].name, str(zp.dtype), *grid, _bounds(dq.outputs[0]))
+
+
+def _bounds(value: ir.Value) -> tuple[float, float] | None:
+    """The range the Relu/Clip that alone reads `value` clips to, if one does."""
+    uses = list(value.uses())
+    if len(uses) != 1 or uses[0].node.op_type not in ("Relu", "Clip"):
+        return None
+    node = uses[0].node
+    if node.op_type == "Relu":
+        return 0.0, float("inf")
+    bounds = [-float("inf"), float("inf")]
+    for i in (1, 2):
+        if len(node.inputs) > i and node.inputs[i] is not None:
+            bound = constant_array(node.inputs[i])
+            if bound is None:
+                return None
+            bounds[i - 1] = float(bound)
+    lo, hi = bounds
+    attrs = node.attributes
+    if "min" in attrs:
+        lo = float(attrs["min"].as_float())
+    if "max" in attrs:
+        hi = float(attrs["max"].as_float())
+    return lo, hi
 
 
 def quantized_activations(model: ir.Model) -> list[QuantizedActivation]:
