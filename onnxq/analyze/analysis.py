@@ -155,9 +155,10 @@ def analyze_models(
     found = layers(quant)
     graph_outputs = [] if layers_only else [v.name for v in reference.graph.outputs]
     isolated, skipped = add_isolated_layers(reference, quant, found)
-    notes = [f"layer not isolated: {s}" for s in skipped[:10]]
-    if len(skipped) > 10:
-        notes.append(f"... and {len(skipped) - 10} more layers not isolated")
+    notes = []
+    if skipped:
+        notes.append(f"{len(skipped)} layers not isolated (their inputs or output have no counterpart in the "
+                     f"float model): {', '.join(skipped[:6])}" + (", ..." if len(skipped) > 6 else ""))
     if not found and any(integer_kernel(n) for n in quant.graph):
         notes.append("the quantized model holds integer kernels (QOperator format), whose layers and tensors "
                      "are not measured: analyze the Q/DQ model (quantize without --format qoperator)")

@@ -99,8 +99,8 @@ def add_isolated_layers(
     float_model: ir.Model, quant_model: ir.Model, found: list[Layer]
 ) -> tuple[list[IsolatedLayer], list[str]]:
     """Add to `float_model` (in place) an isolated copy of each layer of `found`; return
-    the copies and the layers that could not be isolated (their inputs have no float
-    counterpart), with why."""
+    the copies and the names of the layers that could not be isolated (their inputs or
+    output have no float counterpart)."""
     copier = _Copier(float_model)
     nodes = {node.name: node for node in quant_model.graph}
     isolated, skipped = [], []
@@ -112,7 +112,7 @@ def add_isolated_layers(
         if out is not None:
             out = copier.requantized(out, node.outputs[0])
         if out is None:
-            skipped.append(f"{layer.name}: its inputs or output have no counterpart in the float model")
+            skipped.append(layer.name)
             continue
         isolated.append(IsolatedLayer(layer, out.name, reference))
     return isolated, skipped
