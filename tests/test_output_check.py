@@ -105,3 +105,37 @@ def test_weight_only_matmul_with_its_constant_first_says_so():
     result = onnxq.quantize(model, None, "W4_GROUP128")
     assert result.summary.float_nodes["w_at_x"] == (
         "MatMul", "weight-only quantization takes the constant weight as input 1 of MatMul; this node's constant is input 0")
+
+
+def test_the_check_never_stops_a_run(monkeypatch):
+    """A float model the check cannot run leaves the check out; a quantized model that
+    loads but fails to run is a warning, and the model is still written as emitted."""
+    import importlib
+
+    import onnxq.emit.fidelity as fidelity
+
+    quantize_module = importlib.import_module("onnxq.quantize")  # onnxq.quantize is also the function
+
+    model = residual()
+    calib = random_feeds(model, 12, seed=1)
+    plain = onnxq.quantize(model, None, "U8S8", calib)
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("no session")
+
+    with monkeypatch.context() as m:
+        m.setattr(fidelity, "deployed_session", refuses)
+        skipped = onnxq.quantize(model, None, "U8S8", calib)
+    assert skipped.summary.fidelity is None
+    assert skipped.model.SerializeToString() == plain.model.SerializeToString()
+
+    class Broken:
+        def run(self, *args, **kwargs):
+            raise RuntimeError("kernel failed\nsecond line")
+
+    monkeypatch.setattr(quantize_module, "open_deployed", lambda model, providers: Broken())
+    broken = onnxq.quantize(model, None, "U8S8", calib)
+    assert broken.summary.fidelity is None
+    assert "warning: the quantized model loads but failed to run on a calibration sample: kernel failed" in \
+        broken.summary.notes
+    assert broken.model.SerializeToString() == plain.model.SerializeToString()
