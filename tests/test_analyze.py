@@ -187,3 +187,7 @@ def test_a_tensor_a_clip_reads_is_measured_after_the_clip(tmp_path):
     report = next(t for t in analysis.tensors if t.name == conv_out)
     assert report.saturation == 0.0
     assert report.used_range[1] <= 6.0 + 1e-6 and report.sqnr_db > 20
+    # The Conv whose bias the layout moved into an Add is measured with it, after the Clip.
+    conv = next(n.name for n in q.graph.node if n.op_type == "Conv")
+    layer = next(r for r in analysis.layers if r.name == conv)
+    assert layer.own_sqnr_db > 20 and not any("not isolated" in n for n in analysis.notes)

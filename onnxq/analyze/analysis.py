@@ -198,10 +198,11 @@ def analyze_models(
                 tensor_err[a.name].update(a.bounded(ref[a.name]), a.bounded(test[a.dequantized]))
                 ranges[a.name].update(a.bounded(ref[a.name]))
             for i in isolated:
-                own[i.layer.name].update(ref[i.reference], ref[i.output])
+                bounded = i.layer.bounded
+                own[i.layer.name].update(bounded(ref[i.reference]), bounded(ref[i.output]))
                 name = prefix_names.get(i.layer.name)
                 if name in test and test[name].shape == ref[i.reference].shape:
-                    prefix[i.layer.name].update(ref[i.reference], test[name])
+                    prefix[i.layer.name].update(bounded(ref[i.reference]), bounded(test[name]))
             for n in graph_outputs:
                 if n in out:
                     check_same_shape(n, ref[n], [out[n]])

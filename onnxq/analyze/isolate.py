@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from onnxq.analyze.qgraph import GLUE_OPS, Layer, dequantizer
+from onnxq.analyze.qgraph import GLUE_OPS, Layer, bias_add, dequantizer
 from onnxq.graph.edit import values_by_name
 
 PREFIX = "onnxq_isolated/"
@@ -109,8 +109,11 @@ def add_isolated_layers(
         reference = next((n for n in (layer.output, layer.quantized_output)
                           if n is not None and n in copier.float_values), None)
         out = copier.node(node) if reference is not None else None
+        add = bias_add(node)
+        if out is not None and add is not None:  # the layer's bias, moved into an Add
+            out = copier.node(add, inputs=[out if v is node.outputs[0] else copier.value(v) for v in add.inputs])
         if out is not None:
-            out = copier.requantized(out, node.outputs[0])
+            out = copier.requantized(out, (add or node).outputs[0])
         if out is None:
             skipped.append(layer.name)
             continue

@@ -47,6 +47,11 @@ class Layer:
     op_type: str
     output: str  # the node's float output as the float model names it
     quantized_output: str | None  # what consumers read when the output is Q/DQ'd
+    # The bounds of a Relu/Clip that alone reads the quantized output (as for activations)
+    bounds: tuple[float, float] | None = None
+
+    def bounded(self, x: np.ndarray) -> np.ndarray:
+        return x if self.bounds is None else np.clip(x, *self.bounds)
 
 
 def _grid(zero_point: np.ndarray, scale: float) -> tuple[float, float] | None:
@@ -122,14 +127,28 @@ def _reads_dequantized(node: ir.Node) -> bool:
                for v in node.inputs)
 
 
-def _quantized_output(value: ir.Value) -> str | None:
+def _dequantized_output(value: ir.Value) -> ir.Value | None:
     """The DQ output consumers read when `value` is quantized right after it is computed."""
     for use in value.uses():
         if use.node.op_type == "QuantizeLinear":
             dq = dequantizer(use.node)
             if dq is not None:
-                return dq.outputs[0].name
+                return dq.outputs[0]
     return None
+
+
+def bias_add(node: ir.Node) -> ir.Node | None:
+    """The Add of a constant that alone reads `node`'s output: a bias the float8 layout
+    moved out of its Conv/Gemm (the layer is measured with it, whose output keeps the
+    float model's name)."""
+    if node.op_type not in ("Conv", "Gemm") or not node.outputs:
+        return None
+    uses = list(node.outputs[0].uses())
+    if len(uses) != 1 or uses[0].node.op_type != "Add":
+        return None
+    add = uses[0].node
+    other = [v for v in add.inputs if v is not node.outputs[0]]
+    return add if len(other) == 1 and other[0] is not None and constant_array(other[0]) is not None else None
 
 
 def layers(model: ir.Model) -> list[Layer]:
@@ -138,8 +157,11 @@ def layers(model: ir.Model) -> list[Layer]:
     for node in model.graph:
         if node.op_type in GLUE_OPS or not node.outputs or not _reads_dequantized(node):
             continue
-        out = node.outputs[0]
+        add = bias_add(node)
+        out = (add or node).outputs[0]
         if not out.name:
             continue
-        found.append(Layer(node.name, node.op_type, out.name, _quantized_output(out)))
+        dq = _dequantized_output(out)
+        found.append(Layer(node.name, node.op_type, out.name, dq.name if dq is not None else None,
+                           _bounds(dq) if dq is not None else None))
     return found
