@@ -480,7 +480,8 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--providers", nargs="+", help="onnxruntime execution providers for calibration")
     q.add_argument("--check-samples", type=int, metavar="N",
                    help="run the quantized model on N calibration samples against the float model "
-                        "(default session) and report the output SQNR and cosine (default 8; 0: no check)")
+                        "(default session) and report the output SQNR and cosine (default 8 for models up "
+                        "to 256 MB; 0: no check)")
     q.add_argument("--accuracy-target", metavar="EXPR",
                    help="raise the most sensitive layers up --ladder until the model meets EXPR, e.g. "
                         "'top1>=float-0.5', 'cosine>=0.999', 'sqnr>=30' (scored in a default session)")

@@ -15,7 +15,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from onnxq.calibrate.data import CalibrationSource
+from onnxq.calibrate.data import CalibrationSource, model_inputs
 from onnxq.calibrate.ranges_io import load_ranges, save_ranges
 from onnxq.calibrate.rescale import calibrate_deferred
 from onnxq.calibrate.runner import CalibrationResult, observe
@@ -32,7 +32,7 @@ from onnxq.calibrate.statistics import Statistic
 from onnxq.config import Config, as_config, validate_node_configs
 from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
 from onnxq.emit import EmitResult, emit_model
-from onnxq.emit.fidelity import Reference, float_reference, measure
+from onnxq.emit.fidelity import float_reference, measure
 from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads, open_deployed
 from onnxq.errors import CalibrationDataError, ConfigError, UnsupportedModelError
 from onnxq.graph.load import check_runnable, load_model
@@ -275,6 +275,41 @@ def _emit_loadable(
     return final.model, result, open_deployed(final.model, providers)
 
 
+# The output check by default: this many samples, for models up to this many bytes of
+# weights (above, the float session it opens costs about the model's size again: +0.8 GB
+# on a 135M-parameter LLM); an explicit check_samples runs it on any model.
+CHECK_SAMPLES, CHECK_AUTO_BYTES = 8, 256 << 20
+
+
+def _check_samples(asked: int | None, model_bytes: int, data: CalibrationSource, summary: Summary) -> int:
+    """Samples the output check runs on (0: none), and a note when size alone skips it."""
+    if asked is not None:
+        return asked
+    if model_bytes <= CHECK_AUTO_BYTES:
+        return CHECK_SAMPLES
+    if data.source is not None:
+        summary.notes.append(f"output check skipped: a {model_bytes / 1e6:.0f} MB model would be opened again in "
+                             f"float to check against; --check-samples {CHECK_SAMPLES} runs it")
+    return 0
+
+
+def _check_outputs(source: ModelSource, quantized: ir.Model, session: ort.InferenceSession,
+                   data: CalibrationSource, samples: int, providers: list[str], summary: Summary) -> None:
+    """The emitted model (open in `session`) against the user's float model on the first
+    `check_samples` samples (`emit/fidelity.py`). The float model is opened from the
+    user's file, or as they passed it, only now: the float weights the pipeline loaded are
+    gone, so the check adds one float session to the quantized model, not two copies."""
+    float_model = source.SerializeToString() if isinstance(source, onnx.ModelProto) else source
+    reference = float_reference(float_model, model_inputs(quantized), data, samples, providers)
+    if reference is None:
+        return
+    checked = measure(session, reference)
+    if isinstance(checked, str):
+        summary.notes.append(checked)
+    else:
+        summary.fidelity = checked
+
+
 def quantize(
     model: ModelSource,
     output: str | os.PathLike | None = None,
@@ -329,13 +364,11 @@ class Prepared:
     ctx: PassContext
     data: CalibrationSource
     summary: Summary
-    reference: Reference | None = None  # the float outputs the emitted model is checked against
 
 
 def prepare(source: ModelSource, config: Config, calibration_data: Any, progress: bool | None,
-            deferrable: bool, check: bool = False) -> Prepared:
-    """Stage 1 (load) and the passes of stage 3 that run before calibration; with `check`,
-    the float outputs on the first `check_samples` samples (before any pass)."""
+            deferrable: bool) -> Prepared:
+    """Stage 1 (load) and the passes of stage 3 that run before calibration."""
     check_config_entries(config.pre_quant_opt_config, config.algo_config)
     data = CalibrationSource(calibration_data)
     ctx = PassContext(data, config.calibration, progress, deferrable=deferrable, qdq_domain=config.qdq_domain)
@@ -349,18 +382,13 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     summary.size_before = _size(source, ir_model)
     check_runnable(ir_model, loaded.source)
     validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(ir_model.graph)])
-    reference = None
-    if check and config.calibration.check_samples > 0 and data.source is not None:
-        with summary.stage("check"):
-            reference = float_reference(ir_model, data, config.calibration.check_samples,
-                                        config.calibration.providers)
 
     with summary.stage("optimise"):
         passes = _with_equalization(ir_model, config, ctx, target, summary)
         summary.notes.extend(run_passes(ir_model, passes, ctx))
         plan = plan_quantization(ir_model, config, ctx.keep_float, target)
         algorithms = _algorithms(config, target, plan, data, summary)
-    return Prepared(ir_model, plan, algorithms, target, ctx, data, summary, reference)
+    return Prepared(ir_model, plan, algorithms, target, ctx, data, summary)
 
 
 def run_pipeline(
@@ -379,7 +407,7 @@ def run_pipeline(
         check_output_path(output, model if isinstance(model, str | os.PathLike) else None)
     options = config.calibration
     ready = prepare(model, config, calibration_data, progress,
-                    deferrable=not options.load_ranges and not options.stats, check=True)
+                    deferrable=not options.load_ranges and not options.stats)
     ir_model, plan, algorithms, target, ctx, data, summary = (
         ready.model, ready.plan, ready.algorithms, ready.target, ready.ctx, ready.data, ready.summary)
 
@@ -405,13 +433,10 @@ def run_pipeline(
 
     with summary.stage("emit"):
         ir_model, emitted, session = _emit_loadable(ir_model, plan, calibration.ranges, config, ctx, target)
-    if ready.reference is not None and session is not None:
+    samples = _check_samples(options.check_samples, summary.size_before, data, summary)
+    if session is not None and samples:
         with summary.stage("check"):
-            checked = measure(session, ready.reference)
-        if isinstance(checked, str):
-            summary.notes.append(checked)
-        else:
-            summary.fidelity = checked
+            _check_outputs(model, ir_model, session, data, samples, options.providers, summary)
     del session
     plan = emitted.plan
     summary.quantized_by_op = dict(sorted(Counter(plan.quantized_nodes.values()).items()))

@@ -124,7 +124,7 @@ def test_the_check_never_stops_a_run(monkeypatch):
         raise RuntimeError("no session")
 
     with monkeypatch.context() as m:
-        m.setattr(fidelity, "deployed_session", refuses)
+        m.setattr(fidelity, "_lean_session", refuses)
         skipped = onnxq.quantize(model, None, "U8S8", calib)
     assert skipped.summary.fidelity is None
     assert skipped.model.SerializeToString() == plain.model.SerializeToString()
@@ -139,3 +139,19 @@ def test_the_check_never_stops_a_run(monkeypatch):
     assert "warning: the quantized model loads but failed to run on a calibration sample: kernel failed" in \
         broken.summary.notes
     assert broken.model.SerializeToString() == plain.model.SerializeToString()
+
+
+def test_large_models_skip_the_check_unless_asked(monkeypatch):
+    """By default the check runs on models up to CHECK_AUTO_BYTES (it opens the float model
+    once more); above, the summary says how to ask for it, and asking runs it."""
+    import importlib
+
+    quantize_module = importlib.import_module("onnxq.quantize")
+    monkeypatch.setattr(quantize_module, "CHECK_AUTO_BYTES", 1000)
+    model = residual()
+    calib = random_feeds(model, 12, seed=1)
+    auto = onnxq.quantize(model, None, "U8S8", calib)
+    assert auto.summary.fidelity is None
+    assert any(n.startswith("output check skipped") and "--check-samples 8" in n for n in auto.summary.notes)
+    asked = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 4}}), calib)
+    assert asked.summary.fidelity.samples == 4

@@ -176,8 +176,9 @@ class CalibrationConfig:
     # calibrating: the result is byte-identical to calibrating on all the data here.
     stats: list[str] | None = None
     # The quantized model is run on this many calibration samples against the float model
-    # (default session): SQNR and cosine in the summary, a warning when far off; 0: no check.
-    check_samples: int = 8
+    # (default session): SQNR and cosine in the summary, a warning when far off; 0: no check;
+    # None: 8 for models up to 256 MB of weights (the check opens the float model once more).
+    check_samples: int | None = None
 
 
 # Rungs of the mixed-precision ladder (`onnxq.search`): what a sensitive layer is raised to.

@@ -155,7 +155,8 @@ def _check_top_level(config: Config) -> None:
             f"invalid max_batches {calibration.max_batches} in calibration; "
             "use 1 or more, or remove it to use every batch"
         )
-    if not isinstance(calibration.check_samples, int) or calibration.check_samples < 0:
+    if calibration.check_samples is not None and (not isinstance(calibration.check_samples, int)
+                                                  or calibration.check_samples < 0):
         raise ConfigError(
             f"invalid check_samples {calibration.check_samples!r} in calibration; use 0 (no output check) or more"
         )

@@ -3,21 +3,24 @@
 A recipe can be far worse on one model than on others (float8 activations through a deep
 CNN, per-tensor weights on depthwise layers); the summary says so at once, measured as the
 model deploys (a default onnxruntime session), rather than leaving it to a later
-`onnxq compare`. The float outputs come from the model as loaded, before any pass,
-one sample at a time, and are held up to `REFERENCE_BYTES`; the figures are on samples
-the ranges were calibrated on, so they flatter held-out data a little.
+`onnxq compare`. The float outputs come from the user's model (their file, or the model
+they passed), opened after emission when the pipeline's float weights are gone, one
+sample at a time, held up to `REFERENCE_BYTES`; the figures are on samples the ranges
+were calibrated on, so they flatter held-out data a little.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from onnxq.calibrate.data import CalibrationSource, iter_batches, model_inputs
-from onnxq.evaluate import cosine, deployed_session, sqnr_db
+from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
+from onnxq.calibrate.session import open_session
+from onnxq.evaluate import cosine, deployed_options, sqnr_db
 
 REFERENCE_BYTES = 64 << 20
 # Worst-output SQNR below which the summary warns: the outputs are then off by more than
@@ -60,25 +63,28 @@ class Fidelity:
                 "--accuracy-target (e.g. 'sqnr>=20') raises the sensitive layers")
 
 
-def float_reference(model: ir.Model, data: CalibrationSource, samples: int, providers: list[str]) -> Reference | None:
-    """The float model's outputs on the first `samples` samples of `data` (None when there
-    is nothing to check: no samples asked, no data, data that can be read only once, or
-    no floating-point output)."""
+def float_reference(model: str | os.PathLike | bytes | ir.Model, inputs: list[InputSpec], data: CalibrationSource,
+                    samples: int, providers: list[str]) -> Reference | None:
+    """The float `model`'s outputs on the first `samples` samples of `data`, batched as
+    `inputs` (the model's, as calibration read them) say; None when there is nothing to
+    check (no samples asked, no data, data that can be read only once, no floating-point
+    output) or the float model cannot run: the check never stops a run."""
     if samples <= 0 or data.source is None or not data.replayable:
         return None
     try:
-        return _reference(model, data, samples, providers)
-    except Exception:  # noqa: BLE001  the check must never stop a run: calibration reports bad data itself
+        return _reference(model, inputs, data, samples, providers)
+    except Exception:  # noqa: BLE001  onnxruntime and the data raise several unrelated types
         return None
 
 
-def _reference(model: ir.Model, data: CalibrationSource, samples: int, providers: list[str]) -> Reference | None:
-    session = deployed_session(model, providers)
+def _reference(model: str | os.PathLike | bytes | ir.Model, inputs: list[InputSpec], data: CalibrationSource,
+               samples: int, providers: list[str]) -> Reference | None:
+    session = _lean_session(model, providers)
     names = [o.name for o in session.get_outputs() if o.type in FLOAT_OUTPUTS]
     if not names:
         return None
     reference, held = Reference([], [], names), 0
-    for feed in iter_batches(data, model_inputs(model), 1, samples, purpose="the output check"):
+    for feed in iter_batches(data, inputs, 1, samples, purpose="the output check"):
         outputs = session.run(names, feed)
         reference.feeds.append(feed)
         reference.outputs.append(outputs)
@@ -86,6 +92,17 @@ def _reference(model: ir.Model, data: CalibrationSource, samples: int, providers
         if held >= REFERENCE_BYTES:
             break
     return reference if reference.feeds else None
+
+
+def _lean_session(model: str | os.PathLike | bytes | ir.Model, providers: list[str]) -> ort.InferenceSession:
+    """The float model in a session that holds its weights once: no prepacked copies, no
+    arena kept at its peak (an LLM's float session otherwise costs twice its file)."""
+    options = deployed_options()
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    options.enable_cpu_mem_arena = False
+    if isinstance(model, ir.Model):
+        return open_session(model, options, providers)
+    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=providers)
 
 
 def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity | str:
