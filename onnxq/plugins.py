@@ -20,6 +20,9 @@ from types import ModuleType
 from onnxq.errors import ConfigError
 
 ENV = "ONNXQ_PLUGINS"
+# What this process imported, as the names that import it again (files by absolute path):
+# calibration shards running in worker processes load the same plugins.
+LOADED: list[str] = []
 
 
 def plugin_names(flags: Iterable[str] | None) -> list[str]:
@@ -39,6 +42,7 @@ def load_plugin(name: str) -> ModuleType:
             resolved = path.resolve()
             module_name = f"onnxq_plugin_{hashlib.sha1(str(resolved).encode()).hexdigest()[:12]}"
             if module_name in sys.modules:
+                _remember(str(resolved))
                 return sys.modules[module_name]
             spec = importlib.util.spec_from_file_location(module_name, resolved)
             module = importlib.util.module_from_spec(spec)
@@ -48,8 +52,11 @@ def load_plugin(name: str) -> ModuleType:
             except BaseException:
                 del sys.modules[module_name]
                 raise
+            _remember(str(resolved))
             return module
-        return importlib.import_module(name)
+        module = importlib.import_module(name)
+        _remember(name)
+        return module
     except ConfigError:
         raise
     except ModuleNotFoundError as exc:
@@ -60,6 +67,11 @@ def load_plugin(name: str) -> ModuleType:
     except Exception as exc:  # the user's code: any error it raises is theirs to fix
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ConfigError(f"plugin {name} failed to import: {type(exc).__name__}: {first}") from exc
+
+
+def _remember(name: str) -> None:
+    if name not in LOADED:
+        LOADED.append(name)
 
 
 def load_plugins(flags: Iterable[str] | None) -> list[ModuleType]:

@@ -283,13 +283,14 @@ CHECK_SAMPLES, CHECK_AUTO_BYTES = 8, 256 << 20
 
 def _check_samples(asked: int | None, model_bytes: int, data: CalibrationSource, summary: Summary) -> int:
     """Samples the output check runs on (0: none), and a note when size alone skips it."""
+    if data.source is None or not data.replayable:
+        return 0
     if asked is not None:
         return asked
     if model_bytes <= CHECK_AUTO_BYTES:
         return CHECK_SAMPLES
-    if data.source is not None:
-        summary.notes.append(f"output check skipped: a {model_bytes / 1e6:.0f} MB model would be opened again in "
-                             f"float to check against; --check-samples {CHECK_SAMPLES} runs it")
+    summary.notes.append(f"output check skipped: a {model_bytes / 1e6:.0f} MB model would be opened again in "
+                         f"float to check against; --check-samples {CHECK_SAMPLES} runs it")
     return 0
 
 
@@ -306,7 +307,7 @@ def _check_outputs(source: ModelSource, quantized: ir.Model, session: ort.Infere
     checked = measure(session, reference)
     if isinstance(checked, str):
         summary.notes.append(checked)
-    else:
+    elif checked is not None:
         summary.fidelity = checked
 
 
@@ -410,6 +411,7 @@ def run_pipeline(
                     deferrable=not options.load_ranges and not options.stats)
     ir_model, plan, algorithms, target, ctx, data, summary = (
         ready.model, ready.plan, ready.algorithms, ready.target, ready.ctx, ready.data, ready.summary)
+    float_bytes = max(weight_bytes(ir_model), summary.size_before)  # external data included
 
     with summary.stage("calibrate"):
         calibration = _calibrate_or_load(ir_model, plan, data, config, progress, algorithms, ctx.deferred,
@@ -433,7 +435,7 @@ def run_pipeline(
 
     with summary.stage("emit"):
         ir_model, emitted, session = _emit_loadable(ir_model, plan, calibration.ranges, config, ctx, target)
-    samples = _check_samples(options.check_samples, summary.size_before, data, summary)
+    samples = _check_samples(options.check_samples, float_bytes, data, summary)
     if session is not None and samples:
         with summary.stage("check"):
             _check_outputs(model, ir_model, session, data, samples, options.providers, summary)

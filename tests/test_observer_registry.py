@@ -135,6 +135,13 @@ class HalfMax(Observer):
 
     def compute_range(self):
         return -self.absmax / 2, self.absmax / 2
+
+    def state(self):
+        import numpy as np
+        return {"absmax": np.float64(self.absmax), "count": np.int64(self.count)}
+
+    def set_state(self, arrays):
+        self.absmax, self.count = float(arrays["absmax"]), int(arrays["count"])
 '''
 
 
@@ -174,3 +181,24 @@ def test_a_broken_plugin_is_one_line_and_exit_2(tmp_path, capsys):
         assert main(["--plugin", str(plugin)] + argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err and not (tmp_path / "q.onnx").exists()
+
+
+def test_calibration_shards_in_worker_processes_load_the_plugin(tmp_path):
+    """`onnxq calibrate --shards 2` runs shards in fresh (spawned) processes: they import
+    the plugins the command loaded, and the merged statistics quantize as one run does."""
+    import subprocess
+    import sys
+
+    feeds, argv = _cli_case(tmp_path)
+    plugin = str(tmp_path / "halfmax_plugin.py")
+    cli = [sys.executable, "-m", "onnxq.cli", "--plugin", plugin]
+    model, calib = argv[1], argv[4]
+    done = subprocess.run(cli + ["calibrate", model, "--calib-data", calib, "--stats", str(tmp_path / "s.npz"),
+                                 "--calib-method", "halfmax_plugin", "--shards", "2", "--batch-size", "2"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run(cli + ["quantize", model, str(tmp_path / "q.onnx"), "--stats", str(tmp_path / "s.npz"),
+                                 "--calib-method", "halfmax_plugin", "--batch-size", "2", "--quiet"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert input_scale(onnx.load(str(tmp_path / "q.onnx"))) == pytest.approx(expected_scale(feeds), rel=1e-6)

@@ -155,3 +155,18 @@ def test_large_models_skip_the_check_unless_asked(monkeypatch):
     assert any(n.startswith("output check skipped") and "--check-samples 8" in n for n in auto.summary.notes)
     asked = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 4}}), calib)
     assert asked.summary.fidelity.samples == 4
+
+
+def test_outputs_whose_length_depends_on_the_data_are_left_out():
+    """Compress keeps the values above a threshold: float and quantized outputs can differ
+    in length, which must not stop the run (it crashed the check's comparison)."""
+    from helpers import GraphBuilder
+
+    b = GraphBuilder(0)
+    x = b.input("x", ["N", 8])
+    h = b.relu(b.gemm(b.relu(b.gemm(x, 8, 16)), 16, 16))
+    flat = b.node("Reshape", [h, b.const("shape", np.array([-1], np.int64))])
+    keep = b.node("Greater", [flat, b.const("t", np.array(0.45, np.float32))])
+    model = b.build([b.node("Compress", [flat, keep]), h], name="compress")
+    result = onnxq.quantize(model, None, "U8S8", random_feeds(model, 16, seed=1))
+    assert result.summary.fidelity is not None and result.summary.fidelity.output == h  # the fixed-shape one

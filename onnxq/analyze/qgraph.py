@@ -99,9 +99,9 @@ def _bounds(value: ir.Value) -> tuple[float, float] | None:
     for i in (1, 2):
         if len(node.inputs) > i and node.inputs[i] is not None:
             bound = constant_array(node.inputs[i])
-            if bound is None:
+            if bound is None or bound.size != 1:
                 return None
-            bounds[i - 1] = float(bound)
+            bounds[i - 1] = float(bound.reshape(-1)[0])
     lo, hi = bounds
     attrs = node.attributes
     if "min" in attrs:

@@ -17,11 +17,17 @@ from typing import Any
 
 from onnxq.errors import ConfigError
 from onnxq.parallel import cpu_count
+from onnxq.plugins import LOADED
 
 
-def shard_task(model: Any, config: Any, data: Any, shard: tuple[int, int]) -> bytes:
-    """Calibrate one shard (in a worker) and return its stats file's bytes."""
+def shard_task(model: Any, config: Any, data: Any, shard: tuple[int, int], plugins: tuple[str, ...] = ()) -> bytes:
+    """Calibrate one shard (in a worker, after importing the caller's `plugins`) and
+    return its stats file's bytes."""
+    from onnxq.plugins import load_plugin
     from onnxq.quantize import calibrate_shard
+
+    for name in plugins:
+        load_plugin(name)
 
     with tempfile.TemporaryDirectory(prefix="onnxq-shard-") as folder:
         path = Path(folder) / "stats.npz"
@@ -37,7 +43,7 @@ def _processes(model: Any, config: Any, data: Any, count: int, address: str | No
         raise ConfigError("--ray-address goes with --executor ray")
     workers = max(1, min(count, cpu_count()))
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(shard_task, model, config, data, (i, count)) for i in range(count)]
+        futures = [pool.submit(shard_task, model, config, data, (i, count), tuple(LOADED)) for i in range(count)]
         return [f.result() for f in futures]
 
 
@@ -52,7 +58,7 @@ def _ray(model: Any, config: Any, data: Any, count: int, address: str | None) ->
                  logging_level="ERROR", configure_logging=False)
     try:
         task = ray.remote(num_cpus=1)(shard_task)
-        return ray.get([task.remote(model, config, data, (i, count)) for i in range(count)])
+        return ray.get([task.remote(model, config, data, (i, count), tuple(LOADED)) for i in range(count)])
     finally:
         if started:
             ray.shutdown()

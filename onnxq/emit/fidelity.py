@@ -105,9 +105,11 @@ def _lean_session(model: str | os.PathLike | bytes | ir.Model, providers: list[s
     return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=providers)
 
 
-def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity | str:
+def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity | str | None:
     """The quantized model (`session`) against `reference`; the output with the lowest
-    SQNR is the one reported. A model that loads but fails to run gives a warning instead."""
+    SQNR is the one reported. A model that loads but fails to run gives a warning instead;
+    outputs whose shapes depend on the data (and differ) are not compared, and positions
+    where the float output is not finite are left out."""
     try:
         tests = [session.run(reference.names, feed) for feed in reference.feeds]
     except Exception as exc:  # noqa: BLE001  onnxruntime raises several unrelated types
@@ -115,15 +117,26 @@ def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity | s
         return f"warning: the quantized model loads but failed to run on a calibration sample: {first}"
     worst = None
     for i, name in enumerate(reference.names):
-        ref = np.concatenate([np.ravel(r[i]).astype(np.float64) for r in reference.outputs])
-        test = np.concatenate([np.ravel(t[i]).astype(np.float64) for t in tests])
-        top1 = None
-        shapes = {r[i].shape for r in reference.outputs}
-        if len(shapes) == 1 and len(next(iter(shapes))) == 2 and next(iter(shapes))[1] > 1:
-            top1 = float(np.mean([np.argmax(r[i], 1) == np.argmax(t[i], 1)
-                                  for r, t in zip(reference.outputs, tests)]))
-        figures = Fidelity(len(reference.feeds), name, len(reference.names), float(sqnr_db(ref, test)),
-                           cosine(ref, test), top1)
+        pairs = [(np.asarray(r[i]), np.asarray(t[i])) for r, t in zip(reference.outputs, tests)]
+        if any(r.shape != t.shape for r, t in pairs):
+            continue
+        figures = _figures(name, pairs, len(reference.names))
         if worst is None or figures.sqnr_db < worst.sqnr_db:
             worst = figures
     return worst
+
+
+def _figures(name: str, pairs: list[tuple[np.ndarray, np.ndarray]], outputs: int) -> Fidelity:
+    ref = np.concatenate([r.ravel().astype(np.float64) for r, _ in pairs])
+    test = np.concatenate([t.ravel().astype(np.float64) for _, t in pairs])
+    finite = np.isfinite(ref)
+    ref, test = ref[finite], test[finite]
+    if not np.all(np.isfinite(test)):  # the quantized model overflows where float did not
+        sqnr, cos = -float("inf"), 0.0
+    else:
+        sqnr, cos = float(sqnr_db(ref, test)), cosine(ref, test)
+    top1 = None
+    shapes = {r.shape for r, _ in pairs}
+    if len(shapes) == 1 and len(next(iter(shapes))) == 2 and next(iter(shapes))[1] > 1:
+        top1 = float(np.mean([np.argmax(r, 1) == np.argmax(t, 1) for r, t in pairs]))
+    return Fidelity(len(pairs), name, outputs, sqnr, cos, top1)

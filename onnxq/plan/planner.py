@@ -319,7 +319,8 @@ class Planner:
         is not where the op's kernels take it, or the config level that keeps it float."""
         i = rule.weight_input
         if cfg.weight is not None and i is not None:
-            other = [k for k, v in enumerate(node.inputs) if k != i and v is not None and constant_array(v) is not None]
+            other = [k for k, v in enumerate(node.inputs) if k not in (i, rule.bias_input) and v is not None
+                     and constant_array(v) is not None]
             if other:
                 return (f"weight-only quantization takes the constant weight as input {i} of {node.op_type}; "
                         f"this node's constant is input {other[0]}")

@@ -121,8 +121,7 @@ def quantize_to_target(
     evalset, notes = _eval_set(mp, calibration_data, evaluate is not None and target.metric in (None, "custom"))
     providers = config.calibration.providers
 
-    unchecked = dataclasses.replace(base_config, calibration=dataclasses.replace(base_config.calibration, check_samples=0))
-    base = run_pipeline(model, None, unchecked, calibration_data, progress, keep_state=True)  # the search scores it
+    base = run_pipeline(model, None, base_config, calibration_data, progress, keep_state=True)
     state = base.state
     float_session = deployed_session(state.float_model, providers)
     score = scorer(target, evalset, evaluate)
