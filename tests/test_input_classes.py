@@ -522,3 +522,18 @@ def test_stack_with_a_wrong_dimension_is_still_a_shape_error():
     with pytest.raises(CalibrationDataError, match="rank 4") as info:
         onnxq.quantize(model, calibration_data={"x": samples([3, 32, 31], 5, 28)})
     assert isinstance(info.value, OnnxqError)
+
+
+@pytest.mark.parametrize("preset", ["U8S8", "FP8_E4M3"])
+def test_clip_bounds_given_as_one_element_tensors(preset):
+    """Clip's min/max as [1]-shaped constants (valid ONNX; some exporters write them):
+    quantize read them as scalars and crashed; now they are read like scalar bounds."""
+    from helpers import GraphBuilder, random_feeds
+
+    b = GraphBuilder(2)
+    x = b.input("x", ["N", 4, 8, 8])
+    lo, hi = b.const("lo", np.array([0.0], np.float32)), b.const("hi", np.array([6.0], np.float32))
+    model = b.build([b.conv(b.node("Clip", [b.conv(x, 4, 8), lo, hi]), 8, 4)], name="clip_1d_bounds")
+    result = onnxq.quantize(model, None, preset, random_feeds(model, 16, seed=0))
+    onnx.checker.check_model(result.model, full_check=True)
+    assert result.summary.fidelity.sqnr_db > 15  # measured 32 (U8S8) and 23 (FP8) dB

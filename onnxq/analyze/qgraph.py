@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from onnxq.graph import layout
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import FLOAT8_TYPES, INT_TYPES
 
@@ -93,22 +94,7 @@ def _bounds(value: ir.Value) -> tuple[float, float] | None:
     if len(uses) != 1 or uses[0].node.op_type not in ("Relu", "Clip"):
         return None
     node = uses[0].node
-    if node.op_type == "Relu":
-        return 0.0, float("inf")
-    bounds = [-float("inf"), float("inf")]
-    for i in (1, 2):
-        if len(node.inputs) > i and node.inputs[i] is not None:
-            bound = constant_array(node.inputs[i])
-            if bound is None or bound.size != 1:
-                return None
-            bounds[i - 1] = float(bound.reshape(-1)[0])
-    lo, hi = bounds
-    attrs = node.attributes
-    if "min" in attrs:
-        lo = float(attrs["min"].as_float())
-    if "max" in attrs:
-        hi = float(attrs["max"].as_float())
-    return lo, hi
+    return (0.0, float("inf")) if node.op_type == "Relu" else layout.clip_bounds(node)
 
 
 def quantized_activations(model: ir.Model) -> list[QuantizedActivation]:

@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
+from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import int_type, is_float8, is_integer, qdq_opset, quantize
@@ -123,9 +124,8 @@ class _Emitter:
             return
         spec = self.plan.tensors[out.name].spec
         p = self.activation_params(out.name)
-        lower_is_zero = act.op_type == "Relu" or (
-            act.inputs[1] is not None and float(constant_array(act.inputs[1])) == 0.0
-        )
+        bounds = layout.clip_bounds(act) if act.op_type == "Clip" else None
+        lower_is_zero = act.op_type == "Relu" or (bounds is not None and bounds[0] == 0.0)
         clamps_at_zero = is_integer(spec.dtype) and int(p.zp_array) == int_type(spec.dtype, spec.bits).qmin
         if not (lower_is_zero and clamps_at_zero):
             self.report.kept_activations.append(act_name)

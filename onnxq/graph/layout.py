@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnxq.graph.fold import constant_array
+
 CONVS = ("Conv", "ConvTranspose")
 MATRIX_OPS = ("Gemm", "MatMul")
 
@@ -203,3 +205,19 @@ def apply_to_input(node: ir.Node, w: np.ndarray, x: np.ndarray) -> np.ndarray:
     if node.op_type not in MATRIX_OPS:
         raise _unknown(node)
     return w @ x if gemm_transposes(node)[1] and node.op_type == "Gemm" else x @ w
+
+
+def clip_bounds(node: ir.Node) -> tuple[float, float] | None:
+    """A Clip's (min, max), from its inputs (opset 11+) or attributes (older), -inf / inf
+    where a bound is absent; None when a bound is computed at run time or not a scalar."""
+    bounds = []
+    for index, name, default in ((1, "min", -np.inf), (2, "max", np.inf)):
+        value = node.inputs[index] if index < len(node.inputs) else None
+        if value is None:
+            bounds.append(float(attr(node, name, default)))
+            continue
+        array = constant_array(value)
+        if array is None or array.size != 1:
+            return None
+        bounds.append(float(array.reshape(-1)[0]))
+    return bounds[0], bounds[1]

@@ -97,17 +97,10 @@ class Pair:
 
 def _clip_bounds(node: ir.Node) -> tuple[float | None, float | None] | None:
     """(min, max) of a Clip with constant bounds (None: unbounded); None if not constant."""
-    bounds = []
-    for i in (1, 2):
-        value = node.inputs[i] if i < len(node.inputs) else None
-        if value is None:
-            bounds.append(None)
-            continue
-        array = constant_array(value)
-        if array is None or array.size != 1:
-            return None
-        bounds.append(float(array.reshape(())))
-    return bounds[0], bounds[1]
+    bounds = layout.clip_bounds(node)
+    if bounds is None:
+        return None
+    return tuple(None if np.isinf(b) else b for b in bounds)
 
 
 def _joins(node: ir.Node) -> bool:

@@ -46,13 +46,9 @@ def _relu(node: ir.Node, shape: tuple[int, int], spatial: int) -> Activation:
 
 
 def _clip(node: ir.Node, shape: tuple[int, int], spatial: int) -> Activation | None:
-    bounds = []
-    for index, attribute, default in ((1, "min", -math.inf), (2, "max", math.inf)):
-        given = index < len(node.inputs) and node.inputs[index] is not None
-        value = _constant(node, index) if given else layout.attr(node, attribute, default)
-        if value is None:
-            return None  # a bound computed at run time
-        bounds.append(float(value))
+    bounds = layout.clip_bounds(node)
+    if bounds is None:
+        return None  # a bound computed at run time
     lo, hi = bounds
     return Activation("Clip", lambda y: np.clip(y, lo, hi),
                       lambda y: ((y > lo) & (y < hi)).astype(np.float32))
