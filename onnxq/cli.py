@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from onnxq.config import PRESETS, config_to_yaml, get_preset
 from onnxq.config.compose import compose_config
 from onnxq.errors import OnnxqError
+from onnxq.graph.save import check_output_paths
 from onnxq.plugins import load_plugins
 
 EXIT_USAGE = 2
@@ -166,7 +167,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     config = compose_config(args.preset, args.config, _spec_overrides(args))
     progress = False if args.quiet else None
-    _check_side_outputs(args.input, args.save_config)
+    check_output_paths(args.input, args.save_config)
     result = quantize(args.input, args.output, config, args.calib_data, progress=progress, report=args.report)
     if args.save_config:
         from onnxq.config import save_config
@@ -187,7 +188,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
     output = args.stats
     args.stats = None  # the file written, not statistics to read (FLAG_PATHS)
-    _check_side_outputs(args.input, output)
+    check_output_paths(args.input, output)
     ignored = [flag for flag, value in (("--save-ranges", args.save_ranges), ("--format", args.format),
                                         ("--ladder", args.ladder)) if value is not None]
     if ignored:
@@ -327,15 +328,6 @@ def _check_model_files(*models: str) -> None:
         check_readable(model)
 
 
-def _check_side_outputs(source: str, *paths: str | None) -> None:
-    """Refuse unwritable side outputs (reports, JSON) before the work, not after it."""
-    from onnxq.graph.save import check_output_path
-
-    for path in paths:
-        if path is not None:
-            check_output_path(path, source)
-
-
 def _check_counts(args: argparse.Namespace, *flags: str) -> None:
     """Each count flag given (`--max-samples`, `--batch-size`, `--shards`) is at least 1."""
     for flag in flags:
@@ -349,7 +341,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
     _check_model_files(args.float_model, args.quant_model)
     _check_counts(args, "--max-samples", "--batch-size")
-    _check_side_outputs(args.quant_model, args.json, args.report)
+    check_output_paths(args.quant_model, args.json, args.report)
     data, _ = _data_and_labels(args.data, args.labels)
     analysis = analyze_models(args.float_model, args.quant_model, data, max_samples=args.max_samples,
                               providers=args.providers, progress=False if args.quiet else None,

@@ -105,12 +105,26 @@ def deployed_options(reference: bool = False) -> ort.SessionOptions:
 def deployed_session(
     model: str | os.PathLike | bytes | ir.Model, providers: list[str], reference: bool = False
 ) -> ort.InferenceSession:
-    """A session as a deployment opens it (default options), or with reference kernels;
-    an onnx-ir model is opened as it is in memory (`open_session`)."""
+    """A session as a deployment opens it (default options), or with reference kernels."""
+    return open_any(model, deployed_options(reference), providers)
+
+
+def open_any(model: str | os.PathLike | bytes | ir.Model, options: ort.SessionOptions,
+             providers: list[str]) -> ort.InferenceSession:
+    """A session of a model file, serialized bytes, or an onnx-ir model as it is in
+    memory (`open_session`)."""
     if isinstance(model, ir.Model):
-        return open_session(model, deployed_options(reference), providers)
+        return open_session(model, options, providers)
     source = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(source, deployed_options(reference), providers=providers)
+    return ort.InferenceSession(source, options, providers=providers)
+
+
+def top1_agreement(ref: np.ndarray, test: np.ndarray) -> float | None:
+    """How often the two agree on the largest score per row, for outputs that look like
+    class scores ([N, classes] floats); None for other outputs."""
+    if ref.ndim != 2 or ref.shape[1] < 2 or not np.issubdtype(ref.dtype, np.floating):
+        return None
+    return float(np.mean(ref.argmax(1) == test.argmax(1)))
 
 
 def _metrics(
@@ -120,13 +134,11 @@ def _metrics(
     result = Comparison(samples=len(refs[names[0]]), kernels=kernels)
     for n in names:
         r, t = refs[n], tests[n]
-        metrics = OutputMetrics(n, sqnr_db(r, t), cosine(r, t))
-        if r.ndim == 2 and r.shape[1] > 1 and np.issubdtype(r.dtype, np.floating):
-            metrics.top1_agreement = float(np.mean(r.argmax(1) == t.argmax(1)))
-            if labels is not None and n == names[0]:
-                y = np.asarray(labels)[: len(r)]
-                result.float_accuracy = float(np.mean(r.argmax(1) == y))
-                result.quant_accuracy = float(np.mean(t.argmax(1) == y))
+        metrics = OutputMetrics(n, sqnr_db(r, t), cosine(r, t), top1_agreement(r, t))
+        if metrics.top1_agreement is not None and labels is not None and n == names[0]:
+            y = np.asarray(labels)[: len(r)]
+            result.float_accuracy = float(np.mean(r.argmax(1) == y))
+            result.quant_accuracy = float(np.mean(t.argmax(1) == y))
         result.outputs.append(metrics)
     return result
 

@@ -32,31 +32,11 @@ def plugin_names(flags: Iterable[str] | None) -> list[str]:
 
 
 def load_plugin(name: str) -> ModuleType:
-    """Import `name`: a `.py` file (by path) or a module name; ConfigError if it cannot."""
-    path = Path(name)
+    """Import `name`: a `.py` file (by path) or a module name; ConfigError if it cannot.
+    Recorded in `LOADED` under the name that imports it again."""
     is_file = name.endswith(".py") or os.sep in name or (os.altsep is not None and os.altsep in name)
     try:
-        if is_file:
-            if not path.is_file():
-                raise ConfigError(f"plugin {name}: no such file; pass a .py file or an importable module name")
-            resolved = path.resolve()
-            module_name = f"onnxq_plugin_{hashlib.sha1(str(resolved).encode()).hexdigest()[:12]}"
-            if module_name in sys.modules:
-                _remember(str(resolved))
-                return sys.modules[module_name]
-            spec = importlib.util.spec_from_file_location(module_name, resolved)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[module_name]
-                raise
-            _remember(str(resolved))
-            return module
-        module = importlib.import_module(name)
-        _remember(name)
-        return module
+        module, key = _import_file(name) if is_file else (importlib.import_module(name), name)
     except ConfigError:
         raise
     except ModuleNotFoundError as exc:
@@ -67,11 +47,29 @@ def load_plugin(name: str) -> ModuleType:
     except Exception as exc:  # the user's code: any error it raises is theirs to fix
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ConfigError(f"plugin {name} failed to import: {type(exc).__name__}: {first}") from exc
+    if key not in LOADED:
+        LOADED.append(key)
+    return module
 
 
-def _remember(name: str) -> None:
-    if name not in LOADED:
-        LOADED.append(name)
+def _import_file(name: str) -> tuple[ModuleType, str]:
+    """The module of the `.py` file `name` (once per file) and its absolute path."""
+    path = Path(name)
+    if not path.is_file():
+        raise ConfigError(f"plugin {name}: no such file; pass a .py file or an importable module name")
+    resolved = str(path.resolve())
+    module_name = f"onnxq_plugin_{hashlib.sha1(resolved.encode()).hexdigest()[:12]}"
+    if module_name in sys.modules:
+        return sys.modules[module_name], resolved
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module, resolved
 
 
 def load_plugins(flags: Iterable[str] | None) -> list[ModuleType]:

@@ -32,12 +32,12 @@ from onnxq.calibrate.statistics import Statistic
 from onnxq.config import Config, as_config, validate_node_configs
 from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
 from onnxq.emit import EmitResult, emit_model
-from onnxq.emit.fidelity import float_reference, measure
+from onnxq.emit.fidelity import check_outputs, samples_to_check
 from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads, open_deployed
 from onnxq.errors import CalibrationDataError, ConfigError, UnsupportedModelError
 from onnxq.graph.load import check_runnable, load_model
 from onnxq.graph.quantized import describe, quantized_ops
-from onnxq.graph.save import check_output_path, save_model, weight_bytes
+from onnxq.graph.save import check_output_path, check_output_paths, save_model, weight_bytes
 from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
 from onnxq.optimize import (
     Deferred,
@@ -275,42 +275,6 @@ def _emit_loadable(
     return final.model, result, open_deployed(final.model, providers)
 
 
-# The output check by default: this many samples, for models up to this many bytes of
-# weights (above, the float session it opens costs about the model's size again: +0.8 GB
-# on a 135M-parameter LLM); an explicit check_samples runs it on any model.
-CHECK_SAMPLES, CHECK_AUTO_BYTES = 8, 256 << 20
-
-
-def _check_samples(asked: int | None, model_bytes: int, data: CalibrationSource, summary: Summary) -> int:
-    """Samples the output check runs on (0: none), and a note when size alone skips it."""
-    if data.source is None or not data.replayable:
-        return 0
-    if asked is not None:
-        return asked
-    if model_bytes <= CHECK_AUTO_BYTES:
-        return CHECK_SAMPLES
-    summary.notes.append(f"output check skipped: a {model_bytes / 1e6:.0f} MB model would be opened again in "
-                         f"float to check against; --check-samples {CHECK_SAMPLES} runs it")
-    return 0
-
-
-def _check_outputs(source: ModelSource, quantized: ir.Model, session: ort.InferenceSession,
-                   data: CalibrationSource, samples: int, providers: list[str], summary: Summary) -> None:
-    """The emitted model (open in `session`) against the user's float model on the first
-    `check_samples` samples (`emit/fidelity.py`). The float model is opened from the
-    user's file, or as they passed it, only now: the float weights the pipeline loaded are
-    gone, so the check adds one float session to the quantized model, not two copies."""
-    float_model = source.SerializeToString() if isinstance(source, onnx.ModelProto) else source
-    reference = float_reference(float_model, model_inputs(quantized), data, samples, providers)
-    if reference is None:
-        return
-    checked = measure(session, reference)
-    if isinstance(checked, str):
-        summary.notes.append(checked)
-    elif checked is not None:
-        summary.fidelity = checked
-
-
 def quantize(
     model: ModelSource,
     output: str | os.PathLike | None = None,
@@ -331,10 +295,8 @@ def quantize(
     error measured on the evaluation data, else the calibration data).
     """
     config = as_config(config)
-    source = model if isinstance(model, str | os.PathLike) else None
-    for side in (report, config.calibration.save_ranges):  # fail now, not after the whole run
-        if side is not None:
-            check_output_path(side, source)
+    check_output_paths(model if isinstance(model, str | os.PathLike) else None, report,
+                       config.calibration.save_ranges)
     keep = report is not None
     if config.mixed_precision.target is not None:
         from onnxq.search import quantize_to_target
@@ -435,10 +397,15 @@ def run_pipeline(
 
     with summary.stage("emit"):
         ir_model, emitted, session = _emit_loadable(ir_model, plan, calibration.ranges, config, ctx, target)
-    samples = _check_samples(options.check_samples, float_bytes, data, summary)
+    samples, note = samples_to_check(options.check_samples, float_bytes, data)
+    summary.notes.extend([note] if note else [])
     if session is not None and samples:
         with summary.stage("check"):
-            _check_outputs(model, ir_model, session, data, samples, options.providers, summary)
+            checked = check_outputs(model, model_inputs(ir_model), session, data, samples, options.providers)
+        if isinstance(checked, str):
+            summary.notes.append(checked)
+        elif checked is not None:
+            summary.fidelity = checked
     del session
     plan = emitted.plan
     summary.quantized_by_op = dict(sorted(Counter(plan.quantized_nodes.values()).items()))

@@ -144,10 +144,9 @@ def test_the_check_never_stops_a_run(monkeypatch):
 def test_large_models_skip_the_check_unless_asked(monkeypatch):
     """By default the check runs on models up to CHECK_AUTO_BYTES (it opens the float model
     once more); above, the summary says how to ask for it, and asking runs it."""
-    import importlib
+    import onnxq.emit.fidelity as fidelity
 
-    quantize_module = importlib.import_module("onnxq.quantize")
-    monkeypatch.setattr(quantize_module, "CHECK_AUTO_BYTES", 1000)
+    monkeypatch.setattr(fidelity, "CHECK_AUTO_BYTES", 1000)
     model = residual()
     calib = random_feeds(model, 12, seed=1)
     auto = onnxq.quantize(model, None, "U8S8", calib)

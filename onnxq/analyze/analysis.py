@@ -28,7 +28,7 @@ import onnx_ir as ir
 
 from onnxq.analyze.accumulate import AgreementStats, ErrorStats, RangeStats
 from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
-from onnxq.analyze.qgraph import QuantizedActivation, layers, quantized_activations
+from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
 from onnxq.calibrate.data import iter_batches
 from onnxq.calibrate.session import check_providers, exposed_session
 from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
@@ -195,14 +195,15 @@ def analyze_models(
             test = dict(zip(test_names, test_session.run(test_names, feed))) if test_session else {}
             out = dict(zip(out_names, deployed.run(out_names, feed))) if deployed is not None else {}
             for a in activations:
-                tensor_err[a.name].update(a.bounded(ref[a.name]), a.bounded(test[a.dequantized]))
-                ranges[a.name].update(a.bounded(ref[a.name]))
+                seen = bounded(ref[a.name], a.bounds)
+                tensor_err[a.name].update(seen, bounded(test[a.dequantized], a.bounds))
+                ranges[a.name].update(seen)
             for i in isolated:
-                bounded = i.layer.bounded
-                own[i.layer.name].update(bounded(ref[i.reference]), bounded(ref[i.output]))
+                edges, seen = i.layer.bounds, bounded(ref[i.reference], i.layer.bounds)
+                own[i.layer.name].update(seen, bounded(ref[i.output], edges))
                 name = prefix_names.get(i.layer.name)
                 if name in test and test[name].shape == ref[i.reference].shape:
-                    prefix[i.layer.name].update(bounded(ref[i.reference]), bounded(test[name]))
+                    prefix[i.layer.name].update(seen, bounded(test[name], edges))
             for n in graph_outputs:
                 if n in out:
                     check_same_shape(n, ref[n], [out[n]])

@@ -32,12 +32,9 @@ class QuantizedActivation:
     low: float  # the smallest value the grid represents (the calibrated range)
     high: float
     # When a Relu or Clip alone reads the dequantized tensor (float8 layouts put it after
-    # the DQ), the bounds it clips to: error and clipping count after it, since values
-    # beyond them never reach the model.
+    # the DQ), the bounds it clips to: error and clipping count after it (`bounded`), since
+    # values beyond them never reach the model.
     bounds: tuple[float, float] | None = None
-
-    def bounded(self, x: np.ndarray) -> np.ndarray:
-        return x if self.bounds is None else np.clip(x, *self.bounds)
 
 
 @dataclass(frozen=True)
@@ -51,8 +48,10 @@ class Layer:
     # The bounds of a Relu/Clip that alone reads the quantized output (as for activations)
     bounds: tuple[float, float] | None = None
 
-    def bounded(self, x: np.ndarray) -> np.ndarray:
-        return x if self.bounds is None else np.clip(x, *self.bounds)
+
+def bounded(x: np.ndarray, bounds: tuple[float, float] | None) -> np.ndarray:
+    """`x` as the Relu/Clip with `bounds` passes it on (unchanged without one)."""
+    return x if bounds is None else np.clip(x, *bounds)
 
 
 def _grid(zero_point: np.ndarray, scale: float) -> tuple[float, float] | None:

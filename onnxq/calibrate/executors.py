@@ -17,13 +17,12 @@ from typing import Any
 
 from onnxq.errors import ConfigError
 from onnxq.parallel import cpu_count
-from onnxq.plugins import LOADED
+from onnxq.plugins import LOADED, load_plugin
 
 
 def shard_task(model: Any, config: Any, data: Any, shard: tuple[int, int], plugins: tuple[str, ...] = ()) -> bytes:
     """Calibrate one shard (in a worker, after importing the caller's `plugins`) and
     return its stats file's bytes."""
-    from onnxq.plugins import load_plugin
     from onnxq.quantize import calibrate_shard
 
     for name in plugins:

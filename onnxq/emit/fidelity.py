@@ -15,12 +15,12 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
-from onnxq.calibrate.session import open_session
-from onnxq.evaluate import cosine, deployed_options, sqnr_db
+from onnxq.evaluate import cosine, deployed_options, open_any, sqnr_db, top1_agreement
 
 REFERENCE_BYTES = 64 << 20
 # Worst-output SQNR below which the summary warns: the outputs are then off by more than
@@ -100,9 +100,7 @@ def _lean_session(model: str | os.PathLike | bytes | ir.Model, providers: list[s
     options = deployed_options()
     options.add_session_config_entry("session.disable_prepacking", "1")
     options.enable_cpu_mem_arena = False
-    if isinstance(model, ir.Model):
-        return open_session(model, options, providers)
-    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), options, providers=providers)
+    return open_any(model, options, providers)
 
 
 def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity | str | None:
@@ -135,8 +133,35 @@ def _figures(name: str, pairs: list[tuple[np.ndarray, np.ndarray]], outputs: int
         sqnr, cos = -float("inf"), 0.0
     else:
         sqnr, cos = float(sqnr_db(ref, test)), cosine(ref, test)
-    top1 = None
-    shapes = {r.shape for r, _ in pairs}
-    if len(shapes) == 1 and len(next(iter(shapes))) == 2 and next(iter(shapes))[1] > 1:
-        top1 = float(np.mean([np.argmax(r, 1) == np.argmax(t, 1) for r, t in pairs]))
+    same = len({r.shape for r, _ in pairs}) == 1
+    top1 = top1_agreement(*(np.concatenate(side) for side in zip(*pairs))) if same else None
     return Fidelity(len(pairs), name, outputs, sqnr, cos, top1)
+
+
+# The check by default: this many samples, on models up to this many bytes of weights
+# (above, the float session it opens costs about the model's size again: +0.8 GB on a
+# 135M-parameter LLM); an explicit check_samples runs it on any model.
+CHECK_SAMPLES, CHECK_AUTO_BYTES = 8, 256 << 20
+
+
+def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSource) -> tuple[int, str | None]:
+    """Samples the check runs on (0: none), with a note when the model's size alone skips it."""
+    if data.source is None or not data.replayable:
+        return 0, None
+    if asked is not None:
+        return asked, None
+    if model_bytes <= CHECK_AUTO_BYTES:
+        return CHECK_SAMPLES, None
+    return 0, (f"output check skipped: a {model_bytes / 1e6:.0f} MB model would be opened again in float to "
+               f"check against; --check-samples {CHECK_SAMPLES} runs it")
+
+
+def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs: list[InputSpec],
+                  session: ort.InferenceSession, data: CalibrationSource, samples: int,
+                  providers: list[str]) -> Fidelity | str | None:
+    """The emitted model (open in `session`) against the user's float model (`source`,
+    opened only now: the float weights the pipeline loaded are gone, so the check adds one
+    float session to the quantized model, not two copies) on the first `samples` samples."""
+    float_model = source.SerializeToString() if isinstance(source, onnx.ModelProto) else source
+    reference = float_reference(float_model, inputs, data, samples, providers)
+    return None if reference is None else measure(session, reference)

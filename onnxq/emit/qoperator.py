@@ -28,7 +28,6 @@ from onnxq.graph.fold import constant_array
 from onnxq.graph.quantized import DOMAINS
 
 CONTRIB = "com.microsoft"
-Q_DOMAINS = DOMAINS  # ai.onnx and onnxruntime's contrib Q/DQ and kernels
 EIGHT_BIT = (ir.DataType.UINT8, ir.DataType.INT8)
 
 # Layout slots of an integer kernel's inputs: ("q", i) the float op's input i as its
@@ -145,7 +144,7 @@ def _dq_of(value: ir.Value | None) -> _Dq | None:
     if value is None:
         return None
     node = value.producer()
-    if node is None or node.op_type != "DequantizeLinear" or node.domain not in Q_DOMAINS:
+    if node is None or node.op_type != "DequantizeLinear" or node.domain not in DOMAINS:
         return None
     if node.inputs[0].dtype not in EIGHT_BIT or "block_size" in node.attributes:
         return None
@@ -158,7 +157,7 @@ def _q_after(value: ir.Value) -> ir.Node | None:
     if len(uses) != 1 or value.is_graph_output():
         return None
     node = uses[0].node
-    if node.op_type != "QuantizeLinear" or node.domain not in Q_DOMAINS or uses[0].idx != 0:
+    if node.op_type != "QuantizeLinear" or node.domain not in DOMAINS or uses[0].idx != 0:
         return None
     if node.outputs[0].dtype not in EIGHT_BIT or _size(node.inputs[1]) != 1:
         return None
@@ -332,7 +331,7 @@ def _params(graph: ir.Graph) -> dict[ir.Value, tuple[ir.Value, ir.Value | None]]
     8-bit data-movement op produces, in graph order."""
     params: dict[ir.Value, tuple[ir.Value, ir.Value | None]] = {}
     for node in graph:
-        if node.op_type == "QuantizeLinear" and node.domain in Q_DOMAINS:
+        if node.op_type == "QuantizeLinear" and node.domain in DOMAINS:
             params[node.outputs[0]] = (node.inputs[1], node.inputs[2] if len(node.inputs) > 2 else None)
         elif (node.domain, node.op_type) in BY_KERNEL:
             slots = _slots(BY_KERNEL[(node.domain, node.op_type)], node)
@@ -498,11 +497,11 @@ def to_float(model: ir.Model) -> FormatReport:
     editor = GraphEditor(graph)
     removed = Counter()
     for node in list(graph):
-        if node.op_type != "DequantizeLinear" or node.domain not in Q_DOMAINS:
+        if node.op_type != "DequantizeLinear" or node.domain not in DOMAINS:
             continue
         source = node.inputs[0]
         producer = source.producer()
-        if producer is not None and producer.op_type == "QuantizeLinear" and producer.domain in Q_DOMAINS:
+        if producer is not None and producer.op_type == "QuantizeLinear" and producer.domain in DOMAINS:
             value = _clamp(graph, editor, node, producer)
         else:
             array = _dequantized_constant(node)

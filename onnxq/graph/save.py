@@ -36,6 +36,14 @@ def check_output_path(output: str | os.PathLike, source: str | os.PathLike | Non
     return out
 
 
+def check_output_paths(source: str | os.PathLike | None, *paths: str | os.PathLike | None) -> None:
+    """`check_output_path` for each side output given (reports, JSON, ranges), before the
+    work that writes them, not after it."""
+    for path in paths:
+        if path is not None:
+            check_output_path(path, source)
+
+
 def _write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """`write(tmp)` then rename tmp to `path`: an interrupted run (Ctrl-C) leaves the old
     file or none, never half of one."""
