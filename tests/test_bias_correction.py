@@ -230,3 +230,19 @@ def test_default_correction_runs_on_data_read_once():
     assert "bias_correction: 3 of 3 biases corrected" in once.summary.notes
     assert not any("would add" in n for n in once.summary.notes)
     assert once.model.SerializeToString() == again.model.SerializeToString()
+
+
+def test_pointwise_convs_need_no_mean_image():
+    """A 1x1 stride-1 unpadded Conv's mean output follows from channel means exactly, so
+    only convolutions with padding or strides collect the (memory-heavy) mean image."""
+    from helpers import GraphBuilder
+
+    from onnxq.graph.load import load_model
+    from onnxq.optimize.bias_correction import _needs_image
+
+    b = GraphBuilder(13)
+    x = b.input("x", ["N", 4, 8, 8])
+    h = b.conv(x, 4, 6, k=1)
+    y = b.conv(h, 6, 6, k=3)
+    model, _ = load_model(b.build([b.conv(y, 6, 2, k=1, stride=2)], name="pw"))
+    assert [_needs_image(n) for n in model.graph if n.op_type == "Conv"] == [False, True, True]

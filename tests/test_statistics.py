@@ -33,9 +33,22 @@ def test_in_session_reductions_match_numpy():
     np.testing.assert_allclose(found[stats[0]], x.min(axis=(0, 2, 3)), rtol=1e-6)
     np.testing.assert_allclose(found[stats[1]], x.max(axis=(0, 2, 3)), rtol=1e-6)
     np.testing.assert_allclose(found[stats[2]], np.abs(x).max(axis=(0, 2, 3)), rtol=1e-6)
-    np.testing.assert_allclose(found[stats[3]], x.mean(axis=(0, 2, 3)), rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(found[stats[4]], x.mean(axis=(0, 1, 2)), rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(found[stats[5]], x.mean(axis=0), rtol=1e-9, atol=1e-12)
+    # means: float32 sums over each sample's positions, double across samples
+    np.testing.assert_allclose(found[stats[3]], x.mean(axis=(0, 2, 3)), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(found[stats[4]], x.mean(axis=(0, 1, 2)), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(found[stats[5]], x.mean(axis=0), rtol=1e-6, atol=1e-9)
+    # every one of them is reduced in the session: no tensor comes back whole
+    seen: list[list[str]] = []
+    real = runner.exposed_session
+
+    def spy(model, names, *args, **kwargs):
+        seen.append(list(names))
+        return real(model, names, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner, "exposed_session", spy)
+        collect(model, stats, feeds, CalibrationConfig(batch_size=2))
+    assert seen and all("x" not in names for names in seen)
     # absmax alone is reduced in the session; with min and max of the same axis, derived from them
     alone = collect(model, [stats[2]], feeds, CalibrationConfig(batch_size=2))
     np.testing.assert_array_equal(alone[stats[2]], found[stats[2]])
@@ -70,3 +83,24 @@ def test_bias_correction_statistics_come_with_calibration(monkeypatch: pytest.Mo
     result = onnxq.quantize(proto, None, config, feeds)
     assert purposes == ["calibrating"]  # one pass over the data for calibration and bias correction
     assert any(n.startswith("bias_correction: 2 of 2 biases corrected") for n in result.summary.notes)
+
+
+def test_reductions_run_right_after_their_tensor():
+    """The session runs nodes in graph order: each reduction sits right after its tensor's
+    producer, so the tensor can be freed before the next layer runs (appended at the end,
+    every observed tensor stayed alive to the end of the run)."""
+    from onnxq.calibrate.session import place_observers
+    from onnxq.calibrate.statistics import StatisticsSet
+
+    model, _ = load_model(conv_net())
+    layers = list(model.graph)
+    stats = StatisticsSet([Statistic(n.outputs[0].name, r, 1) for n in layers for r in ("min", "mean")])
+    nodes, _, whole = stats.attach(model)
+    assert not whole  # all reduced in the session
+    place_observers(model.graph, nodes)
+    order = list(model.graph)
+    starts = [order.index(layer) for layer in layers] + [len(order)]
+    for i, layer in enumerate(layers):
+        after = order[starts[i] + 1:starts[i + 1]]
+        readers = [n for n in nodes if layer.outputs[0] in n.inputs]
+        assert len(readers) >= 3 and all(n in after for n in readers), layer.name

@@ -30,6 +30,10 @@ def session_options(threads: int = 0) -> ort.SessionOptions:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.log_severity_level = 3
     options.intra_op_num_threads = threads
+    # Nodes in the order the graph lists them (`place_observers` puts each reduction right
+    # after its tensor): by default onnxruntime ran the added reductions last, keeping every
+    # observed tensor alive to the end of the run (MobileNet at batch 8: 480 MB, not 50).
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     return options
 
 
@@ -91,6 +95,27 @@ def open_session(model: ir.Model, options: ort.SessionOptions, providers: list[s
     return session
 
 
+def place_observers(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """Insert `nodes` (reductions of the graph's tensors and their constants, in dependency
+    order) into `graph`, each right after the last producer of its inputs, so that the
+    session runs it as soon as its tensor exists and can free the tensor."""
+    order = list(graph)
+    position = {node: i for i, node in enumerate(order)}
+    tail: dict[int, ir.Node] = {}  # anchor position -> last node inserted after it
+    for node in nodes:
+        anchor = max((position[v.producer()] for v in node.inputs
+                      if v is not None and v.producer() in position), default=-1)
+        after = tail.get(anchor, order[anchor] if anchor >= 0 else None)
+        if after is not None:
+            graph.insert_after(after, node)
+        elif order:
+            graph.insert_before(order[0], node)
+        else:
+            graph.append(node)
+        position[node] = anchor
+        tail[anchor] = node
+
+
 @contextlib.contextmanager
 def exposed_session(
     model: ir.Model, tensor_names: list[str], providers: list[str], reduced: Collection[str] = (),
@@ -113,7 +138,7 @@ def exposed_session(
     whole = [n for n in tensor_names if n not in reduced or n in also_whole]
     added = [values[n] for n in dict.fromkeys(whole) if n not in present] + reduced_outputs
     added += extra[1]
-    graph.extend(nodes)
+    place_observers(graph, nodes)
     graph.outputs.extend(added)
     try:
         from onnxq.runtime import options_for  # qdq-ext models (analysed) need onnxq's ops

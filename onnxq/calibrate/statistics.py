@@ -3,11 +3,13 @@
 A pass asks for per-channel reductions of tensors (`Statistic`) instead of streaming the
 data itself; `collect` answers any number of requests, together with the calibration
 observers when asked in the same call, in one streaming pass. Each reduction runs inside
-onnxruntime (ReduceMin/ReduceMax/ReduceSum over every axis but the channel, in double for
-sums), so a batch returns C numbers per request, not the tensor. Means are exact sums in
-float64, which onnxruntime could only give through a double copy of every tensor (that
-copy doubled peak memory on MobileNet): so means, and tensors of unknown rank, come back
-whole and are summed in numpy.
+onnxruntime, so a batch returns C numbers per request (an image per sample for `image`),
+not the tensor: ReduceMin/ReduceMax over every axis but the channel; for means, a float32
+ReduceSum over each sample's positions, then the [N, C] per-sample sums in double
+(float32 over thousands of positions, not over the whole data; a double copy of every
+tensor doubled peak memory on MobileNet, and returning the tensors to sum them in numpy
+cost 120 MB and half of MobileNet's quantize time). Tensors of unknown rank or of a
+non-float type, and Gram matrices, come back whole and are reduced in numpy.
 
 Data passes per recipe: calibration 1; bias correction adds none (its means are requested
 before calibration and collected in the same pass); SmoothQuant none as the last pass (its
@@ -25,6 +27,7 @@ states at batch 8 are ~9 MB each).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -168,30 +171,79 @@ def _suffix(stat: Statistic) -> str:
     return f"__onnxq_{stat.reduce}_{stat.axis}".replace("-", "m")
 
 
+_SUMMABLE = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def _reduce(op: str, source: ir.Value, axes: list[int], keepdims: int, name: str, opset: int) -> list[ir.Node]:
+    """One Reduce* node over `axes` (an input from the opset where the op takes it so)."""
+    out = ir.Value(name=name)
+    if opset >= (13 if op == "ReduceSum" else 18):
+        constant = ir.node("Constant", [], {"value": ir.tensor(np.array(axes, np.int64))}, name=name + "_axes",
+                           outputs=[ir.Value(name=name + "_axes")])
+        return [constant, ir.node(op, [source, constant.outputs[0]], {"keepdims": keepdims}, outputs=[out],
+                                  name=name)]
+    return [ir.node(op, [source], {"keepdims": keepdims, "axes": axes}, outputs=[out], name=name)]
+
+
+def _cast(source: ir.Value, to: ir.DataType, name: str) -> ir.Node:
+    return ir.node("Cast", [source], {"to": to}, name=name, outputs=[ir.Value(name=name)])
+
+
 def reduction_nodes(value: ir.Value, stat: Statistic, opset: int) -> tuple[list[ir.Node], list[ir.Value]] | None:
-    """Nodes computing a min/max/absmax `stat` of one batch inside the session, and their
-    output. None for means and when the rank is unknown (reduced in numpy)."""
+    """Nodes computing `stat` of one batch inside the session, and their outputs (for sums,
+    the batch's sum and the tensor's shape, which gives the count). None for Gram matrices
+    and when the rank is unknown or a sum's type is not a float (reduced in numpy)."""
     rank = len(value.shape) if value.shape is not None else None
-    if rank is None or rank == 0 or stat.reduce in ("mean", "image", "gram"):
-        return None  # summed in numpy (module doc)
+    if rank is None or rank == 0 or stat.reduce == "gram":
+        return None
     name = value.name + _suffix(stat)
     axis = stat.axis % rank
     axes = [i for i in range(rank) if i != axis]
+    if stat.reduce in ("mean", "image"):
+        return _sum_nodes(value, stat.reduce, axes, name, opset)
     nodes: list[ir.Node] = []
     source = value
     if stat.reduce == "absmax":
         nodes.append(ir.node("Abs", [value], name=name + "_abs", outputs=[ir.Value(name=name + "_abs")]))
         source = nodes[-1].outputs[0]
-    op = "ReduceMin" if stat.reduce == "min" else "ReduceMax"
-    out = ir.Value(name=name)
-    if opset >= 18:  # axes as an input
-        constant = ir.node("Constant", [], {"value": ir.tensor(np.array(axes, np.int64))}, name=name + "_axes",
-                           outputs=[ir.Value(name=name + "_axes")])
-        nodes.append(constant)
-        nodes.append(ir.node(op, [source, constant.outputs[0]], {"keepdims": 0}, outputs=[out], name=name))
+    nodes += _reduce("ReduceMin" if stat.reduce == "min" else "ReduceMax", source, axes, 0, name, opset)
+    return nodes, [nodes[-1].outputs[0]]
+
+
+def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
+               opset: int) -> tuple[list[ir.Node], list[ir.Value]] | None:
+    """A mean's batch sum (module doc): per sample in float32 over `axes` but the first, then
+    over the first in double; an image's sum over the samples (axis 0) in float32."""
+    if value.dtype not in _SUMMABLE:
+        return None
+    nodes: list[ir.Node] = []
+    source = value
+    if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        nodes.append(_cast(source, ir.DataType.FLOAT, name + "_f32"))
+        source = nodes[-1].outputs[0]
+    if reduce == "image":
+        nodes += _reduce("ReduceSum", source, [0], 0, name, opset)
     else:
-        nodes.append(ir.node(op, [source], {"keepdims": 0, "axes": axes}, outputs=[out], name=name))
-    return nodes, [out]
+        if len(axes) > 1:  # positions of each sample in float32: thousands of terms, not the data
+            nodes += _reduce("ReduceSum", source, axes[1:], 1, name + "_each", opset)
+            source = nodes[-1].outputs[0]
+        if value.dtype != ir.DataType.DOUBLE:
+            nodes.append(_cast(source, ir.DataType.DOUBLE, name + "_f64"))
+            source = nodes[-1].outputs[0]
+        nodes += _reduce("ReduceSum", source, axes, 0, name, opset)
+    total = nodes[-1].outputs[0]
+    nodes.append(ir.node("Shape", [value], name=name + "_shape", outputs=[ir.Value(name=name + "_shape")]))
+    return nodes, [total, nodes[-1].outputs[0]]
+
+
+def _count(stat: Statistic, got: Mapping[str, np.ndarray], names: list[str]) -> int:
+    """Elements per reduced value in one batch, from the shape output of a sum."""
+    if len(names) < 2:
+        return 0
+    shape = [int(d) for d in got[names[1]]]
+    if stat.reduce == "image":
+        return shape[0]
+    return math.prod(shape) // max(shape[stat.axis % len(shape)], 1)
 
 
 class StatisticsSet:
@@ -227,7 +279,7 @@ class StatisticsSet:
     def update(self, got: Mapping[str, np.ndarray], index: int = 0) -> None:
         """Fold in batch number `index` (its global position in the calibration data)."""
         for stat, names in self.in_session.items():
-            self.accumulators[stat].add_reduced(got[names[0]], 0, index)
+            self.accumulators[stat].add_reduced(got[names[0]], _count(stat, got, names), index)
         for stat, tensor in self.whole.items():
             self.accumulators[stat].add_batch(got[tensor], index)
 
