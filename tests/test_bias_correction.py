@@ -161,22 +161,35 @@ def test_per_tensor_weight_keeps_an_overflowing_bias_float():
     assert any("b" in f for f in result.summary.float_biases)
 
 
-def test_conv_error_accounts_for_padding():
-    """E over positions of conv(x, eps) equals the mean-image formula, borders included."""
-    model = conv_model()
-    feed = data(model, 16, seed=5)
-    eps = np.random.default_rng(6).standard_normal((16, 8, 3, 3))
-    x = feed["x"].astype(np.float64)
-    mean = InputMean({1: x.mean(axis=(0, 2, 3))}, x.mean(axis=0))
-    from onnxq.graph.load import load_model
+GEOMETRIES = {
+    "padded": {"pads": [1, 1, 1, 1]},
+    "strided": {"pads": [0, 0, 1, 1], "strides": [2, 2]},
+    "grouped_dilated": {"pads": [2, 2, 2, 2], "dilations": [2, 2], "group": 2},
+    "same_upper": {"auto_pad": "SAME_UPPER", "strides": [2, 2]},
+}
 
+
+@pytest.mark.parametrize("attrs", GEOMETRIES.values(), ids=GEOMETRIES.keys())
+def test_conv_error_accounts_for_padding_and_strides(attrs):
+    """E over positions of conv(x, eps) equals the window-mean formula, borders, strides,
+    dilations and groups included, where channel means alone are far off."""
+    from onnxq.graph.load import load_model
+    from onnxq.optimize.bias_correction import conv_geometry
+
+    group = attrs.get("group", 1)
+    rng = np.random.default_rng(6)
+    eps = rng.standard_normal((16, 8 // group, 3, 3))
+    model = build([helper.make_node("Conv", ["x", "w"], ["y"], name="conv", **attrs)],
+                  {"w": eps.astype(np.float32)}, ["N", 8, 11, 11])
+    feed = data(model, 16, seed=5)
+    x = feed["x"].astype(np.float64)
     node = next(iter(load_model(model)[0].graph))
+    geometry = conv_geometry(node)
+    mean = InputMean({1: x.mean(axis=(0, 2, 3))}, {geometry: geometry.window_means(x.sum(axis=0)) / len(x)})
     predicted = output_error(Layer(node, None, node, 2, 1), eps, mean)
-    probe = build([helper.make_node("Conv", ["x", "e"], ["y"], pads=[1, 1, 1, 1])],
-                  {"e": eps.astype(np.float32)}, ["N", 8, 12, 12])
-    actual = run(probe, feed).astype(np.float64).mean(axis=(0, 2, 3))
+    actual = run(model, feed).astype(np.float64).mean(axis=(0, 2, 3))
     np.testing.assert_allclose(predicted, actual, rtol=1e-4, atol=1e-5)
-    channel_only = np.einsum("oi,i->o", eps.sum(axis=(2, 3)), feed["x"].mean(axis=(0, 2, 3)))
+    channel_only = output_error(Layer(node, None, node, 2, 1), eps, InputMean(mean.channel))
     assert np.abs(channel_only - actual).max() > 10 * np.abs(predicted - actual).max()
 
 
@@ -232,17 +245,17 @@ def test_default_correction_runs_on_data_read_once():
     assert once.model.SerializeToString() == again.model.SerializeToString()
 
 
-def test_pointwise_convs_need_no_mean_image():
+def test_pointwise_convs_need_no_window_means():
     """A 1x1 stride-1 unpadded Conv's mean output follows from channel means exactly, so
-    only convolutions with padding or strides collect the (memory-heavy) mean image."""
+    only convolutions with padding or strides collect window means."""
     from helpers import GraphBuilder
 
     from onnxq.graph.load import load_model
-    from onnxq.optimize.bias_correction import _needs_image
+    from onnxq.optimize.bias_correction import conv_geometry
 
     b = GraphBuilder(13)
     x = b.input("x", ["N", 4, 8, 8])
     h = b.conv(x, 4, 6, k=1)
     y = b.conv(h, 6, 6, k=3)
     model, _ = load_model(b.build([b.conv(y, 6, 2, k=1, stride=2)], name="pw"))
-    assert [_needs_image(n) for n in model.graph if n.op_type == "Conv"] == [False, True, True]
+    assert [conv_geometry(n) is None for n in model.graph if n.op_type == "Conv"] == [True, False, False]

@@ -12,6 +12,7 @@ import onnxq
 from onnxq.calibrate import runner
 from onnxq.calibrate.rescale import rescale_statistics
 from onnxq.calibrate.statistics import Statistic
+from onnxq.graph.layout import ConvGeometry
 
 SQ = {"name": "smoothquant", "alpha": 0.5}
 # SmoothQuant is deferred only as the last pass; naming fold_batchnorm after it runs it first.
@@ -106,12 +107,13 @@ def test_data_read_once_is_enough_for_smoothquant():
 
 def test_statistics_scale_along_their_own_axis_only():
     mean = Statistic("t", "mean", -1)
-    image = Statistic("t", "image")
     across = Statistic("t", "mean", 0)
     other = Statistic("u", "mean", -1)
-    stats = {mean: np.array([1.0, 2.0]), image: np.ones((3, 2)), across: np.ones(4), other: np.array([5.0, 5.0])}
-    out = rescale_statistics(stats, {"t": (-1, np.array([2.0, 0.5]))}, {"t": 2, "u": 2})
+    windows = Statistic("c", "windows", 1, ConvGeometry((3, 3), (1, 1), (1, 1), (1, 1, 1, 1)))
+    stats = {mean: np.array([1.0, 2.0]), windows: np.ones((2, 9)), across: np.ones(4), other: np.array([5.0, 5.0])}
+    rescales = {"t": (-1, np.array([2.0, 0.5])), "c": (1, np.array([2.0, 0.5]))}
+    out = rescale_statistics(stats, rescales, {"t": 2, "u": 2, "c": 4})
     np.testing.assert_array_equal(out[mean], [2.0, 1.0])
-    np.testing.assert_array_equal(out[image], np.tile([2.0, 0.5], (3, 1)))
+    np.testing.assert_array_equal(out[windows], np.tile([[2.0], [0.5]], (1, 9)))
     np.testing.assert_array_equal(out[other], [5.0, 5.0])
     assert across not in out  # cannot follow: whoever needs it collects it again

@@ -12,6 +12,7 @@ from onnxq.calibrate import runner
 from onnxq.calibrate.runner import collect
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.spec import CalibrationConfig
+from onnxq.graph.layout import ConvGeometry
 from onnxq.graph.load import load_model
 
 
@@ -22,13 +23,16 @@ def conv_net():
     return b.build([b.conv(h, 8, 4)], name="stats_net")
 
 
+GEOMETRY = ConvGeometry((3, 3), (2, 2), (1, 1), (1, 1, 1, 1))
+
+
 def test_in_session_reductions_match_numpy():
     proto = conv_net()
     model, _ = load_model(proto)
     feeds = random_feeds(proto, 5, seed=3)
     x = stack_feeds(feeds)["x"].astype(np.float64)
     stats = [Statistic("x", "min", 1), Statistic("x", "max", 1), Statistic("x", "absmax", 1),
-             Statistic("x", "mean", 1), Statistic("x", "mean", -1), Statistic("x", "image")]
+             Statistic("x", "mean", 1), Statistic("x", "mean", -1), Statistic("x", "windows", 1, GEOMETRY)]
     found = collect(model, stats, feeds, CalibrationConfig(batch_size=2))
     np.testing.assert_allclose(found[stats[0]], x.min(axis=(0, 2, 3)), rtol=1e-6)
     np.testing.assert_allclose(found[stats[1]], x.max(axis=(0, 2, 3)), rtol=1e-6)
@@ -36,7 +40,7 @@ def test_in_session_reductions_match_numpy():
     # means: float32 sums over each sample's positions, double across samples
     np.testing.assert_allclose(found[stats[3]], x.mean(axis=(0, 2, 3)), rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(found[stats[4]], x.mean(axis=(0, 1, 2)), rtol=1e-6, atol=1e-9)
-    np.testing.assert_allclose(found[stats[5]], x.mean(axis=0), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(found[stats[5]], GEOMETRY.window_means(x.sum(axis=0)) / len(x), rtol=1e-6, atol=1e-9)
     # every one of them is reduced in the session: no tensor comes back whole
     seen: list[list[str]] = []
     real = runner.exposed_session

@@ -25,7 +25,6 @@ from onnxq.calibrate.runner import CalibrationResult, observe
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
-from onnxq.graph import layout
 from onnxq.graph.edit import values_by_name
 
 # tensor -> (channel axis, factor): how a deferred pass scaled it.
@@ -47,10 +46,11 @@ def rescale_statistics(
         rank = ranks.get(stat.tensor)
         if rank is not None and axis >= 0:
             axis -= rank
-        if stat.reduce == "image" and axis < 0 and value.ndim >= -axis:
-            out[stat] = value * layout.along(factor, axis)
-        elif stat.reduce != "image" and rank is not None and stat.axis % rank == axis % rank \
-                and value.shape == factor.shape:
+        if rank is None or stat.axis % rank != axis % rank:
+            continue
+        if stat.reduce == "windows" and value.shape[0] == factor.shape[0]:
+            out[stat] = value * factor[:, None]
+        elif value.shape == factor.shape:
             out[stat] = value * factor
     return out
 

@@ -3,8 +3,8 @@
 A pass asks for per-channel reductions of tensors (`Statistic`) instead of streaming the
 data itself; `collect` answers any number of requests, together with the calibration
 observers when asked in the same call, in one streaming pass. Each reduction runs inside
-onnxruntime, so a batch returns C numbers per request (an image per sample for `image`),
-not the tensor: ReduceMin/ReduceMax over every axis but the channel; for means, a float32
+onnxruntime, so a batch returns C numbers per request (the image summed over the batch for
+`windows`), not the tensor: ReduceMin/ReduceMax over every axis but the channel; for means, a float32
 ReduceSum over each sample's positions, then the [N, C] per-sample sums in double
 (float32 over thousands of positions, not over the whole data; a double copy of every
 tensor doubled peak memory on MobileNet, and returning the tensors to sum them in numpy
@@ -36,8 +36,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.graph.edit import values_by_name
+from onnxq.graph.layout import ConvGeometry
 
-Reduce = Literal["min", "max", "absmax", "mean", "image", "gram"]
+Reduce = Literal["min", "max", "absmax", "mean", "windows", "gram"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,9 @@ class Statistic:
     """One reduction of one tensor over all calibration samples.
 
     min / max / absmax / mean: per index of `axis`, over every other axis and sample.
-    image: the mean over samples only (axis 0), None when batches disagree in shape.
+    windows: per channel (`axis`) and tap of the convolution `window`, the mean over output
+      positions of the zero-padded input values the tap reads (`ConvGeometry.window_means`),
+      over samples: what a convolution's mean output needs beyond channel means.
     gram: E[x x^T] over the rows of the tensor flattened to [rows, last axis] (a layer's
       input Hessian for GPTQ), in float64.
     """
@@ -53,6 +56,7 @@ class Statistic:
     tensor: str
     reduce: Reduce
     axis: int = 0
+    window: ConvGeometry | None = None
 
 
 _FOLD = {"min": np.minimum, "max": np.maximum, "absmax": np.maximum}
@@ -61,7 +65,7 @@ _FOLD = {"min": np.minimum, "max": np.maximum, "absmax": np.maximum}
 class Accumulator:
     """Running value of one statistic across batches (float64).
 
-    Minima and maxima fold exactly in any order. Sums (mean, image, gram) are added along
+    Minima and maxima fold exactly in any order. Sums (mean, windows, gram) are added along
     a fixed binary tree over the global batch index: the partial sum of every aligned
     block of 2**j batches is computed one way only, and a stack holds the blocks not yet
     paired (at most log2(batches) + 1). The total therefore has the same bits whether
@@ -83,7 +87,7 @@ class Accumulator:
     def add_reduced(self, value: np.ndarray, count: int, index: int = 0) -> None:
         """Fold one batch's reduction in; `index` is the batch's global position (sums)."""
         value = np.asarray(value, dtype=np.float64)
-        if self.stat.reduce == "image" and self.blocks and self.blocks[-1][2].shape != value.shape:
+        if self.blocks and self.blocks[-1][2].shape != value.shape:
             self.consistent = False
         if not self.consistent:
             return
@@ -108,8 +112,7 @@ class Accumulator:
     def merge(self, other: Accumulator) -> None:
         """Fold in the accumulator of batches that all come after this one's."""
         if not other.consistent or not self.consistent or (
-                self.stat.reduce == "image" and self.blocks and other.blocks
-                and self.blocks[-1][2].shape != other.blocks[0][2].shape):
+                self.blocks and other.blocks and self.blocks[-1][2].shape != other.blocks[0][2].shape):
             self.consistent = False
             return
         self.count += other.count
@@ -120,13 +123,21 @@ class Accumulator:
         for start, end, value in other.blocks:
             self._push(start, end, value.copy())
 
+    def add_windows(self, total: np.ndarray, count: int, index: int) -> None:
+        """Fold in a batch of `count` samples summed over the batch, [C, *spatial] (the
+        statistic's channel axis must be the tensor's second: N, C, spatial...)."""
+        if self.stat.window is None or self.stat.axis % (total.ndim + 1) != 1:
+            self.consistent = False
+            return
+        self.add_reduced(self.stat.window.window_means(total), count, index)
+
     def add_batch(self, x: np.ndarray, index: int = 0) -> None:
         """Reduce a whole batch in numpy (means, tensors of unknown rank)."""
         x = np.asarray(x)
         reduce, axis = self.stat.reduce, self.stat.axis % max(x.ndim, 1)
         others = tuple(i for i in range(x.ndim) if i != axis)
-        if reduce == "image":
-            self.add_reduced(x.astype(np.float64).sum(axis=0), x.shape[0], index)
+        if reduce == "windows":
+            self.add_windows(x.astype(np.float64).sum(axis=0), x.shape[0], index)
         elif reduce == "mean":
             self.add_reduced(x.astype(np.float64).sum(axis=others), x.size // max(x.shape[axis], 1), index)
         elif reduce == "gram":
@@ -199,7 +210,7 @@ def reduction_nodes(value: ir.Value, stat: Statistic, opset: int) -> tuple[list[
     name = value.name + _suffix(stat)
     axis = stat.axis % rank
     axes = [i for i in range(rank) if i != axis]
-    if stat.reduce in ("mean", "image"):
+    if stat.reduce in ("mean", "windows"):
         return _sum_nodes(value, stat.reduce, axes, name, opset)
     nodes: list[ir.Node] = []
     source = value
@@ -213,7 +224,7 @@ def reduction_nodes(value: ir.Value, stat: Statistic, opset: int) -> tuple[list[
 def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
                opset: int) -> tuple[list[ir.Node], list[ir.Value]] | None:
     """A mean's batch sum (module doc): per sample in float32 over `axes` but the first, then
-    over the first in double; an image's sum over the samples (axis 0) in float32."""
+    over the first in double; for windows, the sum over the samples (axis 0) in float32."""
     if value.dtype not in _SUMMABLE:
         return None
     nodes: list[ir.Node] = []
@@ -221,7 +232,7 @@ def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
     if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
         nodes.append(_cast(source, ir.DataType.FLOAT, name + "_f32"))
         source = nodes[-1].outputs[0]
-    if reduce == "image":
+    if reduce == "windows":
         nodes += _reduce("ReduceSum", source, [0], 0, name, opset)
     else:
         if len(axes) > 1:  # positions of each sample in float32: thousands of terms, not the data
@@ -241,7 +252,7 @@ def _count(stat: Statistic, got: Mapping[str, np.ndarray], names: list[str]) -> 
     if len(names) < 2:
         return 0
     shape = [int(d) for d in got[names[1]]]
-    if stat.reduce == "image":
+    if stat.reduce == "windows":
         return shape[0]
     return math.prod(shape) // max(shape[stat.axis % len(shape)], 1)
 
@@ -279,7 +290,10 @@ class StatisticsSet:
     def update(self, got: Mapping[str, np.ndarray], index: int = 0) -> None:
         """Fold in batch number `index` (its global position in the calibration data)."""
         for stat, names in self.in_session.items():
-            self.accumulators[stat].add_reduced(got[names[0]], _count(stat, got, names), index)
+            if stat.reduce == "windows":
+                self.accumulators[stat].add_windows(got[names[0]], _count(stat, got, names), index)
+            else:
+                self.accumulators[stat].add_reduced(got[names[0]], _count(stat, got, names), index)
         for stat, tensor in self.whole.items():
             self.accumulators[stat].add_batch(got[tensor], index)
 

@@ -17,6 +17,7 @@ The ONNX weight layouts (channel index `g * per_group + j` where groups split a 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -221,3 +222,58 @@ def clip_bounds(node: ir.Node) -> tuple[float, float] | None:
             return None
         bounds.append(float(array.reshape(-1)[0]))
     return bounds[0], bounds[1]
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """Where a convolution's kernel reads its input: kernel size, strides, dilations and
+    padding (explicit `pads`, or `auto_pad`, resolved per input size)."""
+
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    pads: tuple[int, ...]
+    auto_pad: str = "NOTSET"
+
+    @classmethod
+    def of(cls, node: ir.Node, kernel: Sequence[int]) -> ConvGeometry:
+        nd = len(kernel)
+        auto_pad = attr(node, "auto_pad", "NOTSET")
+        return cls(tuple(int(k) for k in kernel), tuple(attr(node, "strides", [1] * nd)),
+                   tuple(attr(node, "dilations", [1] * nd)), tuple(attr(node, "pads", [0] * (2 * nd))),
+                   auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad))
+
+    @property
+    def pointwise(self) -> bool:
+        """Every input position read once by one kernel tap: 1x1, stride 1, no padding."""
+        return all(k == 1 for k in self.kernel) and all(s == 1 for s in self.strides) and (
+            self.auto_pad in ("VALID", "SAME_UPPER", "SAME_LOWER") or not any(self.pads))
+
+    def pads_for(self, spatial: Sequence[int]) -> list[int]:
+        """[begin..., end...] zero padding for an input of size `spatial`."""
+        nd = len(self.kernel)
+        if self.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            pads = [0] * (2 * nd)
+            for i in range(nd):
+                out = -(-spatial[i] // self.strides[i])
+                total = max(0, (out - 1) * self.strides[i] + (self.kernel[i] - 1) * self.dilations[i] + 1 - spatial[i])
+                small = total // 2
+                pads[i], pads[i + nd] = (small, total - small) if self.auto_pad == "SAME_UPPER" else (total - small, small)
+            return pads
+        return [0] * (2 * nd) if self.auto_pad == "VALID" else list(self.pads)
+
+    def window_means(self, x: np.ndarray) -> np.ndarray:
+        """[C, prod(kernel)]: for each kernel tap, the mean over output positions of the
+        (zero-padded) input values it reads, per channel of x [C, *spatial]. The mean
+        output of the convolution is then sum over channels and taps of weight x this."""
+        nd = len(self.kernel)
+        pads = self.pads_for(x.shape[1:])
+        xp = np.pad(np.asarray(x, dtype=np.float64), [(0, 0)] + [(pads[i], pads[i + nd]) for i in range(nd)])
+        out = [(xp.shape[1 + i] - (self.kernel[i] - 1) * self.dilations[i] - 1) // self.strides[i] + 1
+               for i in range(nd)]
+        taps = []
+        for tap in np.ndindex(*self.kernel):
+            window = tuple(slice(t * d, t * d + (o - 1) * s + 1, s)
+                           for t, d, o, s in zip(tap, self.dilations, out, self.strides))
+            taps.append(xp[(slice(None), *window)].sum(axis=tuple(range(1, nd + 1))))
+        return np.stack(taps, axis=1) / max(int(np.prod(out)), 1)

@@ -7,9 +7,11 @@ calibration data (collected in the calibration pass: per-channel sums inside onn
 error from the bias.
 
 - Gemm / MatMul: the error is (W_q - W) applied to the per-channel mean of the input.
-- Conv: the error is conv(E[x], W_q - W) averaged over output positions, with E[x] the
-  mean input image, so zero padding is accounted for exactly. Inputs whose spatial size
-  varies between batches fall back to per-channel means (exact except at padded borders).
+- Conv: the error is conv(E[x], W_q - W) averaged over output positions: the weight error
+  times, per channel and kernel tap, the mean of the zero-padded input values the tap
+  reads (window means, summed inside onnxruntime with calibration), so padding and
+  strides are accounted for exactly; a 1x1, stride-1, unpadded Conv needs channel means
+  alone.
 - Bias: Conv and Gemm without one get one (int32, like the model's other biases);
   a MatMul is corrected through the Add of a constant [N] vector that alone consumes
   its output, and skipped without one (adding an Add would add a quantized op).
@@ -27,10 +29,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
-import onnx
 import onnx_ir as ir
-import onnxruntime as ort
-from onnx import helper, numpy_helper
 
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.resolve import ResolvedSpec, merge_specs
@@ -134,41 +133,37 @@ def find_layers(graph: ir.Graph, plan: QuantPlan, opts: BiasCorrectionConfig) ->
 
 @dataclass(frozen=True)
 class InputMean:
-    """E[x] of a layer input: per channel along each requested axis, and the mean image
-    (over samples only, for convolutions; None when spatial sizes vary between batches)."""
+    """E[x] of a layer input: per channel along each requested axis, and per geometry of
+    the convolutions reading it whose padding or strides need them, the window means
+    (`Statistic` "windows": [C, taps])."""
 
     channel: Mapping[int, np.ndarray]
-    full: np.ndarray | None = None
+    windows: Mapping[layout.ConvGeometry, np.ndarray] = field(default_factory=dict)
 
     def channel_mean(self, axis: int) -> np.ndarray:
         return self.channel[axis]
 
-    def image(self) -> np.ndarray | None:
-        return self.full
 
-
-def _needs_image(node: ir.Node) -> bool:
-    """Whether a layer's mean output error needs its mean input image: a Conv's zero padding
-    and strides make it differ from the kernel applied to channel means. A 1x1, stride-1,
-    unpadded Conv's (a pointwise layer) does not, and its image would cost memory for
-    nothing (MobileNet: half the images, ~70 MB)."""
-    if node.op_type != "Conv":
-        return False
-    weight = node.inputs[1]
-    kernel = weight.shape[2:] if weight is not None and weight.shape is not None else None
-    nd = len(kernel) if kernel is not None else 0
-    pointwise = (kernel is not None and all(d == 1 for d in kernel)
-                 and all(p == 0 for p in layout.attr(node, "pads", [0] * (2 * nd)))
-                 and all(s == 1 for s in layout.attr(node, "strides", [1] * nd))
-                 and layout.attr(node, "auto_pad", "NOTSET") in ("NOTSET", "VALID", b"NOTSET", b"VALID"))
-    return not pointwise
+def conv_geometry(node: ir.Node) -> layout.ConvGeometry | None:
+    """A Conv's geometry when its mean output needs window means: zero padding and strides
+    make it differ from the kernel applied to channel means. None for other ops and for a
+    1x1, stride-1, unpadded Conv (a pointwise layer), whose channel means are exact."""
+    weight = node.inputs[1] if node.op_type == "Conv" and len(node.inputs) > 1 else None
+    shape = weight.shape if weight is not None else None
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    geometry = layout.ConvGeometry.of(node, shape[2:])
+    return None if geometry.pointwise else geometry
 
 
 def requests(layers: list[Layer]) -> list[Statistic]:
     """The statistics bias correction needs: per-channel means of every layer input, and the
-    mean input image of convolutions whose padding or strides need it (`_needs_image`)."""
+    window means of convolutions whose padding or strides need them."""
     stats = [Statistic(layer.node.inputs[0].name, "mean", layer.channel_axis) for layer in layers]
-    stats += [Statistic(layer.node.inputs[0].name, "image") for layer in layers if _needs_image(layer.node)]
+    for layer in layers:
+        geometry = conv_geometry(layer.node)
+        if geometry is not None:
+            stats.append(Statistic(layer.node.inputs[0].name, "windows", layer.channel_axis, geometry))
     return list(dict.fromkeys(stats))
 
 
@@ -181,7 +176,9 @@ def input_means(model: ir.Model, layers: list[Layer], ctx: PassContext) -> dict[
         channel = {st.axis: found[st] for st in stats if st.tensor == name and st.reduce == "mean"}
         if any(v is None for v in channel.values()):
             continue
-        means[name] = InputMean(channel, found.get(Statistic(name, "image")))
+        windows = {st.window: found[st] for st in stats
+                   if st.tensor == name and st.reduce == "windows" and found.get(st) is not None}
+        means[name] = InputMean(channel, windows)
     return means
 
 
@@ -192,34 +189,15 @@ def bias_correction_requests(model: ir.Model, plan: QuantPlan, opts: BiasCorrect
     return requests(layers)
 
 
-def _conv_output_mean(node: ir.Node, image: np.ndarray, eps: np.ndarray) -> np.ndarray:
-    """conv(image, eps) averaged over output positions, per output channel (onnxruntime)."""
-    attrs = {k: a.value for k, a in node.attributes.items()}
-    attrs = {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()}
-    graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w"], ["y"], **attrs)], "bias_error",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, *image.shape])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(eps.astype(np.float32), "w")],
-    )
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    y = session.run(None, {"x": image[None].astype(np.float32)})[0][0].astype(np.float64)
-    return y.reshape(y.shape[0], -1).mean(axis=1)
-
-
 def output_error(layer: Layer, eps: np.ndarray, mean: InputMean) -> np.ndarray:
     """E[(W_q - W) x] per output channel (before any Gemm beta)."""
     node = layer.node
-    if _needs_image(node):
-        image = mean.image()
-        if image is not None:
-            try:
-                return _conv_output_mean(node, image, eps)
-            except Exception:  # a Conv onnxruntime cannot run: fall back to channel means
-                pass
+    geometry = conv_geometry(node)
+    windows = mean.windows.get(geometry) if geometry is not None else None
+    if windows is not None:  # sum over channels and taps of weight error x window mean
+        g, m = layout.groups(node), eps.shape[0]
+        per_group = eps.reshape(g, m // g, eps.shape[1], -1)
+        return np.einsum("gmct,gct->gm", per_group, windows.reshape(g, eps.shape[1], -1)).reshape(m)
     err = layout.apply_to_input(node, eps, mean.channel_mean(layer.channel_axis))
     return float(layout.attr(node, "alpha", 1.0)) * err if node.op_type == "Gemm" else err
 

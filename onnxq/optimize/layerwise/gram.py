@@ -27,31 +27,13 @@ from onnxq.graph import layout
 PATCH_BYTES = 64 << 20
 
 
-def _conv_pads(node: ir.Node, spatial: tuple[int, ...], kernel: tuple[int, ...], strides: list[int],
-               dilations: list[int]) -> list[int]:
-    nd = len(kernel)
-    auto_pad = layout.attr(node, "auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        pads = [0] * (2 * nd)
-        for i in range(nd):
-            out = -(-spatial[i] // strides[i])
-            total = max(0, (out - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - spatial[i])
-            small = total // 2
-            pads[i], pads[i + nd] = (small, total - small) if auto_pad == "SAME_UPPER" else (total - small, small)
-        return pads
-    if auto_pad == "VALID":
-        return [0] * (2 * nd)
-    return list(layout.attr(node, "pads", [0] * (2 * nd)))
-
-
 def conv_patches(node: ir.Node, x: np.ndarray, kernel: tuple[int, ...], stride: int = 1, offset: int = 0) -> np.ndarray:
     """im2col of a convolution input x [B, C, *spatial]: [g, C/g * prod(kernel), B * positions],
     keeping every `stride`-th output position along each spatial axis from `offset`."""
     nd = len(kernel)
-    strides = list(layout.attr(node, "strides", [1] * nd))
-    dilations = list(layout.attr(node, "dilations", [1] * nd))
-    pads = _conv_pads(node, x.shape[2:], kernel, strides, dilations)
+    geometry = layout.ConvGeometry.of(node, kernel)
+    strides, dilations = geometry.strides, geometry.dilations
+    pads = geometry.pads_for(x.shape[2:])
     xp = np.pad(x, [(0, 0), (0, 0)] + [(pads[i], pads[i + nd]) for i in range(nd)])
     span = tuple((k - 1) * d + 1 for k, d in zip(kernel, dilations))
     win = sliding_window_view(xp, span, axis=tuple(range(2, 2 + nd)))
