@@ -31,11 +31,13 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
-from onnxq.analyze import analyze_models  # noqa: E402
 from onnxq.config.compose import compose_config  # noqa: E402
+from onnxq.evaluate import deployed_session  # noqa: E402
 from onnxq.graph.save import save_model, weight_bytes  # noqa: E402
 from onnxq.quantize import quantize, run_pipeline  # noqa: E402
+from onnxq.search.driver import sensitivity_order  # noqa: E402
 from onnxq.search.ladder import with_promotions  # noqa: E402
+from onnxq.search.target import EvalSet  # noqa: E402
 
 TARGETS = (0.5, 1.0)
 
@@ -130,9 +132,9 @@ def bench(name: str, task: Task, shared: Path, work: Path) -> dict[str, Any]:
     config = compose_config("U8S8", None, task.overrides)
     rows: dict[str, Any] = {"float": _score_row(_session(model), task, model.stat().st_size)}
     base = run_pipeline(model, None, config, task.calib, progress=False, keep_state=True)
-    analysis = analyze_models(base.state.float_model, base.ir_model, _search_data(task), normalised=True,
-                              layers_only=True, progress=False)
-    order = [r.name for r in analysis.layers if r.name in base.plan.quantized_nodes]
+    search = EvalSet(_search_data(task), None, None)
+    float_session = deployed_session(base.state.float_model, config.calibration.providers)
+    order = [n for n, _ in sensitivity_order(base, config, search, float_session, "float", progress=False)]
     curve = []
     for k in _curve_points(len(order)):
         path = work / f"{name}_top{k}.onnx"

@@ -217,3 +217,34 @@ def test_a_trial_is_the_model_its_config_gives(promoted):
     direct = ir.to_proto(run_pipeline(model, None, promoted_config, data, progress=False).ir_model)
     assert trial == direct.SerializeToString()
     assert ir.to_proto(base.state.emit(config)).SerializeToString() == ir.to_proto(base.ir_model).SerializeToString()
+
+
+def _offset_session(offset: float) -> ort.InferenceSession:
+    """y = x + offset: a stand-in for a model whose one quantized layer adds that error."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "c"], ["y"])], "offset",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.full(4, offset, np.float32), "c")])
+    model = onnx.helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_layers_rank_by_their_effect_on_the_output():
+    """The ranking measures each layer where the target is scored, on the output: a layer
+    whose own error is small but which the rest of the network amplifies comes first.
+    Past the time budget, the layers not measured follow in the fallback order."""
+    from onnxq.search.sensitivity import impact_order
+    from onnxq.search.target import EvalSet
+
+    effect = {"quiet_locally": 3.0, "loud_locally": 0.5, "harmless": 0.0}
+    local = ["loud_locally", "harmless", "quiet_locally"]  # the analysis's per-layer order
+    evalset = EvalSet({"x": np.random.default_rng(0).standard_normal((40, 4)).astype(np.float32)}, None, None)
+    order = impact_order(local, local, evalset, _offset_session(0.0), lambda n: _offset_session(effect[n]))
+    assert [n for n, _ in order] == ["quiet_locally", "loud_locally", "harmless"]
+    assert order[0][1] > order[1][1] > order[2][1] == 0.0
+    rushed = impact_order(local, local, evalset, _offset_session(0.0), lambda n: _offset_session(effect[n]),
+                          budget_s=0.0)
+    assert [n for n, _ in rushed] == local and np.isnan(rushed[1][1])

@@ -3,7 +3,8 @@
 1. Quantize with the config as given (the ladder's types widen the opset up front, so
    every trial and the final model share one opset), keeping the calibrated state.
 2. Score the float model and the all-quantized model in default sessions; done if met.
-3. Rank layers by the error each adds alone (`onnxq.analyze`, one pass over the data).
+3. Rank layers by the output error of the model with each alone quantized
+   (`sensitivity.py`; the analysis's per-layer error orders what the time budget leaves).
 4. Bisect the number of top-ranked layers to promote (`bisect.py`); each trial re-emits
    the calibrated model under the promoted config, with no new calibration.
 5. The result is an ordinary config (node overrides, opset pinned): the final model is
@@ -27,6 +28,7 @@ from onnxq.graph.save import save_model, weight_bytes
 from onnxq.report import MixedPrecisionSummary, Promotion
 from onnxq.search.bisect import bisect_promotions
 from onnxq.search.ladder import rung_opset, with_promotions
+from onnxq.search.sensitivity import impact_order
 from onnxq.search.target import (
     SELF_SCORE,
     EvalSet,
@@ -63,6 +65,28 @@ def promotion_order(layers: list[Any], plan: Any) -> list[tuple[str, float]]:
     ranked = sorted(worst.items(), key=lambda item: -item[1])
     rest = [(n, float("nan")) for n in plan.quantized_nodes if n not in worst and n not in plan.fused_activations]
     return ranked + rest
+
+
+def sensitivity_order(base: Any, config: Config, evalset: EvalSet, float_session: Any, top: str,
+                      progress: bool | None = None) -> list[tuple[str, float]]:
+    """The quantized layers of `base` (a pipeline result with its state), most harmful
+    first: by the output noise of the model with each alone quantized and the others at
+    rung `top` (`sensitivity.py`), the analysis's per-layer error ordering what its time
+    budget leaves (and its candidates: fused activations go with their op)."""
+    from onnxq.analyze import analyze_models
+
+    providers = config.calibration.providers
+    mp_samples = config.mixed_precision.max_samples or SENSITIVITY_SAMPLES
+    analysis = analyze_models(base.state.float_model, base.ir_model, evalset.data, normalised=True,
+                              max_samples=min(SENSITIVITY_SAMPLES, mp_samples), providers=providers,
+                              progress=progress, layers_only=True)
+    local = [name for name, _ in promotion_order(analysis.layers, base.plan)]
+
+    def session_with_only(name: str) -> Any:
+        promoted = {n: top for n in local if n != name}
+        return deployed_session(base.state.emit(with_promotions(config, promoted)), providers)
+
+    return impact_order(local, local, evalset, float_session, session_with_only)
 
 
 def _progress_bar(progress: bool | None, layers: int) -> Any:
@@ -102,7 +126,6 @@ def quantize_to_target(
     progress: bool | None, evaluate: Any, keep_state: bool = False,
 ) -> Any:
     """Quantize `model` to meet `config.mixed_precision.target` with the fewest promotions."""
-    from onnxq.analyze import analyze_models
     from onnxq.graph.save import check_output_path
     from onnxq.quantize import run_pipeline
 
@@ -133,10 +156,7 @@ def quantize_to_target(
 
     order: list[tuple[str, float]] = []
     if not target.met(base_score, reference_score):
-        analysis = analyze_models(state.float_model, base.ir_model, evalset.data, normalised=True,
-                                  max_samples=min(SENSITIVITY_SAMPLES, mp.max_samples or SENSITIVITY_SAMPLES),
-                                  providers=providers, progress=progress, layers_only=True)
-        order = promotion_order(analysis.layers, base.plan)
+        order = sensitivity_order(base, base_config, evalset, float_session, mp.ladder[-1], progress)
 
     bar = _progress_bar(progress, len(order))
 
