@@ -284,6 +284,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     already = quantized_ops(model)
     if already:
         print(f"already quantized: {describe(already, limit=8)}; onnxq quantize takes the float model")
+        if args.nodes:
+            _print_nodes(graph, None)
         return 0
     config = compose_config(args.preset, args.config, {"target": args.target} if args.target else None)
     for note in run_passes(model, config.pre_quant_opt_config, PassContext(None, config.calibration)):
@@ -298,7 +300,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     reasons = Counter(plan.float_nodes.values())
     for (op, why), n in sorted(reasons.items()):
         print(f"  float: {op} x{n}: {why}")
+    if args.nodes:
+        _print_nodes(graph, plan)
     return 0
+
+
+def _print_nodes(graph, plan) -> None:
+    """Every node's name (what `exclude` and `layer_quant_config` take), op type and, with
+    a plan, whether it would be quantized."""
+    print("node names (for exclude / layer_quant_config):")
+    for node in graph:
+        status = ""
+        if plan is not None:
+            status = ("quantized" if node.name in plan.quantized_nodes
+                      else f"float: {plan.float_nodes[node.name][1]}" if node.name in plan.float_nodes else "")
+        print(f"  {node.name}  {node.op_type}" + (f"  ({status})" if status else ""))
 
 
 def _data_and_labels(data: str, key: str | None) -> tuple[object, object]:
@@ -591,6 +607,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--preset")
     i.add_argument("--config")
     i.add_argument("--target", help="deployment target (default auto)")
+    i.add_argument("--nodes", action="store_true",
+                   help="list every node's name and op type (the names exclude and layer_quant_config take)")
     i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     i.set_defaults(func=_cmd_inspect)
     for command in _leaves(sub):  # --plugin after the command too

@@ -174,7 +174,7 @@ def compare_models(
     runs = {"deployed": kernels in ("deployed", "both"), "reference": kernels in ("reference", "both")}
     sessions = {k: deployed_session(quant_model, providers, reference=k == "reference") for k, on in runs.items() if on}
     names = [o.name for o in ref.get_outputs()]
-    _check_outputs(names, next(iter(sessions.values())))
+    _check_interface(ref, next(iter(sessions.values())))
     outputs: dict[str, dict[str, list[np.ndarray]]] = {k: {n: [] for n in names} for k in ("float", *sessions)}
     source = CalibrationSource(data)
     for feed in _progress(iter_batches(source, session_inputs(ref), batch_size, max_samples), progress):
@@ -206,14 +206,30 @@ def run_model(model: str | os.PathLike, data: Any, max_samples: int | None = Non
     return {n: np.concatenate(v) for n, v in outputs.items()}
 
 
-def _check_outputs(names: list[str], quant: ort.InferenceSession) -> None:
-    """Both models must have the float model's outputs (a quantized model of another
-    model is a user mistake, not a crash in the metrics)."""
+def _check_interface(ref: ort.InferenceSession, quant: ort.InferenceSession) -> None:
+    """The quantized model must take the float model's inputs and give its outputs (a
+    quantized model of another model is a user mistake, not a crash in onnxruntime)."""
+    same = "compare a quantized model with the float model it came from"
     have = {o.name for o in quant.get_outputs()}
-    missing = [n for n in names if n not in have]
+    missing = [o.name for o in ref.get_outputs() if o.name not in have]
     if missing:
         raise ModelError(f"the quantized model has no output {missing[0]!r} (its outputs: {', '.join(sorted(have))}); "
-                         "compare a quantized model with the float model it came from")
+                         + same)
+    takes = {i.name: i for i in quant.get_inputs()}
+    for spec in ref.get_inputs():
+        other = takes.get(spec.name)
+        if other is None:
+            raise ModelError(f"the quantized model has no input {spec.name!r} (its inputs: "
+                             f"{', '.join(sorted(takes))}); " + same)
+        clash = len(other.shape) != len(spec.shape) or any(
+            isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(spec.shape, other.shape))
+        if clash or other.type != spec.type:
+            raise ModelError(f"input {spec.name!r} is {other.type} {_dims(other.shape)} in the quantized model but "
+                             f"{spec.type} {_dims(spec.shape)} in the float model; " + same)
+
+
+def _dims(shape: list) -> str:
+    return "[" + ", ".join(str(d) if isinstance(d, int) else "?" for d in shape) + "]"
 
 
 def check_same_shape(name: str, ref: np.ndarray, tests: list[np.ndarray]) -> None:

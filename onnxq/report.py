@@ -69,6 +69,9 @@ class Summary:
         finally:
             self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + time.perf_counter() - start
 
+# Fewer calibration samples than this get a warning in the summary.
+FEW_SAMPLES = 8
+
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
@@ -96,7 +99,12 @@ def format_summary(s: Summary) -> str:
     for bias in s.float_biases:
         lines.append(f"  bias kept in float: {bias}")
     passes = f" in {s.calibration_passes} passes" if s.calibration_passes > 1 else ""
-    lines.append(f"  calibration: {s.calibration_samples} samples, {s.calibrated_tensors} tensors{passes}")
+    n = s.calibration_samples
+    lines.append(f"  calibration: {n} sample{'' if n == 1 else 's'}, {s.calibrated_tensors} tensors{passes}")
+    if 0 < n < FEW_SAMPLES and s.calibrated_tensors:
+        lines.append(f"  warning: activation ranges from {n} calibration sample{'' if n == 1 else 's'} rarely cover "
+                     "what the model sees; pass about 100 or more representative samples, stacked along axis 0 "
+                     "(an array without that axis is one sample)")
     if s.size_before:
         ratio = s.size_after / s.size_before if s.size_before else 0
         lines.append(f"  size: {_mb(s.size_before)} -> {_mb(s.size_after)} ({ratio:.0%})")

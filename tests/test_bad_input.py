@@ -132,6 +132,10 @@ def _already_quantized(ws: Workspace) -> list[str]:
     return [str(quantized), str(ws.out), "--calib-data", str(ws.good_data)]
 
 
+def _output_name_too_long(ws: Workspace) -> list[str]:
+    return [str(ws.model), str(ws.root / ("x" * 300 + ".onnx")), "--calib-data", str(ws.good_data)]
+
+
 # case -> (builder of the argv after "quantize", words the error line must contain)
 CASES: dict[str, tuple[Callable[[Workspace], list[str]], tuple[str, ...]]] = {
     "truncated_onnx": (_truncated, ("truncated.onnx", "not a readable ONNX model")),
@@ -152,6 +156,7 @@ CASES: dict[str, tuple[Callable[[Workspace], list[str]], tuple[str, ...]]] = {
     "calib_data_not_found": (_missing_calib_data, ("not found", "nope.npz")),
     "unknown_preset": (_unknown_preset, ("U8S9", "U8S8")),
     "output_is_directory": (_output_is_directory, ("is a directory",)),
+    "output_name_too_long": (_output_name_too_long, ("cannot write", "choose another output path")),
     "zero_max_samples": (_zero_max_samples, ("max_samples",)),
 }
 
@@ -340,6 +345,19 @@ def test_compare_batch_size(ws, capsys):
     assert figures[0] == figures[1] and "SQNR" in figures[0]
     assert main(["compare", str(ws.model), str(ws.out), "--data", str(ws.good_data), "--batch-size", "0"]) == 2
     assert_one_error_line(capsys.readouterr().err, ("--batch-size 0",))
+
+
+def test_compare_refuses_a_model_of_another_input_shape(ws, capsys):
+    """A quantized model whose inputs differ from the float model's (the quantized model
+    of another network): one line and exit 2, not onnxruntime's traceback mid-run."""
+    onnxq.quantize(str(ws.model), str(ws.out), calibration_data=str(ws.good_data), progress=False)
+    larger = conv_relu_chain()  # the same network for 32x32 inputs
+    del larger.graph.value_info[:]
+    for axis in (2, 3):
+        larger.graph.input[0].type.tensor_type.shape.dim[axis].dim_value = 32
+    other = save(larger, ws.root / "other.onnx")
+    assert main(["compare", str(other), str(ws.out), "--data", str(ws.good_data)]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("input 'x'", "float model it came from"))
 
 
 def test_ranges_and_stats_of_another_pass_setup_are_refused(ws, capsys):

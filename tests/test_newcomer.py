@@ -127,6 +127,19 @@ def test_settings_that_would_be_ignored_are_refused(tmp_path, chain, flags, word
     assert not out.exists()
 
 
+def test_an_exclude_entry_matching_nothing_points_to_the_node_names(tmp_path, chain):
+    """The error names the command that lists node names, and that command lists them."""
+    out = tmp_path / "out.onnx"
+    line = one_error_line(onnxq("quantize", str(chain[0]), str(out), "--calib-data", str(chain[1]),
+                                "--exclude", "zzz_no_such_node"), "matches no node", "--nodes")
+    command = line[line.index("onnxq inspect"):].split(";")[0].replace("MODEL", str(chain[0])).split()[1:]
+    listing = onnxq(*command)
+    assert listing.returncode == 0
+    names = [n.name for n in onnx.load(str(chain[0])).graph.node]
+    assert all(f"  {name}  " in listing.stdout for name in names)
+    assert "(quantized)" in listing.stdout
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_non_finite_calibration_data(tmp_path, chain, bad):
     arrays = dict(np.load(chain[1]))

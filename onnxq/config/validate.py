@@ -95,7 +95,7 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> N
 
 def _nearest(word: str, names: list[str]) -> str:
     hint = closest_name(word, names)
-    return f"; did you mean '{hint}'?" if hint else "; see the node names with onnxq inspect MODEL"
+    return f"; did you mean '{hint}'?" if hint else "; see the node names with onnxq inspect MODEL --nodes"
 
 
 def check_spec(

@@ -20,8 +20,17 @@ EXTERNAL_DATA_LIMIT = 1800 * 1024 * 1024
 
 
 def check_output_path(output: str | os.PathLike, source: str | os.PathLike | None) -> Path:
-    """Refuse to overwrite the input model; create the output folder if needed."""
+    """Refuse to overwrite the input model, and an output that cannot be written (before
+    the work, not after it)."""
     out = Path(output)
+    try:
+        _check_writable(out, source)
+    except OSError as exc:  # a name too long, a special file system
+        raise OnnxqError(f"cannot write {out}: {exc.strerror or exc}; choose another output path") from None
+    return out
+
+
+def _check_writable(out: Path, source: str | os.PathLike | None) -> None:
     if source is not None and isinstance(source, str | os.PathLike):
         src = Path(source)
         if out.resolve() == src.resolve() or (out.exists() and src.exists() and out.samefile(src)):
@@ -33,7 +42,10 @@ def check_output_path(output: str | os.PathLike, source: str | os.PathLike | Non
         raise OnnxqError(f"cannot write {out}: {parent} is a file, not a directory; choose another output path")
     if parent is not None and not os.access(parent, os.W_OK):
         raise OnnxqError(f"cannot write {out}: {parent} is not writable; choose another output path")
-    return out
+    if parent is not None and parent == out.parent:  # try it
+        probe = _temporary(out)
+        probe.touch()
+        probe.unlink()
 
 
 def check_output_paths(source: str | os.PathLike | None, *paths: str | os.PathLike | None) -> None:
@@ -48,14 +60,21 @@ def _write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Pat
     """`write(tmp)` then rename tmp to `path`: an interrupted run (Ctrl-C) leaves the old
     file or none, never half of one."""
     out = Path(path)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp = _temporary(out)
     try:
         write(tmp)
         os.replace(tmp, out)
+    except OSError as exc:
+        raise OnnxqError(f"cannot write {out}: {exc.strerror or exc}; choose another output path") from None
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        with contextlib.suppress(OSError):  # gone, or never made (a name too long)
+            tmp.unlink(missing_ok=True)
     return out
+
+
+def _temporary(out: Path) -> Path:
+    """The file an atomic write of `out` goes through (renamed over `out` when complete)."""
+    return out.with_name(f".{out.name}.tmp{os.getpid()}")
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
