@@ -512,6 +512,16 @@ class _Parser(argparse.ArgumentParser):
         print(f"onnxq: error: {message}; see {self.prog} --help", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 
+    def parse_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 (argparse's signature)
+        """As argparse's, but an unknown option points to the help of the command it was given to."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            where = f"{self.prog} {command}" if command else self.prog
+            print(f"onnxq: error: unrecognized arguments: {' '.join(extras)}; see {where} --help", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE)
+        return parsed
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="onnxq", description="Post-training quantization for ONNX models.")

@@ -132,6 +132,18 @@ def _already_quantized(ws: Workspace) -> list[str]:
     return [str(quantized), str(ws.out), "--calib-data", str(ws.good_data)]
 
 
+def _channels_last_file(ws: Workspace) -> list[str]:
+    data = ws.root / "nhwc.npy"
+    np.save(data, np.zeros((4, 16, 16, 3), np.float32))
+    return [str(ws.model), str(ws.out), "--calib-data", str(data)]
+
+
+def _text_as_npy(ws: Workspace) -> list[str]:
+    data = ws.root / "notes.npy"
+    data.write_text("1 2 3\n")
+    return [str(ws.model), str(ws.out), "--calib-data", str(data)]
+
+
 def _output_name_too_long(ws: Workspace) -> list[str]:
     return [str(ws.model), str(ws.root / ("x" * 300 + ".onnx")), "--calib-data", str(ws.good_data)]
 
@@ -157,6 +169,9 @@ CASES: dict[str, tuple[Callable[[Workspace], list[str]], tuple[str, ...]]] = {
     "unknown_preset": (_unknown_preset, ("U8S9", "U8S8")),
     "output_is_directory": (_output_is_directory, ("is a directory",)),
     "output_name_too_long": (_output_name_too_long, ("cannot write", "choose another output path")),
+    # the file and its whole array named, not one sample
+    "calib_file_channels_last": (_channels_last_file, ("nhwc.npy", "[4, 16, 16, 3]", "axis 1 must be 3")),
+    "calib_text_as_npy": (_text_as_npy, ("notes.npy", "not a numpy .npy file")),
     "zero_max_samples": (_zero_max_samples, ("max_samples",)),
 }
 

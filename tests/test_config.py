@@ -911,3 +911,22 @@ def test_brevitas_float_description_maps_to_a_standard_type():
     assert resolve_node_config(config, "conv1", "Conv").weight.dtype.value == "float16"
     with pytest.raises(ConfigError, match=r"no standard float type has exponent_bits=3, mantissa_bits=3"):
         config_from_dict({"global_quant_config": {"weight": {"exponent_bits": 3, "mantissa_bits": 3}}})
+
+
+def test_an_activation_after_an_excluded_op_says_why_it_stays_float():
+    """A Relu is quantized only with the op before it: after an excluded Conv the summary
+    says that, not that Relu has no quantized kernel (18 other Relus were quantized)."""
+    import numpy as np
+    from helpers import conv_relu_chain
+
+    import onnxq
+
+    model = conv_relu_chain()
+    first = next(n for n in model.graph.node if n.op_type == "Conv").name
+    config = get_preset("U8S8")
+    config.exclude = [first]
+    data = {"x": np.random.default_rng(0).standard_normal((8, 3, 16, 16)).astype(np.float32)}
+    result = onnxq.quantize(model, None, config, data)
+    reasons = {op: why for op, why in result.summary.float_nodes.values()}
+    assert "the Conv before it stays float" in reasons["Relu"]
+    assert result.summary.quantized_by_op.get("Relu", 0) >= 1  # the other Relu is quantized

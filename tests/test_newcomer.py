@@ -127,6 +127,11 @@ def test_settings_that_would_be_ignored_are_refused(tmp_path, chain, flags, word
     assert not out.exists()
 
 
+def test_an_unknown_option_points_to_its_command_help(tmp_path, chain):
+    proc = onnxq("quantize", str(chain[0]), str(tmp_path / "out.onnx"), "--presett", "U8S8")
+    one_error_line(proc, "unrecognized arguments: --presett U8S8", "see onnxq quantize --help")
+
+
 def test_an_exclude_entry_matching_nothing_points_to_the_node_names(tmp_path, chain):
     """The error names the command that lists node names, and that command lists them."""
     out = tmp_path / "out.onnx"

@@ -106,7 +106,13 @@ def _read_file(path: Path, inputs: list[InputSpec]) -> dict[str, np.ndarray]:
         )
     if path.suffix not in (".npy", ".npz"):
         raise CalibrationDataError(f"unsupported calibration file {path.name}; use .npz, .npy or a directory of them")
+    magic = {".npy": b"\x93NUMPY", ".npz": b"PK"}[path.suffix]
     try:
+        with open(path, "rb") as f:
+            if f.read(len(magic)) != magic:
+                raise CalibrationDataError(
+                    f"cannot read calibration file {path}: it is not a numpy {path.suffix} file; write it with "
+                    f"numpy.{'save' if path.suffix == '.npy' else 'savez'}")
         if path.suffix == ".npy":
             return {inputs[0].name: np.load(path, allow_pickle=False)}
         with np.load(path, allow_pickle=False) as data:
@@ -126,10 +132,23 @@ def _from_path(path: Path, inputs: list[InputSpec]) -> Iterator[Mapping[str, Any
         if not files:
             raise CalibrationDataError(f"no .npy or .npz files in {path}; save one sample or batch per file")
         for f in files:
-            yield _read_file(f, inputs)
+            yield _checked_file(f, _read_file(f, inputs), inputs)
         return
-    arrays = _read_file(path, inputs)
+    arrays = _checked_file(path, _read_file(path, inputs), inputs)
     yield from _split_rows(_arrays_to_rows(arrays, inputs), inputs)
+
+
+def _checked_file(path: Path, arrays: dict[str, np.ndarray], inputs: list[InputSpec]) -> dict[str, np.ndarray]:
+    """`arrays` of file `path`, their type, shape and values checked as a whole, so that an
+    error names the file and its arrays' shapes (not one sample's) and counts every NaN."""
+    specs = {s.name: s for s in inputs}
+    try:
+        for name, array in arrays.items():
+            if name in specs:
+                _check_finite(specs[name], _check_array(specs[name], np.asarray(array)))
+    except CalibrationDataError as exc:
+        raise CalibrationDataError(f"{path.name}: {exc}") from None
+    return arrays
 
 
 def _to_rows(spec: InputSpec | None, array: np.ndarray) -> np.ndarray:

@@ -105,7 +105,9 @@ class FormatReport:
 
     def note(self, what: str) -> str:
         done = ", ".join(f"{op} {n}" for op, n in sorted(self.converted.items())) or "nothing"
-        line = f"{what}: {done}"
+        line = {"qoperator": f"qoperator: made {done}",
+                "qdq": f"qdq: rewrote {done} as Q/DQ around float ops",
+                "float": f"float: removed {done}"}.get(what, f"{what}: {done}")
         if self.kept:
             reasons = Counter(self.kept.values())
             line += "; kept as Q/DQ: " + "; ".join(f"{why} x{n}" for why, n in sorted(reasons.items()))
