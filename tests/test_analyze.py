@@ -191,3 +191,27 @@ def test_a_tensor_a_clip_reads_is_measured_after_the_clip(tmp_path):
     conv = next(n.name for n in q.graph.node if n.op_type == "Conv")
     layer = next(r for r in analysis.layers if r.name == conv)
     assert layer.own_sqnr_db > 20 and not any("not isolated" in n for n in analysis.notes)
+
+
+def test_a_model_equalized_against_its_float_model_is_flagged(chain, tmp_path):
+    """CLE rescales channels: the quantized model's tensors then differ from the float
+    model's by those factors, and the analysis says so above its tables (the weights show
+    it; rounding cannot scale a whole channel by 2x or more). A plain model is not flagged."""
+    path, plain, original = chain
+    model = onnx.ModelProto()
+    model.CopyFrom(original)
+    rng = np.random.default_rng(4)
+    for init in model.graph.initializer:  # channels of very different ranges: CLE has work to do
+        w = onnx.numpy_helper.to_array(init)
+        if w.ndim == 4:
+            w = w * rng.choice([0.05, 1.0, 20.0], size=(w.shape[0], 1, 1, 1)).astype(w.dtype)
+            init.CopyFrom(onnx.numpy_helper.from_array(w, init.name))
+    uneven = tmp_path / "uneven.onnx"
+    onnx.save(model, uneven)
+    config = compose_config("U8S8", None, {"pre_quant_opt_config": [{"name": "cle"}]})
+    quantize(uneven, tmp_path / "cle.onnx", config, _data(model, 32, 0), progress=False)
+    flagged = analyze_models(uneven, tmp_path / "cle.onnx", _data(model, 8, 5), progress=False)
+    assert any("rescaled per channel" in n for n in flagged.notes)
+    assert format_analysis(flagged).splitlines()[1].startswith("warning: ")
+    clean = analyze_models(path, plain, _data(model, 8, 5), progress=False)
+    assert not any("rescaled per channel" in n for n in clean.notes)

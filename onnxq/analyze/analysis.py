@@ -29,6 +29,7 @@ import onnx_ir as ir
 from onnxq.analyze.accumulate import AgreementStats, ErrorStats, RangeStats
 from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
 from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
+from onnxq.analyze.rescaled import rescaled_layers
 from onnxq.calibrate.data import iter_batches
 from onnxq.calibrate.session import check_providers, exposed_session
 from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
@@ -162,6 +163,13 @@ def analyze_models(
     if not found and any(integer_kernel(n) for n in quant.graph):
         notes.append("the quantized model holds integer kernels (QOperator format), whose layers and tensors "
                      "are not measured: analyze the Q/DQ model (quantize without --format qoperator)")
+    rescaled = [] if normalised else rescaled_layers(reference, quant)
+    if rescaled:
+        notes.insert(0, f"{len(rescaled)} layers' weights are rescaled per channel against the float model's "
+                        f"({', '.join(rescaled[:3])}{', ...' if len(rescaled) > 3 else ''}: cross-layer "
+                        "equalization, SmoothQuant or AWQ), so their tensors differ from the float model's by "
+                        "those factors: the per-layer and per-tensor figures measure the rescaling too; the "
+                        "output figures do not")
     missing = len(quantized) - len(activations)
     if missing:
         notes.append(f"{missing} quantized tensors have no tensor of the same name in the float model "
@@ -253,6 +261,7 @@ def _fmt_db(x: float | None) -> str:
 def format_analysis(a: Analysis, top: int = 15) -> str:
     """The worst layers and tensors first, as a terminal table."""
     lines = [f"analysed on {a.samples} samples ({a.method})"]
+    lines.extend(f"warning: {n}" for n in a.notes if "rescaled per channel" in n)
     for o in a.outputs:
         extra = f", top-1 agreement {o.top1_agreement:.2%}" if o.top1_agreement is not None else ""
         lines.append(f"output {o.name}: SQNR {_fmt_db(o.sqnr_db)} dB, cosine {o.cosine:.5f}{extra}")
@@ -270,6 +279,6 @@ def format_analysis(a: Analysis, top: int = 15) -> str:
         cal = f"[{t.calibrated_range[0]:.3g}, {t.calibrated_range[1]:.3g}]"
         lines.append(f"  {t.name[-40:]:<40} {_fmt_db(t.sqnr_db):>6} {t.cosine:>9.5f} {t.max_abs_error:>9.3g} "
                      f"{used:>22} {cal:>22} {t.saturation:>8.2%}")
-    lines.extend(f"note: {n}" for n in a.notes)
+    lines.extend(f"note: {n}" for n in a.notes if "rescaled per channel" not in n)
     return "\n".join(lines)
 
