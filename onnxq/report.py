@@ -36,6 +36,7 @@ class MixedPrecisionSummary:
     latency_ms_after: float
     seconds: float
     config: Any = None  # the resulting Config: node overrides, reusable without searching
+    scored_on: str = "the eval data"  # what the scores were measured on
 
 
 @dataclass
@@ -123,7 +124,7 @@ def format_summary(s: Summary) -> str:
 
 def format_mixed_precision(m: MixedPrecisionSummary) -> list[str]:
     verdict = "met" if m.met else "NOT met"
-    lines = [f"  accuracy target {m.target}: {verdict} (float {m.float_score:.4g}, all quantized "
+    lines = [f"  accuracy target {m.target}: {verdict} on {m.scored_on} (float {m.float_score:.4g}, all quantized "
              f"{m.base_score:.4g}, final {m.final_score:.4g}); {m.evaluations} models scored for "
              f"{m.ranked_layers} ranked layers in {m.seconds:.1f}s"]
     if m.promotions:

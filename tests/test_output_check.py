@@ -169,3 +169,15 @@ def test_outputs_whose_length_depends_on_the_data_are_left_out():
     model = b.build([b.node("Compress", [flat, keep]), h], name="compress")
     result = onnxq.quantize(model, None, "U8S8", random_feeds(model, 16, seed=1))
     assert result.summary.fidelity is not None and result.summary.fidelity.output == h  # the fixed-shape one
+
+
+def test_top1_agreement_only_for_class_scores():
+    """Rows of unit length are embeddings (sentence_embedding): their largest entry means
+    nothing, so no top-1 agreement is reported; class scores get one."""
+    from onnxq.evaluate import top1_agreement
+
+    rng = np.random.default_rng(0)
+    scores = rng.standard_normal((16, 10)).astype(np.float32)
+    assert top1_agreement(scores, scores) == 1.0
+    embeddings = scores / np.linalg.norm(scores, axis=1, keepdims=True)
+    assert top1_agreement(embeddings, embeddings) is None

@@ -198,6 +198,7 @@ def quantize_to_target(
         latency_ms_after=_latency_ms(final_session, feed),
         seconds=time.perf_counter() - start,
         config=final_config,
+        scored_on="the eval data" if mp.eval_data is not None else "the calibration data",
     )
     result.summary.notes.extend(notes)
     if not result.summary.mixed_precision.met:
