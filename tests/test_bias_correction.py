@@ -259,3 +259,19 @@ def test_pointwise_convs_need_no_window_means():
     y = b.conv(h, 6, 6, k=3)
     model, _ = load_model(b.build([b.conv(y, 6, 2, k=1, stride=2)], name="pw"))
     assert [conv_geometry(n) is None for n in model.graph if n.op_type == "Conv"] == [True, False, False]
+
+
+def test_convolutions_of_different_geometry_on_one_tensor():
+    """A ResNet downsampling block: a 3x3 and a 1x1 stride-2 Conv read the same tensor;
+    each needs its own window means (the collecting nodes once had the same name, and
+    onnxruntime refused the calibration graph)."""
+    from helpers import GraphBuilder
+
+    b = GraphBuilder(21)
+    x = b.input("x", ["N", 4, 9, 9])
+    main_path = b.conv(x, 4, 6, k=3, stride=2)
+    shortcut = b.conv(x, 4, 6, k=1, stride=2, pad=0)
+    model = b.build([b.node("Add", [main_path, shortcut])], name="downsample")
+    feeds = data(model, 16, seed=3)
+    result = onnxq.quantize(model, None, per_tensor([{"name": "bias_correction"}]), feeds)
+    assert any(n.startswith("bias_correction: 2 of 2 biases corrected") for n in result.summary.notes)

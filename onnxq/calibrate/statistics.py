@@ -28,6 +28,7 @@ states at batch 8 are ~9 MB each).
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -179,7 +180,10 @@ class Accumulator:
 
 
 def _suffix(stat: Statistic) -> str:
-    return f"__onnxq_{stat.reduce}_{stat.axis}".replace("-", "m")
+    """Names of the nodes computing `stat`: one per statistic of a tensor (window means of
+    convolutions of different geometry reading the same tensor included)."""
+    geometry = f"_{zlib.crc32(repr(stat.window).encode()):08x}" if stat.window is not None else ""
+    return f"__onnxq_{stat.reduce}_{stat.axis}{geometry}".replace("-", "m")
 
 
 _SUMMABLE = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
