@@ -33,6 +33,7 @@ from onnxq.config import Config, as_config, validate_node_configs
 from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.fidelity import check_outputs, samples_to_check
+from onnxq.emit.float8_center import centering_requests
 from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads, open_deployed
 from onnxq.errors import CalibrationDataError, ConfigError, UnsupportedModelError
 from onnxq.graph.load import check_runnable, load_model
@@ -86,7 +87,7 @@ class PipelineState:
             self.ranges.update(observe(model, missing, ctx.data, ctx.calibration, False).result().ranges)
         plan = _within_ranges(plan, self.ranges)
         plan, _ = run_algorithms(model, plan, self.ranges, self.algorithms, ctx)
-        model, _, _ = _emit_loadable(model, plan, self.ranges, config, ctx, self.target)
+        model, _, _ = _emit_loadable(model, plan, self.ranges, config, ctx, self.target, self.statistics)
         return model
 
 
@@ -167,6 +168,12 @@ def _within_ranges(plan: QuantPlan, ranges: dict[str, tuple[float, float]]) -> Q
     return plan.without(missing, "not calibrated")[0] if missing else plan
 
 
+def _requests(model: ir.Model, plan: QuantPlan, algorithms: list[dict[str, Any]]) -> list[Statistic]:
+    """Statistics the calibration pass collects besides ranges: the first algorithm's and
+    the channel means that centre float8 activations at emission."""
+    return [*algorithm_requests(model, plan, algorithms), *centering_requests(model, plan)]
+
+
 def _calibrate_or_load(
     model: ir.Model, plan: QuantPlan, data: CalibrationSource, config: Config, progress: bool | None,
     algorithms: list[dict[str, Any]], deferred: Deferred | None, notes: list[str],
@@ -181,7 +188,7 @@ def _calibrate_or_load(
         ranges, samples = load_ranges(options.load_ranges, list(tensors), digest)
         result = CalibrationResult(ranges, samples, 0, 0)
     elif options.stats:
-        requests = algorithm_requests(model, plan, algorithms)
+        requests = _requests(model, plan, algorithms)
         if tensors or requests:
             result = load_stats(options.stats, model, tensors, requests, options).result()
         else:  # nothing left to calibrate (an accuracy target's all-float candidate)
@@ -192,10 +199,10 @@ def _calibrate_or_load(
             notes.append(note)
             return rescaled
 
-        requests = [*algorithm_requests(model, plan, algorithms), *deferred.statistics]
+        requests = [*_requests(model, plan, algorithms), *deferred.statistics]
         result = calibrate_deferred(model, tensors, data, options, progress, requests, deferred.rescalable, finish)
     else:
-        requests = algorithm_requests(model, plan, algorithms) if data.source is not None else []
+        requests = _requests(model, plan, algorithms) if data.source is not None else []
         result = observe(model, tensors, data, options, progress, requests).result()
     if options.save_ranges:
         save_ranges(options.save_ranges, result.ranges, tensors, result.num_samples, digest)
@@ -248,13 +255,14 @@ def _with_equalization(
 
 def _emit_loadable(
     model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], config: Config,
-    ctx: PassContext, target: TargetProfile,
+    ctx: PassContext, target: TargetProfile, statistics: Mapping[Statistic, Any],
 ) -> tuple[ir.Model, EmitResult, ort.InferenceSession | None]:
     """Emit, then open the result as a deployment would; if onnxruntime refuses it, keep
     the nodes responsible float (found by re-emitting from a copy) instead of writing it.
-    Also returns the session that opened it (for the output check)."""
+    Also returns the session that opened it (for the output check). `statistics`: the
+    calibration pass's, measured before any algorithm ran (float8 centring)."""
     pristine = model.clone()
-    emitted = emit_model(model, plan, ranges, config, ctx.weights, target.runs_on_cpu())
+    emitted = emit_model(model, plan, ranges, config, ctx.weights, target.runs_on_cpu(), statistics)
     providers = config.calibration.providers
     session = open_deployed(model, providers)
     if session is not None:
@@ -265,7 +273,7 @@ def _emit_loadable(
         copy = pristine.clone()
         keep = {**ctx.keep_float, **{name: UNLOADABLE for name in kept}}
         new_plan = _within_ranges(plan_quantization(copy, config, keep, target), ranges)
-        result = emit_model(copy, new_plan, ranges, config, cpu=target.runs_on_cpu())
+        result = emit_model(copy, new_plan, ranges, config, cpu=target.runs_on_cpu(), statistics=statistics)
         return Trial(copy, model_loads(copy, providers), result)
 
     final, culprits = find_culprits(order, trial)
@@ -396,7 +404,8 @@ def run_pipeline(
     summary.notes.extend(notes)
 
     with summary.stage("emit"):
-        ir_model, emitted, session = _emit_loadable(ir_model, plan, calibration.ranges, config, ctx, target)
+        ir_model, emitted, session = _emit_loadable(ir_model, plan, calibration.ranges, config, ctx, target,
+                                                    calibration.statistics)
     samples, note = samples_to_check(options.check_samples, float_bytes, data)
     summary.notes.extend([note] if note else [])
     if session is not None and samples:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from onnxq.analyze.qgraph import GLUE_OPS, Layer, bias_add, dequantizer
+from onnxq.analyze.qgraph import Layer, bias_add, dequantizer, is_glue
 from onnxq.graph.edit import values_by_name
 
 PREFIX = "onnxq_isolated/"
@@ -54,7 +54,7 @@ class _Copier:
         if v.const_value is not None and producer is None:
             out = ir.Value(name=self.unique(v.name), type=v.type, shape=v.shape, const_value=v.const_value)
             self.graph.register_initializer(out)
-        elif producer is not None and producer.op_type in GLUE_OPS:
+        elif is_glue(producer):
             out = self.node(producer, v, shared=True)
         else:
             out = self.float_values.get(v.name)
@@ -82,17 +82,27 @@ class _Copier:
         return outputs[node.outputs.index(wanted or node.outputs[0])]
 
     def requantized(self, out: ir.Value, quant_out: ir.Value) -> ir.Value | None:
-        """`out` (a copied layer output) through the Q/DQ the quantized model applies to it."""
-        q = next((u.node for u in quant_out.uses() if u.node.op_type == "QuantizeLinear"), None)
-        if q is None:
+        """`out` (a copied layer output) through the Q/DQ the quantized model applies to it
+        (with a float8 centring's Sub before and Add after, when it has them)."""
+        first = next((u.node for u in quant_out.uses() if u.node.op_type == "QuantizeLinear"
+                      or (u.node.op_type == "Sub" and is_glue(u.node))), None)
+        if first is None:
             return out
-        dq = dequantizer(q)
+        centre = first if first.op_type == "Sub" else None
+        if centre is not None:
+            out = self.node(centre, inputs=[out, self.value(centre.inputs[1])])
+            first = next(u.node for u in centre.outputs[0].uses() if u.node.op_type == "QuantizeLinear")
+        q, dq = first, dequantizer(first)
         params = [self.value(v) if v is not None else None for v in q.inputs[1:]]
         if dq is None or any(p is None for p, v in zip(params, q.inputs[1:]) if v is not None):
             return None
         q_copy = self.node(q, inputs=[out, *params])
         dq_params = [self.value(v) if v is not None else None for v in dq.inputs[1:]]
-        return self.node(dq, inputs=[q_copy, *dq_params])
+        result = self.node(dq, inputs=[q_copy, *dq_params])
+        restore = next((u.node for u in dq.outputs[0].uses() if u.node.op_type == "Add" and is_glue(u.node)), None)
+        if restore is not None:
+            result = self.node(restore, inputs=[result, self.value(restore.inputs[1])])
+        return result
 
 
 def add_isolated_layers(

@@ -72,9 +72,47 @@ def dequantizer(q: ir.Node) -> ir.Node | None:
     return next((u.node for u in q.outputs[0].uses() if u.node.op_type == "DequantizeLinear"), None)
 
 
+def _centring(q: ir.Node) -> ir.Node | None:
+    """The Sub of a constant per-channel offset before QuantizeLinear `q` (float8 centring,
+    `emit/float8_center.py`), if there is one."""
+    sub = q.inputs[0].producer() if q.inputs[0] is not None else None
+    if sub is None or sub.op_type != "Sub" or len(sub.inputs) != 2 or constant_array(sub.inputs[1]) is None:
+        return None
+    return sub
+
+
+def is_glue(node: ir.Node | None) -> bool:
+    """Q/DQ glue: QuantizeLinear, DequantizeLinear, Cast, and a float8 centring's Sub
+    before a Q or Add after a DQ of the same per-channel offset."""
+    if node is None:
+        return False
+    if node.op_type in GLUE_OPS:
+        return True
+    if node.op_type == "Sub" and node.outputs and any(u.node.op_type == "QuantizeLinear"
+                                                       for u in node.outputs[0].uses()):
+        return next((_centring(u.node) for u in node.outputs[0].uses()), None) is node
+    if node.op_type == "Add" and len(node.inputs) == 2 and node.inputs[0] is not None:
+        dq = node.inputs[0].producer()
+        q = dq.inputs[0].producer() if dq is not None and dq.op_type == "DequantizeLinear" else None
+        sub = _centring(q) if q is not None and q.op_type == "QuantizeLinear" else None
+        return sub is not None and sub.inputs[1] is node.inputs[1]
+    return False
+
+
+def _restored(dq: ir.Node, offset: ir.Value | None) -> ir.Value:
+    """What readers of `dq` get: its output, or the Add putting a centring `offset` back."""
+    out = dq.outputs[0]
+    uses = list(out.uses())
+    if offset is not None and len(uses) == 1 and uses[0].node.op_type == "Add" and offset in uses[0].node.inputs:
+        return uses[0].node.outputs[0]
+    return out
+
+
 def _activation(q: ir.Node) -> QuantizedActivation | None:
-    """The activation quantized by QuantizeLinear `q`, if it is per-tensor and read back by a DQ."""
-    value = q.inputs[0]
+    """The activation quantized by QuantizeLinear `q`, if it is per-tensor and read back by a
+    DQ (through a float8 centring's Sub and Add, when there is one)."""
+    sub = _centring(q)
+    value = sub.inputs[0] if sub is not None else q.inputs[0]
     if value is None or constant_array(value) is not None or len(q.inputs) < 3:
         return None
     scale, zp = constant_array(q.inputs[1]), constant_array(q.inputs[2])
@@ -84,7 +122,11 @@ def _activation(q: ir.Node) -> QuantizedActivation | None:
     grid = _grid(zp, float(scale.reshape(-1)[0]))
     if dq is None or grid is None or not value.name:
         return None
-    return QuantizedActivation(value.name, dq.outputs[0].name, str(zp.dtype), *grid, _bounds(dq.outputs[0]))
+    seen = _restored(dq, sub.inputs[1] if sub is not None else None)
+    if sub is not None:  # the grid is around each channel's offset: its real range varies by channel
+        offset = constant_array(sub.inputs[1])
+        grid = (grid[0] + float(offset.min()), grid[1] + float(offset.max()))
+    return QuantizedActivation(value.name, seen.name, str(zp.dtype), *grid, _bounds(seen))
 
 
 def _bounds(value: ir.Value) -> tuple[float, float] | None:
@@ -108,17 +150,22 @@ def quantized_activations(model: ir.Model) -> list[QuantizedActivation]:
 
 
 def _reads_dequantized(node: ir.Node) -> bool:
-    return any(v is not None and v.producer() is not None and v.producer().op_type == "DequantizeLinear"
-               for v in node.inputs)
+    return any(v is not None and v.producer() is not None and (
+        v.producer().op_type == "DequantizeLinear" or (v.producer().op_type == "Add" and is_glue(v.producer())))
+        for v in node.inputs)
 
 
 def _dequantized_output(value: ir.Value) -> ir.Value | None:
     """The DQ output consumers read when `value` is quantized right after it is computed."""
     for use in value.uses():
-        if use.node.op_type == "QuantizeLinear":
-            dq = dequantizer(use.node)
+        q = use.node
+        if q.op_type == "Sub" and len(q.outputs[0].uses()) == 1:  # float8 centring
+            q = next(iter(q.outputs[0].uses())).node
+        if q.op_type == "QuantizeLinear":
+            dq = dequantizer(q)
             if dq is not None:
-                return dq.outputs[0]
+                sub = _centring(q)
+                return _restored(dq, sub.inputs[1] if sub is not None else None)
     return None
 
 
@@ -140,7 +187,7 @@ def layers(model: ir.Model) -> list[Layer]:
     """The nodes that compute on dequantized inputs, in graph order."""
     found = []
     for node in model.graph:
-        if node.op_type in GLUE_OPS or not node.outputs or not _reads_dequantized(node):
+        if is_glue(node) or not node.outputs or not _reads_dequantized(node):
             continue
         add = bias_add(node)
         out = (add or node).outputs[0]

@@ -10,10 +10,13 @@ onnxruntime's integer kernels (`emit/qoperator.py`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx_ir as ir
 
+from onnxq.calibrate.statistics import Statistic
 from onnxq.config.spec import Config, QuantFormat
 from onnxq.emit import (  # noqa: F401 (register lowerings)
     block_format,
@@ -24,6 +27,7 @@ from onnxq.emit import (  # noqa: F401 (register lowerings)
 )
 from onnxq.emit.cpu_layout import keep_layernorm_apart
 from onnxq.emit.float8 import make_float8_deployable
+from onnxq.emit.float8_center import center_float8
 from onnxq.emit.lowering import ordered
 from onnxq.emit.qdq import EmitReport, emit_qdq
 from onnxq.emit.qoperator import to_qoperator
@@ -43,10 +47,12 @@ class EmitResult:
 def emit_model(
     model: ir.Model, plan: QuantPlan, ranges: dict[str, tuple[float, float]], config: Config,
     weights: WeightCache | None = None, cpu: bool = False,
+    statistics: Mapping[Statistic, np.ndarray | None] | None = None,
 ) -> EmitResult:
     """Apply the QDQ lowering and every registered lowering the plan needs to `model`, in
     place (`weights`: weights the algorithms already quantized, not quantized again;
-    `cpu`: the target runs onnxruntime's CPU provider, see `cpu_layout`)."""
+    `cpu`: the target runs onnxruntime's CPU provider, see `cpu_layout`; `statistics`: the
+    calibration's, whose channel means centre float8 activations, `float8_center.py`)."""
     extended = config.quant_format == QuantFormat.QDQ_EXT
     result = EmitResult(emit_qdq(model, plan, ranges, config.qdq_domain, weights, extended), plan)
     if result.qdq.extended:
@@ -56,6 +62,10 @@ def emit_model(
         # Lay float8 Q/DQ out so onnxruntime's CPU optimiser keeps it exact (emit/float8.py).
         note = make_float8_deployable(model).note()
         result.notes.extend([note] if note else [])
+        centred = center_float8(model, statistics or {})
+        if centred:
+            result.notes.append(f"float8: {centred} activations centred per channel on their calibration mean "
+                                "(float8's precision is relative: a channel's offset would cost its spread)")
     ops = {n.name: n.op_type for n in model.graph}  # of the claimed nodes, before any rewrite
     for lowering in ordered():
         nodes = plan.nodes_for(lowering.strategy)
