@@ -269,3 +269,20 @@ def test_activations_on_an_offset_are_centred(dtype, monkeypatch):
         return H.sqnr_db(reference - mean, H.run(_session(q), test) - mean)
 
     assert spread_sqnr(centred.model) > spread_sqnr(plain) + 6.0
+
+
+def test_a_channel_offset_never_pushes_values_off_the_grid():
+    """Shifted by its offset, every calibrated value of a channel stays within what the
+    QuantizeLinear represents (+-limit): the mean moves toward 0 where it would not."""
+    from onnxq.calibrate.statistics import Statistic
+    from onnxq.emit.float8_center import _offset
+
+    stat = Statistic("t", "mean", 1)
+    mean = np.array([3.0, 3.0, -2.0])
+    stats = {Statistic("t", "min", 1): np.array([-1.0, -4.0, -5.0]),
+             Statistic("t", "max", 1): np.array([5.0, 5.0, 4.0])}
+    offset = _offset(stat, mean, stats, limit=5.0)
+    np.testing.assert_allclose(offset, [3.0, 1.0, -1.0])
+    assert np.all(stats[Statistic("t", "max", 1)] - offset <= 5.0)
+    assert np.all(stats[Statistic("t", "min", 1)] - offset >= -5.0)
+    assert _offset(stat, mean, {}, limit=5.0) is None  # no extremes measured: no centring
