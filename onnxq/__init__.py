@@ -14,6 +14,7 @@ from onnxq.config import (
     compose_config,
     get_preset,
     load_config,
+    save_config,
 )
 from onnxq.errors import OnnxqError
 from onnxq.optimize.adaquant import AdaQuantConfig
@@ -52,5 +53,6 @@ __all__ = [
     "format_summary",
     "get_preset",
     "load_config",
+    "save_config",
     "quantize",
 ]

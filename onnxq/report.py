@@ -101,7 +101,10 @@ def format_summary(s: Summary) -> str:
         lines.append(f"  bias kept in float: {bias}")
     passes = f" in {s.calibration_passes} passes" if s.calibration_passes > 1 else ""
     n = s.calibration_samples
-    lines.append(f"  calibration: {n} sample{'' if n == 1 else 's'}, {s.calibrated_tensors} tensors{passes}")
+    if n or s.calibrated_tensors:
+        lines.append(f"  calibration: {n} sample{'' if n == 1 else 's'}, {s.calibrated_tensors} tensors{passes}")
+    else:  # weight-only: an algorithm that reads data says how much in its own note
+        lines.append("  calibration: none (no activation is quantized statically)")
     if 0 < n < FEW_SAMPLES and s.calibrated_tensors:
         lines.append(f"  warning: activation ranges from {n} calibration sample{'' if n == 1 else 's'} rarely cover "
                      "what the model sees; pass about 100 or more representative samples, stacked along axis 0 "

@@ -930,3 +930,35 @@ def test_an_activation_after_an_excluded_op_says_why_it_stays_float():
     reasons = {op: why for op, why in result.summary.float_nodes.values()}
     assert "the Conv before it stays float" in reasons["Relu"]
     assert result.summary.quantized_by_op.get("Relu", 0) >= 1  # the other Relu is quantized
+
+
+def test_a_misspelt_op_type_override_is_refused():
+    """An op-type override naming no ONNX op type would silently do nothing; one of a real
+    op type the model lacks is fine (a config reused across models)."""
+    import numpy as np
+    import pytest
+    from helpers import conv_relu_chain
+
+    import onnxq
+    from onnxq.errors import ConfigError
+
+    data = {"x": np.random.default_rng(0).standard_normal((8, 3, 16, 16)).astype(np.float32)}
+    int4 = {"weight": {"dtype": "int4"}}
+    for typo in ("conv", "Convv"):
+        with pytest.raises(ConfigError, match=f"op type '{typo}'.*did you mean 'Conv'"):
+            onnxq.quantize(conv_relu_chain(), None, {"layer_type_quant_config": {typo: int4}}, data)
+    onnxq.quantize(conv_relu_chain(), None, {"layer_type_quant_config": {"MatMul": int4}}, data)
+
+
+def test_config_helpers_for_python_users(tmp_path):
+    """save_config is exported beside load_config; a config path that does not exist says so."""
+    import pytest
+
+    import onnxq
+    from onnxq.errors import ConfigError
+
+    path = tmp_path / "recipe.yaml"
+    onnxq.save_config(onnxq.get_preset("S8S8"), path)
+    assert onnxq.load_config(path) == onnxq.get_preset("S8S8")
+    with pytest.raises(ConfigError, match="config file not found: .*missing.yaml"):
+        onnxq.as_config(str(tmp_path / "missing.yaml"))

@@ -181,3 +181,18 @@ def test_top1_agreement_only_for_class_scores():
     assert top1_agreement(scores, scores) == 1.0
     embeddings = scores / np.linalg.norm(scores, axis=1, keepdims=True)
     assert top1_agreement(embeddings, embeddings) is None
+
+
+def test_an_asked_check_on_data_read_once_says_it_was_skipped():
+    """check_samples asked for, calibration data from a generator (read once): no check,
+    and the summary says why instead of nothing."""
+    from helpers import conv_relu_chain
+
+    import onnxq
+
+    model = conv_relu_chain()
+    rng = np.random.default_rng(0)
+    batches = ({"x": rng.standard_normal((4, 3, 16, 16)).astype(np.float32)} for _ in range(4))
+    result = onnxq.quantize(model, None, {"calibration": {"check_samples": 8}}, batches)
+    assert result.summary.fidelity is None
+    assert any(n.startswith("output check skipped: the calibration data (generator)") for n in result.summary.notes)

@@ -163,6 +163,8 @@ def as_config(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> 
         return get_preset(config)
     if Path(config).is_file():
         return load_config(config)
+    if Path(config).suffix.lower() in (".yaml", ".yml", ".json", ".prototxt", ".cfg"):
+        raise ConfigError(f"config file not found: {config}")
     hint = closest_name(str(config), list(PRESETS)) if isinstance(config, str) else None
     did_you_mean = f"did you mean '{hint}'? " if hint else ""
     raise ConfigError(f"config {str(config)!r} is neither a preset nor a file; {did_you_mean}"

@@ -12,11 +12,14 @@ known with the model, so `validate_node_configs` checks those combinations per n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import fields
 from enum import Enum
 from typing import Any
+
+import onnx
 
 from onnxq.config.io import closest_name
 from onnxq.config.resolve import is_excluded, merge_specs, resolve_node_config
@@ -82,6 +85,13 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> N
         if name not in names:
             raise ConfigError(f"layer_quant_config names {name!r}, which is no node of the model"
                               f"{_nearest(name, names)}")
+    op_types = {op for _, op in nodes}
+    for op in config.layer_type_quant_config:
+        if op not in op_types and op not in _onnx_op_types():  # an op type of no model: a typo
+            hint = closest_name(op, sorted(op_types)) or closest_name(op, sorted(_onnx_op_types()))
+            raise ConfigError(f"layer_type_quant_config names op type {op!r}, which is no ONNX op type nor one "
+                              f"of the model's" + (f"; did you mean '{hint}'?" if hint else
+                                                   f" ({', '.join(sorted(op_types))})"))
     for name, op_type in nodes:
         resolved = resolve_node_config(config, name, op_type)
         if resolved is None:
@@ -91,6 +101,12 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> N
             if spec is not None:
                 path = f"node {name!r} ({op_type}).{tensor_class} as resolved"
                 check_spec(_plain_values(spec, _extended(config)), tensor_class, path, resolved=True)
+
+
+@functools.cache
+def _onnx_op_types() -> frozenset[str]:
+    """Every op type of onnx's registered schemas (standard and other domains)."""
+    return frozenset(schema.name for schema in onnx.defs.get_all_schemas_with_history())
 
 
 def _nearest(word: str, names: list[str]) -> str:

@@ -147,13 +147,16 @@ CHECK_SAMPLES, CHECK_AUTO_BYTES = 8, 256 << 20
 def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSource) -> tuple[int, str | None]:
     """Samples the check runs on (0: none), with a note when the model's size alone skips it."""
     if data.source is None or not data.replayable:
+        if data.source is not None and asked:
+            return 0, (f"output check skipped: the calibration data ({type(data.source).__name__}) can be read "
+                       "only once; pass a path, a dict of arrays, a list of feeds or a reader with rewind()")
         return 0, None
     if asked is not None:
         return asked, None
     if model_bytes <= CHECK_AUTO_BYTES:
         return CHECK_SAMPLES, None
     return 0, (f"output check skipped: a {model_bytes / 1e6:.0f} MB model would be opened again in float to "
-               f"check against; --check-samples {CHECK_SAMPLES} runs it")
+               f"check against; --check-samples {CHECK_SAMPLES} (calibration.check_samples) runs it")
 
 
 def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs: list[InputSpec],
