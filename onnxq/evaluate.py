@@ -179,7 +179,7 @@ def compare_models(
     _check_interface(ref, next(iter(sessions.values())))
     outputs: dict[str, dict[str, list[np.ndarray]]] = {k: {n: [] for n in names} for k in ("float", *sessions)}
     source = CalibrationSource(data)
-    for feed in _progress(iter_batches(source, session_inputs(ref), batch_size, max_samples), progress):
+    for feed in _progress(iter_batches(source, session_inputs(ref), batch_size, max_samples, kind="evaluation"), progress):
         for kind, session in (("float", ref), *sessions.items()):
             for n, y in zip(names, session.run(names, feed)):
                 outputs[kind][n].append(y)
@@ -200,7 +200,7 @@ def run_model(model: str | os.PathLike, data: Any, max_samples: int | None = Non
     session = deployed_session(model, check_providers(providers or ["CPUExecutionProvider"]))
     names = [o.name for o in session.get_outputs()]
     outputs: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    for feed in iter_batches(data, session_inputs(session), batch_size, max_samples):
+    for feed in iter_batches(data, session_inputs(session), batch_size, max_samples, kind="model"):
         for n, y in zip(names, session.run(names, feed)):
             outputs[n].append(y)
     if not outputs[names[0]]:

@@ -375,6 +375,16 @@ def test_compare_refuses_a_model_of_another_input_shape(ws, capsys):
     assert_one_error_line(capsys.readouterr().err, ("input 'x'", "float model it came from"))
 
 
+def test_compare_calls_its_data_evaluation_data(ws, capsys):
+    """Errors about compare's data call it evaluation data, not calibration data."""
+    onnxq.quantize(str(ws.model), str(ws.out), calibration_data=str(ws.good_data), progress=False)
+    data = ws.root / "nhwc.npy"
+    np.save(data, np.zeros((4, 16, 16, 3), np.float32))
+    assert main(["compare", str(ws.model), str(ws.out), "--data", str(data)]) == 2
+    line = assert_one_error_line(capsys.readouterr().err, ("nhwc.npy", "evaluation input 'x'"))
+    assert "calibration" not in line
+
+
 def test_ranges_and_stats_of_another_pass_setup_are_refused(ws, capsys):
     """Ranges or statistics calibrated without CLE do not fit a run with it (the weights,
     and so the activations, differ): refused in one line, not silently used."""

@@ -198,7 +198,8 @@ def analyze_models(
         if not layers_only:
             deployed = deployed_session(quant, providers)
         out_names = [] if deployed is None else [o.name for o in deployed.get_outputs()]
-        for feed in _progress(iter_batches(data, session_inputs(ref_session), batch_size, max_samples), progress):
+        for feed in _progress(iter_batches(data, session_inputs(ref_session), batch_size, max_samples,
+                                                 kind="evaluation"), progress):
             ref = dict(zip(ref_names, ref_session.run(ref_names, feed)))
             test = dict(zip(test_names, test_session.run(test_names, feed))) if test_session else {}
             out = dict(zip(out_names, deployed.run(out_names, feed))) if deployed is not None else {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -363,7 +364,7 @@ def _short_of_one_sample(inputs: list[InputSpec], feed: Feed, units: Mapping[str
 
 def iter_batches(
     source: Any, inputs: list[InputSpec], batch_size: int, max_samples: int | None,
-    purpose: str = "calibration", max_batches: int | None = None,
+    purpose: str = "calibration", max_batches: int | None = None, kind: str = "calibration",
 ) -> Iterator[Feed]:
     """Validated batches of up to `batch_size` samples; one whole input with a fixed batch;
     at most `max_batches` of them.
@@ -371,7 +372,20 @@ def iter_batches(
     `max_samples` counts samples as `sample_rows` defines them. A model with a fixed
     batch runs each whole input on its own; rows that fill no whole input are dropped, and
     data that fills none at all is an error naming the input and the shape it needs.
+    `kind`: what the data is to the user, as errors call it ("calibration", "evaluation").
     """
+    try:
+        yield from _batches(source, inputs, batch_size, max_samples, purpose, max_batches)
+    except CalibrationDataError as exc:
+        if kind == "calibration":
+            raise
+        raise CalibrationDataError(re.sub(r"\bcalibration (input|sample|arrays)", rf"{kind} \1", str(exc))) from None
+
+
+def _batches(
+    source: Any, inputs: list[InputSpec], batch_size: int, max_samples: int | None,
+    purpose: str, max_batches: int | None,
+) -> Iterator[Feed]:
     if not isinstance(source, CalibrationSource):
         source = CalibrationSource(source)
     units = sample_rows(inputs)

@@ -93,7 +93,8 @@ class EvalSet:
     def batches(self, session: ort.InferenceSession) -> Iterator[dict[str, np.ndarray]]:
         from onnxq.evaluate import session_inputs
 
-        return iter_batches(self.data, session_inputs(session), self.batch_size, self.max_samples)
+        return iter_batches(self.data, session_inputs(session), self.batch_size, self.max_samples,
+                            kind="evaluation")
 
     def first_output(self, session: ort.InferenceSession) -> np.ndarray:
         name = session.get_outputs()[0].name
