@@ -6,6 +6,11 @@ escapes is a bug in onnxq and keeps its traceback.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
+from typing import Any
+
 
 class OnnxqError(Exception):
     """A mistake in what the user gave us (model, data, config, options)."""
@@ -25,3 +30,35 @@ class CalibrationDataError(OnnxqError):
 
 class UnsupportedModelError(ModelError):
     """Valid ONNX that onnxq does not quantize: a training graph, map-typed inputs or outputs."""
+
+
+class UnknownFieldError(ConfigError, TypeError):
+    """A keyword argument that names no field of a configuration class (a TypeError too,
+    as Python's own error for it would be)."""
+
+
+def closest_name(word: str, choices: list[str], cutoff: float = 0.6) -> str | None:
+    """The closest of `choices` to `word`, compared case-insensitively, if any is close."""
+    lowered = {c.lower(): c for c in choices}
+    match = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=cutoff)
+    return lowered[match[0]] if match else None
+
+
+def named_fields_only(cls: type) -> type:
+    """Class decorator for configuration dataclasses: a keyword naming no field raises
+    `UnknownFieldError` with the nearest field (`QuantizationSpec(dtyp="int8")`: did you
+    mean 'dtype'?), where Python only says "unexpected keyword argument"."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        unknown = next((k for k in kwargs if k not in names), None)
+        if unknown is not None:
+            hint = closest_name(unknown, names) or next((n for n in names if n.startswith(unknown.lower())), None)
+            raise UnknownFieldError(f"{cls.__name__} has no field {unknown!r}; "
+                                    + (f"did you mean {hint!r}?" if hint else f"its fields: {', '.join(names)}"))
+        init(self, *args, **kwargs)
+
+    cls.__init__ = checked
+    return cls

@@ -962,3 +962,22 @@ def test_config_helpers_for_python_users(tmp_path):
     assert onnxq.load_config(path) == onnxq.get_preset("S8S8")
     with pytest.raises(ConfigError, match="config file not found: .*missing.yaml"):
         onnxq.as_config(str(tmp_path / "missing.yaml"))
+
+
+def test_a_misspelt_keyword_of_a_config_class_names_the_field():
+    """Python's TypeError says only 'unexpected keyword argument'; onnxq's names the nearest
+    field, and is both an OnnxqError and a TypeError."""
+    import pytest
+
+    import onnxq
+    from onnxq.errors import OnnxqError
+
+    cases = [(lambda: onnxq.QuantizationSpec(dtyp="int8"), "QuantizationSpec has no field 'dtyp'; did you mean 'dtype'"),
+             (lambda: onnxq.Config(global_quant_confg=None), "did you mean 'global_quant_config'"),
+             (lambda: onnxq.GPTQConfig(damp=0.1), "GPTQConfig has no field 'damp'; did you mean 'damp_percent'"),
+             (lambda: onnxq.AdaRoundConfig(num_iterations=3), "did you mean 'num_iteration'")]
+    for make, words in cases:
+        with pytest.raises(OnnxqError, match=words) as caught:
+            make()
+        assert isinstance(caught.value, TypeError)
+    assert onnxq.AdaRoundConfig(num_iteration=3).num_iteration == 3

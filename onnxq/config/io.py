@@ -8,7 +8,6 @@ and wrong value types are `ConfigError`s that name where they are and what would
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 import os
 import types
@@ -22,7 +21,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from onnxq.config.spec import Config, QuantizationSpec
-from onnxq.errors import ConfigError
+from onnxq.errors import ConfigError, closest_name  # noqa: F401 (closest_name: this module's, for its importers)
 
 YAML_SUFFIXES = (".yaml", ".yml")
 # The `preset:` value of a complete config: nothing comes from a preset.
@@ -154,13 +153,6 @@ def _convert_dict(value: Any, value_tp: Any, parent: str, name: str) -> dict[str
             raise ConfigError(f"key {key!r} in {path} must be a string; quote it in the file")
         out[key] = _convert(item, value_tp, path, f"[{key!r}]")
     return out
-
-
-def closest_name(word: str, choices: list[str], cutoff: float = 0.6) -> str | None:
-    """The closest of `choices` to `word`, compared case-insensitively, if any is close."""
-    lowered = {c.lower(): c for c in choices}
-    match = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=cutoff)
-    return lowered[match[0]] if match else None
 
 
 def _convert_open_enum(value: Any, tp: type[Enum], parent: str, name: str) -> Enum | str:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from onnxq.errors import named_fields_only
+
 
 class _StrEnum(str, Enum):
     """An enum of strings that prints as its value (what config files hold)."""
@@ -118,6 +120,7 @@ class QuantFormat(_StrEnum):
     QDQ_EXT = "qdq-ext"
 
 
+@named_fields_only
 @dataclass
 class QuantizationSpec:
     """How one class of tensor (input, output, weight or bias) is quantized.
@@ -146,6 +149,7 @@ class QuantizationSpec:
     bits: int | None = None
 
 
+@named_fields_only
 @dataclass
 class QuantizationConfig:
     """Specs for the four tensor classes of a node. A `None` spec inherits."""
@@ -157,6 +161,7 @@ class QuantizationConfig:
     target_device: str | None = None
 
 
+@named_fields_only
 @dataclass
 class CalibrationConfig:
     """How calibration data is fed: sample cap, batch size, onnxruntime providers."""
@@ -185,6 +190,7 @@ class CalibrationConfig:
 LADDER_RUNGS = ("int16", "fp16", "bf16", "float")
 
 
+@named_fields_only
 @dataclass
 class MixedPrecisionConfig:
     """Raise the most sensitive layers up `ladder` until the model meets `target`.
@@ -204,6 +210,7 @@ class MixedPrecisionConfig:
     max_samples: int | None = None
 
 
+@named_fields_only
 @dataclass
 class Config:
     """The whole recipe: what to quantize, how, and which passes run first."""

@@ -35,7 +35,7 @@ from onnxq.calibrate.data import CalibrationSource
 from onnxq.calibrate.runner import collect
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.spec import CalibrationConfig
-from onnxq.errors import CalibrationDataError, ConfigError
+from onnxq.errors import CalibrationDataError, ConfigError, named_fields_only
 from onnxq.optimize.options import parse_options
 from onnxq.plan.params import WeightCache
 
@@ -145,10 +145,18 @@ REQUESTS: dict[str, Callable[..., list[Statistic]]] = {}
 DEFAULT_PASSES = ("fold_batchnorm",)
 
 
+def _named_fields_only(options: Any) -> Any:
+    """An options dataclass whose unknown keywords name the nearest field (`errors`)."""
+    if dataclasses.is_dataclass(options) and isinstance(options, type) and not options.__dict__.get("_named"):
+        named_fields_only(options)
+        options._named = True
+    return options
+
+
 def register_pass(name: str, options: Any = NoOptions, data: DataUse = "none",
                   rewrites: tuple[str, ...] = ()) -> Callable[[PassFn], PassFn]:
     """Register `fn(model, options, ctx) -> report line` as pass `name` (see `Contract`)."""
-    contract = Contract(options, data, rewrites)
+    contract = Contract(_named_fields_only(options), data, rewrites)
 
     def decorate(fn: PassFn) -> PassFn:
         PASSES[name], CONTRACTS[name] = fn, contract
@@ -160,7 +168,7 @@ def register_pass(name: str, options: Any = NoOptions, data: DataUse = "none",
 def register_algorithm(name: str, options: Any = NoOptions, data: DataUse = "required",
                        rewrites: tuple[str, ...] = ()) -> Callable[[AlgoFn], AlgoFn]:
     """Register `fn(model, plan, ranges, options, ctx)` as algorithm `name` (see `Contract`)."""
-    contract = Contract(options, data, rewrites)
+    contract = Contract(_named_fields_only(options), data, rewrites)
 
     def decorate(fn: AlgoFn) -> AlgoFn:
         ALGORITHMS[name], CONTRACTS[name] = fn, contract
