@@ -121,11 +121,12 @@ def open_any(model: str | os.PathLike | bytes | ir.Model, options: ort.SessionOp
 
 def top1_agreement(ref: np.ndarray, test: np.ndarray) -> float | None:
     """How often the two agree on the largest score per row, for outputs that look like
-    class scores ([N, classes] floats, rows not of unit length); None for other outputs."""
+    class scores ([N, classes] floats; not unit-length rows with negative entries, which
+    are embeddings); None for other outputs."""
     if ref.ndim != 2 or ref.shape[1] < 2 or not np.issubdtype(ref.dtype, np.floating):
         return None
-    if np.allclose(np.linalg.norm(ref.astype(np.float64), axis=1), 1.0, atol=1e-3):
-        return None  # unit-length rows: embeddings, whose largest entry means nothing
+    if ref.min() < 0 and np.allclose(np.linalg.norm(ref.astype(np.float64), axis=1), 1.0, atol=1e-3):
+        return None  # unit-length rows with negative entries: embeddings, whose largest entry means nothing
     return float(np.mean(ref.argmax(1) == test.argmax(1)))
 
 

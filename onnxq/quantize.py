@@ -171,7 +171,7 @@ def _within_ranges(plan: QuantPlan, ranges: dict[str, tuple[float, float]]) -> Q
 def _requests(model: ir.Model, plan: QuantPlan, algorithms: list[dict[str, Any]]) -> list[Statistic]:
     """Statistics the calibration pass collects besides ranges: the first algorithm's and
     the channel means that centre float8 activations at emission."""
-    return [*algorithm_requests(model, plan, algorithms), *centering_requests(model, plan)]
+    return list(dict.fromkeys([*algorithm_requests(model, plan, algorithms), *centering_requests(model, plan)]))
 
 
 def _calibrate_or_load(
@@ -438,7 +438,7 @@ def run_pipeline(
 def _calibration_requests(ready: Prepared) -> tuple[dict[str, Any], list[Statistic]]:
     """The tensors to observe and the statistics to collect, as a run of this config does
     (without a deferred pass: shards and `--stats` runs finish every pass up front)."""
-    tensors, statistics = ready.plan.calibrated_tensors(), algorithm_requests(ready.model, ready.plan, ready.algorithms)
+    tensors, statistics = ready.plan.calibrated_tensors(), _requests(ready.model, ready.plan, ready.algorithms)
     if not tensors and not statistics:
         raise ConfigError("this config takes nothing from the data in the calibration pass (weight-only, or "
                           "algorithms that read the data themselves such as gptq with true_sequential), so "

@@ -235,16 +235,16 @@ def _offset_session(offset: float) -> ort.InferenceSession:
 def test_layers_rank_by_their_effect_on_the_output():
     """The ranking measures each layer where the target is scored, on the output: a layer
     whose own error is small but which the rest of the network amplifies comes first.
-    Past the time budget, the layers not measured follow in the fallback order."""
-    from onnxq.search.sensitivity import impact_order
+    Past the budget, the layers not measured follow in the fallback order."""
+    from onnxq.search.sensitivity import impact_order, layers_to_measure
     from onnxq.search.target import EvalSet
 
     effect = {"quiet_locally": 3.0, "loud_locally": 0.5, "harmless": 0.0}
     local = ["loud_locally", "harmless", "quiet_locally"]  # the analysis's per-layer order
     evalset = EvalSet({"x": np.random.default_rng(0).standard_normal((40, 4)).astype(np.float32)}, None, None)
-    order = impact_order(local, local, evalset, _offset_session(0.0), lambda n: _offset_session(effect[n]))
+    order = impact_order(local, local, evalset, _offset_session(0.0), lambda n: _offset_session(effect[n]), 3)
     assert [n for n, _ in order] == ["quiet_locally", "loud_locally", "harmless"]
     assert order[0][1] > order[1][1] > order[2][1] == 0.0
-    rushed = impact_order(local, local, evalset, _offset_session(0.0), lambda n: _offset_session(effect[n]),
-                          budget_s=0.0)
-    assert [n for n, _ in rushed] == local and np.isnan(rushed[1][1])
+    capped = impact_order(local, local, evalset, _offset_session(0.0), lambda n: _offset_session(effect[n]), 1)
+    assert [n for n, _ in capped] == local and np.isnan(capped[1][1])  # the rest in the fallback order
+    assert layers_to_measure(10 << 20) > 30 and layers_to_measure(2 << 30) == 16  # set by size, not the clock

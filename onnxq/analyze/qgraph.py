@@ -73,12 +73,17 @@ def dequantizer(q: ir.Node) -> ir.Node | None:
 
 
 def _centring(q: ir.Node) -> ir.Node | None:
-    """The Sub of a constant per-channel offset before QuantizeLinear `q` (float8 centring,
-    `emit/float8_center.py`), if there is one."""
+    """The Sub of a constant per-channel offset before QuantizeLinear `q` whose DQ's only
+    reader adds the same offset back (float8 centring, `emit/float8_center.py`), if there
+    is one; a model's own Sub before a Q is not one."""
     sub = q.inputs[0].producer() if q.inputs[0] is not None else None
     if sub is None or sub.op_type != "Sub" or len(sub.inputs) != 2 or constant_array(sub.inputs[1]) is None:
         return None
-    return sub
+    dq = dequantizer(q)
+    readers = list(dq.outputs[0].uses()) if dq is not None else []
+    restores = (len(readers) == 1 and readers[0].node.op_type == "Add"
+                and list(readers[0].node.inputs) == [dq.outputs[0], sub.inputs[1]])
+    return sub if restores else None
 
 
 def is_glue(node: ir.Node | None) -> bool:
@@ -88,9 +93,8 @@ def is_glue(node: ir.Node | None) -> bool:
         return False
     if node.op_type in GLUE_OPS:
         return True
-    if node.op_type == "Sub" and node.outputs and any(u.node.op_type == "QuantizeLinear"
-                                                       for u in node.outputs[0].uses()):
-        return next((_centring(u.node) for u in node.outputs[0].uses()), None) is node
+    if node.op_type == "Sub" and node.outputs:
+        return any(_centring(u.node) is node for u in node.outputs[0].uses() if u.node.op_type == "QuantizeLinear")
     if node.op_type == "Add" and len(node.inputs) == 2 and node.inputs[0] is not None:
         dq = node.inputs[0].producer()
         q = dq.inputs[0].producer() if dq is not None and dq.op_type == "DequantizeLinear" else None
@@ -159,8 +163,9 @@ def _dequantized_output(value: ir.Value) -> ir.Value | None:
     """The DQ output consumers read when `value` is quantized right after it is computed."""
     for use in value.uses():
         q = use.node
-        if q.op_type == "Sub" and len(q.outputs[0].uses()) == 1:  # float8 centring
-            q = next(iter(q.outputs[0].uses())).node
+        if q.op_type == "Sub" and len(q.outputs[0].uses()) == 1:  # float8 centring (checked below)
+            after = next(iter(q.outputs[0].uses())).node
+            q = after if after.op_type == "QuantizeLinear" and _centring(after) is q else q
         if q.op_type == "QuantizeLinear":
             dq = dequantizer(q)
             if dq is not None:

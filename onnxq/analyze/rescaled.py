@@ -63,6 +63,8 @@ def rescaled_layers(reference: ir.Model, quant: ir.Model) -> list[str]:
         twin = floats.get(node.name)
         if twin is None or len(node.inputs) < 2 or len(twin.inputs) < 2:
             continue
+        if any(u.node.op_type == "BatchNormalization" for o in twin.outputs for u in o.uses()):
+            continue  # folding the BatchNormalization scaled its rows, exactly like equalization
         wq, wf = _dequantized(node.inputs[1]), constant_array(twin.inputs[1])
         if wq is None or wf is None or wq.shape != wf.shape or wq.ndim < 2:
             continue

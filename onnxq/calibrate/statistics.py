@@ -88,7 +88,8 @@ class Accumulator:
     def add_reduced(self, value: np.ndarray, count: int, index: int = 0) -> None:
         """Fold one batch's reduction in; `index` is the batch's global position (sums)."""
         value = np.asarray(value, dtype=np.float64)
-        if self.blocks and self.blocks[-1][2].shape != value.shape:
+        before = self.blocks[-1][2] if self.blocks else self.value
+        if before is not None and before.shape != value.shape:  # an axis whose size varies between batches
             self.consistent = False
         if not self.consistent:
             return
@@ -113,7 +114,8 @@ class Accumulator:
     def merge(self, other: Accumulator) -> None:
         """Fold in the accumulator of batches that all come after this one's."""
         if not other.consistent or not self.consistent or (
-                self.blocks and other.blocks and self.blocks[-1][2].shape != other.blocks[0][2].shape):
+                self.blocks and other.blocks and self.blocks[-1][2].shape != other.blocks[0][2].shape) or (
+                self.value is not None and other.value is not None and self.value.shape != other.value.shape):
             self.consistent = False
             return
         self.count += other.count
@@ -209,8 +211,8 @@ def reduction_nodes(value: ir.Value, stat: Statistic, opset: int) -> tuple[list[
     the batch's sum and the tensor's shape, which gives the count). None for Gram matrices
     and when the rank is unknown or a sum's type is not a float (reduced in numpy)."""
     rank = len(value.shape) if value.shape is not None else None
-    if rank is None or rank == 0 or stat.reduce == "gram":
-        return None
+    if rank is None or rank < 2 or stat.reduce == "gram":
+        return None  # rank 1: Reduce* with no axes would reduce the channel axis too
     name = value.name + _suffix(stat)
     axis = stat.axis % rank
     axes = [i for i in range(rank) if i != axis]

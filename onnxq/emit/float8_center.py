@@ -70,7 +70,7 @@ def centering_requests(model: ir.Model, plan: QuantPlan) -> list[Statistic]:
         if value.shape is None or len(value.shape) < 2:
             continue
         axis = _channel_axis(value)
-        if axis is not None:
+        if axis is not None and isinstance(value.shape[axis], int):  # a static axis: the offsets are constants
             stats += [Statistic(value.name, reduce, axis) for reduce in ("mean", "min", "max")]
     return stats
 
@@ -107,9 +107,12 @@ def center_float8(model: ir.Model, means: Mapping[Statistic, np.ndarray | None])
         if mean is None:
             continue
         rank = len(x.shape)
+        if x.shape[stat.axis % rank] != mean.size:
+            continue
         shape = [1] * rank
         shape[stat.axis % rank] = mean.size
-        offset = edit.initializer(f"{stat.tensor}_channel_mean", mean.astype(np.float32).reshape(shape))
+        dtype = np.float16 if x.dtype == ir.DataType.FLOAT16 else np.float32
+        offset = edit.initializer(f"{stat.tensor}_channel_mean", mean.astype(dtype).reshape(shape))
         sub = ir.node("Sub", [x, offset], name=edit.unique(f"{stat.tensor}_centre"),
                       outputs=[_like(x, edit.unique(f"{stat.tensor}_centred"))])
         graph.insert_before(q, sub)

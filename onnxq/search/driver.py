@@ -4,7 +4,7 @@
    every trial and the final model share one opset), keeping the calibrated state.
 2. Score the float model and the all-quantized model in default sessions; done if met.
 3. Rank layers by the output error of the model with each alone quantized
-   (`sensitivity.py`; the analysis's per-layer error orders what the time budget leaves).
+   (`sensitivity.py`; the analysis's per-layer error orders what its budget leaves).
 4. Bisect the number of top-ranked layers to promote (`bisect.py`); each trial re-emits
    the calibrated model under the promoted config, with no new calibration.
 5. The result is an ordinary config (node overrides, opset pinned): the final model is
@@ -28,7 +28,7 @@ from onnxq.graph.save import save_model, weight_bytes
 from onnxq.report import MixedPrecisionSummary, Promotion
 from onnxq.search.bisect import bisect_promotions
 from onnxq.search.ladder import rung_opset, with_promotions
-from onnxq.search.sensitivity import impact_order
+from onnxq.search.sensitivity import impact_order, layers_to_measure
 from onnxq.search.target import (
     SELF_SCORE,
     EvalSet,
@@ -71,7 +71,7 @@ def sensitivity_order(base: Any, config: Config, evalset: EvalSet, float_session
                       progress: bool | None = None) -> list[tuple[str, float]]:
     """The quantized layers of `base` (a pipeline result with its state), most harmful
     first: by the output noise of the model with each alone quantized and the others at
-    rung `top` (`sensitivity.py`), the analysis's per-layer error ordering what its time
+    rung `top` (`sensitivity.py`), the analysis's per-layer error ordering what its
     budget leaves (and its candidates: fused activations go with their op)."""
     from onnxq.analyze import analyze_models
 
@@ -86,7 +86,8 @@ def sensitivity_order(base: Any, config: Config, evalset: EvalSet, float_session
         promoted = {n: top for n in local if n != name}
         return deployed_session(base.state.emit(with_promotions(config, promoted)), providers)
 
-    return impact_order(local, local, evalset, float_session, session_with_only)
+    limit = layers_to_measure(weight_bytes(base.state.float_model))
+    return impact_order(local, local, evalset, float_session, session_with_only, limit)
 
 
 def _progress_bar(progress: bool | None, layers: int) -> Any:

@@ -8,23 +8,26 @@ search ranked by local noise raised 29 of 30 layers. Here each candidate is meas
 where the target is scored: the model is emitted with only that layer quantized (every
 other candidate at the ladder's top rung, from the calibrated state, no new calibration)
 and run in a default session on a few samples; its output noise relative to the float
-output ranks it. That costs one emission and one short run per layer, so beyond a time
-budget the remaining layers keep the analysis's order after the measured ones.
+output ranks it. That costs one emission and one short run per layer, so past a budget set
+by the model's size (not the clock: rankings are reproducible) the remaining layers keep
+the analysis's order after the measured ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from onnxq.search.target import EvalSet
 
-# Samples each single-layer model runs on, and seconds the ranking may take in all.
+# Samples each single-layer model runs on, and the weight bytes the ranking may emit and
+# run in all (layers measured: this over the model's size, at least IMPACT_MIN_LAYERS): a
+# budget from the model, not the clock, so the same inputs give the same ranking.
 IMPACT_SAMPLES = 32
-IMPACT_BUDGET_S = 120.0
+IMPACT_WORK_BYTES = 4 << 30
+IMPACT_MIN_LAYERS = 16
 
 
 def output_noise(reference: np.ndarray, output: np.ndarray) -> float:
@@ -36,22 +39,23 @@ def output_noise(reference: np.ndarray, output: np.ndarray) -> float:
     return float(np.sum(err * err) / max(np.sum(ref * ref), 1e-30))
 
 
+def layers_to_measure(model_bytes: int) -> int:
+    """How many layers the ranking measures on a model of `model_bytes` of weights."""
+    return max(IMPACT_MIN_LAYERS, IMPACT_WORK_BYTES // max(model_bytes, 1))
+
+
 def impact_order(
     candidates: Sequence[str], fallback: Sequence[str], evalset: EvalSet, float_session,
-    session_with_only: Callable[[str], object], budget_s: float = IMPACT_BUDGET_S,
+    session_with_only: Callable[[str], object], limit: int,
 ) -> list[tuple[str, float]]:
     """`candidates` most harmful first, by the output noise of the model in which each is
-    the only quantized layer (`session_with_only(name)` opens it). When the budget runs out,
-    the layers not measured follow in `fallback`'s order (the analysis ranking)."""
+    the only quantized layer (`session_with_only(name)` opens it), the first `limit` of them
+    measured; the others follow in `fallback`'s order (the analysis ranking)."""
     sample = dataclasses.replace(evalset, max_samples=min(evalset.max_samples or IMPACT_SAMPLES, IMPACT_SAMPLES),
                                  reference=None)
     reference = sample.first_output(float_session)
-    measured: dict[str, float] = {}
-    start = time.perf_counter()
-    for name in candidates:
-        measured[name] = output_noise(reference, sample.first_output(session_with_only(name)))
-        if time.perf_counter() - start > budget_s:
-            break
+    measured = {name: output_noise(reference, sample.first_output(session_with_only(name)))
+                for name in list(candidates)[:limit]}
     ranked = sorted(measured.items(), key=lambda item: (-item[1], item[0]))
     rest = [(n, float("nan")) for n in fallback if n not in measured]
     return ranked + rest

@@ -1,0 +1,88 @@
+"""Edge cases a review of the calibration-statistics and float8-centring changes found:
+each failed before its fix."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from helpers import GraphBuilder, conv_bn_relu, random_feeds, stack_feeds
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxq
+from onnxq.analyze import analyze_models
+from onnxq.calibrate.runner import collect
+from onnxq.calibrate.statistics import Statistic
+from onnxq.config.spec import CalibrationConfig
+from onnxq.graph.load import load_model
+
+
+def _attention(seed: int = 0) -> onnx.ModelProto:
+    """One attention head over a dynamic sequence: softmax(x Wq (x Wk)^T) x Wv."""
+    rng = np.random.default_rng(seed)
+    w = {n: numpy_helper.from_array((rng.standard_normal((8, 8)) / 3).astype(np.float32), n) for n in "qkv"}
+    nodes = [helper.make_node("MatMul", ["x", n], [f"{n}_out"]) for n in "qkv"]
+    nodes += [helper.make_node("Transpose", ["k_out"], ["kt"], perm=[0, 2, 1]),
+              helper.make_node("MatMul", ["q_out", "kt"], ["scores"]),
+              helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
+              helper.make_node("MatMul", ["probs", "v_out"], ["y"])]
+    graph = helper.make_graph(nodes, "attention", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", 8])], list(w.values()))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _tokens(batch: int, length: int, seed: int) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(seed).standard_normal((batch, length, 8)).astype(np.float32)}
+
+
+def test_float8_model_runs_at_any_sequence_length():
+    """Channel offsets are constants: no centring along an axis whose size varies (the
+    attention probabilities' key axis), and calibration batches of different lengths
+    (per-channel extremes of varying size) are fine."""
+    model = _attention()
+    result = onnxq.quantize(model, None, "FP8_E4M3", [_tokens(4, 6, 1), _tokens(4, 9, 2)])
+    onnx.checker.check_model(result.model)
+    session = ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for length in (3, 6, 11):
+        feed = _tokens(2, length, 5)
+        got, want = session.run(None, feed)[0], reference.run(None, feed)[0]
+        assert got.shape == want.shape
+        assert 10 * np.log10(np.sum(want ** 2) / np.sum((want - got) ** 2)) > 15
+
+
+def test_a_channel_mean_of_a_rank1_tensor_keeps_its_channels():
+    """Reduce* over no axis would reduce the channel axis too: rank-1 tensors are reduced
+    in numpy, per channel."""
+    b = GraphBuilder(3)
+    x = b.input("x", [16])
+    model_proto = b.build([b.node("Relu", [x])], name="flat")
+    model, _ = load_model(model_proto)
+    feeds = [{"x": np.random.default_rng(i).standard_normal(16).astype(np.float32)} for i in range(4)]
+    stats = [Statistic("x", "mean", 0), Statistic("x", "max", 0)]
+    found = collect(model, stats, feeds, CalibrationConfig(batch_size=1))
+    assert found[stats[0]].shape == (16,) and found[stats[1]].shape == (16,)
+
+
+def test_analyze_keeps_a_models_own_sub_before_a_quantizer():
+    """A model's Sub of a constant before a QuantizeLinear is not float8 centring: analyze
+    measures the Sub's output, not its input against the shifted grid."""
+    b = GraphBuilder(4)
+    x = b.input("x", ["N", 3, 8, 8])
+    centred = b.node("Sub", [x, b.const("mean", np.full((1, 3, 1, 1), 0.5, np.float32))])
+    model = b.build([b.conv(b.relu(b.conv(centred, 3, 8)), 8, 4)], name="sub_first")
+    data = stack_feeds(random_feeds(model, 16, seed=1))
+    quant = onnxq.quantize(model, None, "U8S8", data).model
+    analysis = analyze_models(model, quant, data, progress=False)
+    report = next(t for t in analysis.tensors if t.name == model.graph.node[0].output[0])
+    assert report.sqnr_db > 30
+
+
+def test_batchnorm_folding_is_not_taken_for_equalization():
+    """Folding a BatchNormalization scales its Conv's rows like equalization does; analyze
+    must not warn about rescaling for it."""
+    model = conv_bn_relu()
+    data = stack_feeds(random_feeds(model, 16, seed=2))
+    quant = onnxq.quantize(model, None, "U8S8", data).model
+    analysis = analyze_models(model, quant, data, progress=False)
+    assert not any("rescaled per channel" in n for n in analysis.notes)
