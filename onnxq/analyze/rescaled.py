@@ -17,28 +17,13 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.graph import layout
-from onnxq.graph.fold import constant_array
-from onnxq.numerics.qmath import dequantize
+from onnxq.graph.fold import constant_array, dequantized_constant
 
 WEIGHTED = ("Conv", "Gemm", "MatMul")
 # A channel is rescaled when its factor is off 1 by more than this ratio at this cosine
 # (AdaRound and the scale search shrink int4 rows by up to ~1.3x; CLE scales by 2-1000x).
 FACTOR = 2.0
 COSINE = 0.995
-
-
-def _dequantized(value: ir.Value | None) -> np.ndarray | None:
-    """The float value a DequantizeLinear of constants gives (None for anything else)."""
-    dq = value.producer() if value is not None else None
-    if dq is None or dq.op_type != "DequantizeLinear" or layout.attr(dq, "block_size", 0):
-        return None
-    data, scale = constant_array(dq.inputs[0]), constant_array(dq.inputs[1])
-    if data is None or scale is None:
-        return None
-    zero = constant_array(dq.inputs[2]) if len(dq.inputs) > 2 else None
-    zero = np.zeros((), data.dtype) if zero is None else zero
-    axis = int(layout.attr(dq, "axis", 1)) % data.ndim if scale.size > 1 else None
-    return dequantize(data, scale, zero, axis)
 
 
 def _rescaled_along(wq: np.ndarray, wf: np.ndarray, axis: int) -> bool:
@@ -65,7 +50,10 @@ def rescaled_layers(reference: ir.Model, quant: ir.Model) -> list[str]:
             continue
         if any(u.node.op_type == "BatchNormalization" for o in twin.outputs for u in o.uses()):
             continue  # folding the BatchNormalization scaled its rows, exactly like equalization
-        wq, wf = _dequantized(node.inputs[1]), constant_array(twin.inputs[1])
+        dq = node.inputs[1].producer() if node.inputs[1] is not None else None
+        plain = dq is not None and dq.op_type == "DequantizeLinear" and not layout.attr(dq, "block_size", 0)
+        wq = dequantized_constant(dq) if plain else None
+        wf = constant_array(twin.inputs[1])
         if wq is None or wf is None or wq.shape != wf.shape or wq.ndim < 2:
             continue
         out_axis, in_axis = layout.weight_axes(node, wq.ndim)

@@ -41,7 +41,7 @@ def _channel_axis(value: ir.Value) -> int | None:
     as the weighted layer producing it made it (Conv: axis 1; Gemm, MatMul: the last);
     None when neither says."""
     for use in value.uses():
-        node = use.node if hasattr(use, "node") else use[0]
+        node = use.node
         if _weighted(node) and node.inputs[0] is value:
             return layout.act_channel_axis(node, len(node.inputs[1].shape))
     producer = value.producer()
@@ -113,33 +113,24 @@ def center_float8(model: ir.Model, means: Mapping[Statistic, np.ndarray | None])
         shape[stat.axis % rank] = mean.size
         dtype = np.float16 if x.dtype == ir.DataType.FLOAT16 else np.float32
         offset = edit.initializer(f"{stat.tensor}_channel_mean", mean.astype(dtype).reshape(shape))
-        sub = ir.node("Sub", [x, offset], name=edit.unique(f"{stat.tensor}_centre"),
-                      outputs=[_like(x, edit.unique(f"{stat.tensor}_centred"))])
-        graph.insert_before(q, sub)
-        q.replace_input_with(0, sub.outputs[0])
+        q.replace_input_with(0, edit.add_node("Sub", [x, offset], f"{stat.tensor}_centred", dtype=x.dtype,
+                                              shape=x.shape))
         for use in list(q.outputs[0].uses()):
-            dq = use.node if hasattr(use, "node") else use[0]
-            if dq.op_type == "DequantizeLinear":
-                _restore_offset(graph, edit, dq, offset, stat.tensor)
+            if use.node.op_type == "DequantizeLinear":
+                _restore_offset(graph, edit, use.node, offset)
         done.add(stat.tensor)
     return len(done)
 
 
-def _restore_offset(graph: ir.Graph, edit: GraphEditor, dq: ir.Node, offset: ir.Value, tensor: str) -> None:
-    """Add `offset` back after `dq`, for every reader of its output."""
+def _restore_offset(graph: ir.Graph, edit: GraphEditor, dq: ir.Node, offset: ir.Value) -> None:
+    """Add `offset` back after `dq`, for every reader of its output (the graph is sorted
+    after emission, so the new node's place in it does not matter)."""
     out = dq.outputs[0]
-    readers = [(use.node, use.idx) if hasattr(use, "node") else use for use in list(out.uses())]
-    add = ir.node("Add", [out, offset], name=edit.unique(f"{tensor}_uncentre"),
-                  outputs=[_like(out, edit.unique(f"{out.name}_uncentred"))])
-    graph.insert_after(dq, add)
+    readers = [(use.node, use.idx) for use in list(out.uses())]
+    restored = edit.add_node("Add", [out, offset], f"{out.name}_uncentred", dtype=out.dtype, shape=out.shape)
     for node, index in readers:
-        node.replace_input_with(index, add.outputs[0])
+        node.replace_input_with(index, restored)
     if out.is_graph_output():
         outputs = graph.outputs
-        outputs[outputs.index(out)] = add.outputs[0]
-        add.outputs[0].name, out.name = out.name, edit.unique(f"{out.name}_centred")
-
-
-def _like(value: ir.Value, name: str) -> ir.Value:
-    """A new value of `value`'s type and shape."""
-    return ir.Value(name=name, type=value.type, shape=value.shape)
+        outputs[outputs.index(out)] = restored
+        restored.name, out.name = out.name, edit.unique(f"{out.name}_centred")

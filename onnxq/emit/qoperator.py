@@ -24,7 +24,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.graph.edit import GraphEditor
-from onnxq.graph.fold import constant_array
+from onnxq.graph.fold import constant_array, dequantized_constant
 from onnxq.graph.quantized import DOMAINS
 
 CONTRIB = "com.microsoft"
@@ -506,7 +506,7 @@ def to_float(model: ir.Model) -> FormatReport:
         if producer is not None and producer.op_type == "QuantizeLinear" and producer.domain in DOMAINS:
             value = _clamp(graph, editor, node, producer)
         else:
-            array = _dequantized_constant(node)
+            array = dequantized_constant(node)
             if array is None:
                 continue
             value = editor.initializer(f"{node.outputs[0].name}_float", array)
@@ -551,19 +551,6 @@ def _bypass(graph: ir.Graph, node: ir.Node, value: ir.Value) -> None:
     else:
         old.replace_all_uses_with(value)
     graph.remove(node, safe=True)
-
-
-def _dequantized_constant(node: ir.Node) -> np.ndarray | None:
-    from onnxq.numerics.qmath import dequantize
-
-    arrays = [constant_array(v) if v is not None else None for v in node.inputs[:3]]
-    if arrays[0] is None or arrays[1] is None:
-        return None
-    axis = node.attributes.get("axis")
-    block = node.attributes.get("block_size")
-    zp = arrays[2] if len(arrays) > 2 and arrays[2] is not None else np.zeros_like(arrays[1], dtype=np.int32)
-    return dequantize(arrays[0], arrays[1], zp, axis.as_int() if axis is not None else 1,
-                      block.as_int() if block is not None else None).astype(arrays[1].dtype)
 
 
 FORMATS: dict[str, Callable[[ir.Model], FormatReport]] = {

@@ -108,3 +108,18 @@ def fold_constants(model: ir.Model) -> int:
         graph.remove(node, safe=True)
         folded += 1
     return folded
+
+
+def dequantized_constant(node: ir.Node) -> np.ndarray | None:
+    """The float value a DequantizeLinear of constants gives (per axis or per block), in its
+    scale's type; None when its data or scale is not constant."""
+    from onnxq.numerics.qmath import dequantize
+
+    arrays = [constant_array(v) if v is not None else None for v in node.inputs[:3]]
+    if arrays[0] is None or arrays[1] is None:
+        return None
+    axis = node.attributes.get("axis")
+    block = node.attributes.get("block_size")
+    zp = arrays[2] if len(arrays) > 2 and arrays[2] is not None else np.zeros_like(arrays[1], dtype=np.int32)
+    return dequantize(arrays[0], arrays[1], zp, axis.as_int() if axis is not None else 1,
+                      block.as_int() if block is not None else None).astype(arrays[1].dtype)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from onnxq.evaluate import sqnr_db
 from onnxq.search.target import EvalSet
 
 # Samples each single-layer model runs on, and the weight bytes the ranking may emit and
@@ -32,11 +33,8 @@ IMPACT_MIN_LAYERS = 16
 
 def output_noise(reference: np.ndarray, output: np.ndarray) -> float:
     """Noise power of `output` relative to `reference`'s signal power (inf when not finite)."""
-    ref = reference.astype(np.float64)
-    err = output.astype(np.float64) - ref
-    if not np.all(np.isfinite(err)):
-        return float("inf")
-    return float(np.sum(err * err) / max(np.sum(ref * ref), 1e-30))
+    noise = 10.0 ** (-sqnr_db(reference, output) / 10.0)
+    return noise if np.isfinite(noise) else float("inf")
 
 
 def layers_to_measure(model_bytes: int) -> int:
