@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
@@ -90,23 +91,39 @@ def session_inputs(session: ort.InferenceSession) -> list[InputSpec]:
     return specs
 
 
-def deployed_options(reference: bool = False) -> ort.SessionOptions:
+def deployed_options(reference: bool = False, model: Any = None) -> ort.SessionOptions:
     """Default session options, as a deployment has them (quiet), or reference kernels;
-    onnxq's extended ops are registered (`onnxq.runtime`), for qdq-ext models."""
+    onnxq's extended ops are registered (`onnxq.runtime`) only for a `model` that imports
+    their domain (qdq-ext): a deployment of any other model runs without that library."""
     from onnxq.runtime import session_options
 
-    options = session_options()
+    options = session_options() if model is not None and imports_extended(model) else ort.SessionOptions()
     options.log_severity_level = 3
     if reference:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     return options
 
 
+def imports_extended(model: str | os.PathLike | bytes | ir.Model) -> bool:
+    """Whether `model` imports the extended ops' domain (an unreadable file: no, and
+    onnxruntime says why when it opens it)."""
+    from onnxq.runtime import DOMAIN
+
+    if isinstance(model, ir.Model):
+        return DOMAIN in model.opset_imports
+    try:
+        proto = (onnx.load_from_string(model) if isinstance(model, bytes)
+                 else onnx.load(str(model), load_external_data=False))
+    except Exception:  # noqa: BLE001 - not a model: the session reports it
+        return False
+    return any(o.domain == DOMAIN for o in proto.opset_import)
+
+
 def deployed_session(
     model: str | os.PathLike | bytes | ir.Model, providers: list[str], reference: bool = False
 ) -> ort.InferenceSession:
     """A session as a deployment opens it (default options), or with reference kernels."""
-    return open_any(model, deployed_options(reference), providers)
+    return open_any(model, deployed_options(reference, model), providers)
 
 
 def open_any(model: str | os.PathLike | bytes | ir.Model, options: ort.SessionOptions,

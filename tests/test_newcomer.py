@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from helpers import (
     GraphBuilder,
@@ -197,3 +198,55 @@ def test_lowercase_preset_in_python_and_cli(tmp_path, chain):
     out = tmp_path / "out.onnx"
     assert onnxq("quantize", str(chain[0]), str(out), "--calib-data", str(chain[1]), "--preset", "s8s8",
                  "--quiet").returncode == 0
+
+
+def test_custom_domain_refused_without_listing_every_provider(monkeypatch):
+    """onnxruntime-gpu without TensorRT's libraries crashes the process when its kernel
+    registry is listed (seen on an H200 with 1.31.1): with a provider beyond the built-in
+    ones, the refusal works from onnxruntime's own domains instead."""
+    import onnxruntime as ort
+    from onnxruntime.capi import onnxruntime_pybind11_state as C
+
+    from onnxq.errors import UnsupportedModelError
+    from onnxq.graph import load
+
+    def crash() -> None:
+        raise AssertionError("listed every provider's kernels")
+
+    monkeypatch.setattr(ort, "get_available_providers",
+                        lambda: ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(C, "get_all_opkernel_def", crash)
+    load._kernel_domains.cache_clear()
+    try:
+        model = conv_relu_chain()
+        load.check_runnable(ir.serde.deserialize_model(model), "plain.onnx")  # standard ops pass
+        relu = next(n for n in model.graph.node if n.op_type == "Relu")
+        relu.op_type, relu.domain = "MyRelu", "my.ops"
+        model.opset_import.append(onnx.helper.make_opsetid("my.ops", 1))
+        with pytest.raises(UnsupportedModelError, match="my.ops::MyRelu"):
+            load.check_runnable(ir.serde.deserialize_model(model), "custom.onnx")
+    finally:
+        load._kernel_domains.cache_clear()
+
+
+def test_compare_of_a_plain_model_needs_no_extensions_library(tmp_path, chain, monkeypatch):
+    """A deployment of an ordinary QDQ model loads no custom-op library, and neither does
+    `compare` (it failed where onnxruntime-extensions was missing); qdq-ext models still
+    get the extended ops."""
+    import onnxq.runtime as rt
+    from onnxq.errors import OnnxqError
+    from onnxq.evaluate import compare_models, deployed_options
+
+    out = tmp_path / "q.onnx"
+    assert onnxq("quantize", str(chain[0]), str(out), "--calib-data", str(chain[1]), "--quiet").returncode == 0
+
+    def missing() -> None:
+        raise OnnxqError("the extended QDQ format runs through onnxruntime-extensions")
+
+    monkeypatch.setattr(rt, "_extensions", missing)
+    result = compare_models(str(chain[0]), str(out), str(chain[1]), progress=False)
+    assert result.samples == 16 and result.outputs[0].sqnr_db > 25
+    ext = onnx.load(str(out))
+    ext.opset_import.append(onnx.helper.make_opsetid(rt.DOMAIN, 1))
+    with pytest.raises(OnnxqError, match="onnxruntime-extensions"):
+        deployed_options(model=ext.SerializeToString())

@@ -97,7 +97,7 @@ def _reference(model: str | os.PathLike | bytes | ir.Model, inputs: list[InputSp
 def _lean_session(model: str | os.PathLike | bytes | ir.Model, providers: list[str]) -> ort.InferenceSession:
     """The float model in a session that holds its weights once: no prepacked copies, no
     arena kept at its peak (an LLM's float session otherwise costs twice its file)."""
-    options = deployed_options()
+    options = deployed_options(model=model)
     options.add_session_config_entry("session.disable_prepacking", "1")
     options.enable_cpu_mem_arena = False
     return open_any(model, options, providers)

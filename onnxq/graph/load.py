@@ -170,12 +170,28 @@ def _refuse_training(proto: onnx.ModelProto, name: str) -> None:
             )
 
 
+# The op domains of onnxruntime's own kernels (the CPU build's registry lists these).
+ORT_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "com.microsoft.nchwc",
+                         "com.ms.internal.nhwc"})
+# Providers built into onnxruntime's own library; the others are shared libraries.
+BUILT_IN_PROVIDERS = frozenset({"CPUExecutionProvider", "AzureExecutionProvider"})
+
+
 @functools.cache
 def _kernel_domains() -> frozenset[str]:
-    """The op domains this onnxruntime build has kernels for (from its kernel registry)."""
+    """The op domains this onnxruntime build has kernels for.
+
+    Read from the kernel registry only where every provider is built in: listing it loads
+    each provider's shared library, and onnxruntime-gpu 1.31 crashes the process there
+    (a segmentation fault, not an exception) when one of them, such as TensorRT's, cannot
+    load. Elsewhere onnxruntime's own domains."""
+    import onnxruntime as ort
+
+    if not set(ort.get_available_providers()) <= BUILT_IN_PROVIDERS:
+        return ORT_DOMAINS
     from onnxruntime.capi import onnxruntime_pybind11_state as C
 
-    return frozenset({"ai.onnx"} | {k.domain for k in C.get_all_opkernel_def()})
+    return ORT_DOMAINS | {k.domain for k in C.get_all_opkernel_def()}
 
 
 def check_runnable(model: ir.Model, name: str) -> None:
