@@ -9,7 +9,9 @@ per-target choices and onnxruntime's `quantize_static` with and without `reduce_
 Rows: `float`; onnxq `default` (target auto: pair-safe int8 weights where the kernels
 saturate), `8bit` (reduce_range false), `7bit`
 (reduce_range true), `u8u8` (uint8 symmetric weights), `s8s8` (S8S8 preset), `bc` (default
-plus bias correction), `pt_cle_bc` (per-tensor weights, CLE and bias correction);
+plus bias correction), `pt_cle_bc` (per-tensor weights, CLE and bias correction),
+`pt_cle_ebc` (the same with the empirical correction, layer by layer on the quantized
+model's own inputs);
 `ort` / `ort_rr` (quantize_static U8S8 per-channel MinMax, reduce_range off/on),
 `ort_pt` (per-tensor). Columns: metric deployed and with reference kernels, latency at
 batch 1 and 8 (median, sessions interleaved, 1 thread), quantize time and peak RSS of
@@ -41,13 +43,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pt_cle_bc": {"tool": "onnxq", "config": {
         "global_quant_config": {"weight": {"qscheme": "per_tensor"}},
         "pre_quant_opt_config": [{"name": "cle"}], "algo_config": [{"name": "bias_correction"}]}},
+    "pt_cle_ebc": {"tool": "onnxq", "config": {
+        "global_quant_config": {"weight": {"qscheme": "per_tensor"}},
+        "pre_quant_opt_config": [{"name": "cle"}],
+        "algo_config": [{"name": "bias_correction", "empirical": True}]}},
     "ort": {"tool": "ort", "reduce_range": False, "per_channel": True},
     "ort_rr": {"tool": "ort", "reduce_range": True, "per_channel": True},
     "ort_pt": {"tool": "ort", "reduce_range": False, "per_channel": False},
     "qoperator": {"tool": "onnxq", "config": {"quant_format": "qoperator"}},
     "ort_qop": {"tool": "ort", "reduce_range": False, "per_channel": True, "format": "qoperator"},
 }
-ORT_BASELINE = {"pt_cle_bc": "ort_pt"}  # ratio rows: per-tensor against per-tensor
+ORT_BASELINE = {"pt_cle_bc": "ort_pt", "pt_cle_ebc": "ort_pt"}  # ratio rows: per-tensor against per-tensor
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

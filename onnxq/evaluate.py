@@ -91,13 +91,14 @@ def session_inputs(session: ort.InferenceSession) -> list[InputSpec]:
     return specs
 
 
-def deployed_options(reference: bool = False, model: Any = None) -> ort.SessionOptions:
+def deployed_options(reference: bool = False, extended: bool = False) -> ort.SessionOptions:
     """Default session options, as a deployment has them (quiet), or reference kernels;
-    onnxq's extended ops are registered (`onnxq.runtime`) only for a `model` that imports
-    their domain (qdq-ext): a deployment of any other model runs without that library."""
+    onnxq's extended ops are registered (`onnxq.runtime`) only for a model that imports
+    them (`extended`, see `imports_extended`): a deployment of any other model runs
+    without that library."""
     from onnxq.runtime import session_options
 
-    options = session_options() if model is not None and imports_extended(model) else ort.SessionOptions()
+    options = session_options() if extended else ort.SessionOptions()
     options.log_severity_level = 3
     if reference:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
@@ -120,10 +121,14 @@ def imports_extended(model: str | os.PathLike | bytes | ir.Model) -> bool:
 
 
 def deployed_session(
-    model: str | os.PathLike | bytes | ir.Model, providers: list[str], reference: bool = False
+    model: str | os.PathLike | bytes | ir.Model, providers: list[str], reference: bool = False,
+    extended: bool | None = None,
 ) -> ort.InferenceSession:
-    """A session as a deployment opens it (default options), or with reference kernels."""
-    return open_any(model, deployed_options(reference, model), providers)
+    """A session as a deployment opens it (default options), or with reference kernels.
+    `extended`: whether the model imports the extended ops (None: read it from the model)."""
+    if extended is None:
+        extended = imports_extended(model)
+    return open_any(model, deployed_options(reference, extended), providers)
 
 
 def open_any(model: str | os.PathLike | bytes | ir.Model, options: ort.SessionOptions,
@@ -192,7 +197,9 @@ def compare_models(
     providers = check_providers(providers or ["CPUExecutionProvider"])
     ref = deployed_session(float_model, providers)
     runs = {"deployed": kernels in ("deployed", "both"), "reference": kernels in ("reference", "both")}
-    sessions = {k: deployed_session(quant_model, providers, reference=k == "reference") for k, on in runs.items() if on}
+    extended = imports_extended(quant_model)  # read once: a file is parsed whole
+    sessions = {k: deployed_session(quant_model, providers, reference=k == "reference", extended=extended)
+                for k, on in runs.items() if on}
     names = [o.name for o in ref.get_outputs()]
     _check_interface(ref, next(iter(sessions.values())))
     outputs: dict[str, dict[str, list[np.ndarray]]] = {k: {n: [] for n in names} for k in ("float", *sessions)}
@@ -213,8 +220,8 @@ def compare_models(
 
 def run_model(model: str | os.PathLike, data: Any, max_samples: int | None = None,
               providers: list[str] | None = None, batch_size: int = 32) -> dict[str, np.ndarray]:
-    """Every output of `model` over `data`, concatenated, in a default session with onnxq's
-    extended ops registered (`onnxq run`)."""
+    """Every output of `model` over `data`, concatenated, in a default session (onnxq's
+    extended ops registered for a qdq-ext model; `onnxq run`)."""
     session = deployed_session(model, check_providers(providers or ["CPUExecutionProvider"]))
     names = [o.name for o in session.get_outputs()]
     outputs: dict[str, list[np.ndarray]] = {n: [] for n in names}

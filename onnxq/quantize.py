@@ -54,7 +54,7 @@ from onnxq.optimize import (
 from onnxq.plan import Kind, QuantPlan, plan_quantization
 from onnxq.plan.params import WeightCache
 from onnxq.report import Summary
-from onnxq.target import TargetProfile, resolve_target
+from onnxq.target import TargetProfile, provider_notes, resolve_target
 
 ModelSource = str | os.PathLike | onnx.ModelProto | ir.Model
 DEFAULT_PRESET = "U8S8"
@@ -394,6 +394,7 @@ def run_pipeline(
         summary.notes.append(f"calibration data: left out {', '.join(sorted(data.ignored))} (no model input)")
     plan, notes = _drop_unquantizable(plan, calibration.ranges)
     summary.notes.extend(notes)
+    summary.notes.extend(provider_notes(config.calibration.providers, plan))
 
     state = None
     if keep_state:

@@ -275,3 +275,32 @@ def test_convolutions_of_different_geometry_on_one_tensor():
     feeds = data(model, 16, seed=3)
     result = onnxq.quantize(model, None, per_tensor([{"name": "bias_correction"}]), feeds)
     assert any(n.startswith("bias_correction: 2 of 2 biases corrected") for n in result.summary.notes)
+
+
+def two_conv_model(seed: int = 3) -> onnx.ModelProto:
+    """Conv -> Relu -> Conv: the second layer's input mean moves with the first layer's
+    rounding noise through the Relu, which only the empirical correction sees."""
+    rng = np.random.default_rng(seed)
+    inits = {"w1": uneven(rng, (16, 8, 3, 3)), "b1": rng.normal(0, 0.1, 16).astype(np.float32),
+             "w2": uneven(rng, (8, 16, 3, 3)), "b2": rng.normal(0, 0.1, 8).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["h"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Conv", ["r", "w2", "b2"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])]
+    return build(nodes, inits, ["N", 8, 10, 10])
+
+
+def test_empirical_correction_matches_the_quantized_models_own_means():
+    """`empirical: true` sets each bias, layer by layer, from the quantized model's own
+    inputs: the last layer's mean output error per channel on the calibration data falls
+    far below the correction from float inputs (measured: 0.00055 against 0.0031 mean
+    |error|), and stays smaller on held-out data (0.00098 against 0.0027)."""
+    model = two_conv_model()
+    calib, test = data(model, 64, seed=10), data(model, 64, seed=20)
+    analytic = onnxq.quantize(model, None, per_tensor([{"name": "bias_correction"}]), calib)
+    empirical = onnxq.quantize(model, None, per_tensor([{"name": "bias_correction", "empirical": True}]), calib)
+    assert "2 empirical" in empirical.summary.notes[-1], empirical.summary.notes[-1]
+    for feed, factor in ((calib, 0.3), (test, 0.6)):
+        before = np.abs(mean_channel_error(model, analytic.model, feed, 1)).mean()
+        after = np.abs(mean_channel_error(model, empirical.model, feed, 1)).mean()
+        assert after < factor * before, (before, after)
+    onnx.checker.check_model(empirical.model, full_check=True)

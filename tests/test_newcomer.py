@@ -235,7 +235,7 @@ def test_compare_of_a_plain_model_needs_no_extensions_library(tmp_path, chain, m
     get the extended ops."""
     import onnxq.runtime as rt
     from onnxq.errors import OnnxqError
-    from onnxq.evaluate import compare_models, deployed_options
+    from onnxq.evaluate import compare_models, deployed_options, imports_extended
 
     out = tmp_path / "q.onnx"
     assert onnxq("quantize", str(chain[0]), str(out), "--calib-data", str(chain[1]), "--quiet").returncode == 0
@@ -248,5 +248,6 @@ def test_compare_of_a_plain_model_needs_no_extensions_library(tmp_path, chain, m
     assert result.samples == 16 and result.outputs[0].sqnr_db > 25
     ext = onnx.load(str(out))
     ext.opset_import.append(onnx.helper.make_opsetid(rt.DOMAIN, 1))
+    assert imports_extended(ext.SerializeToString()) and not imports_extended(str(out))
     with pytest.raises(OnnxqError, match="onnxruntime-extensions"):
-        deployed_options(model=ext.SerializeToString())
+        deployed_options(extended=True)

@@ -246,3 +246,24 @@ def test_nodes_onnxruntime_refuses_stay_float(monkeypatch):
     assert result.summary.quantized_by_op["Conv"] == 2  # the other two Convs stay quantized
     feeds = random_feeds(MODEL, 4, seed=5)
     assert sqnr_db(run(MODEL, feeds), reference_run(result.model, feeds)) > 20
+
+
+def test_cuda_provider_notes_say_where_int8_is_no_faster():
+    """Calibrating for CUDAExecutionProvider, the summary says that its int8/float8 QDQ runs as
+    dequantize + float kernels and that dynamic int8 runs on the CPU (measured on an H200,
+    docs/kernels.md section 10); other providers get no such note."""
+    from helpers import matmul
+
+    from onnxq.target import provider_notes
+
+    static = quantize(target="gpu").plan
+    (note,) = provider_notes(["CUDAExecutionProvider", "CPUExecutionProvider"], static)
+    assert "4 quantized Conv/MatMul/Gemm" in note and "TensorrtExecutionProvider" in note
+    assert provider_notes(["CPUExecutionProvider"], static) == []
+    dynamic = onnxq.quantize(matmul(), None, get_preset("W8_DYNAMIC")).plan
+    (note,) = provider_notes(["CUDAExecutionProvider"], dynamic)
+    assert "DynamicQuantizeLinear" in note
+    fp8 = onnxq.quantize(MODEL, None, get_preset("FP8_E4M3"), CALIB).plan
+    assert len(provider_notes(["CUDAExecutionProvider"], fp8)) == 1
+    fp16 = onnxq.quantize(MODEL, None, get_preset("FP16")).plan
+    assert provider_notes(["CUDAExecutionProvider"], fp16) == []

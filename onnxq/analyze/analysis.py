@@ -192,7 +192,7 @@ def analyze_models(
     samples = 0
     with contextlib.ExitStack() as stack:
         ref_session = stack.enter_context(
-            exposed_session(reference, ref_names, providers, options=deployed_options(model=reference)))
+            exposed_session(reference, ref_names, providers, options=deployed_options()))
         test_session = stack.enter_context(exposed_session(quant, test_names, providers)) if test_names else None
         deployed = None
         if not layers_only:

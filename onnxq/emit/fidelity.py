@@ -20,7 +20,14 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
-from onnxq.evaluate import cosine, deployed_options, open_any, sqnr_db, top1_agreement
+from onnxq.evaluate import (
+    cosine,
+    deployed_options,
+    imports_extended,
+    open_any,
+    sqnr_db,
+    top1_agreement,
+)
 
 REFERENCE_BYTES = 64 << 20
 # Worst-output SQNR below which the summary warns: the outputs are then off by more than
@@ -97,7 +104,7 @@ def _reference(model: str | os.PathLike | bytes | ir.Model, inputs: list[InputSp
 def _lean_session(model: str | os.PathLike | bytes | ir.Model, providers: list[str]) -> ort.InferenceSession:
     """The float model in a session that holds its weights once: no prepacked copies, no
     arena kept at its peak (an LLM's float session otherwise costs twice its file)."""
-    options = deployed_options(model=model)
+    options = deployed_options(extended=imports_extended(model))
     options.add_session_config_entry("session.disable_prepacking", "1")
     options.enable_cpu_mem_arena = False
     return open_any(model, options, providers)

@@ -170,7 +170,8 @@ def _refuse_training(proto: onnx.ModelProto, name: str) -> None:
             )
 
 
-# The op domains of onnxruntime's own kernels (the CPU build's registry lists these).
+# The op domains of onnxruntime's own kernels, for builds whose registry cannot be listed
+# safely (the CPU build's registry has the first five; GPU builds add the NHWC domain).
 ORT_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "com.microsoft.nchwc",
                          "com.ms.internal.nhwc"})
 # Providers built into onnxruntime's own library; the others are shared libraries.
@@ -191,7 +192,7 @@ def _kernel_domains() -> frozenset[str]:
         return ORT_DOMAINS
     from onnxruntime.capi import onnxruntime_pybind11_state as C
 
-    return ORT_DOMAINS | {k.domain for k in C.get_all_opkernel_def()}
+    return frozenset({"ai.onnx"} | {k.domain for k in C.get_all_opkernel_def()})
 
 
 def check_runnable(model: ir.Model, name: str) -> None:

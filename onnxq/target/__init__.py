@@ -5,6 +5,6 @@ quantization that keeps accuracy there (see docs/kernels.md).
 and a probe of this onnxruntime's kernels) into a `TargetProfile` the planner consults.
 """
 
-from onnxq.target.profile import TargetProfile, resolve_target
+from onnxq.target.profile import TargetProfile, provider_notes, resolve_target
 
-__all__ = ["TargetProfile", "resolve_target"]
+__all__ = ["TargetProfile", "provider_notes", "resolve_target"]

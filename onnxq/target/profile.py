@@ -133,3 +133,30 @@ def resolve_target(config: Config) -> TargetProfile:
         return TargetProfile(name, saturating, why + _explain(saturating), config.reduce_range)
     saturating = STATIC_PROFILES[target]
     return TargetProfile(target.value, saturating, _explain(saturating), config.reduce_range)
+
+
+QUANTIZED_ACTIVATIONS = frozenset({"int8", "uint8", "int16", "uint16", "float8_e4m3fn", "float8_e5m2"})
+MATRIX_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+
+
+def provider_notes(providers: list[str], plan: Any) -> list[str]:
+    """What the first execution provider does with this plan's formats, where that is
+    not what a user expects of int8. Measured on an H200 with onnxruntime-gpu 1.31.1
+    (docs/kernels.md, section 10): CUDA has no fused int8 or float8 Conv/MatMul/Gemm, so
+    a QDQ model runs as DequantizeLinear + float kernels (int8 1.2-1.8x float's latency,
+    float8 1.4-1.9x), and dynamic int8's integer ops have no CUDA kernel."""
+    if not providers or providers[0] != "CUDAExecutionProvider":
+        return []
+    notes = []
+    static = {n for t in plan.tensors.values() if t.kind.value == "activation" and t.spec.dtype.value in
+              QUANTIZED_ACTIVATIONS for n, _ in t.consumers if plan.quantized_nodes.get(n) in MATRIX_OPS}
+    if static:
+        notes.append(f"CUDAExecutionProvider runs the {len(static)} quantized Conv/MatMul/Gemm as "
+                     "DequantizeLinear + float kernels, no faster than float: int8 and float8 speed on "
+                     "NVIDIA GPUs comes through TensorrtExecutionProvider; FP16 is the CUDA provider's "
+                     "fast format")
+    if plan.nodes_for("dynamic"):
+        notes.append("CUDAExecutionProvider has no kernel for dynamic int8's DynamicQuantizeLinear and "
+                     "MatMulInteger: they run on the CPU (a CPU format)")
+    return notes
+
