@@ -304,3 +304,24 @@ def test_empirical_correction_matches_the_quantized_models_own_means():
         after = np.abs(mean_channel_error(model, empirical.model, feed, 1)).mean()
         assert after < factor * before, (before, after)
     onnx.checker.check_model(empirical.model, full_check=True)
+
+
+def test_empirical_correction_measures_the_model_as_emitted_with_float8_centring():
+    """float8 activations are emitted centred per channel; the empirical correction's trial
+    emission centres them too, so its biases fit the saved model. Measured, mean |error|
+    per channel of the last layer on the calibration data: 0.0186 from float inputs,
+    0.00086 empirical, 0.0057 with a trial emission that did not centre."""
+    model = two_conv_model()
+    calib = data(model, 64, seed=10)
+
+    def fp8(empirical: bool) -> onnxq.QuantizationResult:
+        config = onnxq.get_preset("FP8_E4M3")
+        config.algo_config = [{"name": "bias_correction", "empirical": empirical}]
+        config.target_algorithms = False
+        return onnxq.quantize(model, None, config, calib)
+
+    analytic, empirical = fp8(False), fp8(True)
+    assert any(n.op_type == "Sub" for n in empirical.model.graph.node)  # centred
+    before = np.abs(mean_channel_error(model, analytic.model, calib, 1)).mean()
+    after = np.abs(mean_channel_error(model, empirical.model, calib, 1)).mean()
+    assert after < 0.15 * before, (before, after)
