@@ -386,12 +386,8 @@ def _empirical(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[floa
     purpose: correcting every layer from one measurement counts each upstream shift twice
     (once in the upstream bias, once downstream), and on MobileNet v1 that compounded
     through the depth to 2 dB of output SQNR."""
-    # Imported here: emission imports the optimisers' registry.
-    from onnxq.emit.float8 import make_float8_deployable
-    from onnxq.emit.float8_center import center_float8
-    from onnxq.emit.qdq import emit_qdq
+    from onnxq.emit.trial import emit_trial  # emission imports the optimisers' registry
 
-    float8 = any(is_float8(t.spec.dtype) for t in plan.tensors.values())
 
     if ctx.data is None or ctx.data.source is None or not ctx.data.replayable:
         return plan, "; not empirical: the calibration data can be read only once"
@@ -401,10 +397,7 @@ def _empirical(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[floa
         if fmean is None:
             continue
         emitted = model.clone()
-        emit_qdq(emitted, plan, dict(ranges), ctx.qdq_domain, ctx.weights)
-        if float8:  # as emission lays them out: centred per channel (without: 13.1 -> 6.9 dB)
-            make_float8_deployable(emitted)
-            center_float8(emitted, ctx.statistics)
+        emit_trial(emitted, plan, ranges, ctx.qdq_domain, ctx.weights, ctx.statistics)
         twin = next((n for n in emitted.graph if n.name == layer.node.name), None)
         if twin is None:
             continue

@@ -19,7 +19,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from onnxq.calibrate.data import iter_batches, model_inputs
-from onnxq.emit.qdq import emit_qdq
+from onnxq.emit.trial import emit_trial
 from onnxq.errors import CalibrationDataError
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
@@ -245,7 +245,7 @@ def _quantized_graph(model: ir.Model, plan: QuantPlan, ranges, ctx, inputs: str)
     options of AdaRound)."""
     qmodel = model.clone()
     if inputs == "quantized":
-        emit_qdq(qmodel, plan, ranges, ctx.qdq_domain, ctx.weights)
+        emit_trial(qmodel, plan, ranges, ctx.qdq_domain, ctx.weights, ctx.statistics)
     return qmodel
 
 
@@ -366,7 +366,7 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
     """Check the whole model (`guard.py`); undo everything when nearest rounding is closer."""
     def emitted(source: ir.Model, weights: WeightCache) -> onnx.ModelProto:
         copy = source.clone()
-        emit_qdq(copy, plan, ranges, ctx.qdq_domain, weights)
+        emit_trial(copy, plan, ranges, ctx.qdq_domain, weights, ctx.statistics)
         return ir.to_proto(copy)
 
     keep, learned_db, near_db = keep_learned(

@@ -1,0 +1,29 @@
+"""The model as emission will lay it out, for algorithms that measure it before the end
+of the pipeline: empirical bias correction, AdaRound/AdaQuant's quantized inputs and
+their model-level check. QDQ (`emit_qdq`), and float8 activations laid out and centred per
+channel as `emit_model` does: measured without the centring, the means fit another model
+(empirical bias correction on MobileNet FP8_E4M3: 13.1 -> 6.9 dB)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxq.calibrate.statistics import Statistic
+from onnxq.emit.float8 import make_float8_deployable
+from onnxq.emit.float8_center import center_float8
+from onnxq.emit.qdq import emit_qdq
+from onnxq.numerics.qmath import is_float8
+from onnxq.plan import QuantPlan
+from onnxq.plan.params import WeightCache
+
+
+def emit_trial(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], qdq_domain: str,
+               weights: WeightCache | None, statistics: Mapping[Statistic, np.ndarray | None] | None) -> None:
+    """Rewrite `model` in place as emission will (QDQ; float8 laid out and centred)."""
+    emit_qdq(model, plan, dict(ranges), qdq_domain, weights)
+    if any(is_float8(t.spec.dtype) for t in plan.tensors.values()):
+        make_float8_deployable(model)
+        center_float8(model, statistics or {})
