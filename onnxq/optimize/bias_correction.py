@@ -385,9 +385,11 @@ def _empirical(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[floa
     pass over the data, and re-solve its bias from its original value. Sequential on
     purpose: correcting every layer from one measurement counts each upstream shift twice
     (once in the upstream bias, once downstream), and on MobileNet v1 that compounded
-    through the depth to 2 dB of output SQNR."""
+    through the depth to 2 dB of output SQNR. Re-emitting per layer (rather than replaying
+    one emitted graph, as AdaRound does) keeps every emission layout right by construction
+    and streams the data: MobileNet v1 18.6 s and 420 MB peak, against 9.0 s and 889 MB
+    replayed."""
     from onnxq.emit.trial import emit_trial  # emission imports the optimisers' registry
-
 
     if ctx.data is None or ctx.data.source is None or not ctx.data.replayable:
         return plan, "; not empirical: the calibration data can be read only once"
