@@ -178,7 +178,7 @@ def model_report(name: str, model: Path, calib: dict[str, np.ndarray], feeds: di
 def print_rows(name: str, rows: dict[str, Any], batches: list[int], provider: str) -> None:
     base = rows["float32"]["latency_ms"]
     print(f"\n## {name}")
-    head = "| variant | on provider / CPU nodes | CPU op types | top-1 | agree | SQNR dB | " + \
+    head = "| variant | nodes on provider / fallen back to CPU | op types on the CPU | top-1 | agree | SQNR dB | " + \
         " | ".join(f"b{b} ms (x float)" for b in batches) + " |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -204,18 +204,27 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--provider", default="CPUExecutionProvider")
+    p.add_argument("--provider", default="CPUExecutionProvider",
+                   help="execution provider the models run on (default: CPUExecutionProvider)")
     p.add_argument("--calib-provider", help="provider onnxq calibrates on (default: --provider)")
-    p.add_argument("--models", nargs="+", default=["resnet20", "mobilenet"])
-    p.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
+    p.add_argument("--models", nargs="+", default=["resnet20", "mobilenet"],
+                   choices=["resnet20", "mobilenet", "minilm", "none"],
+                   help="shared models to run besides the synthetic MLP (none: the MLP alone)")
+    p.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS),
+                   help=f"onnxq presets (default: {' '.join(DEFAULT_PRESETS)}; the MLP adds W8_DYNAMIC)")
     p.add_argument("--samples", type=int, default=200, help="calibration images")
-    p.add_argument("--eval-samples", type=int, default=400)
-    p.add_argument("--eval-batch", type=int, default=32)
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
-    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--eval-samples", type=int, default=400, help="evaluation samples after them")
+    p.add_argument("--eval-batch", type=int, default=32, help="batch of the accuracy runs")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 32], help="latency batch sizes")
+    p.add_argument("--runs", type=int, default=20, help="timed runs per latency figure (median)")
     p.add_argument("--shared-dir", type=Path, default=C.default_shared_dir())
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="write every figure here")
     args = p.parse_args(argv)
+    from onnxq.config.presets import PRESETS
+
+    unknown = [pr for pr in args.presets if pr not in PRESETS]
+    if unknown:
+        p.error(f"unknown preset {', '.join(unknown)}; presets: {', '.join(PRESETS)}")
     if args.provider not in ort.get_available_providers():
         print(f"error: {args.provider} is not available in this onnxruntime "
               f"({ort.get_available_providers()})", file=sys.stderr)

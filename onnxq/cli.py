@@ -125,11 +125,24 @@ def _algorithm_options(flagged: list[str], options: list[str]) -> list[dict[str,
         name, dot, option = key.rpartition(".")
         if not dot:
             if len(flagged) != 1:
-                raise OnnxqError(f"--algo-option {key}: name its algorithm, e.g. adaround.{key}=..., "
+                owner = _algorithm_with_option(key)
+                raise OnnxqError(f"--algo-option {key}: name its algorithm, e.g. {owner}.{key}=..., "
                                  f"since {'no' if not flagged else 'more than one'} algorithm flag is given")
             name = flagged[0]
         entries.setdefault(name, {"name": name})[option] = value
     return list(entries.values())
+
+
+def _algorithm_with_option(key: str) -> str:
+    """The first registered algorithm with an option `key` (for an example), else adaround."""
+    import dataclasses
+
+    from onnxq.optimize import CONTRACTS
+
+    for name, contract in sorted(CONTRACTS.items()):
+        if dataclasses.is_dataclass(contract.options) and key in {f.name for f in dataclasses.fields(contract.options)}:
+            return name
+    return "adaround"
 
 
 def _target_text(expression: str | None, metric: str | None) -> str:

@@ -251,3 +251,16 @@ def test_compare_of_a_plain_model_needs_no_extensions_library(tmp_path, chain, m
     assert imports_extended(ext.SerializeToString()) and not imports_extended(str(out))
     with pytest.raises(OnnxqError, match="onnxruntime-extensions"):
         deployed_options(extended=True)
+
+
+def test_algorithm_option_without_its_algorithm_names_the_one_that_has_it(tmp_path, chain):
+    out = tmp_path / "out.onnx"
+    one_error_line(onnxq("quantize", str(chain[0]), str(out), "--calib-data", str(chain[1]),
+                         "--algo-option", "empirical=true"), "bias_correction.empirical=")
+    assert not out.exists()
+
+
+def test_bias_correction_says_why_dynamic_layers_get_none(tmp_path, chain):
+    proc = onnxq("quantize", str(chain[0]), str(tmp_path / "out.onnx"), "--dynamic", "--bias-correction")
+    assert proc.returncode == 0, proc.stderr
+    assert "no statically quantized layer to correct" in proc.stdout and "dynamically" in proc.stdout, proc.stdout

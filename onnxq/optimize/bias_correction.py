@@ -338,7 +338,11 @@ def bias_correction(
         return f"nothing to correct: the biases of all {len(fitted)} layers were fitted by {' and '.join(by)}"
     skipped += [f"{x.node.name} (bias fitted by {ctx.fitted_biases[x.node.name]})" for x in fitted]
     if not layers:
-        return "no quantized layer to correct" + (f"; skipped {', '.join(skipped[:5])}" if skipped else "")
+        dynamic = plan.nodes_for("dynamic")
+        why = (f" ({len(dynamic)} quantized dynamically: their activations' grid is set at run time, and "
+               "their kernels take no separate bias)" if dynamic else "")
+        return "no statically quantized layer to correct" + why + (
+            f"; skipped {', '.join(skipped[:5])}" if skipped else "")
     means = input_means(model, layers, ctx)
     emission = _Emission(model, plan, ranges, ctx.weights)
     bias_spec = _bias_spec(plan)
@@ -391,8 +395,11 @@ def _empirical(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[floa
     replayed."""
     from onnxq.emit.trial import emit_trial  # emission imports the optimisers' registry
 
-    if ctx.data is None or ctx.data.source is None or not ctx.data.replayable:
-        return plan, "; not empirical: the calibration data can be read only once"
+    if ctx.data is None or ctx.data.source is None:
+        return plan, "; not empirical: it runs the quantized model on the calibration data, and there is none"
+    if not ctx.data.replayable:
+        return plan, ("; not empirical: the calibration data can be read only once (pass a path, a dict of "
+                      "arrays, a list of feeds or a reader with rewind())")
     done = 0
     for layer in layers:
         fmean = float_means.get(layer.node.inputs[0].name)
