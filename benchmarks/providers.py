@@ -11,7 +11,9 @@ would. Per (model, preset): the target
 the summary names, how many nodes the provider ran and which op types fell back to the
 CPU (from onnxruntime's profile), top-1 and top-1 agreement with the float model on the
 same provider, and median latency at batch 1 and 32 against float on that provider (node
-counts are those onnxruntime ran after optimisation, Memcpy nodes included). A
+counts are those onnxruntime ran after optimisation, Memcpy nodes included). The `ort`
+row is onnxruntime's own quantizer (`quantize_static`, QDQ U8S8 per-channel MinMax) on the
+same model and data, measured the same way (`--no-ort` leaves it out). A
 synthetic MatMul MLP covers the weight-only formats (MatMulNBits) where the shared
 models have none. Without ../shared only the MLP runs.
 """
@@ -156,17 +158,21 @@ def model_report(name: str, model: Path, calib: dict[str, np.ndarray], feeds: di
     rows: dict[str, Any] = {}
     print(f"[{name}] float ...", file=sys.stderr, flush=True)
     rows["float32"], reference = measure(model, providers, feeds, None, labels, args, encoder)
-    for preset in presets:
+    for preset in [*presets, *(["ort"] if args.ort else [])]:
         print(f"[{name}] {preset} ...", file=sys.stderr, flush=True)
         out = workdir / f"{name}.{preset}.onnx"
         try:
             t0 = time.perf_counter()
-            result = onnxq.quantize(str(model), str(out), config=config_for(preset, calib_providers),
-                                    calibration_data=calib,
-                                    progress=False)
+            if preset == "ort":  # onnxruntime's quantizer, U8S8 QDQ per-channel MinMax (its CPU calibration)
+                CO.quantize_ort({"model": str(model), "output": str(out), "method": "minmax",
+                                 "per_tensor": False}, calib)
+                target = "onnxruntime.quantization.quantize_static (QDQ, U8S8, per-channel, MinMax)"
+            else:
+                result = onnxq.quantize(str(model), str(out), config=config_for(preset, calib_providers),
+                                        calibration_data=calib, progress=False)
+                target = next((line for line in onnxq.format_summary(result.summary).splitlines()
+                               if "target" in line), "")
             quant_s = time.perf_counter() - t0
-            target = next((line for line in onnxq.format_summary(result.summary).splitlines()
-                           if "target" in line), "")
             row, _ = measure(out, providers, feeds, reference, labels, args, encoder)
             row.update(quant_s=quant_s, target=target.strip(), size_mb=C.file_mb(out))
         except Exception as exc:  # noqa: BLE001 - a failing preset is a row, not the end
@@ -200,6 +206,19 @@ def print_rows(name: str, rows: dict[str, Any], batches: list[int], provider: st
             print(f"|  | {r['target']} |")
 
 
+def print_ratios(rows: dict[str, Any], batches: list[int]) -> None:
+    """onnxq's rows of the ort row's format (U8S8, the default) against onnxruntime's."""
+    ours, theirs = rows.get("U8S8", {}), rows.get("ort", {})
+    if "latency_ms" not in ours or "latency_ms" not in theirs:
+        return
+    lat = ", ".join(f"b{b} {ours['latency_ms'][str(b)] / theirs['latency_ms'][str(b)]:.2f}"
+                    for b in batches if str(b) in ours["latency_ms"] and str(b) in theirs["latency_ms"])
+    sq = (f"; SQNR {ours['sqnr_db']:.1f} against {theirs['sqnr_db']:.1f} dB"
+          if "sqnr_db" in ours and "sqnr_db" in theirs else "")
+    print(f"\nonnxq U8S8 / onnxruntime latency: {lat}; quantize time "
+          f"{ours['quant_s'] / max(theirs['quant_s'], 1e-9):.2f}{sq}")
+
+
 def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
@@ -212,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="shared models to run besides the synthetic MLP (none: the MLP alone)")
     p.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS),
                    help=f"onnxq presets (default: {' '.join(DEFAULT_PRESETS)}; the MLP adds W8_DYNAMIC)")
+    p.add_argument("--no-ort", dest="ort", action="store_false",
+                   help="leave out the onnxruntime.quantization row (quantize_static U8S8)")
     p.add_argument("--samples", type=int, default=200, help="calibration images")
     p.add_argument("--eval-samples", type=int, default=400, help="evaluation samples after them")
     p.add_argument("--eval-batch", type=int, default=32, help="batch of the accuracy runs")
@@ -244,11 +265,13 @@ def main(argv: list[str] | None = None) -> int:
                                     args.presets)
                 report["models"][task.name] = rows
                 print_rows(task.name, rows, args.batches, args.provider)
+                print_ratios(rows, args.batches)
         path, calib, feeds = mlp_task(workdir)
         mlp_presets = list(dict.fromkeys([*args.presets, "W8_DYNAMIC"]))
         rows = model_report("mlp", path, calib, feeds, None, args, workdir, mlp_presets)
         report["models"]["mlp"] = rows
         print_rows("mlp (synthetic, 4 x MatMul 1024)", rows, args.batches, args.provider)
+        print_ratios(rows, args.batches)
     if args.json:
         args.json.write_text(json.dumps(C.jsonable(report), indent=2))
     return 0

@@ -360,5 +360,6 @@ def cross_layer_equalization(model: ir.Model, opts: CLEConfig, ctx: PassContext)
         else:
             notes.append("high-bias absorption skipped (needs calibration data)")
     params.write(graph)
-    head = f"{len(pairs)} layer pairs equalized in {sweeps} sweeps (last max |log s| {change:.1e})"
+    head = (f"{len(pairs)} layer pair{'' if len(pairs) == 1 else 's'} equalized in {sweeps} "
+            f"sweep{'' if sweeps == 1 else 's'} (last max |log s| {change:.1e})")
     return "; ".join([head] + notes)
