@@ -8,7 +8,9 @@ Settings (calibration: the first 200 images / 256 sentences; evaluation: the res
 `mobilenet_pt8` (per-tensor int8 weights, uint8 activations), `mobilenet_w4` (int4
 per-channel symmetric weights, uint8 activations), `resnet20_w4` (int4 per-channel
 symmetric weights, uint8 activations), `mobilenet_w4a` / `resnet20_w4a` (the same with
-asymmetric int4 weights, the W4A8 preset's; onnxruntime: QUInt4), `minilm_int8` (the U8S8 default, static int8). Rows: `nearest` (onnxq,
+asymmetric int4 weights; onnxruntime: QUInt4), `mobilenet_w4a8` / `resnet20_w4a8` (the W4A8
+preset's protocol: those, with the first and last weighted layer int8; onnxruntime's row
+stays all-int4, quantize_static has no such option), `minilm_int8` (the U8S8 default, static int8). Rows: `nearest` (onnxq,
 round to nearest), `cle_bc` (CLE + bias correction), `adaround`, `adaquant` (default
 options: with per-tensor weights they bring CLE first, see `equalize`), `adaround_bc` /
 `adaquant_bc` (bias correction after them), `adaround_raw` /
@@ -33,12 +35,19 @@ import numpy as np
 
 INT4_PC = {"dtype": "int4", "qscheme": "per_channel", "symmetric": True}
 INT4_PC_ASYM = {**INT4_PC, "symmetric": False}  # the W4A8 preset's weights
+INT8_PC = {"dtype": "int8", "qscheme": "per_channel", "symmetric": True}
 SETTINGS: dict[str, dict[str, Any]] = {
     "mobilenet_pt8": {"model": "mobilenet", "weight": {"qscheme": "per_tensor"}, "ort": {"per_channel": False}},
     "mobilenet_w4": {"model": "mobilenet", "weight": INT4_PC, "ort": {"per_channel": True, "weight": "QInt4"}},
     "resnet20_w4": {"model": "resnet20", "weight": INT4_PC, "ort": {"per_channel": True, "weight": "QInt4"}},
     "mobilenet_w4a": {"model": "mobilenet", "weight": INT4_PC_ASYM, "ort": {"per_channel": True, "weight": "QUInt4"}},
     "resnet20_w4a": {"model": "resnet20", "weight": INT4_PC_ASYM, "ort": {"per_channel": True, "weight": "QUInt4"}},
+    # The W4A8 preset's protocol: first and last weighted layer int8 (edge_weight); the
+    # ort row stays all-int4 (quantize_static has no such option).
+    "mobilenet_w4a8": {"model": "mobilenet", "weight": INT4_PC_ASYM, "config": {"edge_weight": INT8_PC},
+                       "ort": {"per_channel": True, "weight": "QUInt4"}},
+    "resnet20_w4a8": {"model": "resnet20", "weight": INT4_PC_ASYM, "config": {"edge_weight": INT8_PC},
+                      "ort": {"per_channel": True, "weight": "QUInt4"}},
     "minilm_int8": {"model": "minilm", "weight": {}, "ort": {"per_channel": True}},
 }
 ROWS: dict[str, dict[str, Any]] = {
@@ -77,7 +86,8 @@ def quantize_job(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str
     import onnxq
     from onnxq.config.compose import compose_config
 
-    overrides = {"global_quant_config": {"weight": setting["weight"]}, **ROWS[job["row"]]}
+    overrides = {"global_quant_config": {"weight": setting["weight"]}, **setting.get("config", {}),
+                 **ROWS[job["row"]]}
     result = onnxq.quantize(job["model"], job["output"], compose_config("U8S8", None, overrides), arrays,
                             progress=False)
     return {"summary": onnxq.format_summary(result.summary)}

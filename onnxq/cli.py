@@ -90,6 +90,9 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
         values += [(("weight", "qscheme"), "per_group"), (("weight", "group_size"), args.per_group)]
     if args.matmul_nbits:
         values.append((("matmul_nbits",), True))
+    if args.edge_weight_type is not None:
+        none = args.edge_weight_type.lower() == "none"
+        values.append((("edge_weight",), None) if none else (("edge_weight", "dtype"), args.edge_weight_type))
     passes = [{"name": "cle"}] if args.cle else []
     if args.smoothquant is not None:
         passes.append({"name": "smoothquant", "alpha": args.smoothquant})
@@ -485,6 +488,9 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--weight-type",
                    help="weight dtype: int8, uint8, int4, uint4 (opset 21), int16, uint16, float8_e4m3fn, "
                         "float8_e5m2, float16, bfloat16 or float32 (not quantized)")
+    q.add_argument("--edge-weight-type", metavar="DTYPE",
+                   help="weight dtype of the first and last weighted layers (edge_weight; W4A8 keeps them "
+                        "int8), or none: like every other layer")
     q.add_argument("--weight-bits", type=int, metavar="N",
                    help="weight bit width 2..8 inside the weight dtype (e.g. 7 or 6, AMCT ARQ)")
     q.add_argument("--target", help="where the model runs: auto (default: probe this onnxruntime), "

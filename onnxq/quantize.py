@@ -30,7 +30,7 @@ from onnxq.calibrate.shards import (
 )
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config import Config, as_config, validate_node_configs
-from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme
+from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme, QuantizationSpec
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.fidelity import check_outputs, samples_to_check
 from onnxq.emit.float8_center import centering_requests
@@ -52,6 +52,7 @@ from onnxq.optimize import (
     run_passes,
 )
 from onnxq.plan import Kind, QuantPlan, plan_quantization
+from onnxq.plan.edges import with_edge_weight
 from onnxq.plan.params import WeightCache
 from onnxq.report import Summary
 from onnxq.target import TargetProfile, provider_notes, resolve_target
@@ -335,6 +336,15 @@ class Prepared:
     ctx: PassContext
     data: CalibrationSource
     summary: Summary
+    config: Config  # the config as this model resolves it (`edge_weight` applied)
+
+
+def _spec_text(spec: QuantizationSpec) -> str:
+    """A weight spec in a few words: its dtype, granularity and symmetry where set."""
+    parts = [str(getattr(spec, name)) for name in ("dtype", "qscheme") if getattr(spec, name) is not None]
+    if spec.symmetric is not None:
+        parts.append("symmetric" if spec.symmetric else "asymmetric")
+    return " ".join(parts) or "their own"
 
 
 def prepare(source: ModelSource, config: Config, calibration_data: Any, progress: bool | None,
@@ -353,13 +363,17 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     summary.size_before = _size(source, ir_model)
     check_runnable(ir_model, loaded.source)
     validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(ir_model.graph)])
+    config, edges = with_edge_weight(config, ir_model)
+    if edges:
+        summary.notes.append(f"edge_weight: the first and last weighted layers ({', '.join(edges)}) take "
+                             f"{_spec_text(config.edge_weight)} weights")
 
     with summary.stage("optimise"):
         passes = _with_equalization(ir_model, config, ctx, target, summary)
         summary.notes.extend(run_passes(ir_model, passes, ctx))
         plan = plan_quantization(ir_model, config, ctx.keep_float, target)
         algorithms = _algorithms(config, target, plan, data, summary)
-    return Prepared(ir_model, plan, algorithms, target, ctx, data, summary)
+    return Prepared(ir_model, plan, algorithms, target, ctx, data, summary, config)
 
 
 def run_pipeline(
@@ -379,6 +393,7 @@ def run_pipeline(
     options = config.calibration
     ready = prepare(model, config, calibration_data, progress,
                     deferrable=not options.load_ranges and not options.stats)
+    config = ready.config
     ir_model, plan, algorithms, target, ctx, data, summary = (
         ready.model, ready.plan, ready.algorithms, ready.target, ready.ctx, ready.data, ready.summary)
     float_bytes = max(weight_bytes(ir_model), summary.size_before)  # external data included

@@ -227,6 +227,12 @@ class Config:
     # full 8-bit weights even where kernels saturate; None: the target decides (pair-safe
     # 8-bit scales where its int8 kernels saturate, onnxq.target.pairs).
     reduce_range: bool | None = None
+    # Weight spec of the first and the last weighted layer (Conv/ConvTranspose/Gemm/MatMul
+    # with a constant weight, in graph order), between node-level and op-type overrides;
+    # None: as every other layer. Low-bit recipes keep them at 8 bits, as AdaRound's and
+    # BRECQ's int4 results do: the first sees the raw input through few channels, the
+    # last writes the outputs (`plan/edges.py`).
+    edge_weight: QuantizationSpec | None = None
     # Let the target add its default algorithms (bias correction of Conv/Gemm in static
     # plans: the rounded weights' mean error per channel, larger where it narrows weights).
     target_algorithms: bool = True

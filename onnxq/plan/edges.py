@@ -1,0 +1,56 @@
+"""The first and last weighted layers, and the config that gives them `edge_weight`.
+
+Low-bit weight recipes keep the first and the last weighted layer at 8 bits (the
+protocol of AdaRound's and BRECQ's int4 results): the first layer reads the raw input
+through few channels, the last writes the outputs. `Config.edge_weight` names the weight
+spec for those two layers; it is applied as a node-level override beneath the user's own
+node overrides (a field the user set for that node wins), above op-type and global specs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx_ir as ir
+
+from onnxq.config.resolve import resolve_node_config
+from onnxq.config.spec import Config, QuantizationConfig, QuantizationSpec
+from onnxq.graph.fold import constant_array
+
+WEIGHTED = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
+
+
+def edge_layers(model: ir.Model, config: Config) -> list[ir.Node]:
+    """The first and the last node (graph order) of a weighted op type whose weight is a
+    constant and whose weight the config quantizes; one node if there is one, none if none."""
+    layers = [node for node in model.graph if node.op_type in WEIGHTED and len(node.inputs) > 1
+              and constant_array(node.inputs[1]) is not None and _weight_quantized(config, node)]
+    return layers[:1] + layers[-1:] if len(layers) > 1 else layers
+
+
+def _weight_quantized(config: Config, node: ir.Node) -> bool:
+    resolved = resolve_node_config(config, node.name, node.op_type)
+    return resolved is not None and resolved.weight is not None
+
+
+def with_edge_weight(config: Config, model: ir.Model) -> tuple[Config, list[str]]:
+    """`config` with `edge_weight` as node-level weight overrides of the edge layers (a
+    copy; the config itself is left alone), and their names. Unchanged without it."""
+    if config.edge_weight is None:
+        return config, []
+    names = [node.name for node in edge_layers(model, config)]
+    overrides = dict(config.layer_quant_config)
+    for name in names:
+        own = overrides.get(name)
+        weight = _merged(own.weight if own is not None else None, config.edge_weight)
+        overrides[name] = dataclasses.replace(own, weight=weight) if own is not None else QuantizationConfig(
+            weight=weight)
+    return dataclasses.replace(config, layer_quant_config=overrides), names
+
+
+def _merged(own: QuantizationSpec | None, edge: QuantizationSpec) -> QuantizationSpec:
+    """The user's node-level weight spec with the fields it leaves unset taken from `edge`."""
+    if own is None:
+        return edge
+    unset = {f.name: getattr(edge, f.name) for f in dataclasses.fields(own) if getattr(own, f.name) is None}
+    return dataclasses.replace(own, **unset)

@@ -1,0 +1,91 @@
+"""`edge_weight`: the first and last weighted layers take their own weight spec (W4A8
+keeps them int8, the protocol of AdaRound's and BRECQ's int4 results)."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+from helpers import GraphBuilder, random_feeds, run, sqnr_db
+
+import onnxq
+from onnxq.config.io import config_from_dict
+
+INT4, INT8 = onnx.TensorProto.INT4, onnx.TensorProto.INT8
+
+
+def four_layers() -> onnx.ModelProto:
+    """Conv, depthwise Conv, 1x1 Conv, then Flatten + Gemm."""
+    b = GraphBuilder(21)
+    x = b.input("x", ["N", 4, 8, 8])
+    x = b.relu(b.conv(x, 4, 8))
+    x = b.relu(b.conv(x, 8, 8, group=8))
+    x = b.relu(b.conv(x, 8, 8, k=1))
+    x = b.node("Flatten", [x])
+    return b.build([b.gemm(x, 8 * 8 * 8, 10)], name="four_layers")
+
+
+MODEL = four_layers()
+CALIB = random_feeds(MODEL, 32, seed=3)
+
+
+def weight_types(model: onnx.ModelProto) -> list[int]:
+    """The stored type of each weighted layer's weight, in graph order."""
+    inits = {t.name: t.data_type for t in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    types = []
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "Gemm"):
+            dq = producer.get(node.input[1])
+            types.append(inits.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None)
+    return types
+
+
+def test_w4a8_keeps_the_first_and_last_layer_int8():
+    result = onnxq.quantize(MODEL, None, "W4A8", CALIB)
+    assert weight_types(result.model) == [INT8, INT4, INT4, INT8]
+    onnx.checker.check_model(result.model, full_check=True)
+    assert any("edge_weight" in note for note in result.summary.notes)
+    feed = random_feeds(MODEL, 1, seed=9)[0]
+    assert sqnr_db(run(MODEL, feed), run(result.model, feed)) > 15
+
+
+def test_without_edge_weight_every_layer_is_alike():
+    config = onnxq.get_preset("W4A8")
+    config.edge_weight = None
+    assert weight_types(onnxq.quantize(MODEL, None, config, CALIB).model) == [INT4] * 4
+
+
+def test_a_node_override_wins_over_the_edge_spec():
+    """The user's own node-level weight field is kept; edge_weight fills what it leaves unset."""
+    config = onnxq.get_preset("W4A8")
+    first = next(n.name for n in MODEL.graph.node if n.op_type == "Conv")
+    config.layer_quant_config = {first: onnxq.QuantizationConfig(weight=onnxq.QuantizationSpec(dtype="int4"))}
+    result = onnxq.quantize(MODEL, None, config, CALIB)
+    assert weight_types(result.model) == [INT4, INT4, INT4, INT8]
+    assert config.layer_quant_config[first].weight.symmetric is None  # the user's config is left alone
+
+
+INT4_CONFIG = {"global_quant_config": {"weight": {"dtype": "int4", "qscheme": "per_channel"},
+                                       "input_tensors": {"dtype": "uint8"}, "output_tensors": {"dtype": "uint8"}}}
+
+
+@pytest.mark.parametrize("edge,expected", [({"dtype": "int8"}, [INT8, INT4, INT4, INT8]), (None, [INT4] * 4)])
+def test_edge_weight_from_a_config_file(edge, expected):
+    config = config_from_dict({**INT4_CONFIG, **({"edge_weight": edge} if edge else {})})
+    assert weight_types(onnxq.quantize(MODEL, None, config, CALIB).model) == expected
+
+
+def test_cli_flag_sets_or_clears_it(tmp_path):
+    import numpy as np
+    from helpers import save, stack_feeds
+    from test_newcomer import onnxq as cli
+
+    path = save(MODEL, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", **stack_feeds(CALIB))
+    for flag, expected in (("none", [INT4] * 4), ("uint8", [onnx.TensorProto.UINT8, INT4, INT4,
+                                                           onnx.TensorProto.UINT8])):
+        out = tmp_path / f"{flag}.onnx"
+        proc = cli("quantize", str(path), str(out), "--calib-data", str(tmp_path / "calib.npz"), "--preset", "W4A8",
+                   "--edge-weight-type", flag, "--quiet")
+        assert proc.returncode == 0, proc.stderr
+        assert weight_types(onnx.load(str(out))) == expected
