@@ -353,6 +353,17 @@ class GraphBuilder:
         return model
 
 
+def every_kernel(seed: int = 11) -> onnx.ModelProto:
+    """3x3 Conv (GEMM path), depthwise Conv, 1x1 Conv, then Flatten + Gemm."""
+    b = GraphBuilder(seed)
+    x = b.input("x", ["N", 4, 8, 8])
+    x = b.relu(b.conv(x, 4, 8))
+    x = b.relu(b.conv(x, 8, 8, group=8))
+    x = b.relu(b.conv(x, 8, 8, k=1))
+    x = b.node("Flatten", [x])
+    return b.build([b.gemm(x, 8 * 8 * 8, 10)], name="every_kernel")
+
+
 def conv_relu_chain(seed: int = 0) -> onnx.ModelProto:
     """Conv+Relu x2 then a plain Conv: [N,3,16,16] -> [N,8,16,16]."""
     b = GraphBuilder(seed)

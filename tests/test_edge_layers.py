@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import onnx
 import pytest
-from helpers import GraphBuilder, random_feeds, run, sqnr_db
+from helpers import every_kernel, random_feeds, run, sqnr_db
 
 import onnxq
 from onnxq.config.io import config_from_dict
@@ -13,18 +13,7 @@ from onnxq.config.io import config_from_dict
 INT4, INT8 = onnx.TensorProto.INT4, onnx.TensorProto.INT8
 
 
-def four_layers() -> onnx.ModelProto:
-    """Conv, depthwise Conv, 1x1 Conv, then Flatten + Gemm."""
-    b = GraphBuilder(21)
-    x = b.input("x", ["N", 4, 8, 8])
-    x = b.relu(b.conv(x, 4, 8))
-    x = b.relu(b.conv(x, 8, 8, group=8))
-    x = b.relu(b.conv(x, 8, 8, k=1))
-    x = b.node("Flatten", [x])
-    return b.build([b.gemm(x, 8 * 8 * 8, 10)], name="four_layers")
-
-
-MODEL = four_layers()
+MODEL = every_kernel(21)
 CALIB = random_feeds(MODEL, 32, seed=3)
 
 

@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 import pytest
 from helpers import (
-    GraphBuilder,
     assert_pair_safe,
+    every_kernel,
     initializers,
     producers,
     random_feeds,
@@ -34,19 +34,7 @@ from onnxq.target import resolve_target
 from onnxq.target.probe import saturating_kernels, wrong_kernels
 from onnxq.target.profile import AVX2_SATURATING
 
-
-def model_with_every_kernel() -> onnx.ModelProto:
-    """3x3 Conv (GEMM path), depthwise Conv, 1x1 Conv, then Flatten + Gemm."""
-    b = GraphBuilder(11)
-    x = b.input("x", ["N", 4, 8, 8])
-    x = b.relu(b.conv(x, 4, 8))
-    x = b.relu(b.conv(x, 8, 8, group=8))
-    x = b.relu(b.conv(x, 8, 8, k=1))
-    x = b.node("Flatten", [x])
-    return b.build([b.gemm(x, 8 * 8 * 8, 10)], name="every_kernel")
-
-
-MODEL = model_with_every_kernel()
+MODEL = every_kernel()
 CALIB = random_feeds(MODEL, 16, seed=1)
 
 
