@@ -78,6 +78,7 @@ class PipelineState:
         """The model emitted under `config` (node overrides of the original one) with the
         calibrated ranges: tensors the new plan needs but nobody calibrated stay float."""
         model = self.float_model.clone()
+        config, _ = with_edge_weight(config, model)  # as `prepare` resolved the original config
         ctx = dataclasses.replace(self.ctx, statistics=dict(self.statistics), weights=WeightCache(),
                                   fitted_biases={})
         plan = plan_quantization(model, config, ctx.keep_float, self.target)

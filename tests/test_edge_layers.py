@@ -78,3 +78,16 @@ def test_cli_flag_sets_or_clears_it(tmp_path):
                    "--edge-weight-type", flag, "--quiet")
         assert proc.returncode == 0, proc.stderr
         assert weight_types(onnx.load(str(out))) == expected
+
+
+def test_re_emission_from_the_pipeline_state_keeps_the_edge_layers():
+    """The accuracy-target search re-emits with the user's config plus promotions
+    (`PipelineState.emit`): the edge layers resolve there as in the run itself."""
+    import onnx_ir as ir
+
+    from onnxq.quantize import run_pipeline
+
+    config = onnxq.get_preset("W4A8")
+    config.algo_config = []
+    result = run_pipeline(MODEL, None, config, CALIB, keep_state=True)
+    assert weight_types(ir.to_proto(result.state.emit(config))) == [INT8, INT4, INT4, INT8]
