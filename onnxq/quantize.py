@@ -30,7 +30,7 @@ from onnxq.calibrate.shards import (
 )
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config import Config, as_config, validate_node_configs
-from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme, QuantizationSpec
+from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme, QuantFormat, QuantizationSpec
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.fidelity import check_outputs, samples_to_check
 from onnxq.emit.float8_center import centering_requests
@@ -73,12 +73,14 @@ class PipelineState:
     ctx: PassContext
     target: TargetProfile
     algorithms: list[dict[str, Any]]
+    edges: list[str] = dataclasses.field(default_factory=list)  # the run's `edge_weight` layers
 
     def emit(self, config: Config) -> ir.Model:
         """The model emitted under `config` (node overrides of the original one) with the
         calibrated ranges: tensors the new plan needs but nobody calibrated stay float."""
         model = self.float_model.clone()
-        config, _ = with_edge_weight(config, model)  # as `prepare` resolved the original config
+        # The run's edge layers, not recomputed: a trial's promotions to float would move them.
+        config, _ = with_edge_weight(config, model, self.edges)
         ctx = dataclasses.replace(self.ctx, statistics=dict(self.statistics), weights=WeightCache(),
                                   fitted_biases={})
         plan = plan_quantization(model, config, ctx.keep_float, self.target)
@@ -120,7 +122,7 @@ def required_opset(config: Config) -> int:
         return 13
     levels = [config.global_quant_config, *config.layer_type_quant_config.values(),
               *config.layer_quant_config.values()]
-    specs = [getattr(level, tc) for level in levels for tc in TENSOR_CLASSES]
+    specs = [getattr(level, tc) for level in levels for tc in TENSOR_CLASSES] + [config.edge_weight]
     opsets = [qdq_opset(s.dtype) for s in specs if s is not None and s.dtype is not None
               and DType(s.dtype) not in FLOAT_TARGETS | {DType.FLOAT32}]
     opsets += [21 for s in specs if s is not None and s.qscheme == QScheme.PER_GROUP]
@@ -142,7 +144,7 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
             "(`onnxq convert --to float` gives a float one back from Q/DQ and QLinear models)")
     if required_opset(config) <= report.opset:
         return model, report
-    need = plan_quantization(model, config, {}, target).required_opset()
+    need = plan_quantization(model, with_edge_weight(config, model)[0], {}, target).required_opset()
     return (model, report) if need <= report.opset else load_model(source, need)
 
 
@@ -338,6 +340,18 @@ class Prepared:
     data: CalibrationSource
     summary: Summary
     config: Config  # the config as this model resolves it (`edge_weight` applied)
+    edges: list[str]  # the layers `edge_weight` applies to
+
+
+def _check_edge_weight(config: Config, model: ir.Model, edges: list[str]) -> None:
+    """`edge_weight` validated like the node overrides it becomes (an int32 weight, a
+    per-group scheme without a group size), named as the config's own key."""
+    if not edges:
+        return
+    try:
+        validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)])
+    except ConfigError as exc:
+        raise ConfigError(f"edge_weight: {exc}") from None
 
 
 def _spec_text(spec: QuantizationSpec) -> str:
@@ -353,7 +367,8 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     """Stage 1 (load) and the passes of stage 3 that run before calibration."""
     check_config_entries(config.pre_quant_opt_config, config.algo_config)
     data = CalibrationSource(calibration_data)
-    ctx = PassContext(data, config.calibration, progress, deferrable=deferrable, qdq_domain=config.qdq_domain)
+    ctx = PassContext(data, config.calibration, progress, deferrable=deferrable, qdq_domain=config.qdq_domain,
+                      extended=config.quant_format == QuantFormat.QDQ_EXT)
     summary = Summary()
     target = resolve_target(config)
     summary.target = target.describe()
@@ -365,6 +380,7 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     check_runnable(ir_model, loaded.source)
     validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(ir_model.graph)])
     config, edges = with_edge_weight(config, ir_model)
+    _check_edge_weight(config, ir_model, edges)
     if edges:
         summary.notes.append(f"edge_weight: the first and last weighted layers ({', '.join(edges)}) take "
                              f"{_spec_text(config.edge_weight)} weights")
@@ -374,7 +390,7 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
         summary.notes.extend(run_passes(ir_model, passes, ctx))
         plan = plan_quantization(ir_model, config, ctx.keep_float, target)
         algorithms = _algorithms(config, target, plan, data, summary)
-    return Prepared(ir_model, plan, algorithms, target, ctx, data, summary, config)
+    return Prepared(ir_model, plan, algorithms, target, ctx, data, summary, config, edges)
 
 
 def run_pipeline(
@@ -415,7 +431,7 @@ def run_pipeline(
     state = None
     if keep_state:
         state = PipelineState(ir_model.clone(), dict(calibration.ranges), dict(calibration.statistics),
-                              dataclasses.replace(ctx), target, algorithms)
+                              dataclasses.replace(ctx), target, algorithms, ready.edges)
     with summary.stage("optimise"):
         plan, notes = run_algorithms(ir_model, plan, calibration.ranges, algorithms, ctx)
     summary.notes.extend(notes)

@@ -325,3 +325,18 @@ def test_empirical_correction_measures_the_model_as_emitted_with_float8_centring
     before = np.abs(mean_channel_error(model, analytic.model, calib, 1)).mean()
     after = np.abs(mean_channel_error(model, empirical.model, calib, 1)).mean()
     assert after < 0.15 * before, (before, after)
+
+
+def test_bias_added_to_a_gemm_with_beta_is_scaled_by_it():
+    """Gemm computes alpha A B + beta C: a C the correction adds is multiplied by beta at
+    run time, so the correction divides by it (with beta 2 it used to fix almost nothing:
+    mean |error| 0.0575 -> 0.0569)."""
+    rng = np.random.default_rng(1)
+    model = build([helper.make_node("Gemm", ["x", "w"], ["y"], name="gemm", transB=1, beta=2.0)],
+                  {"w": uneven(rng, (24, 32))}, ["N", 32])
+    calib = data(model, 64, seed=10)
+    plain = onnxq.quantize(model, None, per_tensor([]), calib)
+    corrected = onnxq.quantize(model, None, per_tensor([{"name": "bias_correction"}]), calib)
+    before = np.abs(mean_channel_error(model, plain.model, calib, 1)).mean()
+    after = np.abs(mean_channel_error(model, corrected.model, calib, 1)).mean()
+    assert after < 0.3 * before, (before, after)

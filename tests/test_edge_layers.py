@@ -9,6 +9,7 @@ from helpers import every_kernel, random_feeds, run, sqnr_db
 
 import onnxq
 from onnxq.config.io import config_from_dict
+from onnxq.errors import ConfigError
 
 INT4, INT8 = onnx.TensorProto.INT4, onnx.TensorProto.INT8
 
@@ -91,3 +92,40 @@ def test_re_emission_from_the_pipeline_state_keeps_the_edge_layers():
     config.algo_config = []
     result = run_pipeline(MODEL, None, config, CALIB, keep_state=True)
     assert weight_types(ir.to_proto(result.state.emit(config))) == [INT8, INT4, INT4, INT8]
+
+
+def test_search_trials_keep_the_runs_edge_layers():
+    """A trial that promotes the first layer to float keeps the run's edge layers (the
+    second layer does not become an edge): the search measures each layer as deployed."""
+    import onnx_ir as ir
+
+    from onnxq.quantize import run_pipeline
+    from onnxq.search.driver import with_promotions
+
+    config = onnxq.get_preset("W4A8")
+    config.algo_config = []
+    result = run_pipeline(MODEL, None, config, CALIB, keep_state=True)
+    first = next(n.name for n in MODEL.graph.node if n.op_type == "Conv")
+    trial = ir.to_proto(result.state.emit(with_promotions(config, {first: "float"})))
+    assert weight_types(trial) == [None, INT4, INT4, INT8]
+
+
+def test_an_edge_type_that_needs_a_newer_opset_upgrades_the_model():
+    config = onnxq.get_preset("U8S8")
+    config.edge_weight = onnxq.QuantizationSpec(dtype="int4")
+    result = onnxq.quantize(MODEL, None, config, CALIB)
+    assert weight_types(result.model) == [INT4, INT8, INT8, INT4]
+    assert max(o.version for o in result.model.opset_import if o.domain in ("", "ai.onnx")) >= 21
+
+
+def test_an_invalid_edge_spec_is_refused_under_its_own_key():
+    config = onnxq.get_preset("U8S8")
+    config.edge_weight = onnxq.QuantizationSpec(dtype="int32")
+    with pytest.raises(ConfigError, match="^edge_weight: .*32-bit"):
+        onnxq.quantize(MODEL, None, config, CALIB)
+
+
+def test_an_excluded_first_layer_is_not_replaced_by_the_next():
+    config = onnxq.get_preset("W4A8")
+    config.exclude = [next(n.name for n in MODEL.graph.node if n.op_type == "Conv")]
+    assert weight_types(onnxq.quantize(MODEL, None, config, CALIB).model) == [None, INT4, INT4, INT8]

@@ -1,6 +1,7 @@
 """The model as emission will lay it out, for algorithms that measure it before the end
 of the pipeline: empirical bias correction, AdaRound/AdaQuant's quantized inputs and
-their model-level check. QDQ (`emit_qdq`), and float8 activations laid out and centred per
+their model-level check. QDQ (`emit_qdq`; qdq-ext's own rounding and types where the
+config asks for it), and float8 activations laid out and centred per
 channel as `emit_model` does: measured without the centring, the means fit another model
 (empirical bias correction on MobileNet FP8_E4M3: 13.1 -> 6.9 dB)."""
 
@@ -21,9 +22,10 @@ from onnxq.plan.params import WeightCache
 
 
 def emit_trial(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], qdq_domain: str,
-               weights: WeightCache | None, statistics: Mapping[Statistic, np.ndarray | None] | None) -> None:
-    """Rewrite `model` in place as emission will (QDQ; float8 laid out and centred)."""
-    emit_qdq(model, plan, dict(ranges), qdq_domain, weights)
+               weights: WeightCache | None, statistics: Mapping[Statistic, np.ndarray | None] | None,
+               extended: bool = False) -> None:
+    """Rewrite `model` in place as emission will (QDQ or qdq-ext; float8 laid out and centred)."""
+    emit_qdq(model, plan, dict(ranges), qdq_domain, weights, extended)
     if any(is_float8(t.spec.dtype) for t in plan.tensors.values()):
         make_float8_deployable(model)
         center_float8(model, statistics or {})

@@ -80,6 +80,8 @@ class PassContext:
     may_defer: bool = False
     # The Q/DQ domain emission uses (algorithms that emit a trial graph use the same).
     qdq_domain: str = "ai.onnx"
+    # Whether emission writes the extended format (qdq-ext: its own rounding and types).
+    extended: bool = False
     deferred: Deferred | None = None
 
     def defer(self, deferred: Deferred) -> bool:

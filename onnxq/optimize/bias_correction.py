@@ -296,7 +296,8 @@ def correct(model: ir.Model, plan: QuantPlan, layer: Layer, error: ErrorFn, emis
         bias_plan = _new_bias_plan(plan, layer, bias_spec)
     else:
         bias_plan = emission.bias_of.get(layer.weight.name)
-    beta = float(layout.attr(node, "beta", 1.0)) if node.op_type == "Gemm" and old is not None else 1.0
+    # An added C is scaled by beta too (Gemm computes alpha A B + beta C).
+    beta = float(layout.attr(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
     if base is None:
         base = np.zeros(channels) if old is None else float_bias(layer)
     now = np.zeros(channels) if old is None else float_bias(layer)
@@ -406,7 +407,7 @@ def _empirical(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[floa
         if fmean is None:
             continue
         emitted = model.clone()
-        emit_trial(emitted, plan, ranges, ctx.qdq_domain, ctx.weights, ctx.statistics)
+        emit_trial(emitted, plan, ranges, ctx.qdq_domain, ctx.weights, ctx.statistics, ctx.extended)
         twin = next((n for n in emitted.graph if n.name == layer.node.name), None)
         if twin is None:
             continue

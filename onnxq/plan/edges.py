@@ -5,6 +5,9 @@ protocol of AdaRound's and BRECQ's int4 results): the first layer reads the raw 
 through few channels, the last writes the outputs. `Config.edge_weight` names the weight
 spec for those two layers; it is applied as a node-level override beneath the user's own
 node overrides (a field the user set for that node wins), above op-type and global specs.
+A run fixes its edge layers once (`prepare`); re-emissions (the accuracy-target search's
+trials) reuse them, so promoting a layer to float never moves the edge. A weight tensor
+shared by several layers is planned once, from its first consumer's spec.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ WEIGHTED = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 
 
 def edge_layers(model: ir.Model, config: Config) -> list[ir.Node]:
-    """The first and the last node (graph order) of a weighted op type whose weight is a
-    constant and whose weight the config quantizes; one node if there is one, none if none."""
+    """The first and the last node (graph order) of a weighted op type with a constant
+    weight, each only if the config quantizes its weight: an excluded or float first
+    layer is not replaced by the next one (the protocol is about the model's ends)."""
     layers = [node for node in model.graph if node.op_type in WEIGHTED and len(node.inputs) > 1
-              and constant_array(node.inputs[1]) is not None and _weight_quantized(config, node)]
-    return layers[:1] + layers[-1:] if len(layers) > 1 else layers
+              and constant_array(node.inputs[1]) is not None]
+    ends = layers[:1] + layers[-1:] if len(layers) > 1 else layers
+    return [node for node in ends if _weight_quantized(config, node)]
 
 
 def _weight_quantized(config: Config, node: ir.Node) -> bool:
@@ -33,12 +38,14 @@ def _weight_quantized(config: Config, node: ir.Node) -> bool:
     return resolved is not None and resolved.weight is not None
 
 
-def with_edge_weight(config: Config, model: ir.Model) -> tuple[Config, list[str]]:
+def with_edge_weight(config: Config, model: ir.Model, names: list[str] | None = None) -> tuple[Config, list[str]]:
     """`config` with `edge_weight` as node-level weight overrides of the edge layers (a
-    copy; the config itself is left alone), and their names. Unchanged without it."""
+    copy; the config itself is left alone), and their names. `names`: the layers a run
+    already chose (a re-emission must not move them). Unchanged without `edge_weight`."""
     if config.edge_weight is None:
         return config, []
-    names = [node.name for node in edge_layers(model, config)]
+    if names is None:
+        names = [node.name for node in edge_layers(model, config)]
     overrides = dict(config.layer_quant_config)
     for name in names:
         own = overrides.get(name)

@@ -245,7 +245,7 @@ def _quantized_graph(model: ir.Model, plan: QuantPlan, ranges, ctx, inputs: str)
     options of AdaRound)."""
     qmodel = model.clone()
     if inputs == "quantized":
-        emit_trial(qmodel, plan, ranges, ctx.qdq_domain, ctx.weights, ctx.statistics)
+        emit_trial(qmodel, plan, ranges, ctx.qdq_domain, ctx.weights, ctx.statistics, ctx.extended)
     return qmodel
 
 
@@ -366,7 +366,7 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
     """Check the whole model (`guard.py`); undo everything when nearest rounding is closer."""
     def emitted(source: ir.Model, weights: WeightCache) -> onnx.ModelProto:
         copy = source.clone()
-        emit_trial(copy, plan, ranges, ctx.qdq_domain, weights, ctx.statistics)
+        emit_trial(copy, plan, ranges, ctx.qdq_domain, weights, ctx.statistics, ctx.extended)
         return ir.to_proto(copy)
 
     keep, learned_db, near_db = keep_learned(
