@@ -74,17 +74,10 @@ def run_all(sess: Any, feeds: dict[str, np.ndarray], batch: int) -> np.ndarray:
 
 
 def latency_ms(sess: Any, feeds: dict[str, np.ndarray], batch: int, runs: int) -> float:
-    """Median ms of one batch of `batch` samples (after 5 warm-up runs)."""
+    """Median ms of one batch of `batch` samples (`common.median_latency_ms`, 5 warm-up runs)."""
     wanted = {i.name for i in sess.get_inputs()}
-    b = {k: v[:batch] for k, v in feeds.items() if k in wanted}
-    for _ in range(5):
-        sess.run(None, b)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        sess.run(None, b)
-        times.append((time.perf_counter() - t0) * 1000.0)
-    return float(np.median(times))
+    feed = {k: v[:batch] for k, v in feeds.items() if k in wanted}
+    return C.median_latency_ms({"s": sess}, {"s": feed}, runs, warmup=5)["s"]["median_ms"]
 
 
 def mlp_task(workdir: Path) -> tuple[Path, dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -30,7 +30,7 @@ from onnxq.calibrate.shards import (
 )
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config import Config, as_config, validate_node_configs
-from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme, QuantFormat, QuantizationSpec
+from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme, QuantFormat
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.fidelity import check_outputs, samples_to_check
 from onnxq.emit.float8_center import centering_requests
@@ -52,7 +52,7 @@ from onnxq.optimize import (
     run_passes,
 )
 from onnxq.plan import Kind, QuantPlan, plan_quantization
-from onnxq.plan.edges import with_edge_weight
+from onnxq.plan.edges import apply_edge_weight, with_edge_weight
 from onnxq.plan.params import WeightCache
 from onnxq.report import Summary
 from onnxq.target import TargetProfile, provider_notes, resolve_target
@@ -343,25 +343,6 @@ class Prepared:
     edges: list[str]  # the layers `edge_weight` applies to
 
 
-def _check_edge_weight(config: Config, model: ir.Model, edges: list[str]) -> None:
-    """`edge_weight` validated like the node overrides it becomes (an int32 weight, a
-    per-group scheme without a group size), named as the config's own key."""
-    if not edges:
-        return
-    try:
-        validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)])
-    except ConfigError as exc:
-        raise ConfigError(f"edge_weight: {exc}") from None
-
-
-def _spec_text(spec: QuantizationSpec) -> str:
-    """A weight spec in a few words: its dtype, granularity and symmetry where set."""
-    parts = [str(getattr(spec, name)) for name in ("dtype", "qscheme") if getattr(spec, name) is not None]
-    if spec.symmetric is not None:
-        parts.append("symmetric" if spec.symmetric else "asymmetric")
-    return " ".join(parts) or "their own"
-
-
 def prepare(source: ModelSource, config: Config, calibration_data: Any, progress: bool | None,
             deferrable: bool) -> Prepared:
     """Stage 1 (load) and the passes of stage 3 that run before calibration."""
@@ -379,11 +360,8 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     summary.size_before = _size(source, ir_model)
     check_runnable(ir_model, loaded.source)
     validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(ir_model.graph)])
-    config, edges = with_edge_weight(config, ir_model)
-    _check_edge_weight(config, ir_model, edges)
-    if edges:
-        summary.notes.append(f"edge_weight: the first and last weighted layers ({', '.join(edges)}) take "
-                             f"{_spec_text(config.edge_weight)} weights")
+    config, edges, note = apply_edge_weight(config, ir_model)
+    summary.notes.extend([note] if note else [])
 
     with summary.stage("optimise"):
         passes = _with_equalization(ir_model, config, ctx, target, summary)

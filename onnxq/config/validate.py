@@ -92,6 +92,12 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> N
             raise ConfigError(f"layer_type_quant_config names op type {op!r}, which is no ONNX op type nor one "
                               f"of the model's" + (f"; did you mean '{hint}'?" if hint else
                                                    f" ({', '.join(sorted(op_types))})"))
+    check_resolved(config, nodes)
+
+
+def check_resolved(config: Config, nodes: Iterable[tuple[str, str]]) -> None:
+    """Each node's resolved config must be valid (its levels can combine into a spec no
+    level alone states)."""
     for name, op_type in nodes:
         resolved = resolve_node_config(config, name, op_type)
         if resolved is None:

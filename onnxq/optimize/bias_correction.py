@@ -267,14 +267,19 @@ def _new_bias_plan(plan: QuantPlan, layer: Layer, spec: ResolvedSpec | None) -> 
     return TensorPlan("", Kind.BIAS, spec, bias_inputs=(act.name, weight.name), consumers=((layer.node.name, 2),))
 
 
-def float_bias(layer: Layer) -> np.ndarray | None:
-    """The layer's bias as it is now, one value per output channel (None: it has none)."""
+def _bias_array(layer: Layer) -> np.ndarray | None:
+    """The layer's bias initializer as stored (None: it has none)."""
     inputs = layer.bias_node.inputs
     value = inputs[layer.bias_index] if layer.bias_index < len(inputs) else None
-    old = constant_array(value) if value is not None else None
-    if old is None:
-        return None
+    return constant_array(value) if value is not None else None
+
+
+def float_bias(layer: Layer) -> np.ndarray:
+    """The bias the layer adds now, one value per output channel (zeros without one)."""
+    old = _bias_array(layer)
     channels = layout.out_channels(layer.node, constant_array(layer.node.inputs[1]).shape)
+    if old is None:
+        return np.zeros(channels)
     return np.broadcast_to(old.astype(np.float64).reshape(-1), (channels,)).copy()
 
 
@@ -289,19 +294,12 @@ def correct(model: ir.Model, plan: QuantPlan, layer: Layer, error: ErrorFn, emis
     node = layer.node
     w = constant_array(node.inputs[1])
     channels = layout.out_channels(node, w.shape)
-    inputs = layer.bias_node.inputs
-    bias_value = inputs[layer.bias_index] if layer.bias_index < len(inputs) else None
-    old = constant_array(bias_value) if bias_value is not None else None
-    if old is None:
-        bias_plan = _new_bias_plan(plan, layer, bias_spec)
-    else:
-        bias_plan = emission.bias_of.get(layer.weight.name)
+    old = _bias_array(layer)
+    bias_plan = _new_bias_plan(plan, layer, bias_spec) if old is None else emission.bias_of.get(layer.weight.name)
     # An added C is scaled by beta too (Gemm computes alpha A B + beta C).
     beta = float(layout.attr(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
-    if base is None:
-        base = np.zeros(channels) if old is None else float_bias(layer)
-    now = np.zeros(channels) if old is None else float_bias(layer)
-    bias = base
+    now = float_bias(layer)
+    bias = base = now if base is None else base
     for _ in range(3):  # the weight scale floor depends on the bias: let it settle
         wq = emission.dequantized_weight(layer.weight, node.inputs[1], bias_plan, bias)
         new = base - error(wq, w.astype(np.float64)) / beta
@@ -383,7 +381,7 @@ def _empirical_error(layer: Layer, float_mean: InputMean, quant_mean: InputMean)
 
 
 def _empirical(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], layers: list[Layer],
-               float_means: Mapping[str, InputMean], base: Mapping[str, np.ndarray | None], ctx: PassContext,
+               float_means: Mapping[str, InputMean], base: Mapping[str, np.ndarray], ctx: PassContext,
                bias_spec: ResolvedSpec | None) -> tuple[QuantPlan, str]:
     """Empirical correction, one layer at a time in graph order: emit the model as it is
     (the layers before already corrected), measure the layer's quantized input means in a
@@ -418,11 +416,9 @@ def _empirical(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[floa
         quant = _means_of(name, stats, found)
         if quant is None:
             continue
-        start = base[layer.node.name]
-        if start is None:  # the first correction added it
-            start = np.zeros(layout.out_channels(layer.node, constant_array(layer.node.inputs[1]).shape))
         emission = _Emission(model, plan, ranges, ctx.weights)
-        new_plan = correct(model, plan, layer, _empirical_error(layer, fmean, quant), emission, bias_spec, start)
+        new_plan = correct(model, plan, layer, _empirical_error(layer, fmean, quant), emission, bias_spec,
+                           base[layer.node.name])
         plan = new_plan if new_plan is not None else plan
         done += 1
     return plan, f"; {done} empirical (on the quantized model's own inputs, layer by layer)"

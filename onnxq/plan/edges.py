@@ -18,6 +18,8 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import resolve_node_config
 from onnxq.config.spec import Config, QuantizationConfig, QuantizationSpec
+from onnxq.config.validate import check_resolved
+from onnxq.errors import ConfigError
 from onnxq.graph.fold import constant_array
 
 WEIGHTED = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
@@ -61,3 +63,27 @@ def _merged(own: QuantizationSpec | None, edge: QuantizationSpec) -> Quantizatio
         return edge
     unset = {f.name: getattr(edge, f.name) for f in dataclasses.fields(own) if getattr(own, f.name) is None}
     return dataclasses.replace(own, **unset)
+
+
+def apply_edge_weight(config: Config, model: ir.Model) -> tuple[Config, list[str], str | None]:
+    """`with_edge_weight` for a run: the edge layers' resolved configs checked like any
+    node override's (an int32 weight, per-group without a group size), under the config's
+    own key, and the summary's note naming them (None without edge layers)."""
+    config, names = with_edge_weight(config, model)
+    if not names:
+        return config, names, None
+    ops = {node.name: node.op_type for node in model.graph}
+    try:
+        check_resolved(config, [(name, ops[name]) for name in names])
+    except ConfigError as exc:
+        raise ConfigError(f"edge_weight: {exc}") from None
+    return config, names, (f"edge_weight: the first and last weighted layers ({', '.join(names)}) take "
+                           f"{_describe(config.edge_weight)} weights")
+
+
+def _describe(spec: QuantizationSpec) -> str:
+    """A weight spec in a few words: its dtype, granularity and symmetry where set."""
+    parts = [str(getattr(spec, name)) for name in ("dtype", "qscheme") if getattr(spec, name) is not None]
+    if spec.symmetric is not None:
+        parts.append("symmetric" if spec.symmetric else "asymmetric")
+    return " ".join(parts) or "their own"
