@@ -11,9 +11,10 @@ saturate), `8bit` (reduce_range false), `7bit`
 (reduce_range true), `u8u8` (uint8 symmetric weights), `s8s8` (S8S8 preset), `bc` (default
 plus bias correction), `pt_cle_bc` (per-tensor weights, CLE and bias correction),
 `pt_cle_ebc` (the same with the empirical correction, layer by layer on the quantized
-model's own inputs);
+model's own inputs), `fp8` (the FP8_E4M3 preset: AdaRound on the float8 grid, first/last
+layer inputs float), `fp8_fast` (the same with bias correction instead of AdaRound);
 `ort` / `ort_rr` (quantize_static U8S8 per-channel MinMax, reduce_range off/on),
-`ort_pt` (per-tensor). Columns: metric deployed and with reference kernels, latency at
+`ort_pt` (per-tensor), `ort_fp8` (float8 E4M3FN, Distribution calibration). Columns: metric deployed and with reference kernels, latency at
 batch 1 and 8 (median, sessions interleaved, 1 thread), quantize time and peak RSS of
 the quantizer's own worker process; ratios against onnxruntime's row of the same
 granularity. Each quantizer runs in a worker subprocess (`compare_ort` protocol).
@@ -51,9 +52,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ort_rr": {"tool": "ort", "reduce_range": True, "per_channel": True},
     "ort_pt": {"tool": "ort", "reduce_range": False, "per_channel": False},
     "qoperator": {"tool": "onnxq", "config": {"quant_format": "qoperator"}},
+    "fp8": {"tool": "onnxq", "preset": "FP8_E4M3", "config": {}},
+    "fp8_fast": {"tool": "onnxq", "preset": "FP8_E4M3", "config": {"algo_config": [{"name": "bias_correction"}]}},
+    "ort_fp8": {"tool": "ort", "reduce_range": False, "per_channel": True, "type": "float8"},
     "ort_qop": {"tool": "ort", "reduce_range": False, "per_channel": True, "format": "qoperator"},
 }
-ORT_BASELINE = {"pt_cle_bc": "ort_pt", "pt_cle_ebc": "ort_pt"}  # ratio rows: per-tensor against per-tensor
+# Ratio rows: per-tensor against per-tensor, float8 against float8.
+ORT_BASELINE = {"pt_cle_bc": "ort_pt", "pt_cle_ebc": "ort_pt", "fp8": "ort_fp8", "fp8_fast": "ort_fp8"}
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -77,10 +82,12 @@ def quantize_job(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     fmt = QuantFormat.QOperator if variant.get("format") == "qoperator" else QuantFormat.QDQ
+    float8 = variant.get("type") == "float8"  # onnxruntime calibrates float8 by Distribution only
+    types = (QuantType.QFLOAT8E4M3FN,) * 2 if float8 else (QuantType.QUInt8, QuantType.QInt8)
     quantize_static(job["model"], job["output"], C.FeedReader(arrays), quant_format=fmt,
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                    activation_type=types[0], weight_type=types[1],
                     per_channel=variant["per_channel"], reduce_range=variant["reduce_range"],
-                    calibrate_method=CalibrationMethod.MinMax)
+                    calibrate_method=CalibrationMethod.Distribution if float8 else CalibrationMethod.MinMax)
     return {}
 
 

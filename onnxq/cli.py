@@ -93,6 +93,9 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
     if args.edge_weight_type is not None:
         none = args.edge_weight_type.lower() == "none"
         values.append((("edge_weight",), None) if none else (("edge_weight", "dtype"), args.edge_weight_type))
+    if args.edge_input_type is not None:
+        none = args.edge_input_type.lower() == "none"
+        values.append((("edge_input",), None) if none else (("edge_input", "dtype"), args.edge_input_type))
     passes = [{"name": "cle"}] if args.cle else []
     if args.smoothquant is not None:
         passes.append({"name": "smoothquant", "alpha": args.smoothquant})
@@ -491,6 +494,9 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--edge-weight-type", metavar="DTYPE",
                    help="weight dtype of the first and last weighted layers (edge_weight; W4A8 keeps them "
                         "int8), or none: like every other layer")
+    q.add_argument("--edge-input-type", metavar="DTYPE",
+                   help="input-activation dtype of the same two layers (edge_input; FP8_E4M3 keeps them "
+                        "float32, unquantized), or none: like every other layer")
     q.add_argument("--weight-bits", type=int, metavar="N",
                    help="weight bit width 2..8 inside the weight dtype (e.g. 7 or 6, AMCT ARQ)")
     q.add_argument("--target", help="where the model runs: auto (default: probe this onnxruntime), "

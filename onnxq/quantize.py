@@ -52,7 +52,7 @@ from onnxq.optimize import (
     run_passes,
 )
 from onnxq.plan import Kind, QuantPlan, plan_quantization
-from onnxq.plan.edges import apply_edge_weight, with_edge_weight
+from onnxq.plan.edges import apply_edges, with_edges
 from onnxq.plan.params import WeightCache
 from onnxq.report import Summary
 from onnxq.target import TargetProfile, provider_notes, resolve_target
@@ -73,15 +73,16 @@ class PipelineState:
     ctx: PassContext
     target: TargetProfile
     algorithms: list[dict[str, Any]]
-    edges: list[str] = dataclasses.field(default_factory=list)  # the run's `edge_weight` layers
+    edges: list[str] = dataclasses.field(default_factory=list)  # the run's edge layers (`plan/edges.py`)
 
     def emit(self, config: Config) -> ir.Model:
         """The model emitted under `config` (node overrides of the original one) with the
         calibrated ranges: tensors the new plan needs but nobody calibrated stay float."""
         model = self.float_model.clone()
         # The run's edge layers, not recomputed: a trial's promotions to float would move them.
-        config, _ = with_edge_weight(config, model, self.edges)
-        ctx = dataclasses.replace(self.ctx, statistics=dict(self.statistics), weights=WeightCache(),
+        config, _ = with_edges(config, model, self.edges)
+        ctx = dataclasses.replace(self.ctx, statistics=dict(self.statistics),
+                                  emission_statistics=dict(self.statistics), weights=WeightCache(),
                                   fitted_biases={})
         plan = plan_quantization(model, config, ctx.keep_float, self.target)
         missing = {n: spec for n, spec in plan.calibrated_tensors().items() if n not in self.ranges}
@@ -122,7 +123,7 @@ def required_opset(config: Config) -> int:
         return 13
     levels = [config.global_quant_config, *config.layer_type_quant_config.values(),
               *config.layer_quant_config.values()]
-    specs = [getattr(level, tc) for level in levels for tc in TENSOR_CLASSES] + [config.edge_weight]
+    specs = [getattr(level, tc) for level in levels for tc in TENSOR_CLASSES] + [config.edge_weight, config.edge_input]
     opsets = [qdq_opset(s.dtype) for s in specs if s is not None and s.dtype is not None
               and DType(s.dtype) not in FLOAT_TARGETS | {DType.FLOAT32}]
     opsets += [21 for s in specs if s is not None and s.qscheme == QScheme.PER_GROUP]
@@ -144,7 +145,7 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
             "(`onnxq convert --to float` gives a float one back from Q/DQ and QLinear models)")
     if required_opset(config) <= report.opset:
         return model, report
-    need = plan_quantization(model, with_edge_weight(config, model)[0], {}, target).required_opset()
+    need = plan_quantization(model, with_edges(config, model)[0], {}, target).required_opset()
     return (model, report) if need <= report.opset else load_model(source, need)
 
 
@@ -218,7 +219,7 @@ def _algorithms(
 ) -> list[dict[str, Any]]:
     """The configured algorithms plus those the target adds for a static plan with
     quantized Conv/Gemm layers (bias correction), when the data can be read again."""
-    algorithms = list(config.algo_config)
+    algorithms = _correction_last(list(config.algo_config), summary)
     wanted = config.target_algorithms and plan.calibrated_tensors()
     ops = set(plan.quantized_nodes.values())
     added = [a for a in (target.algorithms(algorithms) if wanted else []) if ops & set(a["op_types"])]
@@ -235,6 +236,20 @@ def _algorithms(
                          "the rounded weights' mean error per channel; target_algorithms: false turns it off"
                          for a in added)
     return algorithms + added
+
+
+def _correction_last(algorithms: list[dict[str, Any]], summary: Summary) -> list[dict[str, Any]]:
+    """The algorithms with bias correction after the others: it writes its correction into
+    the float model's biases, so an algorithm after it (AdaRound, GPTQ, ...) would fit the
+    quantized layers to a float model shifted by the nearest rounding's error."""
+    correction = [a for a in algorithms if a.get("name") == "bias_correction"]
+    others = [a for a in algorithms if a.get("name") != "bias_correction"]
+    if algorithms == others + correction:
+        return algorithms
+    names = ", ".join(dict.fromkeys(a["name"] for a in others if a.get("enabled", True)))
+    summary.notes.append(f"bias_correction runs after {names}: it removes the error they leave, and its "
+                         "corrected biases would shift the float model they fit to")
+    return others + correction
 
 
 def _with_equalization(
@@ -339,8 +354,8 @@ class Prepared:
     ctx: PassContext
     data: CalibrationSource
     summary: Summary
-    config: Config  # the config as this model resolves it (`edge_weight` applied)
-    edges: list[str]  # the layers `edge_weight` applies to
+    config: Config  # the config as this model resolves it (edge layers' specs applied)
+    edges: list[str]  # the layers `edge_weight` and `edge_input` apply to
 
 
 def prepare(source: ModelSource, config: Config, calibration_data: Any, progress: bool | None,
@@ -360,7 +375,7 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     summary.size_before = _size(source, ir_model)
     check_runnable(ir_model, loaded.source)
     validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(ir_model.graph)])
-    config, edges, note = apply_edge_weight(config, ir_model)
+    config, edges, note = apply_edges(config, ir_model)
     summary.notes.extend([note] if note else [])
 
     with summary.stage("optimise"):
@@ -397,6 +412,7 @@ def run_pipeline(
         calibration = _calibrate_or_load(ir_model, plan, data, config, progress, algorithms, ctx.deferred,
                                          summary.notes)
     ctx.statistics = calibration.statistics
+    ctx.emission_statistics = calibration.statistics
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)
     summary.calibration_passes = calibration.num_passes

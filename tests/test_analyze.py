@@ -14,6 +14,7 @@ from onnxq.analyze import analyze_models, format_analysis
 from onnxq.analyze.accumulate import ErrorStats, RangeStats
 from onnxq.cli import main
 from onnxq.config.compose import compose_config
+from onnxq.config.presets import get_preset
 from onnxq.quantize import quantize
 
 
@@ -177,7 +178,9 @@ def test_a_tensor_a_clip_reads_is_measured_after_the_clip(tmp_path):
     onnx.save(model, path)
     quant = tmp_path / "q.onnx"
     data = _data(model, 16, 0, scale=20.0)  # conv outputs far beyond 6
-    quantize(path, quant, "FP8_E4M3", data, progress=False)
+    config = get_preset("FP8_E4M3")
+    config.edge_input = None  # the Clip's input is the last layer's: quantized
+    quantize(path, quant, config, data, progress=False)
     q = onnx.load(quant)
     clip = next(n for n in q.graph.node if n.op_type == "Clip")
     dq = next(n for n in q.graph.node if n.output[0] == clip.input[0])

@@ -129,3 +129,35 @@ def test_an_excluded_first_layer_is_not_replaced_by_the_next():
     config = onnxq.get_preset("W4A8")
     config.exclude = [next(n.name for n in MODEL.graph.node if n.op_type == "Conv")]
     assert weight_types(onnxq.quantize(MODEL, None, config, CALIB).model) == [None, INT4, INT4, INT8]
+
+
+def input_quantized(model: onnx.ModelProto) -> list[bool]:
+    """Whether each weighted layer reads its data input through a DequantizeLinear."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    return [producer.get(n.input[0]) is not None and producer[n.input[0]].op_type == "DequantizeLinear"
+            for n in model.graph.node if n.op_type in ("Conv", "Gemm")]
+
+
+@pytest.mark.parametrize("edge,expected", [({"dtype": "float32"}, [False, True, True, False]),
+                                           (None, [True] * 4)])
+def test_edge_input_from_a_config_file(edge, expected):
+    config = config_from_dict({**INT4_CONFIG, **({"edge_input": edge} if edge else {})})
+    result = onnxq.quantize(MODEL, None, config, CALIB)
+    assert input_quantized(result.model) == expected
+    assert weight_types(result.model) == [INT4] * 4  # the weights are edge_weight's business
+    onnx.checker.check_model(result.model, full_check=True)
+
+
+def test_cli_edge_input_flag(tmp_path):
+    import numpy as np
+    from helpers import save, stack_feeds
+    from test_newcomer import onnxq as cli
+
+    path = save(MODEL, tmp_path / "m.onnx")
+    np.savez(tmp_path / "calib.npz", **stack_feeds(CALIB))
+    for flag, expected in (("none", [True] * 4), ("float32", [False, True, True, False])):
+        out = tmp_path / f"{flag}.onnx"
+        proc = cli("quantize", str(path), str(out), "--calib-data", str(tmp_path / "calib.npz"),
+                   "--edge-input-type", flag, "--quiet")
+        assert proc.returncode == 0, proc.stderr
+        assert input_quantized(onnx.load(str(out))) == expected

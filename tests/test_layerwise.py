@@ -17,6 +17,7 @@ from onnxq.cli import main
 from onnxq.errors import ConfigError
 from onnxq.optimize.layerwise import driver
 from onnxq.optimize.layerwise.gram import Gram
+from onnxq.optimize.layerwise.grid import IntegerGrid
 from onnxq.optimize.layerwise.layers import to_matrices
 from onnxq.optimize.layerwise.replay import Replay
 from onnxq.target.pairs import PAIR_LIMIT, pair_indices
@@ -398,7 +399,7 @@ def test_scale_search_lowers_every_channels_output_error(scale_type: str) -> Non
     floor[0, 0, 0] = scale[0, 0, 0]  # this channel's bias allows no smaller scale
     lo, hi = np.full((1, m, 1), -8.0), np.full((1, m, 1), 7.0)
     nearest = np.clip(np.rint(w / scale), lo, hi)
-    problem = driver.Problem(w, np.zeros((1, m)), scale, lo, hi, nearest, h, full @ h, 1.0, True, True)
+    problem = driver.Problem(w, np.zeros((1, m)), scale, IntegerGrid(lo, hi), nearest, h, full @ h, 1.0, True, True)
     searched = search_scale(problem, floor, scale_type)
     before = channel_losses(problem, problem.nearest * problem.scale)
     after = channel_losses(searched, searched.nearest * searched.scale)
@@ -532,7 +533,7 @@ def _through_problem(seed: int = 0):
     yf = full @ xf1
     relu = ACTIVATIONS["Relu"](None, (g, m), 0)
     through = ThroughActivation.build(relu, xq1, yf, batch=p)
-    problem = driver.Problem(w, b, np.full((g, m, 1), 0.1), np.full((g, m, 1), -8.0), np.full((g, m, 1), 7.0),
+    problem = driver.Problem(w, b, np.full((g, m, 1), 0.1), IntegerGrid(np.full((g, m, 1), -8.0), np.full((g, m, 1), 7.0)),
                              np.rint(w / 0.1), h, full @ c.transpose(0, 2, 1), float(np.mean(yf ** 2)), True, True,
                              through)
 

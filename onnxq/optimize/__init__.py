@@ -69,6 +69,10 @@ class PassContext:
     keep_float: dict[str, str] = field(default_factory=dict)
     # Statistics already collected on the model as it is now (by the calibration pass).
     statistics: dict[Statistic, np.ndarray | None] = field(default_factory=dict)
+    # The statistics emission lays the model out with (float8 channel means), from the
+    # calibration pass: kept through every algorithm, so that a trial emission
+    # (`emit.trial`) centres float8 activations exactly as the final one will.
+    emission_statistics: dict[Statistic, np.ndarray | None] = field(default_factory=dict)
     # Weights quantized by an algorithm, reused by emission (`plan.params.WeightCache`).
     weights: WeightCache = field(default_factory=WeightCache)
     # Layers whose bias an algorithm fitted on the quantized model's own inputs (node ->

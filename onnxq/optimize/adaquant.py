@@ -53,7 +53,6 @@ def tune_weights(problem: Problem, options: AdaQuantConfig) -> Solution:
     u = (problem.w / s0).astype(np.float32)
     u0 = u.copy()
     t = np.ones((1, 1, 1) if not problem.per_channel else s0.shape, dtype=np.float32)
-    lo, hi = problem.lo.astype(np.float32), problem.hi.astype(np.float32)
     tune_bias = options.bias and problem.has_bias
     k = problem.w.shape[2]
     adam = Adam(options.learning_rate)
@@ -62,8 +61,7 @@ def tune_weights(problem: Problem, options: AdaQuantConfig) -> Solution:
     full[:, :, k] = problem.bias
     for step in range(options.num_iteration + 1):
         scaled = u / t
-        rounded = np.rint(scaled)
-        codes = np.clip(rounded, lo, hi)
+        codes = problem.grid.round(scaled)
         weights = codes * (s0 * t)
         full[:, :, :k] = weights
         if tune_bias and problem.through is None:  # from the float64 weights (closed form)
@@ -72,7 +70,7 @@ def tune_weights(problem: Problem, options: AdaQuantConfig) -> Solution:
         grad_w *= np.float32(2 / (problem.outputs * max(problem.reference, 1e-30)))
         if np.isfinite(loss) and loss < best[0]:
             best = (loss, codes.copy(), (u * s0).copy(), (s0 * t).copy())
-        inside = rounded == codes
+        inside = problem.grid.unsaturated(scaled)
         adam.step(0, u, grad_w * (s0 * inside).astype(np.float32))
         if options.max_step:
             np.clip(u, u0 - options.max_step, u0 + options.max_step, out=u)

@@ -73,11 +73,13 @@ def _beta(options: AdaRoundConfig, step: int) -> float | None:
 def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
     """The codes AdaRound learns for one layer (module doc)."""
     u = problem.w / problem.scale
-    floor = np.floor(u)
-    # Codes that cannot move (floor or floor + 1 off the grid) keep their nearest value.
-    free = (floor >= problem.lo) & (floor + 1 <= problem.hi)
+    # The codes just below and above each weight (a float8 grid's gap grows with the
+    # value); codes that cannot move (either one off the grid) keep their nearest value.
+    floor, free = problem.grid.brackets(u)
+    gap = problem.grid.up(floor) - floor
     base = np.where(free, floor, problem.nearest).astype(np.float32)
-    rest = np.clip(u - floor, 0.0, 1.0)
+    movable = (free * gap).astype(np.float32)
+    rest = np.clip((u - floor) / np.where(free, gap, 1.0), 0.0, 1.0)
     p = np.clip((rest - GAMMA) / (ZETA - GAMMA), 1e-4, 1 - 1e-4)
     v = np.log(p / (1 - p)).astype(np.float32)
     scale32 = problem.scale.astype(np.float32)
@@ -86,7 +88,7 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
     full[:, :, k] = problem.bias
     tune_bias = options.bias and problem.has_bias
     # d loss / d h per weight = coef * gradient: loss scale, grid step, movable or not.
-    coef = (2.0 / (problem.outputs * max(problem.reference, 1e-30)) * problem.scale * free).astype(np.float32)
+    coef = (2.0 / (problem.outputs * max(problem.reference, 1e-30)) * problem.scale * movable).astype(np.float32)
     span = np.float32(ZETA - GAMMA)
     adam = Adam(options.learning_rate)
     sig, soft = (np.empty_like(v) for _ in range(2))
@@ -99,7 +101,7 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
         soft += np.float32(GAMMA)
         active = (soft > 0) & (soft < 1)  # the rectified sigmoid's gradient is 0 outside
         np.clip(soft, 0, 1, out=soft)
-        np.multiply(soft, free, out=full[:, :, :k])
+        np.multiply(soft, movable, out=full[:, :, :k])
         full[:, :, :k] += base
         full[:, :, :k] *= scale32
         grad, _ = problem.gradient(full, step, tune_bias)
@@ -110,7 +112,7 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
             grad -= np.float32(options.reg_param * 2 * beta) * np.abs(d) ** np.float32(beta - 1) * np.sign(d)
         grad *= sig * (1 - sig) * span * active
         adam.step(0, v, grad)
-    codes = np.where(free, floor + (v >= 0), problem.nearest)
+    codes = np.where(free, np.where(v >= 0, floor + gap, floor), problem.nearest)
     return Solution(codes, bias=problem.best_bias(codes * problem.scale) if tune_bias else None)
 
 

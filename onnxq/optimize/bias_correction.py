@@ -405,7 +405,7 @@ def _empirical(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[floa
         if fmean is None:
             continue
         emitted = model.clone()
-        emit_trial(emitted, plan, ranges, ctx.qdq_domain, ctx.weights, ctx.statistics, ctx.extended)
+        emit_trial(emitted, plan, ranges, ctx.qdq_domain, ctx.weights, ctx.emission_statistics, ctx.extended)
         twin = next((n for n in emitted.graph if n.name == layer.node.name), None)
         if twin is None:
             continue

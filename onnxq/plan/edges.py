@@ -1,10 +1,14 @@
-"""The first and last weighted layers, and the config that gives them `edge_weight`.
+"""The first and last weighted layers, and the config that gives them `edge_weight` and
+`edge_input`.
 
 Low-bit weight recipes keep the first and the last weighted layer at 8 bits (the
 protocol of AdaRound's and BRECQ's int4 results): the first layer reads the raw input
-through few channels, the last writes the outputs. `Config.edge_weight` names the weight
-spec for those two layers; it is applied as a node-level override beneath the user's own
-node overrides (a field the user set for that node wins), above op-type and global specs.
+through few channels, the last writes the outputs. Float8 recipes keep the same two
+layers' inputs float: float8's 3-bit mantissa drops the low bits of an input that came
+from 8-bit data. `Config.edge_weight` and `Config.edge_input` name the weight and
+input-activation specs for those two layers; each is applied as a node-level override
+beneath the user's own node overrides (a field the user set for that node wins), above
+op-type and global specs.
 A run fixes its edge layers once (`prepare`); re-emissions (the accuracy-target search's
 trials) reuse them, so promoting a layer to float never moves the edge. A weight tensor
 shared by several layers is planned once, from its first consumer's spec.
@@ -40,49 +44,60 @@ def _weight_quantized(config: Config, node: ir.Node) -> bool:
     return resolved is not None and resolved.weight is not None
 
 
-def with_edge_weight(config: Config, model: ir.Model, names: list[str] | None = None) -> tuple[Config, list[str]]:
-    """`config` with `edge_weight` as node-level weight overrides of the edge layers (a
-    copy; the config itself is left alone), and their names. `names`: the layers a run
-    already chose (a re-emission must not move them). Unchanged without `edge_weight`."""
-    if config.edge_weight is None:
+def _edge_specs(config: Config) -> dict[str, QuantizationSpec]:
+    """The tensor classes the config sets for the edge layers: {field of
+    QuantizationConfig: spec}."""
+    specs = {"weight": config.edge_weight, "input_tensors": config.edge_input}
+    return {field: spec for field, spec in specs.items() if spec is not None}
+
+
+def with_edges(config: Config, model: ir.Model, names: list[str] | None = None) -> tuple[Config, list[str]]:
+    """`config` with `edge_weight` and `edge_input` as node-level overrides of the edge
+    layers (a copy; the config itself is left alone), and their names. `names`: the
+    layers a run already chose (a re-emission must not move them). Unchanged without
+    either field."""
+    specs = _edge_specs(config)
+    if not specs:
         return config, []
     if names is None:
         names = [node.name for node in edge_layers(model, config)]
     overrides = dict(config.layer_quant_config)
     for name in names:
-        own = overrides.get(name)
-        weight = _merged(own.weight if own is not None else None, config.edge_weight)
-        overrides[name] = dataclasses.replace(own, weight=weight) if own is not None else QuantizationConfig(
-            weight=weight)
+        own = overrides.get(name) or QuantizationConfig()
+        overrides[name] = dataclasses.replace(
+            own, **{field: _merged(getattr(own, field), spec) for field, spec in specs.items()})
     return dataclasses.replace(config, layer_quant_config=overrides), names
 
 
 def _merged(own: QuantizationSpec | None, edge: QuantizationSpec) -> QuantizationSpec:
-    """The user's node-level weight spec with the fields it leaves unset taken from `edge`."""
+    """The user's node-level spec with the fields it leaves unset taken from `edge`."""
     if own is None:
         return edge
     unset = {f.name: getattr(edge, f.name) for f in dataclasses.fields(own) if getattr(own, f.name) is None}
     return dataclasses.replace(own, **unset)
 
 
-def apply_edge_weight(config: Config, model: ir.Model) -> tuple[Config, list[str], str | None]:
-    """`with_edge_weight` for a run: the edge layers' resolved configs checked like any
-    node override's (an int32 weight, per-group without a group size), under the config's
-    own key, and the summary's note naming them (None without edge layers)."""
-    config, names = with_edge_weight(config, model)
+def apply_edges(config: Config, model: ir.Model) -> tuple[Config, list[str], str | None]:
+    """`with_edges` for a run: the edge layers' resolved configs checked like any node
+    override's (an int32 weight, per-group without a group size), under the config's own
+    keys, and the summary's note naming them (None without edge layers)."""
+    specs = _edge_specs(config)
+    config, names = with_edges(config, model)
     if not names:
         return config, names, None
     ops = {node.name: node.op_type for node in model.graph}
+    keys = " / ".join(f"edge_{'weight' if field == 'weight' else 'input'}" for field in specs)
     try:
         check_resolved(config, [(name, ops[name]) for name in names])
     except ConfigError as exc:
-        raise ConfigError(f"edge_weight: {exc}") from None
-    return config, names, (f"edge_weight: the first and last weighted layers ({', '.join(names)}) take "
-                           f"{_describe(config.edge_weight)} weights")
+        raise ConfigError(f"{keys}: {exc}") from None
+    what = " and ".join(f"{_describe(spec)} {'weights' if field == 'weight' else 'inputs'}"
+                        for field, spec in specs.items())
+    return config, names, f"{keys}: the first and last weighted layers ({', '.join(names)}) take {what}"
 
 
 def _describe(spec: QuantizationSpec) -> str:
-    """A weight spec in a few words: its dtype, granularity and symmetry where set."""
+    """A spec in a few words: its dtype, granularity and symmetry where set."""
     parts = [str(getattr(spec, name)) for name in ("dtype", "qscheme") if getattr(spec, name) is not None]
     if spec.symmetric is not None:
         parts.append("symmetric" if spec.symmetric else "asymmetric")

@@ -46,7 +46,7 @@ def search_scale(problem: Problem, floor: np.ndarray | float, scale_type: str) -
     scale, codes = problem.scale.copy(), problem.nearest.copy()
     for factor in GRID[1:]:
         s = stored_scale(problem.scale * factor, scale_type, floor).astype(np.float64)
-        c = np.clip(np.rint(w32 / s.astype(np.float32)), problem.lo, problem.hi).astype(np.float64)
+        c = problem.grid.round(w32 / s.astype(np.float32)).astype(np.float64)
         loss = error(c * s)
         better = loss < best
         if np.any(better):

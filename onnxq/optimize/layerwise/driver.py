@@ -23,11 +23,12 @@ from onnxq.emit.trial import emit_trial
 from onnxq.errors import CalibrationDataError
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
-from onnxq.numerics.qmath import dequantize, int_type
+from onnxq.numerics.qmath import dequantize
 from onnxq.numerics.weights import QuantizedTensor, bias_safe_weight_scale
 from onnxq.optimize.layerwise.activation import Activation, following
 from onnxq.optimize.layerwise.clip import search_scale
 from onnxq.optimize.layerwise.gram import Gram, position_stride
+from onnxq.optimize.layerwise.grid import CodeGrid, code_grid
 from onnxq.optimize.layerwise.guard import keep_learned
 from onnxq.optimize.layerwise.layers import (
     Layer,
@@ -63,14 +64,13 @@ class Problem:
     [g, M, K+1] are `gram.Gram`'s H and T per position, with `damping` times the mean
     diagonal of H holding weights near their float values where the data says nothing;
     `energy` is the float output's mean square per output channel and position.
-    Codes are relative to the zero point and lie in [lo, hi].
+    Codes are relative to the zero point and lie on `grid` (`grid.py`).
     """
 
     w: np.ndarray  # float weights [g, M, K]
     bias: np.ndarray  # [g, M]
     scale: np.ndarray  # [g, M, 1]
-    lo: np.ndarray  # [g, M, 1]
-    hi: np.ndarray  # [g, M, 1]
+    grid: CodeGrid  # the codes the weight type has
     nearest: np.ndarray  # codes of nearest rounding as emitted [g, M, K]
     h: np.ndarray
     t: np.ndarray
@@ -187,7 +187,6 @@ def _problem(layer: Layer, qt: QuantizedTensor, gram: Gram, damping: float, full
     wm, bias = full[:, :, :-1], full[:, :, -1]
     g, m, k = wm.shape
     scale, zp = to_channels(qt.scale, g, m), to_channels(qt.zero_point, g, m)
-    info = int_type(layer.weight.spec.dtype, layer.weight.spec.bits)
     positions = max(gram.positions, 1)
     h, c = gram.h / positions, gram.c / positions
     t = full @ c.transpose(0, 2, 1)
@@ -202,7 +201,7 @@ def _problem(layer: Layer, qt: QuantizedTensor, gram: Gram, damping: float, full
     through = None
     if activation is not None and gram.kept_x:
         through = ThroughActivation.build(activation, *gram.sample(), batch)
-    return Problem(wm, bias, scale, info.qmin - zp, info.qmax - zp, nearest, h, t, energy,
+    return Problem(wm, bias, scale, code_grid(layer.weight.spec, zp), nearest, h, t, energy,
                    layer.bias is not None, qt.axis is not None, through)
 
 
@@ -245,7 +244,7 @@ def _quantized_graph(model: ir.Model, plan: QuantPlan, ranges, ctx, inputs: str)
     options of AdaRound)."""
     qmodel = model.clone()
     if inputs == "quantized":
-        emit_trial(qmodel, plan, ranges, ctx.qdq_domain, ctx.weights, ctx.statistics, ctx.extended)
+        emit_trial(qmodel, plan, ranges, ctx.qdq_domain, ctx.weights, ctx.emission_statistics, ctx.extended)
     return qmodel
 
 
@@ -263,7 +262,7 @@ def _store(model: ir.Model, layer: Layer, solution: Solution, problem: Problem, 
     g, m = solution.codes.shape[:2]
     zp = to_channels(qt.zero_point, g, m)
     codes = from_matrices(node, solution.codes + zp, shape)
-    return QuantizedTensor(np.rint(codes).astype(qt.data.dtype), np.asarray(scale), qt.zero_point, qt.axis)
+    return QuantizedTensor(problem.grid.store(codes, qt.data.dtype), np.asarray(scale), qt.zero_point, qt.axis)
 
 
 def _dequantized(qt: QuantizedTensor) -> np.ndarray:
@@ -320,8 +319,11 @@ def reconstruct(
                 replay.set_initializer(WEIGHT_PREFIX + layer.name, _dequantized(result))
                 if report.bias_changed.get(layer.name) is not None:
                     ctx.fitted_biases[layer.name] = name
-                    replay.set_initializer(BIAS_PREFIX + layer.name, report.bias_changed[layer.name])
-                    replay.set_input(layer.name, 2, BIAS_PREFIX + layer.name)
+                    try:
+                        _replay_bias(replay, layer, qnodes[layer.name], report.bias_changed[layer.name])
+                    except ReplayError as exc:  # the layers after it would see another model
+                        report.kept[layer.name] = str(exc)
+                        break
     finally:
         bar.close()
         replay.close()
@@ -333,6 +335,24 @@ def reconstruct(
             line += (f"; no model-level check: fewer than {options.validation_every} calibration batches "
                      "to hold one out")
     return line
+
+
+def _replay_bias(replay: Replay, layer: Layer, qnode: ir.Node, added: np.ndarray) -> None:
+    """Give the emitted graph's layer the bias `added` (per output channel, as added):
+    as its own bias input (stored divided by Gemm's beta), or in the Add that float8
+    emission moved it into (`emit.float8.bias_to_add`, beta folded in)."""
+    slot = BIAS_PREFIX + layer.name
+    if len(qnode.inputs) > 2 and qnode.inputs[2] is not None:
+        replay.set_initializer(slot, (added / layer.beta()).astype(np.float32))
+        replay.set_input(qnode.name, 2, slot)
+        return
+    for use in qnode.outputs[0].uses():
+        other = use.node.inputs[1 - use.idx] if use.node.op_type == "Add" else None
+        if other is not None and other.const_value is not None and other.shape is not None:
+            replay.set_initializer(slot, added.reshape(tuple(other.shape)).astype(np.float32))
+            replay.set_input(use.node.name, 1 - use.idx, slot)
+            return
+    raise ReplayError(f"{layer.name}: no bias input or bias Add in the emitted graph to set the fitted bias in")
 
 
 def _batches(ctx, model: ir.Model, name: str) -> Iterator[Mapping[str, np.ndarray]]:
@@ -366,7 +386,7 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
     """Check the whole model (`guard.py`); undo everything when nearest rounding is closer."""
     def emitted(source: ir.Model, weights: WeightCache) -> onnx.ModelProto:
         copy = source.clone()
-        emit_trial(copy, plan, ranges, ctx.qdq_domain, weights, ctx.statistics, ctx.extended)
+        emit_trial(copy, plan, ranges, ctx.qdq_domain, weights, ctx.emission_statistics, ctx.extended)
         return ir.to_proto(copy)
 
     keep, learned_db, near_db = keep_learned(

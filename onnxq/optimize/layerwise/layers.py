@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
-from onnxq.numerics.qmath import is_integer
+from onnxq.numerics.qmath import is_float8, is_integer
 from onnxq.plan import Kind, QuantPlan, TensorPlan
 
 OP_TYPES = ("Conv", "Gemm", "MatMul")
@@ -97,8 +97,8 @@ def _refusal(node: ir.Node, tensor: TensorPlan | None, w: np.ndarray | None) -> 
     """Why `node` cannot be optimised, or None."""
     if tensor is None or tensor.kind is not Kind.WEIGHT or w is None:
         return "weight not quantized as a constant"
-    if not is_integer(tensor.spec.dtype):
-        return f"weight type {tensor.spec.dtype} has no integer rounding to learn"
+    if not (is_integer(tensor.spec.dtype) or is_float8(tensor.spec.dtype)):
+        return f"weight type {tensor.spec.dtype} has no rounding to learn"
     if tensor.block_size:
         return "per-group weights are not supported yet"
     if len(node.inputs[1].uses()) > 1:
