@@ -50,6 +50,7 @@ from onnxq.optimize import (
     finish_deferred,
     run_algorithms,
     run_passes,
+    without_another_read,
 )
 from onnxq.plan import Kind, QuantPlan, plan_quantization
 from onnxq.plan.edges import apply_edges, with_edges
@@ -220,6 +221,13 @@ def _algorithms(
     """The configured algorithms plus those the target adds for a static plan with
     quantized Conv/Gemm layers (bias correction), when the data can be read again."""
     algorithms = _correction_last(list(config.algo_config), summary)
+    if data.source is not None and not data.replayable or data.source is None and config.calibration.stats:
+        why = ("the calibration data can be read only once; pass a path, a dict of arrays, a list of feeds or a "
+               "reader with rewind()" if data.source is not None else
+               "it reads the calibration data, and statistics files hold only what the first algorithm asks "
+               "for; pass --calib-data as well")
+        algorithms, notes = without_another_read(algorithms, why)
+        summary.notes.extend(notes)
     wanted = config.target_algorithms and plan.calibrated_tensors()
     ops = set(plan.quantized_nodes.values())
     added = [a for a in (target.algorithms(algorithms) if wanted else []) if ops & set(a["op_types"])]
@@ -242,14 +250,15 @@ def _correction_last(algorithms: list[dict[str, Any]], summary: Summary) -> list
     """The algorithms with bias correction after the others: it writes its correction into
     the float model's biases, so an algorithm after it (AdaRound, GPTQ, ...) would fit the
     quantized layers to a float model shifted by the nearest rounding's error."""
-    correction = [a for a in algorithms if a.get("name") == "bias_correction"]
-    others = [a for a in algorithms if a.get("name") != "bias_correction"]
-    if algorithms == others + correction:
+    enabled = [a for a in algorithms if a.get("enabled", True)]
+    first = next((i for i, a in enumerate(enabled) if a.get("name") == "bias_correction"), None)
+    later = [a["name"] for a in enabled[first + 1:] if a.get("name") != "bias_correction"] if first is not None else []
+    if not later:
         return algorithms
-    names = ", ".join(dict.fromkeys(a["name"] for a in others if a.get("enabled", True)))
-    summary.notes.append(f"bias_correction runs after {names}: it removes the error they leave, and its "
-                         "corrected biases would shift the float model they fit to")
-    return others + correction
+    summary.notes.append(f"bias_correction runs after {', '.join(dict.fromkeys(later))}: it removes the error "
+                         "they leave, and its corrected biases would shift the float model they fit to")
+    return ([a for a in algorithms if a.get("name") != "bias_correction"]
+            + [a for a in algorithms if a.get("name") == "bias_correction"])
 
 
 def _with_equalization(
@@ -464,8 +473,10 @@ def run_pipeline(
 
 def _calibration_requests(ready: Prepared) -> tuple[dict[str, Any], list[Statistic]]:
     """The tensors to observe and the statistics to collect, as a run of this config does
-    (without a deferred pass: shards and `--stats` runs finish every pass up front)."""
-    tensors, statistics = ready.plan.calibrated_tensors(), _requests(ready.model, ready.plan, ready.algorithms)
+    (without a deferred pass: shards and `--stats` runs finish every pass up front), for
+    the algorithms a run from the files can run (`without_another_read`: it has no data)."""
+    algorithms, _ = without_another_read(ready.algorithms, "")
+    tensors, statistics = ready.plan.calibrated_tensors(), _requests(ready.model, ready.plan, algorithms)
     if not tensors and not statistics:
         raise ConfigError("this config takes nothing from the data in the calibration pass (weight-only, or "
                           "algorithms that read the data themselves such as gptq with true_sequential), so "

@@ -161,3 +161,27 @@ def test_cli_edge_input_flag(tmp_path):
                    "--edge-input-type", flag, "--quiet")
         assert proc.returncode == 0, proc.stderr
         assert input_quantized(onnx.load(str(out))) == expected
+
+
+def test_edge_input_round_trips_a_yaml_file_and_yields_to_the_users_node_field(tmp_path):
+    """edge_input from YAML survives config_to_dict/config_from_dict; on the first layer
+    the user's own input dtype (uint8 there) wins, the last layer takes edge_input's."""
+    from onnxq.config.io import config_to_dict, read_config_dict
+
+    first = next(n.name for n in MODEL.graph.node if n.op_type == "Conv")
+    path = tmp_path / "c.yaml"
+    path.write_text("preset: U8S8\nedge_input: {dtype: float32}\n"
+                    f"layer_quant_config:\n  {first}:\n    input_tensors: {{dtype: uint8}}\n")
+    config = onnxq.config.compose.compose_config(None, str(path), {})
+    assert config_from_dict(config_to_dict(config)).edge_input == config.edge_input
+    assert read_config_dict(str(path))["edge_input"] == {"dtype": "float32"}
+    result = onnxq.quantize(MODEL, None, config, CALIB)
+    assert input_quantized(result.model) == [True, True, True, False]
+
+
+def test_a_bad_edge_input_is_refused_under_its_own_key():
+    config = onnxq.get_preset("U8S8")
+    config.edge_weight = onnxq.QuantizationSpec(dtype="int8")
+    config.edge_input = onnxq.QuantizationSpec(dtype="int32")
+    with pytest.raises(ConfigError, match="^edge_input: "):
+        onnxq.quantize(MODEL, None, config, CALIB)

@@ -83,7 +83,18 @@ def test_learned_float8_rounding_beats_nearest_on_held_out_data(algo: str) -> No
     # still float8 weights, and some codes differ from nearest rounding
     before, after = _float8_weights(nearest.model), _float8_weights(learned.model)
     assert before.keys() == after.keys() and len(after) == 4
-    assert any(not np.array_equal(before[k].view(np.uint8), after[k].view(np.uint8)) for k in after)
+    assert any(not np.array_equal(before[k].astype(np.float64), after[k].astype(np.float64)) for k in after)
+
+
+@pytest.mark.parametrize("weight", [{"dtype": "float8_e5m2"}, {"qscheme": "per_tensor"}])
+def test_adaround_on_e5m2_and_per_tensor_float8_weights(weight: dict) -> None:
+    model = cnn()
+    spec = {"global_quant_config": {"weight": weight}}
+    nearest, learned = fp8([], **spec), fp8([{"name": "adaround", "equalize": "never"}], **spec)
+    onnx.checker.check_model(learned.model, full_check=True)
+    note = next(n for n in learned.summary.notes if n.startswith("adaround:"))
+    assert "4 of 4 layers improved on nearest rounding" in note, note
+    assert held_out_sqnr(model, learned) > held_out_sqnr(model, nearest) + 0.5
 
 
 def test_adaround_moves_each_float8_weight_to_a_neighbour_at_most() -> None:
@@ -147,7 +158,10 @@ def test_a_fitted_bias_lands_where_the_emitted_graph_adds_it(op: str) -> None:
     beta = attrs.get("beta", 1.0)
     layer = types.SimpleNamespace(name="layer", beta=lambda: beta)
     added = np.array([1.0, -2.0, 3.0])
-    driver._replay_bias(replay, layer, qnode, added)
+    slot = driver._bias_slot(qnode, layer)
+    assert slot == driver.BiasSlot("layer_bias_add", 1, (1, 3, 1, 1)) if op == "Conv" else driver.BiasSlot(
+        "layer", 2, None)
+    driver._replay_bias(replay, layer, slot, added)
     got = next(replay.inputs(["y"]))["y"]
     product = np.einsum("nchw,oc->nohw", x, w[:, :, 0, 0]) if op == "Conv" else x @ w.T
     expected = product + added.reshape((1, 3, 1, 1) if op == "Conv" else (1, 3))
@@ -155,6 +169,17 @@ def test_a_fitted_bias_lands_where_the_emitted_graph_adds_it(op: str) -> None:
 
 
 # --- the recipe --------------------------------------------------------------------------
+
+
+def test_fp8_preset_on_data_read_once_skips_adaround_and_still_corrects() -> None:
+    """A generator can be read once, by the calibration pass: the preset's AdaRound is
+    skipped (a note says why and the fix) and its bias correction, first then, takes its
+    statistics from that pass."""
+    feeds = iter([{"x": CALIB[i:i + 8]} for i in range(0, 64, 8)])
+    notes = onnxq.quantize(cnn(), None, "FP8_E4M3", feeds, progress=False).summary.notes
+    assert any(n.startswith("adaround: skipped: the calibration data can be read only once; pass a path")
+               for n in notes), notes
+    assert any(n.startswith("bias_correction: 4 of 4 biases corrected") for n in notes), notes
 
 
 def test_bias_correction_runs_after_the_other_algorithms() -> None:

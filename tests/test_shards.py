@@ -79,7 +79,8 @@ CASES = {
                                                          "output_tensors": {"calib_method": "percentile"}}}),
     "bias_correction": (conv_relu_chain, {"algo_config": [{"name": "bias_correction"}]}),
     # float8 centring's channel statistics, one of them also bias correction's request
-    # (every layer's input quantized, no AdaRound: a run from statistics files has no data)
+    # (every layer's input quantized; no AdaRound, which only a run with data can do:
+    # test_a_preset_algorithm_that_reads_the_data_is_skipped_from_files)
     "float8": (conv_relu_chain, {"preset": "FP8_E4M3", "edge_input": None,
                                  "algo_config": [{"name": "adaround", "enabled": False}]}),
     "gptq_hessians": (_matmul_model, {"preset": "W4_GROUP128",
@@ -106,6 +107,22 @@ def test_merged_shards_give_the_bytes_of_one_run(tmp_path, case):
     assert out.model.SerializeToString() == reference
     assert out.summary.calibration_samples == 37
     onnx.checker.check_model(out.model)
+
+
+def test_a_preset_algorithm_that_reads_the_data_is_skipped_from_files(tmp_path):
+    """FP8_E4M3's AdaRound reads the calibration data itself: a run from statistics files
+    skips it with a note, and the preset's bias correction, first then, takes its
+    statistics from the files the shards wrote for it."""
+    model = conv_relu_chain()
+    data = stack_feeds(random_feeds(model, 16, seed=3))
+    config = {"preset": "FP8_E4M3", "calibration": {"batch_size": 4}}
+    files = [str(calibrate_shard(model, tmp_path / f"s{i}.npz", config, data, f"{i + 1}/2",
+                                 progress=False).path) for i in range(2)]
+    merged = onnxq.as_config(config)
+    merged.calibration.stats = files
+    notes = onnxq.quantize(model, None, merged, None, progress=False).summary.notes
+    assert any(n.startswith("adaround: skipped: it reads the calibration data") for n in notes), notes
+    assert any(n.startswith("bias_correction: ") and "corrected" in n for n in notes), notes
 
 
 def test_cli_shards_files_processes_and_errors(tmp_path, capsys):

@@ -203,6 +203,29 @@ def algorithm_requests(
     return REQUESTS[enabled[0]["name"]](model, plan, _options(enabled[0]))
 
 
+def without_another_read(entries: list[dict[str, Any]], why: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The algorithms that can run when the calibration data cannot be read again (a
+    generator, or none: statistics loaded from files), and a note per one skipped, `why`
+    naming the fix. Only the first enabled algorithm gets its statistics from the
+    calibration pass (`algorithm_requests`); one that reads the data itself (AdaRound,
+    AdaQuant) or comes later would need another read, so it is skipped, and the next one
+    becomes first (a preset's AdaRound skipped leaves its bias correction working)."""
+    kept, notes = [], []
+    for entry in entries:
+        name = entry.get("name")
+        contract = CONTRACTS.get(name)
+        if not entry.get("enabled", True) or contract is None or contract.data != "required":
+            kept.append(entry)
+            continue
+        first = not any(e.get("enabled", True) and CONTRACTS.get(e.get("name")) is not None
+                        and CONTRACTS[e["name"]].data == "required" for e in kept)
+        if first and name in REQUESTS:
+            kept.append(entry)
+        else:
+            notes.append(f"{name}: skipped: {why}")
+    return kept, notes
+
+
 def _check_entries(entries: list[Mapping[str, Any]], table: Mapping[str, Any], what: str) -> None:
     for entry in entries:
         name = entry.get("name") if isinstance(entry, Mapping) else None

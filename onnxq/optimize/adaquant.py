@@ -2,8 +2,10 @@
 Sets", ICML 2021): optimise each layer's weights continuously, through the rounding.
 
 Per layer, Adam moves the float weights u (in steps of the weight grid) so that the
-quantized weights s * clip(round(u / t), lo, hi) minimise the layer's output error with
-quantized inputs (`layerwise`), the rounding passed straight through (STE), each weight
+quantized weights s * round(u / t) (rounded on the weight type's grid and saturated:
+`layerwise/grid.py`; a float8 grid's step is the gap between the values around a weight)
+minimise the layer's output error with quantized inputs (`layerwise`), the rounding
+passed straight through (STE), each weight
 within `max_step` grid steps of its float value. With `bias`, the bias is re-solved
 exactly at every step (the least-squares mean correction given the quantized weights:
 the quadratic loss makes it closed-form); with `learn_scale` the scale factor t per
@@ -52,6 +54,11 @@ def tune_weights(problem: Problem, options: AdaQuantConfig) -> Solution:
     s0 = problem.scale
     u = (problem.w / s0).astype(np.float32)
     u0 = u.copy()
+    # Grid steps in scale units around each weight: 1 for integer codes (None), the gap
+    # between its float8 neighbours for float8, so steps and `max_step` mean the same.
+    spacing = problem.grid.step(u0)
+    spacing = None if spacing is None else spacing.astype(np.float32)
+    bound = None if not options.max_step else options.max_step if spacing is None else options.max_step * spacing
     t = np.ones((1, 1, 1) if not problem.per_channel else s0.shape, dtype=np.float32)
     tune_bias = options.bias and problem.has_bias
     k = problem.w.shape[2]
@@ -71,9 +78,9 @@ def tune_weights(problem: Problem, options: AdaQuantConfig) -> Solution:
         if np.isfinite(loss) and loss < best[0]:
             best = (loss, codes.copy(), (u * s0).copy(), (s0 * t).copy())
         inside = problem.grid.unsaturated(scaled)
-        adam.step(0, u, grad_w * (s0 * inside).astype(np.float32))
-        if options.max_step:
-            np.clip(u, u0 - options.max_step, u0 + options.max_step, out=u)
+        adam.step(0, u, grad_w * (s0 * inside).astype(np.float32), spacing)
+        if bound is not None:
+            np.clip(u, u0 - bound, u0 + bound, out=u)
         if options.learn_scale:
             dt = grad_w * s0 * (codes - scaled * inside)
             adam.step(1, t, dt.sum(axis=2, keepdims=True) if problem.per_channel else dt.sum().reshape(1, 1, 1))

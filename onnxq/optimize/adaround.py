@@ -1,7 +1,9 @@
 """AdaRound (Nagel et al., "Up or Down? Adaptive Rounding for Post-Training Quantization",
 ICML 2020): learn, per weight, whether to round down or up.
 
-Each weight's code is floor(w / s) + h(V), h the rectified sigmoid
+Each weight's code is down + h(V) (up - down), down and up the codes just below and above
+w / s on the weight type's grid (floor and floor + 1 for integers, the neighbouring
+float8 values for float8: `layerwise/grid.py`), h the rectified sigmoid
 clip(sigmoid(V) (zeta - gamma) + gamma, 0, 1) with zeta = 1.1, gamma = -0.1, V
 initialised so that h equals the weight's fractional part. Adam minimises the layer's
 output error with quantized inputs (`layerwise`) plus `reg_param` * sum(1 - |2h - 1|^beta),
@@ -15,7 +17,7 @@ over every position of every calibration sample, so each iteration is one full-b
 gradient step at the cost of an [M, K] x [K, K] product: a few hundred of them do what the
 paper's 10k-20k mini-batch steps do. The weights' granularity, bits and type come from
 the weight's QuantizationSpec (per-tensor or per-channel, int2..int8, 7-bit and pair-safe
-target weights included).
+target weights included, float8 E4M3FN/E5M2).
 """
 
 from __future__ import annotations

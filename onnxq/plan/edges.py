@@ -44,10 +44,14 @@ def _weight_quantized(config: Config, node: ir.Node) -> bool:
     return resolved is not None and resolved.weight is not None
 
 
+# Field of QuantizationConfig -> the Config key that sets it for the edge layers.
+KEYS = {"weight": "edge_weight", "input_tensors": "edge_input"}
+
+
 def _edge_specs(config: Config) -> dict[str, QuantizationSpec]:
     """The tensor classes the config sets for the edge layers: {field of
     QuantizationConfig: spec}."""
-    specs = {"weight": config.edge_weight, "input_tensors": config.edge_input}
+    specs = {field: getattr(config, key) for field, key in KEYS.items()}
     return {field: spec for field, spec in specs.items() if spec is not None}
 
 
@@ -82,18 +86,20 @@ def apply_edges(config: Config, model: ir.Model) -> tuple[Config, list[str], str
     override's (an int32 weight, per-group without a group size), under the config's own
     keys, and the summary's note naming them (None without edge layers)."""
     specs = _edge_specs(config)
-    config, names = with_edges(config, model)
+    applied, names = with_edges(config, model)
     if not names:
-        return config, names, None
+        return applied, names, None
     ops = {node.name: node.op_type for node in model.graph}
-    keys = " / ".join(f"edge_{'weight' if field == 'weight' else 'input'}" for field in specs)
-    try:
-        check_resolved(config, [(name, ops[name]) for name in names])
-    except ConfigError as exc:
-        raise ConfigError(f"{keys}: {exc}") from None
+    for field in specs:  # one at a time, so that an error names its own key
+        alone = dataclasses.replace(config, **{key: None for key in KEYS.values() if key != KEYS[field]})
+        try:
+            check_resolved(with_edges(alone, model, names)[0], [(name, ops[name]) for name in names])
+        except ConfigError as exc:
+            raise ConfigError(f"{KEYS[field]}: {exc}") from None
+    keys = " / ".join(KEYS[field] for field in specs)
     what = " and ".join(f"{_describe(spec)} {'weights' if field == 'weight' else 'inputs'}"
                         for field, spec in specs.items())
-    return config, names, f"{keys}: the first and last weighted layers ({', '.join(names)}) take {what}"
+    return applied, names, f"{keys}: the first and last weighted layers ({', '.join(names)}) take {what}"
 
 
 def _describe(spec: QuantizationSpec) -> str:

@@ -12,7 +12,8 @@ class Adam:
         self.lr, self.beta1, self.beta2, self.eps = lr, beta1, beta2, eps
         self.state: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
 
-    def step(self, key: int, param: np.ndarray, grad: np.ndarray) -> None:
+    def step(self, key: int, param: np.ndarray, grad: np.ndarray, scale: np.ndarray | None = None) -> None:
+        """One step; `scale`: a per-element factor of the step (a non-uniform grid's spacing)."""
         m, v, t = self.state.get(key, (np.zeros_like(param), np.zeros_like(param), 0))
         t += 1
         m *= self.beta1
@@ -21,5 +22,6 @@ class Adam:
         v += (1 - self.beta2) * grad * grad
         mhat = m / (1 - self.beta1 ** t)
         vhat = v / (1 - self.beta2 ** t)
-        param -= self.lr * mhat / (np.sqrt(vhat) + self.eps)
+        update = self.lr * mhat / (np.sqrt(vhat) + self.eps)
+        param -= update if scale is None else update * scale
         self.state[key] = (m, v, t)

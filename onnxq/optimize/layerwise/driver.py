@@ -288,6 +288,10 @@ def reconstruct(
     for layer in [x for x in layers if x.name not in qnodes]:
         refused[layer.name] = "not found in the emitted graph"
         layers.remove(layer)
+    slots = {layer.name: _bias_slot(qnodes[layer.name], layer) for layer in layers if layer.bias is not None}
+    for layer in [x for x in layers if x.name in slots and slots[x.name] is None]:
+        refused[layer.name] = "its bias is neither an input nor an Add after it in the emitted graph"
+        layers.remove(layer)
     nearest = {layer.name: _emitted(model, plan, ranges, ctx, layer) for layer in layers}
     split = _Split(options.validation_every)
     batches = split.training(_batches(ctx, model, name))
@@ -319,11 +323,7 @@ def reconstruct(
                 replay.set_initializer(WEIGHT_PREFIX + layer.name, _dequantized(result))
                 if report.bias_changed.get(layer.name) is not None:
                     ctx.fitted_biases[layer.name] = name
-                    try:
-                        _replay_bias(replay, layer, qnodes[layer.name], report.bias_changed[layer.name])
-                    except ReplayError as exc:  # the layers after it would see another model
-                        report.kept[layer.name] = str(exc)
-                        break
+                    _replay_bias(replay, layer, slots[layer.name], report.bias_changed[layer.name])
     finally:
         bar.close()
         replay.close()
@@ -337,22 +337,35 @@ def reconstruct(
     return line
 
 
-def _replay_bias(replay: Replay, layer: Layer, qnode: ir.Node, added: np.ndarray) -> None:
-    """Give the emitted graph's layer the bias `added` (per output channel, as added):
-    as its own bias input (stored divided by Gemm's beta), or in the Add that float8
-    emission moved it into (`emit.float8.bias_to_add`, beta folded in)."""
-    slot = BIAS_PREFIX + layer.name
+@dataclass(frozen=True)
+class BiasSlot:
+    """Where the emitted graph adds a layer's bias: input `index` of node `node`; `shape`
+    None for the layer's own bias input (stored divided by Gemm's beta), else the shape of
+    the constant of the Add that float8 emission moved it into (`emit.float8.bias_to_add`,
+    beta folded in)."""
+
+    node: str
+    index: int
+    shape: tuple[int, ...] | None
+
+
+def _bias_slot(qnode: ir.Node, layer: Layer) -> BiasSlot | None:
+    """The emitted layer's `BiasSlot`, None when it has none that a fitted bias can go in."""
     if len(qnode.inputs) > 2 and qnode.inputs[2] is not None:
-        replay.set_initializer(slot, (added / layer.beta()).astype(np.float32))
-        replay.set_input(qnode.name, 2, slot)
-        return
+        return BiasSlot(qnode.name, 2, None)
     for use in qnode.outputs[0].uses():
         other = use.node.inputs[1 - use.idx] if use.node.op_type == "Add" else None
         if other is not None and other.const_value is not None and other.shape is not None:
-            replay.set_initializer(slot, added.reshape(tuple(other.shape)).astype(np.float32))
-            replay.set_input(use.node.name, 1 - use.idx, slot)
-            return
-    raise ReplayError(f"{layer.name}: no bias input or bias Add in the emitted graph to set the fitted bias in")
+            return BiasSlot(use.node.name, 1 - use.idx, tuple(other.shape))
+    return None
+
+
+def _replay_bias(replay: Replay, layer: Layer, slot: BiasSlot, added: np.ndarray) -> None:
+    """Give the replayed layer the bias `added` (per output channel, as added), where
+    the emitted graph adds it."""
+    values = added / layer.beta() if slot.shape is None else added.reshape(slot.shape)
+    replay.set_initializer(BIAS_PREFIX + layer.name, values.astype(np.float32))
+    replay.set_input(slot.node, slot.index, BIAS_PREFIX + layer.name)
 
 
 def _batches(ctx, model: ir.Model, name: str) -> Iterator[Mapping[str, np.ndarray]]:

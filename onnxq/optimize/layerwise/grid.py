@@ -44,6 +44,10 @@ class IntegerGrid:
         """The code after `down`."""
         return down + 1
 
+    def step(self, u: np.ndarray) -> None:
+        """The spacing of the codes around `u`: None, one everywhere."""
+        return None
+
     def store(self, codes: np.ndarray, dtype: np.dtype) -> np.ndarray:
         return np.rint(codes).astype(dtype)
 
@@ -58,7 +62,7 @@ class FloatGrid:
     def values(self) -> np.ndarray:
         """Every finite value of the type, ascending, -0 folded into 0."""
         every = np.arange(256, dtype=np.uint8).view(self.f8.np_dtype).astype(np.float64)
-        return np.unique(every[np.isfinite(every)])
+        return np.unique(every[np.isfinite(every)]) + 0.0  # + 0.0: one zero, positive
 
     @property
     def lo(self) -> float:
@@ -74,12 +78,14 @@ class FloatGrid:
         return clipped.astype(self.f8.np_dtype).astype(np.asarray(u).dtype)
 
     def unsaturated(self, u: np.ndarray) -> np.ndarray:
-        """Where rounding `u` does not saturate (the straight-through gradient passes)."""
-        return np.abs(u) <= self.hi
+        """Where rounding `u` does not saturate (the straight-through gradient passes):
+        up to half the top gap beyond +-max, as integer codes up to half a step."""
+        return np.abs(u) <= self.hi + 0.5 * (self.values[-1] - self.values[-2])
 
     def brackets(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The value just below (or at) `u`, and whether a value follows it (a weight
-        at or beyond +-max has no choice to learn)."""
+        """The value just below (or at) `u`, and whether a value follows it: a weight
+        at or beyond +max, or below -max, has no choice to learn (one at -max has: -max or
+        the value after it)."""
         at = np.searchsorted(self.values, u, side="right") - 1
         free = (at >= 0) & (at < self.values.size - 1)
         return self.values[np.clip(at, 0, self.values.size - 1)], free
@@ -88,6 +94,12 @@ class FloatGrid:
         """The value after `down` (itself at +max)."""
         at = np.searchsorted(self.values, down, side="right")
         return self.values[np.minimum(at, self.values.size - 1)]
+
+    def step(self, u: np.ndarray) -> np.ndarray:
+        """The gap between the float8 values around each `u` (at +-max, the top gap)."""
+        down, _ = self.brackets(np.clip(u, self.lo, self.hi))
+        gap = self.up(down) - down
+        return np.where(gap > 0, gap, self.values[-1] - self.values[-2])
 
     def store(self, codes: np.ndarray, dtype: np.dtype) -> np.ndarray:
         return self.round(codes).astype(dtype)
