@@ -117,8 +117,9 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
     return values
 
 
-# Flags that switch an algorithm on (`algo_config` entries, in this order).
-ALGORITHM_FLAGS = ("bias_correction", "adaround", "adaquant", "gptq", "awq")
+# Flags that switch an algorithm on (`algo_config` entries, in this order: bias correction
+# last, where it runs anyway, `quantize._correction_last`).
+ALGORITHM_FLAGS = ("adaround", "adaquant", "gptq", "awq", "bias_correction")
 # `--algorithm`: how MatMulNBits weights are rounded (rtn: round to nearest with the clipping search).
 WEIGHT_ONLY_ALGORITHMS = ("rtn", "gptq", "awq", "hqq")
 

@@ -180,6 +180,13 @@ def _requests(model: ir.Model, plan: QuantPlan, algorithms: list[dict[str, Any]]
     return list(dict.fromkeys([*algorithm_requests(model, plan, algorithms), *centering_requests(model, plan)]))
 
 
+def _file_requests(model: ir.Model, plan: QuantPlan, algorithms: list[dict[str, Any]]) -> list[Statistic]:
+    """The statistics that statistics files hold (`calibrate_shard`, `calibration.stats`):
+    those of the first algorithm a run without data can run (`without_another_read`),
+    whether or not the run reading the files also has data, so the two agree."""
+    return _requests(model, plan, without_another_read(algorithms, "")[0])
+
+
 def _calibrate_or_load(
     model: ir.Model, plan: QuantPlan, data: CalibrationSource, config: Config, progress: bool | None,
     algorithms: list[dict[str, Any]], deferred: Deferred | None, notes: list[str],
@@ -194,7 +201,7 @@ def _calibrate_or_load(
         ranges, samples = load_ranges(options.load_ranges, list(tensors), digest)
         result = CalibrationResult(ranges, samples, 0, 0)
     elif options.stats:
-        requests = _requests(model, plan, algorithms)
+        requests = _file_requests(model, plan, algorithms)
         if tensors or requests:
             result = load_stats(options.stats, model, tensors, requests, options).result()
         else:  # nothing left to calibrate (an accuracy target's all-float candidate)
@@ -224,8 +231,8 @@ def _algorithms(
     if data.source is not None and not data.replayable or data.source is None and config.calibration.stats:
         why = ("the calibration data can be read only once; pass a path, a dict of arrays, a list of feeds or a "
                "reader with rewind()" if data.source is not None else
-               "it reads the calibration data, and statistics files hold only what the first algorithm asks "
-               "for; pass --calib-data as well")
+               "it reads the calibration data itself, which statistics files do not hold; pass --calib-data "
+               "as well (the same files still serve)")
         algorithms, notes = without_another_read(algorithms, why)
         summary.notes.extend(notes)
     wanted = config.target_algorithms and plan.calibrated_tensors()
@@ -255,8 +262,11 @@ def _correction_last(algorithms: list[dict[str, Any]], summary: Summary) -> list
     later = [a["name"] for a in enabled[first + 1:] if a.get("name") != "bias_correction"] if first is not None else []
     if not later:
         return algorithms
-    summary.notes.append(f"bias_correction runs after {', '.join(dict.fromkeys(later))}: it removes the error "
-                         "they leave, and its corrected biases would shift the float model they fit to")
+    names = list(dict.fromkeys(later))
+    they = "they" if len(names) > 1 else "it"
+    summary.notes.append(f"bias_correction runs after {', '.join(names)}: it removes the error {they} "
+                         f"leave{'s' if they == 'it' else ''}, and its corrected biases would shift the float model "
+                         f"{they} fit{'s' if they == 'it' else ''} to")
     return ([a for a in algorithms if a.get("name") != "bias_correction"]
             + [a for a in algorithms if a.get("name") == "bias_correction"])
 
@@ -475,8 +485,7 @@ def _calibration_requests(ready: Prepared) -> tuple[dict[str, Any], list[Statist
     """The tensors to observe and the statistics to collect, as a run of this config does
     (without a deferred pass: shards and `--stats` runs finish every pass up front), for
     the algorithms a run from the files can run (`without_another_read`: it has no data)."""
-    algorithms, _ = without_another_read(ready.algorithms, "")
-    tensors, statistics = ready.plan.calibrated_tensors(), _requests(ready.model, ready.plan, algorithms)
+    tensors, statistics = ready.plan.calibrated_tensors(), _file_requests(ready.model, ready.plan, ready.algorithms)
     if not tensors and not statistics:
         raise ConfigError("this config takes nothing from the data in the calibration pass (weight-only, or "
                           "algorithms that read the data themselves such as gptq with true_sequential), so "

@@ -185,3 +185,12 @@ def test_a_bad_edge_input_is_refused_under_its_own_key():
     config.edge_input = onnxq.QuantizationSpec(dtype="int32")
     with pytest.raises(ConfigError, match="^edge_input: "):
         onnxq.quantize(MODEL, None, config, CALIB)
+
+
+@pytest.mark.parametrize("text,expected", [("float32", [False, True, True, False]), ("none", [True] * 4)])
+def test_a_bare_dtype_in_a_config_file_is_the_edge_spec(tmp_path, text, expected):
+    """`edge_input: float32` (and `none`) in YAML mean what --edge-input-type takes."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"preset: U8S8\nedge_input: {text}\n")
+    config = onnxq.config.compose.compose_config(None, str(path), {})
+    assert input_quantized(onnxq.quantize(MODEL, None, config, CALIB).model) == expected

@@ -192,6 +192,28 @@ def test_bias_correction_runs_after_the_other_algorithms() -> None:
     assert not any(n.startswith("bias_correction runs after") for n in last.summary.notes)
 
 
+def test_cli_flags_put_bias_correction_last_without_a_note(tmp_path, capsys) -> None:
+    """--bias-correction with --adaround lists bias correction last already: nothing moves."""
+    from onnxq.cli import main
+
+    model_path, data, out = tmp_path / "m.onnx", tmp_path / "calib.npz", tmp_path / "q.onnx"
+    onnx.save(cnn(), model_path)
+    np.savez(data, x=CALIB)
+    assert main(["quantize", str(model_path), str(out), "--calib-data", str(data), "--bias-correction",
+                 "--adaround", "--algo-option", "adaround.num_iteration=20"]) == 0
+    printed = capsys.readouterr().out
+    assert 0 < printed.index("note: adaround: ") < printed.index("note: bias_correction: "), printed
+    assert "runs after" not in printed
+
+
+def test_a_relu_after_a_layer_with_float_input_says_so() -> None:
+    """The first layer reads its input in float (edge_input), so it writes a float output
+    and its Relu runs in float: the summary says that, not that the Conv stays float."""
+    result = onnxq.quantize(cnn(), None, "FP8_E4M3", {"x": CALIB}, progress=False)
+    reason = result.summary.float_nodes["relu1"][1]
+    assert reason.startswith("the Conv before it writes a float output (its input is not quantized)"), reason
+
+
 def test_fp8_preset_reads_the_model_input_in_float_and_gains() -> None:
     """FP8_E4M3 keeps the first and last weighted layers' inputs float (`edge_input`):
     an input with 8-bit levels (pixels) would lose its low bits in a 3-bit mantissa."""

@@ -123,6 +123,9 @@ def test_a_preset_algorithm_that_reads_the_data_is_skipped_from_files(tmp_path):
     notes = onnxq.quantize(model, None, merged, None, progress=False).summary.notes
     assert any(n.startswith("adaround: skipped: it reads the calibration data") for n in notes), notes
     assert any(n.startswith("bias_correction: ") and "corrected" in n for n in notes), notes
+    # as the note says: the same files with the data too, and AdaRound runs
+    notes = onnxq.quantize(model, None, merged, data, progress=False).summary.notes
+    assert any(n.startswith("adaround: 3 of 3 layers improved") for n in notes), notes
 
 
 def test_cli_shards_files_processes_and_errors(tmp_path, capsys):

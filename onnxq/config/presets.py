@@ -240,8 +240,8 @@ _PRESET_LIST: tuple[Preset, ...] = (
     ),
     Preset("FP16", "float16 weights and compute; sensitive ops stay float32", fp16),
     Preset("BF16", "bfloat16 weights and compute; sensitive ops stay float32", bf16),
-    Preset("FP8_E4M3", "float8 e4m3fn activations and per-channel weights, bias correction (opset 19)",
-           fp8_e4m3),
+    Preset("FP8_E4M3", "float8 e4m3fn activations and per-channel weights, AdaRound (Conv/Gemm) and bias "
+           "correction, first/last weighted layers' inputs float (opset 19)", fp8_e4m3),
     Preset(
         "XINT8",
         "int8 symmetric, power-of-two scales, per-tensor weights with CLE and bias "

@@ -276,7 +276,7 @@ def reconstruct(
     """Optimise every layer `options` selects with `optimise`, in graph order (module doc)."""
     layers, refused = find_layers(model.graph, plan, options.op_types, options.skip_layers, options.layers)
     if not layers:
-        return "no quantized layer to optimise" + _listed("skipped", refused)
+        return f"no quantized {'/'.join(options.op_types) or 'named'} layer to optimise" + _listed("skipped", refused)
     if ctx.data is None or ctx.data.source is None:
         raise CalibrationDataError(f"{name} needs calibration data; pass --calib-data PATH")
     if not ctx.data.replayable:
@@ -327,7 +327,7 @@ def reconstruct(
     finally:
         bar.close()
         replay.close()
-    line = report.line(len(layers), refused, replay.samples)
+    line = report.line(len(layers), refused, replay.samples, replay.samples + split.held_out_samples)
     if original is not None and report.pinned:
         if split.held_out:
             line += _guard(name, model, original, float_proto, plan, ranges, ctx, split, report)
@@ -379,6 +379,7 @@ class _Split:
     def __init__(self, every: int) -> None:
         self.every = every
         self.held_out = 0
+        self.held_out_samples = 0
 
     def _validation(self, index: int) -> bool:
         return bool(self.every) and index % self.every == self.every - 1
@@ -387,6 +388,7 @@ class _Split:
         for i, batch in enumerate(batches):
             if self._validation(i):
                 self.held_out += 1
+                self.held_out_samples += len(next(iter(batch.values()))) if batch else 0
             else:
                 yield batch
 
@@ -500,9 +502,11 @@ class _Report:
         self.through: dict[str, int] = {}  # activation op type -> layers whose loss ran through one
         self.last = ""
 
-    def line(self, total: int, refused: Mapping[str, str], samples: int) -> str:
+    def line(self, total: int, refused: Mapping[str, str], samples: int, supplied: int) -> str:
+        """The report; `samples`: those the statistics came from, `supplied`: the
+        calibration samples given (the model-level check's held-out batches included)."""
         improved = [(n, b, a) for n, b, a in self.losses if a < b]
-        text = f"{len(improved)} of {total} layers improved on nearest rounding"
+        text = f"{len(improved)} of {_count(total, 'layer')} improved on nearest rounding"
         fitted = sum(n in self.short for n, _, _ in improved)
         if fitted:
             text += f" ({fitted} of them by their scale and bias alone)"
@@ -516,11 +520,15 @@ class _Report:
                 f"{n} layers ({op})" for op, n in self.through.items())
         text += _listed("kept nearest", self.kept) + _listed("not optimised", refused)
         if self.short:
-            need = max(self.short.values())
-            text += (f"; warning: {len(self.short)} layers rounded to nearest (only their scale and bias "
+            need = math.ceil(max(self.short.values()) * supplied / max(samples, 1))
+            text += (f"; warning: {_count(len(self.short), 'layer')} rounded to nearest (only their scale and bias "
                      f"fitted), too few calibration rows for their weights ({', '.join(list(self.short)[:3])}): "
-                     f"calibrate on at least {need} samples (now {samples}) to optimise them")
+                     f"calibrate on at least {need} samples (now {supplied}) to optimise them")
         return text
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _listed(what: str, reasons: Mapping[str, str]) -> str:

@@ -22,7 +22,13 @@ def claim(node: ir.Node, cfg: ResolvedConfig, planner: Planner) -> Decision:
         # quantized only as part of the op before it (one int8 kernel), which is float here
         producer = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
         before = f"the {producer.op_type} before it" if producer is not None else "its input"
-        return Refuse(f"{before} stays float, and a {node.op_type} is quantized only with the op it follows")
+        if producer is None or producer.name not in planner.plan.quantized_nodes:
+            return Refuse(f"{before} stays float, and a {node.op_type} is quantized only with the op it follows")
+        if node.inputs[0].name in planner.plan.tensors:
+            return Refuse(f"{before} has other readers, and a {node.op_type} is quantized only with an op "
+                          "whose output it alone reads: it runs in float on the dequantized output")
+        return Refuse(f"{before} writes a float output (its input is not quantized), and a {node.op_type} is "
+                      "quantized only with the op it follows")
     if rule is None:
         return Refuse(f"no quantized kernel rule for {node.domain or 'ai.onnx'}::{node.op_type}")
     if rule.applies is not None and not rule.applies(node):
