@@ -13,6 +13,8 @@ plus bias correction), `pt_cle_bc` (per-tensor weights, CLE and bias correction)
 `pt_cle_ebc` (the same with the empirical correction, layer by layer on the quantized
 model's own inputs), `fp8` (the FP8_E4M3 preset: AdaRound on the float8 grid, first/last
 layer inputs float), `fp8_fast` (the same with bias correction instead of AdaRound);
+`avx2` / `pt_cle_ebc_avx2` (default / per-tensor CLE + empirical correction with target
+x86-avx2 named: pair-safe weights, so on any CPU the figure is the AVX2 CPU's);
 `ort` / `ort_rr` (quantize_static U8S8 per-channel MinMax, reduce_range off/on),
 `ort_pt` (per-tensor), `ort_fp8` (float8 E4M3FN, Distribution calibration). Columns: metric deployed and with reference kernels, latency at
 batch 1 and 8 (median, sessions interleaved, 1 thread), quantize time and peak RSS of
@@ -48,6 +50,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "global_quant_config": {"weight": {"qscheme": "per_tensor"}},
         "pre_quant_opt_config": [{"name": "cle"}],
         "algo_config": [{"name": "bias_correction", "empirical": True}]}},
+    # The AVX2 target's choices, measured on any CPU: its pair-safe weights never saturate,
+    # so a CPU with VNNI computes exactly what an AVX2 one does (docs/kernels.md section 9).
+    "avx2": {"tool": "onnxq", "config": {"target": "x86-avx2"}},
+    "pt_cle_ebc_avx2": {"tool": "onnxq", "config": {
+        "target": "x86-avx2", "global_quant_config": {"weight": {"qscheme": "per_tensor"}},
+        "pre_quant_opt_config": [{"name": "cle"}],
+        "algo_config": [{"name": "bias_correction", "empirical": True}]}},
     "ort": {"tool": "ort", "reduce_range": False, "per_channel": True},
     "ort_rr": {"tool": "ort", "reduce_range": True, "per_channel": True},
     "ort_pt": {"tool": "ort", "reduce_range": False, "per_channel": False},
@@ -58,7 +67,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ort_qop": {"tool": "ort", "reduce_range": False, "per_channel": True, "format": "qoperator"},
 }
 # Ratio rows: per-tensor against per-tensor, float8 against float8.
-ORT_BASELINE = {"pt_cle_bc": "ort_pt", "pt_cle_ebc": "ort_pt", "fp8": "ort_fp8", "fp8_fast": "ort_fp8"}
+ORT_BASELINE = {"pt_cle_bc": "ort_pt", "pt_cle_ebc": "ort_pt", "fp8": "ort_fp8", "fp8_fast": "ort_fp8",
+                "pt_cle_ebc_avx2": "ort_pt"}
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
