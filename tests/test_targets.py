@@ -295,11 +295,32 @@ def test_explicit_bits_win_over_the_target(target):
     assert_bits(codes, GEMM_NODES | DEPTHWISE_NODES, 8)
 
 
-def test_weight_spec_bits_reach_the_weights_of_a_per_tensor_config():
+def test_per_tensor_weights_of_saturating_kernels_are_uint8():
+    """One per-tensor scale would have to hold every channel's kernel pairs: where u8 x s8
+    saturates, per-tensor GEMM weights are uint8 (zero point 128), whose U8U8 kernels are
+    exact; depthwise weights keep int8. It deploys within the kernel margin on any CPU."""
     model = quantize_mixed({"target": "x86-avx2",
                             "global_quant_config": {"weight": {"qscheme": "per_tensor"}}}).model
-    assert_pair_safe(model, GEMM_NODES)
-    assert_bits(weight_codes(model), DEPTHWISE_NODES, 8)
+    codes, inits, prods = weight_codes(model), initializers(model), producers(model)
+    for name in GEMM_NODES:
+        dq = prods[next(n for n in model.graph.node if n.name == name).input[1]]
+        assert codes[name].dtype == np.uint8 and inits[dq.input[2]] == 128, name
+        assert np.abs(codes[name].astype(np.int32) - 128).max() >= 127, name  # the full 8 bits
+    assert_bits(codes, DEPTHWISE_NODES, 8)
+    feeds = random_feeds(MIXED, 8, seed=2, batch=2)
+    check_deployed(run(MIXED, feeds), model, feeds, MIXED_FLOOR_DB - 4)
+    # a reduce_range or bits choice of the user's still wins
+    narrowed = quantize_mixed({"target": "x86-avx2", "reduce_range": True,
+                               "global_quant_config": {"weight": {"qscheme": "per_tensor"}}}).model
+    assert_bits(weight_codes(narrowed), GEMM_NODES, 7)
+
+
+def test_the_u8u8_probe_finds_this_cpus_kernel_exact():
+    """Every onnxruntime CPU build computes U8U8 exactly (it widens before multiplying):
+    the probe that guards the uint8 per-tensor choice says so here."""
+    from onnxq.target.probe import wrong_kernels
+
+    assert "u8u8_gemm" not in wrong_kernels()
 
 
 # ---------------------------------------------------------------------------------------

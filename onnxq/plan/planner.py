@@ -59,9 +59,10 @@ def _target_weight_spec(
     k_axes: tuple[int, ...] | None = None,
 ) -> ResolvedSpec:
     """`spec` as the target can run it: int8 weights that the kernel cannot saturate
-    (pair-safe scales where the K order is known and weights are symmetric, else 7 bits;
-    `reduce_range` and an explicit `bits` in the config win), and symmetric weights where
-    per-channel zero points are miscomputed (depthwise Conv)."""
+    (per-tensor weights of uint8 activations as uint8, U8U8 kernels; pair-safe scales where
+    the K order is known and weights are symmetric, else 7 bits; `reduce_range` and an
+    explicit `bits` in the config win), and symmetric weights where per-channel zero
+    points are miscomputed (depthwise Conv)."""
     if target is None:
         return spec
     if not spec.symmetric and target.symmetric_weights_needed(kernel, spec.qscheme == QScheme.PER_CHANNEL.value):
@@ -76,6 +77,12 @@ def _target_weight_spec(
     bits = target.weight_bits(kernel, act)
     if bits is None:
         return spec
+    if target.reduce_range is None and spec.qscheme == QScheme.PER_TENSOR.value and act == "uint8" \
+            and kernel == "gemm" and "u8u8_gemm" not in target.wrong:
+        # One scale for the tensor must hold every channel's kernel pairs, far coarser than
+        # pair-safe per-channel scales; uint8 weights run U8U8 kernels, exact on every CPU
+        # (MobileNet per-tensor CLE + bias correction: 83.38 pair-safe, 85.25 uint8).
+        return dataclasses.replace(spec, dtype=DType.UINT8)
     if target.reduce_range is None and k_axes is not None and spec.symmetric \
             and spec.qscheme != QScheme.PER_GROUP.value:
         return dataclasses.replace(spec, pairs=k_axes)

@@ -117,6 +117,32 @@ def _depthwise_zero_point_model() -> tuple[onnx.ModelProto, np.ndarray, np.ndarr
     return model, x, exact.reshape(1, c, 1, 1)
 
 
+def _u8u8_model() -> tuple[onnx.ModelProto, np.ndarray, float]:
+    """A pointwise Conv of uint8 activations and uint8 weights at code 255: the U8U8 GEMM
+    that per-tensor weights use where u8 x s8 saturates; exact, it returns 255 * 255 * K."""
+    c = CHANNELS
+    scale = 65536.0
+    inits = [numpy_helper.from_array(np.full((c, c, 1, 1), 255, np.uint8), "wq"),
+             helper.make_tensor("w_zp", TensorProto.UINT8, [], [0]),
+             numpy_helper.from_array(np.array(scale, np.float32), "y_scale"),
+             helper.make_tensor("y_zp", TensorProto.UINT8, [], [0])]
+    in_nodes, in_inits = _qdq_input(TensorProto.UINT8, 255)
+    nodes = [*in_nodes,
+             helper.make_node("DequantizeLinear", ["wq", "one", "w_zp"], ["w"]),
+             helper.make_node("Conv", ["xdq", "w"], ["yf"]),
+             helper.make_node("QuantizeLinear", ["yf", "y_scale", "y_zp"], ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "y_scale", "y_zp"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "onnxq_probe_u8u8",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, 1, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits + in_inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    exact = np.clip(np.rint(255.0 * 255.0 * c / scale), 0, 255) * scale
+    return model, np.full((1, c, 1, 1), 255, np.float32), float(exact)
+
+
 def _saturates(model: onnx.ModelProto, x: np.ndarray, exact: float | np.ndarray, providers: tuple[str, ...]) -> bool:
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -145,5 +171,9 @@ def saturating_kernels(providers: tuple[str, ...] = ("CPUExecutionProvider",)) -
 @functools.lru_cache(maxsize=8)
 def wrong_kernels(providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> frozenset[str]:
     """Kernel features that give wrong results (not saturation): `depthwise_zero_points`
-    when a depthwise Conv with per-channel weight zero points is miscomputed."""
-    return frozenset({"depthwise_zero_points"} if _saturates(*_depthwise_zero_point_model(), providers) else ())
+    when a depthwise Conv with per-channel weight zero points is miscomputed, `u8u8_gemm`
+    when the U8U8 GEMM (uint8 weights) is not exact."""
+    wrong = {"depthwise_zero_points"} if _saturates(*_depthwise_zero_point_model(), providers) else set()
+    if _saturates(*_u8u8_model(), providers):
+        wrong.add("u8u8_gemm")
+    return frozenset(wrong)

@@ -107,7 +107,8 @@ def _explain(saturating: frozenset[tuple[str, str]]) -> str:
     kinds = sorted({k for _, k in saturating})
     return ("int8 " + "/".join(kinds) + " kernels saturate u8 x s8 pairs in int16: "
             "pair-safe int8 weights for Conv/MatMul/Gemm on them (|w0 + w1| <= 128 per kernel "
-            "pair; depthwise Conv keeps full 8 bits)")
+            "pair; per-tensor weights uint8 instead, U8U8 kernels being exact; depthwise Conv "
+            "keeps full 8 bits)")
 
 
 STATIC_PROFILES: dict[Target, frozenset[tuple[str, str]]] = {
