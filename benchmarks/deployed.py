@@ -14,7 +14,8 @@ plus bias correction), `pt_cle_bc` (per-tensor weights, CLE and bias correction)
 model's own inputs), `fp8` (the FP8_E4M3 preset: AdaRound on the float8 grid, first/last
 layer inputs float), `fp8_fast` (the same with bias correction instead of AdaRound);
 `avx2` / `pt_cle_ebc_avx2` (default / per-tensor CLE + empirical correction with target
-x86-avx2 named: pair-safe weights, so on any CPU the figure is the AVX2 CPU's);
+x86-avx2 named: weights that never saturate there, so on any CPU the figure is the
+AVX2 CPU's);
 `ort` / `ort_rr` (quantize_static U8S8 per-channel MinMax, reduce_range off/on),
 `ort_pt` (per-tensor), `ort_fp8` (float8 E4M3FN, Distribution calibration). Columns: metric deployed and with reference kernels, latency at
 batch 1 and 8 (median, sessions interleaved, 1 thread), quantize time and peak RSS of
@@ -50,8 +51,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "global_quant_config": {"weight": {"qscheme": "per_tensor"}},
         "pre_quant_opt_config": [{"name": "cle"}],
         "algo_config": [{"name": "bias_correction", "empirical": True}]}},
-    # The AVX2 target's choices, measured on any CPU: its pair-safe weights never saturate,
-    # so a CPU with VNNI computes exactly what an AVX2 one does (docs/kernels.md section 9).
+    # The AVX2 target's choices, measured on any CPU: its weights never saturate (pair-safe
+    # per channel, uint8 per tensor), so a CPU with VNNI computes exactly what an AVX2 one
+    # does (docs/kernels.md section 9).
     "avx2": {"tool": "onnxq", "config": {"target": "x86-avx2"}},
     "pt_cle_ebc_avx2": {"tool": "onnxq", "config": {
         "target": "x86-avx2", "global_quant_config": {"weight": {"qscheme": "per_tensor"}},

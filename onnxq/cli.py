@@ -107,8 +107,9 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
         if others:
             raise OnnxqError(f"--algorithm {args.algorithm} and --{others[0]} both pick the weight-only algorithm; "
                              "give one")
-        if args.algorithm != "rtn":
-            algorithms.append(args.algorithm)
+        if args.algorithm != "rtn":  # before bias correction, which runs last
+            at = algorithms.index("bias_correction") if "bias_correction" in algorithms else len(algorithms)
+            algorithms.insert(at, args.algorithm)
     entries = _algorithm_options(algorithms, args.algo_option or [])
     if entries:
         values.append((("algo_config",), entries))
@@ -505,7 +506,8 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--reduce-range", action=argparse.BooleanOptionalAction, default=None,
                    help="7-bit weights for Conv/MatMul/Gemm, as onnxruntime's reduce_range; "
                         "--no-reduce-range: full 8 bits even where kernels saturate (default: "
-                        "pair-safe 8-bit scales where the target's int8 kernels saturate)")
+                        "pair-safe 8-bit scales where the target's int8 kernels saturate, uint8 "
+                        "per-tensor weights there)")
     q.add_argument("--target-algorithms", action=argparse.BooleanOptionalAction, default=None,
                    help="let the target add bias correction where it narrows weights (default on)")
     q.add_argument("--exclude", nargs="+", metavar="NAME", help="node names or regexes to keep in float")

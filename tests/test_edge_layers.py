@@ -194,3 +194,10 @@ def test_a_bare_dtype_in_a_config_file_is_the_edge_spec(tmp_path, text, expected
     path.write_text(f"preset: U8S8\nedge_input: {text}\n")
     config = onnxq.config.compose.compose_config(None, str(path), {})
     assert input_quantized(onnxq.quantize(MODEL, None, config, CALIB).model) == expected
+
+
+def test_a_bare_edge_dtype_merges_like_the_flag():
+    """`edge_weight: uint8` over W4A8 changes its dtype only, as --edge-weight-type does:
+    the preset's symmetric per-channel spec stays."""
+    config = onnxq.config.compose.compose_config("W4A8", None, {"edge_weight": "uint8"})
+    assert config.edge_weight == onnxq.QuantizationSpec(dtype="uint8", symmetric=True, qscheme="per_channel")

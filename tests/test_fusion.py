@@ -129,3 +129,14 @@ def test_fusion_check_detects_unfused_graph(tmp_path):
     ops = Counter(n.op_type for n in optimized_graph(q, tmp_path).graph.node)
     assert ops["QLinearConv"] < 3
     assert ops["QuantizeLinear"] > 1
+
+
+def test_an_unfused_relu_says_why():
+    """The summary's reason for a Relu left float names the condition that kept it apart."""
+    from helpers import conv_relu_chain, random_feeds
+
+    model = conv_relu_chain()
+    feeds = random_feeds(model, 8, seed=1)
+    off = onnxq.quantize(model, None, {"fuse_activations": False}, feeds)
+    assert {r for op, r in off.summary.float_nodes.values() if op == "Relu"} == {
+        "fuse_activations is off: it runs in float on the dequantized output of the Conv before it"}

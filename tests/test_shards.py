@@ -204,6 +204,24 @@ def test_shards_on_a_local_ray_instance(tmp_path):
     assert onnxq.quantize(str(path), None, merged, None, progress=False).model.SerializeToString() == reference
 
 
+def test_an_accuracy_target_raising_layers_to_float_from_stats_files(tmp_path):
+    """Layers raised to float leave tensors the files calibrated: the final model is
+    calibrated on --calib-data (a note says so), and without it the error says to pass it."""
+    model = conv_relu_chain()
+    data = stack_feeds(random_feeds(model, 24, seed=3))
+    np.savez(tmp_path / "eval.npz", **data)
+    target = {"mixed_precision": {"target": "sqnr>=60", "eval_data": str(tmp_path / "eval.npz"),
+                                  "ladder": ["float"]}}
+    direct = onnxq.quantize(model, None, target, data, progress=False)
+    assert direct.summary.mixed_precision.promotions
+    stats = str(calibrate_shard(model, tmp_path / "t.npz", target, data, "1/1", progress=False).path)
+    reused = onnxq.quantize(model, None, {**target, "calibration": {"stats": [stats]}}, data, progress=False)
+    assert reused.model.SerializeToString() == direct.model.SerializeToString()
+    assert any("calibrated on --calib-data" in n for n in reused.summary.notes)
+    with pytest.raises(CalibrationDataError, match="pass --calib-data as well"):
+        onnxq.quantize(model, None, {**target, "calibration": {"stats": [stats]}}, None, progress=False)
+
+
 @pytest.mark.parametrize("method", ["minmax", "entropy", "percentile"])
 def test_one_stats_file_serves_other_types_and_an_accuracy_target(tmp_path, method):
     """An observer's state does not depend on the type it calibrates for (only its method,

@@ -114,6 +114,8 @@ def compose_config(
         overrides = {key: [entry_dict(e) for e in value] if key in NAMED_LISTS and isinstance(value, list)
                      else value for key, value in overrides.items()}
         sources.append(("options", overrides))
+    for _, source in sources:
+        bare_edge_dtypes(source)
     named = [source.pop("preset") for _, source in sources if "preset" in source]
     base = preset or (named[-1] if named else None) or DEFAULT_PRESET
     if not isinstance(base, str):
@@ -125,6 +127,17 @@ def compose_config(
         return config_from_dict(stack[-1])
     except ConfigError as exc:
         raise ConfigError(f"{_blame(stack, sources)}: {exc}") from None
+
+
+EDGE_KEYS = ("edge_weight", "edge_input")
+
+
+def bare_edge_dtypes(source: dict[str, Any]) -> None:
+    """`edge_weight: uint8` (a dtype alone, as --edge-weight-type takes it) means its dtype
+    field, merged over the lower sources' spec like the flag; `none` means null. In place."""
+    for key in EDGE_KEYS:
+        if isinstance(source.get(key), str):
+            source[key] = None if source[key].lower() == "none" else {"dtype": source[key]}
 
 
 def _blame(stack: list[dict[str, Any]], sources: list[tuple[str, dict[str, Any]]]) -> str:

@@ -59,9 +59,9 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
     if not isinstance(base, str) or base.lower() != NO_PRESET:
         raise ConfigError(f"preset {base!r} in a whole config; read it with onnxq.config.as_config "
                           "or compose_config, which lay it over its preset")
-    for key in ("edge_weight", "edge_input"):
-        if isinstance(d.get(key), str):  # a dtype alone, as --edge-weight-type/--edge-input-type take it
-            d[key] = None if d[key].lower() == "none" else {"dtype": d[key]}
+    from onnxq.config.compose import bare_edge_dtypes
+
+    bare_edge_dtypes(d)  # a dtype alone, as --edge-weight-type/--edge-input-type take it
     config = _convert(d, Config, "", "")
     validate_config(config)
     return config

@@ -173,6 +173,18 @@ def quantize_to_target(
     finally:
         bar.close()
     final_config = with_promotions(base_config, outcome.promotions)
+    to_float = [name for name, rung in outcome.promotions.items() if rung != "int16"]  # float, fp16, bf16
+    if to_float and final_config.calibration.stats:
+        # The files hold the base plan's tensors; layers raised to a float type drop some of
+        # them (raised to int16, the same observers serve).
+        if calibration_data is None:
+            raise CalibrationDataError(
+                f"the accuracy target raises {len(to_float)} layers to a float type, and the final model then "
+                "calibrates other tensors than the statistics files hold: pass --calib-data as well")
+        final_config = dataclasses.replace(
+            final_config, calibration=dataclasses.replace(final_config.calibration, stats=None))
+        notes.append("accuracy target: the final model, with layers raised, is calibrated on --calib-data "
+                     "(the statistics files hold the first model's plan)")
     if outcome.promotions:
         result = run_pipeline(model, output, final_config, calibration_data, progress, keep_state)
     else:

@@ -118,12 +118,16 @@ def _depthwise_zero_point_model() -> tuple[onnx.ModelProto, np.ndarray, np.ndarr
 
 
 def _u8u8_model() -> tuple[onnx.ModelProto, np.ndarray, float]:
-    """A pointwise Conv of uint8 activations and uint8 weights at code 255: the U8U8 GEMM
-    that per-tensor weights use where u8 x s8 saturates; exact, it returns 255 * 255 * K."""
+    """A pointwise Conv of uint8 activations at code 255 and uint8 weights with zero point
+    128 (as symmetric uint8 weights are stored), codes 255 and 0: the U8U8 GEMM that
+    per-tensor weights use where u8 x s8 saturates. Raw products of 255 x 255 overflow an
+    int16 pair, and a kernel that drops the zero point sums other values."""
     c = CHANNELS
-    scale = 65536.0
-    inits = [numpy_helper.from_array(np.full((c, c, 1, 1), 255, np.uint8), "wq"),
-             helper.make_tensor("w_zp", TensorProto.UINT8, [], [0]),
+    scale = 4096.0
+    w = np.full((c, c, 1, 1), 255, np.uint8)
+    w[:, c - c // 4:] = 0
+    inits = [numpy_helper.from_array(w, "wq"),
+             helper.make_tensor("w_zp", TensorProto.UINT8, [], [128]),
              numpy_helper.from_array(np.array(scale, np.float32), "y_scale"),
              helper.make_tensor("y_zp", TensorProto.UINT8, [], [0])]
     in_nodes, in_inits = _qdq_input(TensorProto.UINT8, 255)
@@ -139,7 +143,7 @@ def _u8u8_model() -> tuple[onnx.ModelProto, np.ndarray, float]:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
-    exact = np.clip(np.rint(255.0 * 255.0 * c / scale), 0, 255) * scale
+    exact = np.clip(np.rint(255.0 * (w[0].astype(np.float64) - 128).sum() / scale), 0, 255) * scale
     return model, np.full((1, c, 1, 1), 255, np.float32), float(exact)
 
 

@@ -101,14 +101,14 @@ def cpu_isa() -> str:
     return Target.X86_AVX2.value if "avx2" in flags else Target.GENERIC.value
 
 
-def _explain(saturating: frozenset[tuple[str, str]]) -> str:
+def _explain(saturating: frozenset[tuple[str, str]], wrong: frozenset[str] = WRONG_DEFAULT) -> str:
     if not saturating:
         return "int8 kernels accumulate exactly: 8-bit weights everywhere"
     kinds = sorted({k for _, k in saturating})
+    per_tensor = "" if "u8u8_gemm" in wrong else "; per-tensor weights of uint8 inputs uint8 instead, U8U8 being exact"
     return ("int8 " + "/".join(kinds) + " kernels saturate u8 x s8 pairs in int16: "
             "pair-safe int8 weights for Conv/MatMul/Gemm on them (|w0 + w1| <= 128 per kernel "
-            "pair; per-tensor weights uint8 instead, U8U8 kernels being exact; depthwise Conv "
-            "keeps full 8 bits)")
+            f"pair{per_tensor}; depthwise Conv keeps full 8 bits)")
 
 
 STATIC_PROFILES: dict[Target, frozenset[tuple[str, str]]] = {
@@ -136,8 +136,8 @@ def resolve_target(config: Config) -> TargetProfile:
             cpu = ("CPUExecutionProvider",)
             name, saturating = cpu_isa(), saturating_kernels(cpu)
             why = "auto: probed this CPU's onnxruntime kernels; "
-            return TargetProfile(name, saturating, why + _explain(saturating), config.reduce_range,
-                                 wrong_kernels(cpu))
+            wrong = wrong_kernels(cpu)
+            return TargetProfile(name, saturating, why + _explain(saturating, wrong), config.reduce_range, wrong)
         return TargetProfile(name, saturating, why + _explain(saturating), config.reduce_range)
     saturating = STATIC_PROFILES[target]
     return TargetProfile(target.value, saturating, _explain(saturating), config.reduce_range)

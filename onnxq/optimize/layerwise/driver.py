@@ -517,7 +517,7 @@ class _Report:
             text += f" (median relative output error {before:.3g} -> {after:.3g})"
         if self.through:
             text += "; error measured after the activation on " + ", ".join(
-                f"{n} layers ({op})" for op, n in self.through.items())
+                f"{_count(n, 'layer')} ({op})" for op, n in self.through.items())
         text += _listed("kept nearest", self.kept) + _listed("not optimised", refused)
         if self.short:
             need = math.ceil(max(self.short.values()) * supplied / max(samples, 1))
