@@ -60,6 +60,11 @@ def test_no_check_without_replayable_data_or_samples():
     feeds = random_feeds(model, 12, seed=1)
     once = onnxq.quantize(model, None, "U8S8", iter(feeds))  # a one-shot iterator: read by calibration only
     assert once.summary.fidelity is None
+    assert any(n.startswith("output check skipped: the calibration data") and "read only once" in n
+               for n in once.summary.notes), once.summary.notes  # said, not silently dropped
+    off = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 0}}),
+                         iter(feeds))
+    assert not any(n.startswith("output check skipped") for n in off.summary.notes)  # turned off: nothing to say
     few = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 3}}), feeds)
     assert few.summary.fidelity.samples == 3
 

@@ -152,9 +152,10 @@ CHECK_SAMPLES, CHECK_AUTO_BYTES = 8, 256 << 20
 
 
 def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSource) -> tuple[int, str | None]:
-    """Samples the check runs on (0: none), with a note when the model's size alone skips it."""
+    """Samples the check runs on (0: none), with a note when the data cannot be read again or
+    the model's size alone skips it (none when the user turned the check off)."""
     if data.source is None or not data.replayable:
-        if data.source is not None and asked:
+        if data.source is not None and asked != 0:  # unless the user turned the check off
             return 0, (f"output check skipped: the calibration data ({type(data.source).__name__}) can be read "
                        "only once; pass a path, a dict of arrays, a list of feeds or a reader with rewind()")
         return 0, None
