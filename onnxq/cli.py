@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from onnxq.config import PRESETS, config_to_yaml, get_preset
 from onnxq.config.compose import compose_config
+from onnxq.config.spec import EDGE_FIELDS
 from onnxq.errors import OnnxqError
 from onnxq.graph.save import check_output_paths
 from onnxq.plugins import load_plugins
@@ -90,12 +91,9 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
         values += [(("weight", "qscheme"), "per_group"), (("weight", "group_size"), args.per_group)]
     if args.matmul_nbits:
         values.append((("matmul_nbits",), True))
-    if args.edge_weight_type is not None:
-        none = args.edge_weight_type.lower() == "none"
-        values.append((("edge_weight",), None) if none else (("edge_weight", "dtype"), args.edge_weight_type))
-    if args.edge_input_type is not None:
-        none = args.edge_input_type.lower() == "none"
-        values.append((("edge_input",), None) if none else (("edge_input", "dtype"), args.edge_input_type))
+    for key in EDGE_FIELDS:  # a bare dtype or none, as in a config file (`config.io.bare_edge_dtypes`)
+        if getattr(args, f"{key}_type") is not None:
+            values.append(((key,), getattr(args, f"{key}_type")))
     passes = [{"name": "cle"}] if args.cle else []
     if args.smoothquant is not None:
         passes.append({"name": "smoothquant", "alpha": args.smoothquant})

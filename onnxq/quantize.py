@@ -30,7 +30,7 @@ from onnxq.calibrate.shards import (
 )
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config import Config, as_config, validate_node_configs
-from onnxq.config.spec import TENSOR_CLASSES, DType, QScheme, QuantFormat
+from onnxq.config.spec import EDGE_FIELDS, TENSOR_CLASSES, DType, QScheme, QuantFormat
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.fidelity import check_outputs, samples_to_check
 from onnxq.emit.float8_center import centering_requests
@@ -124,7 +124,7 @@ def required_opset(config: Config) -> int:
         return 13
     levels = [config.global_quant_config, *config.layer_type_quant_config.values(),
               *config.layer_quant_config.values()]
-    specs = [getattr(level, tc) for level in levels for tc in TENSOR_CLASSES] + [config.edge_weight, config.edge_input]
+    specs = [getattr(level, tc) for level in levels for tc in TENSOR_CLASSES] + [getattr(config, key) for key in EDGE_FIELDS]
     opsets = [qdq_opset(s.dtype) for s in specs if s is not None and s.dtype is not None
               and DType(s.dtype) not in FLOAT_TARGETS | {DType.FLOAT32}]
     opsets += [21 for s in specs if s is not None and s.qscheme == QScheme.PER_GROUP]
@@ -263,10 +263,9 @@ def _correction_last(algorithms: list[dict[str, Any]], summary: Summary) -> list
     if not later:
         return algorithms
     names = list(dict.fromkeys(later))
-    they = "they" if len(names) > 1 else "it"
-    summary.notes.append(f"bias_correction runs after {', '.join(names)}: it removes the error {they} "
-                         f"leave{'s' if they == 'it' else ''}, and its corrected biases would shift the float model "
-                         f"{they} fit{'s' if they == 'it' else ''} to")
+    they, s = ("it", "s") if len(names) == 1 else ("they", "")
+    summary.notes.append(f"bias_correction runs after {', '.join(names)}: it removes the error {they} leave{s}, "
+                         f"and its corrected biases would shift the float model {they} fit{s} to")
     return ([a for a in algorithms if a.get("name") != "bias_correction"]
             + [a for a in algorithms if a.get("name") == "bias_correction"])
 

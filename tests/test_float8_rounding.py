@@ -117,9 +117,9 @@ def test_trial_emission_centres_float8_after_another_algorithm(monkeypatch) -> N
     seen = []
     real = driver.emit_trial
 
-    def spy(model, plan, ranges, domain, weights, statistics, extended=False):
-        seen.append(len(statistics or {}))
-        return real(model, plan, ranges, domain, weights, statistics, extended)
+    def spy(model, plan, ranges, ctx, weights=None):
+        seen.append(len(ctx.emission_statistics))
+        return real(model, plan, ranges, ctx, weights)
 
     monkeypatch.setattr(driver, "emit_trial", spy)
     fp8([{"name": "adaquant"}, {"name": "adaround"}])

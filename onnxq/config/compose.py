@@ -25,6 +25,7 @@ from typing import Any
 
 from onnxq.config.io import (
     NO_PRESET,
+    bare_edge_dtypes,
     closest_name,
     config_from_dict,
     config_to_dict,
@@ -127,17 +128,6 @@ def compose_config(
         return config_from_dict(stack[-1])
     except ConfigError as exc:
         raise ConfigError(f"{_blame(stack, sources)}: {exc}") from None
-
-
-EDGE_KEYS = ("edge_weight", "edge_input")
-
-
-def bare_edge_dtypes(source: dict[str, Any]) -> None:
-    """`edge_weight: uint8` (a dtype alone, as --edge-weight-type takes it) means its dtype
-    field, merged over the lower sources' spec like the flag; `none` means null. In place."""
-    for key in EDGE_KEYS:
-        if isinstance(source.get(key), str):
-            source[key] = None if source[key].lower() == "none" else {"dtype": source[key]}
 
 
 def _blame(stack: list[dict[str, Any]], sources: list[tuple[str, dict[str, Any]]]) -> str:

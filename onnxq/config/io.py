@@ -20,7 +20,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from onnxq.config.spec import Config, QuantizationSpec
+from onnxq.config.spec import EDGE_FIELDS, Config, QuantizationSpec
 from onnxq.errors import ConfigError, closest_name  # noqa: F401 (closest_name: this module's, for its importers)
 
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -59,12 +59,18 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
     if not isinstance(base, str) or base.lower() != NO_PRESET:
         raise ConfigError(f"preset {base!r} in a whole config; read it with onnxq.config.as_config "
                           "or compose_config, which lay it over its preset")
-    from onnxq.config.compose import bare_edge_dtypes
-
-    bare_edge_dtypes(d)  # a dtype alone, as --edge-weight-type/--edge-input-type take it
+    bare_edge_dtypes(d)
     config = _convert(d, Config, "", "")
     validate_config(config)
     return config
+
+
+def bare_edge_dtypes(source: dict[str, Any]) -> None:
+    """`edge_weight: uint8` (a dtype alone, as --edge-weight-type takes it) means its dtype
+    field, merged over the lower sources' spec like the flag; `none` means null. In place."""
+    for key in EDGE_FIELDS:
+        if isinstance(source.get(key), str):
+            source[key] = None if source[key].lower() == "none" else {"dtype": source[key]}
 
 
 def spec_from_dict(d: Mapping[str, Any], where: str = "spec") -> QuantizationSpec:

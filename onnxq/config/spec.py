@@ -210,6 +210,11 @@ class MixedPrecisionConfig:
     max_samples: int | None = None
 
 
+# Config key -> the tensor class of QuantizationConfig it sets for the first and last
+# weighted layers (`plan/edges.py`).
+EDGE_FIELDS = {"edge_weight": "weight", "edge_input": "input_tensors"}
+
+
 @named_fields_only
 @dataclass
 class Config:

@@ -213,7 +213,7 @@ def _gemm(ctx: _Context, node: ir.Node, spec: ResolvedSpec) -> str | None:
     w, c = found
     w = np.asarray(layout.matrix_kn(node, w), dtype=np.float64)
     w = w * float(layout.attr(node, "alpha", 1.0))
-    bias = _gemm_bias(c, float(layout.attr(node, "beta", 1.0)), w.shape[1])
+    bias = _gemm_bias(c, layout.beta(node), w.shape[1])
     _emit_matrix(ctx, node, w, bias, spec)
     return None
 

@@ -8,11 +8,10 @@ channel as `emit_model` does: measured without the centring, the means fit anoth
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import numpy as np
 import onnx_ir as ir
 
-from onnxq.calibrate.statistics import Statistic
 from onnxq.emit.float8 import make_float8_deployable
 from onnxq.emit.float8_center import center_float8
 from onnxq.emit.qdq import emit_qdq
@@ -20,12 +19,16 @@ from onnxq.numerics.qmath import is_float8
 from onnxq.plan import QuantPlan
 from onnxq.plan.params import WeightCache
 
+if TYPE_CHECKING:  # the optimisers import this module
+    from onnxq.optimize import PassContext
 
-def emit_trial(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], qdq_domain: str,
-               weights: WeightCache | None, statistics: Mapping[Statistic, np.ndarray | None] | None,
-               extended: bool = False) -> None:
-    """Rewrite `model` in place as emission will (QDQ or qdq-ext; float8 laid out and centred)."""
-    emit_qdq(model, plan, dict(ranges), qdq_domain, weights, extended)
+
+def emit_trial(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], ctx: PassContext,
+               weights: WeightCache | None = None) -> None:
+    """Rewrite `model` in place as emission will (QDQ or qdq-ext; float8 laid out and
+    centred), with the run's Q/DQ domain, format and statistics from `ctx` and `weights`
+    (default: those the run's algorithms quantized, `ctx.weights`)."""
+    emit_qdq(model, plan, dict(ranges), ctx.qdq_domain, ctx.weights if weights is None else weights, ctx.extended)
     if any(is_float8(t.spec.dtype) for t in plan.tensors.values()):
         make_float8_deployable(model)
-        center_float8(model, statistics or {})
+        center_float8(model, ctx.emission_statistics)

@@ -40,6 +40,11 @@ def groups(node: ir.Node) -> int:
     return int(attr(node, "group", 1))
 
 
+def beta(node: ir.Node) -> float:
+    """The factor a layer's added bias is scaled by: Gemm's beta (alpha A B + beta C), else 1."""
+    return float(attr(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
+
+
 def gemm_transposes(node: ir.Node) -> tuple[bool, bool]:
     """Gemm's (transA, transB): whether A is [K, M] and B is [N, K] (False for other ops)."""
     return bool(attr(node, "transA", 0)), bool(attr(node, "transB", 0))

@@ -210,17 +210,15 @@ def without_another_read(entries: list[dict[str, Any]], why: str) -> tuple[list[
     calibration pass (`algorithm_requests`); one that reads the data itself (AdaRound,
     AdaQuant) or comes later would need another read, so it is skipped, and the next one
     becomes first (a preset's AdaRound skipped leaves its bias correction working)."""
-    kept, notes = [], []
+    kept, notes, first = [], [], True
     for entry in entries:
         name = entry.get("name")
         contract = CONTRACTS.get(name)
         if not entry.get("enabled", True) or contract is None or contract.data != "required":
             kept.append(entry)
-            continue
-        first = not any(e.get("enabled", True) and CONTRACTS.get(e.get("name")) is not None
-                        and CONTRACTS[e["name"]].data == "required" for e in kept)
-        if first and name in REQUESTS:
+        elif first and name in REQUESTS:
             kept.append(entry)
+            first = False
         else:
             notes.append(f"{name}: skipped: {why}")
     return kept, notes

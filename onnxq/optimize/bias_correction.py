@@ -296,8 +296,7 @@ def correct(model: ir.Model, plan: QuantPlan, layer: Layer, error: ErrorFn, emis
     channels = layout.out_channels(node, w.shape)
     old = _bias_array(layer)
     bias_plan = _new_bias_plan(plan, layer, bias_spec) if old is None else emission.bias_of.get(layer.weight.name)
-    # An added C is scaled by beta too (Gemm computes alpha A B + beta C).
-    beta = float(layout.attr(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
+    beta = layout.beta(node)  # an added C is scaled by beta too
     now = float_bias(layer)
     bias = base = now if base is None else base
     for _ in range(3):  # the weight scale floor depends on the bias: let it settle
@@ -405,7 +404,7 @@ def _empirical(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[floa
         if fmean is None:
             continue
         emitted = model.clone()
-        emit_trial(emitted, plan, ranges, ctx.qdq_domain, ctx.weights, ctx.emission_statistics, ctx.extended)
+        emit_trial(emitted, plan, ranges, ctx)
         twin = next((n for n in emitted.graph if n.name == layer.node.name), None)
         if twin is None:
             continue

@@ -21,7 +21,7 @@ import dataclasses
 import onnx_ir as ir
 
 from onnxq.config.resolve import resolve_node_config
-from onnxq.config.spec import Config, QuantizationConfig, QuantizationSpec
+from onnxq.config.spec import EDGE_FIELDS, Config, QuantizationConfig, QuantizationSpec
 from onnxq.config.validate import check_resolved
 from onnxq.errors import ConfigError
 from onnxq.graph.fold import constant_array
@@ -44,14 +44,10 @@ def _weight_quantized(config: Config, node: ir.Node) -> bool:
     return resolved is not None and resolved.weight is not None
 
 
-# Field of QuantizationConfig -> the Config key that sets it for the edge layers.
-KEYS = {"weight": "edge_weight", "input_tensors": "edge_input"}
-
-
 def _edge_specs(config: Config) -> dict[str, QuantizationSpec]:
     """The tensor classes the config sets for the edge layers: {field of
     QuantizationConfig: spec}."""
-    specs = {field: getattr(config, key) for field, key in KEYS.items()}
+    specs = {field: getattr(config, key) for key, field in EDGE_FIELDS.items()}
     return {field: spec for field, spec in specs.items() if spec is not None}
 
 
@@ -90,13 +86,14 @@ def apply_edges(config: Config, model: ir.Model) -> tuple[Config, list[str], str
     if not names:
         return applied, names, None
     ops = {node.name: node.op_type for node in model.graph}
+    key_of = {field: key for key, field in EDGE_FIELDS.items()}
     for field in specs:  # one at a time, so that an error names its own key
-        alone = dataclasses.replace(config, **{key: None for key in KEYS.values() if key != KEYS[field]})
+        alone = dataclasses.replace(config, **{key: None for key in EDGE_FIELDS if key != key_of[field]})
         try:
             check_resolved(with_edges(alone, model, names)[0], [(name, ops[name]) for name in names])
         except ConfigError as exc:
-            raise ConfigError(f"{KEYS[field]}: {exc}") from None
-    keys = " / ".join(KEYS[field] for field in specs)
+            raise ConfigError(f"{key_of[field]}: {exc}") from None
+    keys = " / ".join(key_of[field] for field in specs)
     what = " and ".join(f"{_describe(spec)} {'weights' if field == 'weight' else 'inputs'}"
                         for field, spec in specs.items())
     return applied, names, f"{keys}: the first and last weighted layers ({', '.join(names)}) take {what}"

@@ -33,12 +33,41 @@ def _qdq_input(x_type: int, code: int) -> tuple[list[onnx.NodeProto], list[onnx.
     return nodes, inits
 
 
-def _qdq_output(x_type: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    inits = [numpy_helper.from_array(np.array(OUT_SCALE, np.float32), "y_scale"),
+def _qdq_output(x_type: int, scale: float) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    inits = [numpy_helper.from_array(np.array(scale, np.float32), "y_scale"),
              helper.make_tensor("y_zp", x_type, [], [0])]
     nodes = [helper.make_node("QuantizeLinear", ["yf", "y_scale", "y_zp"], ["yq"]),
              helper.make_node("DequantizeLinear", ["yq", "y_scale", "y_zp"], ["y"])]
     return nodes, inits
+
+
+def _conv_probe(name: str, x_type: int, code: int, w: np.ndarray, w_zp: np.ndarray, group: int = 1,
+                out_scale: float = OUT_SCALE) -> tuple[onnx.ModelProto, np.ndarray]:
+    """A QDQ Conv of the constant input `code` (type `x_type`) and the weight codes `w`
+    with zero point `w_zp` (scalar, or one per output channel at scale 1), quantized out
+    at `out_scale` to `x_type`: the graph onnxruntime fuses into the QLinearConv under
+    test, and its input."""
+    per_channel = w_zp.ndim > 0
+    x_shape = [1, w.shape[1] * group, *w.shape[2:]]
+    inits = [numpy_helper.from_array(w, "wq"), numpy_helper.from_array(w_zp, "w_zp")]
+    if per_channel:
+        inits.append(numpy_helper.from_array(np.ones(w.shape[0], np.float32), "w_scale"))
+    in_nodes, in_inits = _qdq_input(x_type, code)
+    out_nodes, out_inits = _qdq_output(x_type, out_scale)
+    nodes = [*in_nodes,
+             helper.make_node("DequantizeLinear", ["wq", "w_scale" if per_channel else "one", "w_zp"], ["w"],
+                              **({"axis": 0} if per_channel else {})),
+             helper.make_node("Conv", ["xdq", "w"], ["yf"], group=group),
+             *out_nodes]
+    graph = helper.make_graph(
+        nodes, name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits + in_inits + out_inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model, np.full(x_shape, code, np.float32)
 
 
 def _probe_model(kernel: str, activation: str) -> tuple[onnx.ModelProto, np.ndarray, float]:
@@ -47,28 +76,12 @@ def _probe_model(kernel: str, activation: str) -> tuple[onnx.ModelProto, np.ndar
     code = 255 if activation == "uint8" else 127
     c = CHANNELS
     if kernel == "gemm":
-        w = np.full((c, c, 1, 1), 127, np.int8)
-        x_shape, group, taps = [1, c, 1, 1], 1, c
+        w, group, taps = np.full((c, c, 1, 1), 127, np.int8), 1, c
     else:
-        w = np.full((c, 1, 3, 3), 127, np.int8)
-        x_shape, group, taps = [1, c, 3, 3], c, 9
-    inits = [numpy_helper.from_array(w, "wq"), helper.make_tensor("w_zp", TensorProto.INT8, [], [0])]
-    in_nodes, in_inits = _qdq_input(x_type, code)
-    out_nodes, out_inits = _qdq_output(x_type)
-    nodes = [*in_nodes,
-             helper.make_node("DequantizeLinear", ["wq", "one", "w_zp"], ["w"]),
-             helper.make_node("Conv", ["xdq", "w"], ["yf"], group=group),
-             *out_nodes]
-    graph = helper.make_graph(
-        nodes, f"onnxq_probe_{kernel}_{activation}",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        inits + in_inits + out_inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
+        w, group, taps = np.full((c, 1, 3, 3), 127, np.int8), c, 9
+    model, x = _conv_probe(f"onnxq_probe_{kernel}_{activation}", x_type, code, w, np.array(0, np.int8), group)
     exact = np.clip(np.rint(code * 127 * taps / OUT_SCALE), *_range(activation)) * OUT_SCALE
-    return model, np.full(x_shape, code, np.float32), float(exact)
+    return model, x, float(exact)
 
 
 def _range(activation: str) -> tuple[int, int]:
@@ -96,22 +109,7 @@ def _depthwise_zero_point_model() -> tuple[onnx.ModelProto, np.ndarray, np.ndarr
     rng = np.random.default_rng(0)
     w = rng.integers(-100, 100, (c, 1, 3, 3)).astype(np.int8)
     zp = np.arange(-c // 2, c - c // 2, dtype=np.int8) * 3
-    inits = [numpy_helper.from_array(w, "wq"), numpy_helper.from_array(zp, "w_zp"),
-             numpy_helper.from_array(np.ones(c, np.float32), "w_scale")]
-    in_nodes, in_inits = _qdq_input(TensorProto.UINT8, 255)
-    out_nodes, out_inits = _qdq_output(TensorProto.UINT8)
-    nodes = [*in_nodes,
-             helper.make_node("DequantizeLinear", ["wq", "w_scale", "w_zp"], ["w"], axis=0),
-             helper.make_node("Conv", ["xdq", "w"], ["yf"], group=c),
-             *out_nodes]
-    graph = helper.make_graph(
-        nodes, "onnxq_probe_depthwise_zp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, 3, 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits + in_inits + out_inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    x = np.full((1, c, 3, 3), 255, np.float32)
+    model, x = _conv_probe("onnxq_probe_depthwise_zp", TensorProto.UINT8, 255, w, zp, group=c)
     acc = 255.0 * (w.astype(np.float64) - zp[:, None, None, None]).reshape(c, -1).sum(1)
     exact = np.clip(np.rint(acc / OUT_SCALE), 0, 255) * OUT_SCALE
     return model, x, exact.reshape(1, c, 1, 1)
@@ -126,25 +124,9 @@ def _u8u8_model() -> tuple[onnx.ModelProto, np.ndarray, float]:
     scale = 4096.0
     w = np.full((c, c, 1, 1), 255, np.uint8)
     w[:, c - c // 4:] = 0
-    inits = [numpy_helper.from_array(w, "wq"),
-             helper.make_tensor("w_zp", TensorProto.UINT8, [], [128]),
-             numpy_helper.from_array(np.array(scale, np.float32), "y_scale"),
-             helper.make_tensor("y_zp", TensorProto.UINT8, [], [0])]
-    in_nodes, in_inits = _qdq_input(TensorProto.UINT8, 255)
-    nodes = [*in_nodes,
-             helper.make_node("DequantizeLinear", ["wq", "one", "w_zp"], ["w"]),
-             helper.make_node("Conv", ["xdq", "w"], ["yf"]),
-             helper.make_node("QuantizeLinear", ["yf", "y_scale", "y_zp"], ["yq"]),
-             helper.make_node("DequantizeLinear", ["yq", "y_scale", "y_zp"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "onnxq_probe_u8u8",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, 1, 1])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits + in_inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
+    model, x = _conv_probe("onnxq_probe_u8u8", TensorProto.UINT8, 255, w, np.array(128, np.uint8), out_scale=scale)
     exact = np.clip(np.rint(255.0 * (w[0].astype(np.float64) - 128).sum() / scale), 0, 255) * scale
-    return model, np.full((1, c, 1, 1), 255, np.float32), float(exact)
+    return model, x, float(exact)
 
 
 def _saturates(model: onnx.ModelProto, x: np.ndarray, exact: float | np.ndarray, providers: tuple[str, ...]) -> bool:

@@ -66,7 +66,7 @@ class Layer:
 
     def beta(self) -> float:
         """Gemm's beta (1 for other layers): the stored bias times it is the bias added."""
-        return float(layout.attr(self.node, "beta", 1.0)) if self.node.op_type == "Gemm" else 1.0
+        return layout.beta(self.node)
 
 
 def to_matrices(node: ir.Node, w: np.ndarray) -> np.ndarray:
