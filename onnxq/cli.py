@@ -284,7 +284,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from onnxq.graph.load import load_model
-    from onnxq.optimize import PassContext, run_passes
+    from onnxq.optimize import RunSettings, run_passes
     from onnxq.plan import plan_quantization
 
     model, report = load_model(args.model)
@@ -307,7 +307,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             _print_nodes(graph, None)
         return 0
     config = compose_config(args.preset, args.config, {"target": args.target} if args.target else None)
-    for note in run_passes(model, config.pre_quant_opt_config, PassContext(None, config.calibration)):
+    for note in run_passes(model, config.pre_quant_opt_config, RunSettings.of(None, config.calibration)).notes:
         print(f"pass {note}")
     from onnxq.target import resolve_target
 

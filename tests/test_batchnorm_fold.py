@@ -10,7 +10,7 @@ from helpers import GraphBuilder, op_count, random_feeds, run
 
 from onnxq.config.spec import CalibrationConfig
 from onnxq.graph.load import load_model
-from onnxq.optimize import CONTRACTS, PassContext, run_passes
+from onnxq.optimize import CONTRACTS, PassContext, RunSettings, run_passes
 from onnxq.optimize.fold_batchnorm import fold_batchnorm
 
 
@@ -46,13 +46,14 @@ def gemm_bn(trans_b: int, bias: bool = True) -> onnx.ModelProto:
     return b.build([y])
 
 
-def no_data() -> PassContext:
-    return PassContext(data=None, calibration=CalibrationConfig())
+def no_data() -> RunSettings:
+    return RunSettings.of(None, CalibrationConfig())
 
 
 def fold(model: onnx.ModelProto, **options) -> tuple[onnx.ModelProto, str]:
     ir_model, _ = load_model(model)
-    note = fold_batchnorm(ir_model, CONTRACTS["fold_batchnorm"].parse("fold_batchnorm", options), no_data())
+    note = fold_batchnorm(ir_model, CONTRACTS["fold_batchnorm"].parse("fold_batchnorm", options),
+                          PassContext(no_data()))
     return ir.to_proto(ir_model), note
 
 
@@ -164,9 +165,9 @@ def test_skip_fusion_layers_option():
 def test_fold_runs_by_default_and_can_be_disabled():
     model = conv_bn(bias=False)
     ir_model, _ = load_model(model)
-    assert run_passes(ir_model, [], no_data()) == ["fold_batchnorm: 1 BatchNormalization folded"]
+    assert run_passes(ir_model, [], no_data()).notes == ["fold_batchnorm: 1 BatchNormalization folded"]
     ir_model, _ = load_model(model)
-    assert run_passes(ir_model, [{"name": "fold_batchnorm", "enabled": False}], no_data()) == []
+    assert run_passes(ir_model, [{"name": "fold_batchnorm", "enabled": False}], no_data()).notes == []
     assert op_count(ir.to_proto(ir_model), "BatchNormalization") == 1
 
 

@@ -16,7 +16,7 @@ from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import ConfigError
 from onnxq.graph.fold import constant_array
 from onnxq.graph.load import load_model
-from onnxq.optimize import PassContext, run_passes
+from onnxq.optimize import RunSettings, run_passes
 from onnxq.optimize.cle import find_pairs, in_ranges, out_ranges
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
@@ -98,13 +98,13 @@ def feeds(model: onnx.ModelProto, n: int = 8, seed: int = 7) -> dict[str, np.nda
     return {model.graph.input[0].name: np.random.default_rng(seed).standard_normal(shape).astype(np.float32)}
 
 
-def context(data: dict | None = None) -> PassContext:
-    return PassContext(CalibrationSource(data), CalibrationConfig())
+def context(data: dict | None = None) -> RunSettings:
+    return RunSettings(CalibrationSource(data), CalibrationConfig())
 
 
 def apply(model: onnx.ModelProto, options: dict | None = None, data: dict | None = None) -> tuple[ir.Model, list[str]]:
     ir_model, _ = load_model(model)
-    notes = run_passes(ir_model, [{"name": "cle", **(options or {})}], context(data))
+    notes = run_passes(ir_model, [{"name": "cle", **(options or {})}], context(data)).notes
     return ir_model, notes
 
 

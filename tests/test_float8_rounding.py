@@ -22,6 +22,7 @@ from onnxq.numerics.qmath import FLOAT8_TYPES
 from onnxq.optimize.layerwise import driver
 from onnxq.optimize.layerwise.grid import FloatGrid, IntegerGrid
 from onnxq.optimize.layerwise.replay import Replay
+from onnxq.pipeline import emission
 
 FP8 = {"global_quant_config": {"input_tensors": {"dtype": "float8_e4m3fn"},
                                "output_tensors": {"dtype": "float8_e4m3fn"},
@@ -115,13 +116,13 @@ def test_trial_emission_centres_float8_after_another_algorithm(monkeypatch) -> N
     activations centred by the calibration pass's channel means (which the first
     algorithm's changes do not clear)."""
     seen = []
-    real = driver.emit_trial
+    real = emission.emit_trial
 
-    def spy(model, plan, ranges, ctx, weights=None):
-        seen.append(len(ctx.emission_statistics))
-        return real(model, plan, ranges, ctx, weights)
+    def spy(model, plan, ranges, **kwargs):
+        seen.append(len(kwargs["statistics"]))
+        return real(model, plan, ranges, **kwargs)
 
-    monkeypatch.setattr(driver, "emit_trial", spy)
+    monkeypatch.setattr(emission, "emit_trial", spy)
     fp8([{"name": "adaquant"}, {"name": "adaround"}])
     assert len(seen) >= 2 and all(n > 0 for n in seen), seen
 

@@ -95,7 +95,7 @@ def test_true_sequential_hessian_comes_from_the_quantized_prefix():
     from onnxq.calibrate.data import CalibrationSource
     from onnxq.config.spec import CalibrationConfig
     from onnxq.graph.load import load_model
-    from onnxq.optimize import PassContext
+    from onnxq.optimize import AlgorithmContext, RunSettings
     from onnxq.optimize.gptq import matmul_nbits_layers, sequential_walk
     from onnxq.plan import plan_quantization
     from onnxq.target import resolve_target
@@ -120,7 +120,8 @@ def test_true_sequential_hessian_comes_from_the_quantized_prefix():
             out.append(changed[node.name])
         return out
 
-    ctx = PassContext(CalibrationSource(data), CalibrationConfig(batch_size=5), progress=False)
+    settings = RunSettings(CalibrationSource(data), CalibrationConfig(batch_size=5), progress=False)
+    ctx = AlgorithmContext(settings, emit_trial=lambda *args: None)
     assert sequential_walk(model, layers, ctx, "gptq", record, 1) == 2  # budget 1 MB: batches go to disk
     x = data["x"].reshape(-1, K).astype(np.float64)
     np.testing.assert_allclose(seen[first], x.T @ x / len(x), rtol=1e-9)

@@ -225,7 +225,7 @@ def test_nodes_onnxruntime_refuses_stay_float(monkeypatch):
                         and n.inputs[1].producer().op_type == "DequantizeLinear" for n in model.graph)
         return None if quantized else real(model, providers)
 
-    module = importlib.import_module("onnxq.quantize")
+    module = importlib.import_module("onnxq.pipeline.emission")
     monkeypatch.setattr(module, "open_deployed", refuses_victim)
     monkeypatch.setattr(module, "model_loads", lambda model, providers: refuses_victim(model, providers) is not None)
     result = quantize(target="x86-vnni")

@@ -8,7 +8,7 @@ channel as `emit_model` does: measured without the centring, the means fit anoth
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
 import onnx_ir as ir
 
@@ -19,16 +19,13 @@ from onnxq.numerics.qmath import is_float8
 from onnxq.plan import QuantPlan
 from onnxq.plan.params import WeightCache
 
-if TYPE_CHECKING:  # the optimisers import this module
-    from onnxq.optimize import PassContext
 
-
-def emit_trial(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], ctx: PassContext,
-               weights: WeightCache | None = None) -> None:
+def emit_trial(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], *,
+               weights: WeightCache, qdq_domain: str, extended: bool, statistics: Mapping[Any, Any]) -> None:
     """Rewrite `model` in place as emission will (QDQ or qdq-ext; float8 laid out and
-    centred), with the run's Q/DQ domain, format and statistics from `ctx` and `weights`
-    (default: those the run's algorithms quantized, `ctx.weights`)."""
-    emit_qdq(model, plan, dict(ranges), ctx.qdq_domain, ctx.weights if weights is None else weights, ctx.extended)
+    centred), with the run's Q/DQ domain and format, the weights the algorithms quantized
+    so far, and the calibration pass's `statistics` (float8 channel means)."""
+    emit_qdq(model, plan, dict(ranges), qdq_domain, weights, extended)
     if any(is_float8(t.spec.dtype) for t in plan.tensors.values()):
         make_float8_deployable(model)
-        center_float8(model, ctx.emission_statistics)
+        center_float8(model, statistics)

@@ -25,10 +25,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from onnxq.optimize import register_algorithm
+from onnxq.optimize.context import AlgorithmResult
 from onnxq.optimize.layerwise.adam import Adam
 from onnxq.optimize.layerwise.driver import Problem, Solution, reconstruct
 from onnxq.optimize.layerwise.options import LayerwiseConfig, check
+from onnxq.optimize.registry import register_algorithm
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def tune_weights(problem: Problem, options: AdaQuantConfig) -> Solution:
     return Solution(codes, weights, bias, scale if options.learn_scale else None)
 
 
-@register_algorithm("adaquant", options=AdaQuantConfig, data="required", rewrites=("weights", "biases"))
-def adaquant(model, plan, ranges, opts: AdaQuantConfig, ctx) -> str:
+@register_algorithm("adaquant", options=AdaQuantConfig, data="required", rewrites=("weights", "biases"), flag=2)
+def adaquant(model, plan, ranges, opts: AdaQuantConfig, ctx) -> str | AlgorithmResult:
     """Optimise every quantized Conv/Gemm/MatMul weight and bias (module doc)."""
     return reconstruct("adaquant", tune_weights, model, plan, ranges, opts, ctx)

@@ -27,10 +27,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from onnxq.optimize import register_algorithm
+from onnxq.optimize.context import AlgorithmResult
 from onnxq.optimize.layerwise.adam import Adam
 from onnxq.optimize.layerwise.driver import Problem, Solution, reconstruct
 from onnxq.optimize.layerwise.options import LayerwiseConfig, check
+from onnxq.optimize.registry import register_algorithm
 
 ZETA, GAMMA = 1.1, -0.1
 
@@ -118,7 +119,7 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
     return Solution(codes, bias=problem.best_bias(codes * problem.scale) if tune_bias else None)
 
 
-@register_algorithm("adaround", options=AdaRoundConfig, data="required", rewrites=("weights", "biases"))
-def adaround(model, plan, ranges, opts: AdaRoundConfig, ctx) -> str:
+@register_algorithm("adaround", options=AdaRoundConfig, data="required", rewrites=("weights", "biases"), flag=1)
+def adaround(model, plan, ranges, opts: AdaRoundConfig, ctx) -> str | AlgorithmResult:
     """Learn the rounding of every quantized Conv/Gemm/MatMul weight (module doc)."""
     return reconstruct("adaround", learn_rounding, model, plan, ranges, opts, ctx)

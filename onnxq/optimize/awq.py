@@ -35,8 +35,9 @@ from onnxq.errors import ConfigError
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.graph.load import drop_pages
-from onnxq.optimize import PassContext, register_algorithm, statistics_of
+from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.gptq import NO_LAYERS, Layer, hessian_requests, walk_groups
+from onnxq.optimize.registry import register_algorithm, statistics_of
 from onnxq.parallel import ordered_map
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
@@ -180,9 +181,10 @@ def _scaled_initializer(edit: GraphEditor, weight: ir.Value, s: np.ndarray) -> i
     return value
 
 
-@register_algorithm("awq", options=AWQConfig, data="required", rewrites=("weights", "graph"))
+@register_algorithm("awq", options=AWQConfig, data="required", rewrites=("weights", "graph"), flag=4,
+                    rounds_blocks=True)
 def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: AWQConfig,
-        ctx: PassContext) -> str:
+        ctx: AlgorithmContext) -> str:
     """Scale the input rows of every MatMul lowered to MatMulNBits (module doc)."""
     edit = GraphEditor(model.graph)
     alphas: list[float] = []

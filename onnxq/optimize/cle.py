@@ -36,7 +36,8 @@ from onnxq.errors import ConfigError
 from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
-from onnxq.optimize import PassContext, register_pass
+from onnxq.optimize.context import PassContext
+from onnxq.optimize.registry import register_pass
 
 LAYERS = {"Conv", "Gemm"}
 HOMOGENEOUS = {"Relu", "LeakyRelu"}  # f(s x) == s f(x) for s > 0
@@ -326,10 +327,10 @@ def bound_clipped_scales(model: ir.Model, pairs: list[Pair], ctx: PassContext) -
 
 
 def _has_data(ctx: PassContext) -> bool:
-    return ctx.data is not None and ctx.data.source is not None
+    return ctx.settings.access.readable
 
 
-@register_pass("cle", options=CLEConfig, data="optional", rewrites=("weights", "biases", "graph"))
+@register_pass("cle", options=CLEConfig, data="optional", rewrites=("weights", "biases", "graph"), equalizes=True)
 def cross_layer_equalization(model: ir.Model, opts: CLEConfig, ctx: PassContext) -> str:
     """Equalize per-channel weight ranges of adjacent Conv/Gemm layers (see module doc)."""
     graph = model.graph

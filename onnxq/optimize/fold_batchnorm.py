@@ -17,7 +17,8 @@ import onnx_ir as ir
 from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
-from onnxq.optimize import PassContext, register_pass
+from onnxq.optimize.context import PassContext
+from onnxq.optimize.registry import register_pass
 
 FOLDABLE = {"Conv", "ConvTranspose", "Gemm"}
 

@@ -42,8 +42,9 @@ from onnxq.graph.load import drop_pages
 from onnxq.graph.save import proto_without_weights
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import cast_scale, search_clip_scales, searchable, weight_qparams
-from onnxq.optimize import PassContext, register_algorithm, statistics_of
+from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.layerwise.replay import Replay
+from onnxq.optimize.registry import register_algorithm, statistics_of
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
 
@@ -206,25 +207,26 @@ def input_groups(model: ir.Model, layers: list[Layer]) -> list[list[Layer]]:
     return sorted(groups.values(), key=produced_at)
 
 
-def sequential_walk(model: ir.Model, layers: list[Layer], ctx: PassContext, name: str,
+def sequential_walk(model: ir.Model, layers: list[Layer], ctx: AlgorithmContext, name: str,
                     quantize: GroupQuantizer, budget_mb: int) -> int:
     """Call `quantize(group, H)` for each group of layers sharing an input, H from the
     inputs the model computes with every earlier group's returned weights in place
     (module doc); the number of layers quantized. `quantize` may rewrite the model (AWQ
     inserts a Mul): the replay runs the graph as it was, with the returned weights."""
-    if ctx.data is None or ctx.data.source is None:
+    data, calibration = ctx.settings.data, ctx.settings.calibration
+    if not ctx.settings.access.readable:
         raise CalibrationDataError(f"{name} with true_sequential reads the calibration data layer by layer; pass "
                                    "--calib-data PATH (statistics files do not carry it) or set true_sequential: false")
-    if not ctx.data.replayable:
+    if not ctx.settings.access.rereadable:
         raise CalibrationDataError(f"{name} with true_sequential reads the calibration data again; pass a path, "
                                    "a dict of arrays or a list of feeds, or set true_sequential: false")
     groups = input_groups(model, layers)
-    batches = iter_batches(ctx.data, model_inputs(model), ctx.calibration.batch_size, ctx.calibration.max_samples,
-                           f"{name} data", ctx.calibration.max_batches)
+    batches = iter_batches(data, model_inputs(model), calibration.batch_size, calibration.max_samples,
+                           f"{name} data", calibration.max_batches)
     structure, weights = proto_without_weights(model)
-    replay = Replay(None, structure, batches, ctx.calibration.providers, budget_mb << 20, weights)
+    replay = Replay(None, structure, batches, calibration.providers, budget_mb << 20, weights)
     bar = tqdm(groups, desc=name, unit="group", file=sys.stderr, leave=False,
-               disable=not (sys.stderr.isatty() if ctx.progress is None else ctx.progress))
+               disable=not (sys.stderr.isatty() if ctx.settings.progress is None else ctx.settings.progress))
     done = 0
     try:
         for group in bar:
@@ -246,7 +248,7 @@ def sequential_walk(model: ir.Model, layers: list[Layer], ctx: PassContext, name
     return done
 
 
-def walk_groups(model: ir.Model, plan: QuantPlan, ctx: PassContext, name: str, quantize: GroupQuantizer,
+def walk_groups(model: ir.Model, plan: QuantPlan, ctx: AlgorithmContext, name: str, quantize: GroupQuantizer,
                 sequential: bool, budget_mb: int) -> tuple[int, int]:
     """Call `quantize(group, H)` for each group of MatMuls lowered to MatMulNBits that
     share an input, in graph order: H from the quantized prefix (`sequential_walk`), or
@@ -266,9 +268,10 @@ def walk_groups(model: ir.Model, plan: QuantPlan, ctx: PassContext, name: str, q
     return done, len(layers)
 
 
-@register_algorithm("gptq", options=GPTQConfig, data="required", rewrites=("weights",))
+@register_algorithm("gptq", options=GPTQConfig, data="required", rewrites=("weights",), flag=3,
+                    rounds_blocks=True)
 def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: GPTQConfig,
-         ctx: PassContext) -> str:
+         ctx: AlgorithmContext) -> str:
     """Quantize every MatMul lowered to MatMulNBits with GPTQ; pin the result for emission."""
     def quantize(node: ir.Node, spec: ResolvedSpec, hessian: np.ndarray) -> np.ndarray:
         scale_dtype = FLOAT_TYPES[weight_dtype(node)]

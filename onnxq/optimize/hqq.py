@@ -21,8 +21,9 @@ from onnxq.emit.matmul_nbits import quantize_blockwise
 from onnxq.graph.fold import constant_array
 from onnxq.graph.load import drop_pages
 from onnxq.numerics.hqq import HqqOptions
-from onnxq.optimize import PassContext, register_algorithm
+from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.gptq import NO_LAYERS, matmul_nbits_layers
+from onnxq.optimize.registry import register_algorithm
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
 
@@ -34,9 +35,9 @@ class HQQConfig(HqqOptions):
     ALGORITHM: ClassVar[str] = "hqq"
 
 
-@register_algorithm("hqq", options=HQQConfig, data="none", rewrites=("weights",))
+@register_algorithm("hqq", options=HQQConfig, data="none", rewrites=("weights",), rounds_blocks=True)
 def hqq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: HQQConfig,
-        ctx: PassContext) -> str:
+        ctx: AlgorithmContext) -> str:
     """Quantize every MatMulNBits weight with HQQ zero points; pin it for emission."""
     layers = matmul_nbits_layers(model, plan)
     if not layers:

@@ -14,7 +14,7 @@ all their weights. The 1/s goes, in order of preference:
 - otherwise (`insert_mul`, the default) into a Mul by 1/s inserted before the smoothed
   consumers. That Mul only pays off when it runs in float (quantized, its input keeps the
   outliers and its constant 1/s loses precision), so the pass marks it to stay float
-  through `PassContext.keep_float`.
+  through `PassResult.keep_float`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from onnxq.errors import ConfigError
 from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor, set_constant
 from onnxq.graph.fold import constant_array
-from onnxq.optimize import Deferred, PassContext, Rescale, register_pass
+from onnxq.optimize.context import Deferred, PassContext, PassResult, Rescale
 from onnxq.optimize.options import parse_options
+from onnxq.optimize.registry import register_pass
 
 SMOOTHABLE = {"MatMul", "Gemm", "Conv"}
 SHAPE_ONLY = {"Shape", "Size"}  # consumers that never read values
@@ -297,7 +298,7 @@ def _unplace(group: Group, keep_float: dict[str, str]) -> None:
 
 
 @register_pass("smoothquant", options=_parse, data="required", rewrites=("weights", "graph", "activations"))
-def smoothquant(model: ir.Model, opts: SmoothQuantConfig, ctx: PassContext) -> str:
+def smoothquant(model: ir.Model, opts: SmoothQuantConfig, ctx: PassContext) -> str | PassResult:
     """Migrate activation outliers of MatMul/Gemm inputs into their weights (module doc).
 
     The channel maxima are read from the model before scaling, so the pass defers its
@@ -306,10 +307,11 @@ def smoothquant(model: ir.Model, opts: SmoothQuantConfig, ctx: PassContext) -> s
     groups = find_groups(graph, opts)
     if not groups:
         return "no MatMul/Gemm with a constant weight to smooth"
-    if ctx.data is None or ctx.data.source is None:  # e.g. `onnxq inspect`
+    if not ctx.settings.access.readable:  # e.g. `onnxq inspect`
         return f"{sum(map(len, groups.values()))} layers could be smoothed; skipped (needs calibration data)"
     values = {v.name: v for node in graph for v in node.inputs if v is not None and v.name in groups}
-    placed = {name: place_group(graph, values[name], consumers, opts.insert_mul, ctx.keep_float)
+    keep_float: dict[str, str] = {}  # the inserted Muls, handed back with the result
+    placed = {name: place_group(graph, values[name], consumers, opts.insert_mul, keep_float)
               for name, consumers in groups.items()}
     # Asked of what the consumers read, which the calibration pass also reduces per channel.
     stats = {name: Statistic(g.read.name, "absmax", g.axis) for name, g in placed.items() if g is not None}
@@ -325,7 +327,7 @@ def smoothquant(model: ir.Model, opts: SmoothQuantConfig, ctx: PassContext) -> s
             wmax = None if group is None else np.max([_weight_absmax(c) for c in group.consumers], axis=0)
             if group is None or xmax is None or xmax.shape != wmax.shape:
                 if group is not None and not deferred:
-                    _unplace(group, ctx.keep_float)
+                    _unplace(group, keep_float)
                 counts["skipped"] = counts.get("skipped", 0) + 1
                 continue
             how, factor = finish_group(graph, group, smoothing_scales(xmax, wmax, opts.alpha))
@@ -337,6 +339,6 @@ def smoothquant(model: ir.Model, opts: SmoothQuantConfig, ctx: PassContext) -> s
         return f"{layers} layers smoothed in {smoothed} groups (alpha {opts.alpha:g}): {detail}", rescaled
 
     rescalable = {v.name: g.axis for g in placed.values() if g is not None for v in g.rescaled}
-    if ctx.defer(Deferred("smoothquant", tuple(stats.values()), rescalable, finish)):
-        return "deferred to the calibration pass"
-    return finish(ctx.collect(model, list(stats.values()), "smoothquant"))[0]
+    if deferred:
+        return PassResult(None, keep_float, Deferred("smoothquant", tuple(stats.values()), rescalable, finish))
+    return PassResult(finish(ctx.collect(model, list(stats.values()), "smoothquant"))[0], keep_float)

@@ -117,6 +117,13 @@ class WeightCache:
                 self._entries[key] = entry
         return entry[1]
 
+    def copy(self) -> WeightCache:
+        """A cache with the same entries, for a stage that pins into its own copy and hands
+        it back (`optimize.context.AlgorithmContext`)."""
+        other = WeightCache()
+        other._entries = dict(self._entries)
+        return other
+
     def pin(self, tensor: TensorPlan, value: ir.Value, quantized: QuantizedTensor) -> None:
         """Make `quantized` the weight's quantized form while `value` holds its current
         tensor (an algorithm that learned the rounding: AdaRound, AdaQuant)."""

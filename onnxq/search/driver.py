@@ -19,15 +19,19 @@ import time
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
+from onnxq.calibrate.access import data_access, refusal
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.config.spec import Config, MixedPrecisionConfig
 from onnxq.errors import CalibrationDataError
 from onnxq.evaluate import deployed_session
-from onnxq.graph.save import save_model, weight_bytes
+from onnxq.graph.save import check_output_path, save_model, weight_bytes
+from onnxq.pipeline.run import run_pipeline
 from onnxq.report import MixedPrecisionSummary, Promotion
+from onnxq.search.base import search_base_config
 from onnxq.search.bisect import bisect_promotions
-from onnxq.search.ladder import rung_opset, with_promotions
+from onnxq.search.ladder import with_promotions
 from onnxq.search.sensitivity import impact_order, layers_to_measure
 from onnxq.search.target import (
     SELF_SCORE,
@@ -92,8 +96,6 @@ def sensitivity_order(base: Any, config: Config, evalset: EvalSet, float_session
 
 def _progress_bar(progress: bool | None, layers: int) -> Any:
     """A bar over the models the search scores (about log2(layers) + rungs of them)."""
-    from tqdm import tqdm
-
     return tqdm(desc="search", unit="model", leave=False, disable=True if progress is False else None,
                 total=max(1, layers).bit_length() + 2)
 
@@ -113,23 +115,11 @@ def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:
     return {k: v[:1] for k, v in feed.items()}
 
 
-def search_base_config(config: Config) -> Config:
-    """The config the search's first model is quantized with: no target, at the opset its
-    ladder's highest rung needs (`onnxq calibrate` with a target calibrates the same)."""
-    from onnxq.quantize import required_opset
-
-    return dataclasses.replace(config, mixed_precision=MixedPrecisionConfig(),
-                               opset=max(required_opset(config), rung_opset(config.mixed_precision.ladder)))
-
-
 def quantize_to_target(
     model: Any, output: str | os.PathLike | None, config: Config, calibration_data: Any,
     progress: bool | None, evaluate: Any, keep_state: bool = False,
 ) -> Any:
     """Quantize `model` to meet `config.mixed_precision.target` with the fewest promotions."""
-    from onnxq.graph.save import check_output_path
-    from onnxq.quantize import run_pipeline
-
     start = time.perf_counter()
     mp = config.mixed_precision
     target = parse_target(mp.target)
@@ -138,9 +128,10 @@ def quantize_to_target(
     if calibration_data is None and mp.eval_data is None:
         raise CalibrationDataError("an accuracy target needs data to rank layers and score models; pass "
                                    "--eval-data PATH (or --calib-data)")
-    if calibration_data is not None and not CalibrationSource(calibration_data).replayable:
-        raise CalibrationDataError("an accuracy target reads the calibration data more than once; pass a "
-                                   "path, a dict of arrays, a list of feeds or a reader with rewind()")
+    access = data_access(CalibrationSource(calibration_data))
+    if calibration_data is not None and not access.rereadable:
+        raise CalibrationDataError(f"an accuracy target reads the calibration data more than once, but "
+                                   f"{refusal(access)}")
     base_config = search_base_config(config)
     evalset, notes = _eval_set(mp, calibration_data, evaluate is not None and target.metric in (None, "custom"))
     providers = config.calibration.providers

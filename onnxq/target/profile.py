@@ -14,7 +14,7 @@ from __future__ import annotations
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from onnxq.config.spec import Config, DType, Target
 
@@ -64,17 +64,6 @@ class TargetProfile:
     def runs_on_cpu(self) -> bool:
         """Whether the model will run on onnxruntime's CPU provider."""
         return self.name != Target.GPU.value
-
-    def algorithms(self, configured: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Algorithms every CPU or GPU target adds to `configured`: bias correction of
-        Conv/Gemm. Rounding shifts each output channel's mean, and depthwise layers with
-        few taps per channel keep much of it; narrowed weights (7-bit, pair-safe) raise it
-        (MobileNet v1 0.75, default session: full 8-bit weights 83.5 -> 85.5 top-1 on an
-        AVX512-VNNI CPU, pair-safe weights 83.25 -> 85.0 on AVX2; float 85.5; ResNet-20
-        unchanged). Nothing when the config already names it."""
-        if any(a.get("name") == "bias_correction" for a in configured):
-            return []
-        return [{"name": "bias_correction", "op_types": ["Conv", "Gemm"]}]
 
     def describe(self) -> str:
         """One line for the summary."""

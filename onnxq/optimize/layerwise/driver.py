@@ -18,13 +18,14 @@ import onnx
 import onnx_ir as ir
 from tqdm import tqdm
 
+from onnxq.calibrate.access import refusal
 from onnxq.calibrate.data import iter_batches, model_inputs
-from onnxq.emit.trial import emit_trial
 from onnxq.errors import CalibrationDataError
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import dequantize
 from onnxq.numerics.weights import QuantizedTensor, bias_safe_weight_scale
+from onnxq.optimize.context import AlgorithmContext, AlgorithmResult
 from onnxq.optimize.layerwise.activation import Activation, following
 from onnxq.optimize.layerwise.clip import search_scale
 from onnxq.optimize.layerwise.gram import Gram, position_stride
@@ -209,7 +210,7 @@ def _constant_of(model: ir.Model) -> Callable[[str], np.ndarray | None]:
     return lambda name: constant_array(model.graph.initializers.get(name))
 
 
-def _emitted(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], ctx,
+def _emitted(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], ctx: AlgorithmContext,
              layer: Layer) -> QuantizedTensor:
     """The layer's weight as emission will quantize it (nearest, with the bias's scale floor)."""
     plain = ctx.weights.unfloored(layer.weight, layer.node.inputs[1])
@@ -238,13 +239,13 @@ def _bias_fits(model: ir.Model, plan: QuantPlan, ranges, layer: Layer, bias: np.
     return bool(np.all(floor <= np.asarray(scale, dtype=np.float64).reshape(-1) * (1 + SCALE_TOLERANCE)))
 
 
-def _quantized_graph(model: ir.Model, plan: QuantPlan, ranges, ctx, inputs: str) -> ir.Model:
+def _quantized_graph(model: ir.Model, plan: QuantPlan, ranges, ctx: AlgorithmContext, inputs: str) -> ir.Model:
     """The graph the layers' inputs come from: the model as emitted (`quantized`), or the
     float model whose layers get their quantized weights (`weights`, `float`: see the
     options of AdaRound)."""
     qmodel = model.clone()
     if inputs == "quantized":
-        emit_trial(qmodel, plan, ranges, ctx)
+        ctx.emit_trial(qmodel, plan, ranges, ctx.weights)
     return qmodel
 
 
@@ -271,17 +272,17 @@ def _dequantized(qt: QuantizedTensor) -> np.ndarray:
 
 def reconstruct(
     name: str, optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],
-    options, ctx,
-) -> str:
+    options, ctx: AlgorithmContext,
+) -> str | AlgorithmResult:
     """Optimise every layer `options` selects with `optimise`, in graph order (module doc)."""
     layers, refused = find_layers(model.graph, plan, options.op_types, options.skip_layers, options.layers)
     if not layers:
         return f"no quantized {'/'.join(options.op_types) or 'named'} layer to optimise" + _listed("skipped", refused)
-    if ctx.data is None or ctx.data.source is None:
+    access = ctx.settings.access
+    if not access.readable:
         raise CalibrationDataError(f"{name} needs calibration data; pass --calib-data PATH")
-    if not ctx.data.replayable:
-        return ("skipped: the calibration data can be read only once; pass a path, a dict of arrays, "
-                "a list of feeds or a reader with rewind()")
+    if not access.rereadable:
+        return f"skipped: {refusal(access)}"
     original = model.clone() if options.validation_every else None
     qmodel = _quantized_graph(model, plan, ranges, ctx, options.inputs)
     qnodes = {n.name: n for n in qmodel.graph}
@@ -296,7 +297,7 @@ def reconstruct(
     split = _Split(options.validation_every)
     batches = split.training(_batches(ctx, model, name))
     float_proto = ir.to_proto(model)
-    replay = Replay(float_proto, ir.to_proto(qmodel), batches, ctx.calibration.providers,
+    replay = Replay(float_proto, ir.to_proto(qmodel), batches, ctx.settings.calibration.providers,
                     int(options.cache_budget_mb) << 20)
     del qmodel
     for layer in layers:
@@ -304,8 +305,9 @@ def reconstruct(
         replay.set_initializer(WEIGHT_PREFIX + layer.name, _dequantized(qt))
         replay.set_input(layer.name, 1, WEIGHT_PREFIX + layer.name)
     report = _Report()
+    fitted: dict[str, str] = {}  # layers whose bias was fitted here, handed back with the result
     bar = tqdm(layers, desc=name, unit="layer", file=sys.stderr, leave=False,
-               disable=not (sys.stderr.isatty() if ctx.progress is None else ctx.progress))
+               disable=not (sys.stderr.isatty() if ctx.settings.progress is None else ctx.settings.progress))
     try:
         for layer in bar:
             qt = nearest[layer.name]
@@ -322,7 +324,7 @@ def reconstruct(
                 report.pinned.append(layer)
                 replay.set_initializer(WEIGHT_PREFIX + layer.name, _dequantized(result))
                 if report.bias_changed.get(layer.name) is not None:
-                    ctx.fitted_biases[layer.name] = name
+                    fitted[layer.name] = name
                     _replay_bias(replay, layer, slots[layer.name], report.bias_changed[layer.name])
     finally:
         bar.close()
@@ -330,11 +332,11 @@ def reconstruct(
     line = report.line(len(layers), refused, replay.samples, replay.samples + split.held_out_samples)
     if original is not None and report.pinned:
         if split.held_out:
-            line += _guard(name, model, original, float_proto, plan, ranges, ctx, split, report)
+            line += _guard(name, model, original, float_proto, plan, ranges, ctx, split, report, fitted)
         else:
             line += (f"; no model-level check: fewer than {options.validation_every} calibration batches "
                      "to hold one out")
-    return line
+    return AlgorithmResult(line, fitted_biases=fitted)
 
 
 @dataclass(frozen=True)
@@ -368,9 +370,10 @@ def _replay_bias(replay: Replay, layer: Layer, slot: BiasSlot, added: np.ndarray
     replay.set_input(slot.node, slot.index, BIAS_PREFIX + layer.name)
 
 
-def _batches(ctx, model: ir.Model, name: str) -> Iterator[Mapping[str, np.ndarray]]:
-    return iter_batches(ctx.data, model_inputs(model), ctx.calibration.batch_size, ctx.calibration.max_samples,
-                        f"{name} data", ctx.calibration.max_batches)
+def _batches(ctx: AlgorithmContext, model: ir.Model, name: str) -> Iterator[Mapping[str, np.ndarray]]:
+    calibration = ctx.settings.calibration
+    return iter_batches(ctx.settings.data, model_inputs(model), calibration.batch_size, calibration.max_samples,
+                        f"{name} data", calibration.max_batches)
 
 
 class _Split:
@@ -396,23 +399,23 @@ class _Split:
         return (batch for i, batch in enumerate(batches) if self._validation(i))
 
 
-def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: QuantPlan, ranges, ctx,
-           split: _Split, report: _Report) -> str:
+def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: QuantPlan, ranges,
+           ctx: AlgorithmContext, split: _Split, report: _Report, fitted: dict[str, str]) -> str:
     """Check the whole model (`guard.py`); undo everything when nearest rounding is closer."""
     def emitted(source: ir.Model, weights: WeightCache) -> onnx.ModelProto:
         copy = source.clone()
-        emit_trial(copy, plan, ranges, ctx, weights)
+        ctx.emit_trial(copy, plan, ranges, weights)
         return ir.to_proto(copy)
 
     keep, learned_db, near_db = keep_learned(
         emitted(original, WeightCache()), emitted(model, ctx.weights), float_proto,
-        split.validation(_batches(ctx, model, name)), ctx.calibration.providers)
+        split.validation(_batches(ctx, model, name)), ctx.settings.calibration.providers)
     where = f"{split.held_out} held-out calibration batches"
     if keep:
         return f"; model output SQNR on {where} {learned_db:.1f} dB (nearest rounding {near_db:.1f} dB)"
     for layer in report.pinned:
         ctx.weights.unpin(layer.weight)
-        ctx.fitted_biases.pop(layer.name, None)
+        fitted.pop(layer.name, None)
         for holder, index in [layer.bias] if layer.bias is not None else []:
             value = holder.inputs[index]
             before = original.graph.initializers.get(value.name) if value is not None else None

@@ -1,0 +1,210 @@
+"""The pass and algorithm tables, filled by `@register_pass` / `@register_algorithm` in
+each module of `optimize/`, and the configured entries parsed once against them.
+
+A pass runs before calibration (`Config.pre_quant_opt_config`): `fn(model, options, ctx)`.
+An algorithm runs after it (`Config.algo_config`): `fn(model, plan, ranges, options, ctx)`.
+Each registers a `Contract`: its typed options, whether it reads the calibration data,
+what it rewrites, and where it stands among the others. The pipeline reads the contract,
+never the name: which algorithms run last, which the CLI switches on with a flag, which
+round weight-only blocks, which every target adds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from onnxq.calibrate.statistics import Statistic
+from onnxq.errors import ConfigError, named_fields_only
+from onnxq.optimize.options import parse_options
+
+PassFn = Callable[..., Any]
+AlgoFn = Callable[..., Any]
+DataUse = Literal["none", "optional", "required"]
+REWRITES = ("weights", "biases", "graph", "activations")
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a pass that takes none."""
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a pass or algorithm declares when it registers.
+
+    options: its frozen options dataclass (parsed with `parse_options`: a misspelled key
+      is an error naming the nearest) or a function parsing the options mapping; the
+      function receives the parsed value, and the config is checked before the model loads.
+    data: whether it reads the calibration data ("optional": some steps do).
+    rewrites: what it may change: "weights", "biases" (initializers), "graph" (nodes
+      added, removed or replaced), "activations" (tensors scaled per channel).
+    runs_last: it writes into the float model that later algorithms fit to (bias
+      correction's corrected biases), so it runs after every other algorithm.
+    flag: the CLI switches it on with `--NAME`; algorithms switched on by flags run in
+      the order of this number (lower first; None: no flag).
+    rounds_blocks: it rounds weight-only blocks (MatMulNBits), one of `--algorithm`'s choices.
+    target_default: the options with which every target adds it to a static plan with
+      quantized Conv/Gemm layers, unless the config names it (None: never added).
+    equalizes: a pass that equalizes layers (CLE), the one an algorithm's `equalize`
+      option adds before calibration.
+    """
+
+    options: Any = NoOptions
+    data: DataUse = "none"
+    rewrites: tuple[str, ...] = ()
+    runs_last: bool = False
+    flag: int | None = None
+    rounds_blocks: bool = False
+    target_default: Mapping[str, Any] | None = None
+    equalizes: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.rewrites) - set(REWRITES))
+        if unknown:
+            raise ValueError(f"unknown rewrites {unknown}; use {', '.join(REWRITES)}")
+
+    def parse(self, name: str, options: Mapping[str, Any]) -> Any:
+        if dataclasses.is_dataclass(self.options):
+            return parse_options(self.options, options, name)
+        return self.options(options)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One configured pass or algorithm, parsed once: its name, whether it runs, its typed
+    options and its contract. `op_types`, where its options have them, limit it."""
+
+    name: str
+    enabled: bool
+    options: Any
+    contract: Contract
+
+    @property
+    def op_types(self) -> tuple[str, ...]:
+        return tuple(getattr(self.options, "op_types", ()) or ())
+
+
+PASSES: dict[str, PassFn] = {}
+ALGORITHMS: dict[str, AlgoFn] = {}
+CONTRACTS: dict[str, Contract] = {}  # pass or algorithm name -> its contract
+# Algorithms that can say, before calibration, which statistics they will need:
+# fn(model, plan, options) -> list[Statistic]. The calibration pass collects them too.
+REQUESTS: dict[str, Callable[..., list[Statistic]]] = {}
+DEFAULT_PASSES = ("fold_batchnorm",)
+
+
+def _named_fields_only(options: Any) -> Any:
+    """An options dataclass whose unknown keywords name the nearest field (`errors`)."""
+    if dataclasses.is_dataclass(options) and isinstance(options, type) and not options.__dict__.get("_named"):
+        named_fields_only(options)
+        options._named = True
+    return options
+
+
+def register_pass(name: str, options: Any = NoOptions, data: DataUse = "none",
+                  rewrites: tuple[str, ...] = (), *, equalizes: bool = False) -> Callable[[PassFn], PassFn]:
+    """Register `fn(model, options, ctx) -> report line | PassResult` as pass `name`
+    (see `Contract`)."""
+    contract = Contract(_named_fields_only(options), data, rewrites, equalizes=equalizes)
+
+    def decorate(fn: PassFn) -> PassFn:
+        PASSES[name], CONTRACTS[name] = fn, contract
+        return fn
+
+    return decorate
+
+
+def register_algorithm(name: str, options: Any = NoOptions, data: DataUse = "required",
+                       rewrites: tuple[str, ...] = (), *, runs_last: bool = False, flag: int | None = None,
+                       rounds_blocks: bool = False,
+                       target_default: Mapping[str, Any] | None = None) -> Callable[[AlgoFn], AlgoFn]:
+    """Register `fn(model, plan, ranges, options, ctx) -> report line | (line, plan) |
+    AlgorithmResult` as algorithm `name` (see `Contract`)."""
+    contract = Contract(_named_fields_only(options), data, rewrites, runs_last, flag, rounds_blocks,
+                        target_default)
+
+    def decorate(fn: AlgoFn) -> AlgoFn:
+        ALGORITHMS[name], CONTRACTS[name] = fn, contract
+        return fn
+
+    return decorate
+
+
+def statistics_of(name: str) -> Callable[[Callable[..., list[Statistic]]], Callable[..., list[Statistic]]]:
+    """Register the statistics request of algorithm `name` (see `REQUESTS`)."""
+    def decorate(fn: Callable[..., list[Statistic]]) -> Callable[..., list[Statistic]]:
+        REQUESTS[name] = fn
+        return fn
+
+    return decorate
+
+
+def flagged_algorithms() -> tuple[str, ...]:
+    """The algorithms the CLI switches on with `--NAME`, in the order a run of them takes
+    (their contracts' `flag`; those that run last at the end, where they run anyway)."""
+    names = [name for name in ALGORITHMS if CONTRACTS[name].flag is not None]
+    return tuple(sorted(names, key=lambda name: (CONTRACTS[name].runs_last, CONTRACTS[name].flag, name)))
+
+
+def block_rounding_algorithms() -> tuple[str, ...]:
+    """The algorithms that round weight-only blocks (`--algorithm`'s choices besides rtn)."""
+    return tuple(name for name in ALGORITHMS if CONTRACTS[name].rounds_blocks)
+
+
+def target_defaults(configured: tuple[Entry, ...]) -> tuple[Entry, ...]:
+    """The algorithms every target adds (`Contract.target_default`) that `configured` does
+    not name, with their default options."""
+    named = {entry.name for entry in configured}
+    return parse_algorithms([{"name": name, **CONTRACTS[name].target_default} for name in ALGORITHMS
+                             if CONTRACTS[name].target_default is not None and name not in named])
+
+
+def equalizing_pass() -> str | None:
+    """The registered pass that equalizes layers (`Contract.equalizes`)."""
+    return next((name for name in PASSES if CONTRACTS[name].equalizes), None)
+
+
+def _check_names(entries: list[Mapping[str, Any]], table: Mapping[str, Any], what: str) -> None:
+    for entry in entries:
+        name = entry.get("name") if isinstance(entry, Mapping) else None
+        if not isinstance(name, str):
+            raise ConfigError(f"each {what} entry needs a 'name' key; available: {', '.join(sorted(table))}")
+        if name not in table:
+            other = ("algo_config", ALGORITHMS) if table is PASSES else ("pre_quant_opt_config", PASSES)
+            if name in other[1]:
+                raise ConfigError(f"{name} belongs in {other[0]}, not in {what.split()[0]}; move the entry there")
+            close = difflib.get_close_matches(name, table, n=1)
+            hint = (f"; did you mean {close[0]!r}?" if close else
+                    f"; available: {', '.join(sorted(table)) or 'none'} (your own: load the file that "
+                    "registers it with --plugin FILE.py)")
+            raise ConfigError(f"unknown {what} {name!r}{hint}")
+
+
+def _parse(entries: list[Mapping[str, Any]], table: Mapping[str, Any], what: str) -> tuple[Entry, ...]:
+    _check_names(entries, table, what)
+    return tuple(Entry(e["name"], bool(e.get("enabled", True)),
+                       CONTRACTS[e["name"]].parse(e["name"], {k: v for k, v in e.items() if k not in ("name", "enabled")}),
+                       CONTRACTS[e["name"]]) for e in entries)
+
+
+def parse_passes(entries: list[Mapping[str, Any]]) -> tuple[Entry, ...]:
+    """`pre_quant_opt_config` as typed entries; ConfigError for an unknown name or option."""
+    return _parse(entries, PASSES, "pre_quant_opt_config pass")
+
+
+def parse_algorithms(entries: list[Mapping[str, Any]]) -> tuple[Entry, ...]:
+    """`algo_config` as typed entries; ConfigError for an unknown name or option."""
+    return _parse(entries, ALGORITHMS, "algo_config algorithm")
+
+
+def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping[str, Any]]) -> None:
+    """Fail early (before loading the model) on unknown pass or algorithm names and on
+    options their contracts reject."""
+    _check_names(pre_quant, PASSES, "pre_quant_opt_config pass")
+    _check_names(algos, ALGORITHMS, "algo_config algorithm")
+    parse_passes(pre_quant)
+    parse_algorithms(algos)

@@ -1,0 +1,78 @@
+"""Which passes and algorithms a run applies, in which order, on the data it can read.
+
+The rules come from the registered contracts (`optimize/registry.py`), never from names:
+an algorithm whose contract `runs_last` goes after the others; one that needs another
+read of data the run cannot read again is skipped with a note naming the fix; the target
+adds the algorithms whose contract has a `target_default`; an algorithm whose `equalize`
+option asks for it gets the equalizing pass before calibration.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from onnxq.calibrate.access import Access, refusal
+from onnxq.config.spec import Config
+from onnxq.optimize.registry import (
+    Entry,
+    equalizing_pass,
+    parse_algorithms,
+    parse_passes,
+    target_defaults,
+)
+from onnxq.optimize.runner import equalizing_algorithm, in_contract_order, without_another_read
+from onnxq.plan import Kind, QuantPlan, plan_quantization
+from onnxq.target import TargetProfile
+
+
+def configured_algorithms(config: Config, target: TargetProfile, plan: QuantPlan,
+                          access: Access) -> tuple[tuple[Entry, ...], list[str]]:
+    """The configured algorithms plus those the target adds for a static plan with
+    quantized Conv/Gemm layers (bias correction), in contract order, less those the data
+    cannot serve; and a note on each such decision."""
+    algorithms, moved = in_contract_order(parse_algorithms(config.algo_config))
+    notes = [_moved_note(algorithms, moved)] if moved else []
+    if access in (Access.ONCE, Access.FILES):
+        algorithms, skipped = without_another_read(algorithms, refusal(access))
+        notes.extend(skipped)
+    wanted = config.target_algorithms and plan.calibrated_tensors()
+    ops = set(plan.quantized_nodes.values())
+    added = [e for e in (target_defaults(algorithms) if wanted else ()) if ops & set(e.op_types)]
+    # Alone (first), an added algorithm takes its statistics from the calibration pass;
+    # after other algorithms it must read the data again.
+    if added and not config.calibration.stats and (not access.readable or (algorithms and not access.rereadable)):
+        why = refusal(access) + (" (other algorithms read it first)" if access is Access.ONCE else "")
+        notes.append(f"target {target.name} would add {', '.join(e.name for e in added)} to remove the rounded "
+                     f"weights' mean error, but {why}")
+        return algorithms, notes
+    notes.extend(f"target {target.name} adds {e.name} ({', '.join(e.op_types)}) to remove the rounded weights' "
+                 "mean error per channel; target_algorithms: false turns it off" for e in added)
+    return algorithms + tuple(added), notes
+
+
+def _moved_note(algorithms: tuple[Entry, ...], moved: list[str]) -> str:
+    last = next(e.name for e in algorithms if e.enabled and e.contract.runs_last)
+    they, s = ("it", "s") if len(moved) == 1 else ("they", "")
+    return (f"{last} runs after {', '.join(moved)}: it removes the error {they} leave{s}, "
+            f"and its corrected biases would shift the float model {they} fit{s} to")
+
+
+def with_equalization(model: ir.Model, config: Config, target: TargetProfile) -> tuple[tuple[Entry, ...], list[str]]:
+    """The configured passes, plus the equalizing pass (CLE) where a layer-wise algorithm
+    wants it (its `equalize` option) and no entry of that pass decides it already."""
+    passes = parse_passes(config.pre_quant_opt_config)
+    algorithms = parse_algorithms(config.algo_config)
+    equalizer = equalizing_pass()
+    if equalizer is None or any(p.name == equalizer for p in passes) or equalizing_algorithm(algorithms, True) is None:
+        return passes, []  # nothing would ask for it: no planning pass spent finding out
+    plan = plan_quantization(model, config, {}, target)
+    per_tensor = any(t.kind is Kind.WEIGHT and t.axis is None and not t.block_size
+                     and any(plan.quantized_nodes.get(n) in ("Conv", "Gemm") for n, _ in t.consumers)
+                     for t in plan.tensors.values())
+    name = equalizing_algorithm(algorithms, per_tensor)
+    if name is None:
+        return passes, []
+    note = (f"{name} adds {equalizer} before calibration (per-tensor Conv/Gemm weights); "
+            f"equalize: never, or a {equalizer} entry with enabled: false, turns it off")
+    return (*passes, *parse_passes([{"name": equalizer}])), [note]
+

@@ -1,0 +1,122 @@
+"""Stage 1 and the passes of stage 3: load the model at the opset its output needs, run the
+passes that come before calibration, plan, and pick the algorithms. What calibration
+starts from, for one run or for each calibration shard."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from onnxq.calibrate.data import CalibrationSource
+from onnxq.config import validate_node_configs
+from onnxq.config.spec import EDGE_FIELDS, TENSOR_CLASSES, Config, DType, QScheme, QuantFormat
+from onnxq.errors import UnsupportedModelError
+from onnxq.graph.load import LoadReport, check_runnable, load_model
+from onnxq.graph.quantized import describe, quantized_ops
+from onnxq.graph.save import weight_bytes
+from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
+from onnxq.optimize.context import Deferred, RunSettings
+from onnxq.optimize.registry import Entry, check_config_entries
+from onnxq.optimize.runner import run_passes
+from onnxq.pipeline.algorithms import configured_algorithms, with_equalization
+from onnxq.plan import QuantPlan, plan_quantization
+from onnxq.plan.edges import apply_edges, with_edges
+from onnxq.report import Summary
+from onnxq.target import TargetProfile, resolve_target
+
+ModelSource = str | os.PathLike | onnx.ModelProto | ir.Model
+
+
+def required_opset(config: Config) -> int:
+    """The ai.onnx opset the configured Q/DQ types need (13 with contrib Q/DQ allowed)."""
+    if config.qdq_domain == "com.microsoft":
+        return 13
+    levels = [config.global_quant_config, *config.layer_type_quant_config.values(),
+              *config.layer_quant_config.values()]
+    specs = [getattr(level, tc) for level in levels for tc in TENSOR_CLASSES] + [getattr(config, key) for key in EDGE_FIELDS]
+    opsets = [qdq_opset(s.dtype) for s in specs if s is not None and s.dtype is not None
+              and DType(s.dtype) not in FLOAT_TARGETS | {DType.FLOAT32}]
+    opsets += [21 for s in specs if s is not None and s.qscheme == QScheme.PER_GROUP]
+    return max([*opsets, config.opset or 13])
+
+
+def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[ir.Model, LoadReport]:
+    """The model at the lowest opset its output needs. A whole-model opset conversion costs
+    time and doubles peak memory (MiniLM: 1.0 s and 350 MB of a 3.5 s run), so the model
+    is loaded as it is (at least opset 13, or `config.opset`) and loaded again, upgraded,
+    only when the Q/DQ the plan writes need a newer opset: int4/int16/float8 tensors and
+    blocks, but not the nodes lowered to contrib kernels (MatMulNBits,
+    GatherBlockQuantized), whose weights W4_GROUP128 configures as int4 blocks."""
+    model, report = load_model(source, config.opset or 13)
+    already = quantized_ops(model)
+    if already:
+        raise UnsupportedModelError(
+            f"{report.source} is already quantized ({describe(already)}); pass the float model "
+            "(`onnxq convert --to float` gives a float one back from Q/DQ and QLinear models)")
+    if required_opset(config) <= report.opset:
+        return model, report
+    need = plan_quantization(model, with_edges(config, model)[0], {}, target).required_opset()
+    return (model, report) if need <= report.opset else load_model(source, need)
+
+
+def source_size(source: Any, model: ir.Model) -> int:
+    """The size of the model as given: its file, else its weights."""
+    if isinstance(source, str | os.PathLike) and Path(source).is_file():
+        return Path(source).stat().st_size
+    return weight_bytes(model)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The model after load and the pre-quantization passes, with its plan: what
+    calibration starts from (one run, or each calibration shard)."""
+
+    model: ir.Model
+    plan: QuantPlan
+    algorithms: tuple[Entry, ...]
+    target: TargetProfile
+    settings: RunSettings
+    keep_float: Mapping[str, str]  # nodes the passes created that must stay float
+    deferred: Deferred | None  # the last pass's data-dependent half, for the calibration pass
+    summary: Summary
+    config: Config  # the config as this model resolves it (edge layers' specs applied)
+    edges: list[str]  # the layers `edge_weight` and `edge_input` apply to
+
+
+def prepare(source: ModelSource, config: Config, calibration_data: Any, progress: bool | None,
+            deferrable: bool) -> Prepared:
+    """Load, run the passes before calibration, plan and pick the algorithms.
+    `deferrable`: calibration follows on the data, so the last pass may defer its
+    data-dependent half to it."""
+    check_config_entries(config.pre_quant_opt_config, config.algo_config)
+    settings = RunSettings(CalibrationSource(calibration_data), config.calibration, progress, config.qdq_domain,
+                           config.quant_format == QuantFormat.QDQ_EXT)
+    summary = Summary()
+    target = resolve_target(config)
+    summary.target = target.describe()
+    with summary.stage("load"):
+        model, loaded = _load(source, config, target)
+    summary.source, summary.opset = loaded.source, (loaded.original_opset, loaded.opset)
+    summary.notes.extend(loaded.notes)
+    summary.size_before = source_size(source, model)
+    check_runnable(model, loaded.source)
+    validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)])
+    config, edges, note = apply_edges(config, model)
+    summary.notes.extend([note] if note else [])
+
+    with summary.stage("optimise"):
+        passes, notes = with_equalization(model, config, target)
+        summary.notes.extend(notes)
+        done = run_passes(model, passes, settings, deferrable)
+        summary.notes.extend(done.notes)
+        plan = plan_quantization(model, config, done.keep_float, target)
+        algorithms, notes = configured_algorithms(config, target, plan, settings.access)
+        summary.notes.extend(notes)
+    return Prepared(model, plan, algorithms, target, settings, done.keep_float, done.deferred, summary, config,
+                    edges)

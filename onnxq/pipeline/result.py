@@ -1,0 +1,79 @@
+"""What a run returns: the quantized model with its summary, and, when asked, the state
+emission started from, to emit again under another config (an accuracy target's trials)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from onnxq.calibrate.runner import observe
+from onnxq.calibrate.statistics import Statistic
+from onnxq.config.spec import Config
+from onnxq.optimize.context import RunSettings
+from onnxq.optimize.registry import Entry
+from onnxq.optimize.runner import run_algorithms
+from onnxq.pipeline.calibration import within_ranges
+from onnxq.pipeline.emission import emit_loadable, trial_emitter
+from onnxq.plan import QuantPlan, plan_quantization
+from onnxq.plan.edges import with_edges
+from onnxq.report import Summary
+from onnxq.target import TargetProfile
+
+
+@dataclass
+class PipelineState:
+    """What emission started from, kept when asked (`keep_state`): the float model after
+    the passes and calibration, and everything needed to emit it again under another
+    config with the same ranges (a mixed-precision trial) or to analyse against it. It
+    owns its copies: nothing the run goes on to change reaches it."""
+
+    float_model: ir.Model
+    ranges: dict[str, tuple[float, float]]
+    statistics: dict[Statistic, Any]
+    settings: RunSettings
+    keep_float: Mapping[str, str]
+    target: TargetProfile
+    algorithms: tuple[Entry, ...]
+    edges: list[str] = dataclasses.field(default_factory=list)  # the run's edge layers (`plan/edges.py`)
+
+    def emit(self, config: Config) -> ir.Model:
+        """The model emitted under `config` (node overrides of the original one) with the
+        calibrated ranges: tensors the new plan needs but nobody calibrated stay float."""
+        model = self.float_model.clone()
+        # The run's edge layers, not recomputed: a trial's promotions to float would move them.
+        config, _ = with_edges(config, model, self.edges)
+        plan = plan_quantization(model, config, self.keep_float, self.target)
+        missing = {n: spec for n, spec in plan.calibrated_tensors().items() if n not in self.ranges}
+        if missing and self.settings.access.readable:
+            # A tensor no plan calibrated before (the input of a node whose producer was
+            # raised to float): calibrate it as a run of this config would.
+            self.ranges.update(observe(model, missing, self.settings.data, self.settings.calibration,
+                                       False).result().ranges)
+        plan = within_ranges(plan, self.ranges)
+        statistics = dict(self.statistics)
+        done = run_algorithms(model, plan, self.ranges, self.algorithms, self.settings,
+                              trial_emitter(self.settings, statistics), statistics)
+        model, _, _ = emit_loadable(model, done.plan, self.ranges, config, done.weights, self.keep_float,
+                                    self.target, self.statistics)
+        return model
+
+
+@dataclass
+class QuantizationResult:
+    """The quantized model, the summary, and the calibrated range of every tensor."""
+
+    ir_model: ir.Model
+    summary: Summary
+    ranges: dict[str, tuple[float, float]]
+    plan: QuantPlan
+    state: PipelineState | None = None
+
+    @functools.cached_property
+    def model(self) -> onnx.ModelProto:
+        return ir.to_proto(self.ir_model)

@@ -1,0 +1,94 @@
+"""`run_pipeline`: one config, stage by stage — prepare (load, passes, plan), calibrate,
+the algorithms, emit, check, save — each stage's result handed to the next, and the
+summary filled here alone."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+from onnxq.calibrate.data import model_inputs
+from onnxq.config.spec import Config
+from onnxq.emit.fidelity import check_outputs, samples_to_check
+from onnxq.graph.save import check_output_path, save_model, weight_bytes
+from onnxq.optimize.runner import run_algorithms
+from onnxq.pipeline.calibration import calibrate_or_load, drop_unquantizable
+from onnxq.pipeline.emission import emit_loadable, trial_emitter
+from onnxq.pipeline.prepare import ModelSource, prepare, source_size
+from onnxq.pipeline.result import PipelineState, QuantizationResult
+from onnxq.target import provider_notes
+
+
+def run_pipeline(
+    model: ModelSource,
+    output: str | os.PathLike | None,
+    config: Config,
+    calibration_data: Any,
+    progress: bool | None = None,
+    keep_state: bool = False,
+) -> QuantizationResult:
+    """Load, optimise, calibrate, emit and save: the pipeline for one config.
+
+    `keep_state`: also return what emission started from (`PipelineState`).
+    """
+    if output is not None:
+        check_output_path(output, model if isinstance(model, str | os.PathLike) else None)
+    options = config.calibration
+    ready = prepare(model, config, calibration_data, progress,
+                    deferrable=not options.load_ranges and not options.stats)
+    config, ir_model, plan, settings, summary = ready.config, ready.model, ready.plan, ready.settings, ready.summary
+    float_bytes = max(weight_bytes(ir_model), summary.size_before)  # external data included
+
+    with summary.stage("calibrate"):
+        calibration, notes = calibrate_or_load(ir_model, plan, settings, ready.algorithms, ready.deferred)
+    summary.notes.extend(notes)
+    summary.calibration_samples = calibration.num_samples
+    summary.calibrated_tensors = len(calibration.ranges)
+    summary.calibration_passes = calibration.num_passes
+    if settings.data.ignored:
+        summary.notes.append(f"calibration data: left out {', '.join(sorted(settings.data.ignored))} (no model input)")
+    plan, notes = drop_unquantizable(plan, calibration.ranges)
+    summary.notes.extend(notes)
+    summary.notes.extend(provider_notes(config.calibration.providers, plan))
+
+    state = None
+    if keep_state:
+        state = PipelineState(ir_model.clone(), dict(calibration.ranges), dict(calibration.statistics), settings,
+                              dict(ready.keep_float), ready.target, ready.algorithms, list(ready.edges))
+    with summary.stage("optimise"):
+        done = run_algorithms(ir_model, plan, calibration.ranges, ready.algorithms, settings,
+                              trial_emitter(settings, calibration.statistics), calibration.statistics)
+    summary.notes.extend(done.notes)
+
+    with summary.stage("emit"):
+        ir_model, emitted, session = emit_loadable(ir_model, done.plan, calibration.ranges, config, done.weights,
+                                                   ready.keep_float, ready.target, calibration.statistics)
+    samples, note = samples_to_check(options.check_samples, float_bytes, settings.data)
+    summary.notes.extend([note] if note else [])
+    if session is not None and samples:
+        with summary.stage("check"):
+            checked = check_outputs(model, model_inputs(ir_model), session, settings.data, samples,
+                                    options.providers)
+        if isinstance(checked, str):
+            summary.notes.append(checked)
+        elif checked is not None:
+            summary.fidelity = checked
+    del session
+    plan = emitted.plan
+    summary.quantized_by_op = dict(sorted(Counter(plan.quantized_nodes.values()).items()))
+    summary.float_nodes = plan.float_nodes
+    summary.fused_activations = len(emitted.qdq.removed_activations)
+    summary.kept_activations = emitted.qdq.kept_activations
+    summary.float_biases = emitted.qdq.float_biases
+    summary.notes.extend(emitted.notes)
+
+    if output is not None:
+        with summary.stage("save"):
+            summary.output = str(save_model(ir_model, output))
+    summary.size_after = source_size(output, ir_model) if output is not None else weight_bytes(ir_model)
+    if not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before:
+        summary.notes.append("warning: nothing was quantized: every node stayed float (see 'left in float'); "
+                             "pick a recipe that covers this model's ops (U8S8 for convolutions; W8_DYNAMIC "
+                             "and W4_GROUP128 quantize MatMul/Gemm only)")
+    return QuantizationResult(ir_model, summary, calibration.ranges, plan, state)
