@@ -52,11 +52,11 @@ from onnxq.optimize import (
     run_passes,
     without_another_read,
 )
-from onnxq.plan import Kind, QuantPlan, plan_quantization
+from onnxq.plan import Kind, QuantPlan, plan_quantization, provider_notes
 from onnxq.plan.edges import apply_edges, with_edges
 from onnxq.plan.params import WeightCache
 from onnxq.report import Summary
-from onnxq.target import TargetProfile, provider_notes, resolve_target
+from onnxq.target import TargetProfile, resolve_target
 
 ModelSource = str | os.PathLike | onnx.ModelProto | ir.Model
 DEFAULT_PRESET = "U8S8"
