@@ -20,10 +20,12 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
+from tqdm import tqdm
 
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.calibrate.session import check_providers, open_session
 from onnxq.errors import ModelError, OnnxqError
+from onnxq.runtime import DOMAIN, session_options
 
 KERNELS = ("deployed", "reference", "both")
 # Deployed and reference figures further apart than this get a one-line warning.
@@ -96,8 +98,6 @@ def deployed_options(reference: bool = False, extended: bool = False) -> ort.Ses
     onnxq's extended ops are registered (`onnxq.runtime`) only for a model that imports
     them (`extended`, see `imports_extended`): a deployment of any other model runs
     without that library."""
-    from onnxq.runtime import session_options
-
     options = session_options() if extended else ort.SessionOptions()
     options.log_severity_level = 3
     if reference:
@@ -108,8 +108,6 @@ def deployed_options(reference: bool = False, extended: bool = False) -> ort.Ses
 def imports_extended(model: str | os.PathLike | bytes | ir.Model) -> bool:
     """Whether `model` imports the extended ops' domain (an unreadable file: no, and
     onnxruntime says why when it opens it)."""
-    from onnxq.runtime import DOMAIN
-
     if isinstance(model, ir.Model):
         return DOMAIN in model.opset_imports
     try:
@@ -171,8 +169,6 @@ def _metrics(
 def _progress(batches: Iterable[dict[str, np.ndarray]], enabled: bool | None) -> Iterable[dict[str, np.ndarray]]:
     if enabled is False:
         return batches
-    from tqdm import tqdm
-
     return tqdm(batches, desc="compare", unit="batch", leave=False, disable=None)
 
 

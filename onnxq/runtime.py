@@ -38,7 +38,7 @@ _registered = False
 
 def _extensions() -> Any:
     try:
-        import onnxruntime_extensions
+        import onnxruntime_extensions  # imported on first use: only extended models need it
     except ImportError:
         raise OnnxqError("the extended QDQ format runs through onnxruntime-extensions; install it with "
                          "pip install 'onnxruntime-extensions>=0.12,<0.16'") from None

@@ -242,7 +242,7 @@ def test_cuda_provider_notes_say_where_int8_is_no_faster():
     docs/kernels.md section 10); other providers get no such note."""
     from helpers import matmul
 
-    from onnxq.target import provider_notes
+    from onnxq.plan import provider_notes
 
     static = quantize(target="gpu").plan
     (note,) = provider_notes(["CUDAExecutionProvider", "CPUExecutionProvider"], static)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_ir as ir
+from tqdm import tqdm
 
 from onnxq.analyze.accumulate import AgreementStats, ErrorStats, RangeStats
 from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
@@ -248,8 +249,6 @@ def _layer_report(i: IsolatedLayer, own: ErrorStats, prefix: ErrorStats) -> Laye
 def _progress(batches: Iterable[dict[str, np.ndarray]], enabled: bool | None) -> Iterable[dict[str, np.ndarray]]:
     if enabled is False:
         return batches
-    from tqdm import tqdm
-
     return tqdm(batches, desc="analyze", unit="batch", leave=False, disable=None)
 
 

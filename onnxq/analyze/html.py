@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from onnxq.analyze.analysis import Analysis, json_safe
+from onnxq.config.accuracy import parse_target
 from onnxq.config.io import config_to_dict, config_to_yaml
 from onnxq.errors import OnnxqError
 from onnxq.graph.save import write_text_atomic
@@ -57,10 +58,8 @@ nav a{margin-right:1em}"""
 def _threshold(target: str, float_score: float) -> float | None:
     """The score the target asks for, when it can be worked out."""
     try:
-        from onnxq.search.target import parse_target
-
         return parse_target(target).threshold(float_score)
-    except (OnnxqError, ImportError, ValueError, TypeError):
+    except (OnnxqError, ValueError, TypeError):
         return None
 
 
@@ -137,7 +136,7 @@ def _table(data: dict[str, Any], prefix: str, columns: list[tuple[str, str]]) ->
 
 def _figure_class() -> Any:
     try:
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # optional: the report extra
     except ImportError:
         raise OnnxqError("the HTML report needs matplotlib: pip install 'onnxq[report]'") from None
     return Figure
@@ -145,7 +144,7 @@ def _figure_class() -> Any:
 
 def _svg(fig: Any, prefix: str, tight: bool = True) -> str:
     """The figure as inline SVG with its ids made unique in the page and no metadata."""
-    import matplotlib
+    import matplotlib  # optional: the report extra (`_figure_class` said so if missing)
 
     buf = io.StringIO()
     with matplotlib.rc_context({"svg.hashsalt": "onnxq", "svg.fonttype": "none"}):

@@ -7,7 +7,9 @@ import os
 from typing import Any
 
 from onnxq.analyze.analysis import analyze_models
+from onnxq.analyze.html import write_html_report
 from onnxq.config.spec import Config
+from onnxq.search.target import load_eval_set
 
 # The per-layer analysis of a report runs on at most this many samples.
 REPORT_SAMPLES = 256
@@ -16,9 +18,6 @@ REPORT_SAMPLES = 256
 def report_quantization(path: str | os.PathLike, result: Any, config: Config, data: Any,
                         progress: bool | None = None) -> None:
     """Analyse `result` (a `QuantizationResult` with its state kept) on `data`; write the report."""
-    from onnxq.analyze.html import write_html_report
-    from onnxq.search.target import load_eval_set
-
     state = result.state
     data = load_eval_set(data, config.mixed_precision.labels).data
     analysis = analyze_models(state.float_model, result.ir_model, data, normalised=True,

@@ -23,17 +23,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from onnxq.config.io import (
-    NO_PRESET,
-    bare_edge_dtypes,
-    closest_name,
-    config_from_dict,
-    config_to_dict,
-    read_config_dict,
-)
+from onnxq.config.convert import config_to_dict, entry_dict
+from onnxq.config.io import NO_PRESET, bare_edge_dtypes, config_from_dict, read_config_dict
 from onnxq.config.presets import PRESETS, get_preset
 from onnxq.config.spec import Config
-from onnxq.errors import ConfigError
+from onnxq.config.validate import validate_config
+from onnxq.errors import ConfigError, closest_name
 
 NAMED_LISTS = ("pre_quant_opt_config", "algo_config")
 OVERRIDE_LEVELS = ("layer_type_quant_config", "layer_quant_config")
@@ -106,8 +101,6 @@ def compose_config(
     The preset is `preset`, else the file's or the overrides' `preset:` key, else U8S8;
     `none` means no preset: the sources are the whole config (as onnxq writes configs).
     """
-    from onnxq.config.validate import entry_dict
-
     sources = []
     if config_file is not None:
         sources.append((str(config_file), read_config_dict(config_file)))
@@ -153,8 +146,6 @@ def as_config(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> 
     """What the Python API accepts as a config, read by the module's rule: a `Config`
     (complete as given), a dict (overrides on the default preset, or on its `preset:`),
     a preset name (any case) or a YAML/JSON path; None is the default preset."""
-    from onnxq.config.validate import validate_config
-
     if config is None:
         return get_preset(DEFAULT_PRESET)
     if isinstance(config, Config):

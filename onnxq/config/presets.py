@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from onnxq.config.io import closest_name
 from onnxq.config.spec import (
     CalibMethod,
     Config,
@@ -19,7 +18,7 @@ from onnxq.config.spec import (
     QuantizationSpec,
     ScaleType,
 )
-from onnxq.errors import ConfigError
+from onnxq.errors import ConfigError, closest_name
 
 
 @dataclass(frozen=True)

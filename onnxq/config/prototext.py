@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from onnxq.config.io import closest_name
-from onnxq.errors import ConfigError
+from onnxq.errors import ConfigError, closest_name
 
 # A field's kind: "bool", "int", "float", "string", "enum", the name of a message, or
 # "opaque": any value or message, read but not checked (a field only ever refused).

@@ -19,6 +19,7 @@ from onnxq.config.spec import (
     QuantizationSpec,
 )
 from onnxq.errors import ConfigError
+from onnxq.numerics.qmath import FLOAT_BY_BITS
 
 BIAS_DEFAULTS = {**SPEC_DEFAULTS, "dtype": DType.INT32, "symmetric": True}
 
@@ -86,8 +87,6 @@ def merge_specs(
 
 def _dtype_from_bits(exponent_bits: int | None, mantissa_bits: int | None) -> DType:
     """The standard float type a Brevitas-style (exponent, mantissa) description names."""
-    from onnxq.numerics.qmath import FLOAT_BY_BITS
-
     match = FLOAT_BY_BITS.get((exponent_bits, mantissa_bits))
     if match is None:
         known = ", ".join(f"e{e}m{m} ({d})" for (e, m), d in FLOAT_BY_BITS.items())

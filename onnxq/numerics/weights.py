@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from onnxq.calibrate.observers.options import parse_options
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import DType
+from onnxq.numerics.hqq import HqqOptions, hqq_zero_points
 from onnxq.numerics.qmath import (
     MIN_SCALE,
     IntType,
@@ -236,9 +238,6 @@ def round_blocks(blocks: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np.
 
 def _hqq_blocks(blocks: np.ndarray, scale: np.ndarray, zp: np.ndarray, spec: ResolvedSpec,
                 float_zero_point: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    from onnxq.calibrate.observers.options import parse_options
-    from onnxq.numerics.hqq import HqqOptions, hqq_zero_points
-
     info = int_type(spec.dtype, spec.bits)
     options = parse_options(HqqOptions, "hqq", spec.calib_options)
     z = hqq_zero_points(blocks, scale, zp.astype(np.float64), info, options)

@@ -17,7 +17,7 @@ from onnxq.pipeline.calibration import calibrate_or_load, drop_unquantizable
 from onnxq.pipeline.emission import emit_loadable, trial_emitter
 from onnxq.pipeline.prepare import ModelSource, prepare, source_size
 from onnxq.pipeline.result import PipelineState, QuantizationResult
-from onnxq.target import provider_notes
+from onnxq.plan import provider_notes
 
 
 def run_pipeline(

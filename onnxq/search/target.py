@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,63 +20,14 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxq.calibrate.data import iter_batches
+from onnxq.config.accuracy import AccuracyTarget, parse_target  # noqa: F401 (parse_target: its old home, for importers)
 from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.evaluate import sqnr_db
 
-METRICS = ("top1", "cosine", "sqnr", "custom")
 # The score of the float model against itself, for metrics measured against it.
 SELF_SCORE = {"cosine": 1.0, "sqnr": math.inf}
-_TARGET = re.compile(
-    r"^\s*(?:(?!float\b)(?P<metric>[A-Za-z_][A-Za-z_0-9]*)\s*)?(?P<op>>=|<=)?\s*"
-    r"(?P<rhs>float\s*(?:[-+]\s*[0-9.eE+-]+)?|[-+]?[0-9.]+(?:[eE][-+]?[0-9]+)?)\s*$"
-)
 
 Evaluate = Callable[[ort.InferenceSession], float]
-
-
-@dataclass(frozen=True)
-class AccuracyTarget:
-    """`metric op value`, with `value` relative to the float model's score when `relative`."""
-
-    metric: str | None
-    op: str
-    value: float
-    relative: bool
-
-    def threshold(self, float_score: float | None) -> float:
-        if not self.relative:
-            return self.value
-        if float_score is None or not math.isfinite(float_score):
-            raise ConfigError(f"target {self.describe()} is relative to the float model, whose "
-                              f"{self.metric} score is {float_score}; give an absolute value")
-        return float_score + self.value
-
-    def met(self, score: float, float_score: float | None) -> bool:
-        limit = self.threshold(float_score)
-        return score >= limit if self.op == ">=" else score <= limit
-
-    def describe(self) -> str:
-        rhs = (f"float{self.value:+g}" if self.value else "float") if self.relative else f"{self.value:g}"
-        return f"{self.metric or 'custom'}{self.op}{rhs}"
-
-
-def parse_target(text: str, metric: str | None = None) -> AccuracyTarget:
-    """Parse `[METRIC] (>=|<=) (NUMBER | float[+-X])`; `metric` fills a missing METRIC."""
-    m = _TARGET.match(str(text))
-    if m is None:
-        raise ConfigError(f"cannot read accuracy target {text!r}; write e.g. 'top1>=float-0.5', "
-                          "'cosine>=0.999' or 'sqnr>=30'")
-    name = (m.group("metric") or metric or "").lower() or None
-    if name is not None and name not in METRICS:
-        raise ConfigError(f"unknown metric {name!r} in accuracy target {text!r}; use "
-                          f"{', '.join(METRICS)}")
-    rhs = m.group("rhs").replace(" ", "")
-    relative = rhs.startswith("float")
-    try:
-        value = float(rhs[5:] or 0) if relative else float(rhs)
-    except ValueError:
-        raise ConfigError(f"cannot read the value of accuracy target {text!r}") from None
-    return AccuracyTarget(name, m.group("op") or ">=", value, relative)
 
 
 @dataclass

@@ -2,9 +2,10 @@
 quantization that keeps accuracy there (see docs/kernels.md).
 
 `resolve_target` turns the configured target (and, for `auto`, the execution providers
-and a probe of this onnxruntime's kernels) into a `TargetProfile` the planner consults.
+and a probe of this onnxruntime's kernels) into a `TargetProfile` the planner consults;
+`narrowing` gives each weight the spec the target's kernel can run.
 """
 
-from onnxq.target.profile import TargetProfile, provider_notes, resolve_target
+from onnxq.target.profile import TargetProfile, resolve_target
 
-__all__ = ["TargetProfile", "provider_notes", "resolve_target"]
+__all__ = ["TargetProfile", "resolve_target"]

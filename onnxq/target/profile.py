@@ -14,16 +14,9 @@ from __future__ import annotations
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from onnxq.config.spec import Config, DType, Target
-
-if TYPE_CHECKING:
-    from onnxq.plan import QuantPlan
-
-# Activation types the CUDA provider runs through DequantizeLinear + float kernels.
-QUANTIZED = frozenset({DType.INT8, DType.UINT8, DType.INT16, DType.UINT16, DType.FLOAT8_E4M3FN,
-                       DType.FLOAT8_E5M2})
+from onnxq.config.spec import Config, Target
+from onnxq.target.probe import saturating_kernels, wrong_kernels
 
 # Kernel class -> the activation dtypes whose products it saturates with 8-bit weights.
 AVX2_SATURATING = frozenset({("uint8", "gemm"), ("int8", "gemm"), ("uint8", "dynamic")})
@@ -120,8 +113,6 @@ def resolve_target(config: Config) -> TargetProfile:
             name, saturating = Target.GPU.value, frozenset()
             why = f"auto: {providers[0]}; "
         else:
-            from onnxq.target.probe import saturating_kernels, wrong_kernels
-
             cpu = ("CPUExecutionProvider",)
             name, saturating = cpu_isa(), saturating_kernels(cpu)
             why = "auto: probed this CPU's onnxruntime kernels; "
@@ -131,29 +122,3 @@ def resolve_target(config: Config) -> TargetProfile:
     saturating = STATIC_PROFILES[target]
     return TargetProfile(target.value, saturating, _explain(saturating), config.reduce_range)
 
-
-MATRIX_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
-
-
-def provider_notes(providers: list[str], plan: QuantPlan) -> list[str]:
-    """What the first execution provider does with this plan's formats, where that is
-    not what a user expects of int8. Measured on an H200 with onnxruntime-gpu 1.31.1
-    (docs/kernels.md, section 10): CUDA has no fused int8 or float8 Conv/MatMul/Gemm, so
-    a QDQ model runs as DequantizeLinear + float kernels (int8 1.2-1.8x float's latency,
-    float8 1.4-1.9x), and dynamic int8's integer ops have no CUDA kernel."""
-    from onnxq.plan import Kind  # the planner imports this package
-
-    if not providers or providers[0] != "CUDAExecutionProvider":
-        return []
-    notes = []
-    static = {n for t in plan.tensors.values() if t.kind is Kind.ACTIVATION and t.spec.dtype in QUANTIZED
-              for n, _ in t.consumers if plan.quantized_nodes.get(n) in MATRIX_OPS}
-    if static:
-        notes.append(f"CUDAExecutionProvider runs the {len(static)} quantized Conv/MatMul/Gemm as "
-                     "DequantizeLinear + float kernels, no faster than float: int8 and float8 speed on "
-                     "NVIDIA GPUs comes through TensorrtExecutionProvider; FP16 is the CUDA provider's "
-                     "fast format")
-    if plan.nodes_for("dynamic"):
-        notes.append("CUDAExecutionProvider has no kernel for dynamic int8's DynamicQuantizeLinear and "
-                     "MatMulInteger: they run on the CPU (a CPU format)")
-    return notes

@@ -1,80 +1,12 @@
 """Quantization strategies: each claims the nodes it can lower, or refuses them with a reason.
 
-The planner offers every node to the registered strategies in `order`. A strategy answers
-with `Lower(spec)` (the node goes to the lowering registered under the strategy's name,
-`emit.LOWERINGS`), `Refuse(reason)` (the node stays float, and the summary says why),
-`Planned()` (the strategy recorded the node's tensors in the plan itself: static QDQ), or
-None (not its node: ask the next). A new strategy is one module that calls
-`register_strategy`, plus its lowering.
+The table and the answers a strategy gives are in `registry`; each built-in strategy is
+one module here, imported below so that it registers. A new strategy is one module that
+calls `register_strategy`, plus its lowering. A strategy's `claim(node, cfg, draft)` reads
+and edits the plan under construction (`plan.draft.Draft`).
 """
 
-from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import onnx_ir as ir
-
-from onnxq.config.resolve import ResolvedConfig, ResolvedSpec
-from onnxq.config.spec import DType
-
-if TYPE_CHECKING:
-    from onnxq.plan.planner import Planner
-
-
-@dataclass(frozen=True)
-class Lower:
-    spec: ResolvedSpec | DType
-
-
-@dataclass(frozen=True)
-class Refuse:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Planned:
-    pass
-
-
-Decision = Lower | Refuse | Planned | None
-ClaimFn = Callable[[ir.Node, ResolvedConfig, "Planner"], Decision]
-
-
-@dataclass(frozen=True)
-class Strategy:
-    name: str
-    order: int  # lower is asked first
-    claim: ClaimFn
-    counted: bool  # a node it lowers counts as quantized at once (else: once the lowering converts it)
-
-
-STRATEGIES: dict[str, Strategy] = {}
-
-
-def register_strategy(name: str, order: int, counted: bool = True) -> Callable[[ClaimFn], ClaimFn]:
-    """Register `claim` as the strategy `name`, asked before those of higher `order`."""
-    def decorate(fn: ClaimFn) -> ClaimFn:
-        if name in STRATEGIES:
-            raise ValueError(f"strategy {name!r} is already registered")
-        STRATEGIES[name] = Strategy(name, order, fn, counted)
-        return fn
-    return decorate
-
-
-def weights_only(cfg: ResolvedConfig) -> bool:
-    """No static activation quantization: weight-only or dynamic."""
-    return cfg.input_tensors is None or cfg.input_tensors.is_dynamic
-
-
-def ordered() -> list[Strategy]:
-    """The registered strategies in the order they are asked."""
-    return sorted(STRATEGIES.values(), key=lambda s: (s.order, s.name))
-
-
-# Importing the built-in strategies registers them.
-from onnxq.plan.strategies import (  # noqa: E402, F401
+from onnxq.plan.strategies import (  # noqa: F401  (imported to register)
     block_format,
     dynamic,
     float_target,
@@ -83,3 +15,18 @@ from onnxq.plan.strategies import (  # noqa: E402, F401
     static,
     weight_only,
 )
+from onnxq.plan.strategies.registry import (
+    STRATEGIES,
+    ClaimFn,
+    Decision,
+    Lower,
+    Planned,
+    Refuse,
+    Strategy,
+    ordered,
+    register_strategy,
+    weights_only,
+)
+
+__all__ = ["STRATEGIES", "ClaimFn", "Decision", "Lower", "Planned", "Refuse", "Strategy", "ordered",
+           "register_strategy", "weights_only"]

@@ -8,13 +8,14 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig
 from onnxq.numerics.qmath import BLOCK_DTYPES
-from onnxq.plan.strategies import Decision, Lower, Refuse, register_strategy
+from onnxq.plan.draft import Draft
+from onnxq.plan.strategies.registry import Decision, Lower, Refuse, register_strategy
 
 BLOCK_OPS = ("Conv", "Gemm", "MatMul")
 
 
 @register_strategy("block_format", order=5)
-def claim(node: ir.Node, cfg: ResolvedConfig, planner: object) -> Decision:
+def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
     specs = [s for s in (cfg.input_tensors, cfg.weight) if s is not None]
     if not any(s.dtype in BLOCK_DTYPES for s in specs):
         return None

@@ -8,7 +8,8 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig, ResolvedSpec
 from onnxq.graph.fold import constant_array
-from onnxq.plan.strategies import Decision, Lower, register_strategy, weights_only
+from onnxq.plan.draft import Draft
+from onnxq.plan.strategies.registry import Decision, Lower, register_strategy, weights_only
 
 TYPES = ("int4", "uint4")
 
@@ -32,7 +33,7 @@ def can_use_gather_block_quantized(node: ir.Node, spec: ResolvedSpec) -> str | N
 
 
 @register_strategy("gather_block_quantized", order=20)
-def claim(node: ir.Node, cfg: ResolvedConfig, planner: object) -> Decision:
+def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
     if node.op_type == "Gather" and weights_only(cfg) and cfg.weight is not None \
             and can_use_gather_block_quantized(node, cfg.weight) is None:
         return Lower(cfg.weight)

@@ -3,18 +3,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig, ResolvedSpec
 from onnxq.config.spec import DType
 from onnxq.graph.fold import constant_array
-from onnxq.plan.strategies import Decision, Lower, register_strategy
-
-if TYPE_CHECKING:
-    from onnxq.plan.planner import Planner
+from onnxq.plan.draft import Draft
+from onnxq.plan.strategies.registry import Decision, Lower, register_strategy
 
 BITS: dict[DType, int] = {DType.INT4: 4, DType.UINT4: 4, DType.INT8: 8, DType.UINT8: 8}
 FLOAT_TYPES: dict[ir.DataType, type] = {ir.DataType.FLOAT: np.float32, ir.DataType.FLOAT16: np.float16}
@@ -52,8 +48,8 @@ def can_use_matmul_nbits(node: ir.Node, spec: ResolvedSpec) -> str | None:
 
 
 @register_strategy("matmul_nbits", order=50)
-def claim(node: ir.Node, cfg: ResolvedConfig, planner: Planner) -> Decision:
-    if planner.config.matmul_nbits and cfg.input_tensors is None and cfg.weight is not None \
+def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
+    if draft.config.matmul_nbits and cfg.input_tensors is None and cfg.weight is not None \
             and can_use_matmul_nbits(node, cfg.weight) is None:
         return Lower(cfg.weight)
     return None

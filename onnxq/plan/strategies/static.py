@@ -1,34 +1,66 @@
 """Static quantization: calibrated Q/DQ around every op the rules table (`plan/rules.py`)
-knows; the catch-all, asked last (lowered by `emit/qdq`)."""
+knows; the catch-all, asked last (lowered by `emit/qdq`).
+
+A compute op (`plan_compute`) gets its weight (narrowed for the target's kernel), its
+float inputs as activations or constants, its bias (scaled by the input and weight
+scales) and its output, into which a lone Relu/Clip reader is fused. A data-movement op
+(`plan_shared`) passes its input's parameters on to its outputs.
+"""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig, resolve_node_config
-from onnxq.plan.rules import FUSABLE_ACTIVATIONS, OP_RULES, OutputMode
-from onnxq.plan.strategies import Decision, Planned, Refuse, register_strategy
+from onnxq.config.spec import Config, QScheme
+from onnxq.graph import layout
+from onnxq.graph.fold import constant_array
+from onnxq.plan.draft import Draft
+from onnxq.plan.plan import Kind, TensorPlan
+from onnxq.plan.rules import FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
+from onnxq.plan.strategies.registry import Decision, Planned, Refuse, register_strategy
+from onnxq.target.narrowing import kernel_class
 
-if TYPE_CHECKING:
-    from onnxq.plan.planner import Planner
+FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 
 
-def _unfused(node: ir.Node, planner: Planner) -> str:
-    """Why a Relu/Clip was not absorbed into the op before it (`planner._fusable_activation`)."""
+def _is_float(value: ir.Value | None) -> bool:
+    return value is not None and value.dtype in FLOAT_TYPES
+
+
+def _fusable_activation(value: ir.Value, config: Config) -> ir.Node | None:
+    """The Relu/Clip that alone consumes `value` and can be absorbed into its producer."""
+    if not config.fuse_activations or value.is_graph_output():
+        return None
+    consumers = value.consumers()
+    if len(consumers) != 1:
+        return None
+    act = consumers[0]
+    if act.op_type not in FUSABLE_ACTIVATIONS or act.domain not in ("", "ai.onnx"):
+        return None
+    if act.op_type == "Clip" and any(
+        v is not None and constant_array(v) is None for v in act.inputs[1:]
+    ):
+        return None
+    if resolve_node_config(config, act.name or "", act.op_type) is None:
+        return None
+    return act
+
+
+def _unfused(node: ir.Node, draft: Draft) -> str:
+    """Why a Relu/Clip was not absorbed into the op before it (`_fusable_activation`)."""
     value = node.inputs[0] if node.inputs else None
     producer = value.producer() if value is not None else None
     before = f"the {producer.op_type} before it" if producer is not None else "its input"
     tail = f"and a {node.op_type} is quantized only with the op it follows"
-    if producer is None or producer.name not in planner.plan.quantized_nodes:
+    if producer is None or producer.name not in draft.quantized_nodes:
         return f"{before} stays float, {tail}"
-    if value.name not in planner.plan.tensors:
-        cfg = resolve_node_config(planner.config, producer.name or "", producer.op_type)
+    if value.name not in draft.tensors:
+        cfg = resolve_node_config(draft.config, producer.name or "", producer.op_type)
         why = "no output spec in the config" if cfg is None or cfg.output_tensors is None else \
             "its input is not quantized"
         return f"{before} writes a float output ({why}), {tail}"
-    if not planner.config.fuse_activations:
+    if not draft.config.fuse_activations:
         why = "fuse_activations is off"
     elif value.is_graph_output():
         why = f"the {producer.op_type}'s output is also a graph output"
@@ -42,17 +74,137 @@ def _unfused(node: ir.Node, planner: Planner) -> str:
 
 
 @register_strategy("static", order=100)
-def claim(node: ir.Node, cfg: ResolvedConfig, planner: Planner) -> Decision:
+def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
     rule = OP_RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
     if rule is None and node.op_type in FUSABLE_ACTIVATIONS and node.domain in ("", "ai.onnx"):
         # quantized only as part of the op before it (one int8 kernel), which is float here
-        return Refuse(_unfused(node, planner))
+        return Refuse(_unfused(node, draft))
     if rule is None:
         return Refuse(f"no quantized kernel rule for {node.domain or 'ai.onnx'}::{node.op_type}")
     if rule.applies is not None and not rule.applies(node):
         return Refuse(f"this {node.op_type} cannot reuse its input's parameters")
     if rule.output is OutputMode.SHARED:
-        planner.plan_shared(node, rule, cfg)
+        plan_shared(draft, node, rule, cfg)
     else:
-        planner.plan_compute(node, rule, cfg)
+        plan_compute(draft, node, rule, cfg)
     return Planned()
+
+
+def plan_shared(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> None:
+    """A data-movement op: its outputs share its input's parameters."""
+    data = node.inputs[0] if node.inputs else None
+    if (
+        rule.quantize_constant_data
+        and cfg.input_tensors is not None
+        and _is_float(data)
+        and constant_array(data) is not None
+    ):
+        # An embedding table: stored quantized, looked up in int8, read out through DQ.
+        draft.add_use(data, Kind.CONSTANT, cfg.input_tensors, node, 0)
+        source = draft.tensors[data.name]
+    elif data is None or data.name not in draft.tensors or constant_array(data) is not None:
+        draft.float_node(node, "input is not quantized (data movement op stays float)")
+        return
+    else:
+        source = draft.tensors[data.name]
+        source = draft.update(data.name, consumers=(*source.consumers, (node.name, 0)))
+    if source.kind not in (Kind.ACTIVATION, Kind.CONSTANT):
+        draft.float_node(node, "input is quantized as a weight of another op")
+        return
+    for out in node.outputs:
+        if _is_float(out):
+            draft.add_output(out, source.spec, alias_of=data.name)
+    draft.quantized(node)
+
+
+def _why_unconfigured(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> str:
+    """Why a compute node has no tensor to quantize: a weight-only config whose weight
+    is not where the op's kernels take it, or the config level that keeps it float."""
+    i = rule.weight_input
+    if cfg.weight is not None and i is not None:
+        other = [k for k, v in enumerate(node.inputs) if k not in (i, rule.bias_input) and v is not None
+                 and constant_array(v) is not None]
+        if other:
+            return (f"weight-only quantization takes the constant weight as input {i} of {node.op_type}; "
+                    f"this node's constant is input {other[0]}")
+        return f"weight-only quantization needs a constant weight as input {i}; this one is computed at run time"
+    if node.name in draft.config.layer_quant_config:
+        return f"kept float by its node override (layer_quant_config: {node.name})"
+    if node.op_type in draft.config.layer_type_quant_config:
+        return f"kept float by the config's {node.op_type} override (layer_type_quant_config)"
+    return "no tensor of this node is configured for quantization"
+
+
+def plan_compute(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> None:
+    """An op that computes its own output: weight, activation inputs, bias, output."""
+    weight_index = plan_weight(draft, node, rule, cfg)
+    act_spec = cfg.input_tensors
+    quantized_inputs = []
+    if act_spec is not None:
+        indices = rule.activation_inputs or tuple(range(len(node.inputs)))
+        for i in indices:
+            value = node.inputs[i] if i < len(node.inputs) else None
+            if i == weight_index or not _is_float(value):
+                continue
+            kind = Kind.CONSTANT if constant_array(value) is not None else Kind.ACTIVATION
+            draft.add_use(value, kind, act_spec, node, i)
+            quantized_inputs.append(i)
+    if weight_index is None and not quantized_inputs:
+        draft.float_node(node, _why_unconfigured(draft, node, rule, cfg))
+        return
+    draft.quantized(node)
+    if act_spec is not None and weight_index is not None and rule.bias_input is not None:
+        plan_bias(draft, node, rule, cfg, weight_index)
+    out_spec = cfg.output_tensors
+    if out_spec is None or not quantized_inputs:
+        return
+    for out in node.outputs:
+        if not _is_float(out):
+            continue
+        act = _fusable_activation(out, draft.config)
+        if act is not None:
+            draft.fused_activations[act.name] = node.name
+            draft.quantized(act)
+            out = act.outputs[0]
+        draft.add_output(out, out_spec)
+
+
+def plan_weight(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> int | None:
+    """Plan the node's constant float weight (the spec its kernel runs on the target);
+    its input index, or None when it has none to quantize."""
+    i = rule.weight_input
+    if i is None or i >= len(node.inputs) or cfg.weight is None:
+        return None
+    value = node.inputs[i]
+    array = constant_array(value)
+    if array is None or not _is_float(value):
+        return None
+    axis, block = None, None
+    if cfg.weight.qscheme == QScheme.PER_GROUP.value:
+        axis, block = rule.weight_in_axis(node, array.ndim), cfg.weight.group_size
+    elif cfg.weight.qscheme == QScheme.PER_CHANNEL.value:
+        axis = cfg.weight.ch_axis if cfg.weight.ch_axis is not None else rule.weight_axis(node, array.ndim)
+    if axis is not None:
+        axis %= max(array.ndim, 1)
+    spec = draft.target_weight_spec(cfg.weight, kernel_class(node, array), cfg.input_tensors,
+                                    layout.k_axes(node, array.ndim))
+    draft.add_use(value, Kind.WEIGHT, spec, node, i, axis=axis)
+    draft.update(value.name, block_size=block)
+    return i
+
+
+def plan_bias(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig, weight_index: int) -> None:
+    """Plan the node's constant bias, scaled by its input's and weight's scales."""
+    i = rule.bias_input
+    if cfg.bias is None or i >= len(node.inputs) or node.inputs[i] is None:
+        return
+    bias, act, weight = node.inputs[i], node.inputs[0], node.inputs[weight_index]
+    array = constant_array(bias)
+    if array is None or array.ndim != 1 or act.name not in draft.tensors:
+        return
+    # A bias shared by several nodes gets one plan per node: its scale depends on each
+    # node's input and weight scales.
+    key = bias.name if len(bias.uses()) == 1 else f"{bias.name}@{node.name}"
+    draft.tensors[key] = TensorPlan(key, Kind.BIAS, cfg.bias, axis=0 if array.size > 1 else None,
+                                    source=bias.name, consumers=((node.name, i),),
+                                    bias_inputs=(act.name, weight.name))

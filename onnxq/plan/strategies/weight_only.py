@@ -3,23 +3,26 @@ constant table gets a quantized table read through DequantizeLinear (static QDQ 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig
+from onnxq.plan.draft import Draft
 from onnxq.plan.rules import OP_RULES
-from onnxq.plan.strategies import Decision, Planned, Refuse, register_strategy, weights_only
-
-if TYPE_CHECKING:
-    from onnxq.plan.planner import Planner
+from onnxq.plan.strategies.registry import (
+    Decision,
+    Planned,
+    Refuse,
+    register_strategy,
+    weights_only,
+)
+from onnxq.plan.strategies.static import plan_weight
 
 
 @register_strategy("weight_only_gather", order=30)
-def claim(node: ir.Node, cfg: ResolvedConfig, planner: Planner) -> Decision:
+def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
     if node.op_type != "Gather" or not weights_only(cfg) or node.domain not in ("", "ai.onnx"):
         return None
-    if planner.plan_weight(node, OP_RULES["Gather"], cfg) is None:
+    if plan_weight(draft, node, OP_RULES["Gather"], cfg) is None:
         return Refuse("Gather on non-constant data: nothing to quantize")
-    planner.quantized(node)
+    draft.quantized(node)
     return Planned()

@@ -1,0 +1,62 @@
+"""Accuracy targets, as `mixed_precision.target` and `--target` write them
+(`top1>=float-0.5`, `cosine>=0.999`): parsed and checked when the config is read,
+compared with scores by the search (`onnxq.search`)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from onnxq.errors import ConfigError
+
+METRICS = ("top1", "cosine", "sqnr", "custom")
+_TARGET = re.compile(
+    r"^\s*(?:(?!float\b)(?P<metric>[A-Za-z_][A-Za-z_0-9]*)\s*)?(?P<op>>=|<=)?\s*"
+    r"(?P<rhs>float\s*(?:[-+]\s*[0-9.eE+-]+)?|[-+]?[0-9.]+(?:[eE][-+]?[0-9]+)?)\s*$"
+)
+
+
+@dataclass(frozen=True)
+class AccuracyTarget:
+    """`metric op value`, with `value` relative to the float model's score when `relative`."""
+
+    metric: str | None
+    op: str
+    value: float
+    relative: bool
+
+    def threshold(self, float_score: float | None) -> float:
+        if not self.relative:
+            return self.value
+        if float_score is None or not math.isfinite(float_score):
+            raise ConfigError(f"target {self.describe()} is relative to the float model, whose "
+                              f"{self.metric} score is {float_score}; give an absolute value")
+        return float_score + self.value
+
+    def met(self, score: float, float_score: float | None) -> bool:
+        limit = self.threshold(float_score)
+        return score >= limit if self.op == ">=" else score <= limit
+
+    def describe(self) -> str:
+        rhs = (f"float{self.value:+g}" if self.value else "float") if self.relative else f"{self.value:g}"
+        return f"{self.metric or 'custom'}{self.op}{rhs}"
+
+
+def parse_target(text: str, metric: str | None = None) -> AccuracyTarget:
+    """Parse `[METRIC] (>=|<=) (NUMBER | float[+-X])`; `metric` fills a missing METRIC."""
+    m = _TARGET.match(str(text))
+    if m is None:
+        raise ConfigError(f"cannot read accuracy target {text!r}; write e.g. 'top1>=float-0.5', "
+                          "'cosine>=0.999' or 'sqnr>=30'")
+    name = (m.group("metric") or metric or "").lower() or None
+    if name is not None and name not in METRICS:
+        raise ConfigError(f"unknown metric {name!r} in accuracy target {text!r}; use "
+                          f"{', '.join(METRICS)}")
+    rhs = m.group("rhs").replace(" ", "")
+    relative = rhs.startswith("float")
+    try:
+        value = float(rhs[5:] or 0) if relative else float(rhs)
+    except ValueError:
+        raise ConfigError(f"cannot read the value of accuracy target {text!r}") from None
+    return AccuracyTarget(name, m.group("op") or ">=", value, relative)
