@@ -78,7 +78,8 @@ def test_weights_kept_out_of_the_proto_give_the_same_bytes(tmp_path, monkeypatch
     (`graph.wire`), and an in-memory model's are moved into temporary mapped files; either
     way the output is byte-identical and the input intact."""
     import onnxq
-    from onnxq.cli import _spec_overrides, build_parser
+    from onnxq.cli import build_parser
+    from onnxq.cli.flags import spec_overrides
     from onnxq.config import compose_config
 
     path = tmp_path / "m.onnx"
@@ -86,7 +87,7 @@ def test_weights_kept_out_of_the_proto_give_the_same_bytes(tmp_path, monkeypatch
     source = path.read_bytes()
     data = {"x": np.random.default_rng(2).standard_normal((16, 4, K)).astype(np.float32)}
     args = build_parser().parse_args(["quantize", "in", "out", *flags])
-    config = compose_config(args.preset, args.config, _spec_overrides(args))
+    config = compose_config(args.preset, args.config, spec_overrides(args))
 
     def quantized(model: object) -> bytes:
         return onnxq.quantize(model, None, config, data, progress=False).model.SerializeToString()

@@ -94,7 +94,8 @@ def tune_weights(problem: Problem, options: AdaQuantConfig) -> Solution:
     return Solution(codes, weights, bias, scale if options.learn_scale else None)
 
 
-@register_algorithm("adaquant", options=AdaQuantConfig, data="required", rewrites=("weights", "biases"), flag=2)
+@register_algorithm("adaquant", options=AdaQuantConfig, data="required", rewrites=("weights", "biases"), flag=2,
+                    flag_help="optimise weights and biases layer by layer through the rounding (AdaQuant)")
 def adaquant(model, plan, ranges, opts: AdaQuantConfig, ctx) -> str | AlgorithmResult:
     """Optimise every quantized Conv/Gemm/MatMul weight and bias (module doc)."""
     return reconstruct("adaquant", tune_weights, model, plan, ranges, opts, ctx)

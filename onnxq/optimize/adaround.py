@@ -119,7 +119,8 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
     return Solution(codes, bias=problem.best_bias(codes * problem.scale) if tune_bias else None)
 
 
-@register_algorithm("adaround", options=AdaRoundConfig, data="required", rewrites=("weights", "biases"), flag=1)
+@register_algorithm("adaround", options=AdaRoundConfig, data="required", rewrites=("weights", "biases"), flag=1,
+                    flag_help="learn each weight's rounding, layer by layer, against the float model (AdaRound)")
 def adaround(model, plan, ranges, opts: AdaRoundConfig, ctx) -> str | AlgorithmResult:
     """Learn the rounding of every quantized Conv/Gemm/MatMul weight (module doc)."""
     return reconstruct("adaround", learn_rounding, model, plan, ranges, opts, ctx)

@@ -182,7 +182,9 @@ def _scaled_initializer(edit: GraphEditor, weight: ir.Value, s: np.ndarray) -> i
 
 
 @register_algorithm("awq", options=AWQConfig, data="required", rewrites=("weights", "graph"), flag=4,
-                    rounds_blocks=True)
+                    rounds_blocks=True,
+                    flag_help="AWQ for int4 MatMul weights lowered to MatMulNBits: input channels with large "
+                              "activations get finer steps (per-layer alpha search on the calibration data)")
 def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: AWQConfig,
         ctx: AlgorithmContext) -> str:
     """Scale the input rows of every MatMul lowered to MatMulNBits (module doc)."""

@@ -44,8 +44,8 @@ class Contract:
       added, removed or replaced), "activations" (tensors scaled per channel).
     runs_last: it writes into the float model that later algorithms fit to (bias
       correction's corrected biases), so it runs after every other algorithm.
-    flag: the CLI switches it on with `--NAME`; algorithms switched on by flags run in
-      the order of this number (lower first; None: no flag).
+    flag: the CLI switches it on with `--NAME` (help text `flag_help`); algorithms switched
+      on by flags run in the order of this number (lower first; None: no flag).
     rounds_blocks: it rounds weight-only blocks (MatMulNBits), one of `--algorithm`'s choices.
     target_default: the options with which every target adds it to a static plan with
       quantized Conv/Gemm layers, unless the config names it (None: never added).
@@ -58,6 +58,7 @@ class Contract:
     rewrites: tuple[str, ...] = ()
     runs_last: bool = False
     flag: int | None = None
+    flag_help: str = ""
     rounds_blocks: bool = False
     target_default: Mapping[str, Any] | None = None
     equalizes: bool = False
@@ -119,12 +120,12 @@ def register_pass(name: str, options: Any = NoOptions, data: DataUse = "none",
 
 
 def register_algorithm(name: str, options: Any = NoOptions, data: DataUse = "required",
-                       rewrites: tuple[str, ...] = (), *, runs_last: bool = False, flag: int | None = None,
+                       rewrites: tuple[str, ...] = (), *, runs_last: bool = False, flag: int | None = None, flag_help: str = "",
                        rounds_blocks: bool = False,
                        target_default: Mapping[str, Any] | None = None) -> Callable[[AlgoFn], AlgoFn]:
     """Register `fn(model, plan, ranges, options, ctx) -> report line | (line, plan) |
     AlgorithmResult` as algorithm `name` (see `Contract`)."""
-    contract = Contract(_named_fields_only(options), data, rewrites, runs_last, flag, rounds_blocks,
+    contract = Contract(_named_fields_only(options), data, rewrites, runs_last, flag, flag_help, rounds_blocks,
                         target_default)
 
     def decorate(fn: AlgoFn) -> AlgoFn:
@@ -151,8 +152,10 @@ def flagged_algorithms() -> tuple[str, ...]:
 
 
 def block_rounding_algorithms() -> tuple[str, ...]:
-    """The algorithms that round weight-only blocks (`--algorithm`'s choices besides rtn)."""
-    return tuple(name for name in ALGORITHMS if CONTRACTS[name].rounds_blocks)
+    """The algorithms that round weight-only blocks (`--algorithm`'s choices besides rtn),
+    those with a flag first, in flag order."""
+    names = [name for name in ALGORITHMS if CONTRACTS[name].rounds_blocks]
+    return tuple(sorted(names, key=lambda name: (CONTRACTS[name].flag is None, CONTRACTS[name].flag or 0, name)))
 
 
 def target_defaults(configured: tuple[Entry, ...]) -> tuple[Entry, ...]:

@@ -1,0 +1,63 @@
+"""The algorithm flags (`--adaround`, `--gptq`, ..., `--algorithm`, `--algo-option`) as the
+config's `algo_config` entries. Which algorithms have flags, in which order they run, which
+round weight-only blocks and which run last all come from the registered contracts
+(`optimize/registry.py`): this module knows no algorithm by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from onnxq.cli.arguments import key_values
+from onnxq.errors import OnnxqError
+from onnxq.optimize.registry import CONTRACTS, block_rounding_algorithms, flagged_algorithms
+
+# `--algorithm` without an algorithm entry: round to nearest with the per-block clipping search.
+NEAREST = "rtn"
+
+
+def weight_only_choices() -> tuple[str, ...]:
+    """`--algorithm`'s choices: how MatMulNBits weights are rounded."""
+    return (NEAREST, *block_rounding_algorithms())
+
+
+def algorithm_entries(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """`algo_config` entries of the algorithm flags given, `--algorithm` before those that
+    run last and `--algo-option` merged in; empty when none is given."""
+    algorithms = [name for name in flagged_algorithms() if getattr(args, name)]
+    if args.algorithm is not None:
+        others = [name for name in algorithms if CONTRACTS[name].rounds_blocks]
+        if others:
+            raise OnnxqError(f"--algorithm {args.algorithm} and --{others[0]} both pick the weight-only algorithm; "
+                             "give one")
+        if args.algorithm != NEAREST:
+            at = next((i for i, name in enumerate(algorithms) if CONTRACTS[name].runs_last), len(algorithms))
+            algorithms.insert(at, args.algorithm)
+    return _algorithm_options(algorithms, args.algo_option or [])
+
+
+def _algorithm_options(flagged: list[str], options: list[str]) -> list[dict[str, Any]]:
+    """`algo_config` entries for the algorithm flags, with `--algo-option [ALGO.]KEY=VALUE`
+    merged in (a bare KEY goes to the one algorithm a flag switched on)."""
+    entries = {name: {"name": name} for name in flagged}
+    for key, value in key_values(options, "--algo-option").items():
+        name, dot, option = key.rpartition(".")
+        if not dot:
+            if len(flagged) != 1:
+                owner = _algorithm_with_option(key)
+                raise OnnxqError(f"--algo-option {key}: name its algorithm, e.g. {owner}.{key}=..., "
+                                 f"since {'no' if not flagged else 'more than one'} algorithm flag is given")
+            name = flagged[0]
+        entries.setdefault(name, {"name": name})[option] = value
+    return list(entries.values())
+
+
+def _algorithm_with_option(key: str) -> str:
+    """The first registered algorithm with an option `key` (for an example), else the first
+    with a flag."""
+    for name, contract in sorted(CONTRACTS.items()):
+        if dataclasses.is_dataclass(contract.options) and key in {f.name for f in dataclasses.fields(contract.options)}:
+            return name
+    return flagged_algorithms()[0]

@@ -1,0 +1,107 @@
+"""The `onnxq` command line: the parser of every command, and the run of the one given, with
+a user mistake as one line on stderr and exit status 2 (`--debug`: its traceback instead)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import NoReturn
+
+from onnxq import __version__
+from onnxq.cli import compare, model, presets, quantize
+from onnxq.errors import OnnxqError
+from onnxq.plugins import load_plugins
+
+EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a command a closed pipe stopped
+
+# Each command's parser (and the function it runs), in the order `onnxq --help` lists them.
+COMMANDS = (quantize.add_quantize, quantize.add_calibrate, presets.add_presets, compare.add_compare,
+            compare.add_analyze, presets.add_config, model.add_convert, model.add_run, model.add_inspect)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes (a bad flag value, a missing argument) as one line and exit 2, like
+    every other user mistake, instead of the whole usage block; subcommands inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"onnxq: error: {message}; see {self.prog} --help", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+    def parse_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 (argparse's signature)
+        """As argparse's, but an unknown option points to the help of the command it was given to."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            where = f"{self.prog} {command}" if command else self.prog
+            print(f"onnxq: error: unrecognized arguments: {' '.join(extras)}; see {where} --help", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE)
+        return parsed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="onnxq", description="Post-training quantization for ONNX models.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE",
+                        help="import code that registers observers, passes or algorithms first "
+                             "(repeatable; also $ONNXQ_PLUGINS)")
+    parser.add_argument("--version", action="version", version=f"onnxq {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add_command in COMMANDS:
+        add_command(sub)
+    for command in _leaves(sub):  # --plugin after the command too
+        command.add_argument("--plugin", action="append", dest="command_plugins", default=[],
+                             metavar="FILE.py|MODULE", help="import code that registers observers, "
+                             "passes or algorithms first (repeatable; also $ONNXQ_PLUGINS)")
+    return parser
+
+
+def _leaves(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser]:
+    """Every command's parser (`config show` and `config convert`, not `config`)."""
+    leaves = []
+    for parser in dict.fromkeys(sub.choices.values()):
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        leaves += _leaves(nested[0]) if nested else [parser]
+    return leaves
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; the exit status is 0, 2 for a user mistake (one line on
+    stderr, or its traceback with --debug: the status does not change), 130 when
+    interrupted, 143 when terminated (SIGTERM; temporary files removed), 141 when the reader of stdout went away (`onnxq presets | head -1`)."""
+    args = build_parser().parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    # SIGTERM (kill, a scheduler's timeout) unwinds like Ctrl-C: temporary files go
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    try:
+        return _run(args)
+    finally:
+        if main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        load_plugins(args.plugin + getattr(args, "command_plugins", []))
+        return args.func(args)
+    except OnnxqError as exc:
+        if args.debug:
+            traceback.print_exc()
+        else:
+            print(f"onnxq: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("onnxq: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # Python would report the closed pipe again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE

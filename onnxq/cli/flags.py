@@ -1,0 +1,199 @@
+"""The flags that set the config (`quantize`, `calibrate`, `config show`): their declaration
+and their translation into the config-file shape, which `compose_config` lays over the
+config file and the preset."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from onnxq.cli.algorithms import algorithm_entries, weight_only_choices
+from onnxq.cli.arguments import key_values
+from onnxq.config import PRESETS
+from onnxq.config.accuracy import parse_target
+from onnxq.config.spec import EDGE_FIELDS
+from onnxq.errors import OnnxqError
+from onnxq.optimize.registry import CONTRACTS, flagged_algorithms
+
+# Flag -> where its value goes in the config-file shape. "act" stands for both
+# input_tensors and output_tensors; a flag set to None (not given) is skipped.
+FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("calib_method", ("act", "calib_method")),
+    ("percentile", ("act", "percentile")),
+    ("num_bins", ("act", "num_bins")),
+    ("activation_type", ("act", "dtype")),
+    ("scale_type", ("act", "scale_type")),
+    ("weight_type", ("weight", "dtype")),
+    ("weight_bits", ("weight", "bits")),
+    ("scale_type", ("weight", "scale_type")),
+    ("exclude", ("exclude",)),
+    ("qdq_domain", ("qdq_domain",)),
+    ("format", ("quant_format",)),
+    ("target", ("target",)),
+    ("reduce_range", ("reduce_range",)),
+    ("target_algorithms", ("target_algorithms",)),
+    ("accuracy_level", ("accuracy_level",)),
+    ("max_samples", ("calibration", "max_samples")),
+    ("batch_size", ("calibration", "batch_size")),
+    ("providers", ("calibration", "providers")),
+    ("max_calib_memory", ("calibration", "max_memory_mb")),
+    ("check_samples", ("calibration", "check_samples")),
+    ("save_ranges", ("calibration", "save_ranges")),
+    ("load_ranges", ("calibration", "load_ranges")),
+    ("stats", ("calibration", "stats")),
+    ("eval_data", ("mixed_precision", "eval_data")),
+    ("labels", ("mixed_precision", "labels")),
+    ("ladder", ("mixed_precision", "ladder")),
+)
+
+
+def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Translate quantize flags into a dict of the config-file shape (`FLAG_PATHS`)."""
+    out: dict[str, Any] = {}
+    for path, value in _flag_values(args):
+        if path[0] in ("act", "weight"):
+            targets = ("input_tensors", "output_tensors") if path[0] == "act" else ("weight",)
+            for tensor_class in targets:
+                spec = out.setdefault("global_quant_config", {}).setdefault(tensor_class, {})
+                spec[path[1]] = value
+        elif len(path) == 2:
+            out.setdefault(path[0], {})[path[1]] = value
+        else:
+            out[path[0]] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
+    """(config path, value) of every flag given, including the derived ones."""
+    values = [(path, getattr(args, flag)) for flag, path in FLAG_PATHS if getattr(args, flag) is not None]
+    if args.calib_option:
+        values.append((("act", "calib_options"), key_values(args.calib_option)))
+    if args.dynamic:
+        values.append((("act", "is_dynamic"), True))
+    for flag, scheme in (("per_tensor", "per_tensor"), ("per_channel", "per_channel")):
+        if getattr(args, flag):
+            values.append((("weight", "qscheme"), scheme))
+    if args.per_group is not None:
+        values += [(("weight", "qscheme"), "per_group"), (("weight", "group_size"), args.per_group)]
+    if args.matmul_nbits:
+        values.append((("matmul_nbits",), True))
+    for key in EDGE_FIELDS:  # a bare dtype or none, as in a config file (`config.io.bare_edge_dtypes`)
+        if getattr(args, f"{key}_type") is not None:
+            values.append(((key,), getattr(args, f"{key}_type")))
+    passes = [{"name": "cle"}] if args.cle else []
+    if args.smoothquant is not None:
+        passes.append({"name": "smoothquant", "alpha": args.smoothquant})
+    if passes:
+        values.append((("pre_quant_opt_config",), passes))
+    entries = algorithm_entries(args)
+    if entries:
+        values.append((("algo_config",), entries))
+    if args.accuracy_target is not None or args.metric is not None:
+        values.append((("mixed_precision", "target"), _target_text(args.accuracy_target, args.metric)))
+    return values
+
+
+def _target_text(expression: str | None, metric: str | None) -> str:
+    """`--accuracy-target` with `--metric` folded in (`float-0.5` + top1 -> `top1>=float-0.5`)."""
+    if expression is None:
+        raise OnnxqError("--metric names what --accuracy-target measures; add e.g. --accuracy-target float-0.5")
+    target = parse_target(expression, metric)
+    if metric is not None and target.metric != metric:
+        raise OnnxqError(f"--metric {metric} conflicts with the metric in --accuracy-target {expression!r}; "
+                         "give the metric once")
+    return target.describe()
+
+
+def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
+    """The flags that set the config (`quantize`, `calibrate` and `config show` share them;
+    `calibrate` has its own --stats, the file it writes)."""
+    q.add_argument("--preset", help=f"starting recipe ({', '.join(PRESETS)}; default U8S8)")
+    q.add_argument("--config", help="config file applied over the preset: YAML, JSON or an AMCT "
+                   "simplified config (.cfg); its `preset:` key picks the preset when --preset is not given")
+    q.add_argument("--calib-method", help="activation calibration method (minmax, percentile, ...)")
+    q.add_argument("--percentile", type=float, help="percentile for --calib-method percentile")
+    q.add_argument("--num-bins", type=int, help="histogram bins for histogram-based methods")
+    q.add_argument("--calib-option", action="append", metavar="KEY=VALUE",
+                   help="method-specific option, e.g. search_step=0.02 for ifmr (repeatable)")
+    q.add_argument("--cle", action="store_true", help="cross-layer equalization of Conv/Gemm chains")
+    q.add_argument("--smoothquant", type=float, metavar="ALPHA",
+                   help="SmoothQuant with migration strength ALPHA in [0, 1] (MatMul/Gemm outliers)")
+    for name in flagged_algorithms():  # each algorithm's contract gives its flag and help
+        q.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=CONTRACTS[name].flag_help)
+    q.add_argument("--algorithm", choices=weight_only_choices(),
+                   help="how int4 MatMul weights lowered to MatMulNBits are rounded: rtn (round to nearest, "
+                        "per-block clipping search; default), gptq, awq, or hqq (half-quadratic zero points, "
+                        "no data)")
+    q.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4),
+                   help="MatMulNBits' accuracy_level: the type its kernel computes the activations in "
+                        "(0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8)")
+    q.add_argument("--algo-option", action="append", metavar="[ALGO.]KEY=VALUE",
+                   help="option of an algorithm, e.g. num_iteration=500 or adaround.reg_param=0.02 "
+                        "(repeatable; a bare KEY goes to the one algorithm flag given)")
+    q.add_argument("--max-calib-memory", type=int, metavar="MIB",
+                   help="bound on activations held per batch; calibrates in groups above it")
+    q.add_argument("--save-ranges", metavar="FILE.json", help="write calibrated ranges to a file")
+    q.add_argument("--load-ranges", metavar="FILE.json", help="use saved ranges, skip calibration")
+    if stats:
+        q.add_argument("--stats", nargs="+", metavar="FILE.npz",
+                       help="merge these statistics files (onnxq calibrate --shard i/n --stats FILE) instead "
+                            "of calibrating; byte-identical to calibrating on all the data")
+    granularity = q.add_mutually_exclusive_group()
+    granularity.add_argument("--per-tensor", action="store_true", help="one weight scale per tensor")
+    granularity.add_argument("--per-channel", action="store_true", help="one weight scale per output channel")
+    granularity.add_argument("--per-group", type=int, metavar="SIZE",
+                             help="weight scales per block of SIZE along the input axis")
+    q.add_argument("--scale-type", help="float32, float16 or power_of_two")
+    q.add_argument("--dynamic", action="store_true",
+                   help="quantize activations at run time (MatMul/Gemm/Conv/LSTM); no calibration")
+    q.add_argument("--format", choices=("qdq", "qoperator", "qdq-ext"),
+                   help="qdq: QuantizeLinear/DequantizeLinear around float ops (default); qoperator: "
+                        "onnxruntime's integer kernels (QLinearConv, QLinearMatMul, QGemm, QLinearAdd, ...); "
+                        "qdq-ext: QDQ plus onnxq's extended ops where stock Q/DQ cannot express an activation "
+                        "(any bit width, int32, rounding modes; run with onnxq.runtime or onnxq run)")
+    q.add_argument("--qdq-domain", help="ai.onnx (upgrade opset when a type needs it) or com.microsoft")
+    q.add_argument("--matmul-nbits", action="store_true",
+                   help="weight-only int4/uint4 per-group MatMul as onnxruntime MatMulNBits")
+    q.add_argument("--activation-type",
+                   help="activation dtype: uint8, int8, uint16, int16 (opset 21), float8_e4m3fn, float8_e5m2 "
+                        "(opset 19), float16 or bfloat16 (float compute), float32 (not quantized)")
+    q.add_argument("--weight-type",
+                   help="weight dtype: int8, uint8, int4, uint4 (opset 21), int16, uint16, float8_e4m3fn, "
+                        "float8_e5m2, float16, bfloat16 or float32 (not quantized)")
+    q.add_argument("--edge-weight-type", metavar="DTYPE",
+                   help="weight dtype of the first and last weighted layers (edge_weight; W4A8 keeps them "
+                        "int8), or none: like every other layer")
+    q.add_argument("--edge-input-type", metavar="DTYPE",
+                   help="input-activation dtype of the same two layers (edge_input; FP8_E4M3 keeps them "
+                        "float32, unquantized), or none: like every other layer")
+    q.add_argument("--weight-bits", type=int, metavar="N",
+                   help="weight bit width 2..8 inside the weight dtype (e.g. 7 or 6, AMCT ARQ)")
+    q.add_argument("--target", help="where the model runs: auto (default: probe this onnxruntime), "
+                   "x86-vnni, x86-avx2, arm64, gpu or generic (any CPU)")
+    q.add_argument("--reduce-range", action=argparse.BooleanOptionalAction, default=None,
+                   help="7-bit weights for Conv/MatMul/Gemm, as onnxruntime's reduce_range; "
+                        "--no-reduce-range: full 8 bits even where kernels saturate (default: "
+                        "pair-safe 8-bit scales where the target's int8 kernels saturate, uint8 "
+                        "per-tensor weights there)")
+    q.add_argument("--target-algorithms", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the target add bias correction where it narrows weights (default on)")
+    q.add_argument("--exclude", nargs="+", metavar="NAME", help="node names or regexes to keep in float")
+    q.add_argument("--max-samples", type=int, help="use at most N calibration samples")
+    q.add_argument("--batch-size", type=int, help="calibration batch size (dynamic-batch models)")
+    q.add_argument("--providers", nargs="+", help="onnxruntime execution providers for calibration")
+    q.add_argument("--check-samples", type=int, metavar="N",
+                   help="run the quantized model on N calibration samples against the float model "
+                        "(default session) and report the output SQNR and cosine (default 8 for models up "
+                        "to 256 MB; 0: no check)")
+    q.add_argument("--accuracy-target", metavar="EXPR",
+                   help="raise the most sensitive layers up --ladder until the model meets EXPR, e.g. "
+                        "'top1>=float-0.5', 'cosine>=0.999', 'sqnr>=30' (scored in a default session)")
+    q.add_argument("--metric", choices=("top1", "cosine", "sqnr"),
+                   help="what --accuracy-target measures when EXPR names no metric (e.g. float-0.5)")
+    q.add_argument("--eval-data", metavar="PATH",
+                   help="labelled evaluation set for --accuracy-target (.npz with a 'labels' array for "
+                        "top1; default: the calibration data)")
+    q.add_argument("--labels", metavar="KEY", help="the labels array in --eval-data (default: labels)")
+    q.add_argument("--ladder", nargs="+", metavar="RUNG",
+                   help="what a sensitive layer may be raised to, cheapest first: int16, fp16, bf16, "
+                        "float (default: int16 float)")

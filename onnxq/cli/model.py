@@ -1,0 +1,115 @@
+"""Commands on one model: `onnxq convert` (another format), `onnxq run` (on data) and
+`onnxq inspect` (what it holds and what would be quantized)."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+from onnxq.cli.arguments import check_model_files
+from onnxq.config.compose import compose_config
+from onnxq.emit.qoperator import convert_model
+from onnxq.evaluate import run_model
+from onnxq.graph.load import load_model
+from onnxq.graph.quantized import describe, quantized_ops
+from onnxq.graph.save import write_npz_atomic
+from onnxq.optimize import RunSettings, run_passes
+from onnxq.plan import plan_quantization
+from onnxq.target import resolve_target
+
+
+def add_convert(sub: argparse._SubParsersAction) -> None:
+    conv = sub.add_parser("convert", help="rewrite a quantized model in another format")
+    conv.add_argument("input", help="quantized ONNX model")
+    conv.add_argument("output", help="where to write the converted model")
+    conv.add_argument("--to", required=True, choices=("qdq", "qoperator", "float"),
+                      help="qdq: Q/DQ around float ops; qoperator: integer kernels; float: every Q/DQ "
+                           "stripped (weights dequantized, activations clipped to their range), for debugging")
+    conv.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    conv.set_defaults(func=_cmd_convert)
+
+
+def add_run(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("run", help="run a model (extended qdq-ext ops included) on data")
+    r.add_argument("model")
+    r.add_argument("--data", required=True, help="inputs: .npz, .npy or a folder of them")
+    r.add_argument("--out", metavar="FILE.npz", help="write every output, concatenated over the data")
+    r.add_argument("--max-samples", type=int)
+    r.add_argument("--providers", nargs="+", help="onnxruntime execution providers")
+    r.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    r.set_defaults(func=_cmd_run)
+
+
+def add_inspect(sub: argparse._SubParsersAction) -> None:
+    i = sub.add_parser("inspect", help="describe a model and what would be quantized")
+    i.add_argument("model")
+    i.add_argument("--preset")
+    i.add_argument("--config")
+    i.add_argument("--target", help="deployment target (default auto)")
+    i.add_argument("--nodes", action="store_true",
+                   help="list every node's name and op type (the names exclude and layer_quant_config take)")
+    i.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    i.set_defaults(func=_cmd_inspect)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    print(convert_model(args.input, args.output, args.to))
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    check_model_files(args.model)
+    outputs = run_model(args.model, args.data, args.max_samples, args.providers)
+    for name, array in outputs.items():
+        print(f"{name}: {array.dtype} {list(array.shape)} min {array.min():.6g} max {array.max():.6g} "
+              f"mean {array.mean():.6g}")
+    if args.out:
+        write_npz_atomic(args.out, outputs)
+        print(f"  outputs written to {args.out}")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    model, report = load_model(args.model)
+    graph = model.graph
+    print(f"model: {report.source}")
+    print(f"opset: {report.original_opset}" + (f" (normalised to {report.opset})" if report.opset != report.original_opset else ""))
+    for label, values in (("inputs", graph.inputs), ("outputs", graph.outputs)):
+        print(f"{label}:")
+        for v in values:
+            dims = "?" if v.shape is None else "[" + ",".join(str(d) for d in v.shape) + "]"
+            print(f"  {v.name}: {v.dtype.name if v.dtype else '?'} {dims}")
+    ops = Counter(n.op_type for n in graph)
+    print(f"nodes: {sum(ops.values())} (" + ", ".join(f"{op} {n}" for op, n in ops.most_common()) + ")")
+    already = quantized_ops(model)
+    if already:
+        print(f"already quantized: {describe(already, limit=8)}; onnxq quantize takes the float model")
+        if args.nodes:
+            _print_nodes(graph, None)
+        return 0
+    config = compose_config(args.preset, args.config, {"target": args.target} if args.target else None)
+    for note in run_passes(model, config.pre_quant_opt_config, RunSettings.of(None, config.calibration)).notes:
+        print(f"pass {note}")
+    target = resolve_target(config)
+    print(target.describe())
+    plan = plan_quantization(model, config, target=target)
+    quantized = Counter(plan.quantized_nodes.values())
+    print(f"would quantize: {sum(quantized.values())} nodes (" + ", ".join(f"{op} {n}" for op, n in sorted(quantized.items())) + ")")
+    reasons = Counter(plan.float_nodes.values())
+    for (op, why), n in sorted(reasons.items()):
+        print(f"  float: {op} x{n}: {why}")
+    if args.nodes:
+        _print_nodes(graph, plan)
+    return 0
+
+
+def _print_nodes(graph, plan) -> None:
+    """Every node's name (what `exclude` and `layer_quant_config` take), op type and, with
+    a plan, whether it would be quantized."""
+    print("node names (for exclude / layer_quant_config):")
+    for node in graph:
+        status = ""
+        if plan is not None:
+            status = ("quantized" if node.name in plan.quantized_nodes
+                      else f"float: {plan.float_nodes[node.name][1]}" if node.name in plan.float_nodes else "")
+        print(f"  {node.name}  {node.op_type}" + (f"  ({status})" if status else ""))

@@ -1,0 +1,94 @@
+"""`onnxq quantize` and `onnxq calibrate`: a model quantized, or its calibration statistics
+saved (one shard or all of them) for `quantize --stats`."""
+
+from __future__ import annotations
+
+import argparse
+
+from onnxq.cli.arguments import check_counts
+from onnxq.cli.flags import add_config_flags, spec_overrides
+from onnxq.config import save_config
+from onnxq.config.compose import compose_config
+from onnxq.errors import OnnxqError
+from onnxq.graph.save import check_output_paths
+from onnxq.quantize import calibrate_shard, calibrate_sharded, quantize
+from onnxq.report import format_summary
+
+
+def add_quantize(sub: argparse._SubParsersAction) -> None:
+    q = sub.add_parser("quantize", help="quantize a model with calibration data")
+    q.add_argument("input", help="float ONNX model")
+    q.add_argument("output", help="where to write the quantized model")
+    q.add_argument("--calib-data", help="calibration data: .npz, .npy or a folder of them")
+    add_config_flags(q)
+    q.add_argument("--save-config", metavar="FILE.yaml",
+                   help="write the config used (with the layers an accuracy target promoted) to reuse")
+    q.add_argument("--report", metavar="FILE.html",
+                   help="write an HTML report: settings, summary, per-layer error, ranges, promotions")
+    q.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    q.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    q.set_defaults(func=_cmd_quantize)
+
+
+def add_calibrate(sub: argparse._SubParsersAction) -> None:
+    cal = sub.add_parser("calibrate", help="calibrate (one shard of) the data and save mergeable statistics "
+                         "for quantize --stats")
+    cal.add_argument("input", help="float ONNX model")
+    cal.add_argument("--calib-data", required=True, help="calibration data: .npz, .npy or a folder of them")
+    cal.add_argument("--stats", required=True, metavar="FILE.npz", help="where to write the statistics")
+    cal.add_argument("--shard", metavar="I/N", help="calibrate only shard I of N (1-based): a contiguous "
+                     "stretch of the batches; run every shard (on any machines), then quantize --stats with all files")
+    cal.add_argument("--shards", type=int, metavar="N", help="run all N shards in parallel on --executor and "
+                     "write their merged statistics")
+    cal.add_argument("--executor", choices=("process", "ray"),
+                     help="where --shards run: local processes (default) or Ray tasks (pip install 'onnxq[ray]')")
+    cal.add_argument("--ray-address", metavar="ADDR", help="an existing Ray cluster (default: a local instance)")
+    add_config_flags(cal, stats=False)
+    cal.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    cal.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    cal.set_defaults(func=_cmd_calibrate)
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    config = compose_config(args.preset, args.config, spec_overrides(args))
+    progress = False if args.quiet else None
+    check_output_paths(args.input, args.save_config)
+    result = quantize(args.input, args.output, config, args.calib_data, progress=progress, report=args.report)
+    if args.save_config:
+        mp = result.summary.mixed_precision
+        save_config(mp.config if mp is not None else config, args.save_config)
+    if not args.quiet:
+        print(format_summary(result.summary))
+        if args.save_config:
+            print(f"  config written to {args.save_config}")
+        if args.report:
+            print(f"  report written to {args.report}")
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    output = args.stats
+    args.stats = None  # the file written, not statistics to read (FLAG_PATHS)
+    check_output_paths(args.input, output)
+    ignored = [flag for flag, value in (("--save-ranges", args.save_ranges), ("--format", args.format),
+                                        ("--ladder", args.ladder)) if value is not None]
+    if ignored:
+        raise OnnxqError(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect on calibrate, "
+                         "which writes statistics only: give it to onnxq quantize --stats FILE")
+    check_counts(args, "--shards")
+    config = compose_config(args.preset, args.config, spec_overrides(args))
+    progress = False if args.quiet else None
+    if args.shard is not None and args.shards is not None:
+        raise OnnxqError("--shard i/n calibrates one shard here, --shards N runs all N on --executor; give one")
+    if args.shard is None and (args.executor is not None or args.ray_address is not None) and args.shards is None:
+        raise OnnxqError("--executor and --ray-address run shards: add --shards N")
+    if args.shard is not None:
+        result = calibrate_shard(args.input, output, config, args.calib_data, args.shard, progress=progress)
+    else:
+        result = calibrate_sharded(args.input, output, config, args.calib_data, args.shards or 1,
+                                   args.executor or "process", args.ray_address, progress=progress)
+    if not args.quiet:
+        first, end = result.window
+        print(f"onnxq: statistics of batches {first}..{end - 1} of {result.total_batches} "
+              f"({result.num_samples} samples) written to {result.path}")
+    return 0
