@@ -13,7 +13,8 @@ import onnxq.optimize.bias_correction  # noqa: F401  (registers the algorithm)
 from onnxq.config import QScheme
 from onnxq.errors import ConfigError
 from onnxq.numerics.qmath import dequantize
-from onnxq.optimize.bias_correction import InputMean, Layer, output_error
+from onnxq.optimize.bias_layers import InputMean, Layer
+from onnxq.optimize.bias_solve import output_error
 
 
 def build(nodes: list, inits: dict[str, np.ndarray], x_shape: list) -> onnx.ModelProto:
@@ -174,7 +175,7 @@ def test_conv_error_accounts_for_padding_and_strides(attrs):
     """E over positions of conv(x, eps) equals the window-mean formula, borders, strides,
     dilations and groups included, where channel means alone are far off."""
     from onnxq.graph.load import load_model
-    from onnxq.optimize.bias_correction import conv_geometry
+    from onnxq.optimize.bias_layers import conv_geometry
 
     group = attrs.get("group", 1)
     rng = np.random.default_rng(6)
@@ -252,7 +253,7 @@ def test_pointwise_convs_need_no_window_means():
     from helpers import GraphBuilder
 
     from onnxq.graph.load import load_model
-    from onnxq.optimize.bias_correction import conv_geometry
+    from onnxq.optimize.bias_layers import conv_geometry
 
     b = GraphBuilder(13)
     x = b.input("x", ["N", 4, 8, 8])

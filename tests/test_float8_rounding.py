@@ -19,7 +19,7 @@ from test_layerwise import CALIB, HELD_OUT, cnn, held_out_sqnr
 import onnxq
 from onnxq.config.compose import compose_config
 from onnxq.numerics.qmath import FLOAT8_TYPES
-from onnxq.optimize.layerwise import driver
+from onnxq.optimize.layerwise import emitted
 from onnxq.optimize.layerwise.grid import FloatGrid, IntegerGrid
 from onnxq.optimize.layerwise.replay import Replay
 from onnxq.pipeline import emission
@@ -159,10 +159,10 @@ def test_a_fitted_bias_lands_where_the_emitted_graph_adds_it(op: str) -> None:
     beta = attrs.get("beta", 1.0)
     layer = types.SimpleNamespace(name="layer", beta=lambda: beta)
     added = np.array([1.0, -2.0, 3.0])
-    slot = driver._bias_slot(qnode, layer)
-    assert slot == driver.BiasSlot("layer_bias_add", 1, (1, 3, 1, 1)) if op == "Conv" else driver.BiasSlot(
+    slot = emitted.bias_slot(qnode, layer)
+    assert slot == emitted.BiasSlot("layer_bias_add", 1, (1, 3, 1, 1)) if op == "Conv" else emitted.BiasSlot(
         "layer", 2, None)
-    driver._replay_bias(replay, layer, slot, added)
+    emitted.replay_bias(replay, layer, slot, added)
     got = next(replay.inputs(["y"]))["y"]
     product = np.einsum("nchw,oc->nohw", x, w[:, :, 0, 0]) if op == "Conv" else x @ w.T
     expected = product + added.reshape((1, 3, 1, 1) if op == "Conv" else (1, 3))

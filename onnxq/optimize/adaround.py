@@ -29,8 +29,9 @@ import numpy as np
 
 from onnxq.optimize.context import AlgorithmResult
 from onnxq.optimize.layerwise.adam import Adam
-from onnxq.optimize.layerwise.driver import Problem, Solution, reconstruct
+from onnxq.optimize.layerwise.driver import reconstruct
 from onnxq.optimize.layerwise.options import LayerwiseConfig, check
+from onnxq.optimize.layerwise.problem import Problem, Solution
 from onnxq.optimize.registry import register_algorithm
 
 ZETA, GAMMA = 1.1, -0.1

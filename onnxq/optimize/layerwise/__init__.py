@@ -16,6 +16,8 @@ inputs, one layer at a time in graph order:
   for the bias), accumulated in float64 while the data streams: memory is bounded by
   the largest layer, not by the number of samples or positions, and each optimisation
   step costs one [M, K] x [K, K] product, independent of the data.
+- `problem.py` builds a layer's `Problem` from those statistics; an optimiser returns a
+  `Solution`. `emitted.py` knows the layer's weight and bias as emission writes them.
 - `driver.py` walks the layers, calls the algorithm's per-layer optimiser, keeps
   nearest rounding where it fails, pins the result for emission and reports.
 

@@ -21,7 +21,7 @@ import numpy as np
 from onnxq.numerics.weights import stored_scale
 
 if TYPE_CHECKING:  # the driver imports this module
-    from onnxq.optimize.layerwise.driver import Problem
+    from onnxq.optimize.layerwise.problem import Problem
 
 # Shrink factors of the min/max scale tried, 1.0 (min/max) down to 0.5.
 GRID: tuple[float, ...] = tuple(1.0 - 0.02 * i for i in range(26))
