@@ -35,11 +35,11 @@ from tqdm import tqdm
 from onnxq.calibrate.data import iter_batches, model_inputs
 from onnxq.calibrate.statistics import Accumulator, Statistic
 from onnxq.config.resolve import ResolvedSpec
-from onnxq.emit.matmul_nbits import BlockQuantized, dequantize_blockwise, packed
 from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.graph.fold import constant_array
 from onnxq.graph.load import drop_pages
 from onnxq.graph.save import proto_without_weights
+from onnxq.numerics.blocks import BlockQuantized, dequantize_blockwise, packed
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import cast_scale, search_clip_scales, searchable, weight_qparams
 from onnxq.optimize import PassContext, register_algorithm, statistics_of
