@@ -117,9 +117,9 @@ def test_trial_emission_centres_float8_after_another_algorithm(monkeypatch) -> N
     seen = []
     real = driver.emit_trial
 
-    def spy(model, plan, ranges, ctx, weights=None):
-        seen.append(len(ctx.emission_statistics))
-        return real(model, plan, ranges, ctx, weights)
+    def spy(model, plan, ranges, **values):
+        seen.append(len(values["statistics"]))
+        return real(model, plan, ranges, **values)
 
     monkeypatch.setattr(driver, "emit_trial", spy)
     fp8([{"name": "adaquant"}, {"name": "adaround"}])

@@ -404,7 +404,8 @@ def _empirical(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[floa
         if fmean is None:
             continue
         emitted = model.clone()
-        emit_trial(emitted, plan, ranges, ctx)
+        emit_trial(emitted, plan, ranges, weights=ctx.weights, qdq_domain=ctx.qdq_domain, extended=ctx.extended,
+                   statistics=ctx.emission_statistics)
         twin = next((n for n in emitted.graph if n.name == layer.node.name), None)
         if twin is None:
             continue

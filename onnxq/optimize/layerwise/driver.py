@@ -244,7 +244,8 @@ def _quantized_graph(model: ir.Model, plan: QuantPlan, ranges, ctx, inputs: str)
     options of AdaRound)."""
     qmodel = model.clone()
     if inputs == "quantized":
-        emit_trial(qmodel, plan, ranges, ctx)
+        emit_trial(qmodel, plan, ranges, weights=ctx.weights, qdq_domain=ctx.qdq_domain, extended=ctx.extended,
+                   statistics=ctx.emission_statistics)
     return qmodel
 
 
@@ -401,7 +402,8 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
     """Check the whole model (`guard.py`); undo everything when nearest rounding is closer."""
     def emitted(source: ir.Model, weights: WeightCache) -> onnx.ModelProto:
         copy = source.clone()
-        emit_trial(copy, plan, ranges, ctx, weights)
+        emit_trial(copy, plan, ranges, weights=weights, qdq_domain=ctx.qdq_domain, extended=ctx.extended,
+                   statistics=ctx.emission_statistics)
         return ir.to_proto(copy)
 
     keep, learned_db, near_db = keep_learned(
