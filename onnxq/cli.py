@@ -260,7 +260,7 @@ def _cmd_config_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from onnxq.emit.qoperator import convert_model
+    from onnxq.emit.format_convert import convert_model
 
     print(convert_model(args.input, args.output, args.to))
     return 0
