@@ -13,8 +13,8 @@ from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import Config
 from onnxq.emit.lowering import LoweringReport, claimed_nodes, register_lowering
 from onnxq.graph.edit import GraphEditor
+from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
-from onnxq.graph.load import drop_pages
 from onnxq.numerics.blocks import BlockQuantized, quantize_blockwise
 from onnxq.parallel import ordered_map
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, can_use_matmul_nbits, weight_dtype
@@ -54,7 +54,7 @@ def _replace_with_nbits(graph: ir.Graph, editor: GraphEditor, node: ir.Node, bq:
 
 def _release(tensor: object) -> None:
     """Unmap a replaced weight kept in an external data file, or drop the pages of one
-    mapped at load (`graph.load.drop_pages`), so it leaves the process (a >2 GB model
+    mapped at load (`graph.external_data.drop_pages`), so it leaves the process (a >2 GB model
     otherwise ends with every weight resident); unmapping is skipped while something
     still holds a view of it."""
     drop_pages(tensor)

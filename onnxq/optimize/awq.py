@@ -32,8 +32,8 @@ from onnxq.calibrate.statistics import Statistic
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.errors import ConfigError
 from onnxq.graph.edit import GraphEditor
+from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
-from onnxq.graph.load import drop_pages
 from onnxq.numerics.blocks import BlockQuantized, dequantize_blockwise, quantize_blockwise
 from onnxq.optimize import PassContext, register_algorithm, statistics_of
 from onnxq.optimize.gptq import NO_LAYERS, Layer, hessian_requests, walk_groups

@@ -36,8 +36,8 @@ from onnxq.calibrate.data import iter_batches, model_inputs
 from onnxq.calibrate.statistics import Accumulator, Statistic
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.errors import CalibrationDataError, ConfigError
+from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
-from onnxq.graph.load import drop_pages
 from onnxq.graph.save import proto_without_weights
 from onnxq.numerics.blocks import BlockQuantized, dequantize_blockwise, packed
 from onnxq.numerics.qmath import int_type

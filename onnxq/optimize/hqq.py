@@ -17,8 +17,8 @@ from typing import ClassVar
 import numpy as np
 import onnx_ir as ir
 
+from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
-from onnxq.graph.load import drop_pages
 from onnxq.numerics.blocks import quantize_blockwise
 from onnxq.numerics.hqq import HqqOptions
 from onnxq.optimize import PassContext, register_algorithm
