@@ -11,6 +11,7 @@ import pytest
 from helpers import GraphBuilder, run, sqnr_db
 
 import onnxq.calibrate.session as session_module
+import onnxq.graph.external_data as external_data_module
 import onnxq.graph.load as load_module
 import onnxq.graph.save as save_module
 from onnxq.cli import main
@@ -36,7 +37,7 @@ def _stack(layers: int = 4) -> onnx.ModelProto:
 @pytest.fixture
 def big_paths(monkeypatch):
     """Every limit a >2 GB model passes, set to a few kilobytes."""
-    monkeypatch.setattr(load_module, "INLINE_LIMIT", 4096)
+    monkeypatch.setattr(external_data_module, "INLINE_LIMIT", 4096)
     monkeypatch.setattr(session_module, "INJECT_MIN_BYTES", 1024)  # weights reach sessions as arrays
     monkeypatch.setattr(save_module, "EXTERNAL_DATA_LIMIT", 4096)
 
@@ -93,8 +94,8 @@ def test_weights_kept_out_of_the_proto_give_the_same_bytes(tmp_path, monkeypatch
         return onnxq.quantize(model, None, config, data, progress=False).model.SerializeToString()
 
     reference = quantized(str(path))
-    monkeypatch.setattr(load_module, "SPILL_LIMIT", 0)
-    monkeypatch.setattr(load_module, "_SPILL_MIN_BYTES", 1024)
+    monkeypatch.setattr(external_data_module, "SPILL_LIMIT", 0)
+    monkeypatch.setattr(external_data_module, "_SPILL_MIN_BYTES", 1024)
     mapped = load_module.load_model(str(path))[0]
     assert all(isinstance(v.const_value.raw, np.ndarray) and not v.const_value.raw.flags.writeable
                for v in mapped.graph.initializers.values() if v.name.startswith("w"))

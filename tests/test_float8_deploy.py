@@ -21,7 +21,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 import onnxq
-import onnxq.emit
+from onnxq.emit import qdq_layout
 from onnxq.emit.float8 import DATA_MOVEMENT, Float8Report, make_float8_deployable
 from onnxq.numerics import qmath
 from tests import helpers as H
@@ -200,8 +200,8 @@ def test_rewrite_keeps_the_arithmetic(dtype, monkeypatch):
         captured.append(ir.serde.serialize_model(model))  # the plain emission
         return make_float8_deployable(model)
 
-    monkeypatch.setattr(onnxq.emit, "make_float8_deployable", spy)
-    monkeypatch.setattr(onnxq.emit, "center_float8", lambda model, statistics: 0)  # changes the arithmetic
+    monkeypatch.setattr(qdq_layout, "make_float8_deployable", spy)
+    monkeypatch.setattr(qdq_layout, "center_float8", lambda model, statistics: 0)  # changes the arithmetic
     model = clip_model()
     rewritten = onnxq.quantize(model, None, float8_config(dtype), H.random_feeds(model, 16, seed=1)).model
     (plain,) = captured
@@ -234,7 +234,7 @@ def test_int8_emission_untouched(monkeypatch):
     def refuse(model):
         raise AssertionError("float8 rewrite called for an integer model")
 
-    monkeypatch.setattr(onnxq.emit, "make_float8_deployable", refuse)
+    monkeypatch.setattr(qdq_layout, "make_float8_deployable", refuse)
     model = H.residual()
     q = onnxq.quantize(model, None, "U8S8", H.random_feeds(model, 8, seed=1)).model
     assert not any(i.data_type in F8_ONNX for i in q.graph.initializer)
@@ -259,7 +259,7 @@ def test_activations_on_an_offset_are_centred(dtype, monkeypatch):
     centred = onnxq.quantize(model, None, config, data(32, 1))
     assert any(n.startswith("float8: ") and "centred per channel" in n for n in centred.summary.notes)
     onnx.checker.check_model(centred.model)
-    monkeypatch.setattr(onnxq.emit, "center_float8", lambda model, statistics: 0)
+    monkeypatch.setattr(qdq_layout, "center_float8", lambda model, statistics: 0)
     plain = onnxq.quantize(model, None, config, data(32, 1)).model
     test = data(8, 2)
     reference = H.run(_session(model), test)

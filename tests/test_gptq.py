@@ -11,8 +11,8 @@ from helpers import GraphBuilder, run, sqnr_db
 
 import onnxq
 from onnxq.cli import main
-from onnxq.emit.matmul_nbits import dequantize_blockwise
 from onnxq.errors import ConfigError
+from onnxq.numerics.blocks import dequantize_blockwise
 
 K, N = 256, 96
 
@@ -59,7 +59,7 @@ def test_stored_weight_is_gptqs_and_deterministic(tmp_path):
     node = next(n for n in outs[0].graph.node if n.op_type == "MatMulNBits")
     assert onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "block_size")) == 32
     # The kernel's output is x times the dequantized stored weight.
-    from onnxq.emit.matmul_nbits import BlockQuantized
+    from onnxq.numerics.blocks import BlockQuantized
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in outs[0].graph.initializer}
     bq = BlockQuantized(inits[node.input[1]], inits[node.input[2]],
                         inits[node.input[3]] if len(node.input) > 3 else None, K, N, 4, 32)

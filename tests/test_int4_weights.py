@@ -20,14 +20,10 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxq
 from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import QuantizationSpec
-from onnxq.emit.matmul_nbits import (
-    dequantize_blockwise,
-    emit_matmul_nbits,
-    quantize_blockwise,
-    unpack_bits,
-)
+from onnxq.emit.matmul_nbits import emit_matmul_nbits
 from onnxq.graph.load import load_model
 from onnxq.numerics import weights
+from onnxq.numerics.blocks import dequantize_blockwise, quantize_blockwise, unpack_bits
 from onnxq.numerics.qmath import compute_qparams, dequantize, quantize
 from onnxq.numerics.weights import CLIP_GRID, quantize_blocks, quantize_weight
 

@@ -16,13 +16,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import QuantizationSpec
-from onnxq.emit.matmul_nbits import (
-    can_use_matmul_nbits,
-    emit_matmul_nbits,
-    pack_bits,
-    unpack_bits,
-)
+from onnxq.emit.matmul_nbits import can_use_matmul_nbits, emit_matmul_nbits
 from onnxq.graph.load import load_model
+from onnxq.numerics.blocks import pack_bits, unpack_bits
 
 MS = "com.microsoft"
 # SQNR of the output vs float on Gaussian weights, measured over 6 seeds x 3 shapes x

@@ -208,7 +208,7 @@ def test_custom_domain_refused_without_listing_every_provider(monkeypatch):
     from onnxruntime.capi import onnxruntime_pybind11_state as C
 
     from onnxq.errors import UnsupportedModelError
-    from onnxq.graph import load
+    from onnxq.graph import checks
 
     def crash() -> None:
         raise AssertionError("listed every provider's kernels")
@@ -216,17 +216,17 @@ def test_custom_domain_refused_without_listing_every_provider(monkeypatch):
     monkeypatch.setattr(ort, "get_available_providers",
                         lambda: ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"])
     monkeypatch.setattr(C, "get_all_opkernel_def", crash)
-    load._kernel_domains.cache_clear()
+    checks._kernel_domains.cache_clear()
     try:
         model = conv_relu_chain()
-        load.check_runnable(ir.serde.deserialize_model(model), "plain.onnx")  # standard ops pass
+        checks.check_runnable(ir.serde.deserialize_model(model), "plain.onnx")  # standard ops pass
         relu = next(n for n in model.graph.node if n.op_type == "Relu")
         relu.op_type, relu.domain = "MyRelu", "my.ops"
         model.opset_import.append(onnx.helper.make_opsetid("my.ops", 1))
         with pytest.raises(UnsupportedModelError, match="my.ops::MyRelu"):
-            load.check_runnable(ir.serde.deserialize_model(model), "custom.onnx")
+            checks.check_runnable(ir.serde.deserialize_model(model), "custom.onnx")
     finally:
-        load._kernel_domains.cache_clear()
+        checks._kernel_domains.cache_clear()
 
 
 def test_compare_of_a_plain_model_needs_no_extensions_library(tmp_path, chain, monkeypatch):

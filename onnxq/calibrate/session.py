@@ -12,6 +12,7 @@ import onnxruntime as ort
 from onnxq.errors import OnnxqError
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.save import tensors_replaced
+from onnxq.runtime import options_for
 
 
 def check_providers(providers: list[str]) -> list[str]:
@@ -146,8 +147,7 @@ def exposed_session(
     place_observers(graph, nodes)
     graph.outputs.extend(added)
     try:
-        from onnxq.runtime import options_for  # qdq-ext models (analysed) need onnxq's ops
-
+        # qdq-ext models (analysed) need onnxq's ops
         session = open_session(model, options_for(model, options or session_options()), providers)
         yield session
     finally:

@@ -8,7 +8,7 @@ from collections import Counter
 
 from onnxq.cli.arguments import check_model_files
 from onnxq.config.compose import compose_config
-from onnxq.emit.qoperator import convert_model
+from onnxq.emit.format_convert import convert_model
 from onnxq.evaluate import run_model
 from onnxq.graph.load import load_model
 from onnxq.graph.quantized import describe, quantized_ops

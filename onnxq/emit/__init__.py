@@ -1,8 +1,9 @@
 """Stage 4, emit: turn the plan into graph rewrites.
 
 `emit_model` lowers the plan's tensors to QuantizeLinear/DequantizeLinear (`qdq`, static
-integer and float8 types), then hands the nodes each strategy claimed to the lowering
-registered for it (`lowering.LOWERINGS`: dynamic, MatMulNBits, GatherBlockQuantized,
+integer and float8 types; float8 laid out and centred: `qdq_layout`, the steps trial
+emissions share), then hands the nodes each strategy claimed to the lowering registered
+for it (`lowering.LOWERINGS`: dynamic, MatMulNBits, GatherBlockQuantized,
 float16/bfloat16). A node a lowering refuses stays float; the plan returned says so.
 In the QOperator format (`quant_format: qoperator`) the QDQ patterns then become
 onnxruntime's integer kernels (`emit/qoperator.py`).
@@ -26,13 +27,11 @@ from onnxq.emit import (  # noqa: F401 (register lowerings)
     matmul_nbits,
 )
 from onnxq.emit.cpu_layout import keep_layernorm_apart
-from onnxq.emit.float8 import make_float8_deployable
-from onnxq.emit.float8_center import center_float8
 from onnxq.emit.lowering import ordered
-from onnxq.emit.qdq import EmitReport, emit_qdq
+from onnxq.emit.qdq import EmitReport
+from onnxq.emit.qdq_layout import lay_out_qdq
 from onnxq.emit.qoperator import to_qoperator
 from onnxq.graph.edit import drop_unused_initializers
-from onnxq.numerics.qmath import is_float8
 from onnxq.plan import QuantPlan
 from onnxq.plan.params import WeightCache
 
@@ -54,18 +53,17 @@ def emit_model(
     `cpu`: the target runs onnxruntime's CPU provider, see `cpu_layout`; `statistics`: the
     calibration's, whose channel means centre float8 activations, `float8_center.py`)."""
     extended = config.quant_format == QuantFormat.QDQ_EXT
-    result = EmitResult(emit_qdq(model, plan, ranges, config.qdq_domain, weights, extended), plan)
+    laid = lay_out_qdq(model, plan, ranges, config.qdq_domain, weights, extended, statistics or {})
+    result = EmitResult(laid.qdq, plan)
     if result.qdq.extended:
         result.notes.append(f"qdq-ext format: {result.qdq.extended} activations through OnnxqQuantizeDequantize; "
                             "run the model with onnxq.runtime.InferenceSession (onnxruntime-extensions)")
-    if any(is_float8(t.spec.dtype) for t in plan.tensors.values()):
-        # Lay float8 Q/DQ out so onnxruntime's CPU optimiser keeps it exact (emit/float8.py).
-        note = make_float8_deployable(model).note()
-        result.notes.extend([note] if note else [])
-        centred = center_float8(model, statistics or {})
-        if centred:
-            result.notes.append(f"float8: {centred} activations centred per channel on their calibration mean "
-                                "(float8's precision is relative: a channel's offset would cost its spread)")
+    # float8 Q/DQ laid out so onnxruntime's CPU optimiser keeps it exact (emit/float8.py).
+    note = laid.float8.note() if laid.float8 is not None else None
+    result.notes.extend([note] if note else [])
+    if laid.centred:
+        result.notes.append(f"float8: {laid.centred} activations centred per channel on their calibration mean "
+                            "(float8's precision is relative: a channel's offset would cost its spread)")
     ops = {n.name: n.op_type for n in model.graph}  # of the claimed nodes, before any rewrite
     for lowering in ordered():
         nodes = plan.nodes_for(lowering.strategy)

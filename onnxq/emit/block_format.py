@@ -17,6 +17,7 @@ from onnxq.graph.fold import constant_array
 from onnxq.graph.layout import weight_in_axis
 from onnxq.numerics.extended import block_fake_quantize
 from onnxq.numerics.qmath import BLOCK_DTYPES
+from onnxq.runtime import BLOCK_OP, DOMAIN
 
 
 def _activation_axis(node: ir.Node) -> int:
@@ -30,8 +31,6 @@ def _activation_axis(node: ir.Node) -> int:
 
 @register_lowering("block_format", order=5)
 def _lower(model: ir.Model, nodes: Mapping[str, ResolvedSpec], config: Config, weights: object = None) -> LoweringReport:
-    from onnxq.runtime import BLOCK_OP, DOMAIN
-
     graph = model.graph
     edit = GraphEditor(graph)
     ready, skipped = claimed_nodes(graph, nodes, lambda node, spec: None)

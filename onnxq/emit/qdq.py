@@ -29,6 +29,7 @@ from onnxq.plan.params import (
     biases_by_weight,
     emitted_weight,
 )
+from onnxq.runtime import DOMAIN, NO_AXIS, QDQ_OP
 
 CONTRIB = "com.microsoft"
 
@@ -148,8 +149,6 @@ class _Emitter:
     def extended_pair(self, value: ir.Value, name: str, spec: ResolvedSpec, p: _Params) -> ir.Value:
         """One `OnnxqQuantizeDequantize` (onnxq.runtime) where stock Q/DQ cannot express the
         grid: its bit width, 32-bit type or rounding mode."""
-        from onnxq.runtime import DOMAIN, NO_AXIS, QDQ_OP
-
         info = int_type(spec.dtype, spec.bits)
         zero = self.edit.initializer(f"{name}_zero_point_float", np.asarray(p.zp_array, np.float32).reshape(()))
         attrs = {"qmin": int(info.qmin), "qmax": int(info.qmax), "round_mode": str(spec.round_method),

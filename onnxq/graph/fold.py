@@ -15,6 +15,7 @@ import onnx_ir as ir
 from onnx.reference import ReferenceEvaluator
 
 from onnxq.graph.edit import make_initializer
+from onnxq.numerics.qmath import dequantize
 
 # Ops never folded: random, already-quantized weights (folding would dequantize them), or
 # with side inputs we do not evaluate.
@@ -113,8 +114,6 @@ def fold_constants(model: ir.Model) -> int:
 def dequantized_constant(node: ir.Node) -> np.ndarray | None:
     """The float value a DequantizeLinear of constants gives (per axis or per block), in its
     scale's type; None when its data or scale is not constant."""
-    from onnxq.numerics.qmath import dequantize
-
     arrays = [constant_array(v) if v is not None else None for v in node.inputs[:3]]
     if arrays[0] is None or arrays[1] is None:
         return None

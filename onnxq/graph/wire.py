@@ -8,7 +8,7 @@ copied and each weight's bytes are written into it from the weight's own buffer.
 needs twice its size (the bytes and the parsed message) and then keeps every weight in one
 protobuf arena until all of them are dropped. Here the proto holds no weight data: peak
 memory at load is the graph structure, and a weight's pages are read when a stage reads
-it (and can be dropped again, `graph.load.drop_pages`).
+it (and can be dropped again, `graph.external_data.drop_pages`).
 """
 
 from __future__ import annotations

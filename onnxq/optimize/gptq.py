@@ -35,11 +35,11 @@ from tqdm import tqdm
 from onnxq.calibrate.data import iter_batches, model_inputs
 from onnxq.calibrate.statistics import Accumulator, Statistic
 from onnxq.config.resolve import ResolvedSpec
-from onnxq.emit.matmul_nbits import BlockQuantized, dequantize_blockwise, packed
 from onnxq.errors import CalibrationDataError, ConfigError
+from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
-from onnxq.graph.load import drop_pages
 from onnxq.graph.save import proto_without_weights
+from onnxq.numerics.blocks import BlockQuantized, dequantize_blockwise, packed
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import cast_scale, search_clip_scales, searchable, weight_qparams
 from onnxq.optimize.context import AlgorithmContext
@@ -167,7 +167,7 @@ def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np
 
 def to_block_quantized(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, spec: ResolvedSpec,
                        scale_dtype: type) -> BlockQuantized:
-    """GPTQ's result in MatMulNBits' layout (`emit.matmul_nbits.packed`), K padded with
+    """GPTQ's result in MatMulNBits' layout (`numerics.blocks.packed`), K padded with
     zero-valued codes."""
     block = int(spec.group_size)
     n, k = codes.shape

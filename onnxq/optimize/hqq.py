@@ -17,9 +17,9 @@ from typing import ClassVar
 import numpy as np
 import onnx_ir as ir
 
-from onnxq.emit.matmul_nbits import quantize_blockwise
+from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
-from onnxq.graph.load import drop_pages
+from onnxq.numerics.blocks import quantize_blockwise
 from onnxq.numerics.hqq import HqqOptions
 from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.gptq import NO_LAYERS, matmul_nbits_layers

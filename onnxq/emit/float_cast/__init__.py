@@ -49,9 +49,10 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from onnxq.config.spec import Config, DType
-from onnxq.emit.float_cast.eligibility import DEFAULT_KEEP_FLOAT32, TARGETS, CastPlan, plan_casts
+from onnxq.emit.float_cast.eligibility import DEFAULT_KEEP_FLOAT32, CastPlan, plan_casts
 from onnxq.emit.float_cast.probe import KernelProbe, first_line, session_error
 from onnxq.emit.float_cast.rewrite import Rewriter
+from onnxq.emit.float_cast.types import TARGETS
 from onnxq.emit.loadcheck import Trial, find_culprits
 from onnxq.emit.lowering import LoweringReport, register_lowering
 from onnxq.errors import OnnxqError

@@ -5,18 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import ml_dtypes
-import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnxq.config.spec import DType
+from onnxq.emit.float_cast.probe import KernelProbe
+from onnxq.emit.float_cast.types import Slots, fits
 from onnxq.graph.fold import constant_array
-
-if TYPE_CHECKING:
-    from onnxq.emit.float_cast.probe import KernelProbe
 
 # Ops kept in float32 by default. Softmax and the normalisations reduce many terms and
 # exponentiate; the sum-like reductions and CumSum lose precision or overflow float16;
@@ -74,21 +69,7 @@ CHEAP_ELEMENTWISE = frozenset({
 # Constants smaller than this are parameters (Clip bounds, scalars), not weights.
 MIN_WEIGHT_ELEMENTS = 16
 
-TARGETS: dict[DType, ir.DataType] = {
-    DType.FLOAT16: ir.DataType.FLOAT16,
-    DType.BFLOAT16: ir.DataType.BFLOAT16,
-}
-NUMPY_TYPES = {ir.DataType.FLOAT16: np.dtype(np.float16), ir.DataType.BFLOAT16: np.dtype(ml_dtypes.bfloat16)}
 _TYPE_STR = {ir.DataType.FLOAT16: "tensor(float16)", ir.DataType.BFLOAT16: "tensor(bfloat16)"}
-FLOATS = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE}
-
-
-@dataclass(frozen=True)
-class Slots:
-    """Input and output positions of a node that carry its compute type."""
-
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
 
 
 @dataclass
@@ -153,12 +134,6 @@ def _float_slots(node: ir.Node, schema: onnx.defs.OpSchema) -> tuple[Slots, set[
 def _allows(schema: onnx.defs.OpSchema, group: set[str], target: ir.DataType) -> bool:
     allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
     return all(_TYPE_STR[target] in allowed[name] for name in group)
-
-
-def fits(array: np.ndarray, target: ir.DataType) -> bool:
-    """True when every finite value of `array` is inside the target type's range."""
-    finite = np.abs(array[np.isfinite(array)]) if array.size else array
-    return not finite.size or float(finite.max()) <= float(ml_dtypes.finfo(NUMPY_TYPES[target]).max)
 
 
 def _static_reason(node: ir.Node, keep: frozenset[str]) -> str | None:
@@ -270,18 +245,3 @@ def plan_casts(
         plan.kept[i] = "moves data between float32 nodes (converting would only add Casts)"
         plan.storage[i] = plan.compute.pop(i)
     return plan
-
-
-def cast_array(array: np.ndarray, target: ir.DataType) -> np.ndarray:
-    return np.asarray(array, dtype=np.float32).astype(NUMPY_TYPES[target])
-
-
-def typed_attributes(node: ir.Node, target: ir.DataType) -> list[ir.Attr]:
-    """New values of the attributes that fix the output type (Cast `to`, Constant `value`)."""
-    if node.op_type == "Cast":
-        return [ir.AttrInt64("to", int(target))]
-    if node.op_type in ("ConstantOfShape", "Constant"):
-        attr = node.attributes.get("value")
-        array = attr.as_tensor().numpy() if attr is not None else np.zeros(1, np.float32)
-        return [ir.AttrTensor("value", ir.tensor(cast_array(array, target)))]
-    return []

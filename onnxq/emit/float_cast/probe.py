@@ -9,7 +9,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from onnxq.emit.float_cast.eligibility import NUMPY_TYPES, Slots, cast_array, typed_attributes
+from onnxq.emit.float_cast.types import NUMPY_TYPES, Slots, cast_array, typed_attributes
 from onnxq.graph.fold import constant_array
 from onnxq.graph.save import EXTERNAL_DATA_LIMIT, weight_bytes
 

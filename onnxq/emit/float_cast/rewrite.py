@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnxq.emit.float_cast.eligibility import FLOATS, CastPlan, cast_array, fits, typed_attributes
+from onnxq.emit.float_cast.eligibility import CastPlan
+from onnxq.emit.float_cast.types import FLOATS, cast_array, fits, typed_attributes
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 

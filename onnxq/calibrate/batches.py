@@ -1,0 +1,127 @@
+"""Calibration data streamed in validated batches (`iter_batches`): samples of a dynamic
+batch merged up to the batch size, a model with a fixed batch fed one whole input at a
+time; nothing is read ahead beyond one batch."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from onnxq.calibrate.inputs import Feed, InputSpec, check_feed, sample_rows
+from onnxq.calibrate.sources import CalibrationSource
+from onnxq.errors import CalibrationDataError
+
+
+def _concat(feeds: list[Feed]) -> Feed:
+    return {k: np.concatenate([f[k] for f in feeds]) if len(feeds) > 1 else feeds[0][k] for k in feeds[0]}
+
+
+def _shape_key(feed: Feed) -> tuple:
+    return tuple((k, v.shape[1:], v.dtype.str) for k, v in feed.items())
+
+
+def _has_fixed_batch(inputs: list[InputSpec]) -> bool:
+    return any(s.shape and s.shape[0] is not None for s in inputs)
+
+
+def _samples(feed: Feed, units: Mapping[str, int], fixed: bool) -> Fraction:
+    """Samples in a checked feed: rows of its first input over rows per sample.
+
+    With a fixed batch every input must hold the same number of samples (rows may then
+    arrive a part of a sample at a time); dynamic inputs may differ, as before.
+    """
+    counts = {name: Fraction(len(v), units[name]) for name, v in feed.items() if np.ndim(v)}
+    if fixed and len(set(counts.values())) > 1:
+        rows = {name: len(v) for name, v in feed.items() if np.ndim(v)}
+        raise CalibrationDataError(
+            f"calibration sample has inputs with different sample counts (rows {rows}, rows per sample "
+            f"{dict(units)}); give every input the same number of samples"
+        )
+    return next(iter(counts.values()), Fraction(1))
+
+
+def _take(feed: Feed, units: Mapping[str, int], samples: Fraction, start: Fraction = Fraction(0)) -> Feed:
+    """Samples [start, start + samples) of every input of a checked feed."""
+    return {k: v[int(start * units[k]) : int((start + samples) * units[k])] for k, v in feed.items()}
+
+
+def _short_of_one_sample(inputs: list[InputSpec], feed: Feed, units: Mapping[str, int]) -> CalibrationDataError:
+    """The error for data that never fills one whole input of a fixed batch."""
+    spec = next(s for s in inputs if s.shape and len(feed[s.name]) < units[s.name])
+    rows = len(feed[spec.name])
+    given = "[" + ",".join(str(d) for d in (1, *feed[spec.name].shape[1:])) + "]"
+    whole = "[" + ",".join("?" if d is None else str(d) for d in spec.shape) + "]"
+    return CalibrationDataError(
+        f"calibration input {spec.name!r} has a fixed batch of {units[spec.name]} (expected {spec.describe()}), "
+        f"but the data stops after {rows} row{'s' if rows != 1 else ''} of shape {given}; give whole {whole} "
+        f"inputs (or a stack [N,{whole[1:]}), or export the model with a dynamic batch axis"
+    )
+
+
+def iter_batches(
+    source: Any, inputs: list[InputSpec], batch_size: int, max_samples: int | None,
+    purpose: str = "calibration", max_batches: int | None = None, kind: str = "calibration",
+) -> Iterator[Feed]:
+    """Validated batches of up to `batch_size` samples; one whole input with a fixed batch;
+    at most `max_batches` of them.
+
+    `max_samples` counts samples as `sample_rows` defines them. A model with a fixed
+    batch runs each whole input on its own; rows that fill no whole input are dropped, and
+    data that fills none at all is an error naming the input and the shape it needs.
+    `kind`: what the data is to the user, as errors call it ("calibration", "evaluation").
+    """
+    try:
+        yield from _batches(source, inputs, batch_size, max_samples, purpose, max_batches)
+    except CalibrationDataError as exc:
+        if kind == "calibration":
+            raise
+        raise CalibrationDataError(re.sub(r"\bcalibration (input|sample|arrays)", rf"{kind} \1", str(exc))) from None
+
+
+def _batches(
+    source: Any, inputs: list[InputSpec], batch_size: int, max_samples: int | None,
+    purpose: str, max_batches: int | None,
+) -> Iterator[Feed]:
+    if not isinstance(source, CalibrationSource):
+        source = CalibrationSource(source)
+    units = sample_rows(inputs)
+    fixed = _has_fixed_batch(inputs)
+    target = Fraction(1 if fixed else max(batch_size, 1))
+    seen, batches, pending, pending_samples = Fraction(0), 0, [], Fraction(0)
+    names = {spec.name for spec in inputs}
+    for raw in source.feeds(inputs, purpose):
+        feed = check_feed(raw, inputs)
+        source.ignored.update(set(raw) - names)
+        if max_samples is not None:
+            if max_samples - seen <= 0:
+                break
+            feed = _take(feed, units, min(_samples(feed, units, fixed), max_samples - seen))
+        samples = _samples(feed, units, fixed)
+        seen += samples
+        if pending and _shape_key(pending[0]) != _shape_key(feed):
+            if not fixed:  # a fixed-batch model cannot run a partial input: drop it
+                yield _concat(pending)
+                batches += 1
+                if batches == max_batches:
+                    return
+            pending, pending_samples = [], Fraction(0)
+        pending.append(feed)
+        pending_samples += samples
+        while pending_samples >= target:
+            merged = _concat(pending)
+            yield _take(merged, units, target)
+            batches += 1
+            if batches == max_batches:
+                return
+            pending_samples -= target
+            pending = [_take(merged, units, pending_samples, target)] if pending_samples else []
+        if max_samples is not None and seen >= max_samples:
+            break
+    if pending and not fixed:
+        yield _concat(pending)
+    elif pending and not batches:
+        raise _short_of_one_sample(inputs, _concat(pending), units)

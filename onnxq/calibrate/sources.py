@@ -1,0 +1,152 @@
+"""Calibration data sources, turned into feed dicts one sample or feed at a time: a
+directory of .npy/.npz files, one .npz (arrays keyed by input name, samples on axis 0),
+one .npy (single-input models), a mapping of input name to array, any iterable of feed
+dicts, and onnxruntime's `CalibrationDataReader` protocol (an object with `get_next()`);
+`CalibrationSource` reads one again where it can. Nothing is read ahead."""
+
+from __future__ import annotations
+
+import math
+import os
+import zipfile
+from collections.abc import Iterable, Iterator, Mapping
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from onnxq.calibrate.inputs import Feed, InputSpec, check_array, check_finite, sample_rows, to_rows
+from onnxq.errors import CalibrationDataError
+
+
+def _from_reader(reader: Any) -> Iterator[Mapping[str, Any]]:
+    while (item := reader.get_next()) is not None:
+        yield item
+
+
+def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec]) -> Iterator[Feed]:
+    """Yield one sample at a time from arrays that hold samples on axis 0.
+
+    A sample is one row, or for an input with a fixed batch B its B rows; a last part
+    that fills no whole sample is still yielded, for iter_batches to drop or report.
+    """
+    units = sample_rows(inputs)
+    counts = {name: Fraction(len(a), units.get(name, 1)) for name, a in arrays.items()}
+    if len(set(counts.values())) > 1:
+        shown = {name: str(n) for name, n in counts.items()}
+        raise CalibrationDataError(
+            f"calibration arrays have different sample counts {shown}; give each input the same number of samples"
+        )
+    n = math.ceil(next(iter(counts.values()), 0))
+    for i in range(n):
+        yield {name: a[i * units.get(name, 1) : (i + 1) * units.get(name, 1)] for name, a in arrays.items()}
+
+
+def _read_file(path: Path, inputs: list[InputSpec]) -> dict[str, np.ndarray]:
+    """Arrays of one .npz (keyed by input name) or .npy (single-input models) file."""
+    if path.suffix == ".npy" and len(inputs) != 1:
+        raise CalibrationDataError(
+            f"{path.name}: .npy files only work for single-input models; use .npz keyed by input name "
+            f"({', '.join(s.name for s in inputs)})"
+        )
+    if path.suffix not in (".npy", ".npz"):
+        raise CalibrationDataError(f"unsupported calibration file {path.name}; use .npz, .npy or a directory of them")
+    magic = {".npy": b"\x93NUMPY", ".npz": b"PK"}[path.suffix]
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(magic)) != magic:
+                raise CalibrationDataError(
+                    f"cannot read calibration file {path}: it is not a numpy {path.suffix} file; write it with "
+                    f"numpy.{'save' if path.suffix == '.npy' else 'savez'}")
+        if path.suffix == ".npy":
+            return {inputs[0].name: np.load(path, allow_pickle=False)}
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise CalibrationDataError(
+            f"cannot read calibration file {path}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            "; check that it is a complete .npy/.npz written by numpy"
+        ) from None
+
+
+def _from_path(path: Path, inputs: list[InputSpec]) -> Iterator[Mapping[str, Any]]:
+    if not path.exists():
+        raise CalibrationDataError(f"calibration data not found: {path}; pass a .npz/.npy file or a directory of them")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in (".npy", ".npz"))
+        if not files:
+            raise CalibrationDataError(f"no .npy or .npz files in {path}; save one sample or batch per file")
+        for f in files:
+            yield _checked_file(f, _read_file(f, inputs), inputs)
+        return
+    arrays = _checked_file(path, _read_file(path, inputs), inputs)
+    yield from _split_rows(_arrays_to_rows(arrays, inputs), inputs)
+
+
+def _checked_file(path: Path, arrays: dict[str, np.ndarray], inputs: list[InputSpec]) -> dict[str, np.ndarray]:
+    """`arrays` of file `path`, their type, shape and values checked as a whole, so that an
+    error names the file and its arrays' shapes (not one sample's) and counts every NaN."""
+    specs = {s.name: s for s in inputs}
+    try:
+        for name, array in arrays.items():
+            if name in specs:
+                check_finite(specs[name], check_array(specs[name], np.asarray(array)))
+    except CalibrationDataError as exc:
+        raise CalibrationDataError(f"{path.name}: {exc}") from None
+    return arrays
+
+
+def _arrays_to_rows(arrays: Mapping[str, Any], inputs: list[InputSpec]) -> dict[str, np.ndarray]:
+    specs = {s.name: s for s in inputs}
+    return {k: to_rows(specs.get(k), np.asarray(v)) for k, v in arrays.items()}
+
+
+def raw_feeds(source: Any, inputs: list[InputSpec]) -> Iterator[Mapping[str, Any]]:
+    """Turn any accepted source into an iterator of (unchecked) feed dicts."""
+    if source is None:
+        raise CalibrationDataError("static quantization needs calibration data; pass --calib-data PATH")
+    if isinstance(source, str | os.PathLike):
+        return _from_path(Path(source), inputs)
+    if hasattr(source, "get_next"):
+        return _from_reader(source)
+    if isinstance(source, Mapping):
+        return _split_rows(_arrays_to_rows(source, inputs), inputs)
+    if isinstance(source, Iterable):
+        return iter(source)
+    raise CalibrationDataError(
+        f"unsupported calibration data of type {type(source).__name__}; pass a path, a dict of arrays, "
+        "an iterable of feed dicts or an object with get_next()"
+    )
+
+
+class CalibrationSource:
+    """Calibration data that may be read several times (calibration, then algorithms).
+
+    Paths, dicts of arrays and sequences can be re-read; a reader with `rewind()` is
+    rewound; a one-shot iterator or reader can be read once, and a second read is a
+    clear error rather than silently empty data.
+    """
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.reads = 0
+        # Arrays in the data that are no model input (a `labels` array): left out, named
+        # in the summary.
+        self.ignored: set[str] = set()
+
+    @property
+    def replayable(self) -> bool:
+        s = self.source
+        return isinstance(s, str | os.PathLike | Mapping | list | tuple) or hasattr(s, "rewind")
+
+    def feeds(self, inputs: list[InputSpec], purpose: str = "calibration") -> Iterator[Mapping[str, Any]]:
+        if self.reads and not self.replayable:
+            raise CalibrationDataError(
+                f"{purpose} needs another pass over the calibration data, but a "
+                f"{type(self.source).__name__} can be read only once; pass a path, a dict of arrays or a list of feeds"
+            )
+        if self.reads and hasattr(self.source, "rewind"):
+            self.source.rewind()
+        self.reads += 1
+        return raw_feeds(self.source, inputs)

@@ -1,0 +1,172 @@
+"""Checks that refuse a model with a one-line error before anything runs it: onnx.checker
+without copying the weights, training graphs, map-typed graph inputs and outputs (which
+onnx-ir cannot represent), and ops of a domain onnxruntime has no kernels for."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+from google.protobuf.message import Message
+from onnxruntime.capi import onnxruntime_pybind11_state as C
+
+from onnxq.errors import ModelError, UnsupportedModelError
+
+TRAINING_DOMAIN = "ai.onnx.preview.training"
+
+
+def _copy_fields(source: Message, target: Message, skip: str) -> None:
+    """Copy every set field of message `source` into `target` but `skip`."""
+    for descriptor, value in source.ListFields():
+        name = descriptor.name
+        if name == skip:
+            continue
+        if hasattr(value, "extend"):  # repeated
+            getattr(target, name).extend(value)
+        elif hasattr(value, "CopyFrom"):
+            getattr(target, name).CopyFrom(value)
+        else:
+            setattr(target, name, value)
+
+
+def _without_weight_data(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `proto` whose main-graph initializers are empty stubs of the same name and
+    type: what onnx.checker needs to check the graph, at a fraction of the copy (the
+    checker copies the whole model it is given; for an LLM that doubled peak memory)."""
+    stub = onnx.ModelProto()
+    _copy_fields(proto, stub, skip="graph")
+    _copy_fields(proto.graph, stub.graph, skip="initializer")
+    for tensor in proto.graph.initializer:
+        stub.graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=[0], raw_data=b"")
+    return stub
+
+
+def _check_weight_sizes(proto: onnx.ModelProto, mapped: set[str] = frozenset()) -> None:
+    """Each raw initializer holds exactly the bytes its shape and type need (what the
+    checker would have said about the data the stub left out; `mapped` weights were
+    sized when they were mapped)."""
+    for tensor in proto.graph.initializer:
+        if (not tensor.HasField("raw_data") or tensor.data_location == onnx.TensorProto.EXTERNAL
+                or tensor.name in mapped):
+            continue
+        try:
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        except (KeyError, ValueError, TypeError):
+            continue
+        count = int(np.prod(tensor.dims)) if tensor.dims else 1
+        bits = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}.get(tensor.data_type)
+        need = (count * bits + 7) // 8 if bits else count * itemsize
+        if len(tensor.raw_data) != need and tensor.data_type != onnx.TensorProto.STRING:
+            raise ModelError(f"model fails onnx.checker: initializer {tensor.name!r} holds {len(tensor.raw_data)} "
+                             f"bytes for shape {list(tensor.dims)} (needs {need}); fix or re-export the model")
+
+
+def check_proto(proto: onnx.ModelProto, path: str | None, mapped: set[str] = frozenset()) -> None:
+    """Run onnx.checker: by path when the model has external data (the checker then
+    checks the files), else on a copy without weight data plus a size check of each
+    weight (a full copy for the checker doubled peak memory on big models)."""
+    if not proto.HasField("graph") or not proto.opset_import:
+        name = path or "the model"
+        raise ModelError(f"{name} is not an ONNX model (no graph or opset); pass a .onnx model file")
+    external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+    try:
+        if path is not None and external:
+            onnx.checker.check_model(path)
+        else:
+            _check_weight_sizes(proto, mapped)
+            onnx.checker.check_model(_without_weight_data(proto))
+    except (onnx.checker.ValidationError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"model fails onnx.checker: {first}; fix or re-export the model") from None
+
+
+def subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """`graph` and every graph nested in its nodes' attributes (If, Loop, Scan bodies)."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
+                yield from subgraphs(sub)
+
+
+def refuse_training(proto: onnx.ModelProto, name: str) -> None:
+    """Training graphs (gradient, optimizer nodes) have no inference meaning to quantize."""
+    nodes = [n for g in subgraphs(proto.graph) for n in g.node]
+    nodes += [n for f in proto.functions for n in f.node]
+    for node in nodes:
+        if node.domain == TRAINING_DOMAIN:
+            raise UnsupportedModelError(
+                f"{name} is a training graph: node {node.name or node.op_type!r} ({node.op_type}) is in the "
+                f"training-only domain {TRAINING_DOMAIN}; export the inference graph (model in eval mode, "
+                "without gradient or optimizer nodes) and quantize that"
+            )
+
+
+# The op domains of onnxruntime's own kernels, for builds whose registry cannot be listed
+# safely (the CPU build's registry has the first five; GPU builds add the NHWC domain).
+ORT_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "com.microsoft.nchwc",
+                         "com.ms.internal.nhwc"})
+# Providers built into onnxruntime's own library; the others are shared libraries.
+BUILT_IN_PROVIDERS = frozenset({"CPUExecutionProvider", "AzureExecutionProvider"})
+
+
+@functools.cache
+def _kernel_domains() -> frozenset[str]:
+    """The op domains this onnxruntime build has kernels for.
+
+    Read from the kernel registry only where every provider is built in: listing it loads
+    each provider's shared library, and onnxruntime-gpu 1.31 crashes the process there
+    (a segmentation fault, not an exception) when one of them, such as TensorRT's, cannot
+    load. Elsewhere onnxruntime's own domains."""
+    if not set(ort.get_available_providers()) <= BUILT_IN_PROVIDERS:
+        return ORT_DOMAINS
+    return frozenset({"ai.onnx"} | {k.domain for k in C.get_all_opkernel_def()})
+
+
+def check_runnable(model: ir.Model, name: str) -> None:
+    """Refuse a model with ops of a domain onnxruntime has no kernels for (a custom-op
+    library's): calibration and the output's load check run it in onnxruntime."""
+    local = {f.domain for f in model.functions.values()}
+    known = _kernel_domains() | local
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain not in known:
+            raise UnsupportedModelError(
+                f"{name}: node {node.name!r} is {node.domain}::{node.op_type}, a custom op onnxruntime has no "
+                f"kernel for (domain {node.domain!r}); onnxq runs the model in onnxruntime to calibrate and "
+                "check it: export it with standard ONNX ops"
+            )
+
+
+def has_map(type_proto: onnx.TypeProto) -> bool:
+    """Whether a type is or contains a map (onnx-ir has no map type)."""
+    kind = type_proto.WhichOneof("value")
+    if kind == "map_type":
+        return True
+    if kind in ("sequence_type", "optional_type"):
+        return has_map(getattr(type_proto, kind).elem_type)
+    return False
+
+
+def drop_map_types(proto: onnx.ModelProto, name: str) -> None:
+    """Refuse map-typed graph inputs and outputs; forget map-typed intermediate annotations.
+
+    onnx-ir cannot hold map types, so a boundary map (ZipMap's seq(map) output, a
+    DictVectorizer input) cannot survive; an inner one is left for shape inference.
+    """
+    graph = proto.graph
+    boundary = [("input", v) for v in graph.input] + [("output", v) for v in graph.output]
+    for kind, value in boundary:
+        if has_map(value.type):
+            raise UnsupportedModelError(
+                f"{name}: graph {kind} {value.name!r} has a map type, which onnxq cannot represent; "
+                "export the model without it (skl2onnx: zipmap=False) or cut the graph before that value"
+            )
+    for g in subgraphs(graph):
+        keep = [v for v in g.value_info if not has_map(v.type)]
+        if len(keep) != len(g.value_info):
+            del g.value_info[:]
+            g.value_info.extend(keep)
