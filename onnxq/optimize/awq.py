@@ -30,11 +30,11 @@ import onnx_ir as ir
 
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.resolve import ResolvedSpec
-from onnxq.numerics.blocks import BlockQuantized, dequantize_blockwise, quantize_blockwise
 from onnxq.errors import ConfigError
 from onnxq.graph.edit import GraphEditor
-from onnxq.graph.fold import constant_array
 from onnxq.graph.external_data import drop_pages
+from onnxq.graph.fold import constant_array
+from onnxq.numerics.blocks import BlockQuantized, dequantize_blockwise, quantize_blockwise
 from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.gptq import NO_LAYERS, Layer, hessian_requests, walk_groups
 from onnxq.optimize.registry import register_algorithm, statistics_of
