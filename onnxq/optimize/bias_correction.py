@@ -34,6 +34,7 @@ from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnxq.calibrate.access import refusal
 from onnxq.calibrate.runner import collect
@@ -198,8 +199,6 @@ def _empirical(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[floa
 def _prefix(model: ir.Model, value: ir.Value) -> None:
     """Cut `model` down to the nodes `value` needs, with `value` its only output (each
     layer's pass then runs the model up to that layer, not the whole of it)."""
-    from onnx_ir.passes.common import RemoveUnusedNodesPass
-
     if value.is_graph_input():
         return
     model.graph.outputs.clear()

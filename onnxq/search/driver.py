@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from onnxq.analyze import analyze_models
 from onnxq.calibrate.access import data_access, refusal
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.config.spec import Config, MixedPrecisionConfig
@@ -77,8 +78,6 @@ def sensitivity_order(base: Any, config: Config, evalset: EvalSet, float_session
     first: by the output noise of the model with each alone quantized and the others at
     rung `top` (`sensitivity.py`), the analysis's per-layer error ordering what its
     budget leaves (and its candidates: fused activations go with their op)."""
-    from onnxq.analyze import analyze_models
-
     providers = config.calibration.providers
     mp_samples = config.mixed_precision.max_samples or SENSITIVITY_SAMPLES
     analysis = analyze_models(base.state.float_model, base.ir_model, evalset.data, normalised=True,

@@ -22,7 +22,7 @@ import onnxruntime as ort
 from onnxq.calibrate.data import iter_batches
 from onnxq.config.accuracy import AccuracyTarget, parse_target  # noqa: F401 (parse_target: its old home, for importers)
 from onnxq.errors import CalibrationDataError, ConfigError
-from onnxq.evaluate import sqnr_db
+from onnxq.evaluate import session_inputs, sqnr_db
 
 # The score of the float model against itself, for metrics measured against it.
 SELF_SCORE = {"cosine": 1.0, "sqnr": math.inf}
@@ -41,8 +41,6 @@ class EvalSet:
     reference: np.ndarray | None = None
 
     def batches(self, session: ort.InferenceSession) -> Iterator[dict[str, np.ndarray]]:
-        from onnxq.evaluate import session_inputs
-
         return iter_batches(self.data, session_inputs(session), self.batch_size, self.max_samples,
                             kind="evaluation")
 
