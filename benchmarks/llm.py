@@ -100,7 +100,7 @@ def quantize_onnxq(job: dict[str, Any]) -> dict[str, Any]:
     config = onnxq.as_config(onnxq_config(job["row"], job["block"]))
     result, stats = C.measure_call(lambda: onnxq.quantize(job["model"], job["output"], config, data,
                                                           progress=False))
-    return {**stats, "notes": [n for n in result.summary.notes if job["row"].split("-")[0] in n.lower()]}
+    return {**stats, "notes": [n for n in result.summary.note_texts if job["row"].split("-")[0] in n.lower()]}
 
 
 def quantize_ort(job: dict[str, Any]) -> dict[str, Any]:

@@ -88,7 +88,7 @@ def timed(label: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def _pass_notes(result: onnxq.QuantizationResult) -> list[str]:
     names = ("cle", "smoothquant", "bias_correction")
-    return [n for n in result.summary.notes if n.split(":")[0] in names]
+    return [n for n in result.summary.note_texts if n.split(":")[0] in names]
 
 
 def mobilenet(shared: Path, n_calib: int, n_eval: int) -> dict[str, Any]:

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from onnxq.notes import Note
+
 
 @dataclass(frozen=True)
 class Promotion:
@@ -58,7 +60,7 @@ class Summary:
     size_before: int = 0
     size_after: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)  # rendered at the end (`notes.py`)
     mixed_precision: MixedPrecisionSummary | None = None
     fidelity: Any = None  # emit.fidelity.Fidelity: the output check, when it ran
 
@@ -69,6 +71,11 @@ class Summary:
             yield
         finally:
             self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + time.perf_counter() - start
+
+    @property
+    def note_texts(self) -> list[str]:
+        """The notes as the summary prints them."""
+        return [note.text for note in self.notes]
 
 # Fewer calibration samples than this get a warning in the summary.
 FEW_SAMPLES = 8
@@ -121,7 +128,7 @@ def format_summary(s: Summary) -> str:
             lines.append(f"  warning: {warning}")
     if s.mixed_precision is not None:
         lines.extend(format_mixed_precision(s.mixed_precision))
-    lines.extend(f"  note: {n}" for n in s.notes)
+    lines.extend(f"  note: {n.text}" for n in s.notes)
     return "\n".join(lines)
 
 

@@ -40,7 +40,7 @@ def test_awq_protects_channels_with_large_activations():
     onnx.checker.check_model(result.model)
     ops = [n.op_type for n in result.model.graph.node]
     assert ops == ["Mul", "MatMulNBits"], ops
-    assert "1 of 1 input groups (1 MatMul weights) scaled" in " ".join(result.summary.notes)
+    assert "1 of 1 input groups (1 MatMul weights) scaled" in " ".join(result.summary.note_texts)
     assert sqnr_db(ref, run(result.model, held_out)) > rtn + 1.5
 
 
@@ -48,7 +48,7 @@ def test_awq_leaves_a_layer_it_cannot_help():
     flat = np.ones(K)
     result = _quantize([{"name": "awq", "grid": 4}], _data(16, 3, flat))
     assert [n.op_type for n in result.model.graph.node] == ["MatMulNBits"]
-    assert "0 of 1 input groups (1 MatMul weights) scaled" in " ".join(result.summary.notes)
+    assert "0 of 1 input groups (1 MatMul weights) scaled" in " ".join(result.summary.note_texts)
 
 
 def _shared_input_model() -> onnx.ModelProto:
@@ -76,7 +76,7 @@ def test_matmuls_sharing_an_input_share_one_scale():
         assert ops.count("Mul") == 1 and ops.count("MatMulNBits") == 3, ops
         mul = next(n for n in result.model.graph.node if n.op_type == "Mul")
         assert sum(mul.output[0] in n.input for n in result.model.graph.node) == 3
-        assert "1 of 1 input groups (3 MatMul weights) scaled" in " ".join(result.summary.notes)
+        assert "1 of 1 input groups (3 MatMul weights) scaled" in " ".join(result.summary.note_texts)
         assert sqnr_db(ref, run(result.model, held_out)) > rtn + 1.0
 
 

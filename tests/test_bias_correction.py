@@ -95,7 +95,7 @@ def test_mean_output_error_per_channel_shrinks(name, build_model, axis, ratio):
     calib, test = data(model, 64, seed=10), data(model, 64, seed=20)
     plain = onnxq.quantize(model, None, per_tensor([]), calib)
     corrected = onnxq.quantize(model, None, per_tensor([{"name": "bias_correction"}]), calib)
-    note = corrected.summary.notes[-1]
+    note = corrected.summary.note_texts[-1]
     assert note.startswith("bias_correction: 1 of 1 biases corrected"), note
     before = np.abs(mean_channel_error(model, plain.model, test, axis))
     after = np.abs(mean_channel_error(model, corrected.model, test, axis))
@@ -105,7 +105,7 @@ def test_mean_output_error_per_channel_shrinks(name, build_model, axis, ratio):
 def test_added_biases_are_quantized_int32():
     corrected = onnxq.quantize(gemm_model(), None, per_tensor([{"name": "bias_correction"}]),
                                data(gemm_model(), 32, seed=1))
-    assert "(1 added)" in corrected.summary.notes[-1]
+    assert "(1 added)" in corrected.summary.note_texts[-1]
     graph = corrected.model.graph
     gemm = next(n for n in graph.node if n.op_type == "Gemm")
     dq = next(n for n in graph.node if gemm.input[2] in n.output)
@@ -197,11 +197,11 @@ def test_conv_error_accounts_for_padding_and_strides(attrs):
 def test_skips_and_options():
     result = onnxq.quantize(matmul_model(bias_add=False), None, per_tensor([{"name": "bias_correction"}]),
                             data(matmul_model(bias_add=False), 8, seed=1))
-    assert "MatMul without a bias Add" in result.summary.notes[-1]
+    assert "MatMul without a bias Add" in result.summary.note_texts[-1]
     result = onnxq.quantize(conv_model(bias=False), None,
                             per_tensor([{"name": "bias_correction", "add_bias": False}]),
                             data(conv_model(), 8, seed=1))
-    assert "(no bias)" in result.summary.notes[-1]
+    assert "(no bias)" in result.summary.note_texts[-1]
     with pytest.raises(ConfigError, match="did you mean 'skip_layers'"):
         onnxq.quantize(conv_model(), None, per_tensor([{"name": "bias_correction", "skip_layer": []}]),
                        data(conv_model(), 8, seed=1))
@@ -224,8 +224,8 @@ def test_float8_weights_are_corrected_too():
     assert [a["name"] for a in onnxq.get_preset("FP8_E4M3").algo_config] == ["adaround", "bias_correction"]
     plain = onnxq.quantize(model, None, fp8([]), calib)
     corrected = onnxq.quantize(model, None, fp8([{"name": "bias_correction"}]), calib)
-    assert any(n.startswith("bias_correction: 1 of 1 biases corrected") for n in corrected.summary.notes), \
-        corrected.summary.notes
+    assert any(n.startswith("bias_correction: 1 of 1 biases corrected") for n in corrected.summary.note_texts), \
+        corrected.summary.note_texts
     before = np.abs(mean_channel_error(model, plain.model, test, 1))
     after = np.abs(mean_channel_error(model, corrected.model, test, 1))
     assert after.mean() < 0.5 * before.mean(), (before.mean(), after.mean())
@@ -242,8 +242,8 @@ def test_default_correction_runs_on_data_read_once():
     once = onnxq.quantize(model, None, config, iter([{k: v[i:i + 8] for k, v in feeds.items()}
                                                      for i in range(0, 32, 8)]), progress=False)
     again = onnxq.quantize(model, None, onnxq.as_config({"target": "x86-vnni"}), feeds, progress=False)
-    assert "bias_correction: 3 of 3 biases corrected" in once.summary.notes
-    assert not any("would add" in n for n in once.summary.notes)
+    assert "bias_correction: 3 of 3 biases corrected" in once.summary.note_texts
+    assert not any("would add" in n for n in once.summary.note_texts)
     assert once.model.SerializeToString() == again.model.SerializeToString()
 
 
@@ -276,7 +276,7 @@ def test_convolutions_of_different_geometry_on_one_tensor():
     model = b.build([b.node("Add", [main_path, shortcut])], name="downsample")
     feeds = data(model, 16, seed=3)
     result = onnxq.quantize(model, None, per_tensor([{"name": "bias_correction"}]), feeds)
-    assert any(n.startswith("bias_correction: 2 of 2 biases corrected") for n in result.summary.notes)
+    assert any(n.startswith("bias_correction: 2 of 2 biases corrected") for n in result.summary.note_texts)
 
 
 def two_conv_model(seed: int = 3) -> onnx.ModelProto:
@@ -300,7 +300,7 @@ def test_empirical_correction_matches_the_quantized_models_own_means():
     calib, test = data(model, 64, seed=10), data(model, 64, seed=20)
     analytic = onnxq.quantize(model, None, per_tensor([{"name": "bias_correction"}]), calib)
     empirical = onnxq.quantize(model, None, per_tensor([{"name": "bias_correction", "empirical": True}]), calib)
-    assert "2 empirical" in empirical.summary.notes[-1], empirical.summary.notes[-1]
+    assert "2 empirical" in empirical.summary.note_texts[-1], empirical.summary.note_texts[-1]
     for feed, factor in ((calib, 0.3), (test, 0.6)):
         before = np.abs(mean_channel_error(model, analytic.model, feed, 1)).mean()
         after = np.abs(mean_channel_error(model, empirical.model, feed, 1)).mean()

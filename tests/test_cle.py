@@ -104,7 +104,7 @@ def context(data: dict | None = None) -> RunSettings:
 
 def apply(model: onnx.ModelProto, options: dict | None = None, data: dict | None = None) -> tuple[ir.Model, list[str]]:
     ir_model, _ = load_model(model)
-    notes = run_passes(ir_model, [{"name": "cle", **(options or {})}], context(data)).notes
+    notes = [n.text for n in run_passes(ir_model, [{"name": "cle", **(options or {})}], context(data)).notes]
     return ir_model, notes
 
 

@@ -40,7 +40,7 @@ def test_cpu_targets_write_the_residual_add_as_sum(tmp_path):
     model, result = _quantize("x86-avx2")
     ops = [n.op_type for n in result.model.graph.node]
     assert "Sum" in ops and "Add" not in ops
-    assert any("written as Sum" in n for n in result.summary.notes)
+    assert any("written as Sum" in n for n in result.summary.note_texts)
     assert "SkipLayerNormalization" not in _optimized_ops(result.model, tmp_path, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
     # Sum adds bit for bit as Add did: with the Add put back, the reference arithmetic agrees exactly.
     as_add = onnx.ModelProto()

@@ -59,7 +59,7 @@ def test_minmax_ranges_follow_the_scaling_without_a_second_pass(streams):
     assert len(streams) == 2 and streams[0] == "smoothquant"
 
     note = "smoothquant: 3 layers smoothed in 3 groups (alpha 0.5): 1 Mul inserted, 2 folded into MatMul"
-    assert note in deferred.summary.notes and note in eager.summary.notes
+    assert note in deferred.summary.note_texts and note in eager.summary.note_texts
     mul_out = _smoothed_tensors(deferred)[0]
     assert mul_out == "x_smoothquant"
     # The Mul's output range is exact (monotonic rounding); the folded chains and what
@@ -90,8 +90,8 @@ def test_bias_correction_means_follow_the_scaling(streams):
     deferred = _quantize([SQ], calib, algos=bc)
     assert len(streams) == 1
     eager = _quantize(EAGER, calib, algos=bc)
-    corrected = [n for n in deferred.summary.notes if n.startswith("bias_correction:")]
-    assert corrected and corrected == [n for n in eager.summary.notes if n.startswith("bias_correction:")]
+    corrected = [n for n in deferred.summary.note_texts if n.startswith("bias_correction:")]
+    assert corrected and corrected == [n for n in eager.summary.note_texts if n.startswith("bias_correction:")]
     ref = run(matmul_chain(), test)
     assert abs(sqnr_db(ref, run(deferred.model, test)) - sqnr_db(ref, run(eager.model, test))) < 0.1
 
@@ -101,7 +101,7 @@ def test_data_read_once_is_enough_for_smoothquant():
     calib = outlier_data(32, 4, (64,))
     feeds = ({"x": calib["x"][i : i + 8]} for i in range(0, 32, 8))
     result = _quantize([SQ], feeds)
-    assert any(n.startswith("smoothquant: 3 layers smoothed") for n in result.summary.notes)
+    assert any(n.startswith("smoothquant: 3 layers smoothed") for n in result.summary.note_texts)
     assert result.summary.calibration_samples == 32
 
 

@@ -10,6 +10,7 @@ from helpers import every_kernel, random_feeds, run, sqnr_db
 import onnxq
 from onnxq.config.io import config_from_dict
 from onnxq.errors import ConfigError
+from onnxq.notes import Topic, of
 
 INT4, INT8 = onnx.TensorProto.INT4, onnx.TensorProto.INT8
 
@@ -34,7 +35,8 @@ def test_w4a8_keeps_the_first_and_last_layer_int8():
     result = onnxq.quantize(MODEL, None, "W4A8", CALIB)
     assert weight_types(result.model) == [INT8, INT4, INT4, INT8]
     onnx.checker.check_model(result.model, full_check=True)
-    assert any("edge_weight" in note for note in result.summary.notes)
+    (edges,) = of(result.summary.notes, Topic.CONFIG)
+    assert "edge_weight" in edges.text and len(edges.nodes) == 2  # the first and the last weighted layer
     feed = random_feeds(MODEL, 1, seed=9)[0]
     assert sqnr_db(run(MODEL, feed), run(result.model, feed)) > 15
 

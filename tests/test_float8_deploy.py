@@ -160,7 +160,7 @@ def test_float8_model_runs_at_default_level(name, dtype):
     q = result.model
     stored = {i.data_type for i in q.graph.initializer}
     assert {TensorProto.FLOAT8E4M3FN if dtype == "float8_e4m3fn" else TensorProto.FLOAT8E5M2} <= stored
-    assert not any("ORT_ENABLE_BASIC" in note for note in result.summary.notes)
+    assert not any("ORT_ENABLE_BASIC" in note for note in result.summary.note_texts)
     _assert_all_weights_float8(q)
     _assert_no_fusable_patterns(q)
     _check_deploys(model, q, dtype)
@@ -169,8 +169,8 @@ def test_float8_model_runs_at_default_level(name, dtype):
 def test_fp8_preset_and_note():
     model = clip_model()
     result = onnxq.quantize(model, None, "FP8_E4M3", H.random_feeds(model, 16, seed=1))
-    notes = [n for n in result.summary.notes if n.startswith("float8 Q/DQ")]
-    assert len(notes) == 1 and "default optimisation level" in notes[0], result.summary.notes
+    notes = [n for n in result.summary.note_texts if n.startswith("float8 Q/DQ")]
+    assert len(notes) == 1 and "default optimisation level" in notes[0], result.summary.note_texts
     _check_deploys(model, result.model, "float8_e4m3fn")
 
 
@@ -257,7 +257,7 @@ def test_activations_on_an_offset_are_centred(dtype, monkeypatch):
     config = float8_config(dtype)  # with bias correction: the weights' error on an offset is a mean error
     config["algo_config"] = [{"name": "bias_correction"}]
     centred = onnxq.quantize(model, None, config, data(32, 1))
-    assert any(n.startswith("float8: ") and "centred per channel" in n for n in centred.summary.notes)
+    assert any(n.startswith("float8: ") and "centred per channel" in n for n in centred.summary.note_texts)
     onnx.checker.check_model(centred.model)
     monkeypatch.setattr(qdq_layout, "center_float8", lambda model, statistics: 0)
     plain = onnxq.quantize(model, None, config, data(32, 1)).model

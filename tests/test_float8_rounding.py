@@ -18,6 +18,7 @@ from test_layerwise import CALIB, HELD_OUT, cnn, held_out_sqnr
 
 import onnxq
 from onnxq.config.compose import compose_config
+from onnxq.notes import Topic, of
 from onnxq.numerics.qmath import FLOAT8_TYPES
 from onnxq.optimize.layerwise import emitted
 from onnxq.optimize.layerwise.grid import FloatGrid, IntegerGrid
@@ -77,7 +78,7 @@ def test_learned_float8_rounding_beats_nearest_on_held_out_data(algo: str) -> No
     model = cnn()
     nearest, learned = fp8([]), fp8([{"name": algo}])
     onnx.checker.check_model(learned.model, full_check=True)
-    note = next(n for n in learned.summary.notes if n.startswith(algo))
+    note = next(n for n in learned.summary.note_texts if n.startswith(algo))
     assert "4 of 4 layers improved on nearest rounding" in note, note
     gain = held_out_sqnr(model, learned) - held_out_sqnr(model, nearest)
     assert gain > 1.0, (gain, note)
@@ -93,7 +94,7 @@ def test_adaround_on_e5m2_and_per_tensor_float8_weights(weight: dict) -> None:
     spec = {"global_quant_config": {"weight": weight}}
     nearest, learned = fp8([], **spec), fp8([{"name": "adaround", "equalize": "never"}], **spec)
     onnx.checker.check_model(learned.model, full_check=True)
-    note = next(n for n in learned.summary.notes if n.startswith("adaround:"))
+    note = next(n for n in learned.summary.note_texts if n.startswith("adaround:"))
     assert "4 of 4 layers improved on nearest rounding" in note, note
     assert held_out_sqnr(model, learned) > held_out_sqnr(model, nearest) + 0.5
 
@@ -178,9 +179,11 @@ def test_fp8_preset_on_data_read_once_skips_adaround_and_still_corrects() -> Non
     statistics from that pass."""
     feeds = iter([{"x": CALIB[i:i + 8]} for i in range(0, 64, 8)])
     notes = onnxq.quantize(cnn(), None, "FP8_E4M3", feeds, progress=False).summary.notes
-    assert any(n.startswith("adaround: skipped: the calibration data can be read only once; pass a path")
-               for n in notes), notes
-    assert any(n.startswith("bias_correction: 4 of 4 biases corrected") for n in notes), notes
+    (skipped,) = of(notes, Topic.SKIPPED, "adaround")
+    assert "can be read only once; pass a path" in skipped.text
+    (corrected,) = of(notes, Topic.ALGORITHM, "bias_correction")
+    assert corrected.text.startswith("bias_correction: 4 of 4 biases corrected")
+    assert not of(notes, Topic.ALGORITHM, "adaround")
 
 
 def test_bias_correction_runs_after_the_other_algorithms() -> None:
@@ -189,8 +192,9 @@ def test_bias_correction_runs_after_the_other_algorithms() -> None:
     first = fp8([{"name": "bias_correction"}, {"name": "adaround"}])
     last = fp8([{"name": "adaround"}, {"name": "bias_correction"}])
     assert first.model.SerializeToString() == last.model.SerializeToString()
-    assert any(n.startswith("bias_correction runs after adaround") for n in first.summary.notes)
-    assert not any(n.startswith("bias_correction runs after") for n in last.summary.notes)
+    (moved,) = of(first.summary.notes, Topic.RECIPE, "bias_correction")
+    assert moved.text.startswith("bias_correction runs after adaround")
+    assert not of(last.summary.notes, Topic.RECIPE)
 
 
 def test_cli_flags_put_bias_correction_last_without_a_note(tmp_path, capsys) -> None:
@@ -232,7 +236,7 @@ def test_fp8_preset_reads_the_model_input_in_float_and_gains() -> None:
     producers = {o: n.op_type for n in preset.graph.node for o in n.output}
     assert conv1.input[0] == "x" and producers.get(fc.input[0]) == "Flatten", (conv1.input, fc.input)
     assert any(n.startswith("edge_input: the first and last weighted layers (conv1, fc) take float32 inputs")
-               for n in results["float32"].summary.notes)
+               for n in results["float32"].summary.note_texts)
     reference = run(model, held)
     gain = sqnr_db(reference, run(preset, held)) - sqnr_db(reference, run(results[None].model, held))
     assert gain > 5.0, gain

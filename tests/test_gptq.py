@@ -45,7 +45,7 @@ def test_gptq_beats_round_to_nearest_on_held_out_data():
     scores = {"rtn": sqnr_db(ref, run(onnxq.quantize(model, None, rtn, calib, progress=False).model, held_out))}
     for name, options in (("gptq", {"desc_act": False}), ("no_clip", {"clip_search": False}), ("act_order", {})):
         result = onnxq.quantize(model, None, _config(**options), calib, progress=False)
-        assert "1 of 1 MatMul weights quantized with GPTQ" in " ".join(result.summary.notes)
+        assert "1 of 1 MatMul weights quantized with GPTQ" in " ".join(result.summary.note_texts)
         scores[name] = sqnr_db(ref, run(result.model, held_out))
     assert scores["gptq"] > scores["rtn"] + 1.0, scores
     assert scores["act_order"] > scores["gptq"], scores
@@ -137,6 +137,6 @@ def test_true_sequential_is_no_worse_than_float_inputs():
     scores = {}
     for seq in (True, False):
         result = onnxq.quantize(model, None, _config(true_sequential=seq), calib, progress=False)
-        assert "2 of 2 MatMul weights quantized with GPTQ" in " ".join(result.summary.notes)
+        assert "2 of 2 MatMul weights quantized with GPTQ" in " ".join(result.summary.note_texts)
         scores[seq] = sqnr_db(ref, run(result.model, held_out))
     assert scores[True] >= scores[False] - 0.05, scores

@@ -15,6 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxq
 from onnxq.cli import main
 from onnxq.errors import ConfigError
+from onnxq.notes import Topic, of
 from onnxq.optimize.layerwise import driver
 from onnxq.optimize.layerwise.gram import Gram
 from onnxq.optimize.layerwise.grid import IntegerGrid
@@ -151,7 +152,7 @@ def test_algorithm_beats_nearest_rounding_on_held_out_data(nearest, algo: str) -
     model, plain = nearest
     result = quantize(model, [{"name": algo}])
     onnx.checker.check_model(result.model, full_check=True)
-    note = next(n for n in result.summary.notes if n.startswith(algo))
+    note = next(n for n in result.summary.note_texts if n.startswith(algo))
     assert "4 of 4 layers improved on nearest rounding (1 of them by their scale and bias alone)" in note and "only their scale and bias fitted" in note and "(fc)" in note
     gain = held_out_sqnr(model, result) - held_out_sqnr(model, plain)
     assert gain > 1.0, (gain, note)
@@ -213,11 +214,13 @@ def test_per_tensor_weights_bring_equalization_first() -> None:
     model = cnn()
     per_tensor = {"weight": {"qscheme": "per_tensor"}}
     result = quantize(model, [{"name": "adaround", "num_iteration": 20}], global_quant_config=per_tensor)
-    assert any(n.startswith("adaround adds cle") for n in result.summary.notes)
-    assert any(n.startswith("cle:") for n in result.summary.notes)
+    (added,) = of(result.summary.notes, Topic.RECIPE, "adaround")
+    assert added.text.startswith("adaround adds cle before calibration")
+    assert of(result.summary.notes, Topic.PASS, "cle")
+    assert any(n.startswith("cle:") for n in result.summary.note_texts)
     result = quantize(model, [{"name": "adaround", "num_iteration": 20, "equalize": "never"}],
                       global_quant_config=per_tensor)
-    assert not any("cle" in n for n in result.summary.notes)
+    assert not any("cle" in n for n in result.summary.note_texts)
 
 
 def test_weight_only_static_layers_are_optimised() -> None:
@@ -239,7 +242,7 @@ def test_model_level_check_undoes_everything(nearest, monkeypatch) -> None:
     model, plain = nearest
     monkeypatch.setattr(driver, "keep_learned", lambda *a, **k: (False, 1.0, 2.0))
     result = quantize(model, [{"name": "adaquant"}])
-    assert "undone" in next(n for n in result.summary.notes if n.startswith("adaquant"))
+    assert "undone" in next(n for n in result.summary.note_texts if n.startswith("adaquant"))
     assert result.model.SerializeToString() == plain.model.SerializeToString()
 
 
@@ -251,7 +254,7 @@ def test_non_finite_loss_keeps_nearest(nearest, monkeypatch) -> None:
                         lambda m, p, r, o, c: driver.reconstruct("adaround", onnxq.optimize.adaround.learn_rounding,
                                                                  m, p, r, o, c))
     result = quantize(model, [{"name": "adaround", "skip_layers": ["fc"]}])  # fc: too few rows, only fitted
-    note = next(n for n in result.summary.notes if n.startswith("adaround"))
+    note = next(n for n in result.summary.note_texts if n.startswith("adaround"))
     assert "0 of 3 layers improved" in note and "not finite" in note
     assert result.model.SerializeToString() == plain.model.SerializeToString()
 
@@ -259,7 +262,7 @@ def test_non_finite_loss_keeps_nearest(nearest, monkeypatch) -> None:
 def test_layers_it_cannot_optimise_are_named(nearest) -> None:
     model, _ = nearest
     result = quantize(model, [{"name": "adaround", "op_types": ["Gemm"], "num_iteration": 10}])
-    note = next(n for n in result.summary.notes if n.startswith("adaround"))
+    note = next(n for n in result.summary.note_texts if n.startswith("adaround"))
     assert "of 1 layer improved" in note and "only their scale and bias fitted" in note, note
     # the samples the user gave (64), held-out check batches included, and as many more
     assert "calibrate on at least" in note and "samples (now 64)" in note, note
@@ -270,7 +273,7 @@ def test_data_read_once_is_reported(nearest) -> None:
     feeds = iter([{"x": CALIB[i:i + 8]} for i in range(0, 64, 8)])
     config = onnxq.config.compose.compose_config("U8S8", None, {"algo_config": [{"name": "adaround"}]})
     result = onnxq.quantize(model, None, config, feeds, progress=False)
-    assert any("read only once" in n for n in result.summary.notes)
+    assert any("read only once" in n for n in result.summary.note_texts)
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -331,7 +334,7 @@ def test_narrow_weights_keep_their_bit_width(nearest) -> None:
     config = onnxq.config.compose.compose_config("U8S8", None, {
         "global_quant_config": {"weight": {"bits": 6}}, "algo_config": [{"name": "adaround"}]})
     result = onnxq.quantize(model, None, config, {"x": CALIB}, progress=False)
-    assert "4 of 4 layers improved" in next(n for n in result.summary.notes if n.startswith("adaround"))
+    assert "4 of 4 layers improved" in next(n for n in result.summary.note_texts if n.startswith("adaround"))
     inits = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
     for name in ("w1", "w2", "w3"):
         q = inits[f"{name}_quantized"].astype(np.int64)
@@ -347,7 +350,7 @@ def test_bias_correction_after_it_corrects_only_unfitted_biases(nearest, algo: s
     alone = quantize(model, [{"name": algo}])
     both = quantize(model, [{"name": algo}, {"name": "bias_correction"}])
     assert both.model.SerializeToString() == alone.model.SerializeToString()
-    assert "fitted by " + algo in next(n for n in both.summary.notes if n.startswith("bias_correction"))
+    assert "fitted by " + algo in next(n for n in both.summary.note_texts if n.startswith("bias_correction"))
     corrected = quantize(model, [{"name": "bias_correction"}])
     unfitted = quantize(model, [{"name": algo, "bias": False}, {"name": "bias_correction"}])
     assert held_out_sqnr(model, unfitted) > held_out_sqnr(model, corrected) + 1.0
@@ -421,11 +424,11 @@ def test_a_trial_emission_starts_without_the_base_runs_fitted_biases(monkeypatch
                                                                 "algo_config": [{"name": "adaround"}]})
     base = run_pipeline(cnn(), None, config, {"x": CALIB}, progress=False, keep_state=True)
     assert "bias_correction: nothing to correct: the biases of all 4 layers were fitted by adaround" in \
-        base.summary.notes
+        base.summary.note_texts
     monkeypatch.setattr(driver, "_one_layer", lambda *args, **kwargs: None)  # the trial fits nothing
     trial = ir.to_proto(base.state.emit(config))
     fresh = run_pipeline(cnn(), None, config, {"x": CALIB}, progress=False)
-    assert "4 of 4 biases corrected" in " ".join(fresh.summary.notes)
+    assert "4 of 4 biases corrected" in " ".join(fresh.summary.note_texts)
     assert trial.SerializeToString() == fresh.model.SerializeToString()
 
 
@@ -581,7 +584,7 @@ def test_adaround_through_the_activation_beats_nearest(nearest) -> None:
     the held-out output still beats nearest rounding's by more than 1 dB."""
     model, plain = nearest
     result = quantize(model, [{"name": "adaround", "activation": True}])
-    note = next(n for n in result.summary.notes if n.startswith("adaround"))
+    note = next(n for n in result.summary.note_texts if n.startswith("adaround"))
     assert "error measured after the activation on 3 layers (Relu)" in note
     assert held_out_sqnr(model, result) > held_out_sqnr(model, plain) + 1.0
     again = quantize(model, [{"name": "adaround", "activation": True}])

@@ -114,7 +114,7 @@ def test_target_met_as_is_promotes_nothing(tmp_path):
     result = quantize(path, tmp_path / "q.onnx", cfg, _data(model, 16, 0), progress=False)
     mp = result.summary.mixed_precision
     assert mp.met and not mp.promotions and mp.evaluations == 1
-    assert any("calibration data" in n for n in result.summary.notes)  # no eval set: said so
+    assert any("calibration data" in n for n in result.summary.note_texts)  # no eval set: said so
 
 
 def test_custom_evaluate_callable_and_unreachable_target(coarse_chain, tmp_path):
@@ -133,7 +133,7 @@ def test_custom_evaluate_callable_and_unreachable_target(coarse_chain, tmp_path)
     result = quantize(path, tmp_path / "q.onnx", cfg, feeds, progress=False, evaluate=evaluate)
     mp = result.summary.mixed_precision
     assert not mp.met and not mp.promotions  # int16 activations cannot undo 2-bit weights
-    assert any("not met" in n for n in result.summary.notes)
+    assert any("not met" in n for n in result.summary.note_texts)
     assert set(seen) == {ort.GraphOptimizationLevel.ORT_ENABLE_ALL}  # what deploys
     onnx.checker.check_model(str(tmp_path / "q.onnx"))
 

@@ -12,6 +12,7 @@ from onnxq.cli import main
 from onnxq.config.compose import compose_config
 from onnxq.errors import ConfigError
 from onnxq.evaluate import compare_models
+from onnxq.notes import Topic, of
 
 CLIPPED = {"global_quant_config": {
     "input_tensors": {"calib_method": "percentile", "percentile": 50.0},
@@ -61,10 +62,10 @@ def test_no_check_without_replayable_data_or_samples():
     once = onnxq.quantize(model, None, "U8S8", iter(feeds))  # a one-shot iterator: read by calibration only
     assert once.summary.fidelity is None
     assert any(n.startswith("output check skipped: the calibration data") and "read only once" in n
-               for n in once.summary.notes), once.summary.notes  # said, not silently dropped
+               for n in once.summary.note_texts), once.summary.note_texts  # said, not silently dropped
     off = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 0}}),
                          iter(feeds))
-    assert not any(n.startswith("output check skipped") for n in off.summary.notes)  # turned off: nothing to say
+    assert not any(n.startswith("output check skipped") for n in off.summary.note_texts)  # turned off: nothing to say
     few = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 3}}), feeds)
     assert few.summary.fidelity.samples == 3
 
@@ -90,11 +91,12 @@ def test_nothing_quantized_is_a_warning_with_the_config_level_named():
     model = residual()
     result = onnxq.quantize(model, None, "W8_DYNAMIC", random_feeds(model, 8, seed=1))
     assert not result.summary.quantized_by_op
-    assert any(n.startswith("warning: nothing was quantized") for n in result.summary.notes)
+    (warning,) = of(result.summary.notes, Topic.WARNING)
+    assert warning.text.startswith("warning: nothing was quantized")
     reasons = {why for op, why in result.summary.float_nodes.values() if op == "Conv"}
     assert reasons == {"kept float by the config's Conv override (layer_type_quant_config)"}
     fp16 = onnxq.quantize(model, None, "FP16", random_feeds(model, 8, seed=1))  # weights stored in float16
-    assert not any("nothing was quantized" in n for n in fp16.summary.notes)
+    assert not any("nothing was quantized" in n for n in fp16.summary.note_texts)
 
 
 def test_weight_only_matmul_with_its_constant_first_says_so():
@@ -142,7 +144,7 @@ def test_the_check_never_stops_a_run(monkeypatch):
     broken = onnxq.quantize(model, None, "U8S8", calib)
     assert broken.summary.fidelity is None
     assert "warning: the quantized model loads but failed to run on a calibration sample: kernel failed" in \
-        broken.summary.notes
+        broken.summary.note_texts
     assert broken.model.SerializeToString() == plain.model.SerializeToString()
 
 
@@ -156,7 +158,7 @@ def test_large_models_skip_the_check_unless_asked(monkeypatch):
     calib = random_feeds(model, 12, seed=1)
     auto = onnxq.quantize(model, None, "U8S8", calib)
     assert auto.summary.fidelity is None
-    assert any(n.startswith("output check skipped") and "--check-samples 8" in n for n in auto.summary.notes)
+    assert any(n.startswith("output check skipped") and "--check-samples 8" in n for n in auto.summary.note_texts)
     asked = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 4}}), calib)
     assert asked.summary.fidelity.samples == 4
 
@@ -200,4 +202,5 @@ def test_an_asked_check_on_data_read_once_says_it_was_skipped():
     batches = ({"x": rng.standard_normal((4, 3, 16, 16)).astype(np.float32)} for _ in range(4))
     result = onnxq.quantize(model, None, {"calibration": {"check_samples": 8}}, batches)
     assert result.summary.fidelity is None
-    assert any(n.startswith("output check skipped: the calibration data (generator)") for n in result.summary.notes)
+    (check,) = of(result.summary.notes, Topic.CHECK)
+    assert check.text.startswith("output check skipped: the calibration data (generator)")

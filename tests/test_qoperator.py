@@ -147,7 +147,7 @@ def test_kept_patterns_are_named(tmp_path):
     data = stack_feeds(random_feeds(model, 16, seed=3))
     config = onnxq.as_config({"preset": "A16W8", "quant_format": "qoperator"})
     result = onnxq.quantize(model, None, config, data, progress=False)
-    note = next(n for n in result.summary.notes if n.startswith("qoperator format"))
+    note = next(n for n in result.summary.note_texts if n.startswith("qoperator format"))
     assert "kept as Q/DQ" in note and "not 8-bit" in note
     onnx.checker.check_model(result.model)
 

@@ -22,6 +22,7 @@ import onnxq
 from onnxq.config.compose import compose_config
 from onnxq.emit.lowering import LOWERINGS, LoweringReport, register_lowering
 from onnxq.errors import ConfigError
+from onnxq.notes import Topic, of
 from onnxq.optimize import CONTRACTS, PASSES, register_pass
 from onnxq.plan.strategies import STRATEGIES, Lower, register_strategy
 
@@ -89,7 +90,7 @@ def test_registered_strategy_and_lowering_rewrite_the_nodes_they_claim(toy_strat
     onnx.checker.check_model(q, full_check=True)
     ops = [n.op_type for n in q.graph.node]
     assert "Relu" not in ops and "Max" in ops
-    assert "toy: 1 Relu as Max" in result.summary.notes
+    assert "toy: 1 Relu as Max" in result.summary.note_texts
     assert result.summary.quantized_by_op.get("Relu") == 1  # counted as handled, not float
     assert result.plan.nodes_for(toy_strategy) and not result.plan.float_nodes.get("Relu")
     assert cosine(run(q, feeds), run(model, feeds)) > 0.999
@@ -108,7 +109,8 @@ def test_registered_pass_runs_from_python_and_dict_configs(toy_pass):
     config.pre_quant_opt_config = [{"name": toy_pass}]
     result = onnxq.quantize(model, None, config, feeds)
     assert "Mul" not in [n.op_type for n in result.model.graph.node]
-    assert f"{toy_pass}: 1 Mul by 1 removed" in result.summary.notes
+    (note,) = of(result.summary.notes, Topic.PASS, toy_pass)
+    assert note.text == f"{toy_pass}: 1 Mul by 1 removed"
     by_dict = onnxq.quantize(model, None, compose_config("U8S8", None, {"pre_quant_opt_config": [{"name": toy_pass}]}),
                              feeds)
     assert by_dict.model.SerializeToString() == result.model.SerializeToString()

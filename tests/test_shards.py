@@ -17,6 +17,7 @@ from onnxq.calibrate.observers.histogram import StreamingHistogram
 from onnxq.calibrate.statistics import Accumulator, Statistic
 from onnxq.cli import main
 from onnxq.errors import CalibrationDataError, ConfigError
+from onnxq.notes import Topic, of
 from onnxq.quantize import calibrate_shard, calibrate_sharded
 
 
@@ -121,10 +122,12 @@ def test_a_preset_algorithm_that_reads_the_data_is_skipped_from_files(tmp_path):
     merged = onnxq.as_config(config)
     merged.calibration.stats = files
     notes = onnxq.quantize(model, None, merged, None, progress=False).summary.notes
-    assert any(n.startswith("adaround: skipped: it reads the calibration data") for n in notes), notes
-    assert any(n.startswith("bias_correction: ") and "corrected" in n for n in notes), notes
+    (skipped,) = of(notes, Topic.SKIPPED, "adaround")
+    assert "it reads the calibration data itself, which statistics files do not hold" in skipped.text
+    (corrected,) = of(notes, Topic.ALGORITHM, "bias_correction")
+    assert "corrected" in corrected.text
     # as the note says: the same files with the data too, and AdaRound runs
-    notes = onnxq.quantize(model, None, merged, data, progress=False).summary.notes
+    notes = onnxq.quantize(model, None, merged, data, progress=False).summary.note_texts
     assert any(n.startswith("adaround: 3 of 3 layers improved") for n in notes), notes
 
 
@@ -217,7 +220,7 @@ def test_an_accuracy_target_raising_layers_to_float_from_stats_files(tmp_path):
     stats = str(calibrate_shard(model, tmp_path / "t.npz", target, data, "1/1", progress=False).path)
     reused = onnxq.quantize(model, None, {**target, "calibration": {"stats": [stats]}}, data, progress=False)
     assert reused.model.SerializeToString() == direct.model.SerializeToString()
-    assert any("calibrated on --calib-data" in n for n in reused.summary.notes)
+    assert any("calibrated on --calib-data" in n for n in reused.summary.note_texts)
     with pytest.raises(CalibrationDataError, match="pass --calib-data as well"):
         onnxq.quantize(model, None, {**target, "calibration": {"stats": [stats]}}, None, progress=False)
 

@@ -85,7 +85,7 @@ def outlier_data(n: int, seed: int, shape_tail: tuple[int, ...] = (8, K)) -> dic
 def apply(model: onnx.ModelProto, data: dict | None, **options) -> tuple[ir.Model, str]:
     ir_model, _ = load_model(model)
     settings = RunSettings(CalibrationSource(data), CalibrationConfig())
-    notes = run_passes(ir_model, [{"name": "smoothquant", **options}], settings).notes
+    notes = [n.text for n in run_passes(ir_model, [{"name": "smoothquant", **options}], settings).notes]
     return ir_model, notes[-1]
 
 

@@ -86,7 +86,7 @@ def test_bias_correction_statistics_come_with_calibration(monkeypatch: pytest.Mo
     config.target_algorithms = False
     result = onnxq.quantize(proto, None, config, feeds)
     assert purposes == ["calibrating"]  # one pass over the data for calibration and bias correction
-    assert any(n.startswith("bias_correction: 2 of 2 biases corrected") for n in result.summary.notes)
+    assert any(n.startswith("bias_correction: 2 of 2 biases corrected") for n in result.summary.note_texts)
 
 
 def test_reductions_run_right_after_their_tensor():

@@ -30,6 +30,7 @@ from onnxq.cli import main
 from onnxq.config import get_preset
 from onnxq.emit import loadcheck
 from onnxq.errors import OnnxqError
+from onnxq.notes import Topic, of
 from onnxq.target import resolve_target
 from onnxq.target.probe import saturating_kernels, wrong_kernels
 from onnxq.target.profile import AVX2_SATURATING
@@ -70,7 +71,8 @@ def test_exact_targets_keep_8_bits_and_correct_biases(target):
     result = quantize(target=target)
     assert all(np.abs(w).max() == 127 for _, w in weight_codes(result.model).values())
     assert result.summary.target.startswith(f"target {target}")
-    assert any(n.startswith(f"target {target} adds bias_correction") for n in result.summary.notes)
+    (added,) = of(result.summary.notes, Topic.TARGET, "bias_correction")
+    assert added.text.startswith(f"target {target} adds bias_correction")
 
 
 def test_generic_is_avx2():
@@ -81,9 +83,9 @@ def test_generic_is_avx2():
 
 def test_target_adds_bias_correction_unless_told_not_to():
     on = quantize(target="x86-avx2")
-    assert any("adds bias_correction" in n for n in on.summary.notes)
+    assert of(on.summary.notes, Topic.TARGET, "bias_correction")
     off = quantize(target="x86-avx2", target_algorithms=False)
-    assert not any("bias_correction" in n for n in off.summary.notes)
+    assert not of(off.summary.notes, Topic.TARGET) and not of(off.summary.notes, Topic.ALGORITHM, "bias_correction")
     assert on.model.SerializeToString() != off.model.SerializeToString()
 
 
@@ -230,7 +232,8 @@ def test_nodes_onnxruntime_refuses_stay_float(monkeypatch):
     monkeypatch.setattr(module, "model_loads", lambda model, providers: refuses_victim(model, providers) is not None)
     result = quantize(target="x86-vnni")
     assert victim in result.summary.float_nodes
-    assert any("could not load them quantized" in n and victim in n for n in result.summary.notes)
+    (kept,) = of(result.summary.notes, Topic.FLOAT)
+    assert kept.nodes == (victim,) and "could not load them quantized" in kept.text
     assert result.summary.quantized_by_op["Conv"] == 2  # the other two Convs stay quantized
     feeds = random_feeds(MODEL, 4, seed=5)
     assert sqnr_db(run(MODEL, feeds), reference_run(result.model, feeds)) > 20

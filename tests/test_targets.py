@@ -587,7 +587,7 @@ def test_unloadable_node_is_kept_float(monkeypatch, tmp_path):
     assert REFUSED not in result.summary.quantized_by_op
     assert result.summary.quantized_by_op.get("Conv") == 2
     assert any("kept float because onnxruntime could not load" in n and REFUSED in n
-               for n in result.summary.notes), result.summary.notes
+               for n in result.summary.note_texts), result.summary.note_texts
     assert REFUSED in onnxq.format_summary(result.summary)
     prods, inits = producers(q), initializers(q)
     for node in q.graph.node:

@@ -20,6 +20,7 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -114,6 +115,8 @@ def json_safe(value: Any) -> Any:
         return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [json_safe(v) for v in value]
+    if isinstance(value, Enum):
+        return value.value
     if hasattr(value, "item") and not isinstance(value, str | bytes):  # numpy scalar
         value = value.item()
     if isinstance(value, float):

@@ -9,6 +9,7 @@ from typing import Any
 from onnxq.analyze.analysis import analyze_models
 from onnxq.analyze.html import write_html_report
 from onnxq.config.spec import Config
+from onnxq.notes import Topic, notes
 from onnxq.search.target import load_eval_set
 
 # The per-layer analysis of a report runs on at most this many samples.
@@ -23,6 +24,6 @@ def report_quantization(path: str | os.PathLike, result: Any, config: Config, da
     analysis = analyze_models(state.float_model, result.ir_model, data, normalised=True,
                               max_samples=REPORT_SAMPLES, providers=config.calibration.providers,
                               progress=progress)
-    result.summary.notes.extend(f"report: {n}" for n in analysis.notes)
+    result.summary.notes.extend(notes(Topic.REPORT, [f"report: {n}" for n in analysis.notes]))
     write_html_report(path, analysis=analysis, summary=result.summary, config=config,
                       title=f"onnxq report: {result.summary.source}")

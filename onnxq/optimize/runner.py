@@ -12,6 +12,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 
 from onnxq.calibrate.statistics import Statistic
+from onnxq.notes import Note, Topic
 from onnxq.optimize.context import (
     AlgorithmContext,
     AlgorithmResult,
@@ -40,7 +41,7 @@ class PassesOutcome:
     """What the passes left: one report line per pass that did not defer, the nodes they
     keep float (node -> reason), the deferred half of the last pass if it deferred."""
 
-    notes: list[str]
+    notes: list[Note]
     keep_float: Mapping[str, str]
     deferred: Deferred | None = None
 
@@ -53,7 +54,7 @@ def run_passes(model: ir.Model, entries: list[Mapping[str, Any]] | tuple[Entry, 
     named = {entry.name for entry in entries}
     enabled = [e for e in (*parse_passes([{"name": d} for d in DEFAULT_PASSES if d not in named]), *entries)
                if e.enabled]
-    notes: list[str] = []
+    notes: list[Note] = []
     keep_float: dict[str, str] = {}
     deferred = None
     for i, entry in enumerate(enabled):
@@ -63,19 +64,19 @@ def run_passes(model: ir.Model, entries: list[Mapping[str, Any]] | tuple[Entry, 
         keep_float.update(result.keep_float)
         deferred = result.deferred or deferred
         if result.note is not None:
-            notes.append(f"{entry.name}: {result.note}")
+            notes.append(Note(Topic.PASS, f"{entry.name}: {result.note}", source=entry.name))
     ir_passes.RemoveUnusedNodesPass()(model)  # drops initializers the passes replaced
     return PassesOutcome(notes, MappingProxyType(keep_float), deferred)
 
 
 def finish_deferred(
     model: ir.Model, deferred: Deferred, statistics: Mapping[Statistic, Any]
-) -> tuple[str, dict[str, Rescale]]:
+) -> tuple[Note, dict[str, Rescale]]:
     """Run a deferred pass's second half on the statistics the calibration pass collected:
     its report line and the tensors it scaled."""
     report, rescaled = deferred.finish(statistics)
     ir_passes.RemoveUnusedNodesPass()(model)
-    return f"{deferred.name}: {report}", rescaled
+    return Note(Topic.PASS, f"{deferred.name}: {report}", source=deferred.name), rescaled
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class AlgorithmsOutcome:
     the quantized weights emission uses, and the layers whose biases they fitted."""
 
     plan: QuantPlan
-    notes: list[str]
+    notes: list[Note]
     weights: WeightCache
     fitted_biases: Mapping[str, str] = field(default_factory=dict)
 
@@ -96,7 +97,7 @@ def run_algorithms(
     """Apply the configured post-calibration algorithms in order. `statistics`: what the
     calibration pass collected, on the model before any algorithm changed it (the first
     algorithm's requests)."""
-    notes: list[str] = []
+    notes: list[Note] = []
     weights = WeightCache()
     fitted: dict[str, str] = {}
     for entry in (e for e in entries if e.enabled):
@@ -110,7 +111,7 @@ def run_algorithms(
         weights = ctx.weights  # the algorithm's copy, with what it pinned
         fitted.update(result.fitted_biases)
         plan = result.plan if result.plan is not None else plan
-        notes.append(f"{entry.name}: {result.note}")
+        notes.append(Note(Topic.ALGORITHM, f"{entry.name}: {result.note}", source=entry.name))
         statistics = {}  # collected on the model before this algorithm changed it
     return AlgorithmsOutcome(plan, notes, weights, MappingProxyType(fitted))
 
@@ -124,7 +125,7 @@ def algorithm_requests(model: ir.Model, plan: QuantPlan, entries: tuple[Entry, .
     return REQUESTS[enabled[0].name](model, plan, enabled[0].options)
 
 
-def without_another_read(entries: tuple[Entry, ...], why: str) -> tuple[tuple[Entry, ...], list[str]]:
+def without_another_read(entries: tuple[Entry, ...], why: str) -> tuple[tuple[Entry, ...], list[Note]]:
     """The algorithms that can run when the calibration data cannot be read again (a
     generator, or none: statistics loaded from files), and a note per one skipped, `why`
     naming the fix. Only the first enabled algorithm gets its statistics from the
@@ -139,7 +140,7 @@ def without_another_read(entries: tuple[Entry, ...], why: str) -> tuple[tuple[En
             kept.append(entry)
             first = False
         else:
-            notes.append(f"{entry.name}: skipped: {why}")
+            notes.append(Note(Topic.SKIPPED, f"{entry.name}: skipped: {why}", source=entry.name))
     return tuple(kept), notes
 
 

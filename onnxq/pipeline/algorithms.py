@@ -13,6 +13,7 @@ import onnx_ir as ir
 
 from onnxq.calibrate.access import Access, refusal
 from onnxq.config.spec import Config
+from onnxq.notes import Note, Topic
 from onnxq.optimize.registry import (
     Entry,
     equalizing_pass,
@@ -26,7 +27,7 @@ from onnxq.target import TargetProfile
 
 
 def configured_algorithms(config: Config, target: TargetProfile, plan: QuantPlan,
-                          access: Access) -> tuple[tuple[Entry, ...], list[str]]:
+                          access: Access) -> tuple[tuple[Entry, ...], list[Note]]:
     """The configured algorithms plus those the target adds for a static plan with
     quantized Conv/Gemm layers (bias correction), in contract order, less those the data
     cannot serve; and a note on each such decision."""
@@ -42,22 +43,23 @@ def configured_algorithms(config: Config, target: TargetProfile, plan: QuantPlan
     # after other algorithms it must read the data again.
     if added and not config.calibration.stats and (not access.readable or (algorithms and not access.rereadable)):
         why = refusal(access) + (" (other algorithms read it first)" if access is Access.ONCE else "")
-        notes.append(f"target {target.name} would add {', '.join(e.name for e in added)} to remove the rounded "
-                     f"weights' mean error, but {why}")
+        notes.append(Note(Topic.TARGET, f"target {target.name} would add {', '.join(e.name for e in added)} to "
+                          f"remove the rounded weights' mean error, but {why}"))
         return algorithms, notes
-    notes.extend(f"target {target.name} adds {e.name} ({', '.join(e.op_types)}) to remove the rounded weights' "
-                 "mean error per channel; target_algorithms: false turns it off" for e in added)
+    notes.extend(Note(Topic.TARGET, f"target {target.name} adds {e.name} ({', '.join(e.op_types)}) to remove the "
+                      "rounded weights' mean error per channel; target_algorithms: false turns it off", source=e.name)
+                 for e in added)
     return algorithms + tuple(added), notes
 
 
-def _moved_note(algorithms: tuple[Entry, ...], moved: list[str]) -> str:
+def _moved_note(algorithms: tuple[Entry, ...], moved: list[str]) -> Note:
     last = next(e.name for e in algorithms if e.enabled and e.contract.runs_last)
     they, s = ("it", "s") if len(moved) == 1 else ("they", "")
-    return (f"{last} runs after {', '.join(moved)}: it removes the error {they} leave{s}, "
-            f"and its corrected biases would shift the float model {they} fit{s} to")
+    return Note(Topic.RECIPE, f"{last} runs after {', '.join(moved)}: it removes the error {they} leave{s}, "
+                f"and its corrected biases would shift the float model {they} fit{s} to", source=last)
 
 
-def with_equalization(model: ir.Model, config: Config, target: TargetProfile) -> tuple[tuple[Entry, ...], list[str]]:
+def with_equalization(model: ir.Model, config: Config, target: TargetProfile) -> tuple[tuple[Entry, ...], list[Note]]:
     """The configured passes, plus the equalizing pass (CLE) where a layer-wise algorithm
     wants it (its `equalize` option) and no entry of that pass decides it already."""
     passes = parse_passes(config.pre_quant_opt_config)
@@ -72,7 +74,7 @@ def with_equalization(model: ir.Model, config: Config, target: TargetProfile) ->
     name = equalizing_algorithm(algorithms, per_tensor)
     if name is None:
         return passes, []
-    note = (f"{name} adds {equalizer} before calibration (per-tensor Conv/Gemm weights); "
-            f"equalize: never, or a {equalizer} entry with enabled: false, turns it off")
+    note = Note(Topic.RECIPE, f"{name} adds {equalizer} before calibration (per-tensor Conv/Gemm weights); "
+                f"equalize: never, or a {equalizer} entry with enabled: false, turns it off", source=name)
     return (*passes, *parse_passes([{"name": equalizer}])), [note]
 

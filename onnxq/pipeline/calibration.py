@@ -16,6 +16,7 @@ from onnxq.calibrate.shards import load_stats, model_digest
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.spec import CalibrationConfig
 from onnxq.emit.float8_center import centering_requests
+from onnxq.notes import Note, Topic
 from onnxq.optimize.context import Deferred, Rescale, RunSettings
 from onnxq.optimize.registry import Entry
 from onnxq.optimize.runner import algorithm_requests, finish_deferred, without_another_read
@@ -42,7 +43,7 @@ def file_requests(model: ir.Model, plan: QuantPlan, algorithms: tuple[Entry, ...
 def calibrate_or_load(
     model: ir.Model, plan: QuantPlan, settings: RunSettings, algorithms: tuple[Entry, ...],
     deferred: Deferred | None,
-) -> tuple[CalibrationResult, list[str]]:
+) -> tuple[CalibrationResult, list[Note]]:
     """Calibrate (collecting in the same pass the statistics the first algorithm and a
     deferred pass ask for, then finishing that pass), or take ranges from
     `calibration.load_ranges` or statistics from `calibration.stats`; save the ranges if
@@ -51,7 +52,7 @@ def calibrate_or_load(
     options: CalibrationConfig = settings.calibration
     data, progress = settings.data, settings.progress
     digest = model_digest(model) if options.load_ranges or options.save_ranges else None
-    notes: list[str] = []
+    notes: list[Note] = []
     if options.load_ranges:
         ranges, samples = load_ranges(options.load_ranges, list(tensors), digest)
         result = CalibrationResult(ranges, samples, 0, 0)
@@ -77,15 +78,15 @@ def calibrate_or_load(
     return result, notes
 
 
-def drop_unquantizable(plan: QuantPlan, ranges: Mapping[str, tuple[float, float]]) -> tuple[QuantPlan, list[str]]:
+def drop_unquantizable(plan: QuantPlan, ranges: Mapping[str, tuple[float, float]]) -> tuple[QuantPlan, list[Note]]:
     """The plan without tensors whose range no integer grid can hold, and a note on them."""
     huge = {n for n, (lo, hi) in ranges.items() if max(abs(lo), abs(hi)) > MAX_QUANTIZABLE_RANGE}
     if not huge:
         return plan, []
     plan, dropped = plan.without(huge, f"calibrated range beyond +-{MAX_QUANTIZABLE_RANGE:g}")
     names = ", ".join(sorted(huge)[:3]) + (", ..." if len(huge) > 3 else "")
-    return plan, [f"{len(dropped)} tensors kept in float: range beyond +-{MAX_QUANTIZABLE_RANGE:g} "
-                  f"(masking constants such as float min): {names}"]
+    return plan, [Note(Topic.FLOAT, f"{len(dropped)} tensors kept in float: range beyond +-{MAX_QUANTIZABLE_RANGE:g} "
+                       f"(masking constants such as float min): {names}", tuple(sorted(huge)))]
 
 
 def within_ranges(plan: QuantPlan, ranges: Mapping[str, tuple[float, float]]) -> QuantPlan:

@@ -14,6 +14,7 @@ from onnxq.config.spec import Config
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads, open_deployed
 from onnxq.emit.trial import emit_trial
+from onnxq.notes import Note, Topic
 from onnxq.optimize.context import RunSettings, TrialEmitter
 from onnxq.pipeline.calibration import within_ranges
 from onnxq.plan import QuantPlan, plan_quantization
@@ -37,10 +38,11 @@ def emit_loadable(
     model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], config: Config,
     weights: WeightCache, keep_float: Mapping[str, str], target: TargetProfile,
     statistics: Mapping[Statistic, Any],
-) -> tuple[ir.Model, EmitResult, ort.InferenceSession | None]:
+) -> tuple[ir.Model, EmitResult, ort.InferenceSession | None, list[Note]]:
     """Emit, then open the result as a deployment would; if onnxruntime refuses it, keep
     the nodes responsible float (found by re-emitting from a copy) instead of writing it.
-    Also returns the session that opened it (for the output check). `weights`: those the
+    Also returns the session that opened it (for the output check) and a note on the nodes
+    kept float that way. `weights`: those the
     algorithms quantized; `statistics`: the calibration pass's, measured before any
     algorithm ran (float8 centring)."""
     pristine = model.clone()
@@ -48,7 +50,7 @@ def emit_loadable(
     providers = config.calibration.providers
     session = open_deployed(model, providers)
     if session is not None:
-        return model, emitted, session
+        return model, emitted, session, []
     order = [node.name for node in pristine.graph if node.name in plan.quantized_nodes]
 
     def trial(kept: set[str]) -> Trial:
@@ -59,7 +61,6 @@ def emit_loadable(
         return Trial(copy, model_loads(copy, providers), result)
 
     final, culprits = find_culprits(order, trial)
-    result = final.payload
-    result.notes.append(f"{len(culprits)} nodes kept float because onnxruntime could not load them quantized: "
-                        + ", ".join(culprits[:5]) + (", ..." if len(culprits) > 5 else ""))
-    return final.model, result, open_deployed(final.model, providers)
+    note = Note(Topic.FLOAT, f"{len(culprits)} nodes kept float because onnxruntime could not load them quantized: "
+                + ", ".join(culprits[:5]) + (", ..." if len(culprits) > 5 else ""), tuple(culprits))
+    return final.model, final.payload, open_deployed(final.model, providers), [note]

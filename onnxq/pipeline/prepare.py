@@ -20,6 +20,7 @@ from onnxq.errors import UnsupportedModelError
 from onnxq.graph.load import LoadReport, check_runnable, load_model
 from onnxq.graph.quantized import describe, quantized_ops
 from onnxq.graph.save import weight_bytes
+from onnxq.notes import Note, Topic, notes
 from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
 from onnxq.optimize.context import Deferred, RunSettings
 from onnxq.optimize.registry import Entry, check_config_entries
@@ -103,20 +104,20 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     with summary.stage("load"):
         model, loaded = _load(source, config, target)
     summary.source, summary.opset = loaded.source, (loaded.original_opset, loaded.opset)
-    summary.notes.extend(loaded.notes)
+    summary.notes.extend(notes(Topic.LOAD, loaded.notes))
     summary.size_before = source_size(source, model)
     check_runnable(model, loaded.source)
     validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)])
     config, edges, note = apply_edges(config, model)
-    summary.notes.extend([note] if note else [])
+    summary.notes.extend([Note(Topic.CONFIG, note, tuple(edges))] if note else [])
 
     with summary.stage("optimise"):
-        passes, notes = with_equalization(model, config, target)
-        summary.notes.extend(notes)
+        passes, added = with_equalization(model, config, target)
+        summary.notes.extend(added)
         done = run_passes(model, passes, settings, deferrable)
         summary.notes.extend(done.notes)
         plan = plan_quantization(model, config, done.keep_float, target)
-        algorithms, notes = configured_algorithms(config, target, plan, settings.access)
-        summary.notes.extend(notes)
+        algorithms, decided = configured_algorithms(config, target, plan, settings.access)
+        summary.notes.extend(decided)
     return Prepared(model, plan, algorithms, target, settings, done.keep_float, done.deferred, summary, config,
                     edges)

@@ -59,7 +59,7 @@ class PipelineState:
         statistics = dict(self.statistics)
         done = run_algorithms(model, plan, self.ranges, self.algorithms, self.settings,
                               trial_emitter(self.settings, statistics), statistics)
-        model, _, _ = emit_loadable(model, done.plan, self.ranges, config, done.weights, self.keep_float,
+        model, _, _, _ = emit_loadable(model, done.plan, self.ranges, config, done.weights, self.keep_float,
                                     self.target, self.statistics)
         return model
 

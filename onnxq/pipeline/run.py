@@ -12,6 +12,7 @@ from onnxq.calibrate.data import model_inputs
 from onnxq.config.spec import Config
 from onnxq.emit.fidelity import check_outputs, samples_to_check
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
+from onnxq.notes import Note, Topic, notes
 from onnxq.optimize.runner import run_algorithms
 from onnxq.pipeline.calibration import calibrate_or_load, drop_unquantizable
 from onnxq.pipeline.emission import emit_loadable, trial_emitter
@@ -41,16 +42,18 @@ def run_pipeline(
     float_bytes = max(weight_bytes(ir_model), summary.size_before)  # external data included
 
     with summary.stage("calibrate"):
-        calibration, notes = calibrate_or_load(ir_model, plan, settings, ready.algorithms, ready.deferred)
-    summary.notes.extend(notes)
+        calibration, finished = calibrate_or_load(ir_model, plan, settings, ready.algorithms, ready.deferred)
+    summary.notes.extend(finished)
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)
     summary.calibration_passes = calibration.num_passes
     if settings.data.ignored:
-        summary.notes.append(f"calibration data: left out {', '.join(sorted(settings.data.ignored))} (no model input)")
-    plan, notes = drop_unquantizable(plan, calibration.ranges)
-    summary.notes.extend(notes)
-    summary.notes.extend(provider_notes(config.calibration.providers, plan))
+        left_out = tuple(sorted(settings.data.ignored))
+        summary.notes.append(Note(Topic.CALIBRATION, f"calibration data: left out {', '.join(left_out)} "
+                                  "(no model input)", left_out))
+    plan, dropped = drop_unquantizable(plan, calibration.ranges)
+    summary.notes.extend(dropped)
+    summary.notes.extend(notes(Topic.PROVIDER, provider_notes(config.calibration.providers, plan)))
 
     state = None
     if keep_state:
@@ -62,16 +65,16 @@ def run_pipeline(
     summary.notes.extend(done.notes)
 
     with summary.stage("emit"):
-        ir_model, emitted, session = emit_loadable(ir_model, done.plan, calibration.ranges, config, done.weights,
+        ir_model, emitted, session, kept = emit_loadable(ir_model, done.plan, calibration.ranges, config, done.weights,
                                                    ready.keep_float, ready.target, calibration.statistics)
     samples, note = samples_to_check(options.check_samples, float_bytes, settings.data)
-    summary.notes.extend([note] if note else [])
+    summary.notes.extend(notes(Topic.CHECK, [note] if note else []))
     if session is not None and samples:
         with summary.stage("check"):
             checked = check_outputs(model, model_inputs(ir_model), session, settings.data, samples,
                                     options.providers)
         if isinstance(checked, str):
-            summary.notes.append(checked)
+            summary.notes.append(Note(Topic.CHECK, checked))
         elif checked is not None:
             summary.fidelity = checked
     del session
@@ -81,14 +84,15 @@ def run_pipeline(
     summary.fused_activations = len(emitted.qdq.removed_activations)
     summary.kept_activations = emitted.qdq.kept_activations
     summary.float_biases = emitted.qdq.float_biases
-    summary.notes.extend(emitted.notes)
+    summary.notes.extend(notes(Topic.EMISSION, emitted.notes))
+    summary.notes.extend(kept)
 
     if output is not None:
         with summary.stage("save"):
             summary.output = str(save_model(ir_model, output))
     summary.size_after = source_size(output, ir_model) if output is not None else weight_bytes(ir_model)
     if not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before:
-        summary.notes.append("warning: nothing was quantized: every node stayed float (see 'left in float'); "
-                             "pick a recipe that covers this model's ops (U8S8 for convolutions; W8_DYNAMIC "
-                             "and W4_GROUP128 quantize MatMul/Gemm only)")
+        summary.notes.append(Note(Topic.WARNING, "warning: nothing was quantized: every node stayed float (see 'left "
+                                  "in float'); pick a recipe that covers this model's ops (U8S8 for convolutions; "
+                                  "W8_DYNAMIC and W4_GROUP128 quantize MatMul/Gemm only)"))
     return QuantizationResult(ir_model, summary, calibration.ranges, plan, state)

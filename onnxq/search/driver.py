@@ -28,6 +28,7 @@ from onnxq.config.spec import Config, MixedPrecisionConfig
 from onnxq.errors import CalibrationDataError
 from onnxq.evaluate import deployed_session
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
+from onnxq.notes import Note, Topic, notes
 from onnxq.pipeline.run import run_pipeline
 from onnxq.report import MixedPrecisionSummary, Promotion
 from onnxq.search.base import search_base_config
@@ -132,7 +133,7 @@ def quantize_to_target(
         raise CalibrationDataError(f"an accuracy target reads the calibration data more than once, but "
                                    f"{refusal(access)}")
     base_config = search_base_config(config)
-    evalset, notes = _eval_set(mp, calibration_data, evaluate is not None and target.metric in (None, "custom"))
+    evalset, said = _eval_set(mp, calibration_data, evaluate is not None and target.metric in (None, "custom"))
     providers = config.calibration.providers
 
     base = run_pipeline(model, None, base_config, calibration_data, progress, keep_state=True)
@@ -173,7 +174,7 @@ def quantize_to_target(
                 "calibrates other tensors than the statistics files hold: pass --calib-data as well")
         final_config = dataclasses.replace(
             final_config, calibration=dataclasses.replace(final_config.calibration, stats=None))
-        notes.append("accuracy target: the final model, with layers raised, is calibrated on --calib-data "
+        said.append("accuracy target: the final model, with layers raised, is calibrated on --calib-data "
                      "(the statistics files hold the first model's plan)")
     if outcome.promotions:
         result = run_pipeline(model, output, final_config, calibration_data, progress, keep_state)
@@ -203,8 +204,8 @@ def quantize_to_target(
         config=final_config,
         scored_on="the eval data" if mp.eval_data is not None else "the calibration data",
     )
-    result.summary.notes.extend(notes)
+    result.summary.notes.extend(notes(Topic.SEARCH, said))
     if not result.summary.mixed_precision.met:
-        result.summary.notes.append(f"accuracy target {target.describe()} not met even with every ranked "
-                                    f"layer raised to {mp.ladder[-1]}; the all-quantized model is kept")
+        result.summary.notes.append(Note(Topic.SEARCH, f"accuracy target {target.describe()} not met even with every "
+                                         f"ranked layer raised to {mp.ladder[-1]}; the all-quantized model is kept"))
     return result

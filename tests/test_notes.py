@@ -1,0 +1,59 @@
+"""Notes are records: a program reads what each is about and the nodes it names; the
+printed summary is their text, in the order the stages wrote them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from helpers import run
+
+import onnxq
+from onnxq.notes import Topic, of
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+
+
+def quantize_digits(**data_extra: np.ndarray) -> onnxq.QuantizationResult:
+    data = dict(np.load(MODELS / "digits_eval.npz"))
+    data = {k: v[:64] for k, v in data.items()}
+    data.update(data_extra)
+    return onnxq.quantize(str(MODELS / "digits_cnn.onnx"), None, "U8S8", data, progress=False)
+
+
+def test_each_stage_writes_notes_of_its_topic():
+    result = quantize_digits()
+    notes = result.summary.notes
+    # The labels array is no model input: the calibration note names it.
+    (left_out,) = of(notes, Topic.CALIBRATION)
+    assert left_out.nodes == ("labels",)
+    # The default pass reports as a pass, the target's bias correction as an algorithm.
+    assert [n.source for n in of(notes, Topic.PASS)] == ["fold_batchnorm"]
+    assert [n.source for n in of(notes, Topic.TARGET)] == ["bias_correction"]
+    (corrected,) = of(notes, Topic.ALGORITHM, "bias_correction")
+    assert "biases corrected" in corrected.text
+    assert all(isinstance(n.topic, Topic) and n.text for n in notes)
+
+
+def test_the_summary_prints_every_note_text_in_order():
+    result = quantize_digits()
+    printed = onnxq.format_summary(result.summary).splitlines()
+    lines = [line.removeprefix("  note: ") for line in printed if line.startswith("  note: ")]
+    assert lines == result.summary.note_texts
+    assert len(lines) == len(result.summary.notes) >= 3
+
+
+def test_unquantizable_ranges_name_their_tensors():
+    """A masking constant (float min) in the data gives a range no integer grid holds:
+    the tensors stay float, and the note names them."""
+    data = dict(np.load(MODELS / "digits_eval.npz"))
+    images = data["input"][:64].copy()
+    images[0, 0, 0, 0] = -3.0e38
+    result = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), None, "U8S8", {"input": images}, progress=False)
+    (kept,) = of(result.summary.notes, Topic.FLOAT)
+    assert "input" in kept.nodes and "range beyond" in kept.text
+    # The model is still valid and runs (its accuracy is the data's problem: one sample at
+    # -3e38 stretches every range downstream of the input).
+    onnx.checker.check_model(result.model, full_check=True)
+    assert np.all(np.isfinite(run(result.model, {"input": data["input"][64:96]})))
