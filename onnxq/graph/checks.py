@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -65,23 +66,87 @@ def _check_weight_sizes(proto: onnx.ModelProto, mapped: set[str] = frozenset()) 
                              f"bytes for shape {list(tensor.dims)} (needs {need}); fix or re-export the model")
 
 
-def check_proto(proto: onnx.ModelProto, path: str | None, mapped: set[str] = frozenset()) -> None:
-    """Run onnx.checker: by path when the model has external data (the checker then
-    checks the files), else on a copy without weight data plus a size check of each
-    weight (a full copy for the checker doubled peak memory on big models)."""
+def check_proto(proto: onnx.ModelProto, path: str | None, mapped: set[str] = frozenset()) -> list[str]:
+    """Run onnx.checker on a copy without weight data, plus a size check of each weight
+    (a full copy for the checker doubled peak memory on big models) and of each external
+    data file (`_check_external_data`: followed through links, as onnxruntime reads them).
+    Ops of the default domain that onnx does not know but onnxruntime runs (its contrib
+    ops registered there, such as SimplifiedLayerNormalization in genai models) are
+    checked against onnxruntime's kernels instead; the returned notes say so."""
     if not proto.HasField("graph") or not proto.opset_import:
         name = path or "the model"
         raise ModelError(f"{name} is not an ONNX model (no graph or opset); pass a .onnx model file")
-    external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
+    stub = _without_weight_data(proto)
+    notes = _onnxruntime_only_ops(stub)
     try:
-        if path is not None and external:
-            onnx.checker.check_model(path)
-        else:
-            _check_weight_sizes(proto, mapped)
-            onnx.checker.check_model(_without_weight_data(proto))
+        if path is not None:
+            _check_external_data(proto, Path(path).parent)
+        _check_weight_sizes(proto, mapped)
+        onnx.checker.check_model(stub)
     except (onnx.checker.ValidationError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"model fails onnx.checker: {first}; fix or re-export the model") from None
+    return notes
+
+
+# The private domain the checker's copy moves onnxruntime-only ops to: the checker leaves
+# ops of domains it has no schemas for to the runtime.
+UNCHECKED_DOMAIN = "onnxq.onnxruntime_only"
+
+
+def _onnxruntime_only_ops(stub: onnx.ModelProto) -> list[str]:
+    """Move the default-domain nodes whose op onnx has no schema for, but onnxruntime has
+    a kernel for, out of the checker's way (in the copy `stub`), and say which."""
+    known = _onnxruntime_ops()
+    counts: dict[str, int] = {}
+    for graph in subgraphs(stub.graph):
+        for node in graph.node:
+            if node.domain not in ("", "ai.onnx") or onnx.defs.has(node.op_type):
+                continue
+            if known is not None and node.op_type not in known:
+                continue  # onnxruntime has no kernel either: the checker's error stands
+            node.domain = UNCHECKED_DOMAIN
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    if not counts:
+        return []
+    stub.opset_import.add(domain=UNCHECKED_DOMAIN, version=1)
+    ops = ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()))
+    how = "its CPU kernels" if known is not None else "the sessions that calibrate and check it"
+    return [f"onnx.checker does not know {ops} (default domain); onnxruntime runs them: checked by {how}"]
+
+
+@functools.cache
+def _onnxruntime_ops() -> frozenset[str] | None:
+    """The default-domain ops onnxruntime's CPU provider has kernels for (None where the
+    kernel registry cannot be listed safely, `_kernel_domains`)."""
+    if not set(ort.get_available_providers()) <= BUILT_IN_PROVIDERS:
+        return None
+    return frozenset(k.op_name for k in C.get_all_opkernel_def()
+                     if k.domain in ("", "ai.onnx") and k.provider == "CPUExecutionProvider")
+
+
+def _check_external_data(proto: onnx.ModelProto, folder: Path) -> None:
+    """Each external tensor's file lies under the model's folder by its name (a relative
+    location without '..', as onnx requires) and holds the bytes the tensor names. The
+    file itself may be a symbolic or hard link (a model folder that shares its weights
+    with a cache): it is read through the link, as onnxruntime reads it."""
+    for tensor in proto.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        parts = Path(location).parts
+        if not location or Path(location).is_absolute() or ".." in parts:
+            raise ModelError(f"model fails onnx.checker: external data of {tensor.name!r} is at {location!r}, "
+                             "outside the model's folder; re-export the model with its data beside it")
+        file = folder / location
+        if not file.is_file():
+            raise ModelError(f"model fails onnx.checker: external data of {tensor.name!r} not found at {file}; "
+                             "keep the data file beside the model (same name as when it was saved)")
+        end = int(info.get("offset", 0) or 0) + int(info.get("length", 0) or 0)
+        if end > file.stat().st_size:
+            raise ModelError(f"model fails onnx.checker: external data of {tensor.name!r} ends at byte {end}, past "
+                             f"the end of {file} ({file.stat().st_size} bytes); the data file is truncated")
 
 
 def subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:

@@ -25,6 +25,23 @@ from onnxq.graph.wire import WireError, read_split
 INLINE_LIMIT = 1 << 30
 
 
+def follow_links(model: ir.Model) -> None:
+    """Point external weights stored through a symbolic or hard link (a model folder that
+    shares its data with a cache or another folder) at the file itself. onnx-ir refuses
+    such files as a possible path-traversal attack; the checks (`graph.checks`) have
+    already confined each location to the model's folder, and following the link there is
+    the user's intent, as onnxruntime follows it."""
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if not isinstance(tensor, ir.ExternalTensor) or not tensor.base_dir:
+            continue
+        path = Path(tensor.base_dir) / tensor.location
+        if path.is_symlink() or (path.exists() and path.stat().st_nlink > 1):
+            value.const_value = ir.ExternalTensor(
+                str(path.resolve()), tensor.offset, tensor.length, tensor.dtype, shape=tensor.shape,
+                name=tensor.name, base_dir="")  # an absolute location, checked above
+
+
 def inline_external(model: ir.Model) -> None:
     """Read the external weights of `model` into memory when they total at most `INLINE_LIMIT`."""
     external = [v.const_value for v in model.graph.initializers.values()

@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 
 from onnxq.errors import ModelError
 from onnxq.graph.checks import check_proto, check_runnable, drop_map_types, refuse_training
-from onnxq.graph.external_data import inline_external, read_mapped, spill_embedded
+from onnxq.graph.external_data import follow_links, inline_external, read_mapped, spill_embedded
 from onnxq.graph.fold import fold_constants
 from onnxq.graph.normalize import (
     MIN_OPSET,
@@ -92,6 +92,7 @@ def read_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> ir.Mod
     model = ir.serde.deserialize_model(proto)
     if base_dir:
         ir.external_data.set_base_dir(model.graph, base_dir)
+        follow_links(model)
     return model
 
 
@@ -110,7 +111,7 @@ def load_model(
     if mapped and default_opset(proto) < min_opset:  # the opset converter needs the weights
         proto, base_dir, name, mapped = _read_proto(source)
     refuse_training(proto, name)
-    check_proto(proto, None if isinstance(source, onnx.ModelProto) else str(source), set(mapped))
+    checked = check_proto(proto, None if isinstance(source, onnx.ModelProto) else str(source), set(mapped))
     original = default_opset(proto)
     if isinstance(source, onnx.ModelProto):
         proto = onnx.ModelProto.FromString(proto.SerializeToString())  # never mutate the caller's
@@ -122,10 +123,12 @@ def load_model(
         value.const_value = ir.Tensor(array, dtype=value.const_value.dtype, name=name_)
     if base_dir:
         ir.external_data.set_base_dir(model.graph, base_dir)
+        follow_links(model)
         inline_external(model)
     spill_embedded(model)
     del proto
     report = LoadReport(source=name, original_opset=original, opset=max(original, min_opset))
+    report.notes.extend(checked)
     if original < min_opset:
         report.notes.append(f"upgraded opset {original} -> {min_opset}")
     report.initializer_inputs_removed = remove_initializer_inputs(model.graph)

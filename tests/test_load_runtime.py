@@ -1,0 +1,113 @@
+"""Load takes what onnxruntime takes: ops onnx's checker does not know but onnxruntime runs
+(contrib ops registered in the default domain, as in onnxruntime-genai models), and
+external data reached through symbolic or hard links (a model folder sharing its weights
+with a cache). What neither knows is still refused in one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.numpy_helper as nh
+import pytest
+from helpers import cosine, run, sqnr_db
+from onnxq.notes import Topic, of
+
+import onnxq
+import onnxq.graph.external_data as external_data
+from onnxq.cli import main
+from onnxq.graph.load import read_model
+
+RNG = np.random.default_rng(0)
+
+
+def decoder_block(norm: str = "SimplifiedLayerNormalization") -> onnx.ModelProto:
+    """MatMul -> RMS norm (an onnxruntime contrib op in the default domain) -> MatMul."""
+    w1 = nh.from_array((RNG.standard_normal((64, 64)) * 0.1).astype(np.float32), "w1")
+    gamma = nh.from_array((1 + 0.1 * RNG.standard_normal(64)).astype(np.float32), "gamma")
+    w2 = nh.from_array((RNG.standard_normal((64, 32)) * 0.1).astype(np.float32), "w2")
+    nodes = [oh.make_node("MatMul", ["x", "w1"], ["a"], name="mm1"),
+             oh.make_node(norm, ["a", "gamma"], ["n"], name="norm", axis=-1, epsilon=1e-5),
+             oh.make_node("MatMul", ["n", "w2"], ["y"], name="mm2")]
+    graph = oh.make_graph(nodes, "block", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 64])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 32])], [w1, gamma, w2])
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+
+
+CALIB = {"x": RNG.standard_normal((64, 64)).astype(np.float32)}
+EVAL = {"x": RNG.standard_normal((16, 64)).astype(np.float32)}
+
+
+def test_a_contrib_op_in_the_default_domain_loads_and_quantizes(tmp_path):
+    model = decoder_block()
+    with pytest.raises(onnx.checker.ValidationError, match="No Op registered for SimplifiedLayerNormalization"):
+        onnx.checker.check_model(model)
+    out = tmp_path / "block.int8.onnx"
+    result = onnxq.quantize(model, out, "U8S8", CALIB, progress=False)
+    (checked,) = [n for n in of(result.summary.notes, Topic.LOAD) if "onnx.checker does not know" in n.text]
+    assert "SimplifiedLayerNormalization x1" in checked.text and "onnxruntime runs them" in checked.text
+    assert result.summary.quantized_by_op == {"MatMul": 2}
+    assert result.summary.float_nodes["norm"][0] == "SimplifiedLayerNormalization"
+    read_model(out)  # the output passes the same check (onnx.checker, the contrib op by onnxruntime's kernels)
+    assert sqnr_db(run(model, EVAL), run(str(out), EVAL)) > 25
+
+
+def test_an_op_neither_knows_is_refused_in_one_line(tmp_path, capsys):
+    path = tmp_path / "unknown.onnx"
+    onnx.save(decoder_block("NoSuchNormalization"), path)
+    assert main(["quantize", str(path), str(tmp_path / "out.onnx"), "--calib-data", str(_npz(tmp_path))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "No Op registered for NoSuchNormalization" in err and "re-export the model" in err
+
+
+def _npz(folder: Path) -> Path:
+    path = folder / "calib.npz"
+    np.savez(path, **CALIB)
+    return path
+
+
+def _saved_with_data(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    onnx.save(decoder_block("LayerNormalization"), path, save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=0)
+    return path
+
+
+@pytest.mark.parametrize("link", ["copy", "symlink", "hardlink"])
+@pytest.mark.parametrize("mapped", [False, True], ids=["inlined", "mapped"])
+def test_external_data_through_a_link_is_read(tmp_path, monkeypatch, link, mapped):
+    if mapped:  # weights left in their file, read when used (the small ones too, at save)
+        monkeypatch.setattr(external_data, "INLINE_LIMIT", 0)
+    real = _saved_with_data(tmp_path / "cache")
+    shared = tmp_path / "folder"
+    shared.mkdir()
+    shutil.copy(real, shared / "model.onnx")
+    target = real.with_name("model.onnx.data")
+    {"copy": shutil.copy, "symlink": os.symlink, "hardlink": os.link}[link](target, shared / "model.onnx.data")
+    before = target.read_bytes()
+    out = tmp_path / "out" / "model.int8.onnx"
+    out.parent.mkdir()
+    result = onnxq.quantize(str(shared / "model.onnx"), str(out), "U8S8", CALIB, progress=False)
+    assert result.summary.quantized_by_op == {"MatMul": 2}
+    onnx.checker.check_model(str(out), full_check=True)
+    assert cosine(run(str(real), EVAL), run(str(out), EVAL)) > 0.999
+    assert target.read_bytes() == before  # the shared data is never written
+
+
+def test_external_data_outside_the_folder_is_refused(tmp_path, capsys):
+    path = _saved_with_data(tmp_path / "m")
+    proto = onnx.load(path, load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../elsewhere/model.onnx.data"
+    onnx.save(proto, path)
+    assert main(["quantize", str(path), str(tmp_path / "out.onnx"), "--calib-data", str(_npz(tmp_path))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "outside the model's folder" in err and len(err.splitlines()) == 1
