@@ -15,12 +15,12 @@ import onnx.helper as oh
 import onnx.numpy_helper as nh
 import pytest
 from helpers import cosine, run, sqnr_db
-from onnxq.notes import Topic, of
 
 import onnxq
 import onnxq.graph.external_data as external_data
 from onnxq.cli import main
 from onnxq.graph.load import read_model
+from onnxq.notes import Topic, of
 
 RNG = np.random.default_rng(0)
 
