@@ -203,4 +203,5 @@ def test_an_asked_check_on_data_read_once_says_it_was_skipped():
     result = onnxq.quantize(model, None, {"calibration": {"check_samples": 8}}, batches)
     assert result.summary.fidelity is None
     (check,) = of(result.summary.notes, Topic.CHECK)
-    assert check.text.startswith("output check skipped: the calibration data (generator)")
+    assert check.text.startswith("output check skipped: the calibration data can be read only once")
+    assert check.text.endswith("(the data is a generator)")

@@ -19,6 +19,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from onnxq.calibrate.access import Access, data_access, refusal
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.evaluate import (
     cosine,
@@ -76,7 +77,7 @@ def float_reference(model: str | os.PathLike | bytes | ir.Model, inputs: list[In
     `inputs` (the model's, as calibration read them) say; None when there is nothing to
     check (no samples asked, no data, data that can be read only once, no floating-point
     output) or the float model cannot run: the check never stops a run."""
-    if samples <= 0 or data.source is None or not data.replayable:
+    if samples <= 0 or not data_access(data).rereadable:
         return None
     try:
         return _reference(model, inputs, data, samples, providers)
@@ -154,10 +155,10 @@ CHECK_SAMPLES, CHECK_AUTO_BYTES = 8, 256 << 20
 def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSource) -> tuple[int, str | None]:
     """Samples the check runs on (0: none), with a note when the data cannot be read again or
     the model's size alone skips it (none when the user turned the check off)."""
-    if data.source is None or not data.replayable:
-        if data.source is not None and asked != 0:  # unless the user turned the check off
-            return 0, (f"output check skipped: the calibration data ({type(data.source).__name__}) can be read "
-                       "only once; pass a path, a dict of arrays, a list of feeds or a reader with rewind()")
+    access = data_access(data)
+    if not access.rereadable:
+        if access is Access.ONCE and asked != 0:  # unless the user turned the check off
+            return 0, f"output check skipped: {refusal(access)} (the data is a {type(data.source).__name__})"
         return 0, None
     if asked is not None:
         return asked, None
