@@ -57,9 +57,9 @@ def quantize(
     config = as_config(config)
     check_output_paths(model if isinstance(model, str | os.PathLike) else None, report,
                        config.calibration.save_ranges)
-    keep = report is not None
+    keep = report is not None  # the report analyses the quantized model against the state it came from
     if config.mixed_precision.target is not None:
-        result = quantize_to_target(model, output, config, calibration_data, progress, evaluate, keep)
+        result = quantize_to_target(model, output, config, calibration_data, progress, evaluate, keep_state=keep)
     elif evaluate is not None:
         raise ConfigError("evaluate= scores models for an accuracy target; set "
                           "mixed_precision.target too, e.g. 'custom>=float-0.5'")

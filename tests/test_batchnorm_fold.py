@@ -11,7 +11,7 @@ from helpers import GraphBuilder, op_count, random_feeds, run
 from onnxq.config.spec import CalibrationConfig
 from onnxq.graph.load import load_model
 from onnxq.notes import Topic
-from onnxq.optimize import CONTRACTS, PassContext, RunSettings, run_passes
+from onnxq.optimize import CONTRACTS, PassContext, RunSettings, parse_passes, run_passes
 from onnxq.optimize.fold_batchnorm import fold_batchnorm
 
 
@@ -166,11 +166,11 @@ def test_skip_fusion_layers_option():
 def test_fold_runs_by_default_and_can_be_disabled():
     model = conv_bn(bias=False)
     ir_model, _ = load_model(model)
-    (note,) = run_passes(ir_model, [], no_data()).notes
+    (note,) = run_passes(ir_model, (), no_data()).notes
     assert (note.topic, note.source, note.text) == (Topic.PASS, "fold_batchnorm",
                                                     "fold_batchnorm: 1 BatchNormalization folded")
     ir_model, _ = load_model(model)
-    assert run_passes(ir_model, [{"name": "fold_batchnorm", "enabled": False}], no_data()).notes == []
+    assert run_passes(ir_model, parse_passes([{"name": "fold_batchnorm", "enabled": False}]), no_data()).notes == []
     assert op_count(ir.to_proto(ir_model), "BatchNormalization") == 1
 
 

@@ -16,7 +16,7 @@ from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import ConfigError
 from onnxq.graph.fold import constant_array
 from onnxq.graph.load import load_model
-from onnxq.optimize import RunSettings, run_passes
+from onnxq.optimize import RunSettings, parse_passes, run_passes
 from onnxq.optimize.cle import find_pairs, in_ranges, out_ranges
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
@@ -104,7 +104,7 @@ def context(data: dict | None = None) -> RunSettings:
 
 def apply(model: onnx.ModelProto, options: dict | None = None, data: dict | None = None) -> tuple[ir.Model, list[str]]:
     ir_model, _ = load_model(model)
-    notes = [n.text for n in run_passes(ir_model, [{"name": "cle", **(options or {})}], context(data)).notes]
+    notes = [n.text for n in run_passes(ir_model, parse_passes([{"name": "cle", **(options or {})}]), context(data)).notes]
     return ir_model, notes
 
 

@@ -14,7 +14,7 @@ from onnxq.calibrate.data import CalibrationSource
 from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import ConfigError
 from onnxq.graph.load import load_model
-from onnxq.optimize import RunSettings, run_passes
+from onnxq.optimize import RunSettings, parse_passes, run_passes
 from onnxq.optimize.smoothquant import smoothing_scales
 
 K = 64
@@ -85,7 +85,7 @@ def outlier_data(n: int, seed: int, shape_tail: tuple[int, ...] = (8, K)) -> dic
 def apply(model: onnx.ModelProto, data: dict | None, **options) -> tuple[ir.Model, str]:
     ir_model, _ = load_model(model)
     settings = RunSettings(CalibrationSource(data), CalibrationConfig())
-    notes = [n.text for n in run_passes(ir_model, [{"name": "smoothquant", **options}], settings).notes]
+    notes = [n.text for n in run_passes(ir_model, parse_passes([{"name": "smoothquant", **options}]), settings).notes]
     return ir_model, notes[-1]
 
 

@@ -8,7 +8,7 @@ statistics files: no data, but the calibration pass's statistics read from files
   (`--stats`), which hold what the first algorithm asks of the data and nothing more.
 
 A stage that needs another read asks `rereadable`; when the answer is no, `refusal`
-is the one sentence that says why and what to pass instead.
+is the one sentence that says why and what to pass instead (`REASONS`, then `FIXES`).
 """
 
 from __future__ import annotations
@@ -35,13 +35,16 @@ class Access(Enum):
         return self is Access.REPLAYABLE
 
 
-# Why a stage that reads the data again cannot, and the fix: one sentence per access.
-REFUSALS = {
-    Access.NONE: "there is no calibration data to read: pass --calib-data",
-    Access.ONCE: ("the calibration data can be read only once; pass a path, a dict of arrays, a list of feeds or a "
-                  "reader with rewind()"),
-    Access.FILES: ("it reads the calibration data itself, which statistics files do not hold; pass --calib-data "
-                   "as well (the same files still serve)"),
+# Why a stage that reads the data again cannot, and the fix: one of each per access.
+REASONS = {
+    Access.NONE: "there is no calibration data (ranges loaded from a file)",
+    Access.ONCE: "the calibration data can be read only once",
+    Access.FILES: "it reads the calibration data itself, which statistics files do not hold",
+}
+FIXES = {
+    Access.NONE: "pass --calib-data",
+    Access.ONCE: "pass a path, a dict of arrays, a list of feeds or a reader with rewind()",
+    Access.FILES: "pass --calib-data as well (the same files still serve)",
 }
 
 
@@ -52,6 +55,7 @@ def data_access(data: CalibrationSource | None, stats: bool = False) -> Access:
     return Access.REPLAYABLE if data.replayable else Access.ONCE
 
 
-def refusal(access: Access) -> str:
-    """Why data with this access cannot be read again, naming the fix."""
-    return REFUSALS[access]
+def refusal(access: Access, context: str = "") -> str:
+    """Why data with this access cannot be read again (`context` added to the reason),
+    then the fix."""
+    return f"{REASONS[access]}{context}; {FIXES[access]}"

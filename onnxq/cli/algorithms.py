@@ -26,7 +26,7 @@ def weight_only_choices() -> tuple[str, ...]:
 def algorithm_entries(args: argparse.Namespace) -> list[dict[str, Any]]:
     """`algo_config` entries of the algorithm flags given, `--algorithm` before those that
     run last and `--algo-option` merged in; empty when none is given."""
-    algorithms = [name for name in flagged_algorithms() if getattr(args, name)]
+    algorithms = [name for name in flagged_algorithms(run_order=True) if getattr(args, name)]
     if args.algorithm is not None:
         others = [name for name in algorithms if CONTRACTS[name].rounds_blocks]
         if others:

@@ -77,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; the exit status is 0, 2 for a user mistake (one line on
     stderr, or its traceback with --debug: the status does not change), 130 when
     interrupted, 143 when terminated (SIGTERM; temporary files removed), 141 when the reader of stdout went away (`onnxq presets | head -1`)."""
+    try:  # a plugin's algorithms bring their flags: load plugins before the parser is built
+        load_plugins(_plugin_flags(sys.argv[1:] if argv is None else argv))
+    except OnnxqError as exc:
+        print(f"onnxq: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     args = build_parser().parse_args(argv)
     main_thread = threading.current_thread() is threading.main_thread()
     # SIGTERM (kill, a scheduler's timeout) unwinds like Ctrl-C: temporary files go
@@ -86,6 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if main_thread and previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _plugin_flags(argv: list[str]) -> list[str]:
+    """The values of every `--plugin` in `argv` (before or after the command)."""
+    found = []
+    for i, arg in enumerate(argv):
+        if arg == "--plugin" and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif arg.startswith("--plugin="):
+            found.append(arg.split("=", 1)[1])
+    return found
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -120,10 +120,10 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
                    help="SmoothQuant with migration strength ALPHA in [0, 1] (MatMul/Gemm outliers)")
     for name in flagged_algorithms():  # each algorithm's contract gives its flag and help
         q.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=CONTRACTS[name].flag_help)
+    rounding = [name + (" (no data)" if CONTRACTS[name].data == "none" else "") for name in weight_only_choices()[1:]]
     q.add_argument("--algorithm", choices=weight_only_choices(),
                    help="how int4 MatMul weights lowered to MatMulNBits are rounded: rtn (round to nearest, "
-                        "per-block clipping search; default), gptq, awq, or hqq (half-quadratic zero points, "
-                        "no data)")
+                        f"per-block clipping search; default), or {', '.join(rounding)}")
     q.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4),
                    help="MatMulNBits' accuracy_level: the type its kernel computes the activations in "
                         "(0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8)")

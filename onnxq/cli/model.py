@@ -13,7 +13,7 @@ from onnxq.evaluate import run_model
 from onnxq.graph.load import load_model
 from onnxq.graph.quantized import describe, quantized_ops
 from onnxq.graph.save import write_npz_atomic
-from onnxq.optimize import RunSettings, run_passes
+from onnxq.optimize import RunSettings, parse_passes, run_passes
 from onnxq.plan import plan_quantization
 from onnxq.target import resolve_target
 
@@ -88,11 +88,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             _print_nodes(graph, None)
         return 0
     config = compose_config(args.preset, args.config, {"target": args.target} if args.target else None)
-    for note in run_passes(model, config.pre_quant_opt_config, RunSettings.of(None, config.calibration)).notes:
+    passes = run_passes(model, parse_passes(config.pre_quant_opt_config), RunSettings.of(None, config.calibration))
+    for note in passes.notes:
         print(f"pass {note}")
     target = resolve_target(config)
     print(target.describe())
-    plan = plan_quantization(model, config, target=target)
+    plan = plan_quantization(model, config, passes.keep_float, target)
     quantized = Counter(plan.quantized_nodes.values())
     print(f"would quantize: {sum(quantized.values())} nodes (" + ", ".join(f"{op} {n}" for op, n in sorted(quantized.items())) + ")")
     reasons = Counter(plan.float_nodes.values())

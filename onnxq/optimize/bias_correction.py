@@ -98,7 +98,7 @@ def bias_correction_requests(model: ir.Model, plan: QuantPlan, opts: BiasCorrect
 # session: full 8-bit weights 83.5 -> 85.5 top-1 on an AVX512-VNNI CPU, pair-safe weights
 # 83.25 -> 85.0 on AVX2; float 85.5; ResNet-20 unchanged).
 @register_algorithm("bias_correction", options=BiasCorrectionConfig, data="required", rewrites=("biases",),
-                    runs_last=True, flag=5, target_default={"op_types": ["Conv", "Gemm"]},
+                    runs_last=True, flag=0, target_default={"op_types": ["Conv", "Gemm"]},
                     flag_help="correct the mean output error that weight quantization adds to each bias")
 def bias_correction(
     model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],

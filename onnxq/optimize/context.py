@@ -84,7 +84,7 @@ class RunSettings:
         pass over the data."""
         if all(stat in known for stat in stats):
             return {stat: known[stat] for stat in stats}
-        if self.data.source is None:
+        if not self.access.readable:
             raise CalibrationDataError(f"{purpose} needs calibration data; pass --calib-data PATH")
         return collect(model, stats, self.data, self.calibration, self.progress, purpose)
 

@@ -32,6 +32,7 @@ import numpy as np
 import onnx_ir as ir
 from tqdm import tqdm
 
+from onnxq.calibrate.access import refusal
 from onnxq.calibrate.data import iter_batches, model_inputs
 from onnxq.calibrate.statistics import Accumulator, Statistic
 from onnxq.config.resolve import ResolvedSpec
@@ -218,8 +219,8 @@ def sequential_walk(model: ir.Model, layers: list[Layer], ctx: AlgorithmContext,
         raise CalibrationDataError(f"{name} with true_sequential reads the calibration data layer by layer; pass "
                                    "--calib-data PATH (statistics files do not carry it) or set true_sequential: false")
     if not ctx.settings.access.rereadable:
-        raise CalibrationDataError(f"{name} with true_sequential reads the calibration data again; pass a path, "
-                                   "a dict of arrays or a list of feeds, or set true_sequential: false")
+        raise CalibrationDataError(f"{name} with true_sequential reads the calibration data again, but "
+                                   f"{refusal(ctx.settings.access)}, or set true_sequential: false")
     groups = input_groups(model, layers)
     batches = iter_batches(data, model_inputs(model), calibration.batch_size, calibration.max_samples,
                            f"{name} data", calibration.max_batches)

@@ -144,11 +144,13 @@ def statistics_of(name: str) -> Callable[[Callable[..., list[Statistic]]], Calla
     return decorate
 
 
-def flagged_algorithms() -> tuple[str, ...]:
-    """The algorithms the CLI switches on with `--NAME`, in the order a run of them takes
-    (their contracts' `flag`; those that run last at the end, where they run anyway)."""
+def flagged_algorithms(run_order: bool = False) -> tuple[str, ...]:
+    """The algorithms the CLI switches on with `--NAME`, by their contracts' `flag` (the
+    order of the help); with `run_order`, those that run last at the end, where they run
+    anyway (the order of the entries the flags make)."""
     names = [name for name in ALGORITHMS if CONTRACTS[name].flag is not None]
-    return tuple(sorted(names, key=lambda name: (CONTRACTS[name].runs_last, CONTRACTS[name].flag, name)))
+    last = (lambda name: CONTRACTS[name].runs_last) if run_order else (lambda name: False)
+    return tuple(sorted(names, key=lambda name: (last(name), CONTRACTS[name].flag, name)))
 
 
 def block_rounding_algorithms() -> tuple[str, ...]:
@@ -207,7 +209,5 @@ def parse_algorithms(entries: list[Mapping[str, Any]]) -> tuple[Entry, ...]:
 def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping[str, Any]]) -> None:
     """Fail early (before loading the model) on unknown pass or algorithm names and on
     options their contracts reject."""
-    _check_names(pre_quant, PASSES, "pre_quant_opt_config pass")
-    _check_names(algos, ALGORITHMS, "algo_config algorithm")
     parse_passes(pre_quant)
     parse_algorithms(algos)

@@ -4,7 +4,7 @@ call, and merge what each hands back into one returned outcome (`optimize/contex
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -12,6 +12,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 
 from onnxq.calibrate.statistics import Statistic
+from onnxq.errors import OnnxqError
 from onnxq.notes import Note, Topic
 from onnxq.optimize.context import (
     AlgorithmContext,
@@ -46,11 +47,11 @@ class PassesOutcome:
     deferred: Deferred | None = None
 
 
-def run_passes(model: ir.Model, entries: list[Mapping[str, Any]] | tuple[Entry, ...], settings: RunSettings,
+def run_passes(model: ir.Model, entries: tuple[Entry, ...], settings: RunSettings,
                deferrable: bool = False) -> PassesOutcome:
-    """Apply the configured pre-quantization passes in order (the default passes first,
-    unless named). `deferrable`: calibration follows, so the last pass may defer."""
-    entries = entries if all(isinstance(e, Entry) for e in entries) else parse_passes(list(entries))
+    """Apply the configured pre-quantization passes (`registry.parse_passes`) in order (the
+    default passes first, unless named). `deferrable`: calibration follows, so the last
+    pass may defer."""
     named = {entry.name for entry in entries}
     enabled = [e for e in (*parse_passes([{"name": d} for d in DEFAULT_PASSES if d not in named]), *entries)
                if e.enabled]
@@ -60,13 +61,38 @@ def run_passes(model: ir.Model, entries: list[Mapping[str, Any]] | tuple[Entry, 
     for i, entry in enumerate(enabled):
         ctx = PassContext(settings, MappingProxyType(dict(keep_float)), deferrable and i == len(enabled) - 1)
         result = PASSES[entry.name](model, entry.options, ctx)
-        result = result if isinstance(result, PassResult) else PassResult(result)
+        result = _pass_result(entry.name, result, ctx)
         keep_float.update(result.keep_float)
         deferred = result.deferred or deferred
         if result.note is not None:
             notes.append(Note(Topic.PASS, f"{entry.name}: {result.note}", source=entry.name))
     ir_passes.RemoveUnusedNodesPass()(model)  # drops initializers the passes replaced
     return PassesOutcome(notes, MappingProxyType(keep_float), deferred)
+
+
+def _pass_result(name: str, result: Any, ctx: PassContext) -> PassResult:
+    """A pass's return value as a `PassResult`; a plugin's wrong one is a one-line error."""
+    result = PassResult(result) if isinstance(result, str) else result
+    if not isinstance(result, PassResult):
+        raise OnnxqError(f"pass {name} returned {type(result).__name__}; a pass returns its report line (str) or "
+                         "a PassResult (onnxq.optimize.context)")
+    if result.deferred is not None and not ctx.may_defer:
+        raise OnnxqError(f"pass {name} deferred its second half where it may not (PassContext.may_defer is "
+                         "false: it is not the last pass, or no calibration pass follows); run it in full then")
+    return result
+
+
+def _algorithm_result(name: str, result: Any) -> AlgorithmResult:
+    """An algorithm's return value as an `AlgorithmResult`; a plugin's wrong one is a
+    one-line error."""
+    if isinstance(result, str):
+        return AlgorithmResult(result)
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], str):
+        return AlgorithmResult(result[0], result[1])
+    if not isinstance(result, AlgorithmResult):
+        raise OnnxqError(f"algorithm {name} returned {type(result).__name__}; an algorithm returns its report "
+                         "line (str), (line, plan) or an AlgorithmResult (onnxq.optimize.context)")
+    return result
 
 
 def finish_deferred(
@@ -82,12 +108,11 @@ def finish_deferred(
 @dataclass(frozen=True)
 class AlgorithmsOutcome:
     """What the algorithms left: the plan as the last one left it, one report line each,
-    the quantized weights emission uses, and the layers whose biases they fitted."""
+    and the quantized weights emission uses."""
 
     plan: QuantPlan
     notes: list[Note]
     weights: WeightCache
-    fitted_biases: Mapping[str, str] = field(default_factory=dict)
 
 
 def run_algorithms(
@@ -103,17 +128,13 @@ def run_algorithms(
     for entry in (e for e in entries if e.enabled):
         ctx = AlgorithmContext(settings, emit_trial, weights.copy(), MappingProxyType(dict(statistics)),
                                MappingProxyType(dict(fitted)))
-        result = ALGORITHMS[entry.name](model, plan, ranges, entry.options, ctx)
-        if isinstance(result, tuple):
-            result = AlgorithmResult(result[0], result[1])
-        elif not isinstance(result, AlgorithmResult):
-            result = AlgorithmResult(result)
+        result = _algorithm_result(entry.name, ALGORITHMS[entry.name](model, plan, ranges, entry.options, ctx))
         weights = ctx.weights  # the algorithm's copy, with what it pinned
         fitted.update(result.fitted_biases)
         plan = result.plan if result.plan is not None else plan
         notes.append(Note(Topic.ALGORITHM, f"{entry.name}: {result.note}", source=entry.name))
         statistics = {}  # collected on the model before this algorithm changed it
-    return AlgorithmsOutcome(plan, notes, weights, MappingProxyType(fitted))
+    return AlgorithmsOutcome(plan, notes, weights)
 
 
 def algorithm_requests(model: ir.Model, plan: QuantPlan, entries: tuple[Entry, ...]) -> list[Statistic]:
@@ -162,7 +183,7 @@ def equalizing_algorithm(entries: tuple[Entry, ...], per_tensor: bool) -> str | 
     """The first enabled algorithm that wants cross-layer equalization before calibration
     (option `equalize`: "always", or "auto" when some Conv/Gemm weight is per tensor)."""
     for e in entries:
-        if not e.enabled or e.name not in ALGORITHMS:
+        if not e.enabled:
             continue
         mode = getattr(e.options, "equalize", None)
         if mode == "always" or (mode == "auto" and per_tensor):

@@ -8,7 +8,7 @@
     result.py       QuantizationResult, and PipelineState for re-emitting under another config
     shards.py       calibration shards (`onnxq calibrate --shard`, `--shards N`)
 
-Each stage takes read-only inputs and returns its result; `run_pipeline` alone fills the
-summary. This package's `__init__` imports nothing, so a module below the front door
+Each stage takes read-only inputs and returns its result, notes included; `prepare` starts
+the summary and `run_pipeline` completes it from the results the later stages return. This package's `__init__` imports nothing, so a module below the front door
 (the accuracy-target search) can import one stage without loading the others.
 """

@@ -17,7 +17,6 @@ from onnxq.notes import Note, Topic
 from onnxq.optimize.registry import (
     Entry,
     equalizing_pass,
-    parse_algorithms,
     parse_passes,
     target_defaults,
 )
@@ -26,12 +25,12 @@ from onnxq.plan import Kind, QuantPlan, plan_quantization
 from onnxq.target import TargetProfile
 
 
-def configured_algorithms(config: Config, target: TargetProfile, plan: QuantPlan,
+def configured_algorithms(config: Config, configured: tuple[Entry, ...], target: TargetProfile, plan: QuantPlan,
                           access: Access) -> tuple[tuple[Entry, ...], list[Note]]:
-    """The configured algorithms plus those the target adds for a static plan with
+    """The `configured` algorithms plus those the target adds for a static plan with
     quantized Conv/Gemm layers (bias correction), in contract order, less those the data
     cannot serve; and a note on each such decision."""
-    algorithms, moved = in_contract_order(parse_algorithms(config.algo_config))
+    algorithms, moved = in_contract_order(configured)
     notes = [_moved_note(algorithms, moved)] if moved else []
     if access in (Access.ONCE, Access.FILES):
         algorithms, skipped = without_another_read(algorithms, refusal(access))
@@ -41,8 +40,9 @@ def configured_algorithms(config: Config, target: TargetProfile, plan: QuantPlan
     added = [e for e in (target_defaults(algorithms) if wanted else ()) if ops & set(e.op_types)]
     # Alone (first), an added algorithm takes its statistics from the calibration pass;
     # after other algorithms it must read the data again.
-    if added and not config.calibration.stats and (not access.readable or (algorithms and not access.rereadable)):
-        why = refusal(access) + (" (other algorithms read it first)" if access is Access.ONCE else "")
+    enabled = [e for e in algorithms if e.enabled]
+    if added and not config.calibration.stats and (not access.readable or (enabled and not access.rereadable)):
+        why = refusal(access, " and other algorithms read it first" if access is Access.ONCE else "")
         notes.append(Note(Topic.TARGET, f"target {target.name} would add {', '.join(e.name for e in added)} to "
                           f"remove the rounded weights' mean error, but {why}"))
         return algorithms, notes
@@ -59,11 +59,11 @@ def _moved_note(algorithms: tuple[Entry, ...], moved: list[str]) -> Note:
                 f"and its corrected biases would shift the float model {they} fit{s} to", source=last)
 
 
-def with_equalization(model: ir.Model, config: Config, target: TargetProfile) -> tuple[tuple[Entry, ...], list[Note]]:
-    """The configured passes, plus the equalizing pass (CLE) where a layer-wise algorithm
-    wants it (its `equalize` option) and no entry of that pass decides it already."""
-    passes = parse_passes(config.pre_quant_opt_config)
-    algorithms = parse_algorithms(config.algo_config)
+def with_equalization(model: ir.Model, config: Config, passes: tuple[Entry, ...], algorithms: tuple[Entry, ...],
+                      target: TargetProfile) -> tuple[tuple[Entry, ...], list[Note]]:
+    """The configured `passes`, plus the equalizing pass (CLE) where one of the configured
+    `algorithms` wants it (its `equalize` option) and no entry of that pass decides it
+    already."""
     equalizer = equalizing_pass()
     if equalizer is None or any(p.name == equalizer for p in passes) or equalizing_algorithm(algorithms, True) is None:
         return passes, []  # nothing would ask for it: no planning pass spent finding out

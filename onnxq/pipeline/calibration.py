@@ -71,7 +71,7 @@ def calibrate_or_load(
         wanted = [*requests(model, plan, algorithms), *deferred.statistics]
         result = calibrate_deferred(model, tensors, data, options, progress, wanted, deferred.rescalable, finish)
     else:
-        wanted = requests(model, plan, algorithms) if data.source is not None else []
+        wanted = requests(model, plan, algorithms) if settings.access.readable else []
         result = observe(model, tensors, data, options, progress, wanted).result()
     if options.save_ranges:
         save_ranges(options.save_ranges, result.ranges, tensors, result.num_samples, digest)

@@ -1,6 +1,6 @@
-"""Stage 1 and the passes of stage 3: load the model at the opset its output needs, run the
-passes that come before calibration, plan, and pick the algorithms. What calibration
-starts from, for one run or for each calibration shard."""
+"""Everything before calibration: load the model at the opset its output needs (stage 1),
+run the pre-quantization passes, plan, and pick the algorithms; the summary starts here.
+What calibration starts from, for one run or for each calibration shard."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from onnxq.graph.save import weight_bytes
 from onnxq.notes import Note, Topic, notes
 from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
 from onnxq.optimize.context import Deferred, RunSettings
-from onnxq.optimize.registry import Entry, check_config_entries
+from onnxq.optimize.registry import Entry, parse_algorithms, parse_passes
 from onnxq.optimize.runner import run_passes
 from onnxq.pipeline.algorithms import configured_algorithms, with_equalization
 from onnxq.plan import QuantPlan, plan_quantization
@@ -95,7 +95,9 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     """Load, run the passes before calibration, plan and pick the algorithms.
     `deferrable`: calibration follows on the data, so the last pass may defer its
     data-dependent half to it."""
-    check_config_entries(config.pre_quant_opt_config, config.algo_config)
+    # The configured passes and algorithms, parsed once (and before the model loads: a
+    # misspelt option fails at once).
+    passes, configured = parse_passes(config.pre_quant_opt_config), parse_algorithms(config.algo_config)
     settings = RunSettings(CalibrationSource(calibration_data), config.calibration, progress, config.qdq_domain,
                            config.quant_format == QuantFormat.QDQ_EXT)
     summary = Summary()
@@ -112,12 +114,12 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     summary.notes.extend([Note(Topic.CONFIG, note, tuple(edges))] if note else [])
 
     with summary.stage("optimise"):
-        passes, added = with_equalization(model, config, target)
+        passes, added = with_equalization(model, config, passes, configured, target)
         summary.notes.extend(added)
         done = run_passes(model, passes, settings, deferrable)
         summary.notes.extend(done.notes)
         plan = plan_quantization(model, config, done.keep_float, target)
-        algorithms, decided = configured_algorithms(config, target, plan, settings.access)
+        algorithms, decided = configured_algorithms(config, configured, target, plan, settings.access)
         summary.notes.extend(decided)
     return Prepared(model, plan, algorithms, target, settings, done.keep_float, done.deferred, summary, config,
                     edges)

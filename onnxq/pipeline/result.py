@@ -30,8 +30,10 @@ from onnxq.target import TargetProfile
 class PipelineState:
     """What emission started from, kept when asked (`keep_state`): the float model after
     the passes and calibration, and everything needed to emit it again under another
-    config with the same ranges (a mixed-precision trial) or to analyse against it. It
-    owns its copies: nothing the run goes on to change reaches it."""
+    config with the same ranges (a mixed-precision trial) or to analyse against it. The
+    model, ranges and statistics are its own copies, so nothing the run goes on to change
+    reaches them; `emit` adds to its ranges the tensors a new plan needs calibrated. The
+    calibration data handle (in `settings`) is the run's."""
 
     float_model: ir.Model
     ranges: dict[str, tuple[float, float]]

@@ -1,6 +1,6 @@
 """`run_pipeline`: one config, stage by stage — prepare (load, passes, plan), calibrate,
 the algorithms, emit, check, save — each stage's result handed to the next, and the
-summary filled here alone."""
+summary completed here from those results."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from onnxq.plan import provider_notes
 
 
 def run_pipeline(
-    model: ModelSource,
+    source: ModelSource,
     output: str | os.PathLike | None,
     config: Config,
     calibration_data: Any,
@@ -31,18 +31,20 @@ def run_pipeline(
 ) -> QuantizationResult:
     """Load, optimise, calibrate, emit and save: the pipeline for one config.
 
-    `keep_state`: also return what emission started from (`PipelineState`).
+    `source`: the model as given (path, proto or onnx-ir model), which the output check
+    runs in float; `model`, below, is the loaded one the stages rewrite. `keep_state`: also
+    return what emission started from (`PipelineState`).
     """
     if output is not None:
-        check_output_path(output, model if isinstance(model, str | os.PathLike) else None)
+        check_output_path(output, source if isinstance(source, str | os.PathLike) else None)
     options = config.calibration
-    ready = prepare(model, config, calibration_data, progress,
+    ready = prepare(source, config, calibration_data, progress,
                     deferrable=not options.load_ranges and not options.stats)
-    config, ir_model, plan, settings, summary = ready.config, ready.model, ready.plan, ready.settings, ready.summary
-    float_bytes = max(weight_bytes(ir_model), summary.size_before)  # external data included
+    config, model, plan, settings, summary = ready.config, ready.model, ready.plan, ready.settings, ready.summary
+    float_bytes = max(weight_bytes(model), summary.size_before)  # external data included
 
     with summary.stage("calibrate"):
-        calibration, finished = calibrate_or_load(ir_model, plan, settings, ready.algorithms, ready.deferred)
+        calibration, finished = calibrate_or_load(model, plan, settings, ready.algorithms, ready.deferred)
     summary.notes.extend(finished)
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)
@@ -57,21 +59,21 @@ def run_pipeline(
 
     state = None
     if keep_state:
-        state = PipelineState(ir_model.clone(), dict(calibration.ranges), dict(calibration.statistics), settings,
+        state = PipelineState(model.clone(), dict(calibration.ranges), dict(calibration.statistics), settings,
                               dict(ready.keep_float), ready.target, ready.algorithms, list(ready.edges))
     with summary.stage("optimise"):
-        done = run_algorithms(ir_model, plan, calibration.ranges, ready.algorithms, settings,
+        done = run_algorithms(model, plan, calibration.ranges, ready.algorithms, settings,
                               trial_emitter(settings, calibration.statistics), calibration.statistics)
     summary.notes.extend(done.notes)
 
     with summary.stage("emit"):
-        ir_model, emitted, session, kept = emit_loadable(ir_model, done.plan, calibration.ranges, config, done.weights,
+        model, emitted, session, kept = emit_loadable(model, done.plan, calibration.ranges, config, done.weights,
                                                    ready.keep_float, ready.target, calibration.statistics)
     samples, note = samples_to_check(options.check_samples, float_bytes, settings.data)
     summary.notes.extend(notes(Topic.CHECK, [note] if note else []))
     if session is not None and samples:
         with summary.stage("check"):
-            checked = check_outputs(model, model_inputs(ir_model), session, settings.data, samples,
+            checked = check_outputs(source, model_inputs(model), session, settings.data, samples,
                                     options.providers)
         if isinstance(checked, str):
             summary.notes.append(Note(Topic.CHECK, checked))
@@ -89,10 +91,10 @@ def run_pipeline(
 
     if output is not None:
         with summary.stage("save"):
-            summary.output = str(save_model(ir_model, output))
-    summary.size_after = source_size(output, ir_model) if output is not None else weight_bytes(ir_model)
+            summary.output = str(save_model(model, output))
+    summary.size_after = source_size(output, model) if output is not None else weight_bytes(model)
     if not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before:
         summary.notes.append(Note(Topic.WARNING, "warning: nothing was quantized: every node stayed float (see 'left "
                                   "in float'); pick a recipe that covers this model's ops (U8S8 for convolutions; "
                                   "W8_DYNAMIC and W4_GROUP128 quantize MatMul/Gemm only)"))
-    return QuantizationResult(ir_model, summary, calibration.ranges, plan, state)
+    return QuantizationResult(model, summary, calibration.ranges, plan, state)

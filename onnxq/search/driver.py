@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from onnxq.analyze import analyze_models
-from onnxq.calibrate.access import data_access, refusal
+from onnxq.calibrate.access import FIXES, data_access
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.config.spec import Config, MixedPrecisionConfig
 from onnxq.errors import CalibrationDataError
@@ -131,7 +131,8 @@ def quantize_to_target(
     access = data_access(CalibrationSource(calibration_data))
     if calibration_data is not None and not access.rereadable:
         raise CalibrationDataError(f"an accuracy target reads the calibration data more than once, but "
-                                   f"{refusal(access)}")
+                                   f"{type(calibration_data).__name__} data can be read only once; "
+                                   f"{FIXES[access]}")
     base_config = search_base_config(config)
     evalset, said = _eval_set(mp, calibration_data, evaluate is not None and target.metric in (None, "custom"))
     providers = config.calibration.providers

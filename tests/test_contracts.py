@@ -1,0 +1,124 @@
+"""What the pipeline reads from a registered contract, not from a name: a plugin's own
+algorithm gets its CLI flag and its place among `--algorithm`'s choices; a pass or
+algorithm that hands back the wrong thing is a one-line error naming it; a stage that
+needs another read of data read once says why, then the fix."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from helpers import GraphBuilder, cosine, random_feeds, run
+
+import onnxq
+from onnxq.cli import main
+from onnxq.config.compose import compose_config
+from onnxq.errors import CalibrationDataError, OnnxqError
+from onnxq.notes import Topic, of
+from onnxq.optimize import ALGORITHMS, CONTRACTS, PASSES
+
+PLUGIN = '''
+from dataclasses import dataclass
+from onnxq.optimize import register_algorithm
+
+
+@dataclass(frozen=True)
+class CountOptions:
+    op_types: tuple = ("Conv",)
+
+
+@register_algorithm("count_layers_toy", options=CountOptions, data="none", flag=9,
+                    flag_help="count the layers (a toy)", rounds_blocks=True)
+def count_layers(model, plan, ranges, options, ctx):
+    n = sum(1 for op in plan.quantized_nodes.values() if op in options.op_types)
+    return f"{n} quantized {'/'.join(options.op_types)} layers"
+'''
+
+
+def conv_model() -> onnx.ModelProto:
+    b = GraphBuilder(21)
+    x = b.input("x", ["N", 3, 8, 8])
+    y = b.conv(b.node("Relu", [b.conv(x, 3, 4, 3)]), 4, 5, 1)
+    return b.build([y], name="contracts")
+
+
+@pytest.fixture
+def plugin(tmp_path):
+    path = tmp_path / "count_plugin.py"
+    path.write_text(PLUGIN)
+    yield str(path)
+    ALGORITHMS.pop("count_layers_toy", None)
+    CONTRACTS.pop("count_layers_toy", None)
+
+
+def test_a_plugin_algorithm_gets_its_flag_from_its_contract(tmp_path, plugin, capsys):
+    model = tmp_path / "m.onnx"
+    onnx.save(conv_model(), model)
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, x=random_feeds(conv_model(), 16, seed=1)[0]["x"])
+    out = tmp_path / "q.onnx"
+    argv = ["quantize", str(model), str(out), "--calib-data", str(calib), "--bias-correction", "--count-layers-toy",
+            "--save-config",
+            str(tmp_path / "used.yaml")]
+    assert main(["--plugin", plugin, *argv]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "note: count_layers_toy: 2 quantized Conv layers" in printed
+    # Its entry comes before bias correction (given first), whose contract runs it last.
+    used = (tmp_path / "used.yaml").read_text()
+    assert used.index("count_layers_toy") < used.index("bias_correction")
+    onnx.checker.check_model(str(out), full_check=True)
+    feeds = random_feeds(conv_model(), 4, seed=2)
+    assert cosine(run(conv_model(), feeds), run(str(out), feeds)) > 0.999
+    # It rounds weight-only blocks, so --algorithm offers it too.
+    with pytest.raises(SystemExit):
+        main(["--plugin", plugin, "quantize", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--count-layers-toy count the layers (a toy)" in text
+    assert "--algorithm {rtn,gptq,awq,count_layers_toy,hqq}" in text
+
+
+def test_the_help_lists_the_algorithm_flags_in_flag_order(capsys):
+    with pytest.raises(SystemExit):
+        main(["quantize", "--help"])
+    text = capsys.readouterr().out
+    flags = ["--bias-correction", "--adaround", "--adaquant", "--gptq", "--awq"]
+    assert [text.index(f"  {flag} ") for flag in flags] == sorted(text.index(f"  {flag} ") for flag in flags)
+
+
+def _with_pass(returns: str) -> onnxq.Config:
+    config = onnxq.get_preset("U8S8")
+    config.pre_quant_opt_config = [{"name": "returns_wrong_toy"}]
+    exec(f"from onnxq.optimize import register_pass\n@register_pass('returns_wrong_toy')\n"
+         f"def wrong(model, options, ctx):\n    return {returns}\n", {})
+    return config
+
+
+@pytest.mark.parametrize("returns, says", [
+    ("None", "pass returns_wrong_toy returned NoneType; a pass returns its report line"),
+    ("__import__('onnxq.optimize.context').optimize.context.PassResult('x', deferred=object())",
+     "pass returns_wrong_toy deferred its second half where it may not"),
+])
+def test_a_pass_handing_back_the_wrong_thing_is_named(returns, says):
+    config = _with_pass(returns)
+    config.pre_quant_opt_config.append({"name": "fold_batchnorm"})  # not the last pass: it may not defer
+    try:
+        with pytest.raises(OnnxqError, match=says):
+            onnxq.quantize(conv_model(), None, config, random_feeds(conv_model(), 8, seed=3), progress=False)
+    finally:
+        PASSES.pop("returns_wrong_toy", None)
+        CONTRACTS.pop("returns_wrong_toy", None)
+
+
+def test_data_read_once_refusals_say_why_then_the_fix():
+    feeds = iter([{"x": f["x"]} for f in random_feeds(conv_model(), 8, seed=4)])
+    config = compose_config("U8S8", None, {"algo_config": [{"name": "adaround"}]})
+    result = onnxq.quantize(conv_model(), None, config, feeds, progress=False)
+    (skipped,) = of(result.summary.notes, Topic.SKIPPED, "adaround")
+    assert skipped.text == ("adaround: skipped: the calibration data can be read only once; pass a path, a dict of "
+                            "arrays, a list of feeds or a reader with rewind()")
+    (target,) = of(result.summary.notes, Topic.TARGET, "bias_correction")
+    assert target.text.startswith("target ") and "adds bias_correction" in target.text
+    with pytest.raises(CalibrationDataError, match=r"more than once, but generator data can be read only once; "
+                                                   r"pass a path"):
+        onnxq.quantize(conv_model(), None, compose_config("U8S8", None, {"mixed_precision": {"target": "sqnr>=20"}}),
+                       (f for f in random_feeds(conv_model(), 8, seed=5)), progress=False)
