@@ -26,6 +26,7 @@ class Topic(Enum):
     WARNING = "warning"  # something the user should act on
     SEARCH = "search"  # the accuracy-target search
     REPORT = "report"  # the HTML report's analysis
+    OUTPUT = "output"  # what was written besides the model (a model folder's other files)
 
 
 @dataclass(frozen=True)

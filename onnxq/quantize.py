@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from onnxq.analyze.quantized import report_quantization
 from onnxq.config import Config, as_config
 from onnxq.errors import ConfigError
+from onnxq.graph.folder import copy_companions, open_folder, output_model
 from onnxq.graph.save import check_output_paths
+from onnxq.notes import Note, Topic
 from onnxq.pipeline.prepare import ModelSource, required_opset
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.pipeline.run import run_pipeline
@@ -47,6 +50,9 @@ def quantize(
 ) -> QuantizationResult:
     """Quantize `model` and, when `output` is given, save it there atomically.
 
+    `model` may be a model folder (an onnxruntime-genai folder, or a folder with one
+    .onnx model): `output` is then a folder that gets the quantized model under the same
+    file name and a copy of every other file of the input folder (`graph/folder.py`).
     `calibration_data` is a path (.npz, .npy or a folder of them), a dict of arrays with
     samples on axis 0, an iterable of feed dicts, or a `CalibrationDataReader`.
     With `config.mixed_precision.target` set, the most sensitive layers are raised in
@@ -55,6 +61,10 @@ def quantize(
     error measured on the evaluation data, else the calibration data).
     """
     config = as_config(config)
+    folder = open_folder(model) if isinstance(model, str | os.PathLike) else None
+    if folder is not None:
+        model = str(folder.model)
+        output = None if output is None else output_model(folder, output)
     check_output_paths(model if isinstance(model, str | os.PathLike) else None, report,
                        config.calibration.save_ranges)
     keep = report is not None  # the report analyses the quantized model against the state it came from
@@ -65,6 +75,12 @@ def quantize(
                           "mixed_precision.target too, e.g. 'custom>=float-0.5'")
     else:
         result = run_pipeline(model, output, config, calibration_data, progress, keep_state=keep)
+    if folder is not None and output is not None:
+        copied = copy_companions(folder, Path(output).parent)
+        shown = ", ".join(copied[:6]) + (", ..." if len(copied) > 6 else "")
+        result.summary.notes.append(Note(Topic.OUTPUT, f"model folder: {len(copied)} other files copied beside the "
+                                         f"model ({shown})" if copied else "model folder: no other file to copy",
+                                         tuple(copied)))
     if report is not None:
         data = config.mixed_precision.eval_data or calibration_data
         report_quantization(report, result, config, data, progress)

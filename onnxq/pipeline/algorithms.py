@@ -38,10 +38,11 @@ def configured_algorithms(config: Config, configured: tuple[Entry, ...], target:
     wanted = config.target_algorithms and plan.calibrated_tensors()
     ops = set(plan.quantized_nodes.values())
     added = [e for e in (target_defaults(algorithms) if wanted else ()) if ops & set(e.op_types)]
-    # Alone (first), an added algorithm takes its statistics from the calibration pass;
-    # after other algorithms it must read the data again.
+    # Alone (first), an added algorithm takes its statistics from the calibration pass (or
+    # the statistics files); after other algorithms it must read the data again.
     enabled = [e for e in algorithms if e.enabled]
-    if added and not config.calibration.stats and (not access.readable or (enabled and not access.rereadable)):
+    served = access.rereadable if enabled else (access.readable or access is Access.FILES)
+    if added and not served:
         why = refusal(access, " and other algorithms read it first" if access is Access.ONCE else "")
         notes.append(Note(Topic.TARGET, f"target {target.name} would add {', '.join(e.name for e in added)} to "
                           f"remove the rounded weights' mean error, but {why}"))

@@ -17,6 +17,7 @@ from onnxq.calibrate.data import CalibrationSource
 from onnxq.config import validate_node_configs
 from onnxq.config.spec import EDGE_FIELDS, TENSOR_CLASSES, Config, DType, QScheme, QuantFormat
 from onnxq.errors import UnsupportedModelError
+from onnxq.graph.folder import on_disk_bytes
 from onnxq.graph.load import LoadReport, check_runnable, load_model
 from onnxq.graph.quantized import describe, quantized_ops
 from onnxq.graph.save import weight_bytes
@@ -67,9 +68,10 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
 
 
 def source_size(source: Any, model: ir.Model) -> int:
-    """The size of the model as given: its file, else its weights."""
+    """The size of the model as given: its file with the external data files it names,
+    else its weights."""
     if isinstance(source, str | os.PathLike) and Path(source).is_file():
-        return Path(source).stat().st_size
+        return on_disk_bytes(source)
     return weight_bytes(model)
 
 

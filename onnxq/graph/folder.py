@@ -1,0 +1,116 @@
+"""Model folders: an onnxruntime-genai folder (model.onnx, its external data,
+genai_config.json, the tokenizer) or any folder holding one .onnx model. A folder in gives
+a folder out: the quantized model under the same file name, beside a copy of every other
+file the folder holds, so the output deploys as the input did."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from onnxq.errors import ModelError
+
+GENAI_CONFIG = "genai_config.json"
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """A folder with one model: its `.onnx` file, the external data files that model names
+    (relative to the folder), and everything else it holds (`companions`)."""
+
+    folder: Path
+    model: Path
+    data_files: tuple[str, ...]
+    companions: tuple[str, ...]
+
+    @property
+    def genai(self) -> bool:
+        return (self.folder / GENAI_CONFIG).is_file()
+
+
+def _genai_model_name(folder: Path) -> str:
+    """The decoder's file name in an onnxruntime-genai folder (`model.decoder.filename`)."""
+    try:
+        config = json.loads((folder / GENAI_CONFIG).read_text(encoding="utf-8"))
+        return str(config["model"]["decoder"]["filename"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelError(f"{folder / GENAI_CONFIG} names no model file (model.decoder.filename: "
+                         f"{type(exc).__name__}); fix the file or pass the .onnx model itself") from None
+
+
+def open_folder(path: str | os.PathLike) -> ModelFolder | None:
+    """The model folder at `path`, or None when `path` is not a folder (a model file)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return None
+    if (folder / GENAI_CONFIG).is_file():
+        model = folder / _genai_model_name(folder)
+        if not model.is_file():
+            raise ModelError(f"{folder / GENAI_CONFIG} names {model.name}, which is not in {folder}; pass a complete "
+                             "onnxruntime-genai model folder")
+    else:
+        models = sorted(folder.glob("*.onnx"))
+        if len(models) != 1:
+            found = "no .onnx file" if not models else f"{len(models)} .onnx files"
+            raise ModelError(f"{folder} holds {found}; pass the .onnx model file itself (or a folder with one model, "
+                             f"or an onnxruntime-genai folder with {GENAI_CONFIG})")
+        model = models[0]
+    data = _data_files(model)
+    others = tuple(sorted(p.name for p in folder.iterdir() if p.name != model.name and p.name not in data))
+    return ModelFolder(folder, model, data, others)
+
+
+# A model file this big holds its weights itself (protobuf's 2 GB limit keeps external-data
+# models' .onnx small): it is not parsed again to look for data files.
+EMBEDDED_BYTES = 256 << 20
+
+
+def _data_files(model: Path) -> tuple[str, ...]:
+    """The external data files `model` names, relative to its folder."""
+    if model.stat().st_size > EMBEDDED_BYTES:
+        return ()
+    try:
+        proto = onnx.load(str(model), load_external_data=False)
+    except Exception:  # noqa: BLE001  an unreadable model gets its own error when it is loaded
+        return ()
+    names = {entry.value for tensor in proto.graph.initializer if tensor.data_location == onnx.TensorProto.EXTERNAL
+             for entry in tensor.external_data if entry.key == "location"}
+    return tuple(sorted(names))
+
+
+def output_model(source: ModelFolder, output: str | os.PathLike) -> Path:
+    """Where the quantized model of `source` goes when `output` is a folder: the same file
+    name inside it. The input folder itself is refused (never overwrite the input)."""
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise ModelError(f"{out} is a file; a model folder in gives a folder out: pass a folder path")
+    if out.exists() and out.resolve() == source.folder.resolve():
+        raise ModelError(f"{out} is the input folder; pass another output folder (the input is never overwritten)")
+    return out / source.model.name
+
+
+def copy_companions(source: ModelFolder, out_folder: Path) -> list[str]:
+    """Copy every file of the input folder but the model and its data into `out_folder`
+    (sub-folders too); the names copied."""
+    out_folder.mkdir(parents=True, exist_ok=True)
+    for name in source.companions:
+        src, dst = source.folder / name, out_folder / name
+        if src.is_dir():
+            shutil.copytree(src, dst, dirs_exist_ok=True)
+        else:
+            tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+            shutil.copy2(src, tmp)
+            os.replace(tmp, dst)
+    return list(source.companions)
+
+
+def on_disk_bytes(model: str | os.PathLike) -> int:
+    """A saved model's size with the external data files it names."""
+    path = Path(model)
+    return path.stat().st_size + sum((path.parent / name).stat().st_size for name in _data_files(path)
+                                     if (path.parent / name).is_file())

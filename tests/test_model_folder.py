@@ -1,0 +1,92 @@
+"""A model folder in, a folder out: an onnxruntime-genai folder (model.onnx, its external
+data, genai_config.json, the tokenizer) quantizes into a folder that holds the quantized
+model under the same name and a copy of every other file, and the input is untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from helpers import run, sqnr_db
+from test_load_runtime import EVAL, decoder_block
+
+import onnxq
+from onnxq.cli import main
+from onnxq.notes import Topic, of
+
+
+def genai_folder(folder: Path) -> Path:
+    (folder / "extra").mkdir(parents=True)
+    onnx.save(decoder_block(), folder / "model.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=0)
+    (folder / "genai_config.json").write_text(json.dumps({"model": {"decoder": {"filename": "model.onnx"}}}))
+    (folder / "tokenizer.json").write_text('{"version": "1.0"}')
+    (folder / "extra" / "chat_template.jinja").write_text("{{ messages }}")
+    return folder
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_genai_folder_quantizes_into_a_folder(tmp_path):
+    source = genai_folder(tmp_path / "in")
+    before = digests(source)
+    out = tmp_path / "out"
+    result = onnxq.quantize(str(source), str(out), "W4_GROUP128", progress=False)
+    assert digests(source) == before  # never modified
+    assert sorted(digests(out)) == ["extra/chat_template.jinja", "genai_config.json", "model.onnx", "tokenizer.json"]
+    for name in ("genai_config.json", "tokenizer.json", "extra/chat_template.jinja"):
+        assert digests(out)[name] == before[name]
+    (copied,) = of(result.summary.notes, Topic.OUTPUT)
+    assert set(copied.nodes) == {"extra", "genai_config.json", "tokenizer.json"}
+    # The size before counts the external data, not only the 0.4 KB .onnx file.
+    data = (source / "model.onnx.data").stat().st_size
+    assert result.summary.size_before == (source / "model.onnx").stat().st_size + data
+    assert result.summary.quantized_by_op == {"MatMul": 2}
+    ops = [n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node]
+    assert ops.count("MatMulNBits") == 2
+    assert sqnr_db(run(str(source / "model.onnx"), EVAL), run(str(out / "model.onnx"), EVAL)) > 15
+
+
+def test_the_cli_takes_folders_and_refuses_the_input_folder(tmp_path, capsys):
+    source = genai_folder(tmp_path / "in")
+    assert main(["quantize", str(source), str(tmp_path / "out"), "--preset", "W4_GROUP128", "--quiet"]) == 0
+    assert (tmp_path / "out" / "model.onnx").is_file() and (tmp_path / "out" / "tokenizer.json").is_file()
+    assert main(["quantize", str(source), str(source), "--preset", "W4_GROUP128"]) == 2
+    err = capsys.readouterr().err
+    assert "is the input folder; pass another output folder" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("layout, says", [
+    ("two_models", "holds 2 .onnx files; pass the .onnx model file itself"),
+    ("no_model", "holds no .onnx file"),
+    ("config_names_missing", "names decoder.onnx, which is not in"),
+])
+def test_a_folder_without_one_clear_model_is_refused(tmp_path, capsys, layout, says):
+    folder = tmp_path / "f"
+    folder.mkdir()
+    if layout == "two_models":
+        for name in ("a.onnx", "b.onnx"):
+            onnx.save(decoder_block(), folder / name)
+    elif layout == "config_names_missing":
+        (folder / "genai_config.json").write_text(json.dumps({"model": {"decoder": {"filename": "decoder.onnx"}}}))
+    assert main(["quantize", str(folder), str(tmp_path / "out"), "--preset", "W4_GROUP128"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_plain_folder_with_one_model_works_too(tmp_path):
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    onnx.save(decoder_block(), folder / "net.onnx")
+    (folder / "README.txt").write_text("my model")
+    calib = {"x": np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32)}
+    onnxq.quantize(str(folder), str(tmp_path / "q"), "U8S8", calib, progress=False)
+    assert (tmp_path / "q" / "net.onnx").is_file() and (tmp_path / "q" / "README.txt").read_text() == "my model"
