@@ -1,7 +1,7 @@
 """Huawei AMCT's simplified post-training config (`quant.cfg`, protobuf text format) read
 into onnxq's config shape: a dict laid over the preset like any config file.
 
-How each field maps (README, "Configs from AMCT, Quark and onnxruntime"):
+How each field maps (docs/configuration.md, "Configs from AMCT, Quark and onnxruntime"):
 - common_config / override_layer_types / override_layer_configs -> global_quant_config /
   layer_type_quant_config / layer_quant_config; AMCT's priority (layer > type > common >
   activation_offset) is onnxq's field-by-field node > op type > global.
