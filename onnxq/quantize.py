@@ -78,8 +78,8 @@ def quantize(
     if folder is not None and output is not None:
         copied = copy_companions(folder, Path(output).parent)
         shown = ", ".join(copied[:6]) + (", ..." if len(copied) > 6 else "")
-        result.summary.notes.append(Note(Topic.OUTPUT, f"model folder: {len(copied)} other files copied beside the "
-                                         f"model ({shown})" if copied else "model folder: no other file to copy",
+        result.summary.notes.append(Note(Topic.OUTPUT, f"model folder: {len(copied)} other "
+                                         f"file{'' if len(copied) == 1 else 's'} copied beside the model ({shown})" if copied else "model folder: no other file to copy",
                                          tuple(copied)))
     if report is not None:
         data = config.mixed_precision.eval_data or calibration_data

@@ -111,3 +111,22 @@ def test_external_data_outside_the_folder_is_refused(tmp_path, capsys):
     assert main(["quantize", str(path), str(tmp_path / "out.onnx"), "--calib-data", str(_npz(tmp_path))]) == 2
     err = capsys.readouterr().err.strip()
     assert "outside the model's folder" in err and len(err.splitlines()) == 1
+
+
+def test_weight_only_kernels_already_there_stay_and_the_rest_is_quantized():
+    """A model whose builder left some MatMuls as MatMulNBits (int4): those stay as they
+    are, the float MatMuls are quantized, and the summary names the ones kept."""
+    model = decoder_block("LayerNormalization")
+    partly = onnxq.quantize(model, None, onnxq.compose_config("W4_GROUP128", None, {"exclude": ["mm2"]}),
+                            progress=False).model
+    assert [n.op_type for n in partly.graph.node].count("MatMulNBits") == 1
+    result = onnxq.quantize(partly, None, "W8_GROUP128", progress=False)
+    bits = {n.name: oh.get_node_attr_value(n, "bits") for n in result.model.graph.node if n.op_type == "MatMulNBits"}
+    assert sorted(bits.values()) == [4, 8]  # the int4 one kept, the float one now int8
+    (kept,) = [n for n in of(result.summary.notes, Topic.FLOAT) if n.text.startswith("already quantized")]
+    assert len(kept.nodes) == 1 and bits[kept.nodes[0]] == 4
+    assert sqnr_db(run(model, EVAL), run(result.model, EVAL)) > 15
+    # A model quantized another way (Q/DQ) is still refused: quantizing it again quantizes twice.
+    qdq = onnxq.quantize(model, None, "U8S8", CALIB, progress=False).model
+    with pytest.raises(onnxq.OnnxqError, match="is already quantized"):
+        onnxq.quantize(qdq, None, "U8S8", CALIB, progress=False)

@@ -12,8 +12,10 @@ import onnx
 import onnx_ir as ir
 import pytest
 from helpers import GraphBuilder, session, sqnr_db
+from helpers import run as run_feeds
 from onnx import TensorProto, helper, numpy_helper
 
+import onnxq
 from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import QuantizationSpec
 from onnxq.emit.matmul_nbits import can_use_matmul_nbits, emit_matmul_nbits
@@ -242,3 +244,17 @@ def test_can_use_matmul_nbits_dtypes():
     assert can_use_matmul_nbits(node, nbits_spec()) is None
     assert "int16" in can_use_matmul_nbits(node, nbits_spec("int16"))
     assert can_use_matmul_nbits(node, nbits_spec(group_size=None)) is not None
+
+
+def test_w8_group128_writes_8_bit_matmulnbits():
+    """Weight-only int8 blocks: MatMulNBits with bits=8 in a default session, close to float."""
+    from test_load_runtime import EVAL, decoder_block
+
+    model = decoder_block("LayerNormalization")
+    result = onnxq.quantize(model, None, "W8_GROUP128", progress=False)
+    nodes = [n for n in result.model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nodes) == 2 and all(helper.get_node_attr_value(n, "bits") == 8 for n in nodes)
+    onnx.checker.check_model(result.model, full_check=True)
+    assert sqnr_db(run_feeds(model, EVAL), run_feeds(result.model, EVAL)) > 35
+    # Under half of float even here, where K = 64 pads each column to one block of 128.
+    assert result.summary.size_after < 0.55 * result.summary.size_before

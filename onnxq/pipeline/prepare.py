@@ -14,6 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from onnxq.calibrate.data import CalibrationSource
+from onnxq.calibrate.decoder import DecoderFeeds, decoder_feeds
 from onnxq.config import validate_node_configs
 from onnxq.config.spec import EDGE_FIELDS, TENSOR_CLASSES, Config, DType, QScheme, QuantFormat
 from onnxq.errors import UnsupportedModelError
@@ -48,6 +49,24 @@ def required_opset(config: Config) -> int:
     return max([*opsets, config.opset or 13])
 
 
+# Kernels that already hold quantized weights and can stay as they are around the float
+# ops quantized now (an onnxruntime-genai model whose LM head or embedding the builder left
+# in int4): the nodes stay, and the rest of the model is quantized.
+KEPT_KERNELS = frozenset({"MatMulNBits", "GatherBlockQuantized"})
+
+
+def _already_quantized(model: ir.Model, name: str) -> dict[str, str]:
+    """The nodes kept as they are (`KEPT_KERNELS`), with the reason; any other sign of a
+    quantized model is refused (quantizing it again would quantize twice)."""
+    already = quantized_ops(model)
+    if already and not set(already) <= KEPT_KERNELS:
+        raise UnsupportedModelError(
+            f"{name} is already quantized ({describe(already)}); pass the float model "
+            "(`onnxq convert --to float` gives a float one back from Q/DQ and QLinear models)")
+    return {node.name: f"already quantized ({node.op_type}): left as it is"
+            for node in ir.traversal.RecursiveGraphIterator(model.graph) if node.op_type in already}
+
+
 def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[ir.Model, LoadReport]:
     """The model at the lowest opset its output needs. A whole-model opset conversion costs
     time and doubles peak memory (MiniLM: 1.0 s and 350 MB of a 3.5 s run), so the model
@@ -56,11 +75,7 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
     blocks, but not the nodes lowered to contrib kernels (MatMulNBits,
     GatherBlockQuantized), whose weights W4_GROUP128 configures as int4 blocks."""
     model, report = load_model(source, config.opset or 13)
-    already = quantized_ops(model)
-    if already:
-        raise UnsupportedModelError(
-            f"{report.source} is already quantized ({describe(already)}); pass the float model "
-            "(`onnxq convert --to float` gives a float one back from Q/DQ and QLinear models)")
+    _already_quantized(model, report.source)
     if required_opset(config) <= report.opset:
         return model, report
     need = plan_quantization(model, with_edges(config, model)[0], {}, target).required_opset()
@@ -85,7 +100,7 @@ class Prepared:
     algorithms: tuple[Entry, ...]
     target: TargetProfile
     settings: RunSettings
-    keep_float: Mapping[str, str]  # nodes the passes created that must stay float
+    keep_float: Mapping[str, str]  # nodes that stay float: kernels already quantized, those the passes made
     deferred: Deferred | None  # the last pass's data-dependent half, for the calibration pass
     summary: Summary
     config: Config  # the config as this model resolves it (edge layers' specs applied)
@@ -100,7 +115,10 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     # The configured passes and algorithms, parsed once (and before the model loads: a
     # misspelt option fails at once).
     passes, configured = parse_passes(config.pre_quant_opt_config), parse_algorithms(config.algo_config)
-    settings = RunSettings(CalibrationSource(calibration_data), config.calibration, progress, config.qdq_domain,
+    # Token windows for a KV-cache decoder become feeds of every input, prefill and decode
+    # steps (`calibrate/decoder.py`).
+    data = decoder_feeds(source, calibration_data, config.calibration.providers)
+    settings = RunSettings(CalibrationSource(data), config.calibration, progress, config.qdq_domain,
                            config.quant_format == QuantFormat.QDQ_EXT)
     summary = Summary()
     target = resolve_target(config)
@@ -109,8 +127,17 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
         model, loaded = _load(source, config, target)
     summary.source, summary.opset = loaded.source, (loaded.original_opset, loaded.opset)
     summary.notes.extend(notes(Topic.LOAD, loaded.notes))
+    if isinstance(data, DecoderFeeds):
+        summary.notes.append(Note(Topic.CALIBRATION, f"calibration data: {len(data.windows)} token windows of "
+                                  f"{data.windows.shape[1]} tokens, each a prefill and {data.decode_steps} decode "
+                                  "steps with the KV cache the float model computes"))
     summary.size_before = source_size(source, model)
     check_runnable(model, loaded.source)
+    kept = _already_quantized(model, loaded.source)
+    if kept:
+        ops = describe(quantized_ops(model))
+        summary.notes.append(Note(Topic.FLOAT, f"already quantized: {ops}; left as they are, the rest quantized",
+                                  tuple(kept)))
     validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)])
     config, edges, note = apply_edges(config, model)
     summary.notes.extend([Note(Topic.CONFIG, note, tuple(edges))] if note else [])
@@ -120,8 +147,8 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
         summary.notes.extend(added)
         done = run_passes(model, passes, settings, deferrable)
         summary.notes.extend(done.notes)
-        plan = plan_quantization(model, config, done.keep_float, target)
+        keep_float = {**kept, **done.keep_float}
+        plan = plan_quantization(model, config, keep_float, target)
         algorithms, decided = configured_algorithms(config, configured, target, plan, settings.access)
         summary.notes.extend(decided)
-    return Prepared(model, plan, algorithms, target, settings, done.keep_float, done.deferred, summary, config,
-                    edges)
+    return Prepared(model, plan, algorithms, target, settings, keep_float, done.deferred, summary, config, edges)

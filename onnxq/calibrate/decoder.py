@@ -1,0 +1,185 @@
+"""Calibration feeds for a decoder with a KV cache (an onnxruntime-genai model), built from
+token windows: every input the graph takes, for the prefill and for the single-token
+decode steps that follow it, which are the activations deployed (each generated token is
+one decode step).
+
+A window of T tokens gives one prefill of its first T - d tokens with an empty cache and d
+decode steps, each fed one token with the cache the float model computed so far (its
+`present.*` outputs fed back as `past_key_values.*`). The attention mask covers the
+tokens so far; position ids, when the graph takes them, count them. One window is held
+at a time, so memory does not grow with the number of windows.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from onnxq.errors import CalibrationDataError
+
+PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+DECODE_STEPS = 4  # decode steps observed after each prefill
+NUMPY = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
+
+
+@dataclass(frozen=True)
+class CacheInput:
+    """One `past_key_values.<layer>.<key|value>` input and the output that feeds it back."""
+
+    name: str
+    present: str
+    kv_heads: int
+    head_size: int
+    dtype: type
+
+
+@dataclass(frozen=True)
+class DecoderInputs:
+    """What a KV-cache decoder graph takes: token ids, attention mask, position ids (if
+    any) and its cache inputs, each with the output that feeds it back."""
+
+    ids: str
+    mask: str | None
+    positions: str | None
+    cache: tuple[CacheInput, ...]
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto, head_size: int | None = None) -> DecoderInputs | None:
+        """The decoder inputs of `model`, or None when it is no KV-cache decoder.
+        `head_size`: the cache's last dimension where the graph leaves it symbolic (the
+        model builder's `kv_cache_dim`; genai_config.json's `decoder.head_size`)."""
+        inputs = {v.name: v for v in model.graph.input}
+        outputs = {v.name for v in model.graph.output}
+        if "input_ids" not in inputs or not any(PAST.match(n) for n in inputs):
+            return None
+        cache = []
+        for name, value in inputs.items():
+            found = PAST.match(name)
+            if not found:
+                continue
+            present = f"present.{found.group(1)}.{found.group(2)}"
+            dims = value.type.tensor_type.shape.dim
+            size = dims[3].dim_value or head_size if len(dims) == 4 else None
+            if present not in outputs or len(dims) != 4 or not dims[1].dim_value or not size:
+                raise CalibrationDataError(
+                    f"decoder input {name} needs output {present} and a [batch, kv_heads, past, head_size] shape "
+                    "with kv_heads fixed and head_size fixed or in genai_config.json (decoder.head_size); pass "
+                    "calibration feeds with every input instead")
+            dtype = NUMPY.get(value.type.tensor_type.elem_type, np.float32)
+            cache.append(CacheInput(name, present, dims[1].dim_value, size, dtype))
+        return cls("input_ids", "attention_mask" if "attention_mask" in inputs else None,
+                   "position_ids" if "position_ids" in inputs else None, tuple(cache))
+
+
+class DecoderFeeds:
+    """A calibration data reader (`get_next()`, `rewind()`) over token windows for a
+    KV-cache decoder (module doc). `model`: the float model (its path or bytes), run in
+    onnxruntime to compute each decode step's cache."""
+
+    def __init__(self, model: str | Path | bytes, windows: np.ndarray, decode_steps: int = DECODE_STEPS,
+                 providers: list[str] | None = None) -> None:
+        windows = np.asarray(windows)
+        if windows.ndim != 2 or not np.issubdtype(windows.dtype, np.integer):
+            raise CalibrationDataError(f"token windows must be integers of shape [windows, tokens], got "
+                                       f"{windows.dtype} {list(windows.shape)}; save them as input_ids in an .npz")
+        if windows.shape[1] <= decode_steps:
+            raise CalibrationDataError(f"token windows of {windows.shape[1]} tokens leave no prefill before "
+                                       f"{decode_steps} decode steps; use windows longer than {decode_steps}")
+        proto = onnx.load(str(model), load_external_data=False) if not isinstance(model, bytes) else \
+            onnx.load_from_string(model)
+        self.inputs = DecoderInputs.of(proto, None if isinstance(model, bytes) else genai_head_size(Path(model)))
+        if self.inputs is None:
+            raise CalibrationDataError("token windows calibrate a decoder with a KV cache (inputs input_ids and "
+                                       "past_key_values.*); for this model pass feeds of every input")
+        self.model, self.windows, self.decode_steps = model, windows.astype(np.int64), decode_steps
+        self.providers = providers or ["CPUExecutionProvider"]
+        self._session: ort.InferenceSession | None = None
+        self._feeds: Iterator[dict[str, np.ndarray]] | None = None
+
+    def _open(self) -> ort.InferenceSession:
+        if self._session is None:
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            source = self.model if isinstance(self.model, bytes) else str(self.model)
+            self._session = ort.InferenceSession(source, options, providers=self.providers)
+        return self._session
+
+    def _feed(self, ids: np.ndarray, past: dict[str, np.ndarray], seen: int) -> dict[str, np.ndarray]:
+        batch, new = ids.shape
+        feed = {self.inputs.ids: ids}
+        if self.inputs.mask is not None:
+            feed[self.inputs.mask] = np.ones((batch, seen + new), np.int64)
+        if self.inputs.positions is not None:
+            feed[self.inputs.positions] = np.broadcast_to(np.arange(seen, seen + new, dtype=np.int64), (batch, new)).copy()
+        return {**feed, **past}
+
+    def _window(self, window: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
+        prefill = len(window) - self.decode_steps
+        past = {c.name: np.zeros((1, c.kv_heads, 0, c.head_size), c.dtype) for c in self.inputs.cache}
+        feed = self._feed(window[None, :prefill], past, 0)
+        for step in range(self.decode_steps + 1):
+            yield feed
+            if step == self.decode_steps:
+                return
+            names = [c.present for c in self.inputs.cache]
+            presents = self._open().run(names, feed)
+            past = {c.name: value for c, value in zip(self.inputs.cache, presents)}
+            feed = self._feed(window[None, prefill + step:prefill + step + 1], past, prefill + step)
+
+    def _all(self) -> Iterator[dict[str, np.ndarray]]:
+        for window in self.windows:
+            yield from self._window(window)
+        self._session = None  # the float session is not held between reads
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self._feeds is None:
+            self._feeds = self._all()
+        return next(self._feeds, None)
+
+    def rewind(self) -> None:
+        self._feeds = None
+
+    def __len__(self) -> int:
+        """Feeds per read: a prefill and the decode steps of each window."""
+        return len(self.windows) * (self.decode_steps + 1)
+
+
+def genai_head_size(model: Path) -> int | None:
+    """`decoder.head_size` of the genai_config.json beside `model`, if there is one."""
+    try:
+        config = json.loads((model.parent / "genai_config.json").read_text(encoding="utf-8"))
+        return int(config["model"]["decoder"]["head_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def decoder_feeds(model: Any, data: Any, providers: list[str] | None = None) -> Any:
+    """`data` as decoder feeds when it is token windows (an .npz or dict holding only
+    `input_ids`) for a KV-cache decoder at path `model`; else `data` unchanged."""
+    if not isinstance(model, str | Path) or not str(model).endswith(".onnx"):
+        return data
+    windows = None
+    if isinstance(data, str | Path) and str(data).endswith(".npz") and Path(data).is_file():
+        try:
+            with np.load(data) as arrays:
+                if set(arrays.files) == {"input_ids"}:
+                    windows = arrays["input_ids"]
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+            return data  # read as usual: a broken file gets the usual error
+    elif isinstance(data, dict) and set(data) == {"input_ids"}:
+        windows = np.asarray(data["input_ids"])
+    if windows is None:
+        return data
+    proto = onnx.load(str(model), load_external_data=False)
+    if DecoderInputs.of(proto, genai_head_size(Path(model))) is None:
+        return data
+    return DecoderFeeds(model, windows, providers=providers)
