@@ -1,0 +1,154 @@
+"""onnxruntime-genai folders quantized by onnxq: size, quantize time and decode speed in
+onnxruntime-genai, per recipe, on one machine in one run.
+
+    python benchmarks/genai.py                       # a synthetic random Llama (shapes of a small LLM)
+    python benchmarks/genai.py --folder genai_dir/   # a real folder (../shared/tools/llm/genai_smollm2.py)
+        [--windows windows.npz] [--eval-ids eval.npz]
+
+Rows: float; W4_GROUP128 (RTN) with MatMulNBits accuracy_level 0 and 4; HQQ; W8_GROUP128;
+with `--windows` (token windows, an .npz of input_ids) GPTQ and AWQ too. Decode speed: tokens
+per second of greedy generation after a prompt, in onnxruntime-genai, median of `--repeat`.
+With `--eval-ids` (an .npz of input_ids windows held out from the calibration text),
+perplexity of each model in a plain onnxruntime session (full-window prefill). Random
+weights give speed and size, not accuracy: accuracy needs a real folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the synthetic folder builder
+
+
+def cpu_flags() -> str:
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return platform.machine()
+    return ", ".join(f for f in ("avx2", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags) or platform.machine()
+
+
+def decode_tokens_per_s(folder: Path, prompt: list[int], new_tokens: int, repeat: int) -> float:
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    rates = []
+    for _ in range(repeat):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False, min_length=len(prompt) + new_tokens)
+        generator = og.Generator(model, params)
+        generator.append_tokens(np.array(prompt, np.int32))
+        start, made = time.perf_counter(), 0
+        while not generator.is_done():
+            generator.generate_next_token()
+            made += 1
+        rates.append(made / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def perplexity(model: Path, windows: np.ndarray) -> float:
+    """exp(mean next-token cross-entropy) over the windows, one full prefill each."""
+    import onnx
+    import onnxruntime as ort
+
+    proto = onnx.load(str(model), load_external_data=False)
+    past = {v.name: v for v in proto.graph.input if v.name.startswith("past_key_values.")}
+    config = json.loads((model.parent / "genai_config.json").read_text())["model"]["decoder"]
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    losses = []
+    for window in windows:
+        feeds = {"input_ids": window[None].astype(np.int64), "attention_mask": np.ones((1, len(window)), np.int64),
+                 **{name: np.zeros((1, config["num_key_value_heads"], 0, config["head_size"]), np.float32)
+                    for name in past}}
+        logits = session.run(["logits"], feeds)[0][0, :-1].astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        losses.extend(-logp[np.arange(len(window) - 1), window[1:]])
+    return float(np.exp(np.mean(losses)))
+
+
+def folder_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("model.onnx")) / 1e6
+
+
+def recipes(windows: Path | None) -> dict[str, tuple[str, dict, bool]]:
+    """name -> (preset, config overrides, needs the windows)."""
+    rows = {
+        "w4 rtn acc0": ("W4_GROUP128", {"accuracy_level": 0}, False),
+        "w4 rtn acc4": ("W4_GROUP128", {"accuracy_level": 4}, False),
+        "w4 hqq acc4": ("W4_GROUP128", {"accuracy_level": 4, "algo_config": [{"name": "hqq"}]}, False),
+        "w8 acc4": ("W8_GROUP128", {"accuracy_level": 4}, False),
+    }
+    if windows is not None:
+        rows["w4 gptq acc4"] = ("W4_GROUP128", {"accuracy_level": 4, "algo_config": [{"name": "gptq"}]}, True)
+        rows["w4 awq acc4"] = ("W4_GROUP128", {"accuracy_level": 4, "algo_config": [{"name": "awq"}]}, True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", type=Path, help="an onnxruntime-genai fp32 folder (default: a synthetic one)")
+    parser.add_argument("--windows", type=Path, help="calibration token windows (.npz of input_ids) for GPTQ/AWQ")
+    parser.add_argument("--eval-ids", type=Path, help="held-out token windows (.npz of input_ids) for perplexity")
+    parser.add_argument("--layers", type=int, default=8, help="synthetic model: layers")
+    parser.add_argument("--hidden", type=int, default=512, help="synthetic model: hidden size")
+    parser.add_argument("--vocab", type=int, default=32000, help="synthetic model: vocabulary")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from genai_model import build_genai_folder
+
+    import onnxq
+
+    work = Path(tempfile.mkdtemp(prefix="onnxq-genai-bench-"))
+    try:
+        if args.folder is None:
+            source = build_genai_folder(work / "float", layers=args.layers, hidden=args.hidden, heads=8, kv_heads=4,
+                                        vocab=args.vocab, context_length=512)
+            what = f"synthetic Llama: {args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab}"
+        else:
+            source, what = args.folder, str(args.folder)
+        prompt = list(range(10, 42))
+        evals = np.load(args.eval_ids)["input_ids"] if args.eval_ids else None
+        rows = {"float": {"size MB": folder_mb(source), "quantize s": 0.0, "folder": source}}
+        for name, (preset, overrides, needs) in recipes(args.windows).items():
+            out = work / name.replace(" ", "_")
+            config = onnxq.compose_config(preset, None, overrides)
+            start = time.perf_counter()
+            onnxq.quantize(str(source), str(out), config, str(args.windows) if needs else None, progress=False)
+            rows[name] = {"size MB": folder_mb(out), "quantize s": time.perf_counter() - start, "folder": out}
+        for row in rows.values():
+            row["decode tok/s"] = decode_tokens_per_s(row["folder"], prompt, args.new_tokens, args.repeat)
+            if evals is not None:
+                row["ppl"] = perplexity(row["folder"] / "model.onnx", evals)
+        print(f"{what}; CPU flags: {cpu_flags()}; {os.cpu_count()} cores; onnxruntime-genai decode of "
+              f"{args.new_tokens} tokens after a {len(prompt)}-token prompt, median of {args.repeat}")
+        columns = ["size MB", "quantize s", "decode tok/s"] + (["ppl"] if evals is not None else [])
+        print(f"{'':16}" + "".join(f"{c:>14}" for c in columns) + f"{'speed vs float':>16}")
+        base = rows["float"]["decode tok/s"]
+        for name, row in rows.items():
+            print(f"{name:16}" + "".join(f"{row[c]:14.2f}" for c in columns) + f"{row['decode tok/s'] / base:15.2f}x")
+        if args.json:
+            args.json.write_text(json.dumps({k: {c: v for c, v in r.items() if c != "folder"} for k, r in rows.items()},
+                                            indent=2))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
