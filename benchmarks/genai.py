@@ -3,7 +3,7 @@ onnxruntime-genai, per recipe, on one machine in one run.
 
     python benchmarks/genai.py                       # a synthetic random Llama (shapes of a small LLM)
     python benchmarks/genai.py --folder genai_dir/   # a real folder (../shared/tools/llm/genai_smollm2.py)
-        [--windows windows.npz] [--eval-ids eval.npz]
+        [--windows windows.npz] [--eval-ids eval.npz] [--baseline "builder b32=int4_dir/"]
 
 Rows: float; W4_GROUP128 (RTN) with MatMulNBits accuracy_level 0 and 4; HQQ; W8_GROUP128;
 with `--windows` (token windows, an .npz of input_ids) GPTQ and AWQ too. Decode speed: tokens
@@ -102,6 +102,8 @@ def main() -> int:
     parser.add_argument("--folder", type=Path, help="an onnxruntime-genai fp32 folder (default: a synthetic one)")
     parser.add_argument("--windows", type=Path, help="calibration token windows (.npz of input_ids) for GPTQ/AWQ")
     parser.add_argument("--eval-ids", type=Path, help="held-out token windows (.npz of input_ids) for perplexity")
+    parser.add_argument("--baseline", nargs="*", default=[], metavar="NAME=FOLDER",
+                        help="other quantized folders to measure beside (the model builder's int4)")
     parser.add_argument("--layers", type=int, default=8, help="synthetic model: layers")
     parser.add_argument("--hidden", type=int, default=512, help="synthetic model: hidden size")
     parser.add_argument("--vocab", type=int, default=32000, help="synthetic model: vocabulary")
@@ -131,6 +133,9 @@ def main() -> int:
             start = time.perf_counter()
             onnxq.quantize(str(source), str(out), config, str(args.windows) if needs else None, progress=False)
             rows[name] = {"size MB": folder_mb(out), "quantize s": time.perf_counter() - start, "folder": out}
+        for spec in args.baseline:
+            name, _, path = spec.partition("=")
+            rows[name] = {"size MB": folder_mb(Path(path)), "quantize s": float("nan"), "folder": Path(path)}
         for row in rows.values():
             row["decode tok/s"] = decode_tokens_per_s(row["folder"], prompt, args.new_tokens, args.repeat)
             if evals is not None:

@@ -111,6 +111,13 @@ def w8_dynamic() -> Config:
     )
 
 
+# MatMulNBits' accuracy_level in the weight-only presets: 4, int8 activations in the
+# kernel, as onnxruntime-genai's model builder writes for CPU. SmolLM2-135M genai folder,
+# W4 RTN blocks of 128, 2 cores with AVX512-VNNI: decode 67.9 -> 147.8 tokens/s (float
+# 26.9) for perplexity 26.01 -> 26.29 (float 17.53), `benchmarks/genai.py`.
+ACCURACY_LEVEL = 4
+
+
 def w4_group128() -> Config:
     """Weight-only int4 in blocks of 128 for MatMul, Gemm and embedding tables (MatMul as
     MatMulNBits); convolution weights int8 per channel, since int4 convolutions lose too
@@ -122,6 +129,7 @@ def w4_group128() -> Config:
         global_quant_config=QuantizationConfig(weight=_int8_per_channel_weight()),
         layer_type_quant_config={"MatMul": int4, "Gemm": int4, "Gather": int4},
         matmul_nbits=True,
+        accuracy_level=ACCURACY_LEVEL,
     )
 
 
@@ -138,6 +146,7 @@ def w8_group128() -> Config:
         global_quant_config=QuantizationConfig(weight=_int8_per_channel_weight()),
         layer_type_quant_config={"MatMul": int8, "Gemm": int8},
         matmul_nbits=True,
+        accuracy_level=ACCURACY_LEVEL,
     )
 
 
@@ -242,7 +251,7 @@ _PRESET_LIST: tuple[Preset, ...] = (
     ),
     Preset(
         "W4_GROUP128",
-        "weight-only int4 in blocks of 128 for MatMul/Gemm/embeddings (MatMulNBits), int8 "
+        "weight-only int4 in blocks of 128 for MatMul/Gemm/embeddings (MatMulNBits, int8 compute), int8 "
         "convolutions; no calibration data",
         w4_group128,
     ),
