@@ -248,3 +248,18 @@ def test_layers_rank_by_their_effect_on_the_output():
     capped = impact_order(local, local, evalset, _offset_session(0.0), lambda n: _offset_session(effect[n]), 1)
     assert [n for n, _ in capped] == local and np.isnan(capped[1][1])  # the rest in the fallback order
     assert layers_to_measure(10 << 20) > 30 and layers_to_measure(2 << 30) == 16  # set by size, not the clock
+
+
+@pytest.mark.parametrize("rung, dtype", [("fp16", onnx.TensorProto.FLOAT16), ("bf16", onnx.TensorProto.BFLOAT16)])
+def test_a_float_type_ladder_raises_layers_to_it(tmp_path, rung, dtype):
+    """fp16 and bf16 rungs keep the promoted layers' bias as a float32 spec (a bias spec
+    takes int32 or float32): the search used to stop on 'bias dtype float16'."""
+    root = Path(__file__).resolve().parents[1] / "models"
+    cfg = compose_config("U8S8", None, {"mixed_precision": {"target": "sqnr>=45", "ladder": [rung]}})
+    result = quantize(root / "digits_cnn.onnx", tmp_path / "q.onnx", cfg, str(root / "digits_calib.npz"),
+                      progress=False)
+    mp = result.summary.mixed_precision
+    assert mp.met and mp.promotions and {p.rung for p in mp.promotions} == {rung}
+    saved = onnx.load(str(tmp_path / "q.onnx"))
+    onnx.checker.check_model(saved, full_check=True)
+    assert any(t.data_type == dtype for t in saved.graph.initializer)  # the raised layers' weights

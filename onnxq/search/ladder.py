@@ -21,7 +21,10 @@ def _rung_override(rung: str) -> dict[str, dict[str, str]]:
     if rung == "int16":
         return {"input_tensors": {"dtype": "int16"}, "output_tensors": {"dtype": "int16"}}
     dtype = {"fp16": "float16", "bf16": "bfloat16", "float": "float32"}[rung]
-    return {tc: {"dtype": dtype} for tc in ("input_tensors", "output_tensors", "weight", "bias")}
+    # The bias stays float32 (a bias spec takes int32 or float32): the float-type lowering
+    # casts it with the node, as the FP16/BF16 presets do with no bias spec at all.
+    return {**{tc: {"dtype": dtype} for tc in ("input_tensors", "output_tensors", "weight")},
+            "bias": {"dtype": "float32"}}
 
 
 def rung_opset(ladder: list[str]) -> int:
