@@ -275,3 +275,9 @@ def dequantize(
         return (q.astype(np.float32) * s).astype(np.float32)
     z = broadcast_param(np.asarray(zero_point), q.shape, axis, block_size).astype(np.int64)
     return ((q.astype(np.int64) - z).astype(np.float32) * s).astype(np.float32)
+
+
+# Ranges beyond this come from masking sentinels (float min, -1e38): no integer grid can
+# hold both them and the ordinary values, so such tensors stay float, and statistics past
+# it (an input mean dragged there by one such value) are not used.
+MAX_QUANTIZABLE_RANGE = 1e30

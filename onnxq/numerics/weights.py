@@ -364,9 +364,11 @@ def quantize_bias(
             return None
         scale = np.tile(scale, bias.size // scale.size)  # grouped ConvTranspose: scales repeat
     scale32 = scale.astype(np.float32)
+    if not np.all(np.isfinite(scale32)) or np.any(scale32 <= 0):
+        return None  # an input range past float32 (a masking value in the data): no grid holds the bias
     info = int_type(spec.dtype)
     ratio = np.rint(np.asarray(bias, dtype=np.float64) / scale32.astype(np.float64))
-    if np.any(ratio > info.qmax) or np.any(ratio < info.qmin):
+    if not np.all(np.isfinite(ratio)) or np.any(ratio > info.qmax) or np.any(ratio < info.qmin):
         return None
     zp = np.zeros(scale32.shape, dtype=info.np_dtype)
     return QuantizedTensor(ratio.astype(info.np_dtype), scale32, zp, 0 if scale32.ndim else None)

@@ -40,6 +40,7 @@ from onnxq.calibrate.access import refusal
 from onnxq.calibrate.runner import collect
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.resolve import ResolvedSpec
+from onnxq.numerics.qmath import MAX_QUANTIZABLE_RANGE
 from onnxq.optimize.bias_layers import (
     InputMean,
     Layer,
@@ -128,6 +129,10 @@ def bias_correction(
     for layer in layers:
         mean = means.get(layer.node.inputs[0].name)
         if mean is None:
+            continue
+        if not mean.usable:
+            skipped.append(f"{layer.node.name} (input mean beyond +-{MAX_QUANTIZABLE_RANGE:g}: a masking value in "
+                           "the data)")
             continue
         new_plan = correct(model, plan, layer, _analytic(layer, mean), emission, bias_spec)
         if new_plan is not None:

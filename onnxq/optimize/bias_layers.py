@@ -13,7 +13,7 @@ import onnx_ir as ir
 from onnxq.calibrate.statistics import Statistic
 from onnxq.graph import layout
 from onnxq.graph.fold import constant_array
-from onnxq.numerics.qmath import is_float8, is_integer
+from onnxq.numerics.qmath import MAX_QUANTIZABLE_RANGE, is_float8, is_integer
 from onnxq.optimize.context import AlgorithmContext
 from onnxq.plan import Kind, QuantPlan, TensorPlan
 
@@ -102,6 +102,13 @@ class InputMean:
 
     def channel_mean(self, axis: int) -> np.ndarray:
         return self.channel[axis]
+
+    @property
+    def usable(self) -> bool:
+        """Finite and within `MAX_QUANTIZABLE_RANGE`: a masking value in the data (float
+        min) drags a mean past it, and a correction from it would wreck the bias."""
+        return all(bool(np.all(np.abs(a) <= MAX_QUANTIZABLE_RANGE))
+                   for a in (*self.channel.values(), *self.windows.values()))
 
 
 def conv_geometry(node: ir.Node) -> layout.ConvGeometry | None:

@@ -17,14 +17,11 @@ from onnxq.calibrate.statistics import Statistic
 from onnxq.config.spec import CalibrationConfig
 from onnxq.emit.float8_center import centering_requests
 from onnxq.notes import Note, Topic
+from onnxq.numerics.qmath import MAX_QUANTIZABLE_RANGE
 from onnxq.optimize.context import Deferred, Rescale, RunSettings
 from onnxq.optimize.registry import Entry
 from onnxq.optimize.runner import algorithm_requests, finish_deferred, without_another_read
 from onnxq.plan import QuantPlan
-
-# Ranges beyond this come from masking sentinels (float min, -1e38): no integer grid can
-# hold both them and the ordinary values, so such tensors stay float.
-MAX_QUANTIZABLE_RANGE = 1e30
 
 
 def requests(model: ir.Model, plan: QuantPlan, algorithms: tuple[Entry, ...]) -> list[Statistic]:
@@ -80,7 +77,8 @@ def calibrate_or_load(
 
 def drop_unquantizable(plan: QuantPlan, ranges: Mapping[str, tuple[float, float]]) -> tuple[QuantPlan, list[Note]]:
     """The plan without tensors whose range no integer grid can hold, and a note on them."""
-    huge = {n for n, (lo, hi) in ranges.items() if max(abs(lo), abs(hi)) > MAX_QUANTIZABLE_RANGE}
+    # `not <=`: a NaN range (inf - inf downstream of such a sentinel) goes too
+    huge = {n for n, (lo, hi) in ranges.items() if not max(abs(lo), abs(hi)) <= MAX_QUANTIZABLE_RANGE}
     if not huge:
         return plan, []
     plan, dropped = plan.without(huge, f"calibrated range beyond +-{MAX_QUANTIZABLE_RANGE:g}")
