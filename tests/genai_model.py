@@ -305,3 +305,23 @@ def build_genai_folder(folder, layers=2, hidden=64, heads=4, kv_heads=2, vocab=2
                           options.get("context_length", 128))
     (folder / "genai_config.json").write_text(json.dumps(config, indent=4))
     return folder
+
+
+def genai_generate(folder, prompt, new_tokens) -> list[int]:
+    """Greedy tokens onnxruntime-genai generates from the folder after `prompt`; the test
+    skips where onnxruntime-genai is not importable (the test extra installs it; a wheel
+    whose native library fails to load skips too)."""
+    import pytest
+
+    try:
+        import onnxruntime_genai as og
+    except ImportError as error:
+        pytest.skip(f"onnxruntime-genai is not importable: {error}")
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array(prompt, np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)[len(prompt):]]

@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from genai_model import EOS_TOKEN_ID, build_genai_folder
+from genai_model import EOS_TOKEN_ID, build_genai_folder, genai_generate
 from helpers import session
 
 LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 16
@@ -67,19 +67,8 @@ def test_decode_step_matches_longer_prefill(folder):
 
 
 def test_genai_generates_what_onnxruntime_does(folder):
-    try:  # optional (the test extra installs it); a wheel whose native library fails to load skips too
-        import onnxruntime_genai as og
-    except ImportError as error:
-        pytest.skip(f"onnxruntime-genai is not importable: {error}")
     prompt, new_tokens = PROMPT[:5], 8
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array(prompt, np.int32))
-    while not generator.is_done():
-        generator.generate_next_token()
-    generated = [int(t) for t in generator.get_sequence(0)[len(prompt):]]
+    generated = genai_generate(folder, prompt, new_tokens)
 
     assert generated == _greedy(session(folder / "model.onnx", threads=1), prompt, new_tokens)
     assert len(set(generated)) > 2  # the cache and the layers steer it: not one repeated token

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import onnx
 import pytest
-from genai_model import build_genai_folder
+from genai_model import build_genai_folder, genai_generate
 from helpers import session, sqnr_db
 
 import onnxq
@@ -39,18 +39,6 @@ def prefill_logits(model_path) -> np.ndarray:
              **{f"past_key_values.{i}.{kind}": np.zeros((1, KV_HEADS, 0, HEAD_SIZE), np.float32)
                 for i in range(LAYERS) for kind in ("key", "value")}}
     return session(model_path, threads=1).run(["logits"], feeds)[0]
-
-
-def generate(folder, new_tokens=8) -> list[int]:
-    og = pytest.importorskip("onnxruntime_genai")
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(PROMPT) + new_tokens, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array(PROMPT, np.int32))
-    while not generator.is_done():
-        generator.generate_next_token()
-    return [int(t) for t in generator.get_sequence(0)[len(PROMPT):]]
 
 
 # (preset, algorithm entry, calibration windows?, logits SQNR floor in dB). Random weights
@@ -86,7 +74,7 @@ def test_each_algorithm_gives_a_folder_that_generates(folder, windows, tmp_path,
         (windows_note,) = [n for n in of(result.summary.notes, Topic.CALIBRATION) if "token windows" in n.text]
         assert "6 token windows of 16 tokens" in windows_note.text
     assert sqnr_db(prefill_logits(folder / "model.onnx"), prefill_logits(out / "model.onnx")) > floor
-    generated = generate(out)
+    generated = genai_generate(out, PROMPT, 8)
     assert len(generated) == 8 and all(0 <= t < 256 for t in generated)
 
 
