@@ -72,7 +72,8 @@ def test_each_algorithm_gives_a_folder_that_generates(folder, windows, tmp_path,
         assert "quantized" in note.text or "scaled" in note.text
     if calibrated:
         (windows_note,) = [n for n in of(result.summary.notes, Topic.CALIBRATION) if "token windows" in n.text]
-        assert "6 token windows of 16 tokens" in windows_note.text
+        # weight-only: the prefills alone (decode steps would add time, not accuracy)
+        assert "6 token windows of 16 tokens, each a prefill (weight-only" in windows_note.text
     assert sqnr_db(prefill_logits(folder / "model.onnx"), prefill_logits(out / "model.onnx")) > floor
     generated = genai_generate(out, PROMPT, 8)
     assert len(generated) == 8 and all(0 <= t < 256 for t in generated)
@@ -88,3 +89,13 @@ def test_token_windows_feed_prefill_and_decode_steps(folder):
     assert shapes == [(9, 9, 0), (1, 10, 9), (1, 11, 10), (1, 12, 11)] * 2
     feeds.rewind()
     assert feeds.get_next()["input_ids"].shape == (1, 9)
+
+
+def test_static_activations_observe_the_decode_steps(folder, windows, tmp_path):
+    """Where activations are calibrated, their ranges come from prefills and decode steps
+    alike: the decode activations are the deployed ones."""
+    result = onnxq.quantize(str(folder), str(tmp_path / "u8"), "U8S8", str(windows), progress=False)
+    (note,) = [n for n in of(result.summary.notes, Topic.CALIBRATION) if "token windows" in n.text]
+    assert "each a prefill and 4 decode steps with the KV cache" in note.text
+    assert result.summary.calibration_samples == 6 * 5  # a prefill and 4 steps per window
+    assert sqnr_db(prefill_logits(folder / "model.onnx"), prefill_logits(tmp_path / "u8" / "model.onnx")) > 10

@@ -14,7 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from onnxq.calibrate.data import CalibrationSource
-from onnxq.calibrate.decoder import DecoderFeeds, decoder_feeds
+from onnxq.calibrate.decoder import DECODE_STEPS, DecoderFeeds, decoder_feeds
 from onnxq.config import validate_node_configs
 from onnxq.config.spec import EDGE_FIELDS, TENSOR_CLASSES, Config, DType, QScheme, QuantFormat
 from onnxq.errors import UnsupportedModelError
@@ -82,6 +82,15 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
     return (model, report) if need <= report.opset else load_model(source, need)
 
 
+def _calibrates_activations(config: Config) -> bool:
+    """Whether some level of the config quantizes activations statically (not weight-only
+    or dynamic)."""
+    levels = [config.global_quant_config, *config.layer_type_quant_config.values(),
+              *config.layer_quant_config.values()]
+    return any(spec is not None and not spec.is_dynamic and spec.dtype not in (None, DType.FLOAT32)
+               for level in levels for spec in (level.input_tensors, level.output_tensors))
+
+
 def source_size(source: Any, model: ir.Model) -> int:
     """The size of the model as given: its file with the external data files it names,
     else its weights."""
@@ -117,7 +126,8 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     passes, configured = parse_passes(config.pre_quant_opt_config), parse_algorithms(config.algo_config)
     # Token windows for a KV-cache decoder become feeds of every input, prefill and decode
     # steps (`calibrate/decoder.py`).
-    data = decoder_feeds(source, calibration_data, config.calibration.providers)
+    data = decoder_feeds(source, calibration_data, config.calibration.providers,
+                         DECODE_STEPS if _calibrates_activations(config) else 0)
     settings = RunSettings(CalibrationSource(data), config.calibration, progress, config.qdq_domain,
                            config.quant_format == QuantFormat.QDQ_EXT)
     summary = Summary()
@@ -128,9 +138,10 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     summary.source, summary.opset = loaded.source, (loaded.original_opset, loaded.opset)
     summary.notes.extend(notes(Topic.LOAD, loaded.notes))
     if isinstance(data, DecoderFeeds):
+        steps = (f"a prefill and {data.decode_steps} decode steps with the KV cache the float model computes"
+                 if data.decode_steps else "a prefill (weight-only: decode steps would add time, not accuracy)")
         summary.notes.append(Note(Topic.CALIBRATION, f"calibration data: {len(data.windows)} token windows of "
-                                  f"{data.windows.shape[1]} tokens, each a prefill and {data.decode_steps} decode "
-                                  "steps with the KV cache the float model computes"))
+                                  f"{data.windows.shape[1]} tokens, each {steps}"))
     summary.size_before = source_size(source, model)
     check_runnable(model, loaded.source)
     kept = _already_quantized(model, loaded.source)
