@@ -91,7 +91,7 @@ class DecoderFeeds:
     onnxruntime to compute each decode step's cache."""
 
     def __init__(self, model: str | Path | bytes, windows: np.ndarray, decode_steps: int = DECODE_STEPS,
-                 providers: list[str] | None = None) -> None:
+                 providers: list[str] | None = None, inputs: DecoderInputs | None = None) -> None:
         windows = np.asarray(windows)
         if windows.ndim != 2 or not np.issubdtype(windows.dtype, np.integer):
             raise CalibrationDataError(f"token windows must be integers of shape [windows, tokens], got "
@@ -99,9 +99,7 @@ class DecoderFeeds:
         if windows.shape[1] <= decode_steps:
             raise CalibrationDataError(f"token windows of {windows.shape[1]} tokens leave no prefill before "
                                        f"{decode_steps} decode steps; use windows longer than {decode_steps}")
-        proto = onnx.load(str(model), load_external_data=False) if not isinstance(model, bytes) else \
-            onnx.load_from_string(model)
-        self.inputs = DecoderInputs.of(proto, None if isinstance(model, bytes) else genai_head_size(Path(model)))
+        self.inputs = inputs if inputs is not None else _decoder_inputs(model)
         if self.inputs is None:
             raise CalibrationDataError("token windows calibrate a decoder with a KV cache (inputs input_ids and "
                                        "past_key_values.*); for this model pass feeds of every input")
@@ -158,6 +156,13 @@ class DecoderFeeds:
         return len(self.windows) * (self.decode_steps + 1)
 
 
+def _decoder_inputs(model: str | Path | bytes) -> DecoderInputs | None:
+    """The decoder inputs of the model at `model` (its path or bytes)."""
+    if isinstance(model, bytes):
+        return DecoderInputs.of(onnx.load_from_string(model))
+    return DecoderInputs.of(onnx.load(str(model), load_external_data=False), genai_head_size(Path(model)))
+
+
 def genai_head_size(model: Path) -> int | None:
     """`decoder.head_size` of the genai_config.json beside `model`, if there is one."""
     try:
@@ -184,7 +189,7 @@ def decoder_feeds(model: Any, data: Any, providers: list[str] | None = None, dec
         windows = np.asarray(data["input_ids"])
     if windows is None:
         return data
-    proto = onnx.load(str(model), load_external_data=False)
-    if DecoderInputs.of(proto, genai_head_size(Path(model))) is None:
+    inputs = _decoder_inputs(model)
+    if inputs is None:
         return data
-    return DecoderFeeds(model, windows, decode_steps, providers)
+    return DecoderFeeds(model, windows, decode_steps, providers, inputs)

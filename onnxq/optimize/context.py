@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -33,11 +32,11 @@ from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import CalibrationDataError
 from onnxq.plan import QuantPlan
 from onnxq.plan.params import WeightCache
+from onnxq.plan.plan import EMPTY
 
 # A tensor a pass scaled per channel: its values became old * factor along axis (factor > 0).
 Rescale = tuple[int, np.ndarray]
 Statistics = Mapping[Statistic, "np.ndarray | None"]
-EMPTY: Mapping[Any, Any] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ class PassContext:
 
     settings: RunSettings
     # Nodes earlier passes created that must stay float (node -> reason).
-    keep_float: Mapping[str, str] = field(default_factory=dict)
+    keep_float: Mapping[str, str] = field(default_factory=lambda: EMPTY)
     # Whether this pass may defer its data-dependent half (`Deferred`): it is the last
     # pass and calibration follows.
     may_defer: bool = False
@@ -110,7 +109,7 @@ class PassResult:
     created that must stay float, its deferred half."""
 
     note: str | None
-    keep_float: Mapping[str, str] = field(default_factory=dict)
+    keep_float: Mapping[str, str] = field(default_factory=lambda: EMPTY)
     deferred: Deferred | None = None
 
 
@@ -133,10 +132,10 @@ class AlgorithmContext:
     weights: WeightCache = field(default_factory=WeightCache)
     # Statistics collected on the model as it is now (by the calibration pass, for the
     # first algorithm only: each one rewrites the model the next observes).
-    statistics: Statistics = field(default_factory=dict)
+    statistics: Statistics = field(default_factory=lambda: EMPTY)
     # Layers whose bias an earlier algorithm fitted on the quantized model's own inputs
     # (node -> algorithm): they hold their mean correction already.
-    fitted_biases: Mapping[str, str] = field(default_factory=dict)
+    fitted_biases: Mapping[str, str] = field(default_factory=lambda: EMPTY)
 
     def collect(self, model: ir.Model, stats: list[Statistic], purpose: str) -> dict[Statistic, np.ndarray | None]:
         """The requested statistics: those already collected, else one pass over the data."""
@@ -150,4 +149,4 @@ class AlgorithmResult:
 
     note: str
     plan: QuantPlan | None = None
-    fitted_biases: Mapping[str, str] = field(default_factory=dict)
+    fitted_biases: Mapping[str, str] = field(default_factory=lambda: EMPTY)

@@ -5,6 +5,7 @@ What calibration starts from, for one run or for each calibration shard."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,18 +57,18 @@ KEPT_KERNELS = frozenset({"MatMulNBits", "GatherBlockQuantized"})
 
 
 def _already_quantized(model: ir.Model, name: str) -> dict[str, str]:
-    """The nodes kept as they are (`KEPT_KERNELS`), with the reason; any other sign of a
-    quantized model is refused (quantizing it again would quantize twice)."""
+    """The nodes kept as they are (`KEPT_KERNELS`), with their op types; any other sign of
+    a quantized model is refused (quantizing it again would quantize twice)."""
     already = quantized_ops(model)
     if already and not set(already) <= KEPT_KERNELS:
         raise UnsupportedModelError(
             f"{name} is already quantized ({describe(already)}); pass the float model "
             "(`onnxq convert --to float` gives a float one back from Q/DQ and QLinear models)")
-    return {node.name: f"already quantized ({node.op_type}): left as it is"
-            for node in ir.traversal.RecursiveGraphIterator(model.graph) if node.op_type in already}
+    return {node.name: node.op_type for node in ir.traversal.RecursiveGraphIterator(model.graph)
+            if node.op_type in already}
 
 
-def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[ir.Model, LoadReport]:
+def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[ir.Model, LoadReport, dict[str, str]]:
     """The model at the lowest opset its output needs. A whole-model opset conversion costs
     time and doubles peak memory (MiniLM: 1.0 s and 350 MB of a 3.5 s run), so the model
     is loaded as it is (at least opset 13, or `config.opset`) and loaded again, upgraded,
@@ -75,11 +76,14 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
     blocks, but not the nodes lowered to contrib kernels (MatMulNBits,
     GatherBlockQuantized), whose weights W4_GROUP128 configures as int4 blocks."""
     model, report = load_model(source, config.opset or 13)
-    _already_quantized(model, report.source)
+    kept = _already_quantized(model, report.source)
     if required_opset(config) <= report.opset:
-        return model, report
+        return model, report, kept
     need = plan_quantization(model, with_edges(config, model)[0], {}, target).required_opset()
-    return (model, report) if need <= report.opset else load_model(source, need)
+    if need <= report.opset:
+        return model, report, kept
+    model, report = load_model(source, need)
+    return model, report, _already_quantized(model, report.source)
 
 
 def _calibrates_activations(config: Config) -> bool:
@@ -134,7 +138,7 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     target = resolve_target(config)
     summary.target = target.describe()
     with summary.stage("load"):
-        model, loaded = _load(source, config, target)
+        model, loaded, kept = _load(source, config, target)
     summary.source, summary.opset = loaded.source, (loaded.original_opset, loaded.opset)
     summary.notes.extend(notes(Topic.LOAD, loaded.notes))
     if isinstance(data, DecoderFeeds):
@@ -144,9 +148,8 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
                                   f"{data.windows.shape[1]} tokens, each {steps}"))
     summary.size_before = source_size(source, model)
     check_runnable(model, loaded.source)
-    kept = _already_quantized(model, loaded.source)
     if kept:
-        ops = describe(quantized_ops(model))
+        ops = describe(Counter(kept.values()))
         summary.notes.append(Note(Topic.FLOAT, f"already quantized: {ops}; left as they are, the rest quantized",
                                   tuple(kept)))
     validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)])
@@ -158,7 +161,8 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
         summary.notes.extend(added)
         done = run_passes(model, passes, settings, deferrable)
         summary.notes.extend(done.notes)
-        keep_float = {**kept, **done.keep_float}
+        keep_float = {**{name: f"already quantized ({op}): left as it is" for name, op in kept.items()},
+                      **done.keep_float}
         plan = plan_quantization(model, config, keep_float, target)
         algorithms, decided = configured_algorithms(config, configured, target, plan, settings.access)
         summary.notes.extend(decided)
