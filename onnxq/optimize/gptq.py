@@ -11,7 +11,7 @@ original weights, needed with `desc_act`, which quantizes rows in order of decre
 H diagonal). The result is pinned for the MatMulNBits lowering, which stores exactly
 these codes.
 
-H is E[x x^T] in float64, accumulated while the data streams (memory independent of the
+H is E[x x^T] (float32 products summed in float64), accumulated while the data streams (memory independent of the
 number of samples). With `true_sequential` (the default) each layer's x comes from the
 model whose earlier layers already hold their GPTQ weights, so later layers compensate
 the error of earlier ones: the MatMuls are taken in groups sharing one input (q/k/v,
@@ -105,8 +105,11 @@ def _group_params(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type,
 
 
 # Output rows quantized at once: rows are independent given H, so an LLM head (49152
-# rows) is done in slices and its float64 working copies stay small.
+# rows) is done in slices and its working copies stay small.
 ROW_CHUNK = 4096
+# Rows updated one step at a time inside a lazy block (`_quantize_rows`): the rest of the
+# block takes them as one product. 16 measured fastest on 576- and 1536-wide layers.
+INNER = 16
 
 
 def gptq_quantize(w: np.ndarray, hessian: np.ndarray, spec: ResolvedSpec, options: GPTQConfig,
@@ -130,7 +133,15 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, spec: ResolvedSpec, option
 def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np.ndarray, diag: np.ndarray,
                    spec: ResolvedSpec, options: GPTQConfig, scale_dtype: type,
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GPTQ of some rows of W^T, with the permuted inverse Hessian's Cholesky factor."""
+    """GPTQ of some rows of W^T, with the permuted inverse Hessian's Cholesky factor.
+
+    Works on W (rows of W^T as columns, in quantization order) so that each step reads
+    and updates contiguous rows, in float32 (the inverse Hessian's factor comes from
+    float64): on random layers the codes differ from float64's in 2-5 weights per 10^6
+    with equal output error, at a third of the time; SmolLM2 int4 b128 perplexity 18.72
+    -> 18.77, the size of change any rounding difference gives GPTQ. Within a lazy
+    block only the next `INNER` rows are updated per step; the rest of the block and the
+    rows after it take the errors as one matrix product each."""
     info = int_type(spec.dtype, spec.bits)
     n, k = w.shape
     group = int(spec.group_size)
@@ -144,26 +155,39 @@ def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np
             cols = slice(g * group, (g + 1) * group)
             scales[:, g], zeros[:, g] = _group_params(w[:, cols], spec, scale_dtype,
                                                       diag[cols] if options.clip_search else None)
-    w = w[:, order]
-    codes = np.zeros((n, k))
+    rows = np.ascontiguousarray(w[:, order].T, dtype=np.float32)  # [k, n]: row i is the i-th quantized
+    u = upper.astype(np.float32)
+    s32, z32 = scales.T.astype(np.float32), zeros.T.astype(np.float32)  # [groups, n]
+    codes = np.empty((k, n), np.float32)
     for i1 in range(0, k, options.block_size):
         i2 = min(i1 + options.block_size, k)
-        block, errors = w[:, i1:i2].copy(), np.zeros((n, i2 - i1))
-        for i in range(i2 - i1):
-            col = order[i1 + i]
-            g = col // group
-            if not static and col % group == 0:  # first row of its group: parameters from now
-                current = np.concatenate([block[:, i:], w[:, i2:]], axis=1)[:, :group]
-                scales[:, g], zeros[:, g] = _group_params(current, spec, scale_dtype,
-                                                          diag[col:col + group] if options.clip_search else None)
-            s, z = scales[:, g], zeros[:, g]
-            q = np.clip(np.rint(block[:, i] / s + z), info.qmin, info.qmax)
-            codes[:, col] = q
-            err = (block[:, i] - (q - z) * s) / upper[i1 + i, i1 + i]
-            block[:, i:] -= np.outer(err, upper[i1 + i, i1 + i:i2])
-            errors[:, i] = err
-        w[:, i2:] -= errors @ upper[i1:i2, i2:]
-    return codes.astype(np.int8), scales, zeros
+        errors = np.empty((i2 - i1, n), np.float32)
+        for j1 in range(i1, i2, INNER):
+            j2 = min(j1 + INNER, i2)
+            for i in range(j1, j2):
+                col = order[i]
+                g = col // group
+                if not static and col % group == 0:  # first row of its group: parameters from now
+                    current = rows[i:i + group].T.astype(np.float64)
+                    scales[:, g], zeros[:, g] = _group_params(current, spec, scale_dtype,
+                                                              diag[col:col + group] if options.clip_search else None)
+                    s32[g], z32[g] = scales[:, g], zeros[:, g]
+                s, z = s32[g], z32[g]
+                q = np.rint(rows[i] / s + z)
+                np.clip(q, info.qmin, info.qmax, out=q)
+                codes[i] = q
+                err = errors[i - i1]
+                np.subtract(rows[i], (q - z) * s, out=err)
+                err /= u[i, i]
+                if i + 1 < j2:
+                    rows[i + 1:j2] -= u[i, i + 1:j2, None] * err
+            if j2 < i2:
+                rows[j2:i2] -= u[j1:j2, j2:i2].T @ errors[j1 - i1:j2 - i1]
+        if i2 < k:
+            rows[i2:] -= u[i1:i2, i2:].T @ errors
+    out = np.empty((n, k), np.int8)
+    out[:, order] = codes.T
+    return out, scales, zeros
 
 
 def to_block_quantized(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, spec: ResolvedSpec,
