@@ -4,7 +4,8 @@
 integer and float8 types; float8 laid out and centred: `qdq_layout`, the steps trial
 emissions share), then hands the nodes each strategy claimed to the lowering registered
 for it (`lowering.LOWERINGS`: dynamic, MatMulNBits, GatherBlockQuantized,
-float16/bfloat16). A node a lowering refuses stays float; the plan returned says so.
+float16/bfloat16); a tied embedding and LM head go first, together (`tied`). A node a
+lowering refuses stays float; the plan returned says so.
 In the QOperator format (`quant_format: qoperator`) the QDQ patterns then become
 onnxruntime's integer kernels (`emit/qoperator.py`).
 """
@@ -31,6 +32,7 @@ from onnxq.emit.lowering import ordered
 from onnxq.emit.qdq import EmitReport
 from onnxq.emit.qdq_layout import lay_out_qdq
 from onnxq.emit.qoperator import to_qoperator
+from onnxq.emit.tied import lower_tied
 from onnxq.graph.edit import drop_unused_initializers
 from onnxq.plan import QuantPlan
 from onnxq.plan.params import WeightCache
@@ -65,8 +67,11 @@ def emit_model(
         result.notes.append(f"float8: {laid.centred} activations centred per channel on their calibration mean "
                             "(float8's precision is relative: a channel's offset would cost its spread)")
     ops = {n.name: n.op_type for n in model.graph}  # of the claimed nodes, before any rewrite
+    tied = lower_tied(model, plan, config, weights)
+    result.plan = result.plan.with_quantized_nodes(tied.converted, ops)
+    result.notes.extend(tied.notes)
     for lowering in ordered():
-        nodes = plan.nodes_for(lowering.strategy)
+        nodes = {name: spec for name, spec in plan.nodes_for(lowering.strategy).items() if name not in tied.converted}
         if not nodes:
             continue
         report = lowering.run(model, nodes, config, weights)

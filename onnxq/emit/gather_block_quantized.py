@@ -16,11 +16,43 @@ from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import Config
 from onnxq.emit.lowering import LoweringReport, claimed_nodes, register_lowering
 from onnxq.graph.edit import GraphEditor
-from onnxq.graph.fold import constant_array
 from onnxq.numerics.weights import quantize_weight
-from onnxq.plan.strategies.gather_int4 import can_use_gather_block_quantized
+from onnxq.plan.strategies.gather_int4 import can_use_gather_block_quantized, table_array
 
 CONTRIB = "com.microsoft"
+
+
+def replace_with_gather_block_quantized(model: ir.Model, edit: GraphEditor, node: ir.Node,
+                                        stored: list[ir.Value | None], block_size: int) -> None:
+    """Replace the Gather `node` by GatherBlockQuantized reading `stored` (quantized table,
+    scales, zero points or None), and drop the float table if nothing else reads it."""
+    graph = model.graph
+    table, out = node.inputs[0], node.outputs[0]
+    data, scales, zero_points = stored
+    inputs = [data, node.inputs[1], scales, *([zero_points] if zero_points is not None else [])]
+    new = ir.node(
+        "GatherBlockQuantized", inputs,
+        {"gather_axis": 0, "quantize_axis": 1, "block_size": block_size, "bits": 4},
+        domain=CONTRIB, name=edit.unique(f"{node.name}_GatherBlockQuantized"),
+    )
+    new.outputs[0].dtype, new.outputs[0].shape = out.dtype, out.shape
+    ir.convenience.replace_nodes_and_values(graph, node, [node], [new], [out], [new.outputs[0]])
+    _drop_table(graph, table)
+    model.opset_imports.setdefault(CONTRIB, 1)
+
+
+def _drop_table(graph: ir.Graph, table: ir.Value) -> None:
+    """Remove the float table nothing reads any more: its initializer, or the Transpose
+    that made it and the initializer that one read."""
+    if table.uses() or table.is_graph_output():
+        return
+    transpose = table.producer()
+    if transpose is None:
+        graph.initializers.pop(table.name, None)
+        return
+    source = transpose.inputs[0]
+    graph.remove(transpose, safe=True)
+    _drop_table(graph, source)
 
 
 def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
@@ -33,27 +65,12 @@ def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpe
     edit = GraphEditor(graph)
     ready, skipped = claimed_nodes(graph, nodes, can_use_gather_block_quantized)
     for node, spec in ready:
-        name = node.name
         table = node.inputs[0]
-        qt = quantize_weight(constant_array(table), spec, 1, block_size=spec.group_size,
-                             clip_search=clip_search)
-        inputs = [
-            edit.initializer(f"{table.name}_quantized", qt.data), node.inputs[1],
-            edit.initializer(f"{table.name}_scale", qt.scale.astype(np.float32)),
-        ]
-        if not spec.symmetric:
-            inputs.append(edit.initializer(f"{table.name}_zero_point", qt.zero_point))
-        out = node.outputs[0]
-        new = ir.node(
-            "GatherBlockQuantized", inputs,
-            {"gather_axis": 0, "quantize_axis": 1, "block_size": spec.group_size, "bits": 4},
-            domain=CONTRIB, name=edit.unique(f"{name}_GatherBlockQuantized"),
-        )
-        new.outputs[0].dtype, new.outputs[0].shape = out.dtype, out.shape
-        ir.convenience.replace_nodes_and_values(graph, node, [node], [new], [out], [new.outputs[0]])
-        if not table.uses() and not table.is_graph_output():
-            graph.initializers.pop(table.name, None)
-        model.opset_imports.setdefault(CONTRIB, 1)
+        qt = quantize_weight(table_array(table), spec, 1, block_size=spec.group_size, clip_search=clip_search)
+        stored = [edit.initializer(f"{table.name}_quantized", qt.data),
+                  edit.initializer(f"{table.name}_scale", qt.scale.astype(np.float32)),
+                  None if spec.symmetric else edit.initializer(f"{table.name}_zero_point", qt.zero_point)]
+        replace_with_gather_block_quantized(model, edit, node, stored, spec.group_size)
     return skipped
 
 

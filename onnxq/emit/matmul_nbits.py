@@ -23,9 +23,10 @@ CONTRIB = "com.microsoft"
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 
 
-def _replace_with_nbits(graph: ir.Graph, editor: GraphEditor, node: ir.Node, bq: BlockQuantized,
-                        accuracy_level: int) -> None:
-    """Insert the MatMulNBits node, move the MatMul's output onto it and remove the MatMul."""
+def replace_with_nbits(graph: ir.Graph, editor: GraphEditor, node: ir.Node, bq: BlockQuantized,
+                       accuracy_level: int) -> ir.Node:
+    """Insert the MatMulNBits node, move the MatMul's output onto it and remove the MatMul;
+    returns the new node."""
     prefix = node.name
     inputs = [
         node.inputs[0],
@@ -50,6 +51,7 @@ def _replace_with_nbits(graph: ir.Graph, editor: GraphEditor, node: ir.Node, bq:
     if not weight.uses() and not weight.is_graph_output():
         graph.initializers.pop(weight.name, None)
         _release(weight.const_value)
+    return new
 
 
 def _release(tensor: object) -> None:
@@ -61,6 +63,17 @@ def _release(tensor: object) -> None:
     if isinstance(tensor, ir.ExternalTensor):
         with contextlib.suppress(BufferError):
             tensor.release()
+
+
+def block_quantized(node: ir.Node, spec: ResolvedSpec, weights: object = None, clip_search: bool | None = None,
+                    importance: np.ndarray | None = None) -> BlockQuantized:
+    """The MatMul's weight in MatMulNBits' layout: the one pinned for it in `weights` (a
+    `WeightCache`: GPTQ's, AWQ's, HQQ's), else `quantize_blockwise`'s."""
+    bq = weights.pinned_node(node.name, node.inputs[1]) if weights is not None else None
+    if bq is not None:
+        return bq
+    return quantize_blockwise(constant_array(node.inputs[1]), spec, FLOAT_TYPES[weight_dtype(node)],
+                              clip_search, importance)
 
 
 def emit_matmul_nbits(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
@@ -82,15 +95,11 @@ def emit_matmul_nbits(model: ir.Model, nodes: Mapping[str, ResolvedSpec],
 
     def quantized(item: tuple[ir.Node, ResolvedSpec]) -> BlockQuantized:
         node, spec = item
-        bq = weights.pinned_node(node.name, node.inputs[1]) if weights is not None else None
-        if bq is not None:
-            return bq
-        return quantize_blockwise(constant_array(node.inputs[1]), spec, FLOAT_TYPES[weight_dtype(node)],
-                                  clip_search, (importance or {}).get(node.name))
+        return block_quantized(node, spec, weights, clip_search, (importance or {}).get(node.name))
 
     # Weights are quantized on every core, ahead of the graph edits, which stay in order.
     for (node, _), bq in zip(ready, ordered_map(quantized, ready)):
-        _replace_with_nbits(graph, editor, node, bq, accuracy_level)
+        replace_with_nbits(graph, editor, node, bq, accuracy_level)
     if len(skipped) < len(nodes):
         model.opset_imports.setdefault(CONTRIB, 1)
     return skipped

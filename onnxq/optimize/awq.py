@@ -191,10 +191,13 @@ def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
     edit = GraphEditor(model.graph)
     alphas: list[float] = []
 
+    tied = {tie.head for tie in plan.tied.values() if tie.block_size}
+
     def scale_group(group: list[Layer], hessian: np.ndarray) -> list[np.ndarray | None]:
         """The group's layers whose weight only they read get one shared scale; the rest
-        (a shared weight) keep round-to-nearest. Results are aligned with `group`."""
-        own = [(node, spec) for node, spec in group if len(node.inputs[1].uses()) == 1]
+        (a shared weight, or a tied LM head's: the embedding reads its codes unscaled) keep
+        round-to-nearest. Results are aligned with `group`."""
+        own = [(node, spec) for node, spec in group if len(node.inputs[1].uses()) == 1 and node.name not in tied]
         if not own:
             return [None] * len(group)
         weights = [np.asarray(constant_array(node.inputs[1])) for node, _ in own]

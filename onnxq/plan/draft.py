@@ -10,12 +10,12 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import Config, DType
-from onnxq.plan.plan import Kind, Lowered, QuantPlan, TensorPlan, qparams_key
+from onnxq.plan.plan import Kind, Lowered, QuantPlan, TensorPlan, Tie, qparams_key
 from onnxq.target.narrowing import target_weight_spec
 from onnxq.target.profile import TargetProfile
 
 # The tables of a `QuantPlan` that the planner fills, in its field order.
-TABLES = ("tensors", "quantized_nodes", "float_nodes", "fused_activations", "lowered")
+TABLES = ("tensors", "quantized_nodes", "float_nodes", "fused_activations", "lowered", "tied")
 
 
 @dataclasses.dataclass
@@ -30,6 +30,7 @@ class Draft:
     float_nodes: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     fused_activations: dict[str, str] = dataclasses.field(default_factory=dict)
     lowered: dict[str, Lowered] = dataclasses.field(default_factory=dict)
+    tied: dict[str, Tie] = dataclasses.field(default_factory=dict)
 
     def update(self, name: str, **changes: object) -> TensorPlan:
         """Replace the planned tensor `name` by a copy with `changes`."""

@@ -66,6 +66,16 @@ class Lowered:
     spec: ResolvedSpec | DType
 
 
+@dataclass(frozen=True)
+class Tie:
+    """An embedding Gather whose table is the weight of a MatMul lowered to MatMulNBits,
+    transposed: a tied embedding and LM head (`plan/tied.py`), stored once (`emit/tied.py`)."""
+
+    head: str  # the MatMul node
+    block_size: int | None  # the pair's block size; None: each stores its own copy
+    reason: str = ""  # why the block size is not the configured group size, or why two copies
+
+
 def qparams_key(spec: ResolvedSpec) -> tuple:
     """The spec fields that change scale and zero point (two specs with the same key share them)."""
     return (spec.dtype, spec.symmetric, spec.scale_type)
@@ -79,6 +89,7 @@ class QuantPlan:
     fused_activations: Mapping[str, str] = field(default_factory=lambda: EMPTY)  # activation node -> producer
     lowered: Mapping[str, Lowered] = field(default_factory=lambda: EMPTY)  # node -> strategy that lowers it
     float_tensors: Mapping[str, str] = field(default_factory=lambda: EMPTY)  # dropped after planning, with why
+    tied: Mapping[str, Tie] = field(default_factory=lambda: EMPTY)  # embedding Gather -> the LM head it shares
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -4,7 +4,9 @@ The plan names the activation tensors to calibrate (and the spec each is calibra
 for), the weights, biases and constants to quantize offline, the activations absorbed
 into the op before them, and the nodes left in float with the reason why. Each node is
 offered to the registered strategies (`plan/strategies`), which record their decisions
-in a `Draft`; the link ops that gain nothing quantized are then pruned (`plan/prune`).
+in a `Draft`; an int4 embedding and the LM head it is tied to are paired to share one
+stored weight (`plan/tied`), and the link ops that gain nothing quantized are pruned
+(`plan/prune`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from onnxq.plan import strategies
 from onnxq.plan.draft import Draft
 from onnxq.plan.plan import QuantPlan
 from onnxq.plan.prune import prune
+from onnxq.plan.tied import tie_tables
 from onnxq.target.profile import TargetProfile
 
 
@@ -59,5 +62,6 @@ def plan_quantization(
         if node.name in draft.fused_activations:
             continue
         plan_node(draft, node, keep_float)
+    tie_tables(draft, model.graph)
     prune(draft, model.graph)
     return draft.freeze()

@@ -1,5 +1,7 @@
 """int4 embedding tables: a weight-only Gather becomes com.microsoft::GatherBlockQuantized
-(lowered by `emit/gather_block_quantized`), which dequantizes only the rows it looks up."""
+(lowered by `emit/gather_block_quantized`), which dequantizes only the rows it looks up.
+The table is a constant, or the Transpose of one that load left unfolded (a tied LM head's
+weight past `graph.fold.MAX_FOLD_ELEMENTS`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,28 @@ from onnxq.plan.strategies.registry import Decision, Lower, register_strategy, w
 TYPES = ("int4", "uint4")
 
 
+def transposed_constant(value: ir.Value) -> ir.Value | None:
+    """The constant rank-2 tensor that `value` is the Transpose of, else None."""
+    node = value.producer()
+    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+        return None
+    perm = node.attributes.get("perm")
+    source = node.inputs[0]
+    array = constant_array(source)
+    if array is None or array.ndim != 2 or (perm is not None and list(perm.as_ints()) != [1, 0]):
+        return None
+    return source
+
+
+def table_array(value: ir.Value) -> np.ndarray | None:
+    """The table a Gather reads: its constant, or the transposed constant behind a Transpose."""
+    array = constant_array(value)
+    if array is not None:
+        return array
+    source = transposed_constant(value)
+    return None if source is None else constant_array(source).T
+
+
 def can_use_gather_block_quantized(node: ir.Node, spec: ResolvedSpec) -> str | None:
     """Why `node` cannot become GatherBlockQuantized with `spec`, or None if it can."""
     if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
@@ -26,7 +50,7 @@ def can_use_gather_block_quantized(node: ir.Node, spec: ResolvedSpec) -> str | N
     attr = node.attributes.get("axis")
     if attr is not None and attr.as_int() != 0:
         return "only lookups along axis 0"
-    table = constant_array(node.inputs[0])
+    table = table_array(node.inputs[0])
     if table is None or table.ndim != 2 or table.dtype != np.float32:
         return "needs a constant float32 rank-2 table"
     return None

@@ -1,0 +1,205 @@
+"""A tied embedding and LM head (the genai builder's: the embedding gathers from the LM
+head's weight transposed) quantized to int4 once: MatMulNBits and GatherBlockQuantized
+read one stored weight, the LM head's quantization wins (GPTQ's codes are the
+embedding's), the model loads, generates, and computes what two copies of the same codes
+would."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from genai_model import build_genai_folder, genai_generate
+from helpers import session, sqnr_db
+from onnx import helper, numpy_helper
+
+import onnxq
+import onnxq.graph.fold
+from onnxq.notes import Topic, of
+from onnxq.numerics.blocks import BlockQuantized, dequantize_blockwise
+from onnxq.plan.params import WeightCache
+from onnxq.plan.tied import shared_block
+
+LAYERS, HEADS, KV_HEADS, VOCAB = 2, 4, 2, 256
+PROMPT = [5, 17, 200, 3, 99, 42, 7, 64]
+
+
+def quantize(folder, out, group=None, algorithm=None, windows=None, **weight):
+    """W4_GROUP128 with the MatMul and Gather weights in blocks of `group` (None: 128) and
+    `weight`'s other fields."""
+    weight = {**weight, **({"group_size": group} if group else {})}
+    extra = {"layer_type_quant_config": {op: {"weight": weight} for op in ("MatMul", "Gather")}} if weight else {}
+    config = onnxq.compose_config("W4_GROUP128", None, {**extra, "algo_config": [{"name": algorithm}] if algorithm else []})
+    return onnxq.quantize(str(folder), str(out), config, str(windows) if windows else None, progress=False)
+
+
+def prefill_logits(model, hidden, heads=HEADS, kv_heads=KV_HEADS) -> np.ndarray:
+    """Logits of PROMPT on an empty cache (`model`: a path or a ModelProto)."""
+    feeds = {"input_ids": np.array([PROMPT], np.int64), "attention_mask": np.ones((1, len(PROMPT)), np.int64),
+             **{f"past_key_values.{i}.{kind}": np.zeros((1, kv_heads, 0, hidden // heads), np.float32)
+                for i in range(LAYERS) for kind in ("key", "value")}}
+    return session(model, threads=1).run(["logits"], feeds)[0]
+
+
+def kernels(model: onnx.ModelProto) -> tuple[onnx.NodeProto, onnx.NodeProto, dict[str, onnx.TensorProto]]:
+    """The LM head's MatMulNBits, the embedding's GatherBlockQuantized and the initializers."""
+    (nbits,) = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.name.startswith("/lm_head/")]
+    (gbq,) = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    return nbits, gbq, {t.name: t for t in model.graph.initializer}
+
+
+def reshape_source(model: onnx.ModelProto, value: str) -> str | None:
+    """The input a Reshape turns into `value`, or None when no Reshape makes it."""
+    return next((n.input[0] for n in model.graph.node if n.op_type == "Reshape" and n.output[0] == value), None)
+
+
+def with_embedding(model: onnx.ModelProto, table: np.ndarray | None) -> onnx.ModelProto:
+    """The model with its embedding replaced: GatherBlockQuantized on its own copies of the
+    LM head's bytes and scales (None: two stored copies of the same codes), or a float
+    Gather of `table`."""
+    copy = onnx.ModelProto.FromString(model.SerializeToString())
+    _, gbq, inits = kernels(copy)
+    reshape = next(n for n in copy.graph.node if n.op_type == "Reshape" and n.output[0] == gbq.input[0])
+    packed = numpy_helper.to_array(inits[reshape.input[0]])
+    copy.graph.node.remove(reshape)
+    if table is None:
+        copy.graph.initializer.extend([numpy_helper.from_array(packed.reshape(packed.shape[0], -1), "own_data"),
+                                       numpy_helper.from_array(numpy_helper.to_array(inits[gbq.input[2]]), "own_scales")])
+        gbq.input[0], gbq.input[2] = "own_data", "own_scales"
+        return copy
+    copy.graph.initializer.append(numpy_helper.from_array(table, "float_table"))
+    index = list(copy.graph.node).index(gbq)
+    copy.graph.node.remove(gbq)
+    copy.graph.node.insert(index, helper.make_node("Gather", ["float_table", gbq.input[1]], list(gbq.output)))
+    return copy
+
+
+def lm_head_weight(model: onnx.ModelProto, hidden: int) -> np.ndarray:
+    """The LM head's int4 weight [hidden, vocab], dequantized as MatMulNBits computes it."""
+    nbits, _, inits = kernels(model)
+    attrs = {a.name: helper.get_attribute_value(a) for a in nbits.attribute}
+    packed, scales, *zero_points = (numpy_helper.to_array(inits[name]) for name in nbits.input[1:])
+    return dequantize_blockwise(BlockQuantized(packed, scales, (zero_points or [None])[0], hidden, VOCAB, 4,
+                                               attrs["block_size"]))
+
+
+@pytest.fixture(scope="module")
+def windows(tmp_path_factory):
+    path = tmp_path_factory.mktemp("windows") / "windows.npz"
+    np.savez(path, input_ids=np.random.default_rng(3).integers(0, VOCAB, (6, 16)))
+    return path
+
+
+@pytest.mark.parametrize("algorithm", [None, "gptq", "awq"])
+def test_tied_table_is_stored_once(tmp_path, windows, monkeypatch, algorithm):
+    hidden = 64
+    folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=hidden, heads=HEADS, kv_heads=KV_HEADS)
+    pinned = {}
+    pin = WeightCache.pin_node
+    monkeypatch.setattr(WeightCache, "pin_node", lambda self, node, value, q: (pinned.setdefault(node, q),
+                                                                               pin(self, node, value, q))[1])
+    result = quantize(folder, tmp_path / "out", 32, algorithm, windows if algorithm else None)
+    model = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    nbits, gbq, inits = kernels(model)
+    # One stored table: the embedding reads the LM head's B through a Reshape, and its scales.
+    assert reshape_source(model, gbq.input[0]) == nbits.input[1] and gbq.input[2] == nbits.input[2]
+    assert numpy_helper.to_array(inits[nbits.input[1]]).shape == (VOCAB, hidden // 32, 16)
+    assert {t.name for t in inits.values() if list(t.dims[:1]) == [VOCAB]} == {nbits.input[1], nbits.input[2]}
+    attrs = {a.name: helper.get_attribute_value(a) for a in gbq.attribute}
+    assert attrs == {"gather_axis": 0, "quantize_axis": 1, "block_size": 32, "bits": 4}
+    (note,) = [n for n in of(result.summary.notes, Topic.EMISSION) if "tied embedding" in n.text]
+    assert "one int4 copy" in note.text and "blocks of 32" in note.text
+    if algorithm == "gptq":  # GPTQ's codes for the LM head are the stored table
+        np.testing.assert_array_equal(pinned["/lm_head/MatMul"].packed, numpy_helper.to_array(inits[nbits.input[1]]))
+    if algorithm == "awq":  # the tied LM head is not scaled: the embedding reads its codes unscaled
+        assert "/lm_head/MatMul" not in pinned
+    # Two stored copies of the same codes compute the same; so does a float table of the
+    # LM head's dequantized weight.
+    logits = prefill_logits(model, hidden)
+    np.testing.assert_array_equal(logits, prefill_logits(with_embedding(model, None), hidden))
+    np.testing.assert_allclose(logits, prefill_logits(with_embedding(model, lm_head_weight(model, hidden).T), hidden),
+                               rtol=0, atol=1e-5)
+    assert sqnr_db(prefill_logits(folder / "model.onnx", hidden), logits) > 4.0
+    generated = genai_generate(tmp_path / "out", PROMPT, 8)
+    assert len(generated) == 8 and all(0 <= t < VOCAB for t in generated)
+
+
+def test_asymmetric_uint4_shares_the_zero_points(tmp_path):
+    folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=64, heads=HEADS, kv_heads=KV_HEADS)
+    quantize(folder, tmp_path / "out", 32, dtype="uint4", symmetric=False)
+    model = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    nbits, gbq, _ = kernels(model)
+    assert len(nbits.input) == 4 and reshape_source(model, gbq.input[0]) == nbits.input[1]
+    assert list(gbq.input[2:]) == list(nbits.input[2:])  # scales and packed zero points
+    np.testing.assert_allclose(prefill_logits(model, 64),
+                               prefill_logits(with_embedding(model, lm_head_weight(model, 64).T), 64), rtol=0, atol=1e-5)
+
+
+def test_hidden_size_not_a_multiple_of_the_group(tmp_path):
+    """hidden 96 with blocks of 64: the pair takes blocks of 32, the other MatMuls keep 64
+    (2 heads of 48: onnxruntime's GroupQueryAttention takes head sizes in multiples of 16)."""
+    folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=96, heads=2, kv_heads=1)
+    result = quantize(folder, tmp_path / "out", 64)
+    model = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    nbits, gbq, _ = kernels(model)
+    assert reshape_source(model, gbq.input[0]) == nbits.input[1]
+    blocks = {n.name: helper.get_attribute_value(next(a for a in n.attribute if a.name == "block_size"))
+              for n in model.graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")}
+    assert blocks.pop(nbits.name) == blocks.pop(gbq.name) == 32 and set(blocks.values()) == {64}
+    (note,) = [n for n in of(result.summary.notes, Topic.EMISSION) if "tied embedding" in n.text]
+    assert "blocks of 32 (the hidden size 96 is not a multiple of 64)" in note.text
+    table = lm_head_weight(model, 96).T
+    np.testing.assert_allclose(prefill_logits(model, 96, 2, 1), prefill_logits(with_embedding(model, table), 96, 2, 1),
+                               rtol=0, atol=1e-5)
+    assert len(genai_generate(tmp_path / "out", PROMPT, 4)) == 4
+
+
+def test_no_block_size_divides_the_hidden_size(tmp_path):
+    """hidden 72 (8 x 9): no power of two from 16 divides it, so each keeps its own copy
+    (the model loads; onnxruntime's GroupQueryAttention would not run its heads of 24)."""
+    folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=72, heads=3, kv_heads=1)
+    result = quantize(folder, tmp_path / "out")
+    model = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    nbits, gbq, _ = kernels(model)
+    assert reshape_source(model, gbq.input[0]) is None and gbq.input[0] != nbits.input[1]
+    (note,) = [n for n in of(result.summary.notes, Topic.EMISSION) if "tied embedding" in n.text]
+    assert "each stores its own int4 copy: no power of two from 16 to 128 divides the hidden size 72" in note.text
+    session(tmp_path / "out" / "model.onnx")
+
+
+def test_unfolded_transpose_is_tied_as_the_folded_copy(tmp_path, monkeypatch):
+    """A table past the fold limit stays Transpose(weight): the pair is found through it,
+    and the output is the one the folded copy gives, with neither the Transpose nor the
+    float weight left."""
+    folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=64, heads=HEADS, kv_heads=KV_HEADS)
+    quantize(folder, tmp_path / "folded", 32)
+    monkeypatch.setattr(onnxq.graph.fold, "MAX_FOLD_ELEMENTS", 1000)
+    quantize(folder, tmp_path / "unfolded", 32)
+    folded, unfolded = (onnx.load(str(tmp_path / d / "model.onnx")) for d in ("folded", "unfolded"))
+    nbits, gbq, _ = kernels(unfolded)
+    assert reshape_source(unfolded, gbq.input[0]) == nbits.input[1]
+    assert "Transpose" not in {n.op_type for n in unfolded.graph.node}
+    assert "lm_head.MatMul.weight" not in {t.name for t in unfolded.graph.initializer}
+    np.testing.assert_array_equal(prefill_logits(folded, 64), prefill_logits(unfolded, 64))
+
+
+def test_untied_model_keeps_its_two_tables(tmp_path):
+    folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=64, heads=HEADS, kv_heads=KV_HEADS,
+                                tie_embeddings=False)
+    result = quantize(folder, tmp_path / "out", 32)
+    nbits, gbq, _ = kernels(onnx.load(str(tmp_path / "out" / "model.onnx")))
+    assert gbq.input[0] != nbits.input[1] and not [n for n in result.summary.notes if "tied" in n.text]
+
+
+def test_hqq_float_zero_points_keep_two_copies(tmp_path):
+    folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=64, heads=HEADS, kv_heads=KV_HEADS)
+    result = quantize(folder, tmp_path / "out", 32, "hqq")
+    (note,) = [n for n in of(result.summary.notes, Topic.EMISSION) if "tied embedding" in n.text]
+    assert "each stores its own int4 copy: its float zero points (HQQ)" in note.text
+    assert len(genai_generate(tmp_path / "out", PROMPT, 4)) == 4
+
+
+@pytest.mark.parametrize("hidden,group,block", [(576, 128, 64), (96, 64, 32), (4096, 128, 128), (72, 128, None),
+                                                (48, 32, 16)])
+def test_shared_block(hidden, group, block):
+    assert shared_block(hidden, group) == block
