@@ -27,8 +27,10 @@ import yaml
 from genai_model import build_genai_folder
 
 import onnxq
+from onnxq.calibrate.text import DEFAULT_WINDOWS, text_windows
 from onnxq.calibrate.tokenizer import READERS, load_tokenizer, stand_in_class
 from onnxq.cli import main
+from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import CalibrationDataError
 from onnxq.notes import Topic, of
 
@@ -176,14 +178,13 @@ def test_calibrate_writes_the_statistics_of_the_windows(folder, text, tmp_path):
 
 def test_windows_default_to_the_context_length_and_every_whole_window(folder, text, tmp_path):
     """Without sequence_length the windows are 256 tokens or the context length if shorter
-    (the toy's 128); without max_samples, at most 64 windows: here the one the text fills."""
-    from onnxq.calibrate.text import text_windows
-    from onnxq.config.spec import CalibrationConfig
-
+    (the toy's 128); without max_samples, every whole window up to 64."""
     cut = text_windows(folder / "model.onnx", CalibrationConfig(text=str(text)), None)
     assert cut.windows.shape == (1, 128) and cut.windows[0].tolist() == EXPECTED[:128]
     cut = text_windows(folder / "model.onnx", CalibrationConfig(text=str(text), sequence_length=32), None)
     assert cut.windows.shape == (4, 32) and cut.tokens == len(EXPECTED)
+    cut = text_windows(folder / "model.onnx", CalibrationConfig(text=str(text), sequence_length=2), None)
+    assert cut.windows.shape == (DEFAULT_WINDOWS, 2) == (64, 2)
     with pytest.raises(CalibrationDataError, match="both calibration text"):
         onnxq.quantize(str(folder), str(tmp_path / "out"), {"calibration": {"text": str(text)}}, {"input_ids": [[1]]})
 
