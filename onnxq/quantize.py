@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from onnxq.analyze.quantized import report_quantization
+from onnxq.calibrate.text import text_windows
 from onnxq.config import Config, as_config
 from onnxq.errors import ConfigError
 from onnxq.graph.folder import copy_companions, open_folder, output_model
@@ -54,7 +55,8 @@ def quantize(
     .onnx model): `output` is then a folder that gets the quantized model under the same
     file name and a copy of every other file of the input folder (`graph/folder.py`).
     `calibration_data` is a path (.npz, .npy or a folder of them), a dict of arrays with
-    samples on axis 0, an iterable of feed dicts, or a `CalibrationDataReader`.
+    samples on axis 0, an iterable of feed dicts, or a `CalibrationDataReader`; for an LLM
+    decoder, `config.calibration.text` may name a text file instead (`calibrate/text.py`).
     With `config.mixed_precision.target` set, the most sensitive layers are raised in
     precision until the model meets it (`onnxq.search`); `evaluate(session) -> float`
     scores a model for a `custom` target. `report`: write an HTML report there (per-layer
@@ -67,6 +69,9 @@ def quantize(
         output = None if output is None else output_model(folder, output)
     check_output_paths(model if isinstance(model, str | os.PathLike) else None, report,
                        config.calibration.save_ranges)
+    text = text_windows(model, config.calibration, calibration_data)
+    if text is not None:  # the windows calibrate as an .npz of input_ids would
+        calibration_data = {"input_ids": text.windows}
     keep = report is not None  # the report analyses the quantized model against the state it came from
     if config.mixed_precision.target is not None:
         result = quantize_to_target(model, output, config, calibration_data, progress, evaluate, keep_state=keep)
@@ -75,6 +80,8 @@ def quantize(
                           "mixed_precision.target too, e.g. 'custom>=float-0.5'")
     else:
         result = run_pipeline(model, output, config, calibration_data, progress, keep_state=keep)
+    if text is not None:
+        _insert_note(result.summary.notes, Note(Topic.CALIBRATION, text.describe()))
     if folder is not None and output is not None:
         copied = copy_companions(folder, Path(output).parent)
         shown = ", ".join(copied[:6]) + (", ..." if len(copied) > 6 else "")
@@ -85,6 +92,12 @@ def quantize(
         data = config.mixed_precision.eval_data or calibration_data
         report_quantization(report, result, config, data, progress)
     return result
+
+
+def _insert_note(found: list[Note], note: Note) -> None:
+    """`note` before the first note of its topic (the calibration text before its windows)."""
+    at = next((i for i, n in enumerate(found) if n.topic is note.topic), len(found))
+    found.insert(at, note)
 
 
 class ModelQuantizer:

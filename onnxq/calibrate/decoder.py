@@ -99,7 +99,7 @@ class DecoderFeeds:
         if windows.shape[1] <= decode_steps:
             raise CalibrationDataError(f"token windows of {windows.shape[1]} tokens leave no prefill before "
                                        f"{decode_steps} decode steps; use windows longer than {decode_steps}")
-        self.inputs = inputs if inputs is not None else _decoder_inputs(model)
+        self.inputs = inputs if inputs is not None else decoder_inputs(model)
         if self.inputs is None:
             raise CalibrationDataError("token windows calibrate a decoder with a KV cache (inputs input_ids and "
                                        "past_key_values.*); for this model pass feeds of every input")
@@ -156,7 +156,7 @@ class DecoderFeeds:
         return len(self.windows) * (self.decode_steps + 1)
 
 
-def _decoder_inputs(model: str | Path | bytes) -> DecoderInputs | None:
+def decoder_inputs(model: str | Path | bytes) -> DecoderInputs | None:
     """The decoder inputs of the model at `model` (its path or bytes)."""
     if isinstance(model, bytes):
         return DecoderInputs.of(onnx.load_from_string(model))
@@ -189,7 +189,7 @@ def decoder_feeds(model: Any, data: Any, providers: list[str] | None = None, dec
         windows = np.asarray(data["input_ids"])
     if windows is None:
         return data
-    inputs = _decoder_inputs(model)
+    inputs = decoder_inputs(model)
     if inputs is None:
         return data
     return DecoderFeeds(model, windows, decode_steps, providers, inputs)

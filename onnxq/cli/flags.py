@@ -38,6 +38,8 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("providers", ("calibration", "providers")),
     ("max_calib_memory", ("calibration", "max_memory_mb")),
     ("check_samples", ("calibration", "check_samples")),
+    ("calib_text", ("calibration", "text")),
+    ("sequence_length", ("calibration", "sequence_length")),
     ("save_ranges", ("calibration", "save_ranges")),
     ("load_ranges", ("calibration", "load_ranges")),
     ("stats", ("calibration", "stats")),
@@ -179,6 +181,11 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
                    help="let the target add bias correction where it narrows weights (default on)")
     q.add_argument("--exclude", nargs="+", metavar="NAME", help="node names or regexes to keep in float")
     q.add_argument("--max-samples", type=int, help="use at most N calibration samples")
+    q.add_argument("--calib-text", metavar="FILE.txt",
+                   help="calibrate an LLM folder on plain text instead of --calib-data: tokenized with the folder's "
+                        "tokenizer and cut into --max-samples windows (default 64) of --sequence-length tokens")
+    q.add_argument("--sequence-length", type=int, metavar="N",
+                   help="tokens per --calib-text window (default 256, or the model's context length if shorter)")
     q.add_argument("--batch-size", type=int, help="calibration batch size (dynamic-batch models)")
     q.add_argument("--providers", nargs="+", help="onnxruntime execution providers for calibration")
     q.add_argument("--check-samples", type=int, metavar="N",

@@ -34,7 +34,7 @@ def add_calibrate(sub: argparse._SubParsersAction) -> None:
     cal = sub.add_parser("calibrate", help="calibrate (one shard of) the data and save mergeable statistics "
                          "for quantize --stats")
     cal.add_argument("input", help="float ONNX model")
-    cal.add_argument("--calib-data", required=True, help="calibration data: .npz, .npy or a folder of them")
+    cal.add_argument("--calib-data", help="calibration data: .npz, .npy or a folder of them (or --calib-text)")
     cal.add_argument("--stats", required=True, metavar="FILE.npz", help="where to write the statistics")
     cal.add_argument("--shard", metavar="I/N", help="calibrate only shard I of N (1-based): a contiguous "
                      "stretch of the batches; run every shard (on any machines), then quantize --stats with all files")

@@ -184,6 +184,12 @@ class CalibrationConfig:
     # (default session): SQNR and cosine in the summary, a warning when far off; 0: no check;
     # None: 8 for models up to 256 MB of weights (the check opens the float model once more).
     check_samples: int | None = None
+    # A plain text file calibrating an LLM decoder instead of calibration data: tokenized with
+    # the model folder's tokenizer and cut into max_samples windows (default 64) of
+    # sequence_length tokens (default 256, or the model's context length if shorter), used
+    # as an .npz of input_ids windows is (`calibrate/text.py`).
+    text: str | None = None
+    sequence_length: int | None = None
 
 
 # Rungs of the mixed-precision ladder (`onnxq.search`): what a sensitive layer is raised to.

@@ -149,6 +149,11 @@ def _check_top_level(config: Config) -> None:
         raise ConfigError(
             f"invalid check_samples {calibration.check_samples!r} in calibration; use 0 (no output check) or more"
         )
+    if calibration.sequence_length is not None and calibration.sequence_length < 1:
+        raise ConfigError(
+            f"invalid sequence_length {calibration.sequence_length} in calibration; use 1 or more tokens per "
+            "window, or remove it for 256"
+        )
     if calibration.max_memory_mb is not None and calibration.max_memory_mb < 0:
         raise ConfigError(
             f"invalid max_memory_mb {calibration.max_memory_mb} in calibration; use 0 or more MiB"

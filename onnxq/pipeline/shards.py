@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from onnxq.calibrate.shards import (
     shard_window,
 )
 from onnxq.calibrate.statistics import Statistic
+from onnxq.calibrate.text import text_windows
 from onnxq.config import Config, as_config
 from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.pipeline.calibration import file_requests
@@ -78,8 +79,10 @@ def calibrate_shard(
         raise ConfigError(f"shard index {index} is outside 0..{count - 1}")
     if config.calibration.stats or config.calibration.load_ranges:
         raise ConfigError("calibrating a shard computes statistics; drop calibration.stats / load_ranges")
+    config, calibration_data = _with_text(model, config, calibration_data)
     if calibration_data is None:
-        raise CalibrationDataError("calibrating a shard needs calibration data; pass --calib-data PATH")
+        raise CalibrationDataError("calibrating a shard needs calibration data; pass --calib-data PATH "
+                                   "(or --calib-text FILE for an LLM folder's model)")
     ready = prepare(model, config, calibration_data, progress, deferrable=False)
     tensors, statistics = _calibration_requests(ready)
     total = count_batches(ready.model, ready.settings.data, config.calibration)
@@ -87,6 +90,16 @@ def calibrate_shard(
     state = observe(ready.model, tensors, ready.settings.data, config.calibration, progress, statistics, window)
     path = save_stats(stats, state, fingerprint(ready.model, tensors, statistics, config.calibration), window, total)
     return ShardResult(path, window, total, state.num_samples)
+
+
+def _with_text(model: ModelSource, config: Config, data: Any) -> tuple[Config, Any]:
+    """The config without `calibration.text`, and the data: the text's token windows where
+    it names one (`calibrate/text.py`), so shards get the windows and tokenize nothing."""
+    text = text_windows(model, config.calibration, data)
+    if text is None:
+        return config, data
+    calibration = replace(config.calibration, text=None)
+    return replace(config, calibration=calibration), {"input_ids": text.windows}
 
 
 def _absolute(source: Any) -> Any:
@@ -109,8 +122,10 @@ def calibrate_sharded(
     'ray': Ray tasks, on the cluster at `address` or a local instance) and write their
     merged statistics to `stats`, for `quantize` with `calibration.stats`."""
     config = _calibration_config(as_config(config))
+    config, calibration_data = _with_text(model, config, calibration_data)
     if calibration_data is None:
-        raise CalibrationDataError("calibration needs data; pass --calib-data PATH")
+        raise CalibrationDataError("calibration needs data; pass --calib-data PATH (or --calib-text FILE for an "
+                                   "LLM folder's model)")
     model, calibration_data = _absolute(model), _absolute(calibration_data)
     ready = prepare(model, config, calibration_data, progress, deferrable=False)
     tensors, statistics = _calibration_requests(ready)
