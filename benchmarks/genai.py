@@ -3,13 +3,16 @@ onnxruntime-genai, per recipe, on one machine in one run.
 
     python benchmarks/genai.py                       # a synthetic random Llama (shapes of a small LLM)
     python benchmarks/genai.py --folder genai_dir/   # a real folder (../shared/tools/llm/genai_smollm2.py)
-        [--windows windows.npz] [--eval-ids eval.npz] [--baseline "builder b32=int4_dir/"]
+        [--windows windows.npz] [--eval-ids stsb=eval.npz gpl3=extra.npz] [--baseline "builder b32=int4_dir/"]
 
 Rows: float; W4_GROUP128 (RTN) with MatMulNBits accuracy_level 0 and 4; HQQ; W8_GROUP128;
 with `--windows` (token windows, an .npz of input_ids) GPTQ and AWQ too. Decode speed: tokens
 per second of greedy generation after a prompt, in onnxruntime-genai, median of `--repeat`.
-With `--eval-ids` (an .npz of input_ids windows held out from the calibration text),
-perplexity of each model in a plain onnxruntime session (full-window prefill). Random
+With `--eval-ids` (.npz files of input_ids windows held out from the calibration text;
+one should be a different text: the export tool's `--extra-text`), perplexity of each
+model on each in a plain onnxruntime session (full-window prefill). Each recipe is
+quantized in a child process, which gives its wall time and peak RSS; a folder with a
+tokenizer also shows each model's greedy continuation of `--prompt`. Random
 weights give speed and size, not accuracy: accuracy needs a real folder.
 """
 
@@ -21,6 +24,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -97,13 +101,49 @@ def recipes(windows: Path | None) -> dict[str, tuple[str, dict, bool]]:
     return rows
 
 
+def quantize_in_child(source: Path, out: Path, preset: str, overrides: dict, data: Path | None) -> dict:
+    """Quantize in a fresh process: wall seconds and that process's peak RSS (MB)."""
+    job = json.dumps({"source": str(source), "out": str(out), "preset": preset, "overrides": overrides,
+                      "data": None if data is None else str(data)})
+    code = ("import json, sys, onnxq; j = json.loads(sys.argv[1]); "
+            "onnxq.quantize(j['source'], j['out'], onnxq.compose_config(j['preset'], None, j['overrides']), "
+            "j['data'], progress=False)")
+    start = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-c", code, job])
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - start
+    if status:
+        raise SystemExit(f"quantizing {out.name} failed (status {status})")
+    return {"quantize s": seconds, "peak RSS MB": usage.ru_maxrss / 1024}
+
+
+def greedy_text(folder: Path, prompt: str, new_tokens: int) -> str:
+    """The folder's greedy continuation of `prompt` (needs its tokenizer)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    tokenizer = og.Tokenizer(model)
+    params = og.GeneratorParams(model)
+    ids = tokenizer.encode(prompt)
+    params.set_search_options(max_length=len(ids) + new_tokens, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return tokenizer.decode(generator.get_sequence(0)[len(ids):]).replace("\n", " ")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", type=Path, help="an onnxruntime-genai fp32 folder (default: a synthetic one)")
     parser.add_argument("--windows", type=Path, help="calibration token windows (.npz of input_ids) for GPTQ/AWQ")
-    parser.add_argument("--eval-ids", type=Path, help="held-out token windows (.npz of input_ids) for perplexity")
+    parser.add_argument("--eval-ids", nargs="*", default=[], metavar="NAME=FILE",
+                        help="held-out token windows (.npz of input_ids), one perplexity column each")
     parser.add_argument("--baseline", nargs="*", default=[], metavar="NAME=FOLDER",
                         help="other quantized folders to measure beside (the model builder's int4)")
+    parser.add_argument("--only", nargs="*", help="only these recipes (names as printed)")
+    parser.add_argument("--prompt", default="The capital of France is",
+                        help="greedy generation shown per row (folders with a tokenizer)")
     parser.add_argument("--layers", type=int, default=8, help="synthetic model: layers")
     parser.add_argument("--hidden", type=int, default=512, help="synthetic model: hidden size")
     parser.add_argument("--vocab", type=int, default=32000, help="synthetic model: vocabulary")
@@ -114,8 +154,6 @@ def main() -> int:
 
     from genai_model import build_genai_folder
 
-    import onnxq
-
     work = Path(tempfile.mkdtemp(prefix="onnxq-genai-bench-"))
     try:
         if args.folder is None:
@@ -125,28 +163,37 @@ def main() -> int:
         else:
             source, what = args.folder, str(args.folder)
         prompt = list(range(10, 42))
-        evals = np.load(args.eval_ids)["input_ids"] if args.eval_ids else None
-        rows = {"float": {"size MB": folder_mb(source), "quantize s": 0.0, "folder": source}}
+        evals = {name: np.load(path)["input_ids"] for name, _, path in (e.partition("=") for e in args.eval_ids)}
+        rows = {"float": {"size MB": folder_mb(source), "quantize s": 0.0, "peak RSS MB": 0.0, "folder": source}}
         for name, (preset, overrides, needs) in recipes(args.windows).items():
+            if args.only and name not in args.only:
+                continue
             out = work / name.replace(" ", "_")
-            config = onnxq.compose_config(preset, None, overrides)
-            start = time.perf_counter()
-            onnxq.quantize(str(source), str(out), config, str(args.windows) if needs else None, progress=False)
-            rows[name] = {"size MB": folder_mb(out), "quantize s": time.perf_counter() - start, "folder": out}
+            rows[name] = {**quantize_in_child(source, out, preset, overrides, args.windows if needs else None),
+                          "size MB": folder_mb(out), "folder": out}
         for spec in args.baseline:
             name, _, path = spec.partition("=")
-            rows[name] = {"size MB": folder_mb(Path(path)), "quantize s": float("nan"), "folder": Path(path)}
+            rows[name] = {"size MB": folder_mb(Path(path)), "quantize s": float("nan"), "peak RSS MB": float("nan"),
+                          "folder": Path(path)}
+        talks = (Path(source) / "tokenizer.json").is_file()
         for row in rows.values():
             row["decode tok/s"] = decode_tokens_per_s(row["folder"], prompt, args.new_tokens, args.repeat)
-            if evals is not None:
-                row["ppl"] = perplexity(row["folder"] / "model.onnx", evals)
+            for eval_name, windows in evals.items():
+                row[f"ppl {eval_name}"] = perplexity(row["folder"] / "model.onnx", windows)
+            if talks:
+                row["text"] = greedy_text(row["folder"], args.prompt, 24)
         print(f"{what}; CPU flags: {cpu_flags()}; {os.cpu_count()} cores; onnxruntime-genai decode of "
-              f"{args.new_tokens} tokens after a {len(prompt)}-token prompt, median of {args.repeat}")
-        columns = ["size MB", "quantize s", "decode tok/s"] + (["ppl"] if evals is not None else [])
+              f"{args.new_tokens} tokens after a {len(prompt)}-token prompt, median of {args.repeat}; "
+              "quantize time and peak RSS of a child process each")
+        columns = ["size MB", "quantize s", "peak RSS MB", "decode tok/s"] + [f"ppl {e}" for e in evals]
         print(f"{'':16}" + "".join(f"{c:>14}" for c in columns) + f"{'speed vs float':>16}")
         base = rows["float"]["decode tok/s"]
         for name, row in rows.items():
             print(f"{name:16}" + "".join(f"{row[c]:14.2f}" for c in columns) + f"{row['decode tok/s'] / base:15.2f}x")
+        if talks:
+            print(f"\ngreedy continuations of {args.prompt!r}:")
+            for name, row in rows.items():
+                print(f"  {name:16} {row['text']!r}")
         if args.json:
             args.json.write_text(json.dumps({k: {c: v for c, v in r.items() if c != "folder"} for k, r in rows.items()},
                                             indent=2))

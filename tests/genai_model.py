@@ -319,7 +319,9 @@ def genai_generate(folder, prompt, new_tokens) -> list[int]:
         pytest.skip(f"onnxruntime-genai is not importable: {error}")
     model = og.Model(str(folder))
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
+    # min_length: a random model may draw the EOS id; the tests count the tokens made
+    params.set_search_options(max_length=len(prompt) + new_tokens, min_length=len(prompt) + new_tokens,
+                              do_sample=False)
     generator = og.Generator(model, params)
     generator.append_tokens(np.array(prompt, np.int32))
     while not generator.is_done():

@@ -294,7 +294,9 @@ def test_w4_group128_matmul_end_to_end():
     w = sample("student_t3", (512, 192), seed=10)
     model = b.build([b.node("MatMul", [x, b.const("w", w)])], name="w4")
     # accuracy_level 0: the kernel computes in float32, so the output shows the stored weights alone
-    quant = onnxq.quantize(model, None, {"preset": "W4_GROUP128", "accuracy_level": 0}).model
+    # symmetric (the preset is asymmetric): `nbits_weight` reads the kernel's default zero point
+    sym = {"layer_type_quant_config": {"MatMul": {"weight": {"symmetric": True}}}}
+    quant = onnxq.quantize(model, None, {"preset": "W4_GROUP128", "accuracy_level": 0, **sym}).model
     onnx.checker.check_model(quant, full_check=True)
     assert [n.op_type for n in quant.graph.node] == ["MatMulNBits"]
     a = np.random.default_rng(11).standard_normal((8, 4, 512)).astype(np.float32)
@@ -350,7 +352,8 @@ def test_w4_group128_gather_gemm_accept_signed_scales():
     h = b.node("Reshape", [h, b.const("shape", np.array([-1, 384], np.int64))])
     model = b.build([b.node("Gemm", [h, b.const("w_gemm", w_gemm)], transB=1)], name="w4_ops")
     # accuracy_level 0: the kernel computes in float32, so the output shows the stored weights alone
-    quant = onnxq.quantize(model, None, {"preset": "W4_GROUP128", "accuracy_level": 0}).model
+    # symmetric (the preset is asymmetric): full-range signed scales
+    quant = onnxq.quantize(model, None, {"preset": "W4_GROUP128", "accuracy_level": 0, "layer_type_quant_config": {op: {"weight": {"symmetric": True}} for op in ("MatMul", "Gemm", "Gather")}}).model
     onnx.checker.check_model(quant, full_check=True)
     ops = {n.op_type: n for n in quant.graph.node}
     assert {"GatherBlockQuantized", "MatMulNBits", "DequantizeLinear"} <= set(ops)

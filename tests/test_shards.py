@@ -44,7 +44,7 @@ def test_tree_sums_are_independent_of_the_split():
             merged.merge(Accumulator.from_state(stat, part.state()))
         assert merged.result().tobytes() == whole.tobytes(), cuts
     running = sum(b.T @ b for b in batches) / (5 * len(batches))
-    np.testing.assert_allclose(whole, running, rtol=1e-12)
+    np.testing.assert_allclose(whole, running, rtol=1e-6)  # each batch's product in float32
 
 
 def test_histogram_state_round_trip_and_merge_in_any_order():

@@ -121,9 +121,11 @@ ACCURACY_LEVEL = 4
 def w4_group128() -> Config:
     """Weight-only int4 in blocks of 128 for MatMul, Gemm and embedding tables (MatMul as
     MatMulNBits); convolution weights int8 per channel, since int4 convolutions lose too
-    much accuracy without rounding optimisation."""
+    much accuracy without rounding optimisation. Asymmetric: a block's range need not
+    straddle zero evenly, and the 4-bit zero points cost 1% of the file (SmolLM2-135M:
+    perplexity 25.1 -> 23.5 with round-to-nearest, 18.6 -> 18.5 with GPTQ; float 17.5)."""
     int4 = QuantizationConfig(
-        weight=QuantizationSpec(dtype=DType.INT4, symmetric=True, qscheme=QScheme.PER_GROUP, group_size=128)
+        weight=QuantizationSpec(dtype=DType.INT4, symmetric=False, qscheme=QScheme.PER_GROUP, group_size=128)
     )
     return Config(
         global_quant_config=QuantizationConfig(weight=_int8_per_channel_weight()),

@@ -54,13 +54,16 @@ class AWQConfig:
     largest) or `both` (every candidate of the two; SmolLM2 int4 b32 perplexity 18.90
     with `activation`, 18.70 with `duo`, 18.39 with `both`). min_gain: the share by which
     the output error must drop for a layer to be scaled (its Mul costs time; a smaller
-    gain is noise)."""
+    gain is noise). search_columns: output columns each candidate is scored on (evenly
+    spaced; 0: all); the chosen scaling then quantizes every column (SmolLM2 int4 b128:
+    perplexity 22.1 with all columns, 21.9 with 256, the whole run in half the time)."""
 
     ALGORITHM: ClassVar[str] = "awq"
 
     grid: int = 20
     scaling: str = "both"
     min_gain: float = 0.02
+    search_columns: int = 256
     true_sequential: bool = True
     cache_budget_mb: int = 256
 
@@ -71,6 +74,8 @@ class AWQConfig:
             raise ConfigError(f"awq: scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
         if not 0 <= self.min_gain < 1:
             raise ConfigError(f"awq: min_gain must be in [0, 1), got {self.min_gain}")
+        if self.search_columns < 0:
+            raise ConfigError(f"awq: search_columns must be >= 0 (0: all), got {self.search_columns}")
         if self.cache_budget_mb < 0:
             raise ConfigError(f"awq: cache_budget_mb must be >= 0, got {self.cache_budget_mb}")
 
@@ -135,14 +140,24 @@ def candidates(rms: np.ndarray, magnitude: np.ndarray | None, grid: int,
     return out
 
 
+def sampled_columns(w: np.ndarray, count: int) -> np.ndarray:
+    """About `count` evenly spaced output columns of `w` [K, N] (all when 0 or N <= count):
+    each column's error is a sum over its own blocks, so a spread subset ranks the
+    candidates as all of them do, at a fraction of the cost."""
+    step = w.shape[1] // count if count else 1
+    return w if step <= 1 else np.ascontiguousarray(w[:, ::step])
+
+
 def search_scales(weights: list[np.ndarray], hessian: np.ndarray, specs: list[ResolvedSpec],
                   scale_dtypes: list[type], grid: int, min_gain: float = 0.0,
-                  scaling: str = "activation") -> tuple[float, np.ndarray]:
-    """The candidate of least summed output error over `weights` (which share the input):
-    its alpha and per-input-channel scales (module doc); alpha 0 (no scaling) unless the
-    error drops by at least `min_gain`. Candidates are scored on every core."""
+                  scaling: str = "activation", columns: int = 0) -> tuple[float, np.ndarray]:
+    """The candidate of least summed output error over `weights` (which share the input),
+    scored on `columns` output columns of each (`sampled_columns`): its alpha and
+    per-input-channel scales (module doc); alpha 0 (no scaling) unless the error drops by
+    at least `min_gain`. Candidates are scored on every core."""
     rms = np.sqrt(np.maximum(np.diag(hessian), 1e-12))
     magnitude = None if scaling == "activation" else weight_magnitude(weights, int(specs[0].group_size))
+    weights = [sampled_columns(w, columns) for w in weights]
     h32 = hessian.astype(np.float32)  # once, not per candidate (`output_error`)
 
     def error(s: np.ndarray) -> float:
@@ -203,7 +218,7 @@ def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
         weights = [np.asarray(constant_array(node.inputs[1])) for node, _ in own]
         dtypes = [FLOAT_TYPES[weight_dtype(node)] for node, _ in own]
         alpha, s = search_scales(weights, hessian, [spec for _, spec in own], dtypes, options.grid,
-                                 options.min_gain, options.scaling)
+                                 options.min_gain, options.scaling, options.search_columns)
         alphas.append(alpha)
         if alpha > 0.0:
             x = own[0][0].inputs[0]
