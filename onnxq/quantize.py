@@ -12,17 +12,18 @@ from typing import Any
 from onnxq.analyze.quantized import report_quantization
 from onnxq.calibrate.text import text_windows
 from onnxq.config import Config, as_config
+from onnxq.config.compose import DEFAULT_PRESET, ConfigLike
+from onnxq.config.defaults import config_for, default_note
 from onnxq.errors import ConfigError
 from onnxq.graph.folder import copy_companions, open_folder, output_model
 from onnxq.graph.save import check_output_paths
 from onnxq.notes import Note, Topic
+from onnxq.optimize.registry import parse_algorithms, parse_passes
 from onnxq.pipeline.prepare import ModelSource, required_opset
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.pipeline.run import run_pipeline
 from onnxq.pipeline.shards import ShardResult, calibrate_shard, calibrate_sharded
 from onnxq.search.driver import quantize_to_target
-
-DEFAULT_PRESET = "U8S8"
 
 __all__ = [
     "DEFAULT_PRESET",
@@ -42,7 +43,7 @@ __all__ = [
 def quantize(
     model: ModelSource,
     output: str | os.PathLike | None = None,
-    config: Config | Mapping[str, Any] | str | os.PathLike | None = None,
+    config: ConfigLike = None,
     calibration_data: Any = None,
     *,
     progress: bool | None = None,
@@ -61,8 +62,10 @@ def quantize(
     precision until the model meets it (`onnxq.search`); `evaluate(session) -> float`
     scores a model for a `custom` target. `report`: write an HTML report there (per-layer
     error measured on the evaluation data, else the calibration data).
+    `config` takes every form `as_config` does; where it names no preset, the model's kind
+    picks the default (`config/defaults.py`: weight-only int8 for an LLM decoder, else U8S8).
     """
-    config = as_config(config)
+    config, default_kind = config_for(model, config)
     folder = open_folder(model) if isinstance(model, str | os.PathLike) else None
     if folder is not None:
         model = str(folder.model)
@@ -88,6 +91,9 @@ def quantize(
         result.summary.notes.append(Note(Topic.OUTPUT, f"model folder: {len(copied)} other "
                                          f"file{'' if len(copied) == 1 else 's'} copied beside the model ({shown})" if copied else "model folder: no other file to copy",
                                          tuple(copied)))
+    result.config = config
+    if default_kind is not None and (note := default_note(default_kind, _data_use(result, calibration_data))):
+        result.summary.notes.insert(0, note)  # the recipe: before what the run says of it
     if report is not None:
         data = config.mixed_precision.eval_data or calibration_data
         report_quantization(report, result, config, data, progress)
@@ -98,6 +104,20 @@ def _insert_note(found: list[Note], note: Note) -> None:
     """`note` before the first note of its topic (the calibration text before its windows)."""
     at = next((i for i, n in enumerate(found) if n.topic is note.topic), len(found))
     found.insert(at, note)
+
+
+def _data_use(result: QuantizationResult, calibration_data: Any) -> str | None:
+    """What read the calibration data of a run: `calibration` (its pass, a pass or an
+    algorithm that reads data, or an accuracy target's search), `check` (the output check
+    alone) or `nothing`; None where none was given."""
+    if calibration_data is None:
+        return None
+    summary, config = result.summary, result.config
+    entries = (*parse_passes(config.pre_quant_opt_config), *parse_algorithms(config.algo_config))
+    if summary.calibration_samples or summary.calibrated_tensors or summary.mixed_precision is not None or any(
+            e.enabled and e.contract.data != "none" for e in entries):
+        return "calibration"
+    return "check" if summary.fidelity is not None else "nothing"
 
 
 class ModelQuantizer:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,13 @@ PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 # perplexity 18.96 with 4 steps, 71 s and 18.72 without).
 DECODE_STEPS = 4
 NUMPY = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
+
+
+def is_decoder(input_names: Iterable[str]) -> bool:
+    """Whether a graph with these inputs is a decoder with a KV cache: token ids and
+    `past_key_values.*` (an LLM as deployed, one decode step at a time)."""
+    names = set(input_names)
+    return "input_ids" in names and any(PAST.match(n) for n in names)
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,7 @@ class DecoderInputs:
         model builder's `kv_cache_dim`; genai_config.json's `decoder.head_size`)."""
         inputs = {v.name: v for v in model.graph.input}
         outputs = {v.name for v in model.graph.output}
-        if "input_ids" not in inputs or not any(PAST.match(n) for n in inputs):
+        if not is_decoder(inputs):
             return None
         cache = []
         for name, value in inputs.items():

@@ -109,7 +109,8 @@ def _target_text(expression: str | None, metric: str | None) -> str:
 def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     """The flags that set the config (`quantize`, `calibrate` and `config show` share them;
     `calibrate` has its own --stats, the file it writes)."""
-    q.add_argument("--preset", help=f"starting recipe ({', '.join(PRESETS)}; default U8S8)")
+    q.add_argument("--preset", help=f"starting recipe ({', '.join(PRESETS)}; default U8S8, W8_GROUP128 for an "
+                   "LLM decoder: an onnxruntime-genai folder or a model with past_key_values inputs)")
     q.add_argument("--config", help="config file applied over the preset: YAML, JSON or an AMCT "
                    "simplified config (.cfg); its `preset:` key picks the preset when --preset is not given")
     q.add_argument("--calib-method", help="activation calibration method (minmax, percentile, ...)")

@@ -8,6 +8,7 @@ from collections import Counter
 
 from onnxq.cli.arguments import check_model_files
 from onnxq.config.compose import compose_config
+from onnxq.config.defaults import default_preset
 from onnxq.emit.format_convert import convert_model
 from onnxq.evaluate import run_model
 from onnxq.graph.load import load_model
@@ -87,7 +88,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if args.nodes:
             _print_nodes(graph, None)
         return 0
-    config = compose_config(args.preset, args.config, {"target": args.target} if args.target else None)
+    config = compose_config(args.preset, args.config, {"target": args.target} if args.target else None,
+                            lambda: default_preset(args.model))
     passes = run_passes(model, parse_passes(config.pre_quant_opt_config), RunSettings.of(None, config.calibration))
     for note in passes.notes:
         print(f"pass {note}")

@@ -8,7 +8,8 @@ import argparse
 from onnxq.cli.arguments import check_counts
 from onnxq.cli.flags import add_config_flags, spec_overrides
 from onnxq.config import save_config
-from onnxq.config.compose import compose_config
+from onnxq.config.compose import ConfigSources, compose_config
+from onnxq.config.defaults import default_preset
 from onnxq.errors import OnnxqError
 from onnxq.graph.save import check_output_paths
 from onnxq.quantize import calibrate_shard, calibrate_sharded, quantize
@@ -50,13 +51,14 @@ def add_calibrate(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    config = compose_config(args.preset, args.config, spec_overrides(args))
+    sources = ConfigSources(args.preset, args.config, spec_overrides(args))
     progress = False if args.quiet else None
     check_output_paths(args.input, args.save_config)
-    result = quantize(args.input, args.output, config, args.calib_data, progress=progress, report=args.report)
+    # The sources, not a composed config: where they name no preset, the model picks it.
+    result = quantize(args.input, args.output, sources, args.calib_data, progress=progress, report=args.report)
     if args.save_config:
         mp = result.summary.mixed_precision
-        save_config(mp.config if mp is not None else config, args.save_config)
+        save_config(mp.config if mp is not None else result.config, args.save_config)
     if not args.quiet:
         print(format_summary(result.summary))
         if args.save_config:
@@ -76,7 +78,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise OnnxqError(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect on calibrate, "
                          "which writes statistics only: give it to onnxq quantize --stats FILE")
     check_counts(args, "--shards")
-    config = compose_config(args.preset, args.config, spec_overrides(args))
+    config = compose_config(args.preset, args.config, spec_overrides(args),
+                            lambda: default_preset(args.input))
     progress = False if args.quiet else None
     if args.shard is not None and args.shards is not None:
         raise OnnxqError("--shard i/n calibrates one shard here, --shards N runs all N on --executor; give one")

@@ -1,7 +1,8 @@
 """Quantization configs: dataclasses, YAML/JSON files, validation, presets, resolution."""
 
-from onnxq.config.compose import as_config, compose_config, load_config
+from onnxq.config.compose import ConfigSources, as_config, compose_config, load_config
 from onnxq.config.convert import config_to_dict, spec_from_dict
+from onnxq.config.defaults import DEFAULTS, default_preset
 from onnxq.config.io import config_from_dict, config_to_json, config_to_yaml, save_config
 from onnxq.config.presets import PRESETS, Preset, get_preset
 from onnxq.config.resolve import ResolvedConfig, ResolvedSpec, resolve_node_config
@@ -27,6 +28,8 @@ __all__ = [
     "CalibMethod",
     "CalibrationConfig",
     "Config",
+    "ConfigSources",
+    "DEFAULTS",
     "DType",
     "Preset",
     "QScheme",
@@ -44,6 +47,7 @@ __all__ = [
     "config_to_dict",
     "config_to_json",
     "config_to_yaml",
+    "default_preset",
     "get_preset",
     "load_config",
     "resolve_node_config",

@@ -13,13 +13,16 @@ Overrides that keep a tensor class float (dtype float32) stay as they are: a fla
 changes how tensors are quantized does not change which are.
 A file or dict may name its base preset with a top-level `preset:` key (`none`: it is
 the whole config, as the documents onnxq writes are); an explicit preset argument wins.
+Where no source names one, the base is the default preset: U8S8, or the one the model's
+kind picks (`config/defaults.py`), given as `default`.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,16 @@ from onnxq.errors import ConfigError, closest_name
 
 NAMED_LISTS = ("pre_quant_opt_config", "algo_config")
 OVERRIDE_LEVELS = ("layer_type_quant_config", "layer_quant_config")
-DEFAULT_PRESET = "U8S8"
+DEFAULT_PRESET = "U8S8"  # where no source names a preset and the model's kind picks none (`defaults.py`)
+
+# A default preset: its name, or a function that picks one, called only where no source
+# names a preset (the model's kind is read only then).
+Default = str | Callable[[], str]
+
+
+def _name(default: Default) -> str:
+    """The default preset's name (the function called, where it is one)."""
+    return default if isinstance(default, str) else default()
 
 
 def _merge_by_name(base: list[Any], override: list[Any]) -> list[Any]:
@@ -95,12 +107,20 @@ def compose_config(
     preset: str | None = None,
     config_file: str | os.PathLike | None = None,
     overrides: Mapping[str, Any] | None = None,
+    default: Default = DEFAULT_PRESET,
 ) -> Config:
     """The config made of a preset, a file over it, and overrides over both.
 
-    The preset is `preset`, else the file's or the overrides' `preset:` key, else U8S8;
+    The preset is `preset`, else the file's or the overrides' `preset:` key, else `default`;
     `none` means no preset: the sources are the whole config (as onnxq writes configs).
     """
+    return _compose(preset, config_file, overrides, default)[0]
+
+
+def _compose(preset: str | None, config_file: str | os.PathLike | None, overrides: Mapping[str, Any] | None,
+             default: Default) -> tuple[Config, str | None]:
+    """`compose_config`'s config, and the default preset it is built on (None: a source
+    named the preset)."""
     sources = []
     if config_file is not None:
         sources.append((str(config_file), read_config_dict(config_file)))
@@ -111,14 +131,17 @@ def compose_config(
     for _, source in sources:
         bare_edge_dtypes(source)
     named = [source.pop("preset") for _, source in sources if "preset" in source]
-    base = preset or (named[-1] if named else None) or DEFAULT_PRESET
+    base = preset or (named[-1] if named else None)
+    defaulted = None
+    if not base:
+        base = defaulted = _name(default)
     if not isinstance(base, str):
         raise ConfigError(f"preset must be a preset name such as {DEFAULT_PRESET}, got {base!r}")
     stack = [config_to_dict(Config() if base.lower() == NO_PRESET else get_preset(base))]
     for _, source in sources:
         stack.append(overlay(stack[-1], source))
     try:
-        return config_from_dict(stack[-1])
+        return config_from_dict(stack[-1]), defaulted
     except ConfigError as exc:
         raise ConfigError(f"{_blame(stack, sources)}: {exc}") from None
 
@@ -142,21 +165,43 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     return compose_config(None, path)
 
 
-def as_config(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> Config:
+@dataclass(frozen=True)
+class ConfigSources:
+    """The sources `compose_config` lays over each other, as one config argument: what the
+    command line passes (--preset, --config, the other flags)."""
+
+    preset: str | None = None
+    config_file: str | os.PathLike | None = None
+    overrides: Mapping[str, Any] | None = None
+
+
+ConfigLike = Config | ConfigSources | Mapping[str, Any] | str | os.PathLike | None
+
+
+def as_config(config: ConfigLike, default: Default = DEFAULT_PRESET) -> Config:
     """What the Python API accepts as a config, read by the module's rule: a `Config`
-    (complete as given), a dict (overrides on the default preset, or on its `preset:`),
-    a preset name (any case) or a YAML/JSON path; None is the default preset."""
+    (complete as given), `ConfigSources`, a dict (overrides on `default`, or on its
+    `preset:`), a preset name (any case) or a YAML/JSON path; None is `default`."""
+    return resolve_config(config, default)[0]
+
+
+def resolve_config(config: ConfigLike, default: Default = DEFAULT_PRESET) -> tuple[Config, str | None]:
+    """`as_config`'s config, and the default preset it is built on (None: `config` names
+    its preset, or is a complete `Config`)."""
     if config is None:
-        return get_preset(DEFAULT_PRESET)
+        name = _name(default)
+        return get_preset(name), name
     if isinstance(config, Config):
         validate_config(config)
-        return config
+        return config, None
+    if isinstance(config, ConfigSources):
+        return _compose(config.preset, config.config_file, config.overrides, default)
     if isinstance(config, Mapping):
-        return compose_config(None, None, config)
+        return _compose(None, None, config, default)
     if isinstance(config, str) and config.upper() in {name.upper() for name in PRESETS}:
-        return get_preset(config)
+        return get_preset(config), None
     if Path(config).is_file():
-        return load_config(config)
+        return _compose(None, config, None, default)
     if Path(config).suffix.lower() in (".yaml", ".yml", ".json", ".prototxt", ".cfg"):
         raise ConfigError(f"config file not found: {config}")
     hint = closest_name(str(config), list(PRESETS)) if isinstance(config, str) else None

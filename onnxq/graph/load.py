@@ -82,6 +82,13 @@ def check_readable(path: str | os.PathLike) -> None:
         raise ModelError(f"{name} is not an ONNX model (no graph or opset); pass a .onnx model file")
 
 
+def input_names(path: str | os.PathLike) -> list[str]:
+    """The graph input names of the model file at `path`, read cheaply (external data not
+    loaded, a big file's weights left in it)."""
+    proto, _, _, _ = _read_proto(path, split=True)
+    return [value.name for value in proto.graph.input]
+
+
 def read_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> ir.Model:
     """Read a model as it is (checked, not normalised): for looking at a model this tool
     or another one wrote, where normalising would change what is looked at."""

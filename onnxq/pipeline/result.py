@@ -75,6 +75,9 @@ class QuantizationResult:
     ranges: dict[str, tuple[float, float]]
     plan: QuantPlan
     state: PipelineState | None = None
+    # The config `quantize()` was given, as it read it (a default preset picked for the
+    # model where it named none); an accuracy target's promotions are in the summary's.
+    config: Config | None = None
 
     @functools.cached_property
     def model(self) -> onnx.ModelProto:

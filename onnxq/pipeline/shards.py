@@ -24,7 +24,8 @@ from onnxq.calibrate.shards import (
 )
 from onnxq.calibrate.statistics import Statistic
 from onnxq.calibrate.text import text_windows
-from onnxq.config import Config, as_config
+from onnxq.config import Config
+from onnxq.config.defaults import config_for
 from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.pipeline.calibration import file_requests
 from onnxq.pipeline.prepare import ModelSource, Prepared, prepare
@@ -73,7 +74,7 @@ def calibrate_shard(
     state to `stats` (.npz); `quantize` with `calibration.stats` = every shard's file gives
     the model a single run over all the data gives, byte for byte
     (`onnxq.calibrate.shards`)."""
-    config = _calibration_config(as_config(config))
+    config = _calibration_config(config_for(model, config)[0])
     index, count = parse_shard(shard) if isinstance(shard, str) else shard
     if not 0 <= index < count:
         raise ConfigError(f"shard index {index} is outside 0..{count - 1}")
@@ -121,7 +122,7 @@ def calibrate_sharded(
     """Calibrate `shards` shards in parallel on `executor` ('process': local processes;
     'ray': Ray tasks, on the cluster at `address` or a local instance) and write their
     merged statistics to `stats`, for `quantize` with `calibration.stats`."""
-    config = _calibration_config(as_config(config))
+    config = _calibration_config(config_for(model, config)[0])
     config, calibration_data = _with_text(model, config, calibration_data)
     if calibration_data is None:
         raise CalibrationDataError("calibration needs data; pass --calib-data PATH (or --calib-text FILE for an "
