@@ -38,6 +38,7 @@ import onnx_ir as ir
 
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.layout import ConvGeometry
+from onnxq.parallel import ordered_map, serial_blas
 
 Reduce = Literal["min", "max", "absmax", "mean", "windows", "gram"]
 
@@ -51,8 +52,8 @@ class Statistic:
       positions of the zero-padded input values the tap reads (`ConvGeometry.window_means`),
       over samples: what a convolution's mean output needs beyond channel means.
     gram: E[x x^T] over the rows of the tensor flattened to [rows, last axis] (a layer's
-      input Hessian for GPTQ): each batch's product in float32 (half float64's time;
-      relative error ~1e-6, far below GPTQ's 1% damping), the batches summed in float64.
+      input Hessian for GPTQ): float32 products (half float64's time; relative error
+      ~1e-6, far below GPTQ's 1% damping) of fixed row slices, summed in float64.
     """
 
     tensor: str
@@ -62,6 +63,19 @@ class Statistic:
 
 
 _FOLD = {"min": np.minimum, "max": np.maximum, "absmax": np.maximum}
+# Rows per product of a gram: slices of a fixed size (results independent of the core
+# count), one per core with BLAS on one thread (`parallel.serial_blas`), summed in order.
+GRAM_ROWS = 1024
+
+
+def _gram(rows: np.ndarray) -> np.ndarray:
+    """rows^T rows: float32 products of `GRAM_ROWS`-row slices, summed in float64."""
+    slices = [rows[i:i + GRAM_ROWS] for i in range(0, len(rows), GRAM_ROWS)]
+    total = None
+    with serial_blas():
+        for part in ordered_map(lambda r: (r.T @ r).astype(np.float64), slices):
+            total = part if total is None else total + part
+    return total
 
 
 class Accumulator:
@@ -145,8 +159,8 @@ class Accumulator:
         elif reduce == "mean":
             self.add_reduced(x.astype(np.float64).sum(axis=others), x.size // max(x.shape[axis], 1), index)
         elif reduce == "gram":
-            rows = x.reshape(-1, x.shape[-1]).astype(np.float32, copy=False)  # summed in float64 across batches
-            self.add_reduced(rows.T @ rows, rows.shape[0], index)
+            rows = x.reshape(-1, x.shape[-1]).astype(np.float32, copy=False)
+            self.add_reduced(_gram(rows), rows.shape[0], index)
         else:
             y = np.abs(x) if reduce == "absmax" else x
             self.add_reduced((y.min if reduce == "min" else y.max)(axis=others), 0)

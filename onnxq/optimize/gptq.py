@@ -41,11 +41,13 @@ from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
 from onnxq.graph.save import proto_without_weights
 from onnxq.numerics.blocks import BlockQuantized, dequantize_blockwise, packed
+from onnxq.numerics.linalg import inverse_cholesky_upper
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import cast_scale, search_clip_scales, searchable, weight_qparams
 from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.layerwise.replay import Replay
 from onnxq.optimize.registry import register_algorithm, statistics_of
+from onnxq.parallel import ordered_map, serial_blas
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
 
@@ -104,9 +106,11 @@ def _group_params(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type,
     return scale.astype(np.float64), zp.astype(np.float64)
 
 
-# Output rows quantized at once: rows are independent given H, so an LLM head (49152
-# rows) is done in slices and its working copies stay small.
-ROW_CHUNK = 4096
+# Output rows quantized at once, at most: rows are independent given H, so a layer's rows
+# go in equal slices of up to 512, on every core (`ordered_map`, BLAS on one thread each:
+# `sequential_walk`), and an LLM head's (49152 rows) working copies stay small. The
+# slices depend on the layer alone, so the result does not depend on the core count.
+ROW_CHUNK = 512
 # Rows updated one step at a time inside a lazy block (`_quantize_rows`): the rest of the
 # block takes them as one product. 16 measured fastest on 576- and 1536-wide layers.
 INNER = 16
@@ -123,10 +127,11 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, spec: ResolvedSpec, option
     order = np.argsort(-np.diag(h), kind="stable") if options.desc_act else np.arange(k)
     h = h[np.ix_(order, order)]
     h[np.diag_indices(k)] += options.damp_percent * np.mean(np.diag(h))
-    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # H^-1 = U^T U, U upper triangular
+    upper = inverse_cholesky_upper(h)  # H^-1 = U^T U, U upper triangular
     diag = np.diag(hessian).astype(np.float32)
-    parts = [_quantize_rows(w[i:i + ROW_CHUNK], dead, order, upper, diag, spec, options, scale_dtype)
-             for i in range(0, w.shape[0], ROW_CHUNK)]
+    cuts = np.linspace(0, len(w), -(-len(w) // ROW_CHUNK) + 1).round().astype(int)
+    parts = list(ordered_map(lambda c: _quantize_rows(w[c[0]:c[1]], dead, order, upper, diag, spec, options,
+                                                      scale_dtype), zip(cuts[:-1], cuts[1:])))
     return tuple(np.concatenate(p) for p in zip(*parts))  # type: ignore[return-value]
 
 
@@ -263,7 +268,9 @@ def sequential_walk(model: ir.Model, layers: list[Layer], ctx: AlgorithmContext,
             hessian = gram.result()
             if hessian is None:
                 continue
-            for weight_name, weight in zip(weights, quantize(group, hessian)):
+            with serial_blas():  # the quantizers thread themselves (module `parallel`)
+                quantized = quantize(group, hessian)
+            for weight_name, weight in zip(weights, quantized):
                 if weight is not None:
                     replay.set_initializer(weight_name, weight)
                     done += 1
@@ -289,7 +296,8 @@ def walk_groups(model: ir.Model, plan: QuantPlan, ctx: AlgorithmContext, name: s
     for group in input_groups(model, layers):
         hessian = found.get(Statistic(group[0][0].inputs[0].name, "gram", -1))
         if hessian is not None:
-            done += sum(w is not None for w in quantize(group, hessian))
+            with serial_blas():
+                done += sum(w is not None for w in quantize(group, hessian))
     return done, len(layers)
 
 

@@ -1,0 +1,19 @@
+"""GPTQ's inverse Cholesky factor (`numerics/linalg.py`) equals cholesky(inv(H)).T."""
+
+import numpy as np
+import pytest
+
+from onnxq.numerics.linalg import inverse_cholesky_upper
+
+
+@pytest.mark.parametrize("k", [1, 7, 128, 129, 576, 1000])
+def test_factor_matches_the_inverse_then_cholesky(k):
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((2 * k + 8, k)) * rng.gamma(1.0, 1.0, k)  # uneven channels, as activations are
+    h = x.T @ x / len(x)
+    h[np.diag_indices(k)] += 0.01 * np.mean(np.diag(h))  # GPTQ's damping
+    u = inverse_cholesky_upper(h)
+    reference = np.linalg.cholesky(np.linalg.inv(h)).T
+    assert np.array_equal(u, np.triu(u)) and np.all(np.diag(u) > 0)
+    np.testing.assert_allclose(u, reference, rtol=1e-7, atol=1e-9 * np.abs(reference).max())
+    np.testing.assert_allclose(u.T @ u @ h, np.eye(k), atol=1e-8)
