@@ -111,16 +111,15 @@ def quantize(job: dict[str, Any]) -> dict[str, Any]:
     windows = job.get("windows") if job["row"] != "rtn" else None
 
     def run() -> Any:
-        return onnxq.quantize(job["folder"], job["out"], config, windows, progress=False)
+        return onnxq.quantize(job["folder"], job["out"], config, windows, progress=job.get("progress", False))
 
     profiler = None
     if job.get("profile"):
         import cProfile
 
         profiler = cProfile.Profile()
-        run = (lambda inner: lambda: profiler.runcall(inner))(run)
     with PeakStack() as sampler:
-        result, stats = C.measure_call(run)
+        result, stats = C.measure_call(run if profiler is None else lambda: profiler.runcall(run))
     if profiler is not None:
         import io
         import pstats
@@ -179,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=256, help="GPTQ/AWQ: tokens per window")
     p.add_argument("--max-samples", type=int, help="GPTQ/AWQ: calibrate on at most this many windows")
     p.add_argument("--profile", action="store_true", help="cProfile each worker; top entries printed")
+    p.add_argument("--progress", action="store_true", help="progress bars in the worker's log (<out>.q/<row>.log)")
     p.add_argument("--timeout", type=float, default=3600)
     args = p.parse_args(argv)
     if args.worker:
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = report.setdefault("rows", {})
     for row in args.rows:
         job = {"row": row, "folder": str(folder), "out": str(work / row), "windows": str(windows),
-               "max_samples": args.max_samples,
+               "max_samples": args.max_samples, "progress": args.progress,
                "profile": str(work / f"{row}.prof") if args.profile else None}
         res = C.spawn_worker(__file__, "quantize", job, work, row, args.timeout)
         rows[row] = res

@@ -1,11 +1,13 @@
 """LLM-sized models in bounded memory (benchmarks/llama_1b.py runs a 1.1B one): weights kept
 in their external data file are read one at a time and leave memory once quantized, the
-embedding table is quantized a slice of rows at a time, and a big model's load check
-opens it without the kernels' packed copies; none of it changes a byte of the output. The
+embedding table is quantized a slice of rows at a time, a big model's load check opens it
+without the kernels' packed copies, and GPTQ's and AWQ's replay reads weights left in the
+data file; none of it changes a byte of the output. The
 limits are lowered so the tiny genai Llama takes the paths the 4.4 GB one takes."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 import pytest
 from genai_model import build_genai_folder
@@ -87,3 +89,20 @@ def test_big_model_load_check_opens_without_prepacking(folder, tmp_path, monkeyp
     assert not any("could not load" in text for text in big.summary.note_texts)
     # An output check runs the session: it prepacks as a deployment does.
     assert loadcheck_module.prepacks(1 << 40, runs_samples=True)
+
+
+@pytest.mark.parametrize("algorithm", ["gptq", "awq"])
+def test_layerwise_replay_reads_weights_left_in_the_data_file(folder, tmp_path, monkeypatch, algorithm):
+    """GPTQ's and AWQ's replay segments take the model's own weights (the embedding table,
+    the norms) from the data file they stay in past 1 GiB, from any working directory:
+    serialized as they were, they named a file onnxruntime looked for beside the working
+    directory. The output is the one of weights read into memory."""
+    windows = tmp_path / "windows.npz"
+    np.savez(windows, input_ids=np.random.default_rng(3).integers(0, 256, (4, 16)))
+    config = onnxq.compose_config("W4_GROUP128", None, {"algo_config": [{"name": algorithm}]})
+    onnxq.quantize(folder, tmp_path / "inline", config, windows, progress=False)
+    monkeypatch.setattr(external_data_module, "INLINE_LIMIT", 0)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    onnxq.quantize(folder, tmp_path / "mapped", config, windows, progress=False)
+    assert (tmp_path / "mapped" / "model.onnx").read_bytes() == (tmp_path / "inline" / "model.onnx").read_bytes()
