@@ -18,6 +18,9 @@ like the ones users quantize:
 
 No tokenizer is written: onnxruntime-genai loads the model and generates from token ids
 without one. Weights are seeded normal draws, so a folder is a pure function of its arguments.
+`build_genai_folder` streams each weight to model.onnx.data as it is drawn (the bytes
+`onnx.save_model` writes, without holding the model's weights): at TinyLlama's shape
+(`benchmarks/llama_1b.py`, 4.4 GB) it needs a few hundred MB.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import onnx
@@ -34,16 +38,39 @@ MS = "com.microsoft"
 BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2  # Llama's; the builder pads with the EOS id when none is set
 EMBED_STD = 0.1   # token table (and tied LM head): logits come out with a std near 1
 GAIN = 1.5        # projections draw std GAIN / sqrt(fan_in): layers move the next-token choice
+DRAW_CHUNK = 1 << 22  # values drawn at a time (float64): the draws are the same, 32 MB at a time
+
+
+@dataclass
+class DataSink:
+    """An external data file the weights are appended to as they are made, as onnx's
+    `save_model(..., save_as_external_data=True, all_tensors_to_one_file=True)` appends
+    them (no alignment gap; keys location, offset, length)."""
+
+    file: BinaryIO
+    location: str
+
+    def external(self, name: str, array: np.ndarray) -> TensorProto:
+        """Write `array` at the end of the file; its initializer, naming that place."""
+        offset = self.file.tell()
+        self.file.write(array.data)  # C-contiguous (`_Parts.weight`): no copy
+        tensor = TensorProto(name=name, dims=array.shape, data_location=TensorProto.EXTERNAL,
+                             data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+        for key, value in (("location", self.location), ("offset", offset), ("length", array.nbytes)):
+            tensor.external_data.add(key=key, value=str(value))
+        return tensor
 
 
 @dataclass
 class _Parts:
-    """The graph being written: nodes in topological order, weights, typed intermediates."""
+    """The graph being written: nodes in topological order, weights (inline, or written to
+    `sink` as they come), typed intermediates."""
 
     nodes: list = field(default_factory=list)
     initializers: list = field(default_factory=list)
     value_info: list = field(default_factory=list)
     constants: set = field(default_factory=set)
+    sink: DataSink | None = None
 
     def node(self, op, inputs, outputs, name, domain="", **attrs):
         own = []  # this node's outputs, typed by the caller just before: they follow its constants
@@ -60,7 +87,9 @@ class _Parts:
         return outputs[0]
 
     def weight(self, name, array):
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        array = np.ascontiguousarray(array)
+        self.initializers.append(numpy_helper.from_array(array, name) if self.sink is None
+                                 else self.sink.external(name, array))
         return name
 
     def weight_info(self):
@@ -188,21 +217,28 @@ def _mlp(parts, i, x, draw, hidden, intermediate):
 
 def build_genai_model(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, seed=0,
                       tie_embeddings=True, *, intermediate=None, context_length=128,
-                      packed_qkv=True, eps=1e-5) -> onnx.ModelProto:
-    """The decoder graph (weights inline); `build_genai_folder` saves it with its config."""
+                      packed_qkv=True, eps=1e-5, sink: DataSink | None = None) -> onnx.ModelProto:
+    """The decoder graph, its weights inline or, with `sink`, written to that file as they
+    are drawn; `build_genai_folder` saves it with its config."""
     if hidden % heads or heads % kv_heads or (hidden // heads) % 2:
         raise ValueError("need hidden % heads == 0, heads % kv_heads == 0 and an even head size")
     head_size, intermediate = hidden // heads, intermediate or 2 * hidden
     rng = np.random.default_rng(seed)
 
     def draw(fan_in, *rest, std=None):
+        """float32 normal draws, made in float64 rows of at most DRAW_CHUNK values (the
+        generator gives the same values as one draw of the whole shape)."""
         std = GAIN / np.sqrt(fan_in) if std is None else std
-        return (rng.standard_normal((fan_in, *rest)) * std).astype(np.float32)
+        out = np.empty((fan_in, *rest), np.float32)
+        rows = max(1, DRAW_CHUNK // max(1, int(np.prod(rest, dtype=np.int64))))
+        for start in range(0, fan_in, rows):
+            out[start:start + rows] = rng.standard_normal((min(rows, fan_in - start), *rest)) * std
+        return out
 
     def norm_weight():
         return (1.0 + draw(hidden, std=0.1)).astype(np.float32)
 
-    parts = _Parts()
+    parts = _Parts(sink=sink)
     mask = _mask_subgraph(parts)
     table = draw(vocab, hidden, std=EMBED_STD)  # [vocab, hidden]
     lm_head = "lm_head.MatMul.weight"  # registered last, where the builder registers it
@@ -212,6 +248,7 @@ def build_genai_model(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, seed=
                                            [vocab, hidden])], "/model/embed_tokens/Transpose", perm=[1, 0])
     else:
         table_in = parts.weight("model.embed_tokens.weight", table)
+        del table  # untied: written; not held through the layers
     embedded = parts.node("Gather", [table_in, "input_ids"],
                           [parts.typed("/model/embed_tokens/Gather/output_0", TensorProto.FLOAT,
                                        _hidden(hidden))], "/model/embed_tokens/Gather")
@@ -296,11 +333,10 @@ def build_genai_folder(folder, layers=2, hidden=64, heads=4, kv_heads=2, vocab=2
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    model = build_genai_model(layers, hidden, heads, kv_heads, vocab, seed, tie_embeddings, **options)
-    for stale in ("model.onnx", "model.onnx.data"):  # external data is appended to, not replaced
-        (folder / stale).unlink(missing_ok=True)
-    onnx.save_model(model, folder / "model.onnx", save_as_external_data=True,
-                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
+    with open(folder / "model.onnx.data", "wb") as data:
+        model = build_genai_model(layers, hidden, heads, kv_heads, vocab, seed, tie_embeddings,
+                                  sink=DataSink(data, "model.onnx.data"), **options)
+    (folder / "model.onnx").write_bytes(model.SerializeToString())
     config = genai_config(layers, hidden, heads, kv_heads, vocab,
                           options.get("context_length", 128))
     (folder / "genai_config.json").write_text(json.dumps(config, indent=4))

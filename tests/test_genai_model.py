@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 
+import genai_model
 import numpy as np
+import onnx
 import pytest
-from genai_model import EOS_TOKEN_ID, build_genai_folder, genai_generate
+from genai_model import EOS_TOKEN_ID, build_genai_folder, build_genai_model, genai_generate
 from helpers import session
 
 LAYERS, KV_HEADS, HEAD_SIZE = 2, 2, 16
@@ -54,6 +56,22 @@ def test_folder_layout(folder):
                                                         "model.onnx.data"]
     decoder = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
     assert (decoder["num_hidden_layers"], decoder["num_key_value_heads"]) == (LAYERS, KV_HEADS)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_streamed_folder_is_what_onnx_save_writes(tmp_path, monkeypatch, tied):
+    """`build_genai_folder` writes each weight as it is drawn (the 1.1B benchmark's 4.4 GB
+    in a few hundred MB), in slices of rows: the bytes `onnx.save_model` writes for the
+    whole model."""
+    monkeypatch.setattr(genai_model, "DRAW_CHUNK", 1000)  # every big weight drawn in several slices
+    streamed = build_genai_folder(tmp_path / "streamed", tie_embeddings=tied)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    monkeypatch.setattr(genai_model, "DRAW_CHUNK", 1 << 30)
+    onnx.save_model(build_genai_model(tie_embeddings=tied), whole / "model.onnx", save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=0)
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (streamed / name).read_bytes() == (whole / name).read_bytes()
 
 
 def test_decode_step_matches_longer_prefill(folder):

@@ -140,7 +140,7 @@ def test_the_check_never_stops_a_run(monkeypatch):
         def run(self, *args, **kwargs):
             raise RuntimeError("kernel failed\nsecond line")
 
-    monkeypatch.setattr(quantize_module, "open_deployed", lambda model, providers: Broken())
+    monkeypatch.setattr(quantize_module, "open_deployed", lambda model, providers, prepack=True: Broken())
     broken = onnxq.quantize(model, None, "U8S8", calib)
     assert broken.summary.fidelity is None
     assert "warning: the quantized model loads but failed to run on a calibration sample: kernel failed" in \

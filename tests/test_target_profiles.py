@@ -222,14 +222,15 @@ def test_nodes_onnxruntime_refuses_stay_float(monkeypatch):
                   any(a.name == "group" and a.i > 1 for a in n.attribute))
     real = loadcheck.open_deployed
 
-    def refuses_victim(model, providers):
+    def refuses_victim(model, providers, prepack=True):
         quantized = any(n.name == victim and n.inputs[1].producer() is not None
                         and n.inputs[1].producer().op_type == "DequantizeLinear" for n in model.graph)
-        return None if quantized else real(model, providers)
+        return None if quantized else real(model, providers, prepack)
 
     module = importlib.import_module("onnxq.pipeline.emission")
     monkeypatch.setattr(module, "open_deployed", refuses_victim)
-    monkeypatch.setattr(module, "model_loads", lambda model, providers: refuses_victim(model, providers) is not None)
+    monkeypatch.setattr(module, "model_loads",
+                        lambda model, providers, prepack=True: refuses_victim(model, providers, prepack) is not None)
     result = quantize(target="x86-vnni")
     assert victim in result.summary.float_nodes
     (kept,) = of(result.summary.notes, Topic.FLOAT)

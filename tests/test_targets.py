@@ -572,12 +572,13 @@ def test_unloadable_node_is_kept_float(monkeypatch, tmp_path):
     real = QUANTIZE_MODULE.open_deployed
     calls = []
 
-    def refuse(model: ir.Model, providers: list[str]):
+    def refuse(model: ir.Model, providers: list[str], prepack: bool = True):
         calls.append(_weight_is_quantized(model, REFUSED))
-        return None if calls[-1] else real(model, providers)
+        return None if calls[-1] else real(model, providers, prepack)
 
     monkeypatch.setattr(QUANTIZE_MODULE, "open_deployed", refuse)
-    monkeypatch.setattr(QUANTIZE_MODULE, "model_loads", lambda model, providers: refuse(model, providers) is not None)
+    monkeypatch.setattr(QUANTIZE_MODULE, "model_loads",
+                        lambda model, providers, prepack=True: refuse(model, providers, prepack) is not None)
     model = conv_relu_chain()
     out = tmp_path / "q.onnx"
     result = onnxq.quantize(model, out, "U8S8", random_feeds(model, 8, seed=1))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 
 import numpy as np
 import onnx_ir as ir
@@ -68,36 +68,45 @@ _NUMPY_TYPES = frozenset({
 _IN_MEMORY = "onnxq-in-memory"  # the stand-ins' location, never read
 
 
-def _injected(tensor: ir.TensorProtocol) -> bool:
+def injected(tensor: ir.TensorProtocol) -> bool:
     """Whether onnxruntime takes this weight as an array rather than serialized."""
     return tensor.nbytes >= INJECT_MIN_BYTES and tensor.dtype in _NUMPY_TYPES
 
 
-def _stand_in(tensor: ir.TensorProtocol) -> ir.TensorProtocol | None:
+def stand_in(tensor: ir.TensorProtocol) -> ir.TensorProtocol | None:
     """An external-data stub for a weight onnxruntime will take as an array; the data
     itself, inline, for a small weight kept in an external file (whose relative location
     onnxruntime would resolve against the working directory)."""
-    if _injected(tensor):
+    if injected(tensor):
         return ir.ExternalTensor(_IN_MEMORY, None, None, tensor.dtype, shape=tensor.shape, name=tensor.name)
     if isinstance(tensor, ir.ExternalTensor):
         return ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name)
     return None
 
 
-def open_session(model: ir.Model, options: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
-    """A session over `model` as it is in memory, with `options` (used up: give each
-    session its own). The graph is serialized without its large weights, which
-    onnxruntime takes in place from their arrays (`add_external_initializers`): no copy
-    of the weights, no temporary file, no 2 GB protobuf limit, and the same graph, options
-    and kernels as the model written to a file (SmolLM2 int4 load check: 1.5 s -> 0.5 s)."""
-    with tensors_replaced(model.graph, _stand_in) as weights:
-        message = ir.to_proto(model).SerializeToString()
-    names = [n for n, t in weights.items() if _injected(t)]
+def add_arrays(options: ort.SessionOptions, weights: Mapping[str, ir.TensorProtocol]) -> list[ort.OrtValue]:
+    """Hand the `injected` ones of `weights` (name -> tensor, serialized as `stand_in`s)
+    to the session `options` will open; the values, which must live as long as it."""
+    names = [n for n, t in weights.items() if injected(t)]
     arrays = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(weights[n].numpy())) for n in names]
     if names:
         options.add_external_initializers(names, arrays)
+    return arrays
+
+
+def open_session(model: ir.Model, options: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
+    """A session over `model` as it is in memory, with `options` (used up: give each
+    session its own). The graph is serialized without its large weights, which
+    onnxruntime takes from their arrays (`add_external_initializers`): no serialized copy
+    of the weights, no temporary file, no 2 GB protobuf limit, and the same graph, options
+    and kernels as the model written to a file (SmolLM2 int4 load check: 1.5 s -> 0.5 s).
+    onnxruntime (1.32) still copies them into its own buffers: a 256 MB float32 MatMul
+    weight adds 265 MB, with graph optimisations and prepacking off too."""
+    with tensors_replaced(model.graph, stand_in) as weights:
+        message = ir.to_proto(model).SerializeToString()
+    arrays = add_arrays(options, weights)
     session = ort.InferenceSession(message, options, providers=check_providers(providers))
-    session._onnxq_weights = arrays  # onnxruntime reads them in place: they live as long as the session
+    session._onnxq_weights = arrays  # onnxruntime may read them in place: they live as long as the session
     return session
 
 

@@ -3,7 +3,6 @@ the graph rewrite. The weight's arithmetic and stored layout are `numerics/block
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -13,7 +12,7 @@ from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import Config
 from onnxq.emit.lowering import LoweringReport, claimed_nodes, register_lowering
 from onnxq.graph.edit import GraphEditor
-from onnxq.graph.external_data import drop_pages
+from onnxq.graph.external_data import release
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.blocks import BlockQuantized, quantize_blockwise
 from onnxq.parallel import ordered_map
@@ -50,19 +49,8 @@ def replace_with_nbits(graph: ir.Graph, editor: GraphEditor, node: ir.Node, bq: 
     out.name = name
     if not weight.uses() and not weight.is_graph_output():
         graph.initializers.pop(weight.name, None)
-        _release(weight.const_value)
+        release(weight.const_value)
     return new
-
-
-def _release(tensor: object) -> None:
-    """Unmap a replaced weight kept in an external data file, or drop the pages of one
-    mapped at load (`graph.external_data.drop_pages`), so it leaves the process (a >2 GB model
-    otherwise ends with every weight resident); unmapping is skipped while something
-    still holds a view of it."""
-    drop_pages(tensor)
-    if isinstance(tensor, ir.ExternalTensor):
-        with contextlib.suppress(BufferError):
-            tensor.release()
 
 
 def block_quantized(node: ir.Node, spec: ResolvedSpec, weights: object = None, clip_search: bool | None = None,

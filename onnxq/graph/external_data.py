@@ -109,24 +109,49 @@ def spill_embedded(model: ir.Model) -> None:
 
 
 def drop_pages(tensor: object) -> None:
-    """Let the pages of a weight mapped at load (`graph.wire`, `spill_embedded`) leave the
-    process's memory (they are read again from the file if anything reads it later): for
-    weights a stage is done with that a copy of the model (a fallback's pristine clone)
-    still references."""
-    array = tensor.raw if isinstance(tensor, ir.Tensor) else None
-    if not isinstance(array, np.ndarray) or not hasattr(mmap, "MADV_DONTNEED"):
+    """Let the pages of a weight mapped from a file (`graph.wire`, `spill_embedded`, or an
+    external data file onnx-ir has mapped) leave the process's memory (they are read again
+    from the file if anything reads it later): for weights a stage is done with that a
+    copy of the model (a fallback's pristine clone) still references."""
+    if isinstance(tensor, ir.ExternalTensor):  # the file's map, once the tensor was read
+        if isinstance(tensor.raw, mmap.mmap):
+            _advise(tensor.raw, tensor.offset or 0, tensor.length or tensor.nbytes)
         return
+    if isinstance(tensor, ir.Tensor) and isinstance(tensor.raw, np.ndarray):
+        drop_array_pages(tensor.raw)
+
+
+def drop_array_pages(array: np.ndarray) -> None:
+    """`drop_pages` for a C-contiguous array (or slice of rows) viewing a mapped file: the
+    model file (`graph.wire`), a spilled file or an external data file; others are left."""
     base = array.base
     while isinstance(base, np.ndarray | memoryview):
         base = base.obj if isinstance(base, memoryview) else base.base
-    if isinstance(base, mmap.mmap):  # the model file (`graph.wire`) or a spilled file: this weight's pages
+    if isinstance(base, mmap.mmap) and array.flags.c_contiguous:
         origin = np.frombuffer(base, np.uint8, count=1).ctypes.data
-        start = array.ctypes.data - origin
-        page = mmap.PAGESIZE
-        first, last = -(-start // page) * page, (start + array.nbytes) // page * page
-        if last > first:
-            with contextlib.suppress(OSError, ValueError):
-                base.madvise(mmap.MADV_DONTNEED, first, last - first)
+        _advise(base, array.ctypes.data - origin, array.nbytes)
+
+
+def _advise(mapped: mmap.mmap, start: int, length: int) -> None:
+    """Drop the whole pages of mapped[start:start + length] from the process."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, (start + length) // page * page
+    if last > first:
+        with contextlib.suppress(OSError, ValueError):
+            mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def release(tensor: object) -> None:
+    """Let a weight replaced by its quantized form leave the process: unmap it when it is
+    kept in an external data file (skipped while something still holds a view of it),
+    else drop its mapped pages (`drop_pages`); a >2 GB model otherwise ends with every
+    weight resident."""
+    drop_pages(tensor)
+    if isinstance(tensor, ir.ExternalTensor):
+        with contextlib.suppress(BufferError):
+            tensor.release()
 
 
 def _remove(path: Path) -> None:

@@ -37,7 +37,7 @@ def trial_emitter(settings: RunSettings, statistics: Mapping[Statistic, Any]) ->
 def emit_loadable(
     model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], config: Config,
     weights: WeightCache, keep_float: Mapping[str, str], target: TargetProfile,
-    statistics: Mapping[Statistic, Any],
+    statistics: Mapping[Statistic, Any], prepack: bool = True,
 ) -> tuple[ir.Model, EmitResult, ort.InferenceSession | None, list[Note]]:
     """Emit, then open the result as a deployment would; if onnxruntime refuses it, keep
     the nodes responsible float (found by re-emitting from a copy) instead of writing it.
@@ -48,7 +48,7 @@ def emit_loadable(
     pristine = model.clone()
     emitted = emit_model(model, plan, ranges, config, weights, target.runs_on_cpu(), statistics)
     providers = config.calibration.providers
-    session = open_deployed(model, providers)
+    session = open_deployed(model, providers, prepack=prepack)
     if session is not None:
         return model, emitted, session, []
     order = [node.name for node in pristine.graph if node.name in plan.quantized_nodes]
@@ -58,9 +58,9 @@ def emit_loadable(
         keep = {**keep_float, **{name: UNLOADABLE for name in kept}}
         new_plan = within_ranges(plan_quantization(copy, config, keep, target), ranges)
         result = emit_model(copy, new_plan, ranges, config, cpu=target.runs_on_cpu(), statistics=statistics)
-        return Trial(copy, model_loads(copy, providers), result)
+        return Trial(copy, model_loads(copy, providers, prepack=prepack), result)
 
     final, culprits = find_culprits(order, trial)
     note = Note(Topic.FLOAT, f"{len(culprits)} nodes kept float because onnxruntime could not load them quantized: "
                 + ", ".join(culprits[:5]) + (", ..." if len(culprits) > 5 else ""), tuple(culprits))
-    return final.model, final.payload, open_deployed(final.model, providers), [note]
+    return final.model, final.payload, open_deployed(final.model, providers, prepack=prepack), [note]

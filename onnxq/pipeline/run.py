@@ -11,6 +11,7 @@ from typing import Any
 from onnxq.calibrate.data import model_inputs
 from onnxq.config.spec import Config
 from onnxq.emit.fidelity import check_outputs, samples_to_check
+from onnxq.emit.loadcheck import prepacks
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.notes import Note, Topic, notes
 from onnxq.optimize.runner import run_algorithms
@@ -66,10 +67,11 @@ def run_pipeline(
                               trial_emitter(settings, calibration.statistics), calibration.statistics)
     summary.notes.extend(done.notes)
 
+    samples, note = samples_to_check(options.check_samples, float_bytes, settings.data)
     with summary.stage("emit"):
         model, emitted, session, kept = emit_loadable(model, done.plan, calibration.ranges, config, done.weights,
-                                                   ready.keep_float, ready.target, calibration.statistics)
-    samples, note = samples_to_check(options.check_samples, float_bytes, settings.data)
+                                                   ready.keep_float, ready.target, calibration.statistics,
+                                                   prepacks(float_bytes, samples > 0))
     summary.notes.extend(notes(Topic.CHECK, [note] if note else []))
     if session is not None and samples:
         with summary.stage("check"):

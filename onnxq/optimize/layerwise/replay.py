@@ -23,8 +23,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from onnxq.calibrate.session import check_providers, session_options
+from onnxq.calibrate.session import add_arrays, check_providers, injected, session_options, stand_in
 from onnxq.errors import OnnxqError
+from onnxq.graph.external_data import drop_pages
 
 FLOAT_PREFIX = "onnxq_float::"
 
@@ -195,22 +196,36 @@ class Replay:
 
     def _segment(self, needed: list[int], outputs: list[str], inputs: list[str],
                  example: Mapping[str, np.ndarray]) -> ort.InferenceSession:
+        """A session over the `needed` nodes. The model's own big weights (`weights` of
+        the constructor) reach it as arrays, not serialized (`calibrate.session`); one
+        still in its external data file, read for this, leaves memory again."""
         used = {n for i in needed for n in self.node_inputs[i]}
+        names = [n for n in sorted(used) if n in self.initializers and n not in inputs]
+        arrays = {n: t.const_value for n in names if isinstance(t := self.initializers[n], ir.Value)
+                  and injected(t.const_value)}
         graph = helper.make_graph(
             [self.nodes[i] for i in needed], "onnxq_layerwise_segment",
             [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(example[n].dtype), None)
              for n in inputs],
             [helper.make_empty_tensor_value_info(n) for n in outputs],
-            [self._tensor(n) for n in sorted(used) if n in self.initializers and n not in inputs],
+            [self._tensor(n) for n in names],
         )
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in self.opsets.items()],
                                   ir_version=self.ir_version)
-        return ort.InferenceSession(model.SerializeToString(), session_options(), providers=self.providers)
+        options = session_options()
+        values = add_arrays(options, arrays)
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=self.providers)
+        session._onnxq_weights = values
+        for tensor in arrays.values():
+            drop_pages(tensor)  # onnxruntime holds its own copy
+        return session
 
     def _tensor(self, name: str) -> onnx.TensorProto:
+        """Initializer `name` for a segment: a model weight as its `stand_in` (a stub for
+        one taken as an array, the data of a small one left in its external file)."""
         tensor = self.initializers[name]
         if isinstance(tensor, ir.Value):
-            proto = ir.serde.serialize_tensor(tensor.const_value)
+            proto = ir.serde.serialize_tensor(stand_in(tensor.const_value) or tensor.const_value)
             proto.name = name
             return proto
         return tensor
