@@ -17,7 +17,7 @@ the stage times, and the Python stack at the RSS peak (a sampler thread); `--pro
 the worker's cProfile top entries. The output folder is then opened in onnxruntime (one
 prefill, finite logits) and, where onnxruntime-genai is importable, generates a few tokens.
 GPTQ calibrates on random token windows (random weights: time and memory, not accuracy).
-Quantized folders go to `<out>.q/<row>/`.
+Quantized folders go to `<out>.q/<row>/` (`--work` to choose another folder).
 """
 
 from __future__ import annotations
@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-samples", type=int, help="GPTQ/AWQ: calibrate on at most this many windows")
     p.add_argument("--profile", action="store_true", help="cProfile each worker; top entries printed")
     p.add_argument("--progress", action="store_true", help="progress bars in the worker's log (<out>.q/<row>.log)")
+    p.add_argument("--work", type=Path, help="where the quantized folders, jobs and logs go (default <out>.q): "
+                   "give concurrent runs their own")
     p.add_argument("--timeout", type=float, default=3600)
     args = p.parse_args(argv)
     if args.worker:
@@ -206,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     report.update(parameters=params, largest_weight=largest, largest_weight_mb=largest_bytes / 2**20, bound_mb=bound)
     if args.build_only:
         return C.finish_report(report, t0, args.json)
-    work = Path(f"{folder}.q")
-    work.mkdir(exist_ok=True)
+    work = args.work or Path(f"{folder}.q")
+    work.mkdir(parents=True, exist_ok=True)
     windows = work / f"windows_{args.windows}x{args.tokens}.npz"
     if not windows.exists():
         ids = np.random.default_rng(0).integers(3, config["model"]["vocab_size"], (args.windows, args.tokens))

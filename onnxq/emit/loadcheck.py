@@ -23,10 +23,10 @@ from onnxq.runtime import options_for
 UNLOADABLE = "onnxruntime cannot load this node quantized (default session options)"
 MAX_CULPRITS = 64
 # A model with more float weights than this whose load-check session runs nothing (no
-# output check) is opened without the kernels' prepacking: the packed copies of its
-# weights (MatMulNBits at accuracy level 4: 1.0 GB beside the 0.55 GB of int4 weights of a
-# 1.1B-parameter Llama) would double what is held, for a session that only proves the
-# graph loads (its kernels, types and shapes).
+# output check) is opened without the kernels' prepacking: their packed copies of the
+# weights add to what the session holds (a 1.1B-parameter Llama's 0.55 GB of int4
+# MatMulNBits weights, accuracy level 4: the session adds 0.85-1.0 GB with them, 0.6 GB
+# without), for a session that only proves the graph loads (its kernels, types, shapes).
 PREPACK_ALWAYS_BYTES = 256 << 20
 
 
