@@ -121,13 +121,14 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, spec: ResolvedSpec, option
     """Codes [N, K] (signed, in the spec's range), scales and zero points [N, groups] of
     W^T = `w` [N, K] under input Hessian `hessian` [K, K] (module doc)."""
     k = w.shape[1]
-    h = hessian.astype(np.float64).copy()
+    h = np.array(hessian, dtype=np.float64)  # one copy: the damping writes into it
     dead = np.diag(h) <= 0
     h[dead, dead] = 1.0
     order = np.argsort(-np.diag(h), kind="stable") if options.desc_act else np.arange(k)
     h = h[np.ix_(order, order)]
     h[np.diag_indices(k)] += options.damp_percent * np.mean(np.diag(h))
-    upper = inverse_cholesky_upper(h)  # H^-1 = U^T U, U upper triangular
+    upper = inverse_cholesky_upper(h).astype(np.float32)  # H^-1 = U^T U, U upper triangular
+    del h  # K x K float64: 254 MB at K = 5632; the row slices share the float32 factor
     diag = np.diag(hessian).astype(np.float32)
     cuts = np.linspace(0, len(w), -(-len(w) // ROW_CHUNK) + 1).round().astype(int)
     parts = list(ordered_map(lambda c: _quantize_rows(w[c[0]:c[1]], dead, order, upper, diag, spec, options,
@@ -138,7 +139,8 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, spec: ResolvedSpec, option
 def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np.ndarray, diag: np.ndarray,
                    spec: ResolvedSpec, options: GPTQConfig, scale_dtype: type,
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GPTQ of some rows of W^T, with the permuted inverse Hessian's Cholesky factor.
+    """GPTQ of some rows of W^T, with the permuted inverse Hessian's Cholesky factor
+    (float32).
 
     Works on W (rows of W^T as columns, in quantization order) so that each step reads
     and updates contiguous rows, in float32 (the inverse Hessian's factor comes from
@@ -161,7 +163,7 @@ def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np
             scales[:, g], zeros[:, g] = _group_params(w[:, cols], spec, scale_dtype,
                                                       diag[cols] if options.clip_search else None)
     rows = np.ascontiguousarray(w[:, order].T, dtype=np.float32)  # [k, n]: row i is the i-th quantized
-    u = upper.astype(np.float32)
+    u = upper
     s32, z32 = scales.T.astype(np.float32), zeros.T.astype(np.float32)  # [groups, n]
     codes = np.empty((k, n), np.float32)
     for i1 in range(0, k, options.block_size):
