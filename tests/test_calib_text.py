@@ -198,7 +198,8 @@ def _no_tokenizer(folder: Path, root: Path) -> Path:
 
 
 def _word_level(folder: Path, root: Path) -> Path:
-    """A tokenizer model onnxruntime-extensions does not read (WordLevel)."""
+    """A tokenizer model the readers do not read (WordLevel): refused before any native
+    reader sees it (they read it now and then, or crashed on unknown models)."""
     odd = root / "word_level"
     shutil.copytree(folder, odd)
     (odd / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}))

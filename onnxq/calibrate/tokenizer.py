@@ -29,6 +29,9 @@ import numpy as np
 from onnxq.errors import CalibrationDataError
 
 VOCABULARY, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+# The tokenizer.json models handed to the readers at all: others are refused first, as the
+# native readers crashed the process now and then on a model type they do not know.
+READABLE_MODELS = ("BPE", "Unigram", "WordPiece")
 # What a reader may raise on a tokenizer it cannot read (the extensions raise RuntimeError).
 UNREADABLE = (RuntimeError, ValueError, OSError, ImportError, KeyError, TypeError)
 
@@ -113,6 +116,11 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
         raise CalibrationDataError(f"{folder} has no {VOCABULARY}, so calibration text cannot be tokenized; copy "
                                    f"the model's {VOCABULARY} and {TOKENIZER_CONFIG} into the folder, or pass token "
                                    "windows with --calib-data")
+    kind = _model_type(folder / VOCABULARY)
+    if kind not in READABLE_MODELS:
+        raise CalibrationDataError(f"cannot load the tokenizer in {folder}: its tokenizer.json model is {kind!r}, "
+                                   f"not one of {', '.join(READABLE_MODELS)}; tokenize the text yourself and pass "
+                                   "token windows with --calib-data")
     failures = []
     for name, read in READERS:
         try:
@@ -122,6 +130,15 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
             failures.append(f"{name}: {_first_line(exc)}")
     raise CalibrationDataError(f"cannot load the tokenizer in {folder} ({'; '.join(failures)}); tokenize the text "
                                "yourself and pass token windows with --calib-data")
+
+
+def _model_type(vocabulary: Path) -> str | None:
+    """tokenizer.json's model type, or None where the file says none (or is not JSON)."""
+    try:
+        model = json.loads(vocabulary.read_text(encoding="utf-8")).get("model")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model.get("type") if isinstance(model, dict) else None
 
 
 def _first_line(exc: BaseException) -> str:
