@@ -31,13 +31,14 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = 
     """`map(fn, items)` on `workers` threads (default: the cores), results in the order of
     `items`, with at most `workers` + 1 results computed ahead of the consumer, so memory
     stays that of a few items. Each result is the same as a serial run's (results do not
-    depend on which thread computes them)."""
+    depend on which thread computes them). With several workers BLAS runs on one thread
+    each (`serial_blas`): the workers are the parallelism."""
     workers = cpu_count() if workers is None else max(1, workers)
     if workers == 1:
         yield from map(fn, items)
         return
     pending: deque[Future[R]] = deque()
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="onnxq") as pool:
+    with serial_blas(), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="onnxq") as pool:
         for item in items:
             pending.append(pool.submit(fn, item))
             if len(pending) > workers:
@@ -48,7 +49,7 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = 
 
 def serial_blas() -> AbstractContextManager:
     """BLAS (and LAPACK) on one thread inside the block: for work that brings its own
-    threads (`ordered_map`) or runs beside onnxruntime's. OpenBLAS's threads spin for a
+    threads (`ordered_map` takes it) or runs beside onnxruntime's. OpenBLAS's threads spin for a
     core; when another thread or process holds one, a 2048-wide Cholesky factor took
     2.8 s on 2 threads against 0.34 s on one (2 cores, one busy)."""
     return threadpool_limits(1, user_api="blas")

@@ -38,7 +38,7 @@ import onnx_ir as ir
 
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.layout import ConvGeometry
-from onnxq.parallel import ordered_map, serial_blas
+from onnxq.parallel import ordered_map
 
 Reduce = Literal["min", "max", "absmax", "mean", "windows", "gram"]
 
@@ -64,7 +64,7 @@ class Statistic:
 
 _FOLD = {"min": np.minimum, "max": np.maximum, "absmax": np.maximum}
 # Rows per product of a gram: slices of a fixed size (results independent of the core
-# count), one per core with BLAS on one thread (`parallel.serial_blas`), summed in order.
+# count), one per core (`parallel.ordered_map`: BLAS on one thread each), summed in order.
 GRAM_ROWS = 1024
 
 
@@ -72,9 +72,8 @@ def _gram(rows: np.ndarray) -> np.ndarray:
     """rows^T rows: float32 products of `GRAM_ROWS`-row slices, summed in float64."""
     slices = [rows[i:i + GRAM_ROWS] for i in range(0, len(rows), GRAM_ROWS)]
     total = None
-    with serial_blas():
-        for part in ordered_map(lambda r: (r.T @ r).astype(np.float64), slices):
-            total = part if total is None else total + part
+    for part in ordered_map(lambda r: (r.T @ r).astype(np.float64), slices):
+        total = part if total is None else total + part
     return total
 
 

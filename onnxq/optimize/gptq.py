@@ -11,8 +11,8 @@ original weights, needed with `desc_act`, which quantizes rows in order of decre
 H diagonal). The result is pinned for the MatMulNBits lowering, which stores exactly
 these codes.
 
-H is E[x x^T] (float32 products summed in float64), accumulated while the data streams (memory independent of the
-number of samples). With `true_sequential` (the default) each layer's x comes from the
+H is E[x x^T] (float32 products summed in float64), accumulated while the data
+streams (memory independent of the number of samples). With `true_sequential` (the default) each layer's x comes from the
 model whose earlier layers already hold their GPTQ weights, so later layers compensate
 the error of earlier ones: the MatMuls are taken in groups sharing one input (q/k/v,
 gate/up), in graph order, and `layerwise.replay` runs only the nodes between one group
@@ -107,8 +107,8 @@ def _group_params(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type,
 
 
 # Output rows quantized at once, at most: rows are independent given H, so a layer's rows
-# go in equal slices of up to 512, on every core (`ordered_map`, BLAS on one thread each:
-# `sequential_walk`), and an LLM head's (49152 rows) working copies stay small. The
+# go in equal slices of up to 512, on every core (`ordered_map`, BLAS on one thread each),
+# and an LLM head's (49152 rows) working copies stay small. The
 # slices depend on the layer alone, so the result does not depend on the core count.
 ROW_CHUNK = 512
 # Rows updated one step at a time inside a lazy block (`_quantize_rows`): the rest of the
@@ -163,7 +163,6 @@ def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np
             scales[:, g], zeros[:, g] = _group_params(w[:, cols], spec, scale_dtype,
                                                       diag[cols] if options.clip_search else None)
     rows = np.ascontiguousarray(w[:, order].T, dtype=np.float32)  # [k, n]: row i is the i-th quantized
-    u = upper
     s32, z32 = scales.T.astype(np.float32), zeros.T.astype(np.float32)  # [groups, n]
     codes = np.empty((k, n), np.float32)
     for i1 in range(0, k, options.block_size):
@@ -185,13 +184,13 @@ def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np
                 codes[i] = q
                 err = errors[i - i1]
                 np.subtract(rows[i], (q - z) * s, out=err)
-                err /= u[i, i]
+                err /= upper[i, i]
                 if i + 1 < j2:
-                    rows[i + 1:j2] -= u[i, i + 1:j2, None] * err
+                    rows[i + 1:j2] -= upper[i, i + 1:j2, None] * err
             if j2 < i2:
-                rows[j2:i2] -= u[j1:j2, j2:i2].T @ errors[j1 - i1:j2 - i1]
+                rows[j2:i2] -= upper[j1:j2, j2:i2].T @ errors[j1 - i1:j2 - i1]
         if i2 < k:
-            rows[i2:] -= u[i1:i2, i2:].T @ errors
+            rows[i2:] -= upper[i1:i2, i2:].T @ errors
     out = np.empty((n, k), np.int8)
     out[:, order] = codes.T
     return out, scales, zeros
@@ -270,7 +269,7 @@ def sequential_walk(model: ir.Model, layers: list[Layer], ctx: AlgorithmContext,
             hessian = gram.result()
             if hessian is None:
                 continue
-            with serial_blas():  # the quantizers thread themselves (module `parallel`)
+            with serial_blas():  # the factor's LAPACK beside onnxruntime's threads; slices thread themselves
                 quantized = quantize(group, hessian)
             for weight_name, weight in zip(weights, quantized):
                 if weight is not None:
