@@ -65,8 +65,8 @@ def quantize(
     `config` takes every form `as_config` does; where it names no preset, the model's kind
     picks the default (`config/defaults.py`: weight-only int8 for an LLM decoder, else U8S8).
     """
-    config, default_kind = config_for(model, config)
     folder = open_folder(model) if isinstance(model, str | os.PathLike) else None
+    config, default_kind = config_for(folder or model, config)
     if folder is not None:
         model = str(folder.model)
         output = None if output is None else output_model(folder, output)

@@ -22,7 +22,7 @@ from onnxq.calibrate.decoder import is_decoder
 from onnxq.config.compose import DEFAULT_PRESET, ConfigLike, resolve_config
 from onnxq.config.spec import Config
 from onnxq.errors import OnnxqError
-from onnxq.graph.folder import open_folder
+from onnxq.graph.folder import ModelFolder, open_folder
 from onnxq.graph.load import input_names
 from onnxq.notes import Note, Topic
 
@@ -50,9 +50,9 @@ DEFAULTS: dict[str, KindDefault] = {
 }
 
 
-def model_kind(model: ModelSource) -> str:
-    """`decoder` for an onnxruntime-genai folder or a graph with KV-cache inputs
-    (`calibrate/decoder.py`), else `model`. A model that cannot be read is a `model`:
+def model_kind(model: ModelSource | ModelFolder) -> str:
+    """`decoder` for an onnxruntime-genai folder (a path, or one `open_folder` opened) or a
+    graph with KV-cache inputs (`calibrate/decoder.py`), else `model`. A model that cannot be read is a `model`:
     loading it says what is wrong."""
     if isinstance(model, ir.Model):
         names = [value.name for value in model.graph.inputs]
@@ -60,7 +60,7 @@ def model_kind(model: ModelSource) -> str:
         names = [value.name for value in model.graph.input]
     else:
         try:
-            folder = open_folder(model)
+            folder = model if isinstance(model, ModelFolder) else open_folder(model)
             if folder is not None and folder.genai:
                 return "decoder"
             names = input_names(folder.model if folder is not None else Path(model))
@@ -74,7 +74,7 @@ def default_preset(model: ModelSource) -> str:
     return DEFAULTS[model_kind(model)].preset
 
 
-def config_for(model: ModelSource, config: ConfigLike) -> tuple[Config, str | None]:
+def config_for(model: ModelSource | ModelFolder, config: ConfigLike) -> tuple[Config, str | None]:
     """The config `config` (any form `as_config` takes) makes for `model`, and the kind
     of model whose default it is built on where it names no preset (None where it does).
     The model is read only then."""

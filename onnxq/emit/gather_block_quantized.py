@@ -15,8 +15,8 @@ import onnx_ir as ir
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import Config
 from onnxq.emit.lowering import LoweringReport, claimed_nodes, register_lowering
-from onnxq.graph.edit import GraphEditor
-from onnxq.graph.external_data import drop_array_pages, release
+from onnxq.graph.edit import GraphEditor, drop_unread
+from onnxq.graph.external_data import drop_array_pages
 from onnxq.numerics.weights import QuantizedTensor, quantize_weight
 from onnxq.plan.strategies.gather_int4 import can_use_gather_block_quantized, table_array
 
@@ -38,23 +38,8 @@ def replace_with_gather_block_quantized(model: ir.Model, edit: GraphEditor, node
     )
     new.outputs[0].dtype, new.outputs[0].shape = out.dtype, out.shape
     ir.convenience.replace_nodes_and_values(graph, node, [node], [new], [out], [new.outputs[0]])
-    _drop_table(graph, table)
+    drop_unread(graph, table)
     model.opset_imports.setdefault(CONTRIB, 1)
-
-
-def _drop_table(graph: ir.Graph, table: ir.Value) -> None:
-    """Remove the float table nothing reads any more: its initializer, or the Transpose
-    that made it and the initializer that one read."""
-    if table.uses() or table.is_graph_output():
-        return
-    transpose = table.producer()
-    if transpose is None:
-        graph.initializers.pop(table.name, None)
-        release(table.const_value)
-        return
-    source = transpose.inputs[0]
-    graph.remove(transpose, safe=True)
-    _drop_table(graph, source)
 
 
 def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpec],

@@ -11,8 +11,7 @@ import onnx_ir as ir
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import Config
 from onnxq.emit.lowering import LoweringReport, claimed_nodes, register_lowering
-from onnxq.graph.edit import GraphEditor
-from onnxq.graph.external_data import release
+from onnxq.graph.edit import GraphEditor, drop_unread
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.blocks import BlockQuantized, quantize_blockwise
 from onnxq.parallel import ordered_map
@@ -47,9 +46,7 @@ def replace_with_nbits(graph: ir.Graph, editor: GraphEditor, node: ir.Node, bq: 
     graph.remove(node, safe=True)
     old.name = None
     out.name = name
-    if not weight.uses() and not weight.is_graph_output():
-        graph.initializers.pop(weight.name, None)
-        release(weight.const_value)
+    drop_unread(graph, weight)
     return new
 
 

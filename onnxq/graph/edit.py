@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from onnxq.graph.external_data import release
+
 
 def make_initializer(name: str, array: np.ndarray) -> ir.Value:
     """An initializer value holding `array` (0-d arrays stay 0-d)."""
@@ -92,3 +94,19 @@ def drop_unused_initializers(graph: ir.Graph) -> int:
     for name in unused:
         graph.initializers.pop(name)
     return len(unused)
+
+
+def drop_unread(graph: ir.Graph, table: ir.Value) -> None:
+    """Remove a weight nothing reads any more: its initializer (its memory released:
+    `external_data.release`), or the Transpose that made it and the initializer that one
+    read."""
+    if table.uses() or table.is_graph_output():
+        return
+    transpose = table.producer()
+    if transpose is None:
+        graph.initializers.pop(table.name, None)
+        release(table.const_value)
+        return
+    source = transpose.inputs[0]
+    graph.remove(transpose, safe=True)
+    drop_unread(graph, source)

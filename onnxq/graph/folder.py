@@ -14,6 +14,7 @@ from pathlib import Path
 import onnx
 
 from onnxq.errors import ModelError
+from onnxq.graph.save import copy_atomic
 
 GENAI_CONFIG = "genai_config.json"
 
@@ -103,9 +104,7 @@ def copy_companions(source: ModelFolder, out_folder: Path) -> list[str]:
         if src.is_dir():
             shutil.copytree(src, dst, dirs_exist_ok=True)
         else:
-            tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
-            shutil.copy2(src, tmp)
-            os.replace(tmp, dst)
+            copy_atomic(src, dst)
     return list(source.companions)
 
 

@@ -82,6 +82,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return _write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
+def copy_atomic(source: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Copy the file `source` to `path` atomically (metadata too)."""
+    return _write_atomic(path, lambda tmp: shutil.copy2(source, tmp))
+
+
 def write_npz_atomic(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> Path:
     """Write `arrays` as an .npz file atomically."""
     def write(tmp: Path) -> None:
