@@ -114,13 +114,13 @@ def compose_config(
     The preset is `preset`, else the file's or the overrides' `preset:` key, else `default`;
     `none` means no preset: the sources are the whole config (as onnxq writes configs).
     """
-    return _compose(preset, config_file, overrides, default)[0]
+    return _compose(preset, config_file, overrides, default)
 
 
 def _compose(preset: str | None, config_file: str | os.PathLike | None, overrides: Mapping[str, Any] | None,
-             default: Default) -> tuple[Config, str | None]:
-    """`compose_config`'s config, and the default preset it is built on (None: a source
-    named the preset)."""
+             default: Default) -> Config:
+    """`compose_config`'s config: `default` (a name, or a function that picks one) is
+    called only where no source names the preset."""
     sources = []
     if config_file is not None:
         sources.append((str(config_file), read_config_dict(config_file)))
@@ -131,17 +131,14 @@ def _compose(preset: str | None, config_file: str | os.PathLike | None, override
     for _, source in sources:
         bare_edge_dtypes(source)
     named = [source.pop("preset") for _, source in sources if "preset" in source]
-    base = preset or (named[-1] if named else None)
-    defaulted = None
-    if not base:
-        base = defaulted = _name(default)
+    base = preset or (named[-1] if named else None) or _name(default)
     if not isinstance(base, str):
         raise ConfigError(f"preset must be a preset name such as {DEFAULT_PRESET}, got {base!r}")
     stack = [config_to_dict(Config() if base.lower() == NO_PRESET else get_preset(base))]
     for _, source in sources:
         stack.append(overlay(stack[-1], source))
     try:
-        return config_from_dict(stack[-1]), defaulted
+        return config_from_dict(stack[-1])
     except ConfigError as exc:
         raise ConfigError(f"{_blame(stack, sources)}: {exc}") from None
 
@@ -182,24 +179,17 @@ def as_config(config: ConfigLike, default: Default = DEFAULT_PRESET) -> Config:
     """What the Python API accepts as a config, read by the module's rule: a `Config`
     (complete as given), `ConfigSources`, a dict (overrides on `default`, or on its
     `preset:`), a preset name (any case) or a YAML/JSON path; None is `default`."""
-    return resolve_config(config, default)[0]
-
-
-def resolve_config(config: ConfigLike, default: Default = DEFAULT_PRESET) -> tuple[Config, str | None]:
-    """`as_config`'s config, and the default preset it is built on (None: `config` names
-    its preset, or is a complete `Config`)."""
     if config is None:
-        name = _name(default)
-        return get_preset(name), name
+        return get_preset(_name(default))
     if isinstance(config, Config):
         validate_config(config)
-        return config, None
+        return config
     if isinstance(config, ConfigSources):
         return _compose(config.preset, config.config_file, config.overrides, default)
     if isinstance(config, Mapping):
         return _compose(None, None, config, default)
     if isinstance(config, str) and config.upper() in {name.upper() for name in PRESETS}:
-        return get_preset(config), None
+        return get_preset(config)
     if Path(config).is_file():
         return _compose(None, config, None, default)
     if Path(config).suffix.lower() in (".yaml", ".yml", ".json", ".prototxt", ".cfg"):

@@ -19,7 +19,7 @@ import onnx
 import onnx_ir as ir
 
 from onnxq.calibrate.decoder import is_decoder
-from onnxq.config.compose import DEFAULT_PRESET, ConfigLike, resolve_config
+from onnxq.config.compose import DEFAULT_PRESET, ConfigLike, as_config
 from onnxq.config.spec import Config
 from onnxq.errors import OnnxqError
 from onnxq.graph.folder import ModelFolder, open_folder
@@ -85,8 +85,7 @@ def config_for(model: ModelSource | ModelFolder, config: ConfigLike) -> tuple[Co
         kind = model_kind(model)
         return DEFAULTS[kind].preset
 
-    resolved, _ = resolve_config(config, pick)
-    return resolved, kind
+    return as_config(config, pick), kind
 
 
 def default_note(kind: str, data_use: str | None) -> Note | None:
