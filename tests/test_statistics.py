@@ -108,3 +108,37 @@ def test_reductions_run_right_after_their_tensor():
         after = order[starts[i] + 1:starts[i + 1]]
         readers = [n for n in nodes if layer.outputs[0] in n.inputs]
         assert len(readers) >= 3 and all(n in after for n in readers), layer.name
+
+
+def test_bounded_image_ranges_read_their_bound_and_the_true_max():
+    """A Relu's output and a Clip(0.5, 4)'s reach calibration as [bound, true max] (one
+    reduction instead of two); an unbounded tensor as its true [min, max]."""
+    import onnx
+    import onnxruntime as ort
+
+    from onnxq.calibrate.runner import stream_tensors
+
+    b = GraphBuilder(8)
+    x = b.input("x", ["N", 3, 9, 9])
+    conv = b.conv(x, 3, 8)
+    relu = b.relu(conv)
+    low, high = b.const("low", np.float32(0.5)), b.const("high", np.float32(4.0))
+    clipped = b.node("Clip", [b.conv(relu, 8, 8), low, high])
+    names = [conv, relu, clipped]
+    proto = b.build([b.conv(clipped, 8, 4)], name="bounded")
+    model, _ = load_model(proto)
+    feeds = random_feeds(proto, 6, seed=9)
+    lows, highs = {n: np.inf for n in names}, {n: -np.inf for n in names}
+    for _, values in stream_tensors(model, names, feeds, CalibrationConfig(batch_size=4), reduced=set(names)):
+        for n in names:
+            lows[n], highs[n] = min(lows[n], values[n][0]), max(highs[n], values[n][1])
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(proto)
+    exposed.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names)
+    reference = ort.InferenceSession(exposed.SerializeToString(), providers=["CPUExecutionProvider"])
+    outs = dict(zip(names, reference.run(names, stack_feeds(feeds))))
+    assert lows[relu] == 0.0 and lows[clipped] == 0.5
+    assert outs[clipped].min() >= 0.5 and lows[conv] == pytest.approx(outs[conv].min(), rel=1e-5)
+    for n in names:
+        assert highs[n] == pytest.approx(outs[n].max(), rel=1e-5), n
+

@@ -17,11 +17,12 @@ from tqdm import tqdm
 
 from onnxq.calibrate.data import iter_batches, model_inputs, sample_rows
 from onnxq.calibrate.observers import Observer, make_observer
-from onnxq.calibrate.session import REDUCED_SUFFIXES, exposed_session
+from onnxq.calibrate.session import REDUCED_SUFFIXES, calibration_options, exposed_session
 from onnxq.calibrate.statistics import Statistic, StatisticsSet
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import CalibrationDataError
+from onnxq.parallel import serial_blas
 
 
 @dataclass
@@ -71,8 +72,10 @@ def stream_tensors(
     exposed = list(dict.fromkeys([*names, *whole]))
     extra_whole = [n for n in whole if n in reduced]
     outputs += [n for n in whole if n not in returned]
+    # BLAS on one thread: the statistics' small products run between onnxruntime's runs,
+    # and OpenBLAS threads left spinning after them slowed its kernels 2x (MobileNet-v1).
     with exposed_session(model, exposed, options.providers, reduced, (extra_nodes, extra_outputs),
-                         also_whole=extra_whole) as session, bar:
+                         also_whole=extra_whole, options=calibration_options()) as session, bar, serial_blas():
         for index, feed in enumerate(iter_batches(data, inputs, options.batch_size, options.max_samples,
                                                   purpose, options.max_batches)):
             if window is not None and index >= window[1]:

@@ -11,6 +11,7 @@ import onnxruntime as ort
 
 from onnxq.errors import OnnxqError
 from onnxq.graph.edit import values_by_name
+from onnxq.graph.layout import clip_bounds
 from onnxq.graph.save import tensors_replaced
 from onnxq.runtime import options_for
 
@@ -43,13 +44,57 @@ def session_options(threads: int = 0) -> ort.SessionOptions:
     return options
 
 
+def calibration_options() -> ort.SessionOptions:
+    """`session_options` for a calibration pass, without a memory pattern: with the
+    reductions added, the planned arena grew by 120 MB on MobileNet-v1 (no time lost).
+
+    Basic optimisation, not onnxruntime's default: the default level runs convolutions on
+    blocked layouts (NCHWc), 2x faster for MobileNet-v1's float pass, but a reduction of
+    an image with no blocked kernel (the batch sum behind bias correction's window means)
+    then reads it through a reorder to plain layout; with bias correction the pass was
+    only 15% faster and held 120 MB more. One level for every pass: the ranges of a
+    tensor do not depend on which statistics a recipe asks for."""
+    options = session_options()
+    options.enable_mem_pattern = False
+    return options
+
+
 REDUCED_SUFFIXES = ("__onnxq_min", "__onnxq_max")
 
 
+def lower_bound(value: ir.Value) -> float | None:
+    """The bound b >= 0 below which `value` cannot go, when a Relu, a Clip with a
+    constant non-negative minimum, a Sigmoid or a Softmax produces it; None otherwise."""
+    node = value.producer()
+    if node is None or node.op_type not in ("Relu", "Clip", "Sigmoid", "Softmax"):
+        return None
+    bounds = clip_bounds(node) if node.op_type == "Clip" else (0.0, np.inf)
+    return bounds[0] if bounds is not None and bounds[0] >= 0 else None
+
+
+def _bounded(value: ir.Value, bound: float) -> tuple[list[ir.Node], list[ir.Value]]:
+    """[min, max] of a tensor bounded below by `bound` >= 0, in one pass over it: the
+    min is the bound itself. Every range includes zero (`qmath`), so a minimum in
+    [0, max] quantizes as the observed one would; the ranges reported read `bound`
+    (MobileNet-v1's calibration pass, 27 Relu6 outputs: 3.5 s -> 2.9 s)."""
+    low = ir.Value(name=value.name + REDUCED_SUFFIXES[0], type=value.type, shape=ir.Shape([]))
+    high = ir.Value(name=value.name + REDUCED_SUFFIXES[1], type=value.type, shape=ir.Shape([]))
+    constant = ir.tensor(np.array(bound, dtype=value.dtype.numpy()))
+    return [ir.node("Constant", [], {"value": constant}, outputs=[low], name=low.name),
+            ir.node("ReduceMax", [value], {"keepdims": 0}, outputs=[high], name=high.name)], [low, high]
+
+
 def _reduction_nodes(values: list[ir.Value]) -> tuple[list[ir.Node], list[ir.Value]]:
-    """ReduceMin/ReduceMax over all axes of each value (no axes input: every axis)."""
+    """ReduceMin/ReduceMax over all axes of each value (no axes input: every axis); for
+    a tensor bounded below, `_bounded`."""
     nodes, outputs = [], []
     for value in values:
+        bound = lower_bound(value)
+        if bound is not None and value.dtype.is_floating_point():
+            built = _bounded(value, bound)
+            nodes += built[0]
+            outputs += built[1]
+            continue
         for op, suffix in zip(("ReduceMin", "ReduceMax"), REDUCED_SUFFIXES):
             out = ir.Value(name=value.name + suffix, type=value.type, shape=ir.Shape([]))
             nodes.append(ir.node(op, [value], {"keepdims": 0}, outputs=[out], name=out.name))
