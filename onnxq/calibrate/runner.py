@@ -6,14 +6,12 @@ tensor and is then dropped, so memory does not grow with the number of samples.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from tqdm import tqdm
 
 from onnxq.calibrate.data import iter_batches, model_inputs, sample_rows
 from onnxq.calibrate.observers import Observer, make_observer
@@ -23,6 +21,7 @@ from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import CalibrationDataError
 from onnxq.parallel import serial_blas
+from onnxq.progress import bar as progress_bar
 
 
 @dataclass
@@ -34,10 +33,6 @@ class CalibrationResult:
     num_batches: int = 0
     num_passes: int = 1
     statistics: dict[Statistic, np.ndarray | None] = field(default_factory=dict)  # collected alongside
-
-
-def _progress(enabled: bool | None) -> bool:
-    return sys.stderr.isatty() if enabled is None else enabled
 
 
 def stream_tensors(
@@ -58,10 +53,7 @@ def stream_tensors(
     only the batches whose position is in [first, end) run (a calibration shard).
     """
     inputs = model_inputs(model)
-    bar = tqdm(
-        desc=purpose, unit="sample", total=options.max_samples, file=sys.stderr,
-        disable=not _progress(progress), leave=False,
-    )
+    bar = progress_bar(desc=purpose, unit="sample", enabled=progress, total=options.max_samples)
     extra_nodes, extra_outputs, whole = statistics.attach(model) if statistics else ([], [], [])
     outputs = [n for n in names if n not in reduced]
     outputs += [n + suffix for n in names if n in reduced for suffix in REDUCED_SUFFIXES]

@@ -23,14 +23,12 @@ calibration pass (mergeable across calibration shards; `--stats`).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import onnx_ir as ir
-from tqdm import tqdm
 
 from onnxq.calibrate.access import refusal
 from onnxq.calibrate.data import iter_batches, model_inputs
@@ -50,6 +48,7 @@ from onnxq.optimize.registry import register_algorithm, statistics_of
 from onnxq.parallel import ordered_map, serial_blas
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
+from onnxq.progress import bar as progress_bar
 
 
 @dataclass(frozen=True)
@@ -256,8 +255,7 @@ def sequential_walk(model: ir.Model, layers: list[Layer], ctx: AlgorithmContext,
                            f"{name} data", calibration.max_batches)
     structure, weights = proto_without_weights(model)
     replay = Replay(None, structure, batches, calibration.providers, budget_mb << 20, weights)
-    bar = tqdm(groups, desc=name, unit="group", file=sys.stderr, leave=False,
-               disable=not (sys.stderr.isatty() if ctx.settings.progress is None else ctx.settings.progress))
+    bar = progress_bar(groups, name, "group", ctx.settings.progress)
     done = 0
     try:
         for group in bar:

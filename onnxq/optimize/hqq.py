@@ -26,6 +26,7 @@ from onnxq.optimize.gptq import NO_LAYERS, matmul_nbits_layers
 from onnxq.optimize.registry import register_algorithm
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
+from onnxq.progress import bar as progress_bar
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def hqq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
     if not layers:
         return NO_LAYERS
     solver = tuple(sorted(dataclasses.asdict(options).items()))
-    for node, spec in layers:
+    for node, spec in progress_bar(layers, "hqq", "layer", ctx.settings.progress):
         hqq_spec = dataclasses.replace(spec, symmetric=False, calib_method="hqq", calib_options=solver)
         w = np.asarray(constant_array(node.inputs[1]))
         ctx.weights.pin_node(node.name, node.inputs[1],

@@ -7,14 +7,12 @@ AdaQuant each register a function `optimise(problem, options) -> Solution` and c
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import onnx
 import onnx_ir as ir
-from tqdm import tqdm
 
 from onnxq.calibrate.access import refusal
 from onnxq.calibrate.data import iter_batches, model_inputs
@@ -50,10 +48,12 @@ from onnxq.optimize.layerwise.problem import (
     layer_statistics,
 )
 from onnxq.optimize.layerwise.replay import Replay, ReplayError
+from onnxq.parallel import serial_blas
 from onnxq.plan import QuantPlan
 from onnxq.plan.params import (
     WeightCache,
 )
+from onnxq.progress import bar as progress_bar
 from onnxq.target.pairs import enforce_pairs
 
 # Bytes of the positions a layer keeps for a loss through its activation (`sampled.py`).
@@ -106,8 +106,7 @@ def reconstruct(
         replay.set_input(layer.name, 1, WEIGHT_PREFIX + layer.name)
     report = _Report()
     fitted: dict[str, str] = {}  # layers whose bias was fitted here, handed back with the result
-    bar = tqdm(layers, desc=name, unit="layer", file=sys.stderr, leave=False,
-               disable=not (sys.stderr.isatty() if ctx.settings.progress is None else ctx.settings.progress))
+    bar = progress_bar(layers, name, "layer", ctx.settings.progress)
     try:
         for layer in bar:
             qt = nearest[layer.name]
@@ -206,7 +205,8 @@ def _one_layer(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Ma
     kernel = tuple(w.shape[2:]) if node.op_type == "Conv" else ()
     activation = following(model.graph, node, (g, m), len(kernel)) if options.activation else None
     sample_cap = min(options.sample_positions, SAMPLE_BYTES // (4 * g * (k + 1 + m))) if activation else 0
-    gram = layer_statistics(layer, replay, wbar, kernel, *names, options.max_positions, sample_cap)
+    with serial_blas():  # the gram's products between the replay's onnxruntime runs (`serial_blas`)
+        gram = layer_statistics(layer, replay, wbar, kernel, *names, options.max_positions, sample_cap)
     short = gram.positions < options.min_rows * (k + 1)
     if short:  # too few rows to learn K codes per output: fit only its scale and bias
         report.short[layer.name] = math.ceil(options.min_rows * (k + 1) / max(gram.positions / replay.samples, 1e-9))
