@@ -135,9 +135,10 @@ def test_asymmetric_uint4_shares_the_zero_points(tmp_path):
                                prefill_logits(with_embedding(model, lm_head_weight(model, 64).T), 64), rtol=0, atol=1e-5)
 
 
-def test_hidden_size_not_a_multiple_of_the_group(tmp_path):
-    """hidden 96 with blocks of 64: the pair takes blocks of 32, the other MatMuls keep 64
-    (2 heads of 48: onnxruntime's GroupQueryAttention takes head sizes in multiples of 16)."""
+def test_the_tied_table_takes_finer_blocks(tmp_path):
+    """Blocks of 64: the pair takes blocks of 32 (`HEAD_BLOCK`), the other MatMuls keep 64
+    (hidden 96, 2 heads of 48: onnxruntime's GroupQueryAttention takes head sizes in
+    multiples of 16)."""
     folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=96, heads=2, kv_heads=1)
     result = quantize(folder, tmp_path / "out", 64)
     model = onnx.load(str(tmp_path / "out" / "model.onnx"))
@@ -147,7 +148,7 @@ def test_hidden_size_not_a_multiple_of_the_group(tmp_path):
               for n in model.graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")}
     assert blocks.pop(nbits.name) == blocks.pop(gbq.name) == 32 and set(blocks.values()) == {64}
     (note,) = [n for n in of(result.summary.notes, Topic.EMISSION) if "tied embedding" in n.text]
-    assert "blocks of 32 (the hidden size 96 is not a multiple of 64)" in note.text
+    assert "blocks of 32 (the tied table's blocks are at most 32)" in note.text
     table = lm_head_weight(model, 96).T
     np.testing.assert_allclose(prefill_logits(model, 96, 2, 1), prefill_logits(with_embedding(model, table), 96, 2, 1),
                                rtol=0, atol=1e-5)
@@ -197,6 +198,14 @@ def test_hqq_float_zero_points_keep_two_copies(tmp_path):
     (note,) = [n for n in of(result.summary.notes, Topic.EMISSION) if "tied embedding" in n.text]
     assert "each stores its own int4 copy: its float zero points (HQQ)" in note.text
     assert len(genai_generate(tmp_path / "out", PROMPT, 4)) == 4
+
+
+def test_hidden_size_not_a_multiple_of_the_tied_block(tmp_path):
+    """hidden 48 (one head of 48): the pair takes blocks of 16, and the note says why."""
+    folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=48, heads=1, kv_heads=1)
+    result = quantize(folder, tmp_path / "out", 64)
+    (note,) = [n for n in of(result.summary.notes, Topic.EMISSION) if "tied embedding" in n.text]
+    assert "blocks of 16 (the hidden size 48 is not a multiple of 32)" in note.text
 
 
 @pytest.mark.parametrize("hidden,group,block", [(576, 128, 64), (96, 64, 32), (4096, 128, 128), (72, 128, None),
