@@ -6,14 +6,16 @@ work (block quantization, the HQQ solver): no pickling, no second copy of the mo
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import TypeVar
 
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -32,13 +34,16 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = 
     `items`, with at most `workers` + 1 results computed ahead of the consumer, so memory
     stays that of a few items. Each result is the same as a serial run's (results do not
     depend on which thread computes them). With several workers BLAS runs on one thread
-    each (`serial_blas`): the workers are the parallelism."""
+    each (`serial_blas`): the workers are the parallelism. The threads live as long as
+    the process (`_pool`); a call from one of them runs serially, as a nested pool would
+    only queue behind itself."""
     workers = cpu_count() if workers is None else max(1, workers)
-    if workers == 1:
+    if workers == 1 or getattr(_worker, "busy", False):
         yield from map(fn, items)
         return
     pending: deque[Future[R]] = deque()
-    with serial_blas(), ThreadPoolExecutor(max_workers=workers, thread_name_prefix="onnxq") as pool:
+    pool = _pool(workers)
+    with serial_blas():
         for item in items:
             pending.append(pool.submit(fn, item))
             if len(pending) > workers:
@@ -47,9 +52,30 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = 
             yield pending.popleft().result()
 
 
+_worker = threading.local()  # busy: this thread is one of a pool's
+
+
+def _mark_worker() -> None:
+    _worker.busy = True
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """One pool per worker count for the process: a pool per call started threads for
+    every call (GPTQ on SmolLM2 calls it 3,662 times: 5 s of thread starts)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="onnxq", initializer=_mark_worker)
+
+
+@functools.cache
+def _controller() -> ThreadpoolController:
+    """The BLAS libraries numpy loaded, found once (a search per `serial_blas` cost 0.8 ms:
+    1 s of GPTQ on SmolLM2)."""
+    return ThreadpoolController()
+
+
 def serial_blas() -> AbstractContextManager:
     """BLAS (and LAPACK) on one thread inside the block: for work that brings its own
     threads (`ordered_map` takes it) or runs beside onnxruntime's. OpenBLAS's threads spin for a
     core; when another thread or process holds one, a 2048-wide Cholesky factor took
     2.8 s on 2 threads against 0.34 s on one (2 cores, one busy)."""
-    return threadpool_limits(1, user_api="blas")
+    return _controller().limit(limits=1, user_api="blas")
