@@ -11,7 +11,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from typing import TypeVar
 
@@ -44,12 +44,17 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = 
     pending: deque[Future[R]] = deque()
     pool = _pool(workers)
     with serial_blas():
-        for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) > workers:
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) > workers:
+                    yield pending.popleft().result()
+            while pending:
                 yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        finally:  # an error or an early close: no task of this call outlives it
+            for future in pending:
+                future.cancel()
+            wait(pending)
 
 
 _worker = threading.local()  # busy: this thread is one of a pool's
@@ -59,11 +64,19 @@ def _mark_worker() -> None:
     _worker.busy = True
 
 
-@functools.cache
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
 def _pool(workers: int) -> ThreadPoolExecutor:
     """One pool per worker count for the process: a pool per call started threads for
-    every call (GPTQ on SmolLM2 calls it 3,662 times: 5 s of thread starts)."""
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="onnxq", initializer=_mark_worker)
+    every call (GPTQ on SmolLM2 calls it 3,662 times: 5 s of thread starts). A forked
+    child starts its own (`_forget`): the parent's threads do not exist in it."""
+    with _POOLS_LOCK:
+        if workers not in _POOLS:
+            _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="onnxq",
+                                                 initializer=_mark_worker)
+        return _POOLS[workers]
 
 
 @functools.cache
@@ -71,6 +84,18 @@ def _controller() -> ThreadpoolController:
     """The BLAS libraries numpy loaded, found once (a search per `serial_blas` cost 0.8 ms:
     1 s of GPTQ on SmolLM2)."""
     return ThreadpoolController()
+
+
+def _forget() -> None:
+    """In a forked child: no pool, no controller, a fresh lock (the parent's may be held)."""
+    global _POOLS_LOCK
+    _POOLS.clear()
+    _POOLS_LOCK = threading.Lock()
+    _controller.cache_clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget)
 
 
 def serial_blas() -> AbstractContextManager:

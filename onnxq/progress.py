@@ -1,4 +1,5 @@
-"""Progress bars: one rule for every step that can take more than a couple of seconds.
+"""Progress bars of the quantize pipeline's long steps (calibration, GPTQ/AWQ, layer-wise
+reconstruction, HQQ): one rule for when they show.
 
 tqdm on stderr, with the step's name and tqdm's estimate of the time left. `enabled`:
 True or False as the caller was told (`progress=` in the API, `--quiet` in the CLI); None

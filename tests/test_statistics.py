@@ -124,8 +124,9 @@ def test_bounded_image_ranges_read_their_bound_and_the_true_max():
     relu = b.relu(conv)
     low, high = b.const("low", np.float32(0.5)), b.const("high", np.float32(4.0))
     clipped = b.node("Clip", [b.conv(relu, 8, 8), low, high])
-    names = [conv, relu, clipped]
-    proto = b.build([b.conv(clipped, 8, 4)], name="bounded")
+    lifted = b.relu(b.node("Add", [relu, b.const("ten", np.float32(10.0))]))  # every value above 10
+    names = [conv, relu, clipped, lifted]
+    proto = b.build([b.conv(clipped, 8, 4), lifted], name="bounded")
     model, _ = load_model(proto)
     feeds = random_feeds(proto, 6, seed=9)
     lows, highs = {n: np.inf for n in names}, {n: -np.inf for n in names}
@@ -138,7 +139,8 @@ def test_bounded_image_ranges_read_their_bound_and_the_true_max():
     reference = ort.InferenceSession(exposed.SerializeToString(), providers=["CPUExecutionProvider"])
     outs = dict(zip(names, reference.run(names, stack_feeds(feeds))))
     assert lows[relu] == 0.0 and lows[clipped] == 0.5
-    assert outs[clipped].min() >= 0.5 and lows[conv] == pytest.approx(outs[conv].min(), rel=1e-5)
+    assert outs[lifted].min() >= 10 and lows[lifted] == 0.0  # the bound, not the data's minimum
+    assert lows[conv] == pytest.approx(outs[conv].min(), rel=1e-5)
     for n in names:
         assert highs[n] == pytest.approx(outs[n].max(), rel=1e-5), n
 

@@ -200,6 +200,17 @@ def test_hqq_float_zero_points_keep_two_copies(tmp_path):
     assert len(genai_generate(tmp_path / "out", PROMPT, 4)) == 4
 
 
+def test_the_tied_table_blocks_are_at_most_32(tmp_path):
+    """hidden 128 with blocks of 128: the pair takes 32, every other MatMul keeps 128."""
+    folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=128, heads=HEADS, kv_heads=KV_HEADS)
+    quantize(folder, tmp_path / "out", 128)
+    model = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    nbits, gbq, _ = kernels(model)
+    blocks = {n.name: helper.get_attribute_value(next(a for a in n.attribute if a.name == "block_size"))
+              for n in model.graph.node if n.op_type in ("MatMulNBits", "GatherBlockQuantized")}
+    assert blocks.pop(nbits.name) == blocks.pop(gbq.name) == 32 and set(blocks.values()) == {128}
+
+
 def test_hidden_size_not_a_multiple_of_the_tied_block(tmp_path):
     """hidden 48 (one head of 48): the pair takes blocks of 16, and the note says why."""
     folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=48, heads=1, kv_heads=1)

@@ -66,10 +66,12 @@ def lower_bound(value: ir.Value) -> float | None:
     """The bound b >= 0 below which `value` cannot go, when a Relu, a Clip with a
     constant non-negative minimum, a Sigmoid or a Softmax produces it; None otherwise."""
     node = value.producer()
-    if node is None or node.op_type not in ("Relu", "Clip", "Sigmoid", "Softmax"):
+    if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in ("Relu", "Clip", "Sigmoid",
+                                                                                   "Softmax"):
         return None
     bounds = clip_bounds(node) if node.op_type == "Clip" else (0.0, np.inf)
-    return bounds[0] if bounds is not None and bounds[0] >= 0 else None
+    # a Clip whose min passes its max outputs the max everywhere: no bound worth taking
+    return bounds[0] if bounds is not None and 0 <= bounds[0] <= bounds[1] else None
 
 
 def _bounded(value: ir.Value, bound: float) -> tuple[list[ir.Node], list[ir.Value]]:
@@ -90,7 +92,7 @@ def _reduction_nodes(values: list[ir.Value]) -> tuple[list[ir.Node], list[ir.Val
     nodes, outputs = [], []
     for value in values:
         bound = lower_bound(value)
-        if bound is not None and value.dtype.is_floating_point():
+        if bound is not None and value.dtype is not None and value.dtype.is_floating_point():
             built = _bounded(value, bound)
             nodes += built[0]
             outputs += built[1]

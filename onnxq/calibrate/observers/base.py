@@ -28,7 +28,9 @@ class Observer(abc.ABC):
     # Methods that search an integer grid cannot calibrate float8 targets.
     integer_only: ClassVar[bool] = True
     # Observers that only need each batch's min and max: the calibration session then
-    # computes those inside onnxruntime instead of returning whole tensors.
+    # computes those inside onnxruntime instead of returning whole tensors, and such an
+    # observer sees [bound, max] for a tensor bounded below by a bound >= 0 (a Relu's
+    # output: `session.lower_bound`), as two values.
     min_max_only: ClassVar[bool] = False
     # Spec fields (percentile, num_bins) the method reads; setting another beside it is
     # a config error, not a silently ignored value.
