@@ -17,7 +17,8 @@ layer inputs float), `fp8_fast` (the same with bias correction instead of AdaRou
 x86-avx2 named: weights that never saturate there, so on any CPU the figure is the
 AVX2 CPU's);
 `ort` / `ort_rr` (quantize_static U8S8 per-channel MinMax, reduce_range off/on),
-`ort_pt` (per-tensor), `ort_fp8` (float8 E4M3FN, Distribution calibration). Columns: metric deployed and with reference kernels, latency at
+`ort_pt` (per-tensor), `ort_fp8` (float8 E4M3FN, Distribution calibration), `ort_dyn`
+(quantize_dynamic, int8 per-channel weights). Columns: metric deployed and with reference kernels, latency at
 batch 1 and 8 (median, sessions interleaved, 1 thread), quantize time and peak RSS of
 the quantizer's own worker process; ratios against onnxruntime's row of the same
 granularity. Each quantizer runs in a worker subprocess (`compare_ort` protocol).
@@ -67,6 +68,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp8_fast": {"tool": "onnxq", "preset": "FP8_E4M3", "config": {"algo_config": [{"name": "bias_correction"}]}},
     "ort_fp8": {"tool": "ort", "reduce_range": False, "per_channel": True, "type": "float8"},
     "ort_qop": {"tool": "ort", "reduce_range": False, "per_channel": True, "format": "qoperator"},
+    "ort_dyn": {"tool": "ort", "reduce_range": False, "per_channel": True, "dynamic": True},
 }
 # Ratio rows: per-tensor against per-tensor, float8 against float8.
 ORT_BASELINE = {"pt_cle_bc": "ort_pt", "pt_cle_ebc": "ort_pt", "fp8": "ort_fp8", "fp8_fast": "ort_fp8",
@@ -91,8 +93,18 @@ def quantize_job(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str
                                          variant["config"]))
         result = onnxq.quantize(job["model"], job["output"], config, arrays, progress=False)
         return {"summary": onnxq.format_summary(result.summary)}
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import (
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
 
+    if variant.get("dynamic"):  # int8 weights, activations quantized at run time (no calibration)
+        quantize_dynamic(job["model"], job["output"], weight_type=QuantType.QInt8,
+                         per_channel=variant["per_channel"], reduce_range=variant["reduce_range"])
+        return {}
     fmt = QuantFormat.QOperator if variant.get("format") == "qoperator" else QuantFormat.QDQ
     float8 = variant.get("type") == "float8"  # onnxruntime calibrates float8 by Distribution only
     types = (QuantType.QFLOAT8E4M3FN,) * 2 if float8 else (QuantType.QUInt8, QuantType.QInt8)
