@@ -14,7 +14,6 @@ random inputs in a default onnxruntime session. Needs about 3x the model size of
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -94,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args(argv)
     if args.worker:
-        job = json.loads(Path(args.job).read_text())
-        Path(job["result"]).write_text(json.dumps(C.jsonable(quantize(job))))
-        return 0
+        return C.answer_job(args.job, quantize)
     t0 = time.perf_counter()
     import compare_ort as CO
 

@@ -553,6 +553,39 @@ def load_average() -> tuple[float, float, float]:
     return os.getloadavg()
 
 
+# --------------------------------------------------------------------------- machine
+
+
+def cpu_flags() -> str:
+    """The CPU's int8-relevant flags (AVX2, VNNI, AMX) from /proc/cpuinfo, else the machine name."""
+    import platform
+
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return platform.machine()
+    return ", ".join(f for f in ("avx2", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags) or platform.machine()
+
+
+def cpu_line() -> str:
+    """One line for a benchmark's header: cores, architecture and whether the CPU has VNNI
+    (every int8 figure depends on it)."""
+    import os
+    import platform
+
+    vnni = "with VNNI" if "vnni" in cpu_flags() else "without VNNI"
+    return f"CPU: {os.cpu_count()} cores, {platform.machine()} {vnni}"
+
+
+def answer_job(job_path: str | Path, work: Any) -> int:
+    """A worker's side of a JSON job: `work(job)`'s result written to the job's `result` path."""
+    import json
+
+    job = json.loads(Path(job_path).read_text())
+    Path(job["result"]).write_text(json.dumps(jsonable(work(job))))
+    return 0
+
+
 # --------------------------------------------------------------------------- latency
 
 

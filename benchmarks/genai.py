@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -30,18 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import common as C
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the synthetic folder builder
-
-
-def cpu_flags() -> str:
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return platform.machine()
-    return ", ".join(f for f in ("avx2", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags) or platform.machine()
 
 
 def decode_tokens_per_s(folder: Path, prompt: list[int], new_tokens: int, repeat: int) -> float:
@@ -182,7 +174,7 @@ def main() -> int:
                 row[f"ppl {eval_name}"] = perplexity(row["folder"] / "model.onnx", windows)
             if talks:
                 row["text"] = greedy_text(row["folder"], args.prompt, 24)
-        print(f"{what}; CPU flags: {cpu_flags()}; {os.cpu_count()} cores; onnxruntime-genai decode of "
+        print(f"{what}; CPU flags: {C.cpu_flags()}; {os.cpu_count()} cores; onnxruntime-genai decode of "
               f"{args.new_tokens} tokens after a {len(prompt)}-token prompt, median of {args.repeat}; "
               "quantize time and peak RSS of a child process each")
         columns = ["size MB", "quantize s", "peak RSS MB", "decode tok/s"] + [f"ppl {e}" for e in evals]

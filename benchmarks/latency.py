@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -30,11 +29,9 @@ import compare_ort as CO
 import deployed as D
 import numpy as np
 
+from onnxq.parallel import cpu_count
+
 VARIANTS = ("default", "ort", "ort_dyn")
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def op_profile(path: str, feeds: dict[str, np.ndarray], threads: int, runs: int = 5) -> dict[str, float]:
@@ -85,13 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     args = D.parse_args(argv)
     if "--variants" not in argv:
         args.variants = list(VARIANTS)
-    every = cores()
+    every = cpu_count()
     threads = (1, every) if every > 1 else (1,)
     keys = [f"b{b}_ms" if n == 1 else f"b{b}_t{n}_ms" for b in (1, 8) for n in threads]
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    vnni = "with VNNI" if ("avx512_vnni" in flags or "avx_vnni" in flags) else "without VNNI"
     if not args.worker:
-        print(f"CPU: {every} cores, {os.uname().machine} {vnni}")
+        print(C.cpu_line())
 
     def each_task(task: CO.Task, workdir: Path) -> list[tuple[str, dict[str, Any], str]]:
         rows = D.bench_task(task, args, workdir, threads)

@@ -184,9 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600)
     args = p.parse_args(argv)
     if args.worker:
-        job = json.loads(Path(args.job).read_text())
-        Path(job["result"]).write_text(json.dumps(C.jsonable(quantize(job))))
-        return 0
+        return C.answer_job(args.job, quantize)
     if args.out is None:
         p.error("--out FOLDER is required")
     import compare_ort as CO

@@ -26,7 +26,6 @@ import argparse
 import io
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -152,9 +151,7 @@ def main() -> int:
     if args.worker:
         print(json.dumps(worker(json.loads(Path(args.worker).read_text()))))
         return 0
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    vnni = "with VNNI" if ("avx512_vnni" in flags or "avx_vnni" in flags) else "without VNNI"
-    print(f"CPU: {os.cpu_count()} cores, {platform.machine()} {vnni}; load average {C.load_average()[0]:.2f}")
+    print(f"{C.cpu_line()}; load average {C.load_average()[0]:.2f}")
     report: dict[str, Any] = {}
     for model in args.models:
         if model != "digits" and not (args.shared_dir / "models").is_dir():

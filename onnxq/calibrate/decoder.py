@@ -12,7 +12,6 @@ at a time, so memory does not grow with the number of windows.
 
 from __future__ import annotations
 
-import json
 import re
 import zipfile
 from collections.abc import Iterable, Iterator
@@ -25,6 +24,7 @@ import onnx
 import onnxruntime as ort
 
 from onnxq.errors import CalibrationDataError
+from onnxq.graph.folder import genai_settings
 
 PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 # Decode steps observed after each prefill, where activations are calibrated: their ranges
@@ -94,10 +94,10 @@ class DecoderInputs:
 
 class DecoderFeeds:
     """A calibration data reader (`get_next()`, `rewind()`) over token windows for a
-    KV-cache decoder (module doc). `model`: the float model (its path or bytes), run in
-    onnxruntime to compute each decode step's cache."""
+    KV-cache decoder (module doc). `model`: the float model's path, run in onnxruntime
+    to compute each decode step's cache."""
 
-    def __init__(self, model: str | Path | bytes, windows: np.ndarray, decode_steps: int = DECODE_STEPS,
+    def __init__(self, model: str | Path, windows: np.ndarray, decode_steps: int = DECODE_STEPS,
                  providers: list[str] | None = None, inputs: DecoderInputs | None = None) -> None:
         windows = np.asarray(windows)
         if windows.ndim != 2 or not np.issubdtype(windows.dtype, np.integer):
@@ -119,8 +119,7 @@ class DecoderFeeds:
         if self._session is None:
             options = ort.SessionOptions()
             options.log_severity_level = 3
-            source = self.model if isinstance(self.model, bytes) else str(self.model)
-            self._session = ort.InferenceSession(source, options, providers=self.providers)
+            self._session = ort.InferenceSession(str(self.model), options, providers=self.providers)
         return self._session
 
     def _feed(self, ids: np.ndarray, past: dict[str, np.ndarray], seen: int) -> dict[str, np.ndarray]:
@@ -163,19 +162,17 @@ class DecoderFeeds:
         return len(self.windows) * (self.decode_steps + 1)
 
 
-def decoder_inputs(model: str | Path | bytes) -> DecoderInputs | None:
-    """The decoder inputs of the model at `model` (its path or bytes)."""
-    if isinstance(model, bytes):
-        return DecoderInputs.of(onnx.load_from_string(model))
+def decoder_inputs(model: str | Path) -> DecoderInputs | None:
+    """The decoder inputs of the model at path `model`."""
     return DecoderInputs.of(onnx.load(str(model), load_external_data=False), genai_head_size(Path(model)))
 
 
 def genai_head_size(model: Path) -> int | None:
     """`decoder.head_size` of the genai_config.json beside `model`, if there is one."""
+    decoder = genai_settings(model.parent).get("decoder")
     try:
-        config = json.loads((model.parent / "genai_config.json").read_text(encoding="utf-8"))
-        return int(config["model"]["decoder"]["head_size"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(decoder["head_size"])
+    except (KeyError, TypeError, ValueError):
         return None
 
 

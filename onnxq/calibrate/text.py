@@ -13,7 +13,6 @@ SmolLM2-135M GPTQ takes about 70 s per 16 windows of 256 tokens).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from onnxq.calibrate.decoder import decoder_inputs
 from onnxq.calibrate.tokenizer import load_tokenizer
 from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import CalibrationDataError, ConfigError
-from onnxq.graph.folder import GENAI_CONFIG
+from onnxq.graph.folder import GENAI_CONFIG, genai_settings
 from onnxq.graph.load import check_readable
 
 DEFAULT_SEQUENCE_LENGTH = 256
@@ -66,7 +65,7 @@ def text_windows(model: Any, calibration: CalibrationConfig, data: Any) -> TextW
                                    f"past_key_values.*), which {model.name} is not; pass --calib-data instead")
     path = Path(calibration.text)
     text = _read_text(path)
-    settings = _genai_model(model.parent)
+    settings = genai_settings(model.parent)
     length = _window_length(calibration.sequence_length, settings.get("context_length"))
     tokenizer = load_tokenizer(model.parent)
     ids = tokenizer.encode(text)
@@ -91,15 +90,6 @@ def _read_text(path: Path) -> str:
         raise CalibrationDataError(f"{path} is empty; give a plain text file with a few thousand words of the "
                                    "model's domain")
     return text
-
-
-def _genai_model(folder: Path) -> dict[str, Any]:
-    """The `model` section of genai_config.json in `folder` ({} without one)."""
-    try:
-        settings = json.loads((folder / GENAI_CONFIG).read_text(encoding="utf-8"))["model"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    return settings if isinstance(settings, dict) else {}
 
 
 def _window_length(asked: int | None, context: Any) -> int:

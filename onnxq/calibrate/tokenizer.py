@@ -67,17 +67,19 @@ def _extensions(folder: Path) -> Callable[[str], np.ndarray]:
     return lambda text: np.asarray(reader.tokenize(text), np.int64)
 
 
-def _as_is(folder: Path) -> tuple[Callable[[str], np.ndarray], str]:
+def _as_is(folder: Path, vocabulary: dict | None = None) -> tuple[Callable[[str], np.ndarray], str]:
     if not (folder / TOKENIZER_CONFIG).is_file():
         raise FileNotFoundError(f"no {TOKENIZER_CONFIG}")
     return _extensions(folder), "onnxruntime-extensions"
 
 
-def _stand_in(folder: Path) -> tuple[Callable[[str], np.ndarray], str]:
-    """onnxruntime-extensions on a copy whose tokenizer_class is `stand_in_class`'s."""
+def _stand_in(folder: Path, vocabulary: dict | None = None) -> tuple[Callable[[str], np.ndarray], str]:
+    """onnxruntime-extensions on a copy whose tokenizer_class is `stand_in_class`'s
+    (`vocabulary`: tokenizer.json as read already, else read here)."""
     config_file = folder / TOKENIZER_CONFIG
     config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    vocabulary = json.loads((folder / VOCABULARY).read_text(encoding="utf-8"))
+    if vocabulary is None:
+        vocabulary = json.loads((folder / VOCABULARY).read_text(encoding="utf-8"))
     given, stand_in = config.get("tokenizer_class"), stand_in_class(vocabulary)
     if stand_in is None:
         raise ValueError(f"it reads no {(vocabulary.get('model') or {}).get('type')!r} tokenizer model")
@@ -92,7 +94,7 @@ def _stand_in(folder: Path) -> tuple[Callable[[str], np.ndarray], str]:
     return encode, f"onnxruntime-extensions, {named} read as {stand_in!r}"
 
 
-def _genai(folder: Path) -> tuple[Callable[[str], np.ndarray], str]:
+def _genai(folder: Path, vocabulary: dict | None = None) -> tuple[Callable[[str], np.ndarray], str]:
     """onnxruntime-genai's reader (the one the folder deploys with; it needs genai_config.json)."""
     import onnxruntime_genai as og
 
@@ -101,8 +103,9 @@ def _genai(folder: Path) -> tuple[Callable[[str], np.ndarray], str]:
     return lambda text: np.asarray(reader.encode(text), np.int64), "onnxruntime-genai"
 
 
-# The readers tried in order, each with the name its failure is reported under.
-READERS: tuple[tuple[str, Callable[[Path], tuple[Callable[[str], np.ndarray], str]]], ...] = (
+# The readers tried in order, each with the name its failure is reported under; each takes
+# the folder and, where the caller read it already, tokenizer.json's contents.
+READERS: tuple[tuple[str, Callable[..., tuple[Callable[[str], np.ndarray], str]]], ...] = (
     ("onnxruntime-extensions", _as_is),
     ("with a stand-in tokenizer_class", _stand_in),
     ("onnxruntime-genai", _genai),
@@ -116,7 +119,9 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
         raise CalibrationDataError(f"{folder} has no {VOCABULARY}, so calibration text cannot be tokenized; copy "
                                    f"the model's {VOCABULARY} and {TOKENIZER_CONFIG} into the folder, or pass token "
                                    "windows with --calib-data")
-    kind = _model_type(folder / VOCABULARY)
+    vocabulary = _read_vocabulary(folder / VOCABULARY)
+    model = vocabulary.get("model") if vocabulary is not None else None
+    kind = model.get("type") if isinstance(model, dict) else None
     if kind not in READABLE_MODELS:
         raise CalibrationDataError(f"cannot load the tokenizer in {folder}: its tokenizer.json model is {kind!r}, "
                                    f"not one of {', '.join(READABLE_MODELS)}; tokenize the text yourself and pass "
@@ -124,7 +129,7 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     failures = []
     for name, read in READERS:
         try:
-            encode, reader = read(folder)
+            encode, reader = read(folder, vocabulary)
             return Tokenizer(encode, reader)
         except UNREADABLE as exc:
             failures.append(f"{name}: {_first_line(exc)}")
@@ -132,13 +137,13 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
                                "yourself and pass token windows with --calib-data")
 
 
-def _model_type(vocabulary: Path) -> str | None:
-    """tokenizer.json's model type, or None where the file says none (or is not JSON)."""
+def _read_vocabulary(path: Path) -> dict | None:
+    """tokenizer.json's contents, or None where the file is not a JSON object."""
     try:
-        model = json.loads(vocabulary.read_text(encoding="utf-8")).get("model")
-    except (OSError, ValueError, AttributeError):
+        vocabulary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
-    return model.get("type") if isinstance(model, dict) else None
+    return vocabulary if isinstance(vocabulary, dict) else None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -113,14 +113,9 @@ def compose_config(
 
     The preset is `preset`, else the file's or the overrides' `preset:` key, else `default`;
     `none` means no preset: the sources are the whole config (as onnxq writes configs).
+    `default` (a name, or a function that picks one) is called only where no source names
+    the preset.
     """
-    return _compose(preset, config_file, overrides, default)
-
-
-def _compose(preset: str | None, config_file: str | os.PathLike | None, overrides: Mapping[str, Any] | None,
-             default: Default) -> Config:
-    """`compose_config`'s config: `default` (a name, or a function that picks one) is
-    called only where no source names the preset."""
     sources = []
     if config_file is not None:
         sources.append((str(config_file), read_config_dict(config_file)))
@@ -185,13 +180,13 @@ def as_config(config: ConfigLike, default: Default = DEFAULT_PRESET) -> Config:
         validate_config(config)
         return config
     if isinstance(config, ConfigSources):
-        return _compose(config.preset, config.config_file, config.overrides, default)
+        return compose_config(config.preset, config.config_file, config.overrides, default)
     if isinstance(config, Mapping):
-        return _compose(None, None, config, default)
+        return compose_config(None, None, config, default)
     if isinstance(config, str) and config.upper() in {name.upper() for name in PRESETS}:
         return get_preset(config)
     if Path(config).is_file():
-        return _compose(None, config, None, default)
+        return compose_config(None, config, None, default)
     if Path(config).suffix.lower() in (".yaml", ".yml", ".json", ".prototxt", ".cfg"):
         raise ConfigError(f"config file not found: {config}")
     hint = closest_name(str(config), list(PRESETS)) if isinstance(config, str) else None

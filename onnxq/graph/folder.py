@@ -34,14 +34,23 @@ class ModelFolder:
         return (self.folder / GENAI_CONFIG).is_file()
 
 
+def genai_settings(folder: Path) -> dict:
+    """The `model` section of `folder`'s genai_config.json ({} without a readable one)."""
+    try:
+        settings = json.loads((folder / GENAI_CONFIG).read_text(encoding="utf-8"))["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
 def _genai_model_name(folder: Path) -> str:
     """The decoder's file name in an onnxruntime-genai folder (`model.decoder.filename`)."""
-    try:
-        config = json.loads((folder / GENAI_CONFIG).read_text(encoding="utf-8"))
-        return str(config["model"]["decoder"]["filename"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelError(f"{folder / GENAI_CONFIG} names no model file (model.decoder.filename: "
-                         f"{type(exc).__name__}); fix the file or pass the .onnx model itself") from None
+    decoder = genai_settings(folder).get("decoder")
+    name = decoder.get("filename") if isinstance(decoder, dict) else None
+    if not isinstance(name, str):
+        raise ModelError(f"{folder / GENAI_CONFIG} names no model file (model.decoder.filename); fix the file or "
+                         "pass the .onnx model itself")
+    return name
 
 
 def open_folder(path: str | os.PathLike) -> ModelFolder | None:
