@@ -2,8 +2,10 @@
 
 For each model: the accuracy-size-latency curve from all-int8 to float along onnxq's
 sensitivity order (the top k layers raised to float), the point the search picks for
-targets of 0.5 and 1 point below float, the models it scored and the time it took; and
-onnxruntime's `quantize_static` of the same granularity beside it.
+targets of 0.5 and 1 point below float with the default ladder (algorithm rungs first,
+then precision) and with precision alone (`int16 float`): the rungs it kept, the layers it
+raised, the share of Conv/MatMul weights left int8, the models it scored and the time it
+took; and onnxruntime's `quantize_static` of the same granularity beside it.
 
 Data never overlaps: calibration (the first 200 images / 256 sentences), the search set
 (what the target is checked on: every other remaining sample) and the held-out set (the
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
 from onnxq.config.compose import compose_config  # noqa: E402
+from onnxq.config.spec import DEFAULT_LADDER  # noqa: E402
 from onnxq.evaluate import deployed_session  # noqa: E402
 from onnxq.graph.save import save_model, weight_bytes  # noqa: E402
 from onnxq.quantize import quantize, run_pipeline  # noqa: E402
@@ -40,6 +43,8 @@ from onnxq.search.ladder import with_promotions  # noqa: E402
 from onnxq.search.target import EvalSet  # noqa: E402
 
 TARGETS = (0.5, 1.0)
+# The default ladder (algorithm rungs, then precision) against precision alone.
+LADDERS = {"precision only": ("int16", "float"), "default ladder": DEFAULT_LADDER}
 
 
 @dataclass
@@ -144,18 +149,21 @@ def bench(name: str, task: Task, shared: Path, work: Path) -> dict[str, Any]:
     rows["curve"] = curve
     targets = {}
     for drop in TARGETS:
-        path = work / f"{name}_target{drop}.onnx"
-        cfg = dataclasses.replace(config, mixed_precision=dataclasses.replace(
-            config.mixed_precision, target=f"custom>=float-{drop}"))
-        start = time.perf_counter()
-        result = quantize(model, path, cfg, task.calib, progress=False,
-                          evaluate=lambda s: task.score(s, task.search))
-        seconds = time.perf_counter() - start
-        mp = result.summary.mixed_precision
-        targets[drop] = {"seconds": seconds, "evaluations": mp.evaluations, "ranked_layers": mp.ranked_layers,
-                         "promotions": len(mp.promotions), "search_met": mp.met,
-                         "matmul_int8_share": _int8_share(result, "MatMul"),
-                         **_score_row(_session(path), task, path.stat().st_size)}
+        for ladder_name, ladder in LADDERS.items():
+            path = work / f"{name}_target{drop}_{ladder_name.replace(' ', '_')}.onnx"
+            cfg = dataclasses.replace(config, mixed_precision=dataclasses.replace(
+                config.mixed_precision, target=f"custom>=float-{drop}", ladder=list(ladder)))
+            start = time.perf_counter()
+            result = quantize(model, path, cfg, task.calib, progress=False,
+                              evaluate=lambda s: task.score(s, task.search))
+            seconds = time.perf_counter() - start
+            mp = result.summary.mixed_precision
+            targets[f"{drop} {ladder_name}"] = {
+                "drop": drop, "ladder": ladder_name, "seconds": seconds, "evaluations": mp.evaluations,
+                "ranked_layers": mp.ranked_layers, "promotions": len(mp.promotions), "search_met": mp.met,
+                "rungs_kept": [t["rung"] for t in mp.rungs if t["kept"]],
+                "matmul_int8_share": _int8_share(result, "MatMul"), "conv_int8_share": _int8_share(result, "Conv"),
+                **_score_row(_session(path), task, path.stat().st_size)}
     rows["targets"] = targets
     rows["ort"] = _ort_row(model, task, work / f"{name}_ort.onnx")
     return rows
@@ -217,11 +225,16 @@ def report(name: str, task: Task, rows: dict[str, Any]) -> str:
     o = rows["ort"]
     lines.append(f"  onnxruntime quantize_static {o['metric']:6.2f} [{o['search_metric']:6.2f}]  "
                  f"{o['size_mb']:6.2f} MB  {o['latency_ms']:6.2f} ms  ({o['seconds']:.1f} s)")
-    for drop, t in rows["targets"].items():
+    for t in rows["targets"].values():
+        drop = t["drop"]
         delta = t["metric"] - f["metric"]
-        share = "" if t["matmul_int8_share"] is None else f", MatMul int8 {t['matmul_int8_share']:.0%}"
+        share = "".join(f", {op} int8 {t[key]:.0%}" for op, key in (("MatMul", "matmul_int8_share"),
+                                                                    ("Conv", "conv_int8_share"))
+                        if t[key] is not None)
+        kept = ", ".join(t["rungs_kept"]) or "none"
         lines.append(
-            f"  target float-{drop}: {t['promotions']} of {t['ranked_layers']} layers raised, "
+            f"  target float-{drop}, {t['ladder']} (algorithm rungs kept: {kept}): "
+            f"{t['promotions']} of {t['ranked_layers']} layers raised, "
             f"{t['evaluations']} models scored, {t['seconds']:.1f} s ({t['seconds'] / o['seconds']:.1f}x "
             f"onnxruntime's quantize time): held-out {t['metric']:.2f} ({delta:+.2f} vs float: "
             f"{'met' if delta >= -drop else 'MISSED'}){share}, {t['size_mb']:.2f} MB, {t['latency_ms']:.2f} ms "

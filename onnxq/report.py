@@ -39,6 +39,8 @@ class MixedPrecisionSummary:
     seconds: float
     config: Any = None  # the resulting Config: node overrides, reusable without searching
     scored_on: str = "the eval data"  # what the scores were measured on
+    rungs: list[dict[str, Any]] = field(default_factory=list)  # algorithm rungs tried (`search/climb.py`)
+    algorithm_score: float | None = None  # all quantized, after the kept algorithm rungs
 
 
 @dataclass
@@ -137,6 +139,12 @@ def format_mixed_precision(m: MixedPrecisionSummary) -> list[str]:
     lines = [f"  accuracy target {m.target}: {verdict} on {m.scored_on} (float {m.float_score:.4g}, all quantized "
              f"{m.base_score:.4g}, final {m.final_score:.4g}); {m.evaluations} models scored for "
              f"{m.ranked_layers} ranked layers in {m.seconds:.1f}s"]
+    for t in m.rungs:
+        if t["score"] is None:
+            lines.append(f"  rung {t['rung']}: not tried: {t['why']}")
+        else:
+            lines.append(f"  rung {t['rung']}: {t['score']:.4g}{' (meets the target)' if t['met'] else ''}, "
+                         f"{'kept' if t['kept'] else 'dropped'}, {t['seconds']:.1f}s: {t['why']}")
     if m.promotions:
         by_rung = Counter(p.rung for p in m.promotions)
         lines.append("  promoted: " + ", ".join(f"{n} to {r}" for r, n in sorted(by_rung.items())) + ": "

@@ -147,7 +147,8 @@ def test_cli_accuracy_target_and_bad_input(tmp_path, capsys):
     args = ["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "q.onnx"),
             "--calib-data", str(models / "digits_calib.npz"), "--per-tensor", "--weight-bits", "4",
             "--eval-data", str(models / "digits_eval.npz"),
-            "--accuracy-target", "float-0.3", "--metric", "top1", "--save-config", str(tmp_path / "out.yaml")]
+            "--accuracy-target", "float-0.3", "--metric", "top1", "--save-config", str(tmp_path / "out.yaml"),
+            "--ladder", "int16", "float"]  # precision rungs only (algorithm rungs: test_search_rungs.py)
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "accuracy target top1>=float-0.3: met" in out and "promoted:" in out

@@ -269,10 +269,14 @@ def _mixed_precision_section(data: dict[str, Any]) -> str:
     body = _pairs_table(data, "mixed_precision", [
         ("target", "target"), ("met", "met"), ("threshold", "threshold"),
         ("float score", "float_score"), ("all quantized score", "base_score"),
+        ("after algorithm rungs", "algorithm_score"),
         ("final score", "final_score"), ("ranked layers", "ranked_layers"),
         ("models scored", "evaluations"), ("size before", "size_before"),
         ("size after", "size_after"), ("latency before (batch 1)", "latency_ms_before"),
         ("latency after (batch 1)", "latency_ms_after"), ("search time", "seconds")])
+    body += "<h3>Algorithm rungs</h3>" + _table(data, "mixed_precision.rungs", [
+        ("rung", "rung"), ("score", "score"), ("met", "met"), ("kept", "kept"), ("seconds", "seconds"),
+        ("what", "why")])
     body += "<h3>Promotions</h3>" + _table(data, "mixed_precision.promotions", [
         ("node", "node"), ("rung", "rung"), ("relative noise", "relative_noise")])
     body += "<h3>Trials</h3>" + _trials_chart(data["mixed_precision"]) + _table(

@@ -11,7 +11,7 @@ from onnxq.cli.algorithms import algorithm_entries, weight_only_choices
 from onnxq.cli.arguments import key_values
 from onnxq.config import PRESETS
 from onnxq.config.accuracy import parse_target
-from onnxq.config.spec import EDGE_FIELDS
+from onnxq.config.spec import DEFAULT_LADDER, EDGE_FIELDS
 from onnxq.errors import OnnxqError
 from onnxq.optimize.registry import CONTRACTS, flagged_algorithms
 
@@ -203,5 +203,7 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
                         "top1; default: the calibration data)")
     q.add_argument("--labels", metavar="KEY", help="the labels array in --eval-data (default: labels)")
     q.add_argument("--ladder", nargs="+", metavar="RUNG",
-                   help="what a sensitive layer may be raised to, cheapest first: int16, fp16, bf16, "
-                        "float (default: int16 float)")
+                   help="what the search tries, cheapest first: algorithm rungs for every layer "
+                        "(bias_correction, cle, smoothquant, per_channel, adaround, adaquant), then what a "
+                        "sensitive layer may be raised to (int16, fp16, bf16, float); default: "
+                        + " ".join(DEFAULT_LADDER))

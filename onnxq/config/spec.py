@@ -192,8 +192,15 @@ class CalibrationConfig:
     sequence_length: int | None = None
 
 
-# Rungs of the mixed-precision ladder (`onnxq.search`): what a sensitive layer is raised to.
-LADDER_RUNGS = ("int16", "fp16", "bf16", "float")
+# Rungs of the mixed-precision ladder (`onnxq.search`). Precision rungs: what a sensitive
+# layer is raised to. Algorithm rungs (`search/rungs.py`): recipe changes for every layer,
+# tried first since they cost the deployed model nothing.
+PRECISION_RUNGS = ("int16", "fp16", "bf16", "float")
+ALGORITHM_RUNGS = ("bias_correction", "cle", "smoothquant", "per_channel", "adaround", "adaquant")
+LADDER_RUNGS = ALGORITHM_RUNGS + PRECISION_RUNGS
+# Cheapest first: what the deployed model pays (nothing for the algorithm rungs), then what
+# quantizing pays (AdaRound re-quantizes layer by layer: seconds to minutes).
+DEFAULT_LADDER = ("bias_correction", "cle", "smoothquant", "per_channel", "int16", "float")
 
 
 @named_fields_only
@@ -204,13 +211,16 @@ class MixedPrecisionConfig:
     target: `METRIC>=VALUE` (or `<=`); METRIC top1 (needs labels), cosine or sqnr (against
       the float model's first output), or `custom` with `quantize(..., evaluate=fn)`;
       VALUE a number or `float-X` / `float+X` (relative to the float model's score).
-    ladder: the rungs tried, cheapest first (int16 activations, fp16, bf16, float).
+    ladder: the rungs tried, cheapest first: algorithm rungs (bias_correction, cle,
+      smoothquant, per_channel, adaround, adaquant: the whole recipe changes, kept where the
+      score improves), then precision rungs (int16 activations, fp16, bf16, float: the most
+      sensitive layers raised).
     eval_data: the labelled evaluation set (.npz, .npy or a folder; default: the
       calibration data); labels: its array of class labels (top1).
     """
 
     target: str | None = None
-    ladder: list[str] = field(default_factory=lambda: ["int16", "float"])
+    ladder: list[str] = field(default_factory=lambda: list(DEFAULT_LADDER))
     eval_data: str | None = None
     labels: str = "labels"
     max_samples: int | None = None

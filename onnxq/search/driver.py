@@ -3,11 +3,15 @@
 1. Quantize with the config as given (the ladder's types widen the opset up front, so
    every trial and the final model share one opset), keeping the calibrated state.
 2. Score the float model and the all-quantized model in default sessions; done if met.
-3. Rank layers by the output error of the model with each alone quantized
+3. Climb the ladder's algorithm rungs (`climb.py`: CLE, per-channel weights, AdaRound...,
+   each re-quantizing the whole model, kept where the score improves); done if met. They
+   cost the deployed model nothing, so they go before any layer is raised.
+4. Rank layers by the output error of the model with each alone quantized
    (`sensitivity.py`; the analysis's per-layer error orders what its budget leaves).
-4. Bisect the number of top-ranked layers to promote (`bisect.py`); each trial re-emits
-   the calibrated model under the promoted config, with no new calibration.
-5. The result is an ordinary config (node overrides, opset pinned): the final model is
+5. Bisect the number of top-ranked layers to promote up the precision rungs (`bisect.py`);
+   each trial re-emits the calibrated model under the promoted config, with no new
+   calibration.
+6. The result is an ordinary config (node overrides, opset pinned): the final model is
    quantized from it, so saving that config and running it again gives the same bytes.
 """
 
@@ -33,7 +37,9 @@ from onnxq.pipeline.run import run_pipeline
 from onnxq.report import MixedPrecisionSummary, Promotion
 from onnxq.search.base import search_base_config
 from onnxq.search.bisect import bisect_promotions
+from onnxq.search.climb import climb_algorithms
 from onnxq.search.ladder import with_promotions
+from onnxq.search.rungs import algorithm_rungs, precision_rungs
 from onnxq.search.sensitivity import impact_order, layers_to_measure
 from onnxq.search.target import (
     SELF_SCORE,
@@ -147,9 +153,18 @@ def quantize_to_target(
     base_session = deployed_session(base.ir_model, providers)
     base_score = score(base_session)
 
+    def met(value: float) -> bool:
+        return target.met(value, reference_score)
+
+    climb = climb_algorithms(model, base_config, calibration_data, progress, algorithm_rungs(mp.ladder), base,
+                             base_score, lambda ir_model: score(deployed_session(ir_model, providers)),
+                             (lambda a, b: a > b) if target.op == ">=" else (lambda a, b: a < b), met)
+    base, base_config, climbed_score = climb.result, climb.config, climb.score
+    state = base.state
+    rungs = precision_rungs(mp.ladder)
     order: list[tuple[str, float]] = []
-    if not target.met(base_score, reference_score):
-        order = sensitivity_order(base, base_config, evalset, float_session, mp.ladder[-1], progress)
+    if not met(climbed_score) and rungs:
+        order = sensitivity_order(base, base_config, evalset, float_session, rungs[-1], progress)
 
     bar = _progress_bar(progress, len(order))
 
@@ -160,8 +175,7 @@ def quantize_to_target(
         return value
 
     try:
-        outcome = bisect_promotions([name for name, _ in order], mp.ladder, score_of,
-                                    lambda s: target.met(s, reference_score), base_score)
+        outcome = bisect_promotions([name for name, _ in order], rungs, score_of, met, climbed_score)
     finally:
         bar.close()
     final_config = with_promotions(base_config, outcome.promotions)
@@ -184,7 +198,7 @@ def quantize_to_target(
         if output is not None:
             result.summary.output = str(save_model(base.ir_model, output))
     final_session = deployed_session(result.ir_model, providers)
-    final_score = score(final_session) if outcome.promotions else base_score
+    final_score = score(final_session) if outcome.promotions else climbed_score
     feed = _first_sample(evalset, final_session)
     ranks = dict(order)
     result.summary.mixed_precision = MixedPrecisionSummary(
@@ -195,8 +209,11 @@ def quantize_to_target(
         final_score=final_score,
         promotions=[Promotion(n, r, ranks.get(n, 0.0)) for n, r in outcome.promotions.items()],
         ranked_layers=len(order),
-        evaluations=(target.metric not in SELF_SCORE) + 1 + len(outcome.trials) + bool(outcome.promotions),
+        evaluations=((target.metric not in SELF_SCORE) + 1 + sum(t.score is not None for t in climb.trials)
+                     + len(outcome.trials) + bool(outcome.promotions)),
         trials=[dataclasses.asdict(t) for t in outcome.trials],
+        rungs=[dataclasses.asdict(t) for t in climb.trials],
+        algorithm_score=climbed_score,
         size_before=weight_bytes(base.ir_model),
         size_after=weight_bytes(result.ir_model),
         latency_ms_before=_latency_ms(base_session, feed),
@@ -208,5 +225,6 @@ def quantize_to_target(
     result.summary.notes.extend(notes(Topic.SEARCH, said))
     if not result.summary.mixed_precision.met:
         result.summary.notes.append(Note(Topic.SEARCH, f"accuracy target {target.describe()} not met even with every "
-                                         f"ranked layer raised to {mp.ladder[-1]}; the all-quantized model is kept"))
+                                         f"ranked layer raised to {(rungs or ['its top rung'])[-1]}; the best "
+                                         "all-quantized model is kept"))
     return result

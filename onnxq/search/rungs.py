@@ -1,0 +1,116 @@
+"""Algorithm rungs of the accuracy-target ladder: recipe changes tried before any layer is raised.
+
+A precision rung (int16, fp16, bf16, float; `ladder.py`) costs the deployed model size and
+latency on the layers it raises. An algorithm rung changes how every layer is quantized and
+costs the deployed model nothing (or a Mul, SmoothQuant's where it cannot fold), only
+quantization time: CLE reaches float top-1 on per-tensor MobileNet-v1 where precision alone
+raised 24 of 30 layers. So the search climbs these first, in the ladder's order (cheapest
+to quantize first), each on top of those kept before it, and keeps one only where the score
+improves (`driver.py`).
+
+Each rung is a table entry: a config transform in the config-file shape, and the reason it
+has nothing to add to a given recipe (already on, or not applicable), so the summary can
+say why a rung was not tried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from onnxq.config.compose import deep_merge
+from onnxq.config.io import config_from_dict, config_to_dict
+from onnxq.config.spec import Config
+
+Recipe = dict[str, Any]  # a config in the config-file shape (`config_to_dict`)
+
+# SmoothQuant's migration strength as a rung: the paper's default for most models.
+SMOOTHQUANT_ALPHA = 0.5
+# Weight-rounding algorithms: one of them is enough (AdaQuant learns what AdaRound does and more).
+ROUNDING = ("adaround", "adaquant", "gptq", "awq", "hqq")
+
+
+def _names(recipe: Recipe, key: str) -> set[str]:
+    return {entry["name"] for entry in recipe.get(key) or [] if entry.get("enabled", True)}
+
+
+def _appended(key: str, entry: dict[str, Any]) -> Callable[[Recipe], Recipe]:
+    return lambda recipe: {**recipe, key: [*(recipe.get(key) or []), entry]}
+
+
+def _bias_correction_skip(recipe: Recipe) -> str | None:
+    if "bias_correction" in _names(recipe, "algo_config"):
+        return "already in the recipe"
+    if recipe.get("target_algorithms", True):
+        return "the target adds it already (target_algorithms: true)"
+    return None
+
+
+def _pass_skip(name: str) -> Callable[[Recipe], str | None]:
+    return lambda recipe: "already in the recipe" if name in _names(recipe, "pre_quant_opt_config") else None
+
+
+def _rounding_skip(recipe: Recipe) -> str | None:
+    there = _names(recipe, "algo_config") & set(ROUNDING)
+    return f"{', '.join(sorted(there))} already rounds the weights" if there else None
+
+
+def _per_tensor(recipe: Recipe) -> bool:
+    weight = (recipe.get("global_quant_config") or {}).get("weight") or {}
+    return weight.get("qscheme") == "per_tensor"
+
+
+def _per_channel_skip(recipe: Recipe) -> str | None:
+    return None if _per_tensor(recipe) else "the weights are not per-tensor"
+
+
+def _per_channel(recipe: Recipe) -> Recipe:
+    return deep_merge(recipe, {"global_quant_config": {"weight": {"qscheme": "per_channel"}}})
+
+
+@dataclass(frozen=True)
+class AlgorithmRung:
+    """One recipe change the search may try: `skip` says why it has nothing to add to a
+    recipe (None: it applies), `apply` returns the recipe with it."""
+
+    name: str
+    what: str
+    skip: Callable[[Recipe], str | None]
+    apply: Callable[[Recipe], Recipe]
+
+
+ALGORITHM_RUNGS: dict[str, AlgorithmRung] = {r.name: r for r in (
+    AlgorithmRung("bias_correction", "bias correction of Conv/Gemm outputs", _bias_correction_skip,
+                  _appended("algo_config", {"name": "bias_correction"})),
+    AlgorithmRung("cle", "cross-layer equalization before calibration", _pass_skip("cle"),
+                  _appended("pre_quant_opt_config", {"name": "cle"})),
+    AlgorithmRung("smoothquant", f"SmoothQuant (alpha {SMOOTHQUANT_ALPHA}) for MatMul/Gemm inputs",
+                  _pass_skip("smoothquant"),
+                  _appended("pre_quant_opt_config", {"name": "smoothquant", "alpha": SMOOTHQUANT_ALPHA})),
+    AlgorithmRung("per_channel", "per-channel weight scales", _per_channel_skip, _per_channel),
+    AlgorithmRung("adaround", "AdaRound: each weight's rounding learned layer by layer", _rounding_skip,
+                  _appended("algo_config", {"name": "adaround"})),
+    AlgorithmRung("adaquant", "AdaQuant: weights and biases learned layer by layer", _rounding_skip,
+                  _appended("algo_config", {"name": "adaquant"})),
+)}
+
+
+def algorithm_rungs(ladder: list[str]) -> list[AlgorithmRung]:
+    """The ladder's algorithm rungs, in its order."""
+    return [ALGORITHM_RUNGS[r] for r in ladder if r in ALGORITHM_RUNGS]
+
+
+def precision_rungs(ladder: list[str]) -> list[str]:
+    """The ladder's precision rungs (what a layer is raised to), in its order."""
+    return [r for r in ladder if r not in ALGORITHM_RUNGS]
+
+
+def skip_reason(rung: AlgorithmRung, config: Config) -> str | None:
+    """Why `rung` has nothing to add to `config`, or None."""
+    return rung.skip(config_to_dict(config))
+
+
+def with_rung(config: Config, rung: AlgorithmRung) -> Config:
+    """`config` with `rung` applied (a plain config: saved and rerun, it gives the same bytes)."""
+    return config_from_dict(rung.apply(config_to_dict(config)))

@@ -1,0 +1,93 @@
+"""Algorithm rungs of the accuracy-target ladder: recipe changes tried before any layer is
+raised, kept only where they improve the score, and said in the summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import yaml
+
+from onnxq.cli import main
+from onnxq.config.compose import compose_config
+from onnxq.config.spec import ALGORITHM_RUNGS, DEFAULT_LADDER, PRECISION_RUNGS
+from onnxq.pipeline.run import run_pipeline
+from onnxq.search import rungs as R
+from onnxq.search.climb import climb_algorithms
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def test_rung_table_matches_the_config_names():
+    assert tuple(R.ALGORITHM_RUNGS) == ALGORITHM_RUNGS
+    assert R.precision_rungs(list(DEFAULT_LADDER)) == ["int16", "float"]
+    assert [r.name for r in R.algorithm_rungs(["int16", "cle", "per_channel"])] == ["cle", "per_channel"]
+    assert not set(ALGORITHM_RUNGS) & set(PRECISION_RUNGS)
+
+
+def test_skip_reasons_and_applied_recipes():
+    per_tensor = compose_config("U8S8", None, {"global_quant_config": {"weight": {"qscheme": "per_tensor"}},
+                                               "pre_quant_opt_config": [{"name": "cle"}],
+                                               "algo_config": [{"name": "adaquant"}]})
+    rungs = R.ALGORITHM_RUNGS
+    assert R.skip_reason(rungs["cle"], per_tensor) == "already in the recipe"
+    assert "adaquant already rounds" in R.skip_reason(rungs["adaround"], per_tensor)
+    assert "target adds it" in R.skip_reason(rungs["bias_correction"], per_tensor)
+    assert R.skip_reason(rungs["per_channel"], per_tensor) is None
+    raised = R.with_rung(per_tensor, rungs["per_channel"])
+    assert raised.global_quant_config.weight.qscheme.value == "per_channel"
+    assert R.skip_reason(rungs["per_channel"], raised) == "the weights are not per-tensor"
+    smooth = R.with_rung(per_tensor, rungs["smoothquant"])
+    assert [p["name"] for p in smooth.pre_quant_opt_config] == ["cle", "smoothquant"]
+    assert per_tensor.pre_quant_opt_config[-1]["name"] == "cle"  # the input config is not changed
+
+
+def test_cli_target_met_by_an_algorithm_rung_raises_no_layer(tmp_path, capsys):
+    """4-bit per-tensor weights cost the digits classifier top-1; CLE alone brings it back
+    within 0.3 points of float, so no layer is raised and every Conv stays quantized."""
+    args = ["quantize", str(MODELS / "digits_cnn.onnx"), str(tmp_path / "q.onnx"),
+            "--calib-data", str(MODELS / "digits_calib.npz"), "--per-tensor", "--weight-bits", "4",
+            "--eval-data", str(MODELS / "digits_eval.npz"),
+            "--accuracy-target", "float-0.3", "--metric", "top1", "--save-config", str(tmp_path / "out.yaml")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "accuracy target top1>=float-0.3: met" in out and "promoted:" not in out
+    assert "rung bias_correction: not tried: the target adds it" in out and "rung cle:" in out and "(meets the target), kept" in out
+    saved = yaml.safe_load((tmp_path / "out.yaml").read_text())
+    assert [p["name"] for p in saved["pre_quant_opt_config"]] == ["cle"] and not saved["layer_quant_config"]
+    onnx.checker.check_model(str(tmp_path / "q.onnx"))
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    convs = [n for n in quantized.graph.node if n.op_type == "Conv"]
+    assert convs and all(_producer(quantized, n.input[1]) == "DequantizeLinear"
+                         for n in convs)  # every Conv reads a dequantized weight: none left float
+    # The saved config reproduces the model without searching.
+    assert main(["quantize", str(MODELS / "digits_cnn.onnx"), str(tmp_path / "again.onnx"), "--calib-data",
+                 str(MODELS / "digits_calib.npz"), "--config", str(tmp_path / "out.yaml"), "--quiet"]) == 0
+    assert (tmp_path / "again.onnx").read_bytes() == (tmp_path / "q.onnx").read_bytes()
+    with np.load(MODELS / "digits_eval.npz") as npz:
+        x, y = npz["input"], npz["labels"]
+    session = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"])
+    float_session = ort.InferenceSession(str(MODELS / "digits_cnn.onnx"), providers=["CPUExecutionProvider"])
+    top1 = [100 * np.mean(s.run(None, {"input": x})[0].argmax(1) == y) for s in (session, float_session)]
+    assert top1[0] >= top1[1] - 0.3
+
+
+def _producer(model: onnx.ModelProto, name: str) -> str:
+    return next((n.op_type for n in model.graph.node if name in n.output), "")
+
+
+def test_a_rung_that_does_not_help_is_dropped():
+    """The climb keeps a rung only where the score improves, and stops once the target is met."""
+    config = compose_config("U8S8", None, {"global_quant_config": {"weight": {"qscheme": "per_tensor"}}})
+    data = str(MODELS / "digits_calib.npz")
+    start = run_pipeline(str(MODELS / "digits_cnn.onnx"), None, config, data, False, keep_state=True)
+    scores = iter([1.0, 3.0, 9.0])  # cle: worse than the start (2.0), per_channel: better, adaround: unused
+    climb = climb_algorithms(str(MODELS / "digits_cnn.onnx"), config, data, False,
+                             R.algorithm_rungs(["cle", "per_channel", "adaround"]), start, 2.0,
+                             lambda _model: next(scores), lambda a, b: a > b, lambda s: s >= 3.0)
+    assert [(t.rung, t.score, t.kept) for t in climb.trials] == [("cle", 1.0, False), ("per_channel", 3.0, True)]
+    assert climb.score == 3.0 and not climb.config.pre_quant_opt_config
+    assert climb.config.global_quant_config.weight.qscheme.value == "per_channel"
+    assert "no better" in climb.trials[0].why and climb.trials[1].met
