@@ -65,6 +65,7 @@ class Summary:
     notes: list[Note] = field(default_factory=list)  # rendered at the end (`notes.py`)
     mixed_precision: MixedPrecisionSummary | None = None
     fidelity: Any = None  # emit.fidelity.Fidelity: the output check, when it ran
+    latency: Any = None  # emit.latency.Latency: float against quantized, when measured
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -128,6 +129,8 @@ def format_summary(s: Summary) -> str:
         warning = s.fidelity.warning()
         if warning:
             lines.append(f"  warning: {warning}")
+    if s.latency is not None:
+        lines.extend(f"  {line}" for line in s.latency.lines())
     if s.mixed_precision is not None:
         lines.extend(format_mixed_precision(s.mixed_precision))
     lines.extend(f"  note: {n.text}" for n in s.notes)

@@ -38,6 +38,7 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("providers", ("calibration", "providers")),
     ("max_calib_memory", ("calibration", "max_memory_mb")),
     ("check_samples", ("calibration", "check_samples")),
+    ("latency", ("calibration", "measure_latency")),
     ("calib_text", ("calibration", "text")),
     ("sequence_length", ("calibration", "sequence_length")),
     ("save_ranges", ("calibration", "save_ranges")),
@@ -193,6 +194,9 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
                    help="run the quantized model on N calibration samples against the float model "
                         "(default session) and report the output SQNR and cosine (default 8 for models up "
                         "to 256 MB; 0: no check)")
+    q.add_argument("--latency", action="store_true", default=None,
+                   help="time the float and the quantized model at batch 1 and 8 in default sessions on "
+                        "this CPU, print the speed-up, and say why where the quantized model is not faster")
     q.add_argument("--accuracy-target", metavar="EXPR",
                    help="raise the most sensitive layers up --ladder until the model meets EXPR, e.g. "
                         "'top1>=float-0.5', 'cosine>=0.999', 'sqnr>=30' (scored in a default session)")

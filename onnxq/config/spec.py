@@ -184,6 +184,10 @@ class CalibrationConfig:
     # (default session): SQNR and cosine in the summary, a warning when far off; 0: no check;
     # None: 8 for models up to 256 MB of weights (the check opens the float model once more).
     check_samples: int | None = None
+    # Time the float and the quantized model in default sessions at batch 1 and 8 on this
+    # CPU and print the speed-up; where the quantized model is not faster, say why from
+    # onnxruntime's per-op profile (`emit/latency.py`). Off by default: it costs seconds.
+    measure_latency: bool = False
     # A plain text file calibrating an LLM decoder instead of calibration data: tokenized with
     # the model folder's tokenizer and cut into max_samples windows (default 64) of
     # sequence_length tokens (default 256, or the model's context length if shorter), used

@@ -11,6 +11,7 @@ from typing import Any
 from onnxq.calibrate.data import model_inputs
 from onnxq.config.spec import Config
 from onnxq.emit.fidelity import check_outputs, samples_to_check
+from onnxq.emit.latency import measure_latency
 from onnxq.emit.loadcheck import prepacks
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.notes import Note, Topic, notes
@@ -94,6 +95,13 @@ def run_pipeline(
     if output is not None:
         with summary.stage("save"):
             summary.output = str(save_model(model, output))
+    if options.measure_latency:
+        with summary.stage("latency"):
+            timed = measure_latency(source, model, model_inputs(model), settings.data, options.providers)
+        if isinstance(timed, str):
+            summary.notes.append(Note(Topic.CHECK, timed))
+        else:
+            summary.latency = timed
     summary.size_after = source_size(output, model) if output is not None else weight_bytes(model)
     if not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before:
         summary.notes.append(Note(Topic.WARNING, "warning: nothing was quantized: every node stayed float (see 'left "

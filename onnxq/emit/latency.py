@@ -1,0 +1,195 @@
+"""Measure how fast the quantized model runs against the float one, and say why when it is not faster.
+
+The question a user deploys on: is the int8 model faster here? Both models run in default
+onnxruntime sessions (what deploys: fused int8 kernels, every core) on the first
+calibration sample repeated to each batch size, interleaved so that a machine's drift
+hits both alike; each figure is the median of the runs. Where the quantized model is not
+faster at some batch size, both run once more under onnxruntime's profiler and the
+kernel time per op type says where the time went, read through a table of causes
+(`CAUSES`): Q/DQ boundaries, int8 kernels slower than the float ones they replace, a CPU
+without VNNI; each with what would be faster.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+
+from onnxq.calibrate.access import data_access, refusal
+from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
+from onnxq.evaluate import deployed_options, imports_extended, open_any
+from onnxq.target.profile import cpu_isa
+
+BATCHES = (1, 8)
+# Runs per model and batch size after one warm-up, and the wall time that stops them
+# sooner on a slow model: a median of 5 to 30 runs moves by a few percent between calls.
+RUNS, MIN_RUNS, BUDGET_S = 30, 5, 4.0
+PROFILE_RUNS = 5
+# Speed-up under which the summary explains: within 3% is the runs' own spread.
+FASTER = 1.03
+# Share of the quantized model's kernel time in Q/DQ above which boundaries are named.
+BOUNDARY_SHARE = 0.10
+# Float kernel ms per run under which a model is too small for kernels to matter.
+TINY_MS = 0.1
+
+# Float op kinds and the int8 kernels that replace them (onnxruntime's CPU op names; the
+# float side includes the NCHWc layout's reorders, which exist only for float Conv).
+KERNELS = {
+    "Conv": (("Conv", "FusedConv", "ReorderInput", "ReorderOutput"), ("QLinearConv", "ConvInteger")),
+    "MatMul": (("MatMul", "FusedMatMul", "Gemm", "FusedGemm"),
+               ("QLinearMatMul", "MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QGemm",
+                "MatMulNBits", "QAttention")),
+}
+BOUNDARIES = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearAdd", "QLinearMul")
+
+
+@dataclass(frozen=True)
+class Timing:
+    batch: int
+    float_ms: float
+    quantized_ms: float
+
+    @property
+    def speedup(self) -> float:
+        return self.float_ms / self.quantized_ms if self.quantized_ms else float("nan")
+
+
+@dataclass
+class Latency:
+    """Batch-by-batch medians, and the causes where the quantized model is not faster."""
+
+    timings: list[Timing]
+    isa: str
+    causes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        cells = ", ".join(f"batch {t.batch} {t.float_ms:.3g} -> {t.quantized_ms:.3g} ms ({t.speedup:.2f}x)"
+                          for t in self.timings)
+        out = [f"latency, default onnxruntime session on this CPU ({self.isa}), float -> quantized: {cells}"]
+        out += [f"latency: {s}" for s in self.skipped]
+        out += [f"not faster: {c}" for c in self.causes]
+        return out
+
+
+def _feeds(inputs: list[InputSpec], data: CalibrationSource, session: ort.InferenceSession,
+           ) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
+    """The first sample repeated to each batch size the model's inputs allow."""
+    sample = next(iter(iter_batches(data, inputs, 1, 1, purpose="the latency check")))
+    fixed = [i.name for i in session.get_inputs() if i.shape and i.shape[0] == 1]
+    feeds, skipped = {}, []
+    for batch in BATCHES:
+        if batch > 1 and fixed:
+            skipped.append(f"batch {batch} not measured: input {fixed[0]!r} has a fixed batch of 1")
+            continue
+        feeds[batch] = {k: np.repeat(np.asarray(v)[:1], batch, axis=0) for k, v in sample.items()}
+    return feeds, skipped
+
+
+def _median_ms(sessions: list[ort.InferenceSession], feed: dict[str, np.ndarray]) -> list[float]:
+    """Median wall ms per run of each session, runs interleaved (module doc)."""
+    times: list[list[float]] = [[] for _ in sessions]
+    for session in sessions:
+        session.run(None, feed)
+    began = time.perf_counter()
+    while len(times[0]) < RUNS and (len(times[0]) < MIN_RUNS or time.perf_counter() - began < BUDGET_S):
+        for session, spent in zip(sessions, times):
+            start = time.perf_counter()
+            session.run(None, feed)
+            spent.append(time.perf_counter() - start)
+    return [1e3 * float(np.median(t)) for t in times]
+
+
+def kernel_ms(model: str | os.PathLike | bytes | ir.Model, feed: dict[str, np.ndarray],
+              providers: list[str]) -> dict[str, float]:
+    """Kernel ms per run by op type, from onnxruntime's profiler in a default session."""
+    options = deployed_options(extended=imports_extended(model))
+    options.enable_profiling = True
+    options.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"onnxq-latency-{os.getpid()}")
+    session = open_any(model, options, providers)
+    session.run(None, feed)
+    for _ in range(PROFILE_RUNS):
+        session.run(None, feed)
+    trace = Path(session.end_profiling())
+    spent: collections.Counter[str] = collections.Counter()
+    try:
+        for event in json.loads(trace.read_text()):
+            if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+                spent[event["args"]["op_name"]] += event["dur"] / 1e3 / (PROFILE_RUNS + 1)
+    finally:
+        trace.unlink(missing_ok=True)
+    return dict(spent)
+
+
+def causes(float_ms: dict[str, float], quantized_ms: dict[str, float], isa: str) -> list[str]:
+    """Why the quantized model is not faster, from the kernel time per op type of both
+    (`kernel_ms`), each cause with what would be faster."""
+    found = []
+    if sum(float_ms.values()) < TINY_MS:
+        found.append(f"the float model's kernels take {sum(float_ms.values()):.3f} ms: at this size each run's "
+                     "fixed cost (session.run, allocations) outweighs any kernel's gain; batch more samples per run")
+    total = sum(quantized_ms.values()) or 1.0
+    boundary = sum(quantized_ms.get(op, 0.0) for op in BOUNDARIES)
+    integer = sum(quantized_ms.get(op, 0.0) for _, ints in KERNELS.values() for op in ints)
+    if boundary / total >= BOUNDARY_SHARE:
+        why = ("int8 regions are short, broken by ops kept float; fewer float ops between quantized ones (or "
+               "keeping a short int8 stretch float) removes them" if integer else "no integer kernel runs (below)")
+        found.append(f"Q/DQ take {boundary / total:.0%} of the quantized model's kernel time ({boundary:.2f} ms): "
+                     + why)
+    for kind, (floats, ints) in KERNELS.items():
+        before = sum(float_ms.get(op, 0.0) for op in floats)
+        after = sum(quantized_ms.get(op, 0.0) for op in ints)
+        still_float = sum(quantized_ms.get(op, 0.0) for op in floats)
+        if not after and still_float and boundary:
+            found.append(f"every {kind} still runs in float ({still_float:.2f} ms against {before:.2f} ms) between "
+                         "its DequantizeLinear and QuantizeLinear: onnxruntime's CPU has no integer kernel for "
+                         "these types (int16 or float8 activations, for one), so the Q/DQ pairs are pure "
+                         "overhead; U8S8 int8 runs fused kernels (or fp16 on a GPU)")
+            continue
+        if after and after + still_float >= before > 0:
+            used = "/".join(op for op in ints if quantized_ms.get(op))
+            left = f" and float {kind} left {still_float:.2f} ms" if still_float else ""
+            found.append(f"{used} {after:.2f} ms{left}, where float {kind} took {before:.2f} ms: onnxruntime's "
+                         "float kernels (NCHWc Conv, AVX-512/AMX GEMM) are as fast as its int8 ones on these "
+                         "shapes; int8 pays on wider layers, or on a CPU whose int8 rate is higher")
+    if isa == "x86-avx2":
+        found.append("this CPU has no VNNI: int8 products run at half the rate they do with AVX-VNNI or "
+                     "AVX512-VNNI; a CPU with VNNI (or AMX) runs the same model faster")
+    if not found:
+        found.append("no single op type explains it (kernel times by op: "
+                     + ", ".join(f"{op} {ms:.2f}" for op, ms in sorted(quantized_ms.items(), key=lambda i: -i[1])[:5])
+                     + " ms)")
+    return found
+
+
+def measure_latency(source: str | os.PathLike | bytes | ir.Model, quantized: ir.Model, inputs: list[InputSpec],
+                    data: CalibrationSource, providers: list[str]) -> Latency | str:
+    """Float `source` against `quantized`, batch 1 and 8 (module doc); a one-line reason
+    instead where it cannot be measured (no data, a model that does not run)."""
+    if not data_access(data).rereadable:
+        return f"latency not measured: {refusal(data_access(data))}"
+    try:
+        float_session = open_any(source, deployed_options(extended=imports_extended(source)), providers)
+        quantized_session = open_any(quantized, deployed_options(extended=imports_extended(quantized)), providers)
+        feeds, skipped = _feeds(inputs, data, quantized_session)
+        timings = [Timing(batch, *_median_ms([float_session, quantized_session], feed))
+                   for batch, feed in feeds.items()]
+    except StopIteration:
+        return "latency not measured: the calibration data is empty"
+    except Exception as error:  # noqa: BLE001  a check never stops a run; onnxruntime raises several types
+        return f"latency not measured: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    result = Latency(timings, cpu_isa(), skipped=skipped)
+    slow = [t for t in timings if t.speedup < FASTER]
+    if slow:
+        feed = feeds[slow[-1].batch]
+        result.causes = causes(kernel_ms(source, feed, providers), kernel_ms(quantized, feed, providers), result.isa)
+    return result

@@ -1,0 +1,59 @@
+"""`--latency`: the float and the quantized model timed in default sessions, and the causes
+named where the quantized model is not faster."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+import onnxq
+from onnxq.cli import main
+from onnxq.emit.latency import causes
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def test_cli_prints_both_batches_and_leaves_the_model_unchanged(tmp_path, capsys):
+    base = ["quantize", str(MODELS / "digits_cnn.onnx")]
+    data = ["--calib-data", str(MODELS / "digits_calib.npz")]
+    assert main([*base, str(tmp_path / "timed.onnx"), *data, "--latency"]) == 0
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if "latency, default onnxruntime session" in s)
+    found = re.findall(r"batch (\d+) ([\d.e-]+) -> ([\d.e-]+) ms \(([\d.]+)x\)", line)
+    assert [b for b, *_ in found] == ["1", "8"]
+    for _, before, after, speedup in found:
+        assert float(before) > 0 and float(after) > 0
+        assert abs(float(speedup) - float(before) / float(after)) < 0.02 * float(speedup) + 0.01  # 3 digits each
+    onnx.checker.check_model(str(tmp_path / "timed.onnx"))
+    assert main([*base, str(tmp_path / "plain.onnx"), *data, "--quiet"]) == 0
+    assert (tmp_path / "plain.onnx").read_bytes() == (tmp_path / "timed.onnx").read_bytes()
+
+
+def test_read_once_data_is_said_not_measured(tmp_path):
+    with np.load(MODELS / "digits_calib.npz") as npz:
+        x = npz["input"][:16]
+    config = onnxq.compose_config("U8S8", None, {"calibration": {"measure_latency": True, "check_samples": 0}})
+    result = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), tmp_path / "q.onnx", config,
+                            ({"input": x[i:i + 1]} for i in range(16)), progress=False)
+    assert result.summary.latency is None
+    assert any(n.startswith("latency not measured: the calibration data can be read only once")
+               for n in result.summary.note_texts)
+
+
+def test_causes_read_the_kernel_profiles():
+    # Integer kernels with long Q/DQ stretches around them.
+    found = causes({"Conv": 10.0}, {"QLinearConv": 6.0, "QuantizeLinear": 2.0, "DequantizeLinear": 3.0}, "x86-vnni")
+    assert len(found) == 1 and "Q/DQ take 45%" in found[0] and "int8 regions are short" in found[0]
+    # int16 activations: the Conv still runs in float, the Q/DQ are overhead.
+    found = causes({"Conv": 10.0}, {"Conv": 11.0, "QuantizeLinear": 4.0, "DequantizeLinear": 4.0}, "x86-vnni")
+    assert "no integer kernel runs" in found[0] and "every Conv still runs in float" in found[1]
+    # Integer kernels no faster than the float ones they replace, on a CPU without VNNI.
+    found = causes({"Conv": 5.0, "ReorderInput": 1.0}, {"QLinearConv": 6.5, "QuantizeLinear": 0.1}, "x86-avx2")
+    assert "QLinearConv 6.50 ms, where float Conv took 6.00 ms" in found[0] and "no VNNI" in found[1]
+    # A model too small for kernels to matter.
+    assert "fixed cost" in causes({"Conv": 0.01}, {"QLinearConv": 0.01}, "arm64")[0]
+    # Nothing stands out: the largest kernels are listed.
+    assert "no single op type" in causes({"Conv": 5.0}, {"QLinearConv": 2.0, "Softmax": 1.0}, "x86-vnni")[0]
