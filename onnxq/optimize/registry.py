@@ -51,6 +51,8 @@ class Contract:
       quantized Conv/Gemm layers, unless the config names it (None: never added).
     equalizes: a pass that equalizes layers (CLE), the one an algorithm's `equalize`
       option adds before calibration.
+    learns_rounding: it learns the rounding of the quantized Conv/Gemm/MatMul weights
+      (AdaRound, AdaQuant); one such per run, since each re-solves what the other learned.
     """
 
     options: Any = NoOptions
@@ -62,6 +64,7 @@ class Contract:
     rounds_blocks: bool = False
     target_default: Mapping[str, Any] | None = None
     equalizes: bool = False
+    learns_rounding: bool = False
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.rewrites) - set(REWRITES))
@@ -121,12 +124,12 @@ def register_pass(name: str, options: Any = NoOptions, data: DataUse = "none",
 
 def register_algorithm(name: str, options: Any = NoOptions, data: DataUse = "required",
                        rewrites: tuple[str, ...] = (), *, runs_last: bool = False, flag: int | None = None, flag_help: str = "",
-                       rounds_blocks: bool = False,
-                       target_default: Mapping[str, Any] | None = None) -> Callable[[AlgoFn], AlgoFn]:
+                       rounds_blocks: bool = False, target_default: Mapping[str, Any] | None = None,
+                       learns_rounding: bool = False) -> Callable[[AlgoFn], AlgoFn]:
     """Register `fn(model, plan, ranges, options, ctx) -> report line | (line, plan) |
     AlgorithmResult` as algorithm `name` (see `Contract`)."""
     contract = Contract(_named_fields_only(options), data, rewrites, runs_last, flag, flag_help, rounds_blocks,
-                        target_default)
+                        target_default, learns_rounding=learns_rounding)
 
     def decorate(fn: AlgoFn) -> AlgoFn:
         ALGORITHMS[name], CONTRACTS[name] = fn, contract
