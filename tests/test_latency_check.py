@@ -57,3 +57,11 @@ def test_causes_read_the_kernel_profiles():
     assert "fixed cost" in causes({"Conv": 0.01}, {"QLinearConv": 0.01}, "arm64")[0]
     # Nothing stands out: the largest kernels are listed.
     assert "no single op type" in causes({"Conv": 5.0}, {"QLinearConv": 2.0, "Softmax": 1.0}, "x86-vnni")[0]
+
+
+def test_no_data_is_said_not_measured(tmp_path):
+    config = onnxq.compose_config("W8_DYNAMIC", None, {"calibration": {"measure_latency": True}})
+    result = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), tmp_path / "q.onnx", config, None, progress=False)
+    assert result.summary.latency is None
+    assert "latency not measured: it runs both models on the first calibration sample; pass --calib-data" \
+        in result.summary.note_texts

@@ -24,7 +24,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from onnxq.calibrate.access import data_access, refusal
+from onnxq.calibrate.access import Access, data_access, refusal
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.evaluate import deployed_options, imports_extended, open_any
 from onnxq.target.profile import cpu_isa
@@ -175,8 +175,11 @@ def measure_latency(source: str | os.PathLike | bytes | ir.Model, quantized: ir.
                     data: CalibrationSource, providers: list[str]) -> Latency | str:
     """Float `source` against `quantized`, batch 1 and 8 (module doc); a one-line reason
     instead where it cannot be measured (no data, a model that does not run)."""
-    if not data_access(data).rereadable:
-        return f"latency not measured: {refusal(data_access(data))}"
+    access = data_access(data)
+    if access is Access.NONE:
+        return "latency not measured: it runs both models on the first calibration sample; pass --calib-data"
+    if not access.rereadable:
+        return f"latency not measured: {refusal(access)}"
     try:
         float_session = open_any(source, deployed_options(extended=imports_extended(source)), providers)
         quantized_session = open_any(quantized, deployed_options(extended=imports_extended(quantized)), providers)
