@@ -31,14 +31,17 @@ def test_skip_reasons_and_applied_recipes():
     per_tensor = compose_config("U8S8", None, {"global_quant_config": {"weight": {"qscheme": "per_tensor"}},
                                                "pre_quant_opt_config": [{"name": "cle"}],
                                                "algo_config": [{"name": "adaquant"}]})
-    rungs = R.ALGORITHM_RUNGS
-    assert R.skip_reason(rungs["cle"], per_tensor) == "already in the recipe"
-    assert "adaquant already rounds" in R.skip_reason(rungs["adaround"], per_tensor)
-    assert "target adds it" in R.skip_reason(rungs["bias_correction"], per_tensor)
-    assert R.skip_reason(rungs["per_channel"], per_tensor) is None
+    rungs, convs = R.ALGORITHM_RUNGS, {"Conv", "Relu"}
+    assert R.skip_reason(rungs["cle"], per_tensor, convs) == "already in the recipe"
+    assert "adaquant already rounds" in R.skip_reason(rungs["adaround"], per_tensor, convs)
+    # The target adds bias correction for Conv/Gemm only: a MatMul model still gets the rung.
+    assert "target adds it" in R.skip_reason(rungs["bias_correction"], per_tensor, convs)
+    assert R.skip_reason(rungs["bias_correction"], per_tensor, {"MatMul", "Add"}) is None
+    assert "no quantized Conv" in R.skip_reason(rungs["bias_correction"], per_tensor, {"Add"})
+    assert R.skip_reason(rungs["per_channel"], per_tensor, convs) is None
     raised = R.with_rung(per_tensor, rungs["per_channel"])
     assert raised.global_quant_config.weight.qscheme.value == "per_channel"
-    assert R.skip_reason(rungs["per_channel"], raised) == "the weights are not per-tensor"
+    assert R.skip_reason(rungs["per_channel"], raised, convs) == "the weights are not per-tensor"
     smooth = R.with_rung(per_tensor, rungs["smoothquant"])
     assert [p["name"] for p in smooth.pre_quant_opt_config] == ["cle", "smoothquant"]
     assert per_tensor.pre_quant_opt_config[-1]["name"] == "cle"  # the input config is not changed
@@ -91,3 +94,46 @@ def test_a_rung_that_does_not_help_is_dropped():
     assert climb.score == 3.0 and not climb.config.pre_quant_opt_config
     assert climb.config.global_quant_config.weight.qscheme.value == "per_channel"
     assert "no better" in climb.trials[0].why and climb.trials[1].met
+
+
+def _digits_target(tmp_path, **mixed):
+    config = compose_config("U8S8", None, {"global_quant_config": {"weight": {"qscheme": "per_tensor", "bits": 4}},
+                                           "mixed_precision": {"eval_data": str(MODELS / "digits_eval.npz"),
+                                                               **mixed}})
+    return config
+
+
+def test_latency_is_measured_once_on_the_returned_model(tmp_path, monkeypatch):
+    import onnxq
+    import onnxq.pipeline.run as run_module
+    import onnxq.search.driver as driver_module
+
+    calls = []
+    real = run_module.measure_latency
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "measure_latency", counted)
+    monkeypatch.setattr(driver_module, "measure_latency", counted)
+    config = _digits_target(tmp_path, target="top1>=float-0.3")
+    config.calibration.measure_latency = True
+    result = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), tmp_path / "q.onnx", config,
+                            str(MODELS / "digits_calib.npz"), progress=False)
+    mp = result.summary.mixed_precision
+    assert mp.met and [t["rung"] for t in mp.rungs if t["kept"]] == ["cle"]  # three models quantized
+    assert len(calls) == 1 and result.summary.latency is not None
+    assert [t.batch for t in result.summary.latency.timings] == [1, 8]
+
+
+def test_a_ladder_of_algorithm_rungs_alone_says_so_when_not_met(tmp_path):
+    import onnxq
+
+    config = _digits_target(tmp_path, target="sqnr>=200", ladder=["cle", "per_channel"])
+    result = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), tmp_path / "q.onnx", config,
+                            str(MODELS / "digits_calib.npz"), progress=False)
+    mp = result.summary.mixed_precision
+    assert not mp.met and not mp.promotions and mp.ranked_layers == 0
+    assert any("the ladder has no precision rung" in n for n in result.summary.note_texts)
+    onnx.checker.check_model(str(tmp_path / "q.onnx"))

@@ -11,6 +11,8 @@ from onnxq.search.ladder import rung_opset
 
 def search_base_config(config: Config) -> Config:
     """The config the search's first model is quantized with: no target, at the opset its
-    ladder's highest rung needs (`onnxq calibrate` with a target calibrates the same)."""
+    ladder's highest rung needs (`onnxq calibrate` with a target calibrates the same), and
+    no latency measurement (the search measures the model it returns, once)."""
     return dataclasses.replace(config, mixed_precision=MixedPrecisionConfig(),
+                               calibration=dataclasses.replace(config.calibration, measure_latency=False),
                                opset=max(required_opset(config), rung_opset(config.mixed_precision.ladder)))

@@ -42,6 +42,14 @@ class Climb:
     score: float
     trials: list[RungTrial]
 
+    def notes(self, stats: bool) -> list[str]:
+        """What the summary must say beyond the rungs' lines: a kept rung calibrated on the
+        data instead of the statistics files the recipe named."""
+        if stats and any(t.kept for t in self.trials):
+            return ["accuracy target: the algorithm rungs kept change the weights the ranges come from, so the "
+                    "model is calibrated on --calib-data, not on the statistics files"]
+        return []
+
 
 def climb_algorithms(model: Any, config: Config, data: Any, progress: bool | None, rungs: list[AlgorithmRung],
                      start: Any, start_score: float, score_model: Callable[[Any], float],
@@ -53,14 +61,14 @@ def climb_algorithms(model: Any, config: Config, data: Any, progress: bool | Non
     for rung in rungs:
         if met(climb.score):
             break
-        why = skip_reason(rung, climb.config)
+        why = skip_reason(rung, climb.config, set(climb.result.plan.quantized_nodes.values()))
         if why is None and data is None:
             why = "needs calibration data to quantize again (pass --calib-data)"
         if why is not None:
             climb.trials.append(RungTrial(rung.name, None, False, False, 0.0, why))
             continue
         candidate = with_rung(climb.config, rung)
-        if candidate.calibration.stats:  # the files hold the first recipe's ranges
+        if candidate.calibration.stats:  # the files hold the first recipe's ranges: calibrate on the data
             candidate = dataclasses.replace(candidate, calibration=dataclasses.replace(candidate.calibration,
                                                                                          stats=None))
         began = time.perf_counter()

@@ -27,8 +27,9 @@ from tqdm import tqdm
 
 from onnxq.analyze import analyze_models
 from onnxq.calibrate.access import FIXES, data_access
-from onnxq.calibrate.data import CalibrationSource
+from onnxq.calibrate.data import CalibrationSource, model_inputs
 from onnxq.config.spec import Config, MixedPrecisionConfig
+from onnxq.emit.latency import measure_latency
 from onnxq.errors import CalibrationDataError
 from onnxq.evaluate import deployed_session
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
@@ -159,7 +160,10 @@ def quantize_to_target(
     climb = climb_algorithms(model, base_config, calibration_data, progress, algorithm_rungs(mp.ladder), base,
                              base_score, lambda ir_model: score(deployed_session(ir_model, providers)),
                              (lambda a, b: a > b) if target.op == ">=" else (lambda a, b: a < b), met)
+    if climb.result is not base:  # promotions are priced against the recipe the rungs left
+        base_session = deployed_session(climb.result.ir_model, providers)
     base, base_config, climbed_score = climb.result, climb.config, climb.score
+    said.extend(climb.notes(bool(config.calibration.stats)))
     state = base.state
     rungs = precision_rungs(mp.ladder)
     order: list[tuple[str, float]] = []
@@ -191,12 +195,22 @@ def quantize_to_target(
             final_config, calibration=dataclasses.replace(final_config.calibration, stats=None))
         said.append("accuracy target: the final model, with layers raised, is calibrated on --calib-data "
                      "(the statistics files hold the first model's plan)")
+    if config.calibration.measure_latency:  # measured once, on the model returned (not on every trial)
+        final_config = dataclasses.replace(
+            final_config, calibration=dataclasses.replace(final_config.calibration, measure_latency=True))
     if outcome.promotions:
         result = run_pipeline(model, output, final_config, calibration_data, progress, keep_state)
     else:
         result = base
         if output is not None:
             result.summary.output = str(save_model(base.ir_model, output))
+        if config.calibration.measure_latency:
+            timed = measure_latency(model, base.ir_model, model_inputs(base.ir_model),
+                                    CalibrationSource(calibration_data), providers)
+            if isinstance(timed, str):
+                said.append(timed)
+            else:
+                result.summary.latency = timed
     final_session = deployed_session(result.ir_model, providers)
     final_score = score(final_session) if outcome.promotions else climbed_score
     feed = _first_sample(evalset, final_session)
@@ -224,7 +238,8 @@ def quantize_to_target(
     )
     result.summary.notes.extend(notes(Topic.SEARCH, said))
     if not result.summary.mixed_precision.met:
-        result.summary.notes.append(Note(Topic.SEARCH, f"accuracy target {target.describe()} not met even with every "
-                                         f"ranked layer raised to {(rungs or ['its top rung'])[-1]}; the best "
-                                         "all-quantized model is kept"))
+        how = (f"even with every ranked layer raised to {rungs[-1]}" if rungs else
+               "by the algorithm rungs, and the ladder has no precision rung (int16, fp16, bf16, float)")
+        result.summary.notes.append(Note(Topic.SEARCH, f"accuracy target {target.describe()} not met {how}; the "
+                                         "best all-quantized model is kept"))
     return result

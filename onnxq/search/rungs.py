@@ -15,15 +15,18 @@ say why a rung was not tried.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from onnxq.config.compose import deep_merge
 from onnxq.config.io import config_from_dict, config_to_dict
 from onnxq.config.spec import Config
+from onnxq.optimize.bias_correction import OP_TYPES as BIAS_OPS
+from onnxq.optimize.registry import CONTRACTS
 
 Recipe = dict[str, Any]  # a config in the config-file shape (`config_to_dict`)
+Ops = frozenset[str]  # the op types the recipe's plan quantizes on the model at hand
 
 # SmoothQuant's migration strength as a rung: the paper's default for most models.
 SMOOTHQUANT_ALPHA = 0.5
@@ -39,19 +42,22 @@ def _appended(key: str, entry: dict[str, Any]) -> Callable[[Recipe], Recipe]:
     return lambda recipe: {**recipe, key: [*(recipe.get(key) or []), entry]}
 
 
-def _bias_correction_skip(recipe: Recipe) -> str | None:
+def _bias_correction_skip(recipe: Recipe, ops: Ops) -> str | None:
     if "bias_correction" in _names(recipe, "algo_config"):
         return "already in the recipe"
-    if recipe.get("target_algorithms", True):
+    if not ops & set(BIAS_OPS):
+        return "no quantized Conv, Gemm or MatMul"
+    added = CONTRACTS["bias_correction"].target_default or {}
+    if recipe.get("target_algorithms", True) and ops & set(BIAS_OPS) <= set(added.get("op_types", ())):
         return "the target adds it already (target_algorithms: true)"
     return None
 
 
-def _pass_skip(name: str) -> Callable[[Recipe], str | None]:
-    return lambda recipe: "already in the recipe" if name in _names(recipe, "pre_quant_opt_config") else None
+def _pass_skip(name: str) -> Callable[[Recipe, Ops], str | None]:
+    return lambda recipe, ops: "already in the recipe" if name in _names(recipe, "pre_quant_opt_config") else None
 
 
-def _rounding_skip(recipe: Recipe) -> str | None:
+def _rounding_skip(recipe: Recipe, ops: Ops) -> str | None:
     there = _names(recipe, "algo_config") & set(ROUNDING)
     return f"{', '.join(sorted(there))} already rounds the weights" if there else None
 
@@ -61,7 +67,7 @@ def _per_tensor(recipe: Recipe) -> bool:
     return weight.get("qscheme") == "per_tensor"
 
 
-def _per_channel_skip(recipe: Recipe) -> str | None:
+def _per_channel_skip(recipe: Recipe, ops: Ops) -> str | None:
     return None if _per_tensor(recipe) else "the weights are not per-tensor"
 
 
@@ -72,11 +78,12 @@ def _per_channel(recipe: Recipe) -> Recipe:
 @dataclass(frozen=True)
 class AlgorithmRung:
     """One recipe change the search may try: `skip` says why it has nothing to add to a
-    recipe (None: it applies), `apply` returns the recipe with it."""
+    recipe whose plan quantizes these op types (None: it applies), `apply` returns the
+    recipe with it."""
 
     name: str
     what: str
-    skip: Callable[[Recipe], str | None]
+    skip: Callable[[Recipe, Ops], str | None]
     apply: Callable[[Recipe], Recipe]
 
 
@@ -106,9 +113,9 @@ def precision_rungs(ladder: list[str]) -> list[str]:
     return [r for r in ladder if r not in ALGORITHM_RUNGS]
 
 
-def skip_reason(rung: AlgorithmRung, config: Config) -> str | None:
-    """Why `rung` has nothing to add to `config`, or None."""
-    return rung.skip(config_to_dict(config))
+def skip_reason(rung: AlgorithmRung, config: Config, ops: Collection[str]) -> str | None:
+    """Why `rung` has nothing to add to `config`, whose plan quantizes `ops`, or None."""
+    return rung.skip(config_to_dict(config), frozenset(ops))
 
 
 def with_rung(config: Config, rung: AlgorithmRung) -> Config:
