@@ -126,3 +126,36 @@ def test_awq_on_hqq_weights_scales_then_solves_zero_points():
     zero_points = next(i for i in awq.model.graph.initializer if i.name.endswith("zero_points"))
     assert zero_points.data_type == onnx.TensorProto.FLOAT  # HQQ's float zero points
     assert sqnr_db(ref, run(awq.model, held_out)) > sqnr_db(ref, run(hqq.model, held_out)) + 1.0
+
+
+def _normed_model() -> onnx.ModelProto:
+    """gate/up-like: two MatMuls reading a LayerNormalization's output, summed."""
+    rng = np.random.default_rng(4)
+    b = GraphBuilder(1)
+    x = b.input("x", ["N", 8, K])
+    normed = b.node("LayerNormalization", [x, b.const("gamma", (1 + GAIN / 40).astype(np.float32)),
+                                           b.const("beta", (rng.standard_normal(K) * 0.1).astype(np.float32))],
+                    axis=-1)
+    mms = [b.node("MatMul", [normed, b.const(f"w{i}", (rng.standard_normal((K, N)) * 0.05).astype(np.float32))])
+           for i in range(2)]
+    return b.build([b.node("Add", mms)], opset=17, name="normed")
+
+
+def test_awq_scale_goes_into_the_norm_before_the_group(monkeypatch):
+    """The shared input's 1/s is folded into the LayerNormalization's gamma and beta
+    instead of a Mul on the activations; the outputs are those of the Mul form."""
+    import onnxq.optimize.awq as awq_module
+
+    calib, held_out = _data(48, 1), _data(24, 2)
+    config = onnxq.as_config({"preset": "W4_GROUP128", "algo_config": [{"name": "awq"}],
+                              "layer_type_quant_config": {"MatMul": {"weight": {"group_size": 32}}}})
+    folded = onnxq.quantize(_normed_model(), None, config, calib, progress=False)
+    onnx.checker.check_model(folded.model)
+    assert [n.op_type for n in folded.model.graph.node] == ["LayerNormalization", "MatMulNBits", "MatMulNBits", "Add"]
+    assert "1 folded into the norm before them, 0 by a Mul" in " ".join(folded.summary.note_texts)
+    monkeypatch.setattr(awq_module, "fold_input_scale", lambda *args: False)
+    with_mul = onnxq.quantize(_normed_model(), None, config, calib, progress=False)
+    assert "Mul" in [n.op_type for n in with_mul.model.graph.node]
+    a, b = run(folded.model, held_out), run(with_mul.model, held_out)
+    assert sqnr_db(b, a) > 60  # the same model up to float rounding
+    assert sqnr_db(run(_normed_model(), held_out), a) > 15

@@ -11,8 +11,10 @@ E[x_k^2] / s_k^2), and the result is pinned for the MatMulNBits lowering. alpha 
 E[|x (W - Q(W s) / s)|^2] = sum over columns of e^T H e is exact under H = E[x x^T],
 which the calibration pass collects once (the `gram` statistic GPTQ uses), so no
 candidate runs the model. The MatMuls sharing one input (q/k/v, gate/up: AWQ's scaling
-layers) share one s, searched on their summed error, and one Mul by 1/s on that input
-(float, per channel); a group whose best alpha is 0 is left as it is. Groups go in graph
+layers) share one s, searched on their summed error, and 1/s goes into the weights of
+the norm that produces that input where the group alone reads it (`norm_fold.py`, as
+AutoAWQ scales the LayerNorm), else into one Mul on that input (float, per channel); a
+group whose best alpha is 0 is left as it is. Groups go in graph
 order with H taken from the model whose earlier groups are already scaled and quantized
 (`gptq.sequential_walk`, `true_sequential`), so memory holds one group's H; without it,
 every H comes from the float model in the calibration pass.
@@ -37,6 +39,7 @@ from onnxq.graph.fold import constant_array
 from onnxq.numerics.blocks import BlockQuantized, dequantize_blockwise, quantize_blockwise
 from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.gptq import NO_LAYERS, Layer, hessian_requests, walk_groups
+from onnxq.optimize.norm_fold import fold_input_scale
 from onnxq.optimize.registry import register_algorithm, statistics_of
 from onnxq.parallel import ordered_map
 from onnxq.plan import QuantPlan
@@ -205,6 +208,7 @@ def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
     """Scale the input rows of every MatMul lowered to MatMulNBits (module doc)."""
     edit = GraphEditor(model.graph)
     alphas: list[float] = []
+    folds: list[bool] = []  # per group: its scale went into the norm before it (`norm_fold.py`)
 
     tied = {tie.head for tie in plan.tied.values() if tie.block_size}
 
@@ -220,8 +224,11 @@ def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
         alpha, s = search_scales(weights, hessian, [spec for _, spec in own], dtypes, options.grid,
                                  options.min_gain, options.scaling, options.search_columns)
         alphas.append(alpha)
-        if alpha > 0.0:
-            x = own[0][0].inputs[0]
+        x = own[0][0].inputs[0]
+        folded = alpha > 0.0 and len(own) == len(group) and fold_input_scale(
+            edit, x, {node.name for node, _ in group}, (1.0 / s).astype(weights[0].dtype))
+        folds.append(folded)
+        if alpha > 0.0 and not folded:
             inverse = edit.initializer(f"{own[0][0].name}_awq_inverse_scale", (1.0 / s).astype(weights[0].dtype))
             scaled = edit.add_node("Mul", [x, inverse], f"{x.name}_awq", dtype=x.dtype, shape=x.shape)
         effective: dict[str, np.ndarray] = {}
@@ -229,7 +236,8 @@ def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
             original = node.inputs[1].const_value
             if alpha > 0.0:
                 node.replace_input_with(1, _scaled_initializer(edit, node.inputs[1], s))
-                node.replace_input_with(0, scaled)
+                if not folded:
+                    node.replace_input_with(0, scaled)
             result = clipped(w, s, spec, dtype, hessian)
             ctx.weights.pin_node(node.name, node.inputs[1], result)
             drop_pages(original)
@@ -242,5 +250,5 @@ def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
     model.graph.sort()
     moved = sum(a > 0 for a in alphas)
     return (f"{moved} of {len(alphas)} input groups ({total} MatMul weights) scaled (alpha median "
-            f"{float(np.median(alphas)) if alphas else 0:.2f}); every block's clipping searched against "
-            "its output error")
+            f"{float(np.median(alphas)) if alphas else 0:.2f}; {sum(folds)} folded into the norm before them, "
+            f"{moved - sum(folds)} by a Mul); every block's clipping searched against its output error")
