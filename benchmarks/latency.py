@@ -17,10 +17,7 @@ does not stand in for timing).
 
 from __future__ import annotations
 
-import collections
-import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,35 +25,21 @@ import common as C
 import compare_ort as CO
 import deployed as D
 import numpy as np
+import onnx
 
+from onnxq.emit.latency import kernel_ms
 from onnxq.parallel import cpu_count
 
 VARIANTS = ("default", "ort", "ort_dyn")
 
 
-def op_profile(path: str, feeds: dict[str, np.ndarray], threads: int, runs: int = 5) -> dict[str, float]:
-    """Share (%) of kernel time per op type over `runs` runs at batch 8."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = threads
-    options.enable_profiling = True
-    options.profile_file_prefix = str(Path(tempfile.gettempdir()) / "onnxq-latency")
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    names = {i.name for i in session.get_inputs()}
-    feed = {k: v[:8] for k, v in feeds.items() if k in names}
-    session.run(None, feed)
-    for _ in range(runs):
-        session.run(None, feed)
-    trace = Path(session.end_profiling())
-    spent: collections.Counter[str] = collections.Counter()
-    for event in json.loads(trace.read_text()):
-        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
-            spent[event["args"]["op_name"]] += event["dur"]
-    trace.unlink()
+def op_profile(path: str, feeds: dict[str, np.ndarray], threads: int) -> dict[str, float]:
+    """Share (%) of kernel time per op type at batch 8 (`onnxq.emit.latency.kernel_ms`)."""
+    graph = onnx.load(path, load_external_data=False).graph
+    names = {i.name for i in graph.input} - {t.name for t in graph.initializer}
+    spent = kernel_ms(path, {k: v[:8] for k, v in feeds.items() if k in names}, ["CPUExecutionProvider"], threads)
     total = sum(spent.values()) or 1
-    return {op: 100.0 * t / total for op, t in spent.most_common()}
+    return {op: 100.0 * t / total for op, t in sorted(spent.items(), key=lambda item: -item[1])}
 
 
 def speed_table(name: str, metric: str, rows: dict[str, dict[str, Any]], keys: list[str]) -> str:

@@ -38,6 +38,10 @@ class AccuracyTarget:
         limit = self.threshold(float_score)
         return score >= limit if self.op == ">=" else score <= limit
 
+    def better(self, score: float, than: float) -> bool:
+        """Whether `score` is strictly closer to meeting the target than `than`."""
+        return score > than if self.op == ">=" else score < than
+
     def describe(self) -> str:
         rhs = (f"float{self.value:+g}" if self.value else "float") if self.relative else f"{self.value:g}"
         return f"{self.metric or 'custom'}{self.op}{rhs}"

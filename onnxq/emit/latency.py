@@ -96,7 +96,7 @@ def _feeds(inputs: list[InputSpec], data: CalibrationSource, session: ort.Infere
     return feeds, skipped
 
 
-def _median_ms(sessions: list[ort.InferenceSession], feed: dict[str, np.ndarray]) -> list[float]:
+def median_ms(sessions: list[ort.InferenceSession], feed: dict[str, np.ndarray]) -> list[float]:
     """Median wall ms per run of each session, runs interleaved (module doc)."""
     times: list[list[float]] = [[] for _ in sessions]
     for session in sessions:
@@ -111,9 +111,11 @@ def _median_ms(sessions: list[ort.InferenceSession], feed: dict[str, np.ndarray]
 
 
 def kernel_ms(model: str | os.PathLike | bytes | ir.Model, feed: dict[str, np.ndarray],
-              providers: list[str]) -> dict[str, float]:
-    """Kernel ms per run by op type, from onnxruntime's profiler in a default session."""
+              providers: list[str], threads: int = 0) -> dict[str, float]:
+    """Kernel ms per run by op type, from onnxruntime's profiler in a default session
+    (`threads`: its intra-op threads, 0: every core)."""
     options = deployed_options(extended=imports_extended(model))
+    options.intra_op_num_threads = threads
     options.enable_profiling = True
     options.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"onnxq-latency-{os.getpid()}")
     session = open_any(model, options, providers)
@@ -189,7 +191,7 @@ def measure_latency(source: str | os.PathLike | bytes | ir.Model, quantized: ir.
         float_session = open_any(source, deployed_options(extended=imports_extended(source)), providers)
         quantized_session = open_any(quantized, deployed_options(extended=imports_extended(quantized)), providers)
         feeds, skipped = _feeds(inputs, data, quantized_session)
-        timings = [Timing(batch, *_median_ms([float_session, quantized_session], feed))
+        timings = [Timing(batch, *median_ms([float_session, quantized_session], feed))
                    for batch, feed in feeds.items()]
         result = Latency(timings, cpu_isa(), skipped=skipped)
         slow = [t for t in timings if t.speedup < FASTER]

@@ -37,13 +37,13 @@ def fold_input_scale(edit: GraphEditor, x: ir.Value, readers: set[str], inverse:
     if {use.node.name for use in x.uses()} != readers or x in edit.graph.outputs:
         return False
     slots = [i for i in NORMS[node.op_type] if i is not None and i < len(node.inputs) and node.inputs[i] is not None]
-    for i in slots:
+    arrays = {i: constant_array(node.inputs[i]) for i in slots}
+    for i, array in arrays.items():
         weight = node.inputs[i]
-        array = constant_array(weight)
         if array is None or len(weight.uses()) != 1 or array.shape != inverse.shape or weight in edit.graph.outputs:
             return False
-    for i in slots:
-        array = np.asarray(constant_array(node.inputs[i]))
+    for i, array in arrays.items():
+        array = np.asarray(array)
         node.replace_input_with(i, edit.initializer(f"{node.inputs[i].name}_awq",
                                                     (array * inverse.astype(array.dtype)).astype(array.dtype)))
     return True

@@ -32,9 +32,9 @@ def configured_algorithms(config: Config, configured: tuple[Entry, ...], target:
     """The `configured` algorithms plus those the target adds for a static plan with
     quantized Conv/Gemm layers (bias correction), in contract order, less those the data
     cannot serve; and a note on each such decision."""
-    algorithms, moved = in_contract_order(one_rounding(configured))
-    notes = [_moved_note(algorithms, moved)] if moved else []
-    notes.extend(_rounding_note(configured, algorithms))
+    algorithms, notes = one_rounding(configured)
+    algorithms, moved = in_contract_order(algorithms)
+    notes += [_moved_note(algorithms, moved)] if moved else []
     if access in (Access.ONCE, Access.FILES):
         algorithms, skipped = without_another_read(algorithms, refusal(access))
         notes.extend(skipped)
@@ -56,23 +56,20 @@ def configured_algorithms(config: Config, configured: tuple[Entry, ...], target:
     return algorithms + tuple(added), notes
 
 
-def one_rounding(entries: tuple[Entry, ...]) -> tuple[Entry, ...]:
+def one_rounding(entries: tuple[Entry, ...]) -> tuple[tuple[Entry, ...], list[Note]]:
     """`entries` with only the last enabled algorithm that learns the weights' rounding
-    (`Contract.learns_rounding`) left on: run one after the other, the second re-solves
-    the layers from a model the first already moved, and the two results disagree (W4A8
-    with AdaRound, then AdaQuant: MobileNet-v1's logits at -2.8 dB SQNR)."""
+    (`Contract.learns_rounding`) left on, and a note naming those turned off: run one
+    after the other, the second re-solves the layers from a model the first already
+    moved, and the two results disagree (W4A8 with AdaRound, then AdaQuant: MobileNet-v1's
+    logits at -2.8 dB SQNR)."""
     learners = [i for i, e in enumerate(entries) if e.enabled and e.contract.learns_rounding]
-    return tuple(dataclasses.replace(e, enabled=False) if i in learners[:-1] else e for i, e in enumerate(entries))
-
-
-def _rounding_note(configured: tuple[Entry, ...], kept: tuple[Entry, ...]) -> list[Note]:
-    off = [e.name for e in configured if e.enabled and e.contract.learns_rounding
-           and not any(k.name == e.name and k.enabled for k in kept)]
-    if not off:
-        return []
-    last = next(e.name for e in reversed(configured) if e.enabled and e.contract.learns_rounding)
-    return [Note(Topic.RECIPE, f"{', '.join(off)} and {last} both learn the layers' rounding, and one would undo the "
-                 f"other: {last}, given last, runs; {', '.join(off)} does not (keep one in algo_config)", source=last)]
+    if len(learners) < 2:
+        return entries, []
+    off, last = ", ".join(entries[i].name for i in learners[:-1]), entries[learners[-1]].name
+    note = Note(Topic.RECIPE, f"{off} and {last} both learn the layers' rounding, and one would undo the other: "
+                f"{last}, given last, runs; {off} does not (keep one in algo_config)", source=last)
+    return tuple(dataclasses.replace(e, enabled=False) if i in learners[:-1] else e
+                 for i, e in enumerate(entries)), [note]
 
 
 def _moved_note(algorithms: tuple[Entry, ...], moved: list[str]) -> Note:

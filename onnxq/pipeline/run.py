@@ -8,7 +8,7 @@ import os
 from collections import Counter
 from typing import Any
 
-from onnxq.calibrate.data import model_inputs
+from onnxq.calibrate.data import CalibrationSource, model_inputs
 from onnxq.config.spec import Config
 from onnxq.emit.fidelity import check_outputs, samples_to_check
 from onnxq.emit.latency import measure_latency
@@ -21,6 +21,7 @@ from onnxq.pipeline.emission import emit_loadable, trial_emitter
 from onnxq.pipeline.prepare import ModelSource, prepare, source_size
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.plan import provider_notes
+from onnxq.report import Summary
 
 
 def run_pipeline(
@@ -97,14 +98,21 @@ def run_pipeline(
             summary.output = str(save_model(model, output))
     if options.measure_latency:
         with summary.stage("latency"):
-            timed = measure_latency(source, model, model_inputs(model), settings.data, options.providers)
-        if isinstance(timed, str):
-            summary.notes.append(Note(Topic.CHECK, timed))
-        else:
-            summary.latency = timed
+            record_latency(summary, source, model, settings.data, options.providers)
     summary.size_after = source_size(output, model) if output is not None else weight_bytes(model)
     if not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before:
         summary.notes.append(Note(Topic.WARNING, "warning: nothing was quantized: every node stayed float (see 'left "
                                   "in float'); pick a recipe that covers this model's ops (U8S8 for convolutions; "
                                   "W8_DYNAMIC and W4_GROUP128 quantize MatMul/Gemm only)"))
     return QuantizationResult(model, summary, calibration.ranges, plan, state)
+
+
+def record_latency(summary: Summary, source: ModelSource, model: Any, data: CalibrationSource,
+                   providers: list[str]) -> None:
+    """Time `source` against the quantized `model` (`emit/latency.py`) into the summary,
+    or a note saying why it could not be timed."""
+    timed = measure_latency(source, model, model_inputs(model), data, providers)
+    if isinstance(timed, str):
+        summary.notes.append(Note(Topic.CHECK, timed))
+    else:
+        summary.latency = timed

@@ -8,7 +8,6 @@ once the target is met. The precision rungs then start from the best recipe foun
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 from onnxq.config.spec import Config
 from onnxq.errors import OnnxqError
 from onnxq.pipeline.run import run_pipeline
+from onnxq.search.base import with_calibration
 from onnxq.search.rungs import AlgorithmRung, skip_reason, with_rung
 
 
@@ -69,8 +69,7 @@ def climb_algorithms(model: Any, config: Config, data: Any, progress: bool | Non
             continue
         candidate = with_rung(climb.config, rung)
         if candidate.calibration.stats:  # the files hold the first recipe's ranges: calibrate on the data
-            candidate = dataclasses.replace(candidate, calibration=dataclasses.replace(candidate.calibration,
-                                                                                         stats=None))
+            candidate = with_calibration(candidate, stats=None)
         began = time.perf_counter()
         try:
             result = run_pipeline(model, None, candidate, data, progress, keep_state=True)

@@ -27,16 +27,16 @@ from tqdm import tqdm
 
 from onnxq.analyze import analyze_models
 from onnxq.calibrate.access import FIXES, data_access
-from onnxq.calibrate.data import CalibrationSource, model_inputs
+from onnxq.calibrate.data import CalibrationSource
 from onnxq.config.spec import Config, MixedPrecisionConfig
-from onnxq.emit.latency import measure_latency
+from onnxq.emit.latency import median_ms
 from onnxq.errors import CalibrationDataError
 from onnxq.evaluate import deployed_session
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.notes import Note, Topic, notes
-from onnxq.pipeline.run import run_pipeline
+from onnxq.pipeline.run import record_latency, run_pipeline
 from onnxq.report import MixedPrecisionSummary, Promotion
-from onnxq.search.base import search_base_config
+from onnxq.search.base import search_base_config, with_calibration
 from onnxq.search.bisect import bisect_promotions
 from onnxq.search.climb import climb_algorithms
 from onnxq.search.ladder import with_promotions
@@ -53,7 +53,6 @@ from onnxq.search.target import (
 
 # Layers ranked on at most this many samples (one analysis pass).
 SENSITIVITY_SAMPLES = 64
-LATENCY_RUNS = 20
 
 
 def _eval_set(mp: MixedPrecisionConfig, calibration_data: Any, custom: bool) -> tuple[EvalSet, list[str]]:
@@ -107,16 +106,6 @@ def _progress_bar(progress: bool | None, layers: int) -> Any:
                 total=max(1, layers).bit_length() + 2)
 
 
-def _latency_ms(session: Any, feed: dict[str, np.ndarray]) -> float:
-    session.run(None, feed)
-    times = []
-    for _ in range(LATENCY_RUNS):
-        start = time.perf_counter()
-        session.run(None, feed)
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
-
-
 def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:
     feed = next(iter(evalset.batches(session)))
     return {k: v[:1] for k, v in feed.items()}
@@ -135,7 +124,8 @@ def quantize_to_target(
     if calibration_data is None and mp.eval_data is None:
         raise CalibrationDataError("an accuracy target needs data to rank layers and score models; pass "
                                    "--eval-data PATH (or --calib-data)")
-    access = data_access(CalibrationSource(calibration_data))
+    source = CalibrationSource(calibration_data)
+    access = data_access(source)
     if calibration_data is not None and not access.rereadable:
         raise CalibrationDataError(f"an accuracy target reads the calibration data more than once, but "
                                    f"{type(calibration_data).__name__} data can be read only once; "
@@ -159,7 +149,7 @@ def quantize_to_target(
 
     climb = climb_algorithms(model, base_config, calibration_data, progress, algorithm_rungs(mp.ladder), base,
                              base_score, lambda ir_model: score(deployed_session(ir_model, providers)),
-                             (lambda a, b: a > b) if target.op == ">=" else (lambda a, b: a < b), met)
+                             target.better, met)
     if climb.result is not base:  # promotions are priced against the recipe the rungs left
         base_session = deployed_session(climb.result.ir_model, providers)
     base, base_config, climbed_score = climb.result, climb.config, climb.score
@@ -191,13 +181,11 @@ def quantize_to_target(
             raise CalibrationDataError(
                 f"the accuracy target raises {len(to_float)} layers to a float type, and the final model then "
                 "calibrates other tensors than the statistics files hold: pass --calib-data as well")
-        final_config = dataclasses.replace(
-            final_config, calibration=dataclasses.replace(final_config.calibration, stats=None))
+        final_config = with_calibration(final_config, stats=None)
         said.append("accuracy target: the final model, with layers raised, is calibrated on --calib-data "
                      "(the statistics files hold the first model's plan)")
     if config.calibration.measure_latency:  # measured once, on the model returned (not on every trial)
-        final_config = dataclasses.replace(
-            final_config, calibration=dataclasses.replace(final_config.calibration, measure_latency=True))
+        final_config = with_calibration(final_config, measure_latency=True)
     if outcome.promotions:
         result = run_pipeline(model, output, final_config, calibration_data, progress, keep_state)
     else:
@@ -205,12 +193,7 @@ def quantize_to_target(
         if output is not None:
             result.summary.output = str(save_model(base.ir_model, output))
         if config.calibration.measure_latency:
-            timed = measure_latency(model, base.ir_model, model_inputs(base.ir_model),
-                                    CalibrationSource(calibration_data), providers)
-            if isinstance(timed, str):
-                said.append(timed)
-            else:
-                result.summary.latency = timed
+            record_latency(result.summary, model, base.ir_model, source, providers)
     final_session = deployed_session(result.ir_model, providers)
     final_score = score(final_session) if outcome.promotions else climbed_score
     feed = _first_sample(evalset, final_session)
@@ -230,8 +213,8 @@ def quantize_to_target(
         algorithm_score=climbed_score,
         size_before=weight_bytes(base.ir_model),
         size_after=weight_bytes(result.ir_model),
-        latency_ms_before=_latency_ms(base_session, feed),
-        latency_ms_after=_latency_ms(final_session, feed),
+        latency_ms_before=median_ms([base_session], feed)[0],
+        latency_ms_after=median_ms([final_session], feed)[0],
         seconds=time.perf_counter() - start,
         config=final_config,
         scored_on="the eval data" if mp.eval_data is not None else "the calibration data",

@@ -30,21 +30,30 @@ Ops = frozenset[str]  # the op types the recipe's plan quantizes on the model at
 
 # SmoothQuant's migration strength as a rung: the paper's default for most models.
 SMOOTHQUANT_ALPHA = 0.5
-# Weight-rounding algorithms: one of them is enough (AdaQuant learns what AdaRound does and more).
-ROUNDING = ("adaround", "adaquant", "gptq", "awq", "hqq")
 
 
 def _names(recipe: Recipe, key: str) -> set[str]:
     return {entry["name"] for entry in recipe.get(key) or [] if entry.get("enabled", True)}
 
 
-def _appended(key: str, entry: dict[str, Any]) -> Callable[[Recipe], Recipe]:
-    return lambda recipe: {**recipe, key: [*(recipe.get(key) or []), entry]}
+def _named(name: str, recipe: Recipe, key: str) -> str | None:
+    """Why the recipe's own entry `name` in `key` leaves the rung nothing to add: there
+    and on, or turned off (the recipe's decision, which the rung does not overrule)."""
+    entry = next((e for e in recipe.get(key) or [] if e["name"] == name), None)
+    if entry is None:
+        return None
+    return "already in the recipe" if entry.get("enabled", True) else "turned off in the recipe (enabled: false)"
+
+
+def _with_entry(key: str, entry: dict[str, Any]) -> Callable[[Recipe], Recipe]:
+    """Add `entry` to the named list `key` (merged by name, as config files merge)."""
+    return lambda recipe: deep_merge(recipe, {key: [entry]})
 
 
 def _bias_correction_skip(recipe: Recipe, ops: Ops) -> str | None:
-    if "bias_correction" in _names(recipe, "algo_config"):
-        return "already in the recipe"
+    named = _named("bias_correction", recipe, "algo_config")
+    if named:
+        return named
     if not ops & set(BIAS_OPS):
         return "no quantized Conv, Gemm or MatMul"
     added = CONTRACTS["bias_correction"].target_default or {}
@@ -54,11 +63,14 @@ def _bias_correction_skip(recipe: Recipe, ops: Ops) -> str | None:
 
 
 def _pass_skip(name: str) -> Callable[[Recipe, Ops], str | None]:
-    return lambda recipe, ops: "already in the recipe" if name in _names(recipe, "pre_quant_opt_config") else None
+    return lambda recipe, ops: _named(name, recipe, "pre_quant_opt_config")
 
 
 def _rounding_skip(recipe: Recipe, ops: Ops) -> str | None:
-    there = _names(recipe, "algo_config") & set(ROUNDING)
+    """One algorithm rounds the weights per recipe: those that learn the rounding (AdaRound,
+    AdaQuant) and those that round weight-only blocks (GPTQ, AWQ, HQQ), by their contracts."""
+    there = {n for n in _names(recipe, "algo_config")
+             if n in CONTRACTS and (CONTRACTS[n].learns_rounding or CONTRACTS[n].rounds_blocks)}
     return f"{', '.join(sorted(there))} already rounds the weights" if there else None
 
 
@@ -89,17 +101,17 @@ class AlgorithmRung:
 
 ALGORITHM_RUNGS: dict[str, AlgorithmRung] = {r.name: r for r in (
     AlgorithmRung("bias_correction", "bias correction of Conv/Gemm outputs", _bias_correction_skip,
-                  _appended("algo_config", {"name": "bias_correction"})),
+                  _with_entry("algo_config", {"name": "bias_correction"})),
     AlgorithmRung("cle", "cross-layer equalization before calibration", _pass_skip("cle"),
-                  _appended("pre_quant_opt_config", {"name": "cle"})),
+                  _with_entry("pre_quant_opt_config", {"name": "cle"})),
     AlgorithmRung("smoothquant", f"SmoothQuant (alpha {SMOOTHQUANT_ALPHA}) for MatMul/Gemm inputs",
                   _pass_skip("smoothquant"),
-                  _appended("pre_quant_opt_config", {"name": "smoothquant", "alpha": SMOOTHQUANT_ALPHA})),
+                  _with_entry("pre_quant_opt_config", {"name": "smoothquant", "alpha": SMOOTHQUANT_ALPHA})),
     AlgorithmRung("per_channel", "per-channel weight scales", _per_channel_skip, _per_channel),
     AlgorithmRung("adaround", "AdaRound: each weight's rounding learned layer by layer", _rounding_skip,
-                  _appended("algo_config", {"name": "adaround"})),
+                  _with_entry("algo_config", {"name": "adaround"})),
     AlgorithmRung("adaquant", "AdaQuant: weights and biases learned layer by layer", _rounding_skip,
-                  _appended("algo_config", {"name": "adaquant"})),
+                  _with_entry("algo_config", {"name": "adaquant"})),
 )}
 
 
