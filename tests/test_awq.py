@@ -107,6 +107,32 @@ def test_searching_both_scale_families_is_never_worse():
         AWQConfig(scaling="weights")
 
 
+def test_alpha_search_scores_coarse_then_beside_the_best(monkeypatch):
+    """A grid of 20 per family scores every second alpha, then the two beside each
+    family's best: 25 scorings instead of 41, and here the full grid's choice."""
+    from onnxq.config.resolve import ResolvedSpec
+    from onnxq.numerics.qmath import DType
+    from onnxq.optimize import awq
+
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((K, N)) * 0.05).astype(np.float32)
+    x = (rng.standard_normal((512, K)) * GAIN).astype(np.float32)
+    hessian = (x.T.astype(np.float64) @ x) / len(x)
+    spec = ResolvedSpec(DType.INT4, True, "per_group", None, 32, "minmax", 99.99, 2048, (), None, None,
+                        "float32", "half_even", False)
+    h32 = hessian.astype(np.float32)
+    full = min(((awq.scaled_error(w, s, spec, np.float32, h32), alpha)
+                for alpha, s in awq.candidates(np.sqrt(np.diag(hessian)), awq.weight_magnitude([w], 32), 20, "both")),
+               key=lambda c: c[0])
+    calls = []
+    scored = awq.scaled_error
+    monkeypatch.setattr(awq, "scaled_error", lambda *a: calls.append(1) or scored(*a))
+    alpha, s = awq.search_scales([w], hessian, [spec], [np.float32], 20, 0.0, "both")
+    assert len(calls) <= 25  # alpha 0, 20 coarse, at most 2 beside each family's best
+    assert alpha == full[1]
+    assert awq.scaled_error(w, s, spec, np.float32, h32) == full[0]
+
+
 def test_awq_on_hqq_weights_scales_then_solves_zero_points():
     """uint4 asymmetric weights with `calib_method: hqq`: AWQ scores its candidates with
     plain rounding and quantizes the chosen scaling with HQQ's float zero points; better

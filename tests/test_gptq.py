@@ -146,3 +146,28 @@ def test_true_sequential_is_no_worse_than_float_inputs():
     # measured 22.07 against 22.08 dB (with a scale refit tried since, 22.12 against 22.18): on two
     # layers the two differ by rounding noise; a broken sequential walk costs decibels
     assert scores[True] >= scores[False] - 0.1, scores
+
+
+def test_layers_sharing_an_input_round_as_one_matrix():
+    """Layers that share an input and a spec (gate and up) are rounded stacked, one factor
+    of H for both: each keeps the codes it gets alone (rows are independent given H), but
+    for float32 products summed in another order; the static groups' scales, searched once
+    over every row, are the same whether K holds whole groups or not."""
+    from onnxq.config.resolve import merge_specs
+    from onnxq.config.spec import QuantizationSpec
+    from onnxq.optimize.gptq import GPTQConfig, gptq_quantize
+
+    rng = np.random.default_rng(3)
+    for k, group in ((256, 32), (200, 64)):  # whole groups, and a last group cut short
+        spec = merge_specs([QuantizationSpec(dtype="uint4", symmetric=False, qscheme="per_group",
+                                             group_size=group)], "weight")
+        x = _data(64, 1)["x"].reshape(-1, K)[:, :k]
+        hessian = (x.T.astype(np.float64) @ x) / len(x)
+        gate, up = (rng.standard_normal((n, k)).astype(np.float32) for n in (300, 700))
+        stacked = gptq_quantize(np.concatenate([gate, up]), hessian, spec, GPTQConfig())
+        alone = [np.concatenate(parts) for parts in zip(*(gptq_quantize(w, hessian, spec, GPTQConfig())
+                                                          for w in (gate, up)))]
+        np.testing.assert_array_equal(stacked[1], alone[1])  # scales: from the original weights, per row
+        np.testing.assert_array_equal(stacked[2], alone[2])
+        differ = stacked[0] != alone[0]
+        assert differ.mean() < 1e-3 and np.abs(stacked[0].astype(int) - alone[0])[differ].max(initial=0) <= 1

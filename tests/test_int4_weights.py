@@ -23,7 +23,12 @@ from onnxq.config.spec import QuantizationSpec
 from onnxq.emit.matmul_nbits import emit_matmul_nbits
 from onnxq.graph.load import load_model
 from onnxq.numerics import weights
-from onnxq.numerics.blocks import dequantize_blockwise, quantize_blockwise, unpack_bits
+from onnxq.numerics.blocks import (
+    dequantize_blockwise,
+    quantize_blockwise,
+    rounded_blockwise,
+    unpack_bits,
+)
 from onnxq.numerics.qmath import compute_qparams, dequantize, quantize
 from onnxq.numerics.weights import CLIP_GRID, quantize_blocks, quantize_weight
 
@@ -129,6 +134,7 @@ def test_weight_layout_rounding_is_qdq_arithmetic(dtype, symmetric):
     np.testing.assert_array_equal(bq.scales.reshape(-1), scale.astype(np.float32))
     expected = dequantize(codes, scale[:, None], zp[:, None]).reshape(n, -1)[:, :k].T
     np.testing.assert_array_equal(dequantize_blockwise(bq), expected)
+    np.testing.assert_array_equal(rounded_blockwise(w, s), expected)  # AWQ's candidates: no packing, same values
     assert np.unique(codes).size > 8  # the grid is used, not a constant
 
 

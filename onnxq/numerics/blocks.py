@@ -25,6 +25,7 @@ from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import DType
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import block_importance, plain_rounding, quantize_blocks, round_blocks
+from onnxq.parallel import cpu_count, ordered_map
 
 # Bits per code of the types MatMulNBits stores.
 BITS: dict[DType, int] = {d: int_type(d).bits for d in (DType.INT4, DType.UINT4, DType.INT8, DType.UINT8)}
@@ -86,10 +87,10 @@ def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np
     if importance is not None:
         importance = block_importance(importance, block)
     float_zp = spec.calib_method == "hqq"  # optimised float zero points, which MatMulNBits takes
-    columns = max(1, CHUNK_ELEMENTS // (k_blocks * block))
-    codes, scales, zeros = [], [], []
+    columns = max(1, min(CHUNK_ELEMENTS // (k_blocks * block), -(-n // cpu_count())))  # a chunk per core at least
     plain = plain_rounding(spec, clip_search, importance)
-    for start in range(0, n, columns):
+
+    def chunk(start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         part = np.asarray(w[:, start:start + columns], dtype=np.float32)
         if plain:  # blocked in W's own layout [k_blocks, block, columns]; only the packed codes transpose
             if k != k_blocks * block:
@@ -101,12 +102,32 @@ def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np
             padded[:, :k] = part.T
             q, scale, zp = quantize_blocks(padded.reshape(-1, block), spec, scale_dtype, clip_search=clip_search,
                                            importance=importance, float_zero_point=float_zp)
-        codes.append(packed_codes(q.reshape(-1, k_blocks, block), spec))
-        scales.append(scale.reshape(-1, k_blocks))
-        zeros.append(zp.reshape(-1, k_blocks))
+        return packed_codes(q.reshape(-1, k_blocks, block), spec), scale.reshape(-1, k_blocks), zp.reshape(-1, k_blocks)
+
+    # Chunks on every core (each column's result is its own): AWQ's final clipping of
+    # SmolLM2's layers 6.9 s on one core.
+    codes, scales, zeros = zip(*ordered_map(chunk, range(0, n, columns)))
     scale, zp = np.concatenate(scales), np.concatenate(zeros)
     bits = BITS[spec.dtype]
     return BlockQuantized(np.concatenate(codes), scale, stored_zero_points(zp, scale.dtype, spec), k, n, bits, block)
+
+
+def rounded_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np.float32) -> np.ndarray:
+    """W [K, N] plainly rounded to its blocks and back, float32: the values
+    `dequantize_blockwise(quantize_blockwise(w, spec))` gives (integer zero points, no
+    clipping search), computed in W's own layout without packing the codes, for searches
+    that score many roundings (AWQ's candidates: 6.0 -> 2.6 ms on a [1536, 288] slice)."""
+    block = int(spec.group_size)
+    k, n = w.shape
+    k_blocks = -(-k // block)
+    part = np.asarray(w, dtype=np.float32)
+    if k != k_blocks * block:
+        part = np.concatenate([part, np.zeros((k_blocks * block - k, n), np.float32)])
+    q, scale, zp = round_blocks(part.reshape(k_blocks, block, n), spec, scale_dtype)
+    out = q.astype(np.float32)
+    out -= zp.astype(np.float32)[:, None]
+    out *= scale.astype(np.float32)[:, None]
+    return out.reshape(-1, n)[:k]
 
 
 def packed_codes(q: np.ndarray, spec: ResolvedSpec) -> np.ndarray:

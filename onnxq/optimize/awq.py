@@ -10,7 +10,11 @@ clipping is searched against the output error on the scaled input (importance
 E[x_k^2] / s_k^2), and the result is pinned for the MatMulNBits lowering. alpha is searched on a grid per layer; each candidate's output error
 E[|x (W - Q(W s) / s)|^2] = sum over columns of e^T H e is exact under H = E[x x^T],
 which the calibration pass collects once (the `gram` statistic GPTQ uses), so no
-candidate runs the model. The MatMuls sharing one input (q/k/v, gate/up: AWQ's scaling
+candidate runs the model. The grid is scored coarse to fine: every second alpha of each
+family, then the two beside each family's best (the error is smooth in alpha). On
+SmolLM2-135M's 120 groups this picked the full grid's candidate in 114, with an output
+error 0.05% above the full grid's on average and 1.9% at most, in 25 scorings instead
+of 41 (AWQ 70.8 -> 61.2 s with the rounding below). The MatMuls sharing one input (q/k/v, gate/up: AWQ's scaling
 layers) share one s, searched on their summed error, and 1/s goes into the weights of
 the norm that produces that input where the group alone reads it (`norm_fold.py`, as
 AutoAWQ scales the LayerNorm), else into one Mul on that input (float, per channel); a
@@ -36,7 +40,12 @@ from onnxq.errors import ConfigError
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
-from onnxq.numerics.blocks import BlockQuantized, dequantize_blockwise, quantize_blockwise
+from onnxq.numerics.blocks import (
+    BlockQuantized,
+    dequantize_blockwise,
+    quantize_blockwise,
+    rounded_blockwise,
+)
 from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.gptq import NO_LAYERS, Layer, hessian_requests, walk_groups
 from onnxq.optimize.norm_fold import fold_input_scale
@@ -51,7 +60,7 @@ SCALINGS = ("activation", "duo", "both")
 @dataclass(frozen=True)
 class AWQConfig:
     """Options of `awq` (bits, sym and group_size come from the weight spec). grid:
-    alpha candidates in (0, 1] per family. scaling: the candidate families, `activation`
+    alpha candidates in (0, 1] per family, scored coarse to fine (module doc). scaling: the candidate families, `activation`
     (s = m^alpha, the paper's), `duo` (s = m^alpha / w^(1 - alpha), AutoAWQ's
     duo_scaling, w: the input channel's mean weight magnitude relative to its block's
     largest) or `both` (every candidate of the two; SmolLM2 int4 b32 perplexity 18.90
@@ -103,9 +112,10 @@ def output_error(w: np.ndarray, w_hat: np.ndarray, hessian: np.ndarray) -> float
 
 def _rounded(w: np.ndarray, s: np.ndarray, spec: ResolvedSpec, scale_dtype: type) -> np.ndarray:
     """Q(W s) / s: what the MatMul computes on the unscaled input, with plain rounding
-    (an HQQ weight spec's zero-point solver runs once, on the chosen scaling)."""
+    (an HQQ weight spec's zero-point solver runs once, on the chosen scaling), without
+    packing the codes (`rounded_blockwise`)."""
     plain = dataclasses.replace(spec, calib_method="minmax") if spec.calib_method == "hqq" else spec
-    return dequantize_blockwise(quantize_blockwise((w * s[:, None]).astype(np.float32), plain, scale_dtype)) / s[:, None]
+    return rounded_blockwise((w * s[:, None]).astype(np.float32), plain, scale_dtype) / s[:, None]
 
 
 def scaled_error(w: np.ndarray, s: np.ndarray, spec: ResolvedSpec, scale_dtype: type, hessian: np.ndarray) -> float:
@@ -169,10 +179,26 @@ def search_scales(weights: list[np.ndarray], hessian: np.ndarray, specs: list[Re
     ones = np.ones(len(rms))
     best = (error(ones) * (1 - min_gain), 0.0, ones)
     options = candidates(rms, magnitude, grid, scaling)
-    for (alpha, s), err in zip(options, ordered_map(lambda c: error(c[1]), options)):
-        if err < best[0]:  # in candidate order: ties keep the earlier one, as a serial search does
-            best = (err, alpha, s)
+    coarse = coarse_indices(len(options), grid)
+    scored = dict(zip(coarse, ordered_map(lambda i: error(options[i][1]), coarse)))
+    firsts = {min((i for i in scored if i // grid == f), key=lambda i: (scored[i], i)) for f in {i // grid for i in scored}}
+    near = sorted(i for first in firsts for i in (first - 1, first + 1)
+                  if i not in scored and i // grid == first // grid and 0 <= i < len(options))
+    scored.update(zip(near, ordered_map(lambda i: error(options[i][1]), near)))
+    for i in sorted(scored):  # in candidate order: ties keep the earlier one, as a serial search does
+        if scored[i] < best[0]:
+            best = (scored[i], *options[i])
     return best[1], best[2]
+
+
+def coarse_indices(count: int, grid: int) -> list[int]:
+    """The candidates scored first: every second alpha of each family (0.1, 0.2, ..., 1.0
+    of a grid of 20), all of a grid under 6. The two beside the best of them are scored
+    next (`search_scales`): the error is smooth in alpha, so this finds the full grid's
+    choice in most groups at a little over half its cost (module doc)."""
+    if grid < 6:
+        return list(range(count))
+    return [i for i in range(count) if i % grid % 2 == 1]
 
 
 def clipped(w: np.ndarray, s: np.ndarray, spec: ResolvedSpec, scale_dtype: type,

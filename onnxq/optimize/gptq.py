@@ -45,7 +45,7 @@ from onnxq.numerics.weights import cast_scale, search_clip_scales, searchable, w
 from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.layerwise.replay import Replay
 from onnxq.optimize.registry import register_algorithm, statistics_of
-from onnxq.parallel import ordered_map, serial_blas
+from onnxq.parallel import cpu_count, ordered_map, serial_blas
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
 from onnxq.progress import bar as progress_bar
@@ -96,12 +96,13 @@ def hessian_requests(model: ir.Model, plan: QuantPlan, options: object = None) -
 def _group_params(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type,
                   importance: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Scale and zero point (float64) of each row of `w` [N, group], as RTN computes them;
-    with `importance` [group] (H's diagonal: E[x_k^2]) each scale is then clipped where
-    that lowers the group's output error (`search_clip_scales`)."""
+    with `importance` [group] (H's diagonal: E[x_k^2]), or [P, group] for rows that cycle
+    through P groups, each scale is then clipped where that lowers the group's output
+    error (`search_clip_scales`)."""
     scale, zp = weight_qparams(w.min(axis=1), w.max(axis=1), spec, 1e-12, signed=True)
     scale = cast_scale(scale, scale_dtype)
     if importance is not None and searchable(spec):
-        _, scale = search_clip_scales(w.astype(np.float32), scale, zp, spec, importance=importance[None, :])
+        _, scale = search_clip_scales(w.astype(np.float32), scale, zp, spec, importance=np.atleast_2d(importance))
     return scale.astype(np.float64), zp.astype(np.float64)
 
 
@@ -113,6 +114,9 @@ def _group_params(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type,
 # Python-bound and holds the GIL between numpy calls, so fewer, wider slices are faster
 # than more threads: SmolLM2 GPTQ on 16 windows 39.1 s at 512, 34.7 s at 1024.
 ROW_CHUNK = 1024
+# Weights per piece of the static groups' search (`_static_params`): its float64 copy stays
+# at 32 MB whatever the layer (a 7B model's LM head would be 4 GB whole).
+STATIC_ELEMENTS = 1 << 22
 # Rows updated one step at a time inside a lazy block (`_quantize_rows`): the rest of the
 # block takes them as one product. 16 measured fastest on 576- and 1536-wide layers.
 INNER = 16
@@ -132,15 +136,46 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, spec: ResolvedSpec, option
     upper = inverse_cholesky_upper(h).astype(np.float32)  # H^-1 = U^T U, U upper triangular
     del h  # K x K float64: 254 MB at K = 5632; the row slices share the float32 factor
     diag = np.diag(hessian).astype(np.float32)
+    static = _static_params(w, dead, diag, spec, options, scale_dtype)
     cuts = np.linspace(0, len(w), -(-len(w) // ROW_CHUNK) + 1).round().astype(int)
-    parts = list(ordered_map(lambda c: _quantize_rows(w[c[0]:c[1]], dead, order, upper, diag, spec, options,
-                                                      scale_dtype), zip(cuts[:-1], cuts[1:])))
+    parts = list(ordered_map(lambda c: _quantize_rows(
+        w[c[0]:c[1]], dead, order, upper, diag, spec, options, scale_dtype,
+        None if static is None else (static[0][c[0]:c[1]], static[1][c[0]:c[1]])), zip(cuts[:-1], cuts[1:])))
     return tuple(np.concatenate(p) for p in zip(*parts))  # type: ignore[return-value]
+
+
+def _static_params(w: np.ndarray, dead: np.ndarray, diag: np.ndarray, spec: ResolvedSpec, options: GPTQConfig,
+                   scale_dtype: type) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every group's scales and zero points [N, groups] from the original weights (dead
+    inputs zeroed), when `static_groups` or `desc_act` asks for them; None otherwise.
+    All groups of all rows in one search where K is a whole number of groups (each row's
+    result is its own, as group by group: the same values in fewer, larger numpy calls,
+    which held the GIL for 16 s of SmolLM2's GPTQ when made per slice and group)."""
+    if not (options.static_groups or options.desc_act):
+        return None
+    n, k = w.shape
+    group = int(spec.group_size)
+    groups = -(-k // group)
+    step = max(1, min(STATIC_ELEMENTS // k, -(-n // cpu_count())))  # a piece per core at least
+
+    def piece(r: int) -> tuple[np.ndarray, np.ndarray]:
+        part = np.where(dead, np.float32(0.0), w[r:r + step]).astype(np.float64)
+        if k % group == 0:
+            scale, zero = _group_params(part.reshape(-1, group), spec, scale_dtype,
+                                        diag.reshape(groups, group) if options.clip_search else None)
+            return scale.reshape(-1, groups), zero.reshape(-1, groups)
+        params = [_group_params(part[:, g * group:(g + 1) * group], spec, scale_dtype,
+                                diag[g * group:(g + 1) * group] if options.clip_search else None) for g in range(groups)]
+        return np.stack([p[0] for p in params], axis=1), np.stack([p[1] for p in params], axis=1)
+
+    scales, zeros = zip(*ordered_map(piece, range(0, n, step)))
+    scales, zeros = np.concatenate(scales), np.concatenate(zeros)
+    return scales, zeros
 
 
 def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np.ndarray, diag: np.ndarray,
                    spec: ResolvedSpec, options: GPTQConfig, scale_dtype: type,
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   static: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GPTQ of some rows of W^T, with the permuted inverse Hessian's Cholesky factor
     (float32).
 
@@ -156,14 +191,9 @@ def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np
     group = int(spec.group_size)
     w = w.astype(np.float64)  # a copy
     w[:, dead] = 0.0
-    static = options.static_groups or options.desc_act
     groups = -(-k // group)
-    scales, zeros = np.zeros((n, groups)), np.zeros((n, groups))
-    if static:
-        for g in range(groups):
-            cols = slice(g * group, (g + 1) * group)
-            scales[:, g], zeros[:, g] = _group_params(w[:, cols], spec, scale_dtype,
-                                                      diag[cols] if options.clip_search else None)
+    scales, zeros = (np.zeros((n, groups)), np.zeros((n, groups))) if static is None else (
+        static[0].copy(), static[1].copy())
     rows = np.ascontiguousarray(w[:, order].T, dtype=np.float32)  # [k, n]: row i is the i-th quantized
     s32, z32 = scales.T.astype(np.float32), zeros.T.astype(np.float32)  # [groups, n]
     codes = np.empty((k, n), np.float32)
@@ -175,7 +205,7 @@ def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np
             for i in range(j1, j2):
                 col = order[i]
                 g = col // group
-                if not static and col % group == 0:  # first row of its group: parameters from now
+                if static is None and col % group == 0:  # first row of its group: parameters from now
                     current = rows[i:i + group].T.astype(np.float64)
                     scales[:, g], zeros[:, g] = _group_params(current, spec, scale_dtype,
                                                               diag[col:col + group] if options.clip_search else None)
@@ -310,17 +340,34 @@ def walk_groups(model: ir.Model, plan: QuantPlan, ctx: AlgorithmContext, name: s
 def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: GPTQConfig,
          ctx: AlgorithmContext) -> str:
     """Quantize every MatMul lowered to MatMulNBits with GPTQ; pin the result for emission."""
-    def quantize(node: ir.Node, spec: ResolvedSpec, hessian: np.ndarray) -> np.ndarray:
-        scale_dtype = FLOAT_TYPES[weight_dtype(node)]
-        w = np.asarray(constant_array(node.inputs[1]))
-        codes, scales, zeros = gptq_quantize(w.T, hessian, spec, options, scale_dtype)
-        result = to_block_quantized(codes, scales, zeros, spec, scale_dtype)
-        ctx.weights.pin_node(node.name, node.inputs[1], result)
-        drop_pages(node.inputs[1].const_value)  # read once; a mapped weight's pages may go
-        return dequantize_blockwise(result).astype(w.dtype)
+    def quantize(layers: list[Layer], hessian: np.ndarray) -> list[np.ndarray | None]:
+        """Layers of one spec and scale type in one `gptq_quantize`: their rows stacked
+        share H's factor (rows are independent given H: the codes are each layer's own)."""
+        scale_dtype = FLOAT_TYPES[weight_dtype(layers[0][0])]
+        spec = layers[0][1]
+        ws = [np.asarray(constant_array(node.inputs[1])) for node, _ in layers]
+        stacked = ws[0].T if len(ws) == 1 else np.concatenate([w.T for w in ws])
+        codes, scales, zeros = gptq_quantize(stacked, hessian, spec, options, scale_dtype)
+        out: list[np.ndarray | None] = []
+        start = 0
+        for (node, _), w in zip(layers, ws):
+            rows = slice(start, start + w.shape[1])
+            start = rows.stop
+            result = to_block_quantized(codes[rows], scales[rows], zeros[rows], spec, scale_dtype)
+            ctx.weights.pin_node(node.name, node.inputs[1], result)
+            drop_pages(node.inputs[1].const_value)  # read once; a mapped weight's pages may go
+            out.append(dequantize_blockwise(result).astype(w.dtype))
+        return out
 
     def quantize_group(group: list[Layer], hessian: np.ndarray) -> list[np.ndarray | None]:
-        return [quantize(node, spec, hessian) for node, spec in group]
+        kinds: dict[tuple, list[int]] = {}  # layers that may stack: one spec, one scale type
+        for i, (node, spec) in enumerate(group):
+            kinds.setdefault((spec, weight_dtype(node)), []).append(i)
+        out: list[np.ndarray | None] = [None] * len(group)
+        for members in kinds.values():
+            for i, weight in zip(members, quantize([group[i] for i in members], hessian)):
+                out[i] = weight
+        return out
 
     done, total = walk_groups(model, plan, ctx, "gptq", quantize_group, options.true_sequential,
                               options.cache_budget_mb)

@@ -213,6 +213,10 @@ class Replay:
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in self.opsets.items()],
                                   ir_version=self.ir_version)
         options = session_options()
+        # Between runs the caller works in numpy on every core (GPTQ's and AWQ's Hessians
+        # and rounding); onnxruntime's threads spinning for their next task took the cores
+        # from it: SmolLM2 GPTQ's Hessian products 18.0 s with spinning, 12.8 s without.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         values = add_arrays(options, arrays)
         session = ort.InferenceSession(model.SerializeToString(), options, providers=self.providers)
         session._onnxq_weights = values
