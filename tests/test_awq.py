@@ -108,29 +108,34 @@ def test_searching_both_scale_families_is_never_worse():
 
 
 def test_alpha_search_scores_coarse_then_beside_the_best(monkeypatch):
-    """A grid of 20 per family scores every second alpha, then the two beside each
-    family's best: 25 scorings instead of 41, and here the full grid's choice."""
+    """A grid of 20 per family scores every second alpha (0.1, 0.2, ..., 1.0), then the
+    two beside each family's best: 25 scorings instead of 41. With an error least at
+    alpha 0.36, the coarse step finds 0.4 and the fine step 0.35, the full grid's choice;
+    scoring on ties keeps the earlier candidate."""
     from onnxq.config.resolve import ResolvedSpec
     from onnxq.numerics.qmath import DType
     from onnxq.optimize import awq
 
-    rng = np.random.default_rng(7)
-    w = (rng.standard_normal((K, N)) * 0.05).astype(np.float32)
-    x = (rng.standard_normal((512, K)) * GAIN).astype(np.float32)
-    hessian = (x.T.astype(np.float64) @ x) / len(x)
     spec = ResolvedSpec(DType.INT4, True, "per_group", None, 32, "minmax", 99.99, 2048, (), None, None,
                         "float32", "half_even", False)
-    h32 = hessian.astype(np.float32)
-    full = min(((awq.scaled_error(w, s, spec, np.float32, h32), alpha)
-                for alpha, s in awq.candidates(np.sqrt(np.diag(hessian)), awq.weight_magnitude([w], 32), 20, "both")),
-               key=lambda c: c[0])
-    calls = []
-    scored = awq.scaled_error
-    monkeypatch.setattr(awq, "scaled_error", lambda *a: calls.append(1) or scored(*a))
+    w = np.ones((K, N), np.float32)
+    hessian = np.eye(K)
+    # candidate s encodes its alpha (and family: duo's are shifted by 10); error |alpha - 0.36|, duo's worse
+    monkeypatch.setattr(awq, "candidates", lambda rms, magnitude, grid, scaling: [
+        (a, np.full(K, a + 10 * f)) for f in range(2) for a in np.arange(1, grid + 1) / grid])
+    scored: list[float] = []
+
+    def error(w, s, spec, dtype, h):
+        first = not scored  # alpha 0 (s = 1) is scored first, alone
+        scored.append(float(s[0]))
+        return 10.0 if first else 1.0 + abs(s[0] % 10 - 0.36) + 0.5 * (s[0] // 10)
+
+    monkeypatch.setattr(awq, "scaled_error", error)
     alpha, s = awq.search_scales([w], hessian, [spec], [np.float32], 20, 0.0, "both")
-    assert len(calls) <= 25  # alpha 0, 20 coarse, at most 2 beside each family's best
-    assert alpha == full[1]
-    assert awq.scaled_error(w, s, spec, np.float32, h32) == full[0]
+    assert alpha == 0.35 and s[0] == 0.35
+    coarse = [f * 10 + 0.1 * i for f in range(2) for i in range(1, 11)]
+    beside = [0.35, 0.45, 10.35, 10.45]  # duo's best coarse alpha is 0.4 too
+    assert sorted(round(a, 2) for a in scored[1:]) == sorted(round(a, 2) for a in coarse + beside)
 
 
 def test_awq_on_hqq_weights_scales_then_solves_zero_points():

@@ -171,3 +171,79 @@ def test_layers_sharing_an_input_round_as_one_matrix():
         np.testing.assert_array_equal(stacked[2], alone[2])
         differ = stacked[0] != alone[0]
         assert differ.mean() < 1e-3 and np.abs(stacked[0].astype(int) - alone[0])[differ].max(initial=0) <= 1
+
+
+def test_static_group_scales_are_each_groups_own():
+    """The static groups' scales, searched over every row and group at once (in pieces),
+    equal a group-by-group search of each group alone, K a whole number of groups or not,
+    dead inputs zeroed first."""
+    from onnxq.config.resolve import merge_specs
+    from onnxq.config.spec import QuantizationSpec
+    from onnxq.optimize.gptq import GPTQConfig, _group_params, _static_params
+
+    rng = np.random.default_rng(4)
+    for k, group in ((256, 32), (200, 64)):
+        spec = merge_specs([QuantizationSpec(dtype="uint4", symmetric=False, qscheme="per_group",
+                                             group_size=group)], "weight")
+        w = rng.standard_normal((300, k)).astype(np.float32)
+        dead = np.zeros(k, bool)
+        dead[[5, k - 1]] = True
+        diag = rng.uniform(0.1, 3.0, k).astype(np.float32)
+        scales, zeros = _static_params(w, dead, diag, spec, GPTQConfig(), np.float32)
+        zeroed = np.where(dead, 0.0, w.astype(np.float64))
+        for g in range(-(-k // group)):
+            cols = slice(g * group, (g + 1) * group)
+            scale, zero = _group_params(zeroed[:, cols], spec, np.float32, diag[cols])
+            np.testing.assert_allclose(scales[:, g], scale, rtol=1e-6, atol=0)  # float32 sums' last bits
+            np.testing.assert_array_equal(zeros[:, g], zero)
+
+
+def test_mixed_specs_on_one_input_keep_each_layers_result(monkeypatch):
+    """Three MatMuls on one input, the middle one with its own block size, then a MatMul
+    on a mix of their outputs: each stored weight is what GPTQ gives that layer alone (the
+    stacked rounding splits back onto the right layers), and the replay computes the last
+    layer's input with each node's own stored weight."""
+    from onnxq.numerics.blocks import BlockQuantized
+    from onnxq.optimize.layerwise.replay import Replay
+
+    rng = np.random.default_rng(9)
+    b = GraphBuilder(1)
+    x = b.input("x", ["N", 8, K])
+    weights = [(rng.standard_normal((K, K)) * 0.05).astype(np.float32) for _ in range(4)]
+    y = [b.node("MatMul", [x, b.const("w", w)]) for w in weights[:3]]
+    mixed = b.node("Add", [b.node("Mul", [y[0], b.const("two", np.float32(2.0))]), b.node("Sub", [y[1], y[2]])])
+    model = b.build([b.node("MatMul", [mixed, b.const("w", weights[3])])], name="mixed")
+    names = [n.name for n in model.graph.node if n.op_type == "MatMul"]
+    first_weights = [n.input[1] for n in model.graph.node if n.op_type == "MatMul"]
+    block64 = {"weight": {"dtype": "uint4", "symmetric": False, "qscheme": "per_group", "group_size": 64}}
+    calib = _data(16, 3)
+
+    def config(layer_overrides: dict) -> onnxq.Config:
+        return onnxq.as_config({"preset": "W4_GROUP128", "accuracy_level": 0, "algo_config": [{"name": "gptq"}],
+                                "layer_type_quant_config": {"MatMul": {"weight": {"group_size": 32}}},
+                                "layer_quant_config": layer_overrides})
+
+    replayed: dict[str, np.ndarray] = {}
+    original = Replay.set_initializer
+    monkeypatch.setattr(Replay, "set_initializer",
+                        lambda self, name, array: replayed.setdefault(name, array) is None or original(self, name, array))
+    out = onnxq.quantize(model, None, config({names[1]: block64}), calib, progress=False).model
+
+    def stored(model: onnx.ModelProto, name: str) -> np.ndarray:
+        node = next(n for n in model.graph.node if n.name == f"{name}_MatMulNBits")
+        inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        zp = inits[node.input[3]] if len(node.input) > 3 and node.input[3] else None
+        return dequantize_blockwise(BlockQuantized(inits[node.input[1]], inits[node.input[2]], zp,
+                                                   attrs["K"], attrs["N"], 4, attrs["block_size"]))
+
+    for name, weight_name in zip(names, first_weights):
+        np.testing.assert_array_equal(replayed[weight_name], stored(out, name))
+    for i in range(3):  # the first group's layers, each alone on the same input
+        alone = GraphBuilder(1)
+        xa = alone.input("x", ["N", 8, K])
+        single = alone.build([alone.node("MatMul", [xa, alone.const("w", weights[i])])], name="one")
+        name = single.graph.node[0].name
+        got = onnxq.quantize(single, None, config({name: block64} if i == 1 else {}), calib, progress=False).model
+        differ = stored(out, names[i]) != stored(got, name)
+        assert differ.mean() < 1e-3  # float32 sums of the stacked rows may round a rare code the other way

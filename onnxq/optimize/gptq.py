@@ -106,11 +106,13 @@ def _group_params(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type,
     return scale.astype(np.float64), zp.astype(np.float64)
 
 
-# Output rows quantized at once, at most: rows are independent given H, so a layer's rows
-# go in equal slices of up to 1024, on every core (`ordered_map`, BLAS on one thread each),
-# and an LLM head's (49152 rows) working copies stay small. The slices depend on the
-# layer alone, so the result does not depend on the core count (nor on the slice size:
-# SmolLM2's outputs are byte-identical with 512, 1024 and 2048). Each slice's row loop is
+# Output rows quantized at once, at most: rows are independent given H, so the rows of a
+# layer, or of the layers of one input group stacked, go in equal slices of up to 1024, on
+# every core (`ordered_map`, BLAS on one thread each), and an LLM head's (49152 rows)
+# working copies stay small. The slices depend on the shapes alone, so the result does not
+# depend on the core count (nor, in practice, on the slice size: SmolLM2's outputs were
+# byte-identical with 512, 1024 and 2048; a BLAS may sum a product's terms in another
+# order for another width). Each slice's row loop is
 # Python-bound and holds the GIL between numpy calls, so fewer, wider slices are faster
 # than more threads: SmolLM2 GPTQ on 16 windows 39.1 s at 512, 34.7 s at 1024.
 ROW_CHUNK = 1024
