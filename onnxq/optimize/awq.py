@@ -182,9 +182,7 @@ def search_scales(weights: list[np.ndarray], hessian: np.ndarray, specs: list[Re
     options = candidates(rms, magnitude, grid, scaling)
     coarse = coarse_indices(len(options), grid)
     scored = dict(zip(coarse, ordered_map(lambda i: error(options[i][1]), coarse)))
-    firsts = {min((i for i in scored if i // grid == f), key=lambda i: (scored[i], i)) for f in {i // grid for i in scored}}
-    near = sorted(i for first in firsts for i in (first - 1, first + 1)
-                  if i not in scored and i // grid == first // grid and 0 <= i < len(options))
+    near = beside_best(scored, grid)
     scored.update(zip(near, ordered_map(lambda i: error(options[i][1]), near)))
     for i in sorted(scored):  # in candidate order: ties keep the earlier one, as a serial search does
         if scored[i] < best[0]:
@@ -201,6 +199,18 @@ def coarse_indices(count: int, grid: int) -> list[int]:
     if grid < 6:
         return list(range(count))
     return [i for i in range(count) if i % grid % 2 == 1]
+
+
+def beside_best(scored: dict[int, float], grid: int) -> list[int]:
+    """The unscored candidates next to each family's best scored one (families are runs
+    of `grid` candidates; ties: the earlier), in candidate order."""
+    families: dict[int, int] = {}
+    for i in sorted(scored):
+        family = i // grid
+        if family not in families or scored[i] < scored[families[family]]:
+            families[family] = i
+    return sorted(j for best in families.values() for j in (best - 1, best + 1)
+                  if j // grid == best // grid and j not in scored)
 
 
 def clipped(w: np.ndarray, s: np.ndarray, spec: ResolvedSpec, scale_dtype: type,

@@ -171,8 +171,7 @@ def _static_params(w: np.ndarray, dead: np.ndarray, diag: np.ndarray, spec: Reso
         return np.stack([p[0] for p in params], axis=1), np.stack([p[1] for p in params], axis=1)
 
     scales, zeros = zip(*ordered_map(piece, range(0, n, step)))
-    scales, zeros = np.concatenate(scales), np.concatenate(zeros)
-    return scales, zeros
+    return np.concatenate(scales), np.concatenate(zeros)
 
 
 def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np.ndarray, diag: np.ndarray,
@@ -194,8 +193,7 @@ def _quantize_rows(w: np.ndarray, dead: np.ndarray, order: np.ndarray, upper: np
     w = w.astype(np.float64)  # a copy
     w[:, dead] = 0.0
     groups = -(-k // group)
-    scales, zeros = (np.zeros((n, groups)), np.zeros((n, groups))) if static is None else (
-        static[0].copy(), static[1].copy())
+    scales, zeros = (np.zeros((n, groups)), np.zeros((n, groups))) if static is None else static
     rows = np.ascontiguousarray(w[:, order].T, dtype=np.float32)  # [k, n]: row i is the i-th quantized
     s32, z32 = scales.T.astype(np.float32), zeros.T.astype(np.float32)  # [groups, n]
     codes = np.empty((k, n), np.float32)
