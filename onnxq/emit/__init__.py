@@ -28,6 +28,7 @@ from onnxq.emit import (  # noqa: F401 (register lowerings)
     matmul_nbits,
 )
 from onnxq.emit.cpu_layout import keep_layernorm_apart
+from onnxq.emit.float_kernels import keep_float_kernels
 from onnxq.emit.lowering import ordered
 from onnxq.emit.qdq import EmitReport
 from onnxq.emit.qdq_layout import lay_out_qdq
@@ -80,6 +81,9 @@ def emit_model(
         result.notes.extend(report.notes)
     if config.quant_format == QuantFormat.QOPERATOR:
         result.notes.append(to_qoperator(model).note("qoperator format"))
+    # Float Conv/Gemm beside quantized ops stay float in onnxruntime (emit/float_kernels.py).
+    note = keep_float_kernels(model).note()
+    result.notes.extend([note] if note else [])
     apart = keep_layernorm_apart(model) if cpu else 0
     if apart:
         result.notes.append(f"{apart} float Add -> LayerNormalization written as Sum: onnxruntime's CPU "

@@ -1,0 +1,76 @@
+"""A Conv or Gemm kept float between quantized ops runs in float in a default onnxruntime
+session: its input reaches it through a per-channel DequantizeLinear, which onnxruntime's
+WeightBiasQuantization (per-tensor int8 weights for any Conv/Gemm reading a per-tensor
+DequantizeLinear) leaves alone (`onnxq/emit/float_kernels.py`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from helpers import GraphBuilder, producers, sqnr_db
+from onnx import numpy_helper
+
+import onnxq
+
+
+def spread_depthwise(seed: int = 21) -> onnx.ModelProto:
+    """Conv+Relu, a depthwise Conv whose channels' weights span 1000x (per-tensor int8
+    would zero the small ones), Relu, 1x1 Conv, Flatten, Gemm."""
+    b = GraphBuilder(seed)
+    x = b.relu(b.conv(b.input("x", ["N", 4, 8, 8]), 4, 16))
+    w = b.he((16, 1, 3, 3), 9) * np.logspace(-3, 0, 16, dtype=np.float32)[:, None, None, None]
+    x = b.relu(b.node("Conv", [x, b.const("dw_w", w), b.const("dw_b", b.small((16,)))],
+                      kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=16))
+    x = b.node("Flatten", [b.relu(b.conv(x, 16, 8, k=1))])
+    return b.build([b.gemm(x, 8 * 8 * 8, 10)], name="spread_depthwise")
+
+
+def default_run(model: onnx.ModelProto, x: np.ndarray, disabled: list[str] | None = None) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"],
+                                   disabled_optimizers=disabled or [])
+    return session.run(None, {"x": x})[0]
+
+
+def test_excluded_depthwise_conv_and_gemm_run_in_float(tmp_path):
+    model = spread_depthwise()
+    x = np.random.default_rng(0).standard_normal((32, 4, 8, 8)).astype(np.float32)
+    names = {n.op_type: n.name for n in model.graph.node if n.op_type in ("Gemm",)}
+    dw = next(n.name for n in model.graph.node if n.op_type == "Conv" and n.input[1].startswith("dw_w"))
+    result = onnxq.quantize(model, tmp_path / "q.onnx", {"exclude": [dw, names["Gemm"]]}, {"x": x}, progress=False)
+    assert dw in result.summary.float_nodes and names["Gemm"] in result.summary.float_nodes
+    quantized = onnx.load(tmp_path / "q.onnx")
+    onnx.checker.check_model(quantized)
+    dq = producers(quantized)[next(n for n in quantized.graph.node if n.name == dw).input[0]]
+    scale = next(t for t in quantized.graph.initializer if t.name == dq.input[1])
+    assert dq.op_type == "DequantizeLinear" and list(scale.dims) == [16]
+    # onnxruntime's weight rewrite finds nothing to do: the default session computes what
+    # it computes with the rewrite off, and is close to float.
+    out = default_run(quantized, x[:8])
+    np.testing.assert_allclose(out, default_run(quantized, x[:8], ["WeightBiasQuantization"]), rtol=1e-5, atol=1e-6)
+    reference = default_run(model, x[:8])
+    assert sqnr_db(reference, out) > 25
+
+
+def test_without_the_guard_onnxruntime_would_quantize_them(tmp_path):
+    """The failure the guard prevents, on the same model: with the guard's per-channel
+    scale and zero point made per tensor again, onnxruntime quantizes the excluded
+    depthwise Conv's weights (per tensor): the default session no longer computes what it
+    computes with that rewrite off, and the small channels are lost."""
+    model = spread_depthwise()
+    x = np.random.default_rng(0).standard_normal((32, 4, 8, 8)).astype(np.float32)
+    dw = next(n.name for n in model.graph.node if n.op_type == "Conv" and n.input[1].startswith("dw_w"))
+    onnxq.quantize(model, tmp_path / "q.onnx", {"exclude": [dw]}, {"x": x}, progress=False)
+    guarded = onnx.load(tmp_path / "q.onnx")
+    unguarded = onnx.load(tmp_path / "q.onnx")
+    guard = producers(unguarded)[next(n for n in unguarded.graph.node if n.name == dw).input[0]]
+    for tensor in unguarded.graph.initializer:
+        if tensor.name in guard.input[1:]:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor)[:1].reshape(()), tensor.name))
+    del guard.attribute[:]
+    out = default_run(unguarded, x[:8])
+    assert np.abs(out - default_run(unguarded, x[:8], ["WeightBiasQuantization"])).max() > 1e-3
+    reference = default_run(model, x[:8])
+    assert sqnr_db(reference, default_run(guarded, x[:8])) > sqnr_db(reference, out)
