@@ -595,23 +595,32 @@ def median_latency_ms(
     runs: int,
     warmup: int = 3,
 ) -> dict[str, dict[str, float]]:
-    """Median (and min, max) ms per `session.run` for several sessions, runs interleaved.
+    """Median (and min, max) ms per `session.run` for several sessions, taking turns.
 
-    Each session is warmed up `warmup` times, then the sessions take turns for `runs`
-    rounds, so a change of machine load hits all of them alike. `feeds[name]` is the feed
-    of session `name`.
+    Each session is warmed up `warmup` times, then the sessions take turns in blocks of
+    `onnxq.emit.latency.BLOCK` runs, each after a pause and one warm-up run, until each
+    has about `runs` runs: a change of machine load hits all of them alike, and no session
+    runs beside another one's spinning thread pool (`onnxq/emit/latency.py`: run-by-run
+    interleaving made a multi-threaded int8 ResNet-20 3x slower). `feeds[name]` is the
+    feed of session `name`.
     """
     import time
+
+    from onnxq.emit.latency import BLOCK, PAUSE_S
 
     for name, sess in sessions.items():
         for _ in range(warmup):
             sess.run(None, dict(feeds[name]))
     times: dict[str, list[float]] = {name: [] for name in sessions}
-    for _ in range(runs):
+    for _ in range(max(1, -(-runs // BLOCK))):
         for name, sess in sessions.items():
-            t0 = time.perf_counter()
-            sess.run(None, dict(feeds[name]))
-            times[name].append((time.perf_counter() - t0) * 1000.0)
+            feed = dict(feeds[name])
+            time.sleep(PAUSE_S)
+            sess.run(None, feed)
+            for _ in range(BLOCK):
+                t0 = time.perf_counter()
+                sess.run(None, feed)
+                times[name].append((time.perf_counter() - t0) * 1000.0)
     return {
         name: {
             "median_ms": float(np.median(t)),

@@ -7,7 +7,7 @@ per-target choices and onnxruntime's `quantize_static` with and without `reduce_
     python benchmarks/deployed.py --models mobilenet --variants default ort ort_rr
 
 Rows: `float`; onnxq `default` (target auto: pair-safe int8 weights where the kernels
-saturate), `8bit` (reduce_range false), `7bit`
+saturate), `latency` (`optimize_for: latency`, the plan timed on this CPU), `8bit` (reduce_range false), `7bit`
 (reduce_range true), `u8u8` (uint8 symmetric weights), `s8s8` (S8S8 preset), `bc` (default
 plus bias correction), `pt_cle_bc` (per-tensor weights, CLE and bias correction),
 `pt_cle_ebc` (the same with the empirical correction, layer by layer on the quantized
@@ -19,7 +19,7 @@ AVX2 CPU's);
 `ort` / `ort_rr` (quantize_static U8S8 per-channel MinMax, reduce_range off/on),
 `ort_pt` (per-tensor), `ort_fp8` (float8 E4M3FN, Distribution calibration), `ort_dyn`
 (quantize_dynamic, int8 per-channel weights). Columns: metric deployed and with reference kernels, latency at
-batch 1 and 8 (median, sessions interleaved, 1 thread), quantize time and peak RSS of
+batch 1 and 8 (median, sessions taking turns in blocks, 1 thread), quantize time and peak RSS of
 the quantizer's own worker process; ratios against onnxruntime's row of the same
 granularity. Each quantizer runs in a worker subprocess (`compare_ort` protocol).
 """
@@ -40,6 +40,7 @@ import numpy as np
 U8S8_WEIGHT = {"dtype": "int8", "symmetric": True, "qscheme": "per_channel"}
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {"tool": "onnxq", "config": {}},
+    "latency": {"tool": "onnxq", "config": {"optimize_for": "latency"}},
     "8bit": {"tool": "onnxq", "config": {"reduce_range": False}},
     "7bit": {"tool": "onnxq", "config": {"reduce_range": True}},
     "u8u8": {"tool": "onnxq", "config": {"global_quant_config": {"weight": {"dtype": "uint8"}}}},
@@ -133,7 +134,7 @@ def run_worker(job_path: str, quantize: Any = None) -> int:
 
 def latency(paths: dict[str, str], feeds: dict[str, np.ndarray], runs: int,
             threads: tuple[int, ...] = (1,)) -> dict[str, dict[str, float]]:
-    """Median ms per run at batch 1 and 8, all sessions interleaved; keys `b{batch}_ms` for
+    """Median ms per run at batch 1 and 8, all sessions taking turns; keys `b{batch}_ms` for
     one thread, `b{batch}_t{threads}_ms` for others."""
     out: dict[str, dict[str, float]] = {name: {} for name in paths}
     for batch in (1, 8):

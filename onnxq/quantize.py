@@ -14,6 +14,7 @@ from onnxq.calibrate.text import text_windows
 from onnxq.config import Config, as_config
 from onnxq.config.compose import DEFAULT_PRESET, ConfigLike
 from onnxq.config.defaults import config_for, default_note
+from onnxq.config.spec import OptimizeFor
 from onnxq.errors import ConfigError
 from onnxq.graph.folder import copy_companions, open_folder, output_model
 from onnxq.graph.save import check_output_paths
@@ -24,6 +25,7 @@ from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.pipeline.run import run_pipeline
 from onnxq.pipeline.shards import ShardResult, calibrate_shard, calibrate_sharded
 from onnxq.search.driver import quantize_to_target
+from onnxq.search.latency import quantize_for_latency
 
 __all__ = [
     "DEFAULT_PRESET",
@@ -76,7 +78,9 @@ def quantize(
     if text is not None:  # the windows calibrate as an .npz of input_ids would
         calibration_data = {"input_ids": text.windows}
     keep = report is not None  # the report analyses the quantized model against the state it came from
-    if config.mixed_precision.target is not None:
+    if config.optimize_for == OptimizeFor.LATENCY:
+        result = quantize_for_latency(model, output, config, calibration_data, progress)
+    elif config.mixed_precision.target is not None:
         result = quantize_to_target(model, output, config, calibration_data, progress, evaluate, keep_state=keep)
     elif evaluate is not None:
         raise ConfigError("evaluate= scores models for an accuracy target; set "

@@ -39,6 +39,7 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("max_calib_memory", ("calibration", "max_memory_mb")),
     ("check_samples", ("calibration", "check_samples")),
     ("latency", ("calibration", "measure_latency")),
+    ("optimize_for", ("optimize_for",)),
     ("calib_text", ("calibration", "text")),
     ("sequence_length", ("calibration", "sequence_length")),
     ("save_ranges", ("calibration", "save_ranges")),
@@ -197,6 +198,10 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--latency", action="store_true", default=None,
                    help="time the float and the quantized model at batch 1 and 8 in default sessions on "
                         "this CPU, print the speed-up, and say why where the quantized model is not faster")
+    q.add_argument("--optimize-for", choices=("accuracy", "latency"),
+                   help="accuracy (default): the plan as configured; latency: time the plan on this CPU and keep "
+                        "in float, or quantize dynamically, what int8 does not speed up here, while the output "
+                        "stays as close to float (slower to quantize; cached per model, CPU and onnxruntime)")
     q.add_argument("--accuracy-target", metavar="EXPR",
                    help="raise the most sensitive layers up --ladder until the model meets EXPR, e.g. "
                         "'top1>=float-0.5', 'cosine>=0.999', 'sqnr>=30' (scored in a default session)")

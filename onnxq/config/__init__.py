@@ -12,6 +12,7 @@ from onnxq.config.spec import (
     Config,
     DType,
     MixedPrecisionConfig,
+    OptimizeFor,
     QScheme,
     QuantFormat,
     QuantizationConfig,
@@ -25,6 +26,7 @@ from onnxq.config.validate import validate_config, validate_node_configs
 __all__ = [
     "PRESETS",
     "MixedPrecisionConfig",
+    "OptimizeFor",
     "CalibMethod",
     "CalibrationConfig",
     "Config",

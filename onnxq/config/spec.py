@@ -93,6 +93,18 @@ class RoundMethod(_StrEnum):
     CEIL = "ceil"
 
 
+class OptimizeFor(_StrEnum):
+    """What a run optimises after accuracy.
+
+    `accuracy`: the plan as configured, no timing (fast and byte-reproducible anywhere).
+    `latency`: the plan is then measured on this CPU and changed where that makes the
+    deployed model faster without losing accuracy (`onnxq.search.latency`).
+    """
+
+    ACCURACY = "accuracy"
+    LATENCY = "latency"
+
+
 class Target(_StrEnum):
     """Where the quantized model will run; decides what its int8 kernels can hold.
 
@@ -289,6 +301,9 @@ class Config:
     )
     pre_quant_opt_config: list[dict[str, Any]] = field(default_factory=list)
     algo_config: list[dict[str, Any]] = field(default_factory=list)
+    # What the run optimises after accuracy: `latency` measures the plan on this CPU and
+    # keeps in float, or quantizes dynamically, what int8 does not speed up here.
+    optimize_for: OptimizeFor = OptimizeFor.ACCURACY
     # Search which layers to raise in precision until an accuracy target is met.
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
     # Lowest ai.onnx opset of the output (default: the lowest the configured types need).

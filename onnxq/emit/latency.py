@@ -2,8 +2,8 @@
 
 The question a user deploys on: is the int8 model faster here? Both models run in default
 onnxruntime sessions (what deploys: fused int8 kernels, every core) on the first
-calibration sample repeated to each batch size, interleaved so that a machine's drift
-hits both alike; each figure is the median of the runs. Where the quantized model is not
+calibration sample repeated to each batch size, taking turns in short blocks so that a
+machine's drift hits both alike (`rounds_ms`); each figure is the median of the runs. Where the quantized model is not
 faster at some batch size, both run once more under onnxruntime's profiler and the
 kernel time per op type says where the time went, read through a table of causes
 (`CAUSES`): Q/DQ boundaries, int8 kernels slower than the float ones they replace, a CPU
@@ -31,9 +31,15 @@ from onnxq.evaluate import deployed_options, imports_extended, open_any
 from onnxq.target.profile import cpu_isa
 
 BATCHES = (1, 8)
-# Runs per model and batch size after one warm-up, and the wall time that stops them
-# sooner on a slow model: a median of 5 to 30 runs moves by a few percent between calls.
-RUNS, MIN_RUNS, BUDGET_S = 30, 5, 4.0
+# Runs per model and batch size, and the wall time that stops them sooner on a slow
+# model: a median of 10 to 30 runs moves by a few percent between calls.
+RUNS, BUDGET_S = 30, 4.0
+# onnxruntime's idle intra-op threads spin for a while after a run, so a session run
+# right after another one's runs beside that one's spinning threads: ResNet-20 at batch
+# 8 on 2 threads of 2 cores took 6.8 ms with float and int8 interleaved run by run, 1.8 ms
+# alone. So the sessions take turns in rounds: a pause that lets the last session's
+# threads go to sleep, one warm-up run, then BLOCK timed runs (2.1 ms in that case).
+BLOCK, PAUSE_S, MIN_ROUNDS = 5, 0.02, 2
 PROFILE_RUNS = 5
 # Speed-up under which the summary explains: within 3% is the runs' own spread.
 FASTER = 1.03
@@ -82,8 +88,8 @@ class Latency:
         return out
 
 
-def _feeds(inputs: list[InputSpec], data: CalibrationSource, session: ort.InferenceSession,
-           ) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
+def latency_feeds(inputs: list[InputSpec], data: CalibrationSource, session: ort.InferenceSession,
+                  ) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
     """The first sample repeated to each batch size the model's inputs allow."""
     sample = next(iter(iter_batches(data, inputs, 1, 1, purpose="the latency check")))
     fixed = [i.name for i in session.get_inputs() if i.shape and i.shape[0] == 1]
@@ -96,18 +102,30 @@ def _feeds(inputs: list[InputSpec], data: CalibrationSource, session: ort.Infere
     return feeds, skipped
 
 
-def median_ms(sessions: list[ort.InferenceSession], feed: dict[str, np.ndarray]) -> list[float]:
-    """Median wall ms per run of each session, runs interleaved (module doc)."""
-    times: list[list[float]] = [[] for _ in sessions]
-    for session in sessions:
-        session.run(None, feed)
+def rounds_ms(sessions: list[ort.InferenceSession], feed: dict[str, np.ndarray], runs: int = RUNS,
+              budget_s: float = BUDGET_S) -> list[list[float]]:
+    """Per session, the median ms of each round: the sessions take turns in blocks (`BLOCK`,
+    `PAUSE_S`) for about `runs` runs each, fewer where they outlast `budget_s` (at least
+    `MIN_ROUNDS` rounds)."""
+    out: list[list[float]] = [[] for _ in sessions]
     began = time.perf_counter()
-    while len(times[0]) < RUNS and (len(times[0]) < MIN_RUNS or time.perf_counter() - began < BUDGET_S):
-        for session, spent in zip(sessions, times):
-            start = time.perf_counter()
+    while len(out[0]) * BLOCK < runs and (len(out[0]) < MIN_ROUNDS or time.perf_counter() - began < budget_s):
+        for session, rounds in zip(sessions, out):
+            time.sleep(PAUSE_S)
             session.run(None, feed)
-            spent.append(time.perf_counter() - start)
-    return [1e3 * float(np.median(t)) for t in times]
+            spent = []
+            for _ in range(BLOCK):
+                start = time.perf_counter()
+                session.run(None, feed)
+                spent.append(time.perf_counter() - start)
+            rounds.append(1e3 * float(np.median(spent)))
+    return out
+
+
+def median_ms(sessions: list[ort.InferenceSession], feed: dict[str, np.ndarray], runs: int = RUNS,
+              budget_s: float = BUDGET_S) -> list[float]:
+    """Median wall ms per run of each session, over its rounds (`rounds_ms`)."""
+    return [float(np.median(r)) for r in rounds_ms(sessions, feed, runs, budget_s)]
 
 
 def kernel_ms(model: str | os.PathLike | bytes | ir.Model, feed: dict[str, np.ndarray],
@@ -190,7 +208,7 @@ def measure_latency(source: str | os.PathLike | bytes | ir.Model, quantized: ir.
     try:
         float_session = open_any(source, deployed_options(extended=imports_extended(source)), providers)
         quantized_session = open_any(quantized, deployed_options(extended=imports_extended(quantized)), providers)
-        feeds, skipped = _feeds(inputs, data, quantized_session)
+        feeds, skipped = latency_feeds(inputs, data, quantized_session)
         timings = [Timing(batch, *median_ms([float_session, quantized_session], feed))
                    for batch, feed in feeds.items()]
         result = Latency(timings, cpu_isa(), skipped=skipped)

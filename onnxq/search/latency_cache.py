@@ -1,0 +1,121 @@
+"""The latency plan's choices, cached on disk per model, config, CPU and onnxruntime version.
+
+Timings vary between runs, so two searches of one model may settle on different plans;
+the cache makes the same command on the same machine give the same bytes (and skip the
+search's seconds). The key hashes the model (its file, or its serialized proto), the
+config as given, the CPU (model name, flags, core count) and the onnxruntime and onnxq
+versions: another CPU or onnxruntime measures again. The folder is `$ONNXQ_CACHE_DIR`,
+else `$XDG_CACHE_HOME/onnxq`, else `~/.cache/onnxq`; a cache that cannot be read or
+written is skipped (the search runs, nothing is stored).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from onnxq.config.compose import as_config
+from onnxq.config.io import config_to_json
+from onnxq.config.spec import Config
+from onnxq.errors import OnnxqError
+
+FOLDER = "latency"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What a search settled on: the config, the changes it carries, and the medians
+    (batch -> ms) of the float model, the model as configured and the chosen one."""
+
+    config: Config
+    kept: list[str]
+    float_ms: dict[int, float]
+    first_ms: dict[int, float]
+    best_ms: dict[int, float]
+
+    def describe(self) -> str:
+        top = max(self.float_ms)
+        times = (f"batch {top}: float {self.float_ms[top]:.3g} ms, as configured {self.first_ms[top]:.3g} ms, "
+                 f"chosen {self.best_ms[top]:.3g} ms")
+        if not self.kept:
+            return f"no change made the model faster on this CPU ({times})"
+        return f"{'; '.join(self.kept)} ({times})"
+
+
+def where() -> Path:
+    """The cache folder (module doc)."""
+    if os.environ.get("ONNXQ_CACHE_DIR"):
+        return Path(os.environ["ONNXQ_CACHE_DIR"]) / FOLDER
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "onnxq" / FOLDER
+
+
+def _cpu() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    wanted = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "\n".join(sorted(set(wanted))) + f"\n{platform.machine()} {os.cpu_count()}"
+
+
+def _model_digest(source: object) -> str:
+    digest = hashlib.sha256()
+    if isinstance(source, str | os.PathLike) and Path(source).is_file():
+        with open(source, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    elif isinstance(source, onnx.ModelProto):
+        digest.update(source.SerializeToString())
+    elif isinstance(source, ir.Model):
+        digest.update(ir.to_proto(source).SerializeToString())
+    else:
+        digest.update(str(source).encode())
+    return digest.hexdigest()
+
+
+def _onnxq_version() -> str:
+    try:
+        return importlib.metadata.version("onnxq")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def key(source: object, config: Config) -> str:
+    """The cache key of quantizing `source` under `config` on this CPU and onnxruntime."""
+    parts = [_model_digest(source), config_to_json(config), _cpu(), ort.__version__, _onnxq_version()]
+    return hashlib.sha256("\n--\n".join(parts).encode()).hexdigest()[:32]
+
+
+def load(name: str) -> Entry | None:
+    """The entry stored under `name`, None where there is none or it cannot be read."""
+    try:
+        doc = json.loads((where() / f"{name}.json").read_text())
+        return Entry(as_config(doc["config"]), list(doc["kept"]),
+                     *({int(b): float(ms) for b, ms in doc[k].items()} for k in ("float_ms", "first_ms", "best_ms")))
+    except (OSError, ValueError, KeyError, TypeError, OnnxqError):
+        return None
+
+
+def store(name: str, entry: Entry) -> None:
+    """Write `entry` under `name` atomically; skipped where the folder is not writable."""
+    doc = {"config": json.loads(config_to_json(entry.config)), "kept": entry.kept,
+           "float_ms": entry.float_ms, "first_ms": entry.first_ms, "best_ms": entry.best_ms}
+    folder = where()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
+            json.dump(doc, f, indent=1)
+        os.replace(f.name, folder / f"{name}.json")
+    except OSError:
+        return

@@ -1,0 +1,145 @@
+"""`--optimize-for latency`: the plan timed on this CPU, changed where that makes the
+deployed model faster without costing accuracy, and cached so a rerun gives the same bytes.
+
+The timings of the real search vary with the machine, so the tests that check which
+change is kept replace the timing (`_Bench.ratios`) with a rule; the end-to-end tests
+check what holds on any CPU: a valid model that runs, close to float, and the cache."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from helpers import GraphBuilder, op_count, run, sqnr_db
+
+import onnxq
+from onnxq.cli import main
+from onnxq.search import latency, latency_cache
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test searches afresh, in a cache of its own."""
+    monkeypatch.setenv("ONNXQ_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def block(seed: int = 3) -> onnx.ModelProto:
+    """A transformer-like block: MatMul, bias Add, Mul by a constant, Relu, MatMul and a
+    residual Add: [N,16,32] -> [N,16,32]."""
+    b = GraphBuilder(seed)
+    x = b.input("x", ["N", 16, 32])
+    h = b.node("Add", [b.matmul(x, 32, 64), b.const("bias", b.small((64,), 0.1))])
+    h = b.relu(b.node("Mul", [h, b.const("gain", np.full((64,), 0.7, np.float32))]))
+    return b.build([b.node("Add", [x, b.matmul(h, 64, 32)])], name="block")
+
+
+def block_data(n: int = 32) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(0).standard_normal((n, 16, 32)).astype(np.float32)}
+
+
+def dynamic_is_faster(self, best, model):
+    """A stand-in CPU where only dynamic int8 MatMuls pay: half the time, every other
+    change the same."""
+    ops = {n.op_type for n in model.graph}
+    return {b: 0.5 if "DynamicQuantizeLinear" in ops or "MatMulInteger" in ops else 1.0 for b in self.feeds}
+
+
+def test_a_faster_change_is_kept_and_the_output_carries_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(latency._Bench, "ratios", dynamic_is_faster)
+    model, data = block(), block_data()
+    result = onnxq.quantize(model, tmp_path / "q.onnx", {"optimize_for": "latency"}, data, progress=False)
+    saved = onnx.load(tmp_path / "q.onnx")
+    onnx.checker.check_model(saved)
+    assert op_count(saved, "DynamicQuantizeLinear") + op_count(saved, "MatMulInteger") > 0
+    texts = result.summary.note_texts
+    assert any(t.startswith("latency plan: MatMul/Gemm dynamic int8 (batch 8: float") for t in texts)
+    tried = [t for t in texts if t.startswith("latency plan tried:")]
+    assert any("MatMul/Gemm dynamic int8: batch 1 0.50x the time, batch 8 0.50x the time" in t for t in tried)
+    assert any(t.endswith("1.00x the time, not kept") for t in tried)  # the others, no faster
+    feed = {"x": data["x"][:8]}
+    assert sqnr_db(run(model, feed)[0], run(saved, feed)[0]) > 25
+    assert result.summary.latency is not None and [t.batch for t in result.summary.latency.timings] == [1, 8]
+
+
+def test_a_change_that_loses_accuracy_is_not_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(latency._Bench, "ratios", dynamic_is_faster)
+    plain_sqnr = latency._Bench.sqnr
+
+    def dynamic_is_worse(self, model):
+        ops = {n.op_type for n in model.graph}
+        return 0.0 if "DynamicQuantizeLinear" in ops or "MatMulInteger" in ops else plain_sqnr(self, model)
+
+    monkeypatch.setattr(latency._Bench, "sqnr", dynamic_is_worse)
+    result = onnxq.quantize(block(), tmp_path / "q.onnx", {"optimize_for": "latency"}, block_data(), progress=False)
+    saved = onnx.load(tmp_path / "q.onnx")
+    assert op_count(saved, "DynamicQuantizeLinear") == 0
+    texts = result.summary.note_texts
+    assert any(t.startswith("latency plan: no change made the model faster") for t in texts)
+    assert any(t.startswith("latency plan tried: MatMul/Gemm dynamic int8: output SQNR 0.0 dB, more than 1 dB")
+               for t in texts)
+
+
+def test_the_search_is_cached_and_a_rerun_gives_the_same_bytes(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(latency, "BUDGET_S", 0.1)  # real timings, few rounds: the cache is under test
+    base = ["quantize", str(MODELS / "digits_cnn.onnx")]
+    data = ["--calib-data", str(MODELS / "digits_calib.npz"), "--optimize-for", "latency"]
+    assert main([*base, str(tmp_path / "a.onnx"), *data]) == 0
+    first = capsys.readouterr().out
+    assert "latency plan:" in first and "(cached for this" not in first
+    line = next(s for s in first.splitlines() if "latency, default onnxruntime session" in s)
+    assert re.findall(r"batch (\d+) [\d.e-]+ -> [\d.e-]+ ms", line) == ["1", "8"]
+    stored = list((tmp_path / "cache" / "latency").glob("*.json"))
+    assert len(stored) == 1
+    assert main([*base, str(tmp_path / "b.onnx"), *data]) == 0
+    assert "(cached for this model, config, CPU and onnxruntime" in capsys.readouterr().out
+    assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
+    quantized = onnx.load(tmp_path / "a.onnx")
+    onnx.checker.check_model(quantized)
+    with np.load(MODELS / "digits_calib.npz") as npz:
+        x = {"input": npz["input"][:16]}
+    reference = run(str(MODELS / "digits_cnn.onnx"), x)[0]
+    assert sqnr_db(reference, run(quantized, x)[0]) > 20
+
+
+def test_a_broken_cache_entry_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(latency._Bench, "ratios", lambda self, best, model: dict.fromkeys(self.feeds, 1.0))
+    config = onnxq.as_config({"optimize_for": "latency"})
+    source = block()
+    key = latency_cache.key(source, onnxq.as_config({}))
+    folder = tmp_path / "cache" / "latency"
+    folder.mkdir(parents=True)
+    (folder / f"{key}.json").write_text("{not json")
+    result = onnxq.quantize(source, None, config, block_data(), progress=False)
+    assert any(t.startswith("latency plan: no change made") for t in result.summary.note_texts)
+    assert json.loads((folder / f"{key}.json").read_text())["kept"] == []
+
+
+def test_read_once_data_quantizes_as_configured_and_says_why(tmp_path):
+    data = block_data(8)["x"]
+    result = onnxq.quantize(block(), tmp_path / "q.onnx", {"optimize_for": "latency"},
+                            ({"x": data[i:i + 1]} for i in range(8)), progress=False)
+    onnx.checker.check_model(onnx.load(tmp_path / "q.onnx"))
+    assert any(t.startswith("latency plan not searched: it times the model on the calibration data")
+               for t in result.summary.note_texts)
+
+
+def test_with_an_accuracy_target_it_is_a_one_line_error(tmp_path, capsys):
+    code = main(["quantize", str(MODELS / "digits_cnn.onnx"), str(tmp_path / "q.onnx"),
+                 "--calib-data", str(MODELS / "digits_calib.npz"), "--optimize-for", "latency",
+                 "--accuracy-target", "sqnr>=20"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot be combined" in err and "Traceback" not in err
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_faster_needs_the_gain_at_the_largest_batch_and_no_loss_at_batch_1():
+    assert latency._faster({1: 1.0, 8: 0.9})
+    assert not latency._faster({1: 1.0, 8: 0.97})  # within noise
+    assert not latency._faster({1: 1.2, 8: 0.8})  # slower at batch 1
+    assert latency._faster({1: 0.9})  # a model that runs at batch 1 only
