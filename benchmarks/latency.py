@@ -69,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     args = D.parse_args(argv)
     if "--variants" not in argv:
         args.variants = list(VARIANTS)
-    # The latency plan searched afresh (not read from the user's cache of earlier runs).
-    os.environ["ONNXQ_CACHE_DIR"] = tempfile.mkdtemp(prefix="onnxq-latency-bench-")
     every = cpu_count()
     threads = (1, every) if every > 1 else (1,)
     keys = [f"b{b}_ms" if n == 1 else f"b{b}_t{n}_ms" for b in (1, 8) for n in threads]
@@ -90,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                     text += f"\n  {row} ops at b8, {every} threads: {top}"
         return [(task.name, rows, text)]
 
-    return D.run_shared("latency", args, None, each_task)
+    # The latency plan searched afresh, not read from the user's cache of earlier runs.
+    with tempfile.TemporaryDirectory(prefix="onnxq-latency-bench-") as cache:
+        os.environ["ONNXQ_CACHE_DIR"] = cache
+        return D.run_shared("latency", args, None, each_task)
 
 
 if __name__ == "__main__":

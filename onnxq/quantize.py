@@ -78,13 +78,13 @@ def quantize(
     if text is not None:  # the windows calibrate as an .npz of input_ids would
         calibration_data = {"input_ids": text.windows}
     keep = report is not None  # the report analyses the quantized model against the state it came from
-    if config.optimize_for == OptimizeFor.LATENCY:
-        result = quantize_for_latency(model, output, config, calibration_data, progress)
-    elif config.mixed_precision.target is not None:
-        result = quantize_to_target(model, output, config, calibration_data, progress, evaluate, keep_state=keep)
-    elif evaluate is not None:
+    if evaluate is not None and config.mixed_precision.target is None:
         raise ConfigError("evaluate= scores models for an accuracy target; set "
                           "mixed_precision.target too, e.g. 'custom>=float-0.5'")
+    if config.optimize_for == OptimizeFor.LATENCY:
+        result = quantize_for_latency(model, output, config, calibration_data, progress, keep_state=keep)
+    elif config.mixed_precision.target is not None:
+        result = quantize_to_target(model, output, config, calibration_data, progress, evaluate, keep_state=keep)
     else:
         result = run_pipeline(model, output, config, calibration_data, progress, keep_state=keep)
     if text is not None:
@@ -95,7 +95,7 @@ def quantize(
         result.summary.notes.append(Note(Topic.OUTPUT, f"model folder: {len(copied)} other "
                                          f"file{'' if len(copied) == 1 else 's'} copied beside the model ({shown})" if copied else "model folder: no other file to copy",
                                          tuple(copied)))
-    result.config = config
+    result.config = result.config or config  # the latency plan's is the config it chose
     if default_kind is not None and (note := default_note(default_kind, _data_use(result, calibration_data))):
         result.summary.notes.insert(0, note)  # the recipe: before what the run says of it
     if report is not None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 from helpers import GraphBuilder, producers, sqnr_db
-from onnx import numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 import onnxq
+from onnxq.emit.float_kernels import keep_float_kernels
 
 
 def spread_depthwise(seed: int = 21) -> onnx.ModelProto:
@@ -74,3 +76,63 @@ def test_without_the_guard_onnxruntime_would_quantize_them(tmp_path):
     assert np.abs(out - default_run(unguarded, x[:8], ["WeightBiasQuantization"])).max() > 1e-3
     reference = default_run(model, x[:8])
     assert sqnr_db(reference, default_run(guarded, x[:8])) > sqnr_db(reference, out)
+
+
+def test_a_gemm_reading_a_dequantize_gets_its_k_axis():
+    """DequantizeLinear -> Gemm (transA=1: input [K, M]) -> QuantizeLinear, built by hand: the
+    guard's per-channel scale runs along K, axis 0, and the session computes float."""
+    k, m = 6, 3
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["x"], name="dq"),
+         helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="gemm", transA=1),
+         helper.make_node("QuantizeLinear", ["y", "s", "z"], ["yq"], name="q")],
+        "gemm_ta", [helper.make_tensor_value_info("xq", TensorProto.UINT8, [k, m])],
+        [helper.make_tensor_value_info("yq", TensorProto.UINT8, None)],
+        [numpy_helper.from_array(np.array(0.05, np.float32), "s"), numpy_helper.from_array(np.array(3, np.uint8), "z"),
+         numpy_helper.from_array(np.linspace(-1, 1, k * 4, dtype=np.float32).reshape(k, 4), "w"),
+         numpy_helper.from_array(np.full(4, 0.25, np.float32), "b")])
+    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    model = ir.from_proto(proto)
+    assert keep_float_kernels(model).guarded == ["gemm"]
+    guarded = ir.to_proto(model)
+    onnx.checker.check_model(guarded)
+    gemm = next(n for n in guarded.graph.node if n.name == "gemm")
+    dq = next(n for n in guarded.graph.node if n.output[0] == gemm.input[0])
+    scale = next(t for t in guarded.graph.initializer if t.name == dq.input[1])
+    assert [a.i for a in dq.attribute if a.name == "axis"] == [0] and list(scale.dims) == [k]
+    xq = np.random.default_rng(3).integers(0, 255, (k, m)).astype(np.uint8)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    out = ort.InferenceSession(guarded.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        None, {"xq": xq})[0]
+    x = (xq.astype(np.float64) - 3) * 0.05
+    expected = np.clip(np.rint((x.T @ np.linspace(-1, 1, k * 4).reshape(k, 4) + 0.25) / 0.05) + 3, 0, 255)
+    assert np.abs(out.astype(np.int64) - expected).max() <= 1
+
+
+def test_a_dequantize_without_zero_point_is_guarded_too():
+    """A DequantizeLinear with its zero point left out (uint8 zero) feeding a float Conv."""
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["xq", "s"], ["x"], name="dq"),
+         helper.make_node("Conv", ["x", "w"], ["y"], name="conv", kernel_shape=[1, 1])],
+        "no_zero_point", [helper.make_tensor_value_info("xq", TensorProto.UINT8, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array(0.5, np.float32), "s"),
+         numpy_helper.from_array(np.ones((2, 3, 1, 1), np.float32), "w")])
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])))
+    found = keep_float_kernels(model)
+    assert found.guarded == ["conv"] and found.exposed == []
+    proto = ir.to_proto(model)
+    onnx.checker.check_model(proto)
+    conv = next(n for n in proto.graph.node if n.name == "conv")
+    guard = next(n for n in proto.graph.node if n.output[0] == conv.input[0])
+    assert len(guard.input) == 2 and "dq" not in {n.name for n in proto.graph.node}  # the old one had no reader left
+    xq = np.arange(48, dtype=np.uint8).reshape(1, 3, 4, 4)
+    expected = np.ones((2, 3)) @ (xq.reshape(3, 16) * 0.5)
+    np.testing.assert_allclose(default_run_feed(proto, {"xq": xq}).reshape(2, 16), expected, rtol=1e-6)
+
+
+def default_run_feed(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feed)[0]

@@ -25,8 +25,10 @@ MODELS = Path(__file__).resolve().parent.parent / "models"
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
-    """Each test searches afresh, in a cache of its own."""
+    """Each test searches afresh, in a cache of its own, with real timings cut to a few
+    rounds (what is under test is the search and the cache, not the timing's precision)."""
     monkeypatch.setenv("ONNXQ_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(latency, "BUDGET_S", 0.05)
 
 
 def block(seed: int = 3) -> onnx.ModelProto:
@@ -85,8 +87,7 @@ def test_a_change_that_loses_accuracy_is_not_kept(tmp_path, monkeypatch):
                for t in texts)
 
 
-def test_the_search_is_cached_and_a_rerun_gives_the_same_bytes(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(latency, "BUDGET_S", 0.1)  # real timings, few rounds: the cache is under test
+def test_the_search_is_cached_and_a_rerun_gives_the_same_bytes(tmp_path, capsys):
     base = ["quantize", str(MODELS / "digits_cnn.onnx")]
     data = ["--calib-data", str(MODELS / "digits_calib.npz"), "--optimize-for", "latency"]
     assert main([*base, str(tmp_path / "a.onnx"), *data]) == 0
@@ -97,7 +98,7 @@ def test_the_search_is_cached_and_a_rerun_gives_the_same_bytes(tmp_path, capsys,
     stored = list((tmp_path / "cache" / "latency").glob("*.json"))
     assert len(stored) == 1
     assert main([*base, str(tmp_path / "b.onnx"), *data]) == 0
-    assert "(cached for this model, config, CPU and onnxruntime" in capsys.readouterr().out
+    assert "(cached for this model, data, config, CPU and onnxruntime)" in capsys.readouterr().out
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
     quantized = onnx.load(tmp_path / "a.onnx")
     onnx.checker.check_model(quantized)
@@ -110,23 +111,52 @@ def test_the_search_is_cached_and_a_rerun_gives_the_same_bytes(tmp_path, capsys,
 def test_a_broken_cache_entry_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setattr(latency._Bench, "ratios", lambda self, best, model: dict.fromkeys(self.feeds, 1.0))
     config = onnxq.as_config({"optimize_for": "latency"})
-    source = block()
-    key = latency_cache.key(source, onnxq.as_config({}))
+    source, data = block(), block_data()
+    key = latency_cache.key(source, onnxq.as_config({}), data)
     folder = tmp_path / "cache" / "latency"
     folder.mkdir(parents=True)
     (folder / f"{key}.json").write_text("{not json")
-    result = onnxq.quantize(source, None, config, block_data(), progress=False)
+    result = onnxq.quantize(source, None, config, data, progress=False)
     assert any(t.startswith("latency plan: no change made") for t in result.summary.note_texts)
     assert json.loads((folder / f"{key}.json").read_text())["kept"] == []
 
 
-def test_read_once_data_quantizes_as_configured_and_says_why(tmp_path):
+def test_what_cannot_be_searched_is_quantized_as_configured_and_says_why(tmp_path):
     data = block_data(8)["x"]
     result = onnxq.quantize(block(), tmp_path / "q.onnx", {"optimize_for": "latency"},
                             ({"x": data[i:i + 1]} for i in range(8)), progress=False)
     onnx.checker.check_model(onnx.load(tmp_path / "q.onnx"))
-    assert any(t.startswith("latency plan not searched: it times the model on the calibration data")
-               for t in result.summary.note_texts)
+    assert any(t.startswith("latency plan not searched: the calibration data can be read only once")
+               and t.endswith("quantized as configured") for t in result.summary.note_texts)
+    weight_only = onnxq.quantize(block(), tmp_path / "w.onnx", {"preset": "W8_DYNAMIC", "optimize_for": "latency"},
+                                 block_data(8), progress=False)
+    assert any(t.startswith("latency plan not searched: this recipe quantizes no activations statically")
+               for t in weight_only.summary.note_texts)
+    assert op_count(onnx.load(tmp_path / "w.onnx"), "DynamicQuantizeLinear") > 0  # the recipe as given
+
+
+def test_the_chosen_config_is_saved_and_reproduces_the_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(latency._Bench, "ratios", dynamic_is_faster)
+    model_path = tmp_path / "block.onnx"
+    onnx.save(block(), model_path)
+    np.savez(tmp_path / "data.npz", **block_data())
+    args = ["quantize", str(model_path), str(tmp_path / "q.onnx"), "--calib-data", str(tmp_path / "data.npz"),
+            "--optimize-for", "latency", "--save-config", str(tmp_path / "chosen.yaml"), "--quiet"]
+    assert main(args) == 0
+    chosen = (tmp_path / "chosen.yaml").read_text()
+    assert "optimize_for: accuracy" in chosen and "is_dynamic: true" in chosen
+    again = ["quantize", str(model_path), str(tmp_path / "again.onnx"), "--calib-data", str(tmp_path / "data.npz"),
+             "--config", str(tmp_path / "chosen.yaml"), "--quiet"]
+    assert main(again) == 0
+    assert (tmp_path / "q.onnx").read_bytes() == (tmp_path / "again.onnx").read_bytes()
+
+
+def test_saved_ranges_are_a_one_line_error(tmp_path, capsys):
+    code = main(["quantize", str(MODELS / "digits_cnn.onnx"), str(tmp_path / "q.onnx"), "--calib-data",
+                 str(MODELS / "digits_calib.npz"), "--optimize-for", "latency", "--load-ranges",
+                 str(tmp_path / "ranges.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "drop --load-ranges/--stats, or --optimize-for latency" in err and "Traceback" not in err
 
 
 def test_with_an_accuracy_target_it_is_a_one_line_error(tmp_path, capsys):

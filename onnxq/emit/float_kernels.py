@@ -1,20 +1,24 @@
 """Keep float the Conv/ConvTranspose/Gemm that the plan leaves float next to quantized ops.
 
 onnxruntime's `WeightBiasQuantization` (qdq_transformer/weight_bias_quantization.cc,
-level 1: every default session) rewrites any Conv, ConvTranspose or Gemm whose input 0
-comes from a DequantizeLinear with a per-tensor scale and whose weight is a float
-initializer: it quantizes the weight to int8 per tensor and the bias to int32, and the
-QDQ fusion then runs the node as an int8 kernel. A node onnxq keeps float (excluded by
+level 1: every default session) rewrites a Conv, ConvTranspose or Gemm whose input 0
+comes from a DequantizeLinear with a per-tensor scale, whose weight is a float
+initializer and whose output leads to a QuantizeLinear (through Relu/Clip at most, in
+onnxruntime 1.32): it quantizes the weight to int8 per tensor and the bias to int32, and
+the QDQ fusion then runs the node as an int8 kernel. A node onnxq keeps float (excluded by
 the user, raised to float by an accuracy search, kept by the latency plan) would run
 quantized per tensor instead. Measured: MobileNet-v1 with its 13 depthwise convolutions
 excluded gave 0.5 dB output SQNR in a default session (their per-tensor weights), 23.4 dB
 with them quantized per channel, and 23.6 dB (float, as asked) with this rewrite.
 
-The rule fires only for a per-tensor input scale (a scalar or a single value), so such a
-node reads its input through a DequantizeLinear of its own whose scale and zero point are
-per channel, every channel the same value: the same arithmetic, a pattern the rule skips.
-Float8 inputs are left to `float8.py`; a node whose input has one channel cannot be
-written this way (a one-value scale counts as per tensor) and is named in the note.
+The rule fires only for a per-tensor input scale (a scalar or a single value), so every
+such float node (whatever its output leads to: onnxruntime's own condition on it has
+changed between versions) reads its input through a DequantizeLinear of its own whose
+scale and zero point are per channel, every channel the same value: the same arithmetic,
+a pattern the rule skips. Float8 and 4-bit inputs are left as they are (`float8.py` keeps
+float8 exact; onnxq writes no 4-bit activations); a node whose input has one channel
+cannot be written this way (a one-value scale counts as per tensor) and is named in the
+note.
 """
 
 from __future__ import annotations
@@ -60,14 +64,16 @@ def _input_channels(node: ir.Node, weight: np.ndarray) -> tuple[int, int] | None
     return (0 if trans_a is not None and trans_a.as_int() else 1), k
 
 
-def _per_tensor_dq(value: ir.Value) -> tuple[ir.Node, np.ndarray, np.ndarray] | None:
-    """The DequantizeLinear producing `value`, with its scale and zero point, where the
-    scale is per tensor and the zero point an integer."""
+def _per_tensor_dq(value: ir.Value) -> tuple[ir.Node, np.ndarray, np.ndarray | None] | None:
+    """The DequantizeLinear producing `value`, with its scale and zero point (None where
+    it has none), where the scale is per tensor and the data an integer type."""
     dq = value.producer()
-    if dq is None or dq.op_type != "DequantizeLinear" or len(dq.inputs) < 3:
+    if dq is None or dq.op_type != "DequantizeLinear" or len(dq.inputs) < 2 or dq.inputs[0] is None:
         return None
-    scale, zero = constant_array(dq.inputs[1]), constant_array(dq.inputs[2])
-    if scale is None or zero is None or scale.size != 1 or zero.dtype.type not in INTEGER_POINTS:
+    scale = constant_array(dq.inputs[1])
+    zero = constant_array(dq.inputs[2]) if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
+    data = dq.inputs[0].dtype
+    if scale is None or scale.size != 1 or data is None or data.numpy().type not in INTEGER_POINTS:
         return None
     return dq, scale, zero
 
@@ -91,13 +97,17 @@ def keep_float_kernels(model: ir.Model) -> FloatKernels:
             continue
         axis, n = channels
         base = f"{node.name}_input"
-        out = edit.add_node("DequantizeLinear", [dq.inputs[0], edit.initializer(f"{base}_scale",
-                                                                            np.full(n, scale.item(), scale.dtype)),
-                                                 edit.initializer(f"{base}_zero_point", np.full(n, zero.item(), zero.dtype))],
-                            f"{base}_dq", {"axis": axis}, dtype=node.inputs[0].dtype, shape=node.inputs[0].shape,
+        inputs = [dq.inputs[0], edit.initializer(f"{base}_scale", np.full(n, scale.item(), scale.dtype))]
+        if zero is not None:
+            inputs.append(edit.initializer(f"{base}_zero_point", np.full(n, zero.item(), zero.dtype)))
+        attrs = {k: a for k, a in dq.attributes.items() if k not in ("axis", "block_size")}
+        out = edit.add_node("DequantizeLinear", inputs, f"{base}_dq", {**attrs, "axis": axis},
+                            dtype=ir.DataType.from_numpy(scale.dtype), shape=node.inputs[0].shape,
                             domain=dq.domain)
         node.replace_input_with(0, out)
         found.guarded.append(node.name)
         if not dq.outputs[0].uses() and not dq.outputs[0].is_graph_output():
             model.graph.remove(dq, safe=True)  # every reader has its own now
+    if found.guarded:
+        model.graph.sort()
     return found

@@ -86,7 +86,7 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
     return model, report, _already_quantized(model, report.source)
 
 
-def _calibrates_activations(config: Config) -> bool:
+def calibrates_activations(config: Config) -> bool:
     """Whether some level of the config quantizes activations statically (not weight-only
     or dynamic)."""
     levels = [config.global_quant_config, *config.layer_type_quant_config.values(),
@@ -131,7 +131,7 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     # Token windows for a KV-cache decoder become feeds of every input, prefill and decode
     # steps (`calibrate/decoder.py`).
     data = decoder_feeds(source, calibration_data, config.calibration.providers,
-                         DECODE_STEPS if _calibrates_activations(config) else 0)
+                         DECODE_STEPS if calibrates_activations(config) else 0)
     settings = RunSettings(CalibrationSource(data), config.calibration, progress, config.qdq_domain,
                            config.quant_format == QuantFormat.QDQ_EXT)
     summary = Summary()

@@ -8,44 +8,45 @@ onnxruntime from fusing them. So the plan is measured here, not assumed:
 1. Quantize with the config as given, keeping the calibrated state (`PipelineState`).
 2. Time the float model and that one in default sessions on this CPU at batch 1 and 8
    (`emit/latency.py`: the first calibration sample repeated, the models taking turns).
-3. Try each change of `CHANGES` in turn on the best model so far; each re-emits the
+3. Try each change of the table (`search/latency_changes.py`) in turn on the best model so far; each re-emits the
    calibrated state (no new calibration pass) and is timed against it. A change is kept
    when the model gets faster by `GAIN` at the largest batch and no slower than `SLACK`
    at batch 1, while its output SQNR against float on the check samples stays within
    `SQNR_LOSS` dB of the first model's: accuracy first, latency second.
 4. The result is an ordinary config (float op types, excluded nodes, op-type overrides):
-   the final model is quantized from it as any run is. The choice is cached per model,
-   config, CPU and onnxruntime version (`search/latency_cache.py`), so running the same
-   command again on the same machine gives the same bytes, and in seconds.
+   the final model is quantized from it as any run is, and `result.config` holds it
+   (`--save-config` writes it). The choice is cached per model, calibration data, config,
+   CPU and onnxruntime version (`search/latency_cache.py`), so running the same command
+   again on the same machine gives the same bytes, in the time of a plain run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from onnxq.calibrate.access import data_access, refusal
+from onnxq.calibrate.access import Access, data_access, refusal
 from onnxq.calibrate.data import CalibrationSource, model_inputs
-from onnxq.config.spec import Config, DType, OptimizeFor, QuantizationConfig, QuantizationSpec
-from onnxq.emit.fidelity import Reference, float_reference, measure
+from onnxq.config.spec import Config, OptimizeFor
+from onnxq.emit.fidelity import CHECK_SAMPLES, Reference, float_reference, measure
 from onnxq.emit.latency import Latency, Timing, latency_feeds, median_ms, rounds_ms
-from onnxq.errors import ConfigError
+from onnxq.errors import ConfigError, OnnxqError
 from onnxq.evaluate import deployed_options, imports_extended, open_any
 from onnxq.notes import Note, Topic
-from onnxq.pipeline.prepare import ModelSource
+from onnxq.pipeline.prepare import ModelSource, calibrates_activations
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.pipeline.run import run_pipeline
-from onnxq.plan import plan_quantization
+from onnxq.plan import QuantPlan, plan_quantization
 from onnxq.progress import bar
 from onnxq.search import latency_cache
 from onnxq.search.base import with_calibration
+from onnxq.search.latency_changes import CHANGES
 from onnxq.target.profile import cpu_isa
 
 # A change is kept when the model gets at least this much faster at the largest batch
@@ -55,109 +56,71 @@ GAIN = 1.05
 # ... and is no slower than this at batch 1.
 SLACK = 1.03
 # Output SQNR (dB, the worst output against float on the check samples) a change may
-# cost against the first model. Dynamic int8 MatMuls cost MiniLM 0.5 dB and no
-# Spearman point; a change that costs more trades accuracy for speed.
+# cost against the first model: MiniLM's int8-only-in-MatMuls plan costs 0.2 dB (and 0.06
+# Spearman points), dynamic int8 MatMuls 0.4 dB; a change that costs more trades accuracy
+# for speed.
 SQNR_LOSS = 1.0
 # Runs per model and batch in a comparison of a change with the best so far, cut short
 # by the budget (a change is one comparison among about ten): ResNet-20 at batch 8 gets
 # about 50 rounds, and itself against itself 0.93-1.01; MobileNet-v1 10 rounds, 0.97-1.00.
 RUNS, BUDGET_S = 300, 1.5
-CHECK_SAMPLES = 8
-# Ops with integer kernels: the work int8 is for. The other quantized ops (Add, Mul,
-# pooling, Concat...) only carry int8 between them, and may cost more than they save.
-KERNEL_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
-
-
-@dataclass(frozen=True)
-class Change:
-    """One change to try: its description and the config it makes of the best so far
-    (None: it does not apply to this model)."""
-
-    name: str
-    make: Callable[[Config, PipelineState, dict[str, str]], Config | None]
-
-
-def _float_types(config: Config, types: list[str]) -> Config | None:
-    added = [t for t in types if t not in config.float_op_types and t not in config.layer_type_quant_config]
-    return dataclasses.replace(config, float_op_types=[*config.float_op_types, *added]) if added else None
-
-
-def _links(config: Config, state: PipelineState, quantized: dict[str, str]) -> Config | None:
-    """Every quantized op without an integer kernel kept float: int8 only inside the
-    kernels, and onnxruntime's float fusions (Gelu, SkipLayerNorm, Add+Relu) back."""
-    return _float_types(config, sorted(set(quantized.values()) - KERNEL_OPS))
-
-
-def _one_link(op_type: str) -> Change:
-    return Change(f"{op_type} kept float", lambda c, s, q: _float_types(c, [op_type]) if op_type in q.values()
-                  else None)
-
-
-def _dynamic_matmul(config: Config, state: PipelineState, quantized: dict[str, str]) -> Config | None:
-    """MatMul/Gemm with activations quantized at run time (MatMulInteger: onnxruntime's
-    DynamicQuantizeMatMul): no Q/DQ between them and the float ops around."""
-    types = sorted({"MatMul", "Gemm"} & set(quantized.values()))
-    if not types:
-        return None
-    dynamic = QuantizationConfig(input_tensors=QuantizationSpec(dtype=DType.UINT8, symmetric=False, is_dynamic=True),
-                                 output_tensors=QuantizationSpec(dtype=DType.FLOAT32))
-    overrides = {t: dynamic for t in types if t not in config.layer_type_quant_config}
-    return dataclasses.replace(config, layer_type_quant_config={**config.layer_type_quant_config, **overrides}) \
-        if overrides else None
-
-
-def _depthwise(node: ir.Node) -> bool:
-    group = node.attributes.get("group")
-    weight = node.inputs[1] if len(node.inputs) > 1 else None
-    return (group is not None and group.as_int() > 1 and weight is not None and weight.shape is not None
-            and len(weight.shape) > 1 and weight.shape[1] == 1)
-
-
-def _kernels_float(which: Callable[[ir.Node], bool]) -> Callable[[Config, PipelineState, dict[str, str]],
-                                                                  Config | None]:
-    def make(config: Config, state: PipelineState, quantized: dict[str, str]) -> Config | None:
-        names = [n.name for n in state.float_model.graph if n.name in quantized and which(n)
-                 and n.name not in config.exclude]
-        return dataclasses.replace(config, exclude=[*config.exclude, *names]) if names else None
-    return make
-
-
-# The changes, in the order they are tried: the float fusions first (they cost no
-# accuracy), then dynamic MatMuls, then whole kernel classes int8 does not speed up here.
-CHANGES: tuple[Change, ...] = (
-    Change("int8 only in Conv/MatMul/Gemm (the ops between them float)", _links),
-    *(_one_link(op) for op in ("Add", "Mul", "Concat", "MaxPool", "AveragePool", "GlobalAveragePool",
-                               "Sigmoid", "Transpose", "Reshape", "Div", "Sub")),
-    Change("MatMul/Gemm dynamic int8", _dynamic_matmul),
-    Change("depthwise Conv kept float", _kernels_float(lambda n: n.op_type == "Conv" and _depthwise(n))),
-    Change("other Conv kept float", _kernels_float(lambda n: n.op_type in ("Conv", "ConvTranspose")
-                                                 and not _depthwise(n))),
-    Change("MatMul/Gemm kept float", _kernels_float(lambda n: n.op_type in ("MatMul", "Gemm"))),
-)
 
 
 @dataclass
 class _Timed:
     config: Config
     model: ir.Model  # emitted from the calibrated state under `config`
-    ms: dict[int, float]  # batch -> median ms
-    sqnr: float | None
+    plan: QuantPlan
+    sqnr: float
     kept: list[str]  # the changes this config carries
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One change tried: its output SQNR and its time against the best model so far, from
+    the timing that decided, or why it was not timed."""
+
+    name: str
+    sqnr: float | None
+    ratios: dict[int, float]  # batch -> time over the best's; empty: not timed
+    kept: bool
+    failed: str | None = None
+
+    def line(self) -> str:
+        if self.failed is not None:
+            return f"{self.name}: failed ({self.failed}), not kept"
+        if not self.ratios:
+            sqnr = "none" if self.sqnr is None else f"{self.sqnr:.1f} dB"
+            return f"{self.name}: output SQNR {sqnr}, more than {SQNR_LOSS:g} dB under the first model's, not kept"
+        times = ", ".join(f"batch {b} {r:.2f}x the time" for b, r in sorted(self.ratios.items()))
+        return f"{self.name}: {times}{'' if self.kept else ', not kept'}"
+
+
+@dataclass
+class Found:
+    """What a search found: the medians (batch -> ms) of the float, the first and the chosen
+    model, the batches it could not time, and every change tried."""
+
+    first: _Timed
+    best: _Timed
+    float_ms: dict[int, float]
+    first_ms: dict[int, float]
+    best_ms: dict[int, float]
+    skipped: list[str] = field(default_factory=list)
+    trials: list[Trial] = field(default_factory=list)
 
 
 class _Bench:
     """The float model's session, the feeds and the float reference outputs: what every
     candidate is timed and checked against."""
 
-    def __init__(self, source: ModelSource, quantized: ir.Model, result: QuantizationResult) -> None:
-        state = result.state
-        assert state is not None
+    def __init__(self, source: ModelSource, quantized: ir.Model, state: PipelineState, samples: int) -> None:
         self.providers = state.settings.calibration.providers
         inputs = model_inputs(quantized)
         self.float = _session(source, self.providers)
         self.feeds, self.skipped = latency_feeds(inputs, state.settings.data, _session(quantized, self.providers))
         self.reference: Reference | None = float_reference(_bytes(source), inputs, state.settings.data,
-                                                           CHECK_SAMPLES, self.providers)
+                                                           samples, self.providers)
 
     def time(self, *models: ir.Model) -> list[dict[int, float]]:
         """Median ms per batch of the float model and each of `models`, taking turns."""
@@ -201,105 +164,127 @@ def _faster(ratios: dict[int, float]) -> bool:
     return ratios[top] * GAIN <= 1 and (top == 1 or 1 not in ratios or ratios[1] <= SLACK)
 
 
-def _candidates(best: _Timed, state: PipelineState, quantized: dict[str, str]) -> Iterator[tuple[str, Config]]:
-    for change in CHANGES:
-        made = change.make(best.config, state, quantized)
-        if made is not None:
-            yield change.name, made
+def _plan(state: PipelineState, config: Config) -> QuantPlan:
+    return plan_quantization(state.float_model.clone(), config, state.keep_float, state.target)
 
 
-@dataclass(frozen=True)
-class Trial:
-    """One change tried: its output SQNR and its time against the best model so far, from
-    the timing that decided."""
+def _try(bench: _Bench, state: PipelineState, best: _Timed, name: str, candidate: Config,
+         floor: float) -> tuple[Trial, _Timed | None]:
+    """Emit, check and time one change against `best`: the trial, and the new best if kept."""
+    try:
+        model = state.emit(candidate)
+        sqnr = bench.sqnr(model)
+        if sqnr is None or sqnr < floor:
+            return Trial(name, sqnr, {}, False), None
+        ratios = bench.ratios(best.model, model)
+        if _faster(ratios):  # confirmed by a second timing: one can be a lucky draw
+            ratios = bench.ratios(best.model, model)
+    except OnnxqError:
+        raise
+    except Exception as error:  # noqa: BLE001  a change onnxruntime cannot run is not kept
+        return Trial(name, None, {}, False, _one_line(error)), None
+    if not _faster(ratios):
+        return Trial(name, sqnr, ratios, False), None
+    return Trial(name, sqnr, ratios, True), _Timed(candidate, model, _plan(state, candidate), sqnr,
+                                                   [*best.kept, name])
 
-    name: str
-    sqnr: float | None
-    ratios: dict[int, float]  # batch -> time over the best's (paired runs); empty: not timed
-    kept: bool
 
-    def line(self) -> str:
-        if not self.ratios:
-            sqnr = "none" if self.sqnr is None else f"{self.sqnr:.1f} dB"
-            return f"{self.name}: output SQNR {sqnr}, more than {SQNR_LOSS:g} dB under the first model's, not kept"
-        times = ", ".join(f"batch {b} {r:.2f}x the time" for b, r in sorted(self.ratios.items()))
-        return f"{self.name}: {times}{'' if self.kept else ', not kept'}"
-
-
-def search(source: ModelSource, config: Config, base: QuantizationResult, progress: bool | None,
-           ) -> tuple[_Timed, _Timed, dict[int, float], list[Trial]]:
-    """The first and the best timed model (module doc), the float model's medians, and
-    every change tried."""
+def search(source: ModelSource, config: Config, base: QuantizationResult, progress: bool | None) -> Found | str:
+    """The changes that make `base` faster on this CPU (module doc), or why it cannot be
+    searched."""
     state = base.state
     assert state is not None
-    bench = _Bench(source, base.ir_model, base)
-    first = best = _Timed(config, base.ir_model, {}, bench.sqnr(base.ir_model), [])
-    floor = None if first.sqnr is None else first.sqnr - SQNR_LOSS
+    samples = config.calibration.check_samples or CHECK_SAMPLES
+    try:
+        bench = _Bench(source, base.ir_model, state, samples)
+        first_sqnr = bench.sqnr(base.ir_model)
+    except OnnxqError:
+        raise
+    except Exception as error:  # noqa: BLE001  onnxruntime raises several types
+        return f"the models could not be timed: {_one_line(error)}"
+    if first_sqnr is None:
+        return ("the output of the float model could not be compared with the quantized one (no floating-point "
+                "output): every change is checked against float first")
+    first = best = _Timed(config, base.ir_model, base.plan, first_sqnr, [])
     trials: list[Trial] = []
-    quantized = dict(base.plan.quantized_nodes)
     with bar(desc="latency plan", unit="change", enabled=progress) as shown:
         while True:
             tried = {t.name for t in trials}
-            found = next(((n, c) for n, c in _candidates(best, state, quantized) if n not in tried), None)
-            if found is None:
+            made = ((c.name, c.make(best.config, state.float_model.graph, best.plan)) for c in CHANGES
+                    if c.name not in tried)
+            name, candidate = next(((n, c) for n, c in made if c is not None), (None, None))
+            if name is None or candidate is None:
                 break
-            name, candidate = found
             shown.update()
-            model = state.emit(candidate)
-            sqnr = bench.sqnr(model)
-            if floor is not None and (sqnr is None or sqnr < floor):
-                trials.append(Trial(name, sqnr, {}, False))
-                continue
-            ratios = bench.ratios(best.model, model)
-            if _faster(ratios):  # confirmed by a second timing: one can be a lucky draw
-                ratios = bench.ratios(best.model, model)
-            trials.append(Trial(name, sqnr, ratios, _faster(ratios)))
-            if trials[-1].kept:  # the changes not yet tried go on from the new best
-                best = _Timed(candidate, model, {}, sqnr, [*best.kept, name])
-                quantized = _quantized(state, candidate)
-    models = [first.model] if best is first else [first.model, best.model]
-    float_ms, *timed = bench.time(*models)
-    first.ms, best.ms = timed[0], timed[-1]
-    return first, best, float_ms, trials
+            trial, better = _try(bench, state, best, name, candidate, first.sqnr - SQNR_LOSS)
+            trials.append(trial)
+            best = better or best  # the changes not yet tried go on from the new best
+    float_ms, *timed = bench.time(*([first.model] if best is first else [first.model, best.model]))
+    return Found(first, best, float_ms, timed[0], timed[-1], list(bench.skipped), trials)
 
 
-def _quantized(state: PipelineState, config: Config) -> dict[str, str]:
-    return dict(plan_quantization(state.float_model.clone(), config, state.keep_float, state.target).quantized_nodes)
+def _one_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
 
 
-def quantize_for_latency(source: ModelSource, output: str | os.PathLike | None, config: Config,
-                         calibration_data: Any, progress: bool | None) -> QuantizationResult:
-    """Quantize `source` under `config`, changed where that makes it faster on this CPU
-    (module doc); `output` gets the final model."""
+def _unsearchable(config: Config, calibration_data: Any) -> str | None:
+    """Why the plan cannot be timed here (None: it can)."""
+    if not calibrates_activations(config):
+        return ("this recipe quantizes no activations statically (weight-only or dynamic), so there is no "
+                "int8 placement to time")
+    access = data_access(CalibrationSource(calibration_data))
+    if access is Access.NONE:
+        return "it times the model on the first calibration sample; pass --calib-data"
+    return None if access.rereadable else refusal(access)
+
+
+def check_latency_options(config: Config) -> None:
+    """Refuse what the latency plan cannot be combined with, in one line."""
     if config.mixed_precision.target is not None:
         raise ConfigError("optimize_for latency and an accuracy target cannot be combined yet: drop "
                           "--optimize-for latency, or --accuracy-target")
+    if config.calibration.load_ranges or config.calibration.stats:
+        raise ConfigError("optimize_for latency changes which tensors are calibrated, which saved ranges or "
+                          "statistics do not hold: drop --load-ranges/--stats, or --optimize-for latency")
+
+
+def quantize_for_latency(source: ModelSource, output: str | os.PathLike | None, config: Config,
+                         calibration_data: Any, progress: bool | None, keep_state: bool = False,
+                         ) -> QuantizationResult:
+    """Quantize `source` under `config`, changed where that makes it faster on this CPU
+    (module doc); `output` gets the final model. The result's `config` is the chosen one."""
+    check_latency_options(config)
     plain = dataclasses.replace(config, optimize_for=OptimizeFor.ACCURACY)
-    name = latency_cache.key(source, plain)
-    entry = latency_cache.load(name)
+    why_not = _unsearchable(plain, calibration_data)
+    name = latency_cache.key(source, plain, calibration_data)
+    entry = None if why_not is not None else latency_cache.load(name)
+    cached = entry is not None
     lines: list[str] = []
-    access = data_access(CalibrationSource(calibration_data))
-    if entry is None and not access.rereadable:
-        result = run_pipeline(source, output, plain, calibration_data, progress)
-        result.summary.notes.append(Note(Topic.SEARCH, "latency plan not searched: it times the model on the "
-                                         "calibration data, which must be readable more than once: "
-                                         f"{refusal(access)}"))
-        return result
-    if entry is None:
+    if why_not is None and entry is None:
         untimed = with_calibration(plain, measure_latency=False)
         base = run_pipeline(source, None, untimed, calibration_data, progress, keep_state=True)
-        first, best, float_ms, trials = search(source, untimed, base, progress)
-        entry = latency_cache.Entry(dataclasses.replace(best.config, calibration=plain.calibration), best.kept,
-                                    float_ms, first.ms, best.ms)
-        latency_cache.store(name, entry)
-        lines = [t.line() for t in trials]
-        cached = ""
-    else:
-        cached = f" (cached for this model, config, CPU and onnxruntime in {latency_cache.where()})"
-    result = run_pipeline(source, output, entry.config, calibration_data, progress)
-    result.summary.notes.append(Note(Topic.SEARCH, f"latency plan: {entry.describe()}{cached}"))
+        found = search(source, untimed, base, progress)
+        if isinstance(found, str):
+            why_not = found
+        else:
+            entry = latency_cache.Entry(dataclasses.replace(found.best.config, calibration=plain.calibration),
+                                        found.best.kept, found.float_ms, found.first_ms, found.best_ms,
+                                        found.skipped)
+            latency_cache.store(name, entry)
+            lines = [t.line() for t in found.trials]
+    if entry is None:
+        result = run_pipeline(source, output, plain, calibration_data, progress, keep_state=keep_state)
+        result.summary.notes.append(Note(Topic.SEARCH, f"latency plan not searched: {why_not}; quantized as "
+                                         "configured"))
+        result.config = plain
+        return result
+    result = run_pipeline(source, output, entry.config, calibration_data, progress, keep_state=keep_state)
+    when = " (cached for this model, data, config, CPU and onnxruntime)" if cached else ""
+    result.summary.notes.append(Note(Topic.SEARCH, f"latency plan: {entry.describe()}{when}"))
     result.summary.notes.extend(Note(Topic.SEARCH, f"latency plan tried: {line}") for line in lines)
     if result.summary.latency is None:
         result.summary.latency = Latency([Timing(b, entry.float_ms[b], entry.best_ms[b]) for b in sorted(entry.best_ms)],
-                                         cpu_isa())
+                                         cpu_isa(), skipped=[*entry.skipped, "timed by the latency plan's search"
+                                                             + (", when it was cached" if when else "")])
+    result.config = entry.config
     return result

@@ -2,9 +2,12 @@
 
 Timings vary between runs, so two searches of one model may settle on different plans;
 the cache makes the same command on the same machine give the same bytes (and skip the
-search's seconds). The key hashes the model (its file, or its serialized proto), the
-config as given, the CPU (model name, flags, core count) and the onnxruntime and onnxq
-versions: another CPU or onnxruntime measures again. The folder is `$ONNXQ_CACHE_DIR`,
+search's seconds). The key hashes the model (its file and the names, sizes and times
+of the files beside it, or its serialized proto), the calibration data (a path's files by
+name, size and time, arrays by their bytes, a reader by its type), the config as given,
+the CPU (model name, flags, the cores this process may use) and the onnxruntime and onnxq
+versions: another CPU or onnxruntime measures again. onnxq's own code is not hashed: a
+checkout edited without a new version reads the old choices (delete the folder). The folder is `$ONNXQ_CACHE_DIR`,
 else `$XDG_CACHE_HOME/onnxq`, else `~/.cache/onnxq`; a cache that cannot be read or
 written is skipped (the search runs, nothing is stored).
 """
@@ -20,6 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
@@ -28,6 +32,7 @@ from onnxq.config.compose import as_config
 from onnxq.config.io import config_to_json
 from onnxq.config.spec import Config
 from onnxq.errors import OnnxqError
+from onnxq.parallel import cpu_count
 
 FOLDER = "latency"
 
@@ -42,6 +47,7 @@ class Entry:
     float_ms: dict[int, float]
     first_ms: dict[int, float]
     best_ms: dict[int, float]
+    skipped: list[str]  # batches the search could not time, and why
 
     def describe(self) -> str:
         top = max(self.float_ms)
@@ -52,11 +58,14 @@ class Entry:
         return f"{'; '.join(self.kept)} ({times})"
 
 
-def where() -> Path:
-    """The cache folder (module doc)."""
+def where() -> Path | None:
+    """The cache folder (module doc); None where there is no home to put it in."""
     if os.environ.get("ONNXQ_CACHE_DIR"):
         return Path(os.environ["ONNXQ_CACHE_DIR"]) / FOLDER
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    try:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    except RuntimeError:  # no HOME and no passwd entry
+        return None
     return Path(base) / "onnxq" / FOLDER
 
 
@@ -66,7 +75,14 @@ def _cpu() -> str:
     except OSError:
         lines = []
     wanted = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
-    return "\n".join(sorted(set(wanted))) + f"\n{platform.machine()} {os.cpu_count()}"
+    return "\n".join(sorted(set(wanted))) + f"\n{platform.machine()} {cpu_count()}"
+
+
+def _stat(path: Path) -> str:
+    """Name, size and modification time of `path`'s files (its own, or a folder's)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return "\n".join(f"{p.relative_to(path) if path.is_dir() else p.name} {p.stat().st_size} {p.stat().st_mtime_ns}"
+                     for p in files if p.exists())
 
 
 def _model_digest(source: object) -> str:
@@ -75,6 +91,9 @@ def _model_digest(source: object) -> str:
         with open(source, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
+        # External data files beside it: by size and time (reading gigabytes would cost more
+        # than the search).
+        digest.update(_stat(Path(source).parent).encode())
     elif isinstance(source, onnx.ModelProto):
         digest.update(source.SerializeToString())
     elif isinstance(source, ir.Model):
@@ -91,18 +110,39 @@ def _onnxq_version() -> str:
         return "unknown"
 
 
-def key(source: object, config: Config) -> str:
-    """The cache key of quantizing `source` under `config` on this CPU and onnxruntime."""
-    parts = [_model_digest(source), config_to_json(config), _cpu(), ort.__version__, _onnxq_version()]
+def _data_digest(data: object) -> str:
+    """The calibration data: a path by its files' names, sizes and times, arrays by their
+    bytes; a reader or an iterable only by its type (the cache cannot look inside)."""
+    if isinstance(data, str | os.PathLike):
+        return f"{data}\n{_stat(Path(data))}" if Path(data).exists() else str(data)
+    if isinstance(data, dict):
+        digest = hashlib.sha256()
+        for name in sorted(data):
+            array = np.ascontiguousarray(data[name])
+            digest.update(f"{name} {array.dtype} {array.shape}".encode())
+            digest.update(array.tobytes())
+        return digest.hexdigest()
+    return type(data).__name__
+
+
+def key(source: object, config: Config, data: object = None) -> str:
+    """The cache key of quantizing `source` under `config` on calibration `data` with this
+    CPU and onnxruntime."""
+    parts = [_model_digest(source), config_to_json(config), _data_digest(data), _cpu(), ort.__version__,
+             _onnxq_version()]
     return hashlib.sha256("\n--\n".join(parts).encode()).hexdigest()[:32]
 
 
 def load(name: str) -> Entry | None:
     """The entry stored under `name`, None where there is none or it cannot be read."""
+    folder = where()
+    if folder is None:
+        return None
     try:
-        doc = json.loads((where() / f"{name}.json").read_text())
+        doc = json.loads((folder / f"{name}.json").read_text())
         return Entry(as_config(doc["config"]), list(doc["kept"]),
-                     *({int(b): float(ms) for b, ms in doc[k].items()} for k in ("float_ms", "first_ms", "best_ms")))
+                     *({int(b): float(ms) for b, ms in doc[k].items()} for k in ("float_ms", "first_ms", "best_ms")),
+                     [str(s) for s in doc["skipped"]])
     except (OSError, ValueError, KeyError, TypeError, OnnxqError):
         return None
 
@@ -110,8 +150,10 @@ def load(name: str) -> Entry | None:
 def store(name: str, entry: Entry) -> None:
     """Write `entry` under `name` atomically; skipped where the folder is not writable."""
     doc = {"config": json.loads(config_to_json(entry.config)), "kept": entry.kept,
-           "float_ms": entry.float_ms, "first_ms": entry.first_ms, "best_ms": entry.best_ms}
+           "float_ms": entry.float_ms, "first_ms": entry.first_ms, "best_ms": entry.best_ms, "skipped": entry.skipped}
     folder = where()
+    if folder is None:
+        return
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
