@@ -89,9 +89,16 @@ def main(argv: list[str] | None = None) -> int:
         return [(task.name, rows, text)]
 
     # The latency plan searched afresh, not read from the user's cache of earlier runs.
+    before = os.environ.get("ONNXQ_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="onnxq-latency-bench-") as cache:
         os.environ["ONNXQ_CACHE_DIR"] = cache
-        return D.run_shared("latency", args, None, each_task)
+        try:
+            return D.run_shared("latency", args, None, each_task)
+        finally:
+            if before is None:
+                os.environ.pop("ONNXQ_CACHE_DIR", None)
+            else:
+                os.environ["ONNXQ_CACHE_DIR"] = before
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def quantize(
         result.summary.notes.insert(0, note)  # the recipe: before what the run says of it
     if report is not None:
         data = config.mixed_precision.eval_data or calibration_data
-        report_quantization(report, result, config, data, progress)
+        report_quantization(report, result, result.config, data, progress)
     return result
 
 

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from helpers import GraphBuilder, op_count, run, sqnr_db
 
 import onnxq
+import onnxq.errors
 from onnxq.cli import main
-from onnxq.search import latency, latency_cache
+from onnxq.plan import plan_quantization
+from onnxq.search import latency, latency_cache, latency_changes
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -88,7 +92,9 @@ def test_a_change_that_loses_accuracy_is_not_kept(tmp_path, monkeypatch):
 
 
 def test_the_search_is_cached_and_a_rerun_gives_the_same_bytes(tmp_path, capsys):
-    base = ["quantize", str(MODELS / "digits_cnn.onnx")]
+    # The outputs go beside the model: a file written there does not change the key.
+    shutil.copy(MODELS / "digits_cnn.onnx", tmp_path / "digits_cnn.onnx")
+    base = ["quantize", str(tmp_path / "digits_cnn.onnx")]
     data = ["--calib-data", str(MODELS / "digits_calib.npz"), "--optimize-for", "latency"]
     assert main([*base, str(tmp_path / "a.onnx"), *data]) == 0
     first = capsys.readouterr().out
@@ -173,3 +179,48 @@ def test_faster_needs_the_gain_at_the_largest_batch_and_no_loss_at_batch_1():
     assert not latency._faster({1: 1.0, 8: 0.97})  # within noise
     assert not latency._faster({1: 1.2, 8: 0.8})  # slower at batch 1
     assert latency._faster({1: 0.9})  # a model that runs at batch 1 only
+
+
+def test_other_data_is_another_key_and_a_reader_is_not_cached():
+    config, source, data = onnxq.as_config({}), block(), block_data()
+    key = latency_cache.key(source, config, data)
+    assert key == latency_cache.key(source, config, {"x": data["x"].copy()})
+    assert key != latency_cache.key(source, config, {"x": data["x"][:16]})
+    assert key != latency_cache.key(source, config, [{"x": data["x"][:1]}])
+    assert latency_cache.key(source, config, iter([{"x": data["x"][:1]}])) is None
+
+
+def test_a_change_that_fails_is_not_kept_and_the_run_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(latency._Bench, "ratios", dynamic_is_faster)
+    emit = latency.PipelineState.emit
+
+    def dynamic_fails(self, config):
+        if config.layer_type_quant_config:
+            raise RuntimeError("the kernel is missing\nand more")
+        return emit(self, config)
+
+    monkeypatch.setattr(latency.PipelineState, "emit", dynamic_fails)
+    result = onnxq.quantize(block(), tmp_path / "q.onnx", {"optimize_for": "latency"}, block_data(), progress=False)
+    onnx.checker.check_model(onnx.load(tmp_path / "q.onnx"))
+    assert "latency plan tried: MatMul/Gemm dynamic int8: failed (RuntimeError: the kernel is missing), not kept" \
+        in result.summary.note_texts
+
+
+def test_report_and_evaluate_with_the_latency_plan(tmp_path, monkeypatch):
+    monkeypatch.setattr(latency._Bench, "ratios", dynamic_is_faster)
+    result = onnxq.quantize(block(), tmp_path / "q.onnx", {"optimize_for": "latency"}, block_data(), progress=False,
+                            report=tmp_path / "report.html")
+    assert "is_dynamic: true" in (tmp_path / "report.html").read_text()  # the chosen config
+    assert result.config.optimize_for == "accuracy" and result.config.layer_type_quant_config
+    with pytest.raises(onnxq.errors.ConfigError, match="evaluate= scores models for an accuracy target"):
+        onnxq.quantize(block(), None, {"optimize_for": "latency"}, block_data(), evaluate=lambda s: 1.0)
+
+
+def test_excluded_names_are_escaped():
+    b = GraphBuilder(5)
+    x = b.input("x", ["N", 3, 8, 8])
+    model = ir.from_proto(b.build([b.conv(x, 3, 4, k=1)], name="dotted"))
+    model.graph.node(0).name = "conv.1"
+    plan = plan_quantization(model, onnxq.as_config({}))
+    change = next(c for c in latency_changes.CHANGES if c.name == "other Conv kept float")
+    assert change.make(onnxq.as_config({}), model.graph, plan).exclude == [r"conv\.1"]

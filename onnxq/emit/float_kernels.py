@@ -72,8 +72,10 @@ def _per_tensor_dq(value: ir.Value) -> tuple[ir.Node, np.ndarray, np.ndarray | N
         return None
     scale = constant_array(dq.inputs[1])
     zero = constant_array(dq.inputs[2]) if len(dq.inputs) > 2 and dq.inputs[2] is not None else None
-    data = dq.inputs[0].dtype
-    if scale is None or scale.size != 1 or data is None or data.numpy().type not in INTEGER_POINTS:
+    # The data type, from the zero point where the value carries none (uint8 without either).
+    data = dq.inputs[0].dtype.numpy().type if dq.inputs[0].dtype is not None else \
+        (zero.dtype.type if zero is not None else np.uint8)
+    if scale is None or scale.size != 1 or data not in INTEGER_POINTS:
         return None
     return dq, scale, zero
 

@@ -76,7 +76,8 @@ class QuantizationResult:
     plan: QuantPlan
     state: PipelineState | None = None
     # The config `quantize()` was given, as it read it (a default preset picked for the
-    # model where it named none); an accuracy target's promotions are in the summary's.
+    # model where it named none); an accuracy target's promotions are in the summary's;
+    # the latency plan puts the config it chose here (`search/latency.py`).
     config: Config | None = None
 
     @functools.cached_property

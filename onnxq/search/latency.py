@@ -6,13 +6,14 @@ boundary costs a pass over its tensor, and Q/DQ around Gelu, Add or LayerNorm st
 onnxruntime from fusing them. So the plan is measured here, not assumed:
 
 1. Quantize with the config as given, keeping the calibrated state (`PipelineState`).
-2. Time the float model and that one in default sessions on this CPU at batch 1 and 8
-   (`emit/latency.py`: the first calibration sample repeated, the models taking turns).
-3. Try each change of the table (`search/latency_changes.py`) in turn on the best model so far; each re-emits the
-   calibrated state (no new calibration pass) and is timed against it. A change is kept
-   when the model gets faster by `GAIN` at the largest batch and no slower than `SLACK`
-   at batch 1, while its output SQNR against float on the check samples stays within
-   `SQNR_LOSS` dB of the first model's: accuracy first, latency second.
+2. Try each change of the table (`search/latency_changes.py`) in turn on the best model
+   so far. Each re-emits the calibrated state (a calibration pass only for a tensor no
+   plan calibrated before) and is timed against the best in default sessions on this CPU
+   at batch 1 and 8 (`emit/latency.py`: the first calibration sample repeated, the models
+   taking turns). A change is kept when the model gets faster by `GAIN` at the largest
+   batch and at most `SLACK` slower at batch 1, while its output SQNR against float on
+   the check samples stays within `SQNR_LOSS` dB of the first model's: accuracy first.
+3. The float, the first and the chosen model are timed together for the summary.
 4. The result is an ordinary config (float op types, excluded nodes, op-type overrides):
    the final model is quantized from it as any run is, and `result.config` holds it
    (`--save-config` writes it). The choice is cached per model, calibration data, config,
@@ -90,8 +91,8 @@ class Trial:
         if self.failed is not None:
             return f"{self.name}: failed ({self.failed}), not kept"
         if not self.ratios:
-            sqnr = "none" if self.sqnr is None else f"{self.sqnr:.1f} dB"
-            return f"{self.name}: output SQNR {sqnr}, more than {SQNR_LOSS:g} dB under the first model's, not kept"
+            return (f"{self.name}: output SQNR {self.sqnr:.1f} dB, more than {SQNR_LOSS:g} dB under the first "
+                    "model's, not kept")
         times = ", ".join(f"batch {b} {r:.2f}x the time" for b, r in sorted(self.ratios.items()))
         return f"{self.name}: {times}{'' if self.kept else ', not kept'}"
 
@@ -174,19 +175,19 @@ def _try(bench: _Bench, state: PipelineState, best: _Timed, name: str, candidate
     try:
         model = state.emit(candidate)
         sqnr = bench.sqnr(model)
-        if sqnr is None or sqnr < floor:
+        if sqnr is None:
+            return Trial(name, None, {}, False, "its output could not be compared with float"), None
+        if sqnr < floor:
             return Trial(name, sqnr, {}, False), None
         ratios = bench.ratios(best.model, model)
         if _faster(ratios):  # confirmed by a second timing: one can be a lucky draw
             ratios = bench.ratios(best.model, model)
-    except OnnxqError:
-        raise
-    except Exception as error:  # noqa: BLE001  a change onnxruntime cannot run is not kept
+        if not _faster(ratios):
+            return Trial(name, sqnr, ratios, False), None
+        plan = _plan(state, candidate)
+    except Exception as error:  # noqa: BLE001  the first model ran: a change that does not is not kept
         return Trial(name, None, {}, False, _one_line(error)), None
-    if not _faster(ratios):
-        return Trial(name, sqnr, ratios, False), None
-    return Trial(name, sqnr, ratios, True), _Timed(candidate, model, _plan(state, candidate), sqnr,
-                                                   [*best.kept, name])
+    return Trial(name, sqnr, ratios, True), _Timed(candidate, model, plan, sqnr, [*best.kept, name])
 
 
 def search(source: ModelSource, config: Config, base: QuantizationResult, progress: bool | None) -> Found | str:
@@ -256,8 +257,8 @@ def quantize_for_latency(source: ModelSource, output: str | os.PathLike | None, 
     check_latency_options(config)
     plain = dataclasses.replace(config, optimize_for=OptimizeFor.ACCURACY)
     why_not = _unsearchable(plain, calibration_data)
-    name = latency_cache.key(source, plain, calibration_data)
-    entry = None if why_not is not None else latency_cache.load(name)
+    name = latency_cache.key(source, plain, calibration_data) if why_not is None else None
+    entry = latency_cache.load(name) if name is not None else None
     cached = entry is not None
     lines: list[str] = []
     if why_not is None and entry is None:
@@ -270,8 +271,11 @@ def quantize_for_latency(source: ModelSource, output: str | os.PathLike | None, 
             entry = latency_cache.Entry(dataclasses.replace(found.best.config, calibration=plain.calibration),
                                         found.best.kept, found.float_ms, found.first_ms, found.best_ms,
                                         found.skipped)
-            latency_cache.store(name, entry)
+            if name is not None:
+                latency_cache.store(name, entry)
             lines = [t.line() for t in found.trials]
+            if name is None:
+                lines.append("not cached: the calibration data is a reader, which the cache cannot tell from another")
     if entry is None:
         result = run_pipeline(source, output, plain, calibration_data, progress, keep_state=keep_state)
         result.summary.notes.append(Note(Topic.SEARCH, f"latency plan not searched: {why_not}; quantized as "

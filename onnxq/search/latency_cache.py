@@ -20,8 +20,10 @@ import json
 import os
 import platform
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -78,11 +80,28 @@ def _cpu() -> str:
     return "\n".join(sorted(set(wanted))) + f"\n{platform.machine()} {cpu_count()}"
 
 
-def _stat(path: Path) -> str:
-    """Name, size and modification time of `path`'s files (its own, or a folder's)."""
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return "\n".join(f"{p.relative_to(path) if path.is_dir() else p.name} {p.stat().st_size} {p.stat().st_mtime_ns}"
-                     for p in files if p.exists())
+def _stat(files: list[Path], root: Path | None = None) -> str:
+    """Name, size and modification time of each file (a file gone since is named as gone)."""
+    lines = []
+    for p in files:
+        try:
+            info = p.stat()
+            lines.append(f"{p.relative_to(root) if root else p.name} {info.st_size} {info.st_mtime_ns}")
+        except OSError:
+            lines.append(f"{p.name} gone")
+    return "\n".join(lines)
+
+
+def _external_files(path: Path) -> list[Path]:
+    """The external data files `path` names (not the other files beside it: an output
+    written there must not change the key)."""
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001  the run itself says what is wrong with the file
+        return []
+    names = {entry.value for tensor in model.graph.initializer
+             for entry in tensor.external_data if entry.key == "location"}
+    return sorted(path.parent / n for n in names)
 
 
 def _model_digest(source: object) -> str:
@@ -91,9 +110,9 @@ def _model_digest(source: object) -> str:
         with open(source, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
-        # External data files beside it: by size and time (reading gigabytes would cost more
-        # than the search).
-        digest.update(_stat(Path(source).parent).encode())
+        # Its external data files by size and time (reading gigabytes would cost more than
+        # the search).
+        digest.update(_stat(_external_files(Path(source))).encode())
     elif isinstance(source, onnx.ModelProto):
         digest.update(source.SerializeToString())
     elif isinstance(source, ir.Model):
@@ -110,26 +129,39 @@ def _onnxq_version() -> str:
         return "unknown"
 
 
-def _data_digest(data: object) -> str:
-    """The calibration data: a path by its files' names, sizes and times, arrays by their
-    bytes; a reader or an iterable only by its type (the cache cannot look inside)."""
+def _hash_arrays(digest: hashlib._Hash, feeds: Mapping[str, Any]) -> None:
+    for name in sorted(feeds):
+        array = np.ascontiguousarray(feeds[name])
+        digest.update(f"{name} {array.dtype} {array.shape}".encode())
+        digest.update(memoryview(array).cast("B"))
+
+
+def _data_digest(data: object) -> str | None:
+    """The calibration data: a path by its files' names, sizes and times, arrays (a dict,
+    an .npz, a list of feeds) by their bytes; None for a reader, which the cache cannot
+    look inside (its runs are not cached)."""
     if isinstance(data, str | os.PathLike):
-        return f"{data}\n{_stat(Path(data))}" if Path(data).exists() else str(data)
-    if isinstance(data, dict):
-        digest = hashlib.sha256()
-        for name in sorted(data):
-            array = np.ascontiguousarray(data[name])
-            digest.update(f"{name} {array.dtype} {array.shape}".encode())
-            digest.update(array.tobytes())
-        return digest.hexdigest()
-    return type(data).__name__
+        path = Path(data)
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        return f"{data}\n{_stat(files, path if path.is_dir() else None)}"
+    digest = hashlib.sha256()
+    if isinstance(data, Mapping):
+        _hash_arrays(digest, data)
+    elif isinstance(data, list | tuple) and all(isinstance(feed, Mapping) for feed in data):
+        for feed in data:
+            _hash_arrays(digest, feed)
+    else:
+        return None
+    return digest.hexdigest()
 
 
-def key(source: object, config: Config, data: object = None) -> str:
+def key(source: object, config: Config, data: object = None) -> str | None:
     """The cache key of quantizing `source` under `config` on calibration `data` with this
-    CPU and onnxruntime."""
-    parts = [_model_digest(source), config_to_json(config), _data_digest(data), _cpu(), ort.__version__,
-             _onnxq_version()]
+    CPU and onnxruntime; None where the data cannot be told apart (a reader)."""
+    data_part = _data_digest(data)
+    if data_part is None:
+        return None
+    parts = [_model_digest(source), config_to_json(config), data_part, _cpu(), ort.__version__, _onnxq_version()]
     return hashlib.sha256("\n--\n".join(parts).encode()).hexdigest()[:32]
 
 
@@ -140,10 +172,11 @@ def load(name: str) -> Entry | None:
         return None
     try:
         doc = json.loads((folder / f"{name}.json").read_text())
-        return Entry(as_config(doc["config"]), list(doc["kept"]),
-                     *({int(b): float(ms) for b, ms in doc[k].items()} for k in ("float_ms", "first_ms", "best_ms")),
-                     [str(s) for s in doc["skipped"]])
-    except (OSError, ValueError, KeyError, TypeError, OnnxqError):
+        times = [{int(b): float(ms) for b, ms in doc[k].items()} for k in ("float_ms", "first_ms", "best_ms")]
+        if not times[0] or any(t.keys() != times[0].keys() for t in times):
+            return None
+        return Entry(as_config(doc["config"]), list(doc["kept"]), *times, [str(s) for s in doc["skipped"]])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OnnxqError):
         return None
 
 
