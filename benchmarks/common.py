@@ -604,9 +604,7 @@ def median_latency_ms(
     interleaving made a multi-threaded int8 ResNet-20 3x slower). `feeds[name]` is the
     feed of session `name`.
     """
-    import time
-
-    from onnxq.emit.latency import BLOCK, PAUSE_S
+    from onnxq.emit.latency import BLOCK, block_ms
 
     for name, sess in sessions.items():
         for _ in range(warmup):
@@ -614,13 +612,7 @@ def median_latency_ms(
     times: dict[str, list[float]] = {name: [] for name in sessions}
     for _ in range(max(1, -(-runs // BLOCK))):
         for name, sess in sessions.items():
-            feed = dict(feeds[name])
-            time.sleep(PAUSE_S)
-            sess.run(None, feed)
-            for _ in range(BLOCK):
-                t0 = time.perf_counter()
-                sess.run(None, feed)
-                times[name].append((time.perf_counter() - t0) * 1000.0)
+            times[name].extend(block_ms(sess, dict(feeds[name])))
     return {
         name: {
             "median_ms": float(np.median(t)),

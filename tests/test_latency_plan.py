@@ -52,7 +52,7 @@ def block_data(n: int = 32) -> dict[str, np.ndarray]:
 def dynamic_is_faster(self, best, model):
     """A stand-in CPU where only dynamic int8 MatMuls pay: half the time, every other
     change the same."""
-    ops = {n.op_type for n in model.graph}
+    ops = {n.op_type for n in model.model.graph}
     return {b: 0.5 if "DynamicQuantizeLinear" in ops or "MatMulInteger" in ops else 1.0 for b in self.feeds}
 
 
@@ -78,7 +78,7 @@ def test_a_change_that_loses_accuracy_is_not_kept(tmp_path, monkeypatch):
     plain_sqnr = latency._Bench.sqnr
 
     def dynamic_is_worse(self, model):
-        ops = {n.op_type for n in model.graph}
+        ops = {n.op_type for n in model.model.graph}
         return 0.0 if "DynamicQuantizeLinear" in ops or "MatMulInteger" in ops else plain_sqnr(self, model)
 
     monkeypatch.setattr(latency._Bench, "sqnr", dynamic_is_worse)

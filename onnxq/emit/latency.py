@@ -3,9 +3,10 @@
 The question a user deploys on: is the int8 model faster here? Both models run in default
 onnxruntime sessions (what deploys: fused int8 kernels, every core) on the first
 calibration sample repeated to each batch size, taking turns in short blocks so that a
-machine's drift hits both alike (`rounds_ms`); each figure is the median of the runs. Where the quantized model is not
-faster at some batch size, both run once more under onnxruntime's profiler and the
-kernel time per op type says where the time went, read through a table of causes
+machine's drift hits both alike (`rounds_ms`); each figure is the median of the runs.
+Where the quantized model is not faster at some batch size, both run once more under
+onnxruntime's profiler and the kernel time per op type says where the time went, read
+through a table of causes
 (`CAUSES`): Q/DQ boundaries, int8 kernels slower than the float ones they replace, a CPU
 without VNNI; each with what would be faster.
 """
@@ -102,6 +103,18 @@ def latency_feeds(inputs: list[InputSpec], data: CalibrationSource, session: ort
     return feeds, skipped
 
 
+def block_ms(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> list[float]:
+    """Ms of each of `BLOCK` runs, after a pause and one warm-up run (module constants)."""
+    time.sleep(PAUSE_S)
+    session.run(None, feed)
+    spent = []
+    for _ in range(BLOCK):
+        start = time.perf_counter()
+        session.run(None, feed)
+        spent.append(1e3 * (time.perf_counter() - start))
+    return spent
+
+
 def rounds_ms(sessions: list[ort.InferenceSession], feed: dict[str, np.ndarray], runs: int = RUNS,
               budget_s: float = BUDGET_S) -> list[list[float]]:
     """Per session, the median ms of each round: the sessions take turns in blocks (`BLOCK`,
@@ -111,14 +124,7 @@ def rounds_ms(sessions: list[ort.InferenceSession], feed: dict[str, np.ndarray],
     began = time.perf_counter()
     while len(out[0]) * BLOCK < runs and (len(out[0]) < MIN_ROUNDS or time.perf_counter() - began < budget_s):
         for session, rounds in zip(sessions, out):
-            time.sleep(PAUSE_S)
-            session.run(None, feed)
-            spent = []
-            for _ in range(BLOCK):
-                start = time.perf_counter()
-                session.run(None, feed)
-                spent.append(time.perf_counter() - start)
-            rounds.append(1e3 * float(np.median(spent)))
+            rounds.append(float(np.median(block_ms(session, feed))))
     return out
 
 

@@ -42,7 +42,7 @@ from onnxq.evaluate import deployed_options, imports_extended, open_any
 from onnxq.notes import Note, Topic
 from onnxq.pipeline.prepare import ModelSource, calibrates_activations
 from onnxq.pipeline.result import PipelineState, QuantizationResult
-from onnxq.pipeline.run import run_pipeline
+from onnxq.pipeline.run import record_latency, run_pipeline
 from onnxq.plan import QuantPlan, plan_quantization
 from onnxq.progress import bar
 from onnxq.search import latency_cache
@@ -67,10 +67,18 @@ SQNR_LOSS = 1.0
 RUNS, BUDGET_S = 300, 1.5
 
 
+@dataclass(frozen=True)
+class Opened:
+    """A model and its default session, opened once for every check and comparison."""
+
+    model: ir.Model
+    session: ort.InferenceSession
+
+
 @dataclass
 class _Timed:
     config: Config
-    model: ir.Model  # emitted from the calibrated state under `config`
+    opened: Opened  # the model emitted from the calibrated state under `config`
     plan: QuantPlan
     sqnr: float
     kept: list[str]  # the changes this config carries
@@ -118,40 +126,39 @@ class _Bench:
     def __init__(self, source: ModelSource, quantized: ir.Model, state: PipelineState, samples: int) -> None:
         self.providers = state.settings.calibration.providers
         inputs = model_inputs(quantized)
-        self.float = _session(source, self.providers)
-        self.feeds, self.skipped = latency_feeds(inputs, state.settings.data, _session(quantized, self.providers))
+        self.float, self.first = self.open(source), Opened(quantized, self.open(quantized))
+        self.feeds, self.skipped = latency_feeds(inputs, state.settings.data, self.first.session)
         self.reference: Reference | None = float_reference(_bytes(source), inputs, state.settings.data,
                                                            samples, self.providers)
 
-    def time(self, *models: ir.Model) -> list[dict[int, float]]:
+    def open(self, model: ModelSource) -> ort.InferenceSession:
+        """A default session of `model` (a deployment's options)."""
+        source = _bytes(model)
+        return open_any(source, deployed_options(extended=imports_extended(source)), self.providers)
+
+    def time(self, *models: Opened) -> list[dict[int, float]]:
         """Median ms per batch of the float model and each of `models`, taking turns."""
-        sessions = [self.float, *(_session(m, self.providers) for m in models)]
+        sessions = [self.float, *(m.session for m in models)]
         out: list[dict[int, float]] = [{} for _ in sessions]
         for batch, feed in self.feeds.items():
             for ms, row in zip(median_ms(sessions, feed, RUNS, BUDGET_S), out):
                 row[batch] = ms
         return out
 
-    def ratios(self, best: ir.Model, model: ir.Model) -> dict[int, float]:
+    def ratios(self, best: Opened, model: Opened) -> dict[int, float]:
         """Per batch, the median over rounds of `model`'s time over `best`'s, each round's
         blocks back to back (`rounds_ms`): drift and other jobs hit both alike."""
-        sessions = [_session(best, self.providers), _session(model, self.providers)]
         out = {}
         for batch, feed in self.feeds.items():
-            before, after = rounds_ms(sessions, feed, RUNS, BUDGET_S)
+            before, after = rounds_ms([best.session, model.session], feed, RUNS, BUDGET_S)
             out[batch] = float(np.median(np.asarray(after) / np.asarray(before)))
         return out
 
-    def sqnr(self, model: ir.Model) -> float | None:
+    def sqnr(self, model: Opened) -> float | None:
         if self.reference is None:
             return None
-        found = measure(_session(model, self.providers), self.reference)
+        found = measure(model.session, self.reference)
         return found.sqnr_db if found is not None and not isinstance(found, str) else None
-
-
-def _session(model: ModelSource, providers: list[str]) -> ort.InferenceSession:
-    source = _bytes(model)
-    return open_any(source, deployed_options(extended=imports_extended(source)), providers)
 
 
 def _bytes(model: ModelSource) -> str | os.PathLike | bytes | ir.Model:
@@ -173,15 +180,16 @@ def _try(bench: _Bench, state: PipelineState, best: _Timed, name: str, candidate
          floor: float) -> tuple[Trial, _Timed | None]:
     """Emit, check and time one change against `best`: the trial, and the new best if kept."""
     try:
-        model = state.emit(candidate)
+        emitted = state.emit(candidate)
+        model = Opened(emitted, bench.open(emitted))
         sqnr = bench.sqnr(model)
         if sqnr is None:
             return Trial(name, None, {}, False, "its output could not be compared with float"), None
         if sqnr < floor:
             return Trial(name, sqnr, {}, False), None
-        ratios = bench.ratios(best.model, model)
+        ratios = bench.ratios(best.opened, model)
         if _faster(ratios):  # confirmed by a second timing: one can be a lucky draw
-            ratios = bench.ratios(best.model, model)
+            ratios = bench.ratios(best.opened, model)
         if not _faster(ratios):
             return Trial(name, sqnr, ratios, False), None
         plan = _plan(state, candidate)
@@ -198,7 +206,7 @@ def search(source: ModelSource, config: Config, base: QuantizationResult, progre
     samples = config.calibration.check_samples or CHECK_SAMPLES
     try:
         bench = _Bench(source, base.ir_model, state, samples)
-        first_sqnr = bench.sqnr(base.ir_model)
+        first_sqnr = bench.sqnr(bench.first)
     except OnnxqError:
         raise
     except Exception as error:  # noqa: BLE001  onnxruntime raises several types
@@ -206,7 +214,7 @@ def search(source: ModelSource, config: Config, base: QuantizationResult, progre
     if first_sqnr is None:
         return ("the output of the float model could not be compared with the quantized one (no floating-point "
                 "output): every change is checked against float first")
-    first = best = _Timed(config, base.ir_model, base.plan, first_sqnr, [])
+    first = best = _Timed(config, bench.first, base.plan, first_sqnr, [])
     trials: list[Trial] = []
     with bar(desc="latency plan", unit="change", enabled=progress) as shown:
         while True:
@@ -220,7 +228,7 @@ def search(source: ModelSource, config: Config, base: QuantizationResult, progre
             trial, better = _try(bench, state, best, name, candidate, first.sqnr - SQNR_LOSS)
             trials.append(trial)
             best = better or best  # the changes not yet tried go on from the new best
-    float_ms, *timed = bench.time(*([first.model] if best is first else [first.model, best.model]))
+    float_ms, *timed = bench.time(*([first.opened] if best is first else [first.opened, best.opened]))
     return Found(first, best, float_ms, timed[0], timed[-1], list(bench.skipped), trials)
 
 
@@ -237,6 +245,13 @@ def _unsearchable(config: Config, calibration_data: Any) -> str | None:
     if access is Access.NONE:
         return "it times the model on the first calibration sample; pass --calib-data"
     return None if access.rereadable else refusal(access)
+
+
+def _measure_if_asked(result: QuantizationResult, source: ModelSource, config: Config) -> None:
+    """`--latency` on a model the search's first run wrote (which ran without it)."""
+    if config.calibration.measure_latency and result.summary.latency is None and result.state is not None:
+        record_latency(result.summary, source, result.ir_model, result.state.settings.data,
+                       config.calibration.providers)
 
 
 def check_latency_options(config: Config) -> None:
@@ -261,10 +276,12 @@ def quantize_for_latency(source: ModelSource, output: str | os.PathLike | None, 
     entry = latency_cache.load(name) if name is not None else None
     cached = entry is not None
     lines: list[str] = []
+    base = None
     if why_not is None and entry is None:
-        untimed = with_calibration(plain, measure_latency=False)
-        base = run_pipeline(source, None, untimed, calibration_data, progress, keep_state=True)
-        found = search(source, untimed, base, progress)
+        # The first model is written where asked: kept as it is when no change pays.
+        base = run_pipeline(source, output, with_calibration(plain, measure_latency=False), calibration_data,
+                            progress, keep_state=True)
+        found = search(source, plain, base, progress)
         if isinstance(found, str):
             why_not = found
         else:
@@ -277,12 +294,15 @@ def quantize_for_latency(source: ModelSource, output: str | os.PathLike | None, 
             if name is None:
                 lines.append("not cached: the calibration data is a reader, which the cache cannot tell from another")
     if entry is None:
-        result = run_pipeline(source, output, plain, calibration_data, progress, keep_state=keep_state)
+        result = base or run_pipeline(source, output, plain, calibration_data, progress, keep_state=keep_state)
         result.summary.notes.append(Note(Topic.SEARCH, f"latency plan not searched: {why_not}; quantized as "
                                          "configured"))
+        _measure_if_asked(result, source, plain)
         result.config = plain
         return result
-    result = run_pipeline(source, output, entry.config, calibration_data, progress, keep_state=keep_state)
+    result = base if base is not None and not entry.kept else \
+        run_pipeline(source, output, entry.config, calibration_data, progress, keep_state=keep_state)
+    _measure_if_asked(result, source, plain)
     when = " (cached for this model, data, config, CPU and onnxruntime)" if cached else ""
     result.summary.notes.append(Note(Topic.SEARCH, f"latency plan: {entry.describe()}{when}"))
     result.summary.notes.extend(Note(Topic.SEARCH, f"latency plan tried: {line}") for line in lines)
