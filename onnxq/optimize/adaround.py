@@ -22,6 +22,7 @@ target weights included, float8 E4M3FN/E5M2).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,6 +30,7 @@ import numpy as np
 
 from onnxq.optimize.context import AlgorithmResult
 from onnxq.optimize.layerwise.adam import Adam
+from onnxq.optimize.layerwise.block_fit import Rounding
 from onnxq.optimize.layerwise.driver import reconstruct
 from onnxq.optimize.layerwise.options import LayerwiseConfig, check
 from onnxq.optimize.layerwise.problem import Problem, Solution
@@ -64,12 +66,14 @@ class AdaRoundConfig(LayerwiseConfig):
         check(0 <= self.warm_start < 1, "adaround: warm_start is a share of the iterations in [0, 1)")
 
 
-def _beta(options: AdaRoundConfig, step: int) -> float | None:
-    """The regulariser's exponent at `step`, None during the warm start."""
-    warm = int(options.warm_start * options.num_iteration)
+def _beta(options: AdaRoundConfig, step: int, steps: int | None = None) -> float | None:
+    """The regulariser's exponent at `step` of `steps` (default num_iteration), None
+    during the warm start."""
+    steps = options.num_iteration if steps is None else steps
+    warm = int(options.warm_start * steps)
     if step < warm:
         return None
-    rel = (step - warm) / max(options.num_iteration - warm, 1)
+    rel = (step - warm) / max(steps - warm, 1)
     start, end = options.beta_range_start, options.beta_range_end
     return end + 0.5 * (start - end) * (1 + np.cos(rel * np.pi))
 
@@ -125,4 +129,8 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
                     flag_help="learn each weight's rounding, layer by layer, against the float model (AdaRound)")
 def adaround(model, plan, ranges, opts: AdaRoundConfig, ctx) -> str | AlgorithmResult:
     """Learn the rounding of every quantized Conv/Gemm/MatMul weight (module doc)."""
-    return reconstruct("adaround", learn_rounding, model, plan, ranges, opts, ctx)
+    blocks = None
+    if opts.reconstruct == "block":
+        blocks = Rounding(opts.block_iterations, opts.learning_rate, opts.reg_param,
+                          functools.partial(_beta, opts, steps=opts.block_iterations))
+    return reconstruct("adaround", learn_rounding, model, plan, ranges, opts, ctx, blocks)

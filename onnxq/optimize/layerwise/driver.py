@@ -21,6 +21,9 @@ from onnxq.graph.edit import set_constant
 from onnxq.numerics.weights import QuantizedTensor
 from onnxq.optimize.context import AlgorithmContext, AlgorithmResult
 from onnxq.optimize.layerwise.activation import following
+from onnxq.optimize.layerwise.block_driver import block_line, run_block
+from onnxq.optimize.layerwise.block_fit import Rounding
+from onnxq.optimize.layerwise.blocks import find_blocks
 from onnxq.optimize.layerwise.clip import search_scale
 from onnxq.optimize.layerwise.emitted import (
     WEIGHT_PREFIX,
@@ -72,9 +75,10 @@ def _quantized_graph(model: ir.Model, plan: QuantPlan, ranges, ctx: AlgorithmCon
 
 def reconstruct(
     name: str, optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],
-    options, ctx: AlgorithmContext,
+    options, ctx: AlgorithmContext, blocks: Rounding | None = None,
 ) -> str | AlgorithmResult:
-    """Optimise every layer `options` selects with `optimise`, in graph order (module doc)."""
+    """Optimise every layer `options` selects with `optimise`, in graph order (module doc);
+    then, with `blocks`, each block's rounding again against its output (`block_driver.py`)."""
     layers, refused = find_layers(model.graph, plan, options.op_types, options.skip_layers, options.layers)
     if not layers:
         return f"no quantized {'/'.join(options.op_types) or 'named'} layer to optimise" + _listed("skipped", refused)
@@ -99,36 +103,64 @@ def reconstruct(
     float_proto = ir.to_proto(model)
     replay = Replay(float_proto, ir.to_proto(qmodel), batches, ctx.settings.calibration.providers,
                     int(options.cache_budget_mb) << 20)
-    del qmodel
     for layer in layers:
         qt = nearest[layer.name]
         replay.set_initializer(WEIGHT_PREFIX + layer.name, dequantized(qt))
         replay.set_input(layer.name, 1, WEIGHT_PREFIX + layer.name)
     report = _Report()
     fitted: dict[str, str] = {}  # layers whose bias was fitted here, handed back with the result
+
+    def settle(layer: Layer, result: QuantizedTensor) -> None:
+        ctx.weights.pin(layer.weight, layer.node.inputs[1], result)
+        if layer not in report.pinned:
+            report.pinned.append(layer)
+        report.results[layer.name] = result
+        replay.set_initializer(WEIGHT_PREFIX + layer.name, dequantized(result))
+
+    def one(layer: Layer, source, names: tuple[str, str]) -> None:
+        result = _one_layer(optimise, model, plan, ranges, options, layer, nearest[layer.name], source, names, report)
+        bar.set_postfix_str(report.last)
+        if result is not None:
+            settle(layer, result)
+            if report.bias_changed.get(layer.name) is not None:
+                fitted[layer.name] = name
+                replay_bias(replay, layer, slots[layer.name], report.bias_changed[layer.name])
+
+    found, not_blocked = find_blocks(qmodel.graph, layers, qnodes, model.graph.outputs[0].name,
+                                     options.block_layers) if blocks is not None else ([], {})
+    starting = {block.layers[0].name: block for block in found}
+    outcomes = []
     bar = progress_bar(layers, name, "layer", ctx.settings.progress)
+    skip = 0
     try:
         for layer in bar:
-            qt = nearest[layer.name]
-            xf = replay.float_name(layer.node.inputs[0].name)
-            xq = xf if options.inputs == "float" else qnodes[layer.name].inputs[0].name
+            if skip:
+                skip -= 1
+                continue
+            block = starting.get(layer.name)
             try:
-                result = _one_layer(optimise, model, plan, ranges, options, layer, qt, replay, (xq, xf), report)
+                if block is not None:
+                    outcome = run_block(block, replay, qnodes, lambda x: report.results.get(x.name, nearest[x.name]),
+                                        one, settle, options, blocks)
+                    if isinstance(outcome, str):
+                        not_blocked.update({x.name: outcome for x in block.layers})
+                    else:
+                        outcomes.append(outcome)
+                    skip = len(block.layers) - 1
+                    continue
+                xf = replay.float_name(layer.node.inputs[0].name)
+                xq = xf if options.inputs == "float" else qnodes[layer.name].inputs[0].name
+                one(layer, replay, (xq, xf))
             except ReplayError as exc:
                 report.kept[layer.name] = str(exc)
                 break
-            bar.set_postfix_str(report.last)
-            if result is not None:
-                ctx.weights.pin(layer.weight, layer.node.inputs[1], result)
-                report.pinned.append(layer)
-                replay.set_initializer(WEIGHT_PREFIX + layer.name, dequantized(result))
-                if report.bias_changed.get(layer.name) is not None:
-                    fitted[layer.name] = name
-                    replay_bias(replay, layer, slots[layer.name], report.bias_changed[layer.name])
     finally:
         bar.close()
         replay.close()
     line = report.line(len(layers), refused, replay.samples, replay.samples + split.held_out_samples)
+    if blocks is not None:
+        line += block_line(len(found), outcomes, not_blocked)
+    del qmodel
     if original is not None and report.pinned:
         if split.held_out:
             line += _guard(name, model, original, float_proto, plan, ranges, ctx, split, report, fitted)
@@ -271,6 +303,7 @@ class _Report:
         self.short: dict[str, int] = {}  # layer -> calibration samples it needs
         self.bias_changed: dict[str, np.ndarray | None] = {}
         self.pinned: list[Layer] = []
+        self.results: dict[str, QuantizedTensor] = {}
         self.through: dict[str, int] = {}  # activation op type -> layers whose loss ran through one
         self.last = ""
 

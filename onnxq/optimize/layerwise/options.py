@@ -9,6 +9,7 @@ from onnxq.errors import ConfigError
 from onnxq.optimize.layerwise.layers import OP_TYPES
 
 INPUTS = ("quantized", "weights", "float")
+RECONSTRUCT = ("layer", "block")
 
 
 def check(condition: bool, message: str) -> None:
@@ -44,6 +45,11 @@ class LayerwiseConfig:
       output (Relu, Clip, LeakyRelu, PRelu, Sigmoid, Tanh, Gelu), as AdaRound's paper and
       AMCT do, on up to sample_positions positions, batch_positions per step
       (`layerwise/sampled.py`); else the error of the output before it (exact statistics).
+    reconstruct: "layer" (each layer's own output error) or "block" (AdaRound only: then
+      the rounding of each block, `block_layers` layers or more between tensors every
+      path passes through, is learned again against the block's output error,
+      `layerwise/block_fit.py`), block_iterations Adam steps of block_positions output
+      positions each, on the samples whose block start and end fit block_budget_mb.
     min_rows: a layer whose statistics saw fewer than min_rows x (inputs per output + 1)
       rows keeps nearest rounding (it would fit the calibration samples, not the data).
     """
@@ -70,6 +76,11 @@ class LayerwiseConfig:
     activation: bool = False
     sample_positions: int = 8192
     batch_positions: int = 1024
+    reconstruct: str = "layer"
+    block_layers: int = 2
+    block_iterations: int = 200
+    block_positions: int = 2048
+    block_budget_mb: int = 256
 
     def __post_init__(self) -> None:
         name = self.ALGORITHM
@@ -85,6 +96,14 @@ class LayerwiseConfig:
               f"{name}: validation_every is 0 (no check) or at least 2")
         check(self.sample_positions >= 1 and self.batch_positions >= 1,
               f"{name}: sample_positions and batch_positions must be at least 1")
+        check(self.reconstruct in RECONSTRUCT,
+              f"{name}: reconstruct is one of {', '.join(RECONSTRUCT)}; got {self.reconstruct!r}")
+        check(self.reconstruct == "layer" or self.inputs == "quantized",
+              f"{name}: reconstruct: block learns each block on the quantized model's inputs; "
+              "it needs inputs: quantized")
+        check(self.block_layers >= 1 and self.block_iterations >= 1 and self.block_positions >= 1
+              and self.block_budget_mb >= 1,
+              f"{name}: block_layers, block_iterations, block_positions and block_budget_mb must be at least 1")
         check(self.min_rows >= 0, f"{name}: min_rows must be >= 0")
         check(self.equalize in self.EQUALIZE, f"{name}: equalize is one of {', '.join(self.EQUALIZE)}; "
               f"got {self.equalize!r}")
