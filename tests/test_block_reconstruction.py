@@ -213,3 +213,30 @@ def test_bad_block_options_are_one_line_errors():
         onnxq.AdaRoundConfig(reconstruct="block", inputs="float")
     with pytest.raises(ConfigError, match="at least 1"):
         onnxq.AdaRoundConfig(reconstruct="block", block_iterations=0)
+
+
+def test_pair_safe_weights_keep_their_layer_wise_rounding(tmp_path):
+    """On x86-avx2 the int8 weights are held pair-safe layer by layer; the block pass,
+    which does not hold them, leaves those blocks alone and says why."""
+    from helpers import kernel_pair_sums
+
+    from onnxq.config.compose import compose_config
+    from onnxq.target.pairs import PAIR_LIMIT
+
+    onnx.save(residual_net(), tmp_path / "f.onnx")
+    np.savez(tmp_path / "calib.npz", x=images(32, 1))
+    config = compose_config("U8S8", None, {"target": "x86-avx2", "target_algorithms": False})
+    config.algo_config = [{"name": "adaround", "reconstruct": "block", "num_iteration": 50, "block_iterations": 20,
+                           "validation_every": 0}]
+    result = onnxq.quantize(tmp_path / "f.onnx", tmp_path / "q.onnx", config, tmp_path / "calib.npz")
+    line = " ".join(n.text for n in of(result.summary.notes, Topic.ALGORITHM) if n.source == "adaround")
+    assert "blocks: 0 of" in line and "pair-safe weights" in line, line
+    model = onnx.load(tmp_path / "q.onnx")
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output}
+    for node in model.graph.node:
+        depthwise = any(a.name == "group" and a.i > 1 for a in node.attribute)  # no pair kernel there
+        if node.op_type == "Conv" and not depthwise and node.input[1] in producers:
+            codes = inits[producers[node.input[1]].input[0]]
+            if codes.dtype == np.int8:
+                assert kernel_pair_sums(node, codes).max() <= PAIR_LIMIT, node.name

@@ -98,6 +98,8 @@ def run_block(block: Block, replay: Replay, qnodes: Mapping[str, ir.Node], curre
         inputs = graph.values_of(x, weights, xq, Kept.CHUNK)
         optimise_layer(layer, Kept({xq: inputs, floats[layer.name]: kept[floats[layer.name]]}),
                        (xq, floats[layer.name]))
+    if any(layer.weight.spec.pairs is not None for layer in block.layers):
+        return "pair-safe weights (their kernel pairs are held in range layer by layer)"
     learnables = [Learnable.of(layer, qnodes[layer.name], current(layer)) for layer in block.layers]
     if any(item is None for item in learnables):
         return "float8 weights"
