@@ -38,6 +38,14 @@ def sqnr_db(ref: np.ndarray, test: np.ndarray) -> float:
     return 10.0 * np.log10(signal / noise)
 
 
+def uneven_weights(rng: np.random.Generator, shape: tuple[int, ...], spread: float = 1.5) -> np.ndarray:
+    """Random weights whose output channels' magnitudes differ by up to e^(2 spread), as
+    batch-norm-folded layers' do: per-tensor scales and rounding then matter."""
+    w = rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))
+    return (w * np.exp(rng.uniform(-spread, spread, shape[0])).reshape([-1] + [1] * (len(shape) - 1))).astype(
+        np.float32)
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     a = np.asarray(a, dtype=np.float64).ravel()
     b = np.asarray(b, dtype=np.float64).ravel()

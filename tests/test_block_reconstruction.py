@@ -5,12 +5,14 @@ quantized that way is valid, runs, and stays close to float on held-out data."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from helpers import run, sqnr_db
+from helpers import run, sqnr_db, uneven_weights
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxq
@@ -21,22 +23,16 @@ from onnxq.optimize.layerwise.block_ops import OPS
 from onnxq.optimize.layerwise.blocks import between, block_start, find_blocks
 
 
-def _weights(rng: np.random.Generator, shape: tuple[int, ...], spread: float = 1.0) -> np.ndarray:
-    w = rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))
-    return (w * np.exp(rng.uniform(-spread, spread, shape[0])).reshape([-1] + [1] * (len(shape) - 1))).astype(
-        np.float32)
-
-
 def residual_net(seed: int = 0) -> onnx.ModelProto:
     """Stem (stride 2, asymmetric pads), depthwise-pointwise with ReLU6, a residual Add,
     pooling and a classifier: the shapes of MobileNet and ResNet blocks."""
     rng = np.random.default_rng(seed)
     inits = {
-        "w1": _weights(rng, (16, 3, 3, 3)), "b1": rng.normal(0, 0.1, 16).astype(np.float32),
-        "w2": _weights(rng, (16, 1, 3, 3), 1.5) * 3, "b2": rng.normal(0, 0.1, 16).astype(np.float32),
-        "w3": _weights(rng, (16, 16, 1, 1)), "b3": rng.normal(0, 0.1, 16).astype(np.float32),
-        "w4": _weights(rng, (24, 16, 1, 1)), "b4": rng.normal(0, 0.1, 24).astype(np.float32),
-        "w5": _weights(rng, (10, 24)), "b5": rng.normal(0, 0.1, 10).astype(np.float32),
+        "w1": uneven_weights(rng, (16, 3, 3, 3), 1.0), "b1": rng.normal(0, 0.1, 16).astype(np.float32),
+        "w2": uneven_weights(rng, (16, 1, 3, 3)) * 3, "b2": rng.normal(0, 0.1, 16).astype(np.float32),
+        "w3": uneven_weights(rng, (16, 16, 1, 1), 1.0), "b3": rng.normal(0, 0.1, 16).astype(np.float32),
+        "w4": uneven_weights(rng, (24, 16, 1, 1), 1.0), "b4": rng.normal(0, 0.1, 24).astype(np.float32),
+        "w5": uneven_weights(rng, (10, 24), 1.0), "b5": rng.normal(0, 0.1, 10).astype(np.float32),
         "lo": np.array(0, np.float32), "hi": np.array(6, np.float32),
     }
     nodes = [
@@ -99,9 +95,12 @@ def _blocks_of(folder):
     names = ["stem", "dw", "pw", "expand", "fc"]
     fnodes = {n.name: n for n in fmodel.graph}
 
+    spec = SimpleNamespace(dtype="int4", pairs=None)  # a resolved int4 weight spec
+
     class _L:  # the fields find_blocks reads
         def __init__(self, node):
             self.node, self.name = node, node.name
+            self.weight = SimpleNamespace(spec=spec)
     return qmodel, [_L(fnodes[n]) for n in names], qnodes
 
 
@@ -154,7 +153,8 @@ def test_backward_is_the_derivative(op):
         node = ir.node(op, [ir.Value(name="a"), ir.Value(name="b")])
         ins = [rng.normal(size=(2, 3, 4)), rng.normal(size=(3, 1))]
     else:
-        node = ir.node(op, [ir.Value(name="x"), ir.Value(name="lo"), ir.Value(name="hi")])
+        bounds = [ir.Value(name=n, const_value=ir.tensor(np.array(v, np.float32))) for n, v in (("lo", -0.5), ("hi", 0.7))]
+        node = ir.node(op, [ir.Value(name="x"), *bounds])  # constant bounds, as blocks.py requires
         ins = [rng.normal(size=(4, 5)), np.array(-0.5), np.array(0.7)]
     ins = [np.asarray(a, np.float32) for a in ins]
     impl = OPS[op]

@@ -9,7 +9,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from helpers import run, sqnr_db
+from helpers import run, sqnr_db, uneven_weights
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxq
@@ -24,19 +24,14 @@ from onnxq.optimize.layerwise.replay import Replay
 from onnxq.target.pairs import PAIR_LIMIT, pair_indices
 
 
-def _uneven(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    w = rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))
-    return (w * np.exp(rng.uniform(-1.5, 1.5, shape[0])).reshape([-1] + [1] * (len(shape) - 1))).astype(np.float32)
-
-
 def cnn(seed: int = 0) -> onnx.ModelProto:
     """Conv-Relu, depthwise Conv-Relu, pointwise Conv-Relu, pool, Gemm: a small MobileNet."""
     rng = np.random.default_rng(seed)
     inits = {
-        "w1": _uneven(rng, (16, 3, 3, 3)), "b1": rng.normal(0, 0.1, 16).astype(np.float32),
-        "w2": _uneven(rng, (16, 1, 3, 3)) * 3, "b2": rng.normal(0, 0.1, 16).astype(np.float32),
-        "w3": _uneven(rng, (24, 16, 1, 1)), "b3": rng.normal(0, 0.1, 24).astype(np.float32),
-        "w4": _uneven(rng, (10, 24)), "b4": rng.normal(0, 0.1, 10).astype(np.float32),
+        "w1": uneven_weights(rng, (16, 3, 3, 3)), "b1": rng.normal(0, 0.1, 16).astype(np.float32),
+        "w2": uneven_weights(rng, (16, 1, 3, 3)) * 3, "b2": rng.normal(0, 0.1, 16).astype(np.float32),
+        "w3": uneven_weights(rng, (24, 16, 1, 1)), "b3": rng.normal(0, 0.1, 24).astype(np.float32),
+        "w4": uneven_weights(rng, (10, 24)), "b4": rng.normal(0, 0.1, 10).astype(np.float32),
     }
     nodes = [
         helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
@@ -306,8 +301,8 @@ def test_cli_flags_and_options(tmp_path, capsys) -> None:
 def test_matmul_layers_of_a_transformer_block_improve() -> None:
     """MatMul weights (with their bias Adds left alone) on token sequences."""
     rng = np.random.default_rng(3)
-    inits = {"w1": _uneven(rng, (48, 32)).T.copy(), "b1": rng.normal(0, 0.1, 48).astype(np.float32),
-             "w2": _uneven(rng, (16, 48)).T.copy()}
+    inits = {"w1": uneven_weights(rng, (48, 32)).T.copy(), "b1": rng.normal(0, 0.1, 48).astype(np.float32),
+             "w2": uneven_weights(rng, (16, 48)).T.copy()}
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="up"),
              helper.make_node("Add", ["h", "b1"], ["hb"], name="up_bias"),
              helper.make_node("Relu", ["hb"], ["r"], name="act"),
@@ -465,7 +460,7 @@ ACTIVATION_NODES = [
 def _conv_then(op: str, attrs: dict, extra) -> onnx.ModelProto:
     """x -> Conv (6 channels) -> `op` -> y, opset 20."""
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array(_uneven(rng, (6, 3, 3, 3)), "w"),
+    inits = [numpy_helper.from_array(uneven_weights(rng, (6, 3, 3, 3)), "w"),
              numpy_helper.from_array(rng.normal(0, 0.3, 6).astype(np.float32), "b")]
     inputs = ["c"]
     if isinstance(extra, tuple):

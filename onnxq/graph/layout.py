@@ -267,6 +267,12 @@ class ConvGeometry:
             return pads
         return [0] * (2 * nd) if self.auto_pad == "VALID" else list(self.pads)
 
+    def output_shape(self, spatial: Sequence[int]) -> tuple[int, ...]:
+        """The output's spatial size for an input of size `spatial`."""
+        pads, nd = self.pads_for(spatial), len(self.kernel)
+        return tuple((spatial[i] + pads[i] + pads[i + nd] - (self.kernel[i] - 1) * self.dilations[i] - 1)
+                     // self.strides[i] + 1 for i in range(nd))
+
     def window_means(self, x: np.ndarray) -> np.ndarray:
         """[C, prod(kernel)]: for each kernel tap, the mean over output positions of the
         (zero-padded) input values it reads, per channel of x [C, *spatial]. The mean

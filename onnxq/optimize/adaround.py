@@ -34,9 +34,14 @@ from onnxq.optimize.layerwise.block_fit import Rounding
 from onnxq.optimize.layerwise.driver import reconstruct
 from onnxq.optimize.layerwise.options import LayerwiseConfig, check
 from onnxq.optimize.layerwise.problem import Problem, Solution
+from onnxq.optimize.layerwise.soft_rounding import (
+    SPAN,
+    beta_at,
+    rectified_sigmoid,
+    regulariser_gradient,
+    start_logits,
+)
 from onnxq.optimize.registry import register_algorithm
-
-ZETA, GAMMA = 1.1, -0.1
 
 
 @dataclass(frozen=True)
@@ -70,12 +75,7 @@ def _beta(options: AdaRoundConfig, step: int, steps: int | None = None) -> float
     """The regulariser's exponent at `step` of `steps` (default num_iteration), None
     during the warm start."""
     steps = options.num_iteration if steps is None else steps
-    warm = int(options.warm_start * steps)
-    if step < warm:
-        return None
-    rel = (step - warm) / max(steps - warm, 1)
-    start, end = options.beta_range_start, options.beta_range_end
-    return end + 0.5 * (start - end) * (1 + np.cos(rel * np.pi))
+    return beta_at(step, steps, options.warm_start, options.beta_range_start, options.beta_range_end)
 
 
 def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
@@ -87,9 +87,7 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
     gap = problem.grid.up(floor) - floor
     base = np.where(free, floor, problem.nearest).astype(np.float32)
     movable = (free * gap).astype(np.float32)
-    rest = np.clip((u - floor) / np.where(free, gap, 1.0), 0.0, 1.0)
-    p = np.clip((rest - GAMMA) / (ZETA - GAMMA), 1e-4, 1 - 1e-4)
-    v = np.log(p / (1 - p)).astype(np.float32)
+    v = start_logits(np.clip((u - floor) / np.where(free, gap, 1.0), 0.0, 1.0))
     scale32 = problem.scale.astype(np.float32)
     k = problem.w.shape[2]
     full = np.empty(problem.t.shape, dtype=np.float32)
@@ -97,18 +95,10 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
     tune_bias = options.bias and problem.has_bias
     # d loss / d h per weight = coef * gradient: loss scale, grid step, movable or not.
     coef = (2.0 / (problem.outputs * max(problem.reference, 1e-30)) * problem.scale * movable).astype(np.float32)
-    span = np.float32(ZETA - GAMMA)
     adam = Adam(options.learning_rate)
     sig, soft = (np.empty_like(v) for _ in range(2))
     for step in range(options.num_iteration):
-        np.negative(v, out=sig)
-        np.exp(sig, out=sig)
-        sig += 1
-        np.reciprocal(sig, out=sig)
-        np.multiply(sig, span, out=soft)
-        soft += np.float32(GAMMA)
-        active = (soft > 0) & (soft < 1)  # the rectified sigmoid's gradient is 0 outside
-        np.clip(soft, 0, 1, out=soft)
+        _, _, active = rectified_sigmoid(v, sig, soft)
         np.multiply(soft, movable, out=full[:, :, :k])
         full[:, :, :k] += base
         full[:, :, :k] *= scale32
@@ -116,9 +106,8 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
         grad *= coef
         beta = _beta(options, step)
         if beta is not None and options.reg_param:
-            d = 2 * soft - 1
-            grad -= np.float32(options.reg_param * 2 * beta) * np.abs(d) ** np.float32(beta - 1) * np.sign(d)
-        grad *= sig * (1 - sig) * span * active
+            grad -= regulariser_gradient(soft, beta, options.reg_param)
+        grad *= sig * (1 - sig) * SPAN * active
         adam.step(0, v, grad)
     codes = np.where(free, np.where(v >= 0, floor + gap, floor), problem.nearest)
     return Solution(codes, bias=problem.best_bias(codes * problem.scale) if tune_bias else None)

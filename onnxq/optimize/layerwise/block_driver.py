@@ -24,22 +24,27 @@ import onnx_ir as ir
 from onnxq.numerics.weights import QuantizedTensor
 from onnxq.optimize.layerwise.block_fit import BlockGraph, Learnable, Rounding, fit_block
 from onnxq.optimize.layerwise.blocks import Block
-from onnxq.optimize.layerwise.emitted import dequantized
+from onnxq.optimize.layerwise.emitted import BiasSlot, dequantized, slot_value
 from onnxq.optimize.layerwise.grid import code_grid
 from onnxq.optimize.layerwise.layers import Layer, from_matrices, to_channels
 from onnxq.optimize.layerwise.replay import Replay
 from onnxq.parallel import serial_blas
 
 
-def _constants(block: Block, layers: tuple[Layer, ...], qnodes: Mapping[str, ir.Node]) -> dict[str, np.ndarray]:
-    """The block's constant inputs, each layer's bias as the float model now holds it (the
-    layer-wise pass may have re-solved it) where the emitted layer takes it as input 2."""
-    values = {v.name: v.const_value.numpy() for node in block.nodes for v in node.inputs
-              if v is not None and v.const_value is not None}
-    for layer in layers:
-        qnode = qnodes[layer.name]
-        if layer.bias is not None and len(qnode.inputs) > 2 and qnode.inputs[2] is not None:
-            values[qnode.inputs[2].name] = (layer.bias_array() / layer.beta()).astype(np.float32)
+def _constants(block: Block) -> dict[str, np.ndarray]:
+    """The constant inputs of the block's nodes."""
+    return {v.name: v.const_value.numpy() for node in block.nodes for v in node.inputs
+            if v is not None and v.const_value is not None}
+
+
+def _biases(block: Block, qnodes: Mapping[str, ir.Node], slots: Mapping[str, BiasSlot | None]) -> dict[str, np.ndarray]:
+    """Each layer's bias as the float model now holds it (the layer-wise pass may have
+    re-solved it), by the name of the emitted graph's tensor that adds it (`replay_bias`)."""
+    values = {}
+    for layer in block.layers:
+        slot = slots.get(layer.name)
+        if slot is not None:
+            values[qnodes[slot.node].inputs[slot.index].name] = slot_value(layer, slot, layer.bias_array())
     return values
 
 
@@ -59,7 +64,11 @@ def _samples(replay: Replay, names: list[str], budget: int) -> dict[str, np.ndar
 
 
 class Kept:
-    """Kept samples of a block's tensors, read as a replay's `inputs` are (`problem.layer_statistics`)."""
+    """Kept samples of a block's tensors, read as a replay's `inputs` are (`problem.layer_statistics`).
+
+    A block's layers read their inputs from here, not from the replay: the replay runs
+    each node once, so had it run the block for the layer-wise step, the block's later
+    rounding would not reach the tensors after it."""
 
     CHUNK = 16
 
@@ -79,33 +88,30 @@ class BlockOutcome:
     improved: bool
 
 
-def run_block(block: Block, replay: Replay, qnodes: Mapping[str, ir.Node], current: Callable[[Layer], QuantizedTensor],
-              optimise_layer: Callable[[Layer, Kept, tuple[str, str]], None],
-              pin: Callable[[Layer, QuantizedTensor], None], options, schedule: Rounding) -> BlockOutcome | str:
+def run_block(block: Block, replay: Replay, qnodes: Mapping[str, ir.Node], slots: Mapping[str, BiasSlot | None],
+              current: Callable[[Layer], QuantizedTensor], optimise_layer: Callable[[Layer, Kept, tuple[str, str]], None],
+              pin: Callable[[Layer, QuantizedTensor], None], options, schedule: Rounding) -> BlockOutcome:
     """One block (module doc): its layers one by one on the block's kept samples, then the
     block's rounding together; `current(layer)` is a layer's quantized weight so far,
-    `optimise_layer` the layer-wise step, `pin` keeps a weight. A string says why the
-    block pass could not run (its layers then got the layer-wise pass alone)."""
+    `optimise_layer` the layer-wise step, `pin` keeps a weight."""
     floats = {layer.name: replay.float_name(layer.node.inputs[0].name) for layer in block.layers}
     target = replay.float_name(block.float_end)
     kept = _samples(replay, list(dict.fromkeys([block.start, *floats.values(), target])),
                     int(options.block_budget_mb) << 20)
     x = kept[block.start]
+    weight_of = {layer.name: qnodes[layer.name].inputs[1].name for layer in block.layers}
+    graph = BlockGraph(block, {**_constants(block), **_biases(block, qnodes, slots)}, set(weight_of.values()))
     for layer in block.layers:
-        weights = {qnodes[item.name].inputs[1].name: dequantized(current(item)) for item in block.layers}
-        graph = BlockGraph(block, _constants(block, block.layers, qnodes), [])
+        graph.values.update(_biases(block, qnodes, slots))
+        weights = {weight_of[item.name]: dequantized(current(item)) for item in block.layers}
         xq = qnodes[layer.name].inputs[0].name
         inputs = graph.values_of(x, weights, xq, Kept.CHUNK)
         optimise_layer(layer, Kept({xq: inputs, floats[layer.name]: kept[floats[layer.name]]}),
                        (xq, floats[layer.name]))
-    if any(layer.weight.spec.pairs is not None for layer in block.layers):
-        return "pair-safe weights (their kernel pairs are held in range layer by layer)"
+    graph.values.update(_biases(block, qnodes, slots))
     learnables = [Learnable.of(layer, qnodes[layer.name], current(layer)) for layer in block.layers]
-    if any(item is None for item in learnables):
-        return "float8 weights"
     with serial_blas(), np.errstate(all="ignore"):
-        fit = fit_block(block, _constants(block, block.layers, qnodes), learnables, x, kept[target], schedule,
-                        options.block_positions)
+        fit = fit_block(graph, learnables, x, kept[target], schedule, options.block_positions)
     if not fit.after < fit.before:
         return BlockOutcome(fit.before, fit.before, False)
     for item in learnables:
@@ -120,13 +126,12 @@ def run_block(block: Block, replay: Replay, qnodes: Mapping[str, ir.Node], curre
 
 def block_line(blocks: int, outcomes: list[BlockOutcome], refused: Mapping[str, str]) -> str:
     """The summary's part on the block pass."""
-    if not blocks:
-        return "; block reconstruction: no block" + (f" ({next(iter(refused.values()))})" if refused else "")
     improved = sum(o.improved for o in outcomes)
-    before = float(np.median([o.before for o in outcomes])) if outcomes else float("nan")
-    after = float(np.median([o.after for o in outcomes])) if outcomes else float("nan")
-    text = (f"; blocks: {improved} of {blocks} improved on their layer-wise rounding (median relative "
-            f"block output error {before:.3g} -> {after:.3g})")
+    text = f"; blocks: {improved} of {blocks} improved on their layer-wise rounding"
+    if outcomes:
+        before = float(np.median([o.before for o in outcomes]))
+        after = float(np.median([o.after for o in outcomes]))
+        text += f" (median relative block output error {before:.3g} -> {after:.3g})"
     if refused:
         items = [f"{n} ({r})" for n, r in list(refused.items())[:2]]
         text += f"; {len(refused)} layers not in a block: " + ", ".join(items) + (" ..." if len(refused) > 2 else "")

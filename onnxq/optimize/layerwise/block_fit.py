@@ -30,10 +30,15 @@ from onnxq.numerics.weights import QuantizedTensor
 from onnxq.optimize.layerwise.adam import Adam
 from onnxq.optimize.layerwise.block_ops import OPS
 from onnxq.optimize.layerwise.blocks import Block
-from onnxq.optimize.layerwise.grid import IntegerGrid, code_grid
+from onnxq.optimize.layerwise.grid import code_grid
 from onnxq.optimize.layerwise.layers import Layer, from_matrices, to_channels, to_matrices
+from onnxq.optimize.layerwise.soft_rounding import (
+    SPAN,
+    rectified_sigmoid,
+    regulariser_gradient,
+    start_logits,
+)
 
-ZETA, GAMMA = 1.1, -0.1
 # h of the layer-wise code at the start: the rectified sigmoid is then 2.2 logits from
 # saturating, so a weight can still change its mind, while the block starts where the
 # layer-wise pass left it.
@@ -55,37 +60,31 @@ class Learnable:
     codes: np.ndarray
 
     @classmethod
-    def of(cls, layer: Layer, qnode: ir.Node, qt: QuantizedTensor) -> Learnable | None:
+    def of(cls, layer: Layer, qnode: ir.Node, qt: QuantizedTensor) -> Learnable:
+        """The layer's choice around its codes `qt` (integer weights: `blocks.py` refuses float8)."""
         w = layer.weight_array()
         wm = to_matrices(layer.node, w.astype(np.float64))
         g, m, _ = wm.shape
         zp = to_channels(qt.zero_point, g, m)
         grid = code_grid(layer.weight.spec, zp)
-        if not isinstance(grid, IntegerGrid):
-            return None
         scale = to_channels(qt.scale, g, m)
         codes = to_matrices(layer.node, qt.data.astype(np.float64)) - zp
         down, free = grid.brackets(wm / scale)
         free &= (codes == down) | (codes == down + 1)
         up = np.where(free, codes - down, 0.0)
-        h = np.where(up > 0, START, 1 - START)
-        p = (h - GAMMA) / (ZETA - GAMMA)
         return cls(layer, qnode.inputs[1].name, tuple(w.shape), scale.astype(np.float32),
                    np.where(free, down, codes).astype(np.float32), free.astype(np.float32),
-                   np.log(p / (1 - p)).astype(np.float32), codes)
+                   start_logits(np.where(up > 0, START, 1 - START)), codes)
 
     def soft(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The weights at h(v) in the layer's stored layout, h, and where h's gradient passes."""
-        sig = 1 / (1 + np.exp(-self.v))
-        raw = sig * np.float32(ZETA - GAMMA) + np.float32(GAMMA)
-        h = np.clip(raw, 0, 1)
+        sig, h, active = rectified_sigmoid(self.v)
         w = (self.base + self.movable * h) * self.scale
-        return from_matrices(self.layer.node, w, self.shape), h, sig * (1 - sig) * ((raw > 0) & (raw < 1))
+        return from_matrices(self.layer.node, w, self.shape), h, sig * (1 - sig) * active
 
     def hard(self, codes: np.ndarray | None = None) -> np.ndarray:
         """The weights of `codes` (default: h rounded at 1/2) in the stored layout."""
-        if codes is None:
-            codes = self.base + self.movable * (self.v >= 0)
+        codes = self.learned_codes() if codes is None else codes
         return from_matrices(self.layer.node, (codes * self.scale).astype(np.float32), self.shape)
 
     def learned_codes(self) -> np.ndarray:
@@ -95,9 +94,11 @@ class Learnable:
 class BlockGraph:
     """The block's nodes, run forward and backward in numpy with the weights given."""
 
-    def __init__(self, block: Block, constants: Mapping[str, np.ndarray], learnables: list[Learnable]) -> None:
+    def __init__(self, block: Block, constants: Mapping[str, np.ndarray], learned: set[str]) -> None:
+        """`learned`: the weights every run is given (their DequantizeLinear is not run);
+        a name in `constants` replaces what its node would compute (a re-solved bias)."""
         self.block = block
-        self.learned = {item.weight for item in learnables}
+        self.learned = learned
         self.values = dict(constants)
         self.nodes: list[ir.Node] = []
         requires = set(self.learned) | {block.start}
@@ -191,18 +192,16 @@ def block_error(graph: BlockGraph, x: np.ndarray, target: np.ndarray, weights: M
     return num / max(den, 1e-30)
 
 
-def fit_block(block: Block, constants: Mapping[str, np.ndarray], learnables: list[Learnable], x: np.ndarray,
-              target: np.ndarray, schedule: Rounding, positions: int) -> Fit:
-    """Learn the block's rounding (module doc) on samples `x` (block start) and `target`
-    (float block output); `positions`: output positions per step."""
-    graph = BlockGraph(block, constants, learnables)
+def fit_block(graph: BlockGraph, learnables: list[Learnable], x: np.ndarray, target: np.ndarray,
+              schedule: Rounding, positions: int) -> Fit:
+    """Learn the rounding of the block of `graph` (module doc) on samples `x` (block
+    start) and `target` (float block output); `positions`: output positions per step."""
     per_sample = max(math.prod(a.shape[2:]) if a.ndim > 2 else 1 for a in (x, target))
     batch = int(min(len(x), max(1, positions // max(per_sample, 1))))
     energy = float(np.mean(np.square(target, dtype=np.float64))) or 1e-30
     start = {item.weight: item.hard(item.codes) for item in learnables}
     before = block_error(graph, x, target, start, batch)
     adam = Adam(schedule.learning_rate)
-    span = np.float32(ZETA - GAMMA)
     for step, rows in enumerate(_batches(len(x), batch, schedule.steps)):
         soft = {item.weight: item.soft() for item in learnables}
         out, tape = graph.forward(x[rows], {k: v[0] for k, v in soft.items()}, keep=True)
@@ -214,10 +213,8 @@ def fit_block(block: Block, constants: Mapping[str, np.ndarray], learnables: lis
             g = to_matrices(item.layer.node, grads.get(item.weight, np.zeros(item.shape, np.float32)))
             g = g * item.scale * item.movable
             if beta is not None and schedule.reg_param:
-                d = 2 * h - 1
-                g -= np.float32(schedule.reg_param * 2 * beta) * np.abs(d) ** np.float32(beta - 1) * np.sign(d) \
-                    * item.movable
-            adam.step(i, item.v, (g * slope * span).astype(np.float32))
+                g -= regulariser_gradient(h, beta, schedule.reg_param) * item.movable
+            adam.step(i, item.v, (g * slope * SPAN).astype(np.float32))
     learned = {item.weight: item.hard() for item in learnables}
     after = block_error(graph, x, target, learned, batch)
     return Fit(before, after, {item.layer.name: item.learned_codes() for item in learnables})

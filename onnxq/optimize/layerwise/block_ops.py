@@ -2,7 +2,7 @@
 
 Block reconstruction (`block_fit.py`) differentiates a block of the emitted (QDQ) graph
 with respect to its layers' weights: convolutions, matrix products, the activations
-emission kept, residual Adds, pooling, reshapes, and each activation's QuantizeLinear ->
+emission kept, residual Adds, pooling, reshapes (the activations are `activation.py`'s), and each activation's QuantizeLinear ->
 DequantizeLinear pair, which rounds as deployed and passes the gradient straight through
 where it does not saturate (the straight-through estimator; where it saturates, as an
 absorbed ReLU6 does, the gradient is 0). Each op is `Op(forward, backward)`:
@@ -26,6 +26,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.graph import layout
+from onnxq.numerics.qmath import INT_TYPES, broadcast_param
+from onnxq.optimize.layerwise.activation import ACTIVATIONS, Activation
 from onnxq.optimize.layerwise.gram import conv_patches
 
 Array = np.ndarray
@@ -59,8 +61,7 @@ def _conv_forward(node: ir.Node, ins: Sequence[Array | None]) -> tuple[Array, An
     wm = w.reshape(g, w.shape[0] // g, -1)
     geometry = layout.ConvGeometry.of(node, kernel)
     pads = geometry.pads_for(x.shape[2:])
-    out = tuple((x.shape[2 + i] + pads[i] + pads[i + len(kernel)] - (kernel[i] - 1) * geometry.dilations[i] - 1)
-                // geometry.strides[i] + 1 for i in range(len(kernel)))
+    out = geometry.output_shape(x.shape[2:])
     y = np.matmul(wm, cols).reshape(w.shape[0], x.shape[0], *out)
     y = np.ascontiguousarray(np.moveaxis(y, 1, 0))
     if b is not None:
@@ -140,27 +141,21 @@ def _matmul_backward(node: ir.Node, cache: Any, dy: Array, wanted: Sequence[bool
 # ---------------------------------------------------------------- quantization
 
 def _qparams(node: ir.Node, ins: Sequence[Array | None], ndim: int) -> tuple[Array, Array]:
+    """Scale and zero point, laid along the node's axis where they are per axis."""
     scale = ins[1].astype(np.float32)
     zp = ins[2].astype(np.float32) if len(ins) > 2 and ins[2] is not None else np.zeros_like(scale)
-    if scale.ndim == 1 and scale.size > 1:  # per axis
-        axis = int(layout.attr(node, "axis", 1)) % ndim
-        shape = [1] * ndim
-        shape[axis] = scale.size
-        scale, zp = scale.reshape(shape), zp.reshape(shape)
-    return scale, zp
+    axis = int(layout.attr(node, "axis", 1)) if scale.size > 1 else None
+    return broadcast_param(scale, ndim, axis), broadcast_param(zp, ndim, axis)
 
 
-INTEGER_RANGES = {np.dtype(t): (np.iinfo(t).min, np.iinfo(t).max)
-                  for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32)}
+# Code ranges by the zero point's type (`blocks.py` refuses a QuantizeLinear without one).
+CODE_RANGES = {np.dtype(t.np_dtype): (t.qmin, t.qmax) for t in INT_TYPES.values()}
 
 
 def _quantize_forward(node: ir.Node, ins: Sequence[Array | None]) -> tuple[Array, Any]:
     x = ins[0]
     scale, zp = _qparams(node, ins, x.ndim)
-    dtype = np.dtype(ins[2].dtype) if len(ins) > 2 and ins[2] is not None else np.dtype(np.uint8)
-    if dtype not in INTEGER_RANGES:
-        raise NotImplementedError(f"QuantizeLinear to {dtype}")
-    lo, hi = INTEGER_RANGES[dtype]
+    lo, hi = CODE_RANGES[np.dtype(ins[2].dtype)]
     u = np.rint(x / scale) + zp
     inside = (u >= lo) & (u <= hi)
     return np.clip(u, lo, hi).astype(np.float32), (inside, scale)
@@ -183,27 +178,15 @@ def _dequantize_backward(node: ir.Node, cache: Any, dy: Array, wanted: Sequence[
 
 # ---------------------------------------------------------------- elementwise
 
-def _relu_forward(node: ir.Node, ins: Sequence[Array | None]) -> tuple[Array, Any]:
-    x = ins[0]
-    return np.maximum(x, 0), x > 0
+def activation_of(node: ir.Node) -> Activation | None:
+    """The node's function and derivative from `activation.py` (the layer-wise loss's table)."""
+    make = ACTIVATIONS.get(node.op_type)
+    return make(node, (1, 1), 0) if make is not None and node.op_type != "PRelu" else None
 
 
-def _mask_backward(node: ir.Node, mask: Any, dy: Array, wanted: Sequence[bool]) -> Grads:
-    return [np.where(mask, dy, np.float32(0)) if wanted[0] else None]
-
-
-def _clip_forward(node: ir.Node, ins: Sequence[Array | None]) -> tuple[Array, Any]:
-    x = ins[0]
-    lo = ins[1] if len(ins) > 1 and ins[1] is not None else layout.attr(node, "min", -np.inf)
-    hi = ins[2] if len(ins) > 2 and ins[2] is not None else layout.attr(node, "max", np.inf)
-    return np.clip(x, lo, hi).astype(np.float32), (x > lo) & (x < hi)
-
-
-def _leaky_forward(node: ir.Node, ins: Sequence[Array | None]) -> tuple[Array, Any]:
-    x = ins[0]
-    alpha = np.float32(layout.attr(node, "alpha", 0.01))
-    slope = np.where(x > 0, np.float32(1), alpha)
-    return x * slope, slope
+def _activation_forward(node: ir.Node, ins: Sequence[Array | None]) -> tuple[Array, Any]:
+    f = activation_of(node)
+    return f.forward(ins[0]).astype(np.float32, copy=False), f.derivative(ins[0])
 
 
 def _slope_backward(node: ir.Node, slope: Any, dy: Array, wanted: Sequence[bool]) -> Grads:
@@ -243,7 +226,8 @@ def _gap_backward(node: ir.Node, shape: Any, dy: Array, wanted: Sequence[bool]) 
 
 def _flatten_forward(node: ir.Node, ins: Sequence[Array | None]) -> tuple[Array, Any]:
     x = ins[0]
-    axis = int(layout.attr(node, "axis", 1)) % max(x.ndim, 1)
+    axis = int(layout.attr(node, "axis", 1))
+    axis += x.ndim if axis < 0 else 0
     return x.reshape(math.prod(x.shape[:axis]), -1), x.shape
 
 
@@ -285,9 +269,12 @@ OPS: dict[str, Op] = {
     "MatMul": Op(_matmul_forward, _matmul_backward),
     "QuantizeLinear": Op(_quantize_forward, _quantize_backward),
     "DequantizeLinear": Op(_dequantize_forward, _dequantize_backward),
-    "Relu": Op(_relu_forward, _mask_backward),
-    "Clip": Op(_clip_forward, _mask_backward),
-    "LeakyRelu": Op(_leaky_forward, _slope_backward),
+    "Relu": Op(_activation_forward, _slope_backward),
+    "Clip": Op(_activation_forward, _slope_backward),
+    "LeakyRelu": Op(_activation_forward, _slope_backward),
+    "Sigmoid": Op(_activation_forward, _slope_backward),
+    "Tanh": Op(_activation_forward, _slope_backward),
+    "Gelu": Op(_activation_forward, _slope_backward),
     "Add": Op(_add_forward, _add_backward),
     "Mul": Op(_mul_forward, _mul_backward),
     "GlobalAveragePool": Op(_gap_forward, _gap_backward),

@@ -23,7 +23,7 @@ from onnxq.optimize.context import AlgorithmContext, AlgorithmResult
 from onnxq.optimize.layerwise.activation import following
 from onnxq.optimize.layerwise.block_driver import block_line, run_block
 from onnxq.optimize.layerwise.block_fit import Rounding
-from onnxq.optimize.layerwise.blocks import find_blocks
+from onnxq.optimize.layerwise.blocks import Block, find_blocks
 from onnxq.optimize.layerwise.clip import search_scale
 from onnxq.optimize.layerwise.emitted import (
     WEIGHT_PREFIX,
@@ -112,9 +112,7 @@ def reconstruct(
 
     def settle(layer: Layer, result: QuantizedTensor) -> None:
         ctx.weights.pin(layer.weight, layer.node.inputs[1], result)
-        if layer not in report.pinned:
-            report.pinned.append(layer)
-        report.results[layer.name] = result
+        report.pinned[layer.name] = (layer, result)
         replay.set_initializer(WEIGHT_PREFIX + layer.name, dequantized(result))
 
     def one(layer: Layer, source, names: tuple[str, str]) -> None:
@@ -128,31 +126,24 @@ def reconstruct(
 
     found, not_blocked = find_blocks(qmodel.graph, layers, qnodes, model.graph.outputs[0].name,
                                      options.block_layers) if blocks is not None else ([], {})
-    starting = {block.layers[0].name: block for block in found}
     outcomes = []
-    bar = progress_bar(layers, name, "layer", ctx.settings.progress)
-    skip = 0
+
+    def current(layer: Layer) -> QuantizedTensor:
+        return report.pinned[layer.name][1] if layer.name in report.pinned else nearest[layer.name]
+
+    bar = progress_bar(_units(layers, found), name, "layer", ctx.settings.progress)
     try:
-        for layer in bar:
-            if skip:
-                skip -= 1
-                continue
-            block = starting.get(layer.name)
+        for unit in bar:
+            first = unit.layers[0] if isinstance(unit, Block) else unit
             try:
-                if block is not None:
-                    outcome = run_block(block, replay, qnodes, lambda x: report.results.get(x.name, nearest[x.name]),
-                                        one, settle, options, blocks)
-                    if isinstance(outcome, str):
-                        not_blocked.update({x.name: outcome for x in block.layers})
-                    else:
-                        outcomes.append(outcome)
-                    skip = len(block.layers) - 1
+                if isinstance(unit, Block):
+                    outcomes.append(run_block(unit, replay, qnodes, slots, current, one, settle, options, blocks))
                     continue
-                xf = replay.float_name(layer.node.inputs[0].name)
-                xq = xf if options.inputs == "float" else qnodes[layer.name].inputs[0].name
-                one(layer, replay, (xq, xf))
+                xf = replay.float_name(unit.node.inputs[0].name)
+                xq = xf if options.inputs == "float" else qnodes[unit.name].inputs[0].name
+                one(unit, replay, (xq, xf))
             except ReplayError as exc:
-                report.kept[layer.name] = str(exc)
+                report.kept[first.name] = str(exc)
                 break
     finally:
         bar.close()
@@ -168,6 +159,14 @@ def reconstruct(
             line += (f"; no model-level check: fewer than {options.validation_every} calibration batches "
                      "to hold one out")
     return AlgorithmResult(line, fitted_biases=fitted)
+
+
+def _units(layers: list[Layer], blocks: list[Block]) -> list[Layer | Block]:
+    """The walk's steps in graph order: each block in place of its layers, other layers alone."""
+    starting = {block.layers[0].name: block for block in blocks}
+    inside = {layer.name for block in blocks for layer in block.layers}
+    return [starting.get(layer.name, layer) for layer in layers
+            if layer.name in starting or layer.name not in inside]
 
 
 def _batches(ctx: AlgorithmContext, model: ir.Model, name: str) -> Iterator[Mapping[str, np.ndarray]]:
@@ -213,7 +212,7 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
     where = f"{split.held_out} held-out calibration batches"
     if keep:
         return f"; model output SQNR on {where} {learned_db:.1f} dB (nearest rounding {near_db:.1f} dB)"
-    for layer in report.pinned:
+    for layer, _ in report.pinned.values():
         ctx.weights.unpin(layer.weight)
         fitted.pop(layer.name, None)
         for holder, index in [layer.bias] if layer.bias is not None else []:
@@ -302,8 +301,7 @@ class _Report:
         self.kept: dict[str, str] = {}
         self.short: dict[str, int] = {}  # layer -> calibration samples it needs
         self.bias_changed: dict[str, np.ndarray | None] = {}
-        self.pinned: list[Layer] = []
-        self.results: dict[str, QuantizedTensor] = {}
+        self.pinned: dict[str, tuple[Layer, QuantizedTensor]] = {}  # layer -> its pinned weight
         self.through: dict[str, int] = {}  # activation op type -> layers whose loss ran through one
         self.last = ""
 

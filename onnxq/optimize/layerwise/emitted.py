@@ -111,9 +111,14 @@ def bias_slot(qnode: ir.Node, layer: Layer) -> BiasSlot | None:
     return None
 
 
+def slot_value(layer: Layer, slot: BiasSlot, added: np.ndarray) -> np.ndarray:
+    """The bias `added` (per output channel, as added) as the emitted graph's slot holds it."""
+    values = added / layer.beta() if slot.shape is None else added.reshape(slot.shape)
+    return values.astype(np.float32)
+
+
 def replay_bias(replay: Replay, layer: Layer, slot: BiasSlot, added: np.ndarray) -> None:
     """Give the replayed layer the bias `added` (per output channel, as added), where
     the emitted graph adds it."""
-    values = added / layer.beta() if slot.shape is None else added.reshape(slot.shape)
-    replay.set_initializer(BIAS_PREFIX + layer.name, values.astype(np.float32))
+    replay.set_initializer(BIAS_PREFIX + layer.name, slot_value(layer, slot, added))
     replay.set_input(slot.node, slot.index, BIAS_PREFIX + layer.name)
