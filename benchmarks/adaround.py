@@ -14,7 +14,7 @@ stays all-int4, quantize_static has no such option), `minilm_int8` (the U8S8 def
 round to nearest), `cle_bc` (CLE + bias correction), `adaround`, `adaquant` (default
 options: with per-tensor weights they bring CLE first, see `equalize`), `adaround_bc` /
 `adaquant_bc` (bias correction after them), `adaround_raw` /
-`adaquant_raw` (equalize: never), `cle_adaround`, `cle_adaquant`, and `ort`
+`adaquant_raw` (equalize: never), `cle_adaround`, `cle_adaquant`, `adaround_block` (AdaRound with `reconstruct: block`), and `ort`
 (`quantize_static`, QDQ, MinMax, the setting's weight type and granularity where
 onnxruntime has it). Every model is scored in a default onnxruntime session (the fused
 int8 kernels users get); quantize time and peak RSS come from each quantizer's own worker
@@ -55,6 +55,7 @@ ROWS: dict[str, dict[str, Any]] = {
     "cle_bc": {"pre_quant_opt_config": [{"name": "cle"}], "algo_config": [{"name": "bias_correction"}]},
     "adaround": {"algo_config": [{"name": "adaround"}]},
     "adaround_raw": {"algo_config": [{"name": "adaround", "equalize": "never"}]},
+    "adaround_block": {"algo_config": [{"name": "adaround", "reconstruct": "block"}]},
     "cle_adaround": {"pre_quant_opt_config": [{"name": "cle"}], "algo_config": [{"name": "adaround"}]},
     "adaquant": {"algo_config": [{"name": "adaquant"}]},
     "adaquant_raw": {"algo_config": [{"name": "adaquant", "equalize": "never"}]},
