@@ -13,7 +13,9 @@ CPU (from onnxruntime's profile), top-1 and top-1 agreement with the float model
 same provider, and median latency at batch 1 and 32 against float on that provider (node
 counts are those onnxruntime ran after optimisation, Memcpy nodes included). The `ort`
 row is onnxruntime's own quantizer (`quantize_static`, QDQ U8S8 per-channel MinMax) on the
-same model and data, measured the same way (`--no-ort` leaves it out). A
+same model and data, measured the same way (`--no-ort` leaves it out). `--presets latency`
+adds a row for the default recipe with `optimize_for: latency`, its plan timed on the
+provider (on a GPU provider it tries float16 first), the plan's notes in place of the target. A
 synthetic MatMul MLP covers the weight-only formats (MatMulNBits) where the shared
 models have none. Without ../shared only the MLP runs.
 """
@@ -34,6 +36,8 @@ import compare_ort as CO
 import numpy as np
 
 DEFAULT_PRESETS = ("U8S8", "S8S8", "FP16", "BF16", "FP8_E4M3", "W4_GROUP128")
+# Not a preset: the default recipe with `optimize_for: latency`, its plan timed on the provider.
+LATENCY = "latency"
 
 
 def open_session(path: str | Path, providers: list[str], profile: bool = False) -> Any:
@@ -160,6 +164,10 @@ def model_report(name: str, model: Path, calib: dict[str, np.ndarray], feeds: di
                 CO.quantize_ort({"model": str(model), "output": str(out), "method": "minmax",
                                  "per_tensor": False}, calib)
                 target = "onnxruntime.quantization.quantize_static (QDQ, U8S8, per-channel, MinMax)"
+            elif preset == LATENCY:  # the default recipe, its plan timed on the provider
+                config = onnxq.as_config({"optimize_for": "latency", "calibration": {"providers": calib_providers}})
+                result = onnxq.quantize(str(model), str(out), config=config, calibration_data=calib, progress=False)
+                target = "; ".join(t for t in result.summary.note_texts if t.startswith("latency plan"))
             else:
                 result = onnxq.quantize(str(model), str(out), config=config_for(preset, calib_providers),
                                         calibration_data=calib, progress=False)
@@ -223,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["resnet20", "mobilenet", "minilm", "none"],
                    help="shared models to run besides the synthetic MLP (none: the MLP alone)")
     p.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS),
-                   help=f"onnxq presets (default: {' '.join(DEFAULT_PRESETS)}; the MLP adds W8_DYNAMIC)")
+                   help=f"onnxq presets (default: {' '.join(DEFAULT_PRESETS)}; the MLP adds W8_DYNAMIC), "
+                        f"or {LATENCY}: the default recipe with optimize_for latency timed on the provider")
     p.add_argument("--no-ort", dest="ort", action="store_false",
                    help="leave out the onnxruntime.quantization row (quantize_static U8S8)")
+    p.add_argument("--no-mlp", dest="mlp", action="store_false", help="leave out the synthetic MLP")
     p.add_argument("--samples", type=int, default=200, help="calibration images")
     p.add_argument("--eval-samples", type=int, default=400, help="evaluation samples after them")
     p.add_argument("--eval-batch", type=int, default=32, help="batch of the accuracy runs")
@@ -236,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from onnxq.config.presets import PRESETS
 
-    unknown = [pr for pr in args.presets if pr not in PRESETS]
+    unknown = [pr for pr in args.presets if pr not in PRESETS and pr != LATENCY]
     if unknown:
         p.error(f"unknown preset {', '.join(unknown)}; presets: {', '.join(PRESETS)}")
     if args.provider not in ort.get_available_providers():
@@ -259,12 +269,13 @@ def main(argv: list[str] | None = None) -> int:
                 report["models"][task.name] = rows
                 print_rows(task.name, rows, args.batches, args.provider)
                 print_ratios(rows, args.batches)
-        path, calib, feeds = mlp_task(workdir)
-        mlp_presets = list(dict.fromkeys([*args.presets, "W8_DYNAMIC"]))
-        rows = model_report("mlp", path, calib, feeds, None, args, workdir, mlp_presets)
-        report["models"]["mlp"] = rows
-        print_rows("mlp (synthetic, 4 x MatMul 1024)", rows, args.batches, args.provider)
-        print_ratios(rows, args.batches)
+        if args.mlp:
+            path, calib, feeds = mlp_task(workdir)
+            mlp_presets = list(dict.fromkeys([*args.presets, "W8_DYNAMIC"]))
+            rows = model_report("mlp", path, calib, feeds, None, args, workdir, mlp_presets)
+            report["models"]["mlp"] = rows
+            print_rows("mlp (synthetic, 4 x MatMul 1024)", rows, args.batches, args.provider)
+            print_ratios(rows, args.batches)
     if args.json:
         args.json.write_text(json.dumps(C.jsonable(report), indent=2))
     return 0

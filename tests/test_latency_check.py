@@ -11,7 +11,7 @@ import onnx
 
 import onnxq
 from onnxq.cli import main
-from onnxq.emit.latency import causes
+from onnxq.emit.latency import Latency, Timing, causes, timed_on
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -57,6 +57,22 @@ def test_causes_read_the_kernel_profiles():
     assert "fixed cost" in causes({"Conv": 0.01}, {"QLinearConv": 0.01}, "arm64")[0]
     # Nothing stands out: the largest kernels are listed.
     assert "no single op type" in causes({"Conv": 5.0}, {"QLinearConv": 2.0, "Softmax": 1.0}, "x86-vnni")[0]
+
+
+def test_on_a_gpu_provider_the_causes_and_the_label_are_the_providers():
+    # int8 QDQ on the CUDA provider: DequantizeLinear + float kernels; TensorRT and float16 named.
+    found = causes({"Conv": 1.0}, {"Conv": 1.2, "QuantizeLinear": 0.3, "DequantizeLinear": 0.4},
+                   "CUDAExecutionProvider")
+    assert len(found) == 1 and "CUDAExecutionProvider has no fused int8" in found[0]
+    assert "TensorrtExecutionProvider" in found[0] and "float16" in found[0]
+    # A float16 model still slower: small layers, deploy float.
+    found = causes({"Conv": 1.0}, {"Conv": 1.3, "Cast": 0.1}, "CUDAExecutionProvider")
+    assert "float16 pays on wide layers only" in found[0] and "deploy the float model" in found[0]
+    assert timed_on(["CUDAExecutionProvider", "CPUExecutionProvider"]) == "CUDAExecutionProvider"
+    assert timed_on(["CPUExecutionProvider"]) == timed_on([]) != "CPUExecutionProvider"  # the CPU's ISA
+    line = Latency([Timing(8, 1.0, 2.0)], "CUDAExecutionProvider").lines()[0]
+    assert line.startswith("latency, default onnxruntime session on CUDAExecutionProvider, float -> quantized: "
+                           "batch 8 1 -> 2 ms (0.50x)")
 
 
 def test_no_data_is_said_not_measured(tmp_path):

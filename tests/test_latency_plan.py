@@ -21,6 +21,7 @@ from helpers import GraphBuilder, op_count, run, sqnr_db
 import onnxq
 import onnxq.errors
 from onnxq.cli import main
+from onnxq.config.spec import DType
 from onnxq.plan import plan_quantization
 from onnxq.search import latency, latency_cache, latency_changes
 
@@ -224,3 +225,45 @@ def test_excluded_names_are_escaped():
     plan = plan_quantization(model, onnxq.as_config({}))
     change = next(c for c in latency_changes.CHANGES if c.name == "other Conv kept float")
     assert change.make(onnxq.as_config({}), model.graph, plan).exclude == [r"conv\.1"]
+
+
+def float16_is_faster(self, best, model):
+    """A stand-in GPU provider where only float16 pays (the CUDA provider has no fused int8
+    kernels): half the time for a model with float16 weights, every other the same."""
+    half = any(v.const_value is not None and v.const_value.dtype == ir.DataType.FLOAT16
+               for v in model.model.graph.initializers.values())
+    return {b: 0.5 if half else 1.0 for b in self.feeds}
+
+
+def test_on_a_gpu_provider_float16_is_tried_first_and_kept_where_faster(tmp_path, monkeypatch):
+    # The timing here runs on the CPU; the change table is told the CPU is a GPU provider.
+    monkeypatch.setattr(latency_changes, "GPU_PROVIDERS", ("CPUExecutionProvider",))
+    monkeypatch.setattr(latency._Bench, "ratios", float16_is_faster)
+    model, data = block(), block_data()
+    result = onnxq.quantize(model, tmp_path / "q.onnx", {"optimize_for": "latency"}, data, progress=False)
+    saved = onnx.load(tmp_path / "q.onnx")
+    onnx.checker.check_model(saved)
+    assert op_count(saved, "QuantizeLinear") == 0
+    assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in saved.graph.initializer)
+    texts = result.summary.note_texts
+    assert any(t.startswith("latency plan: float16 weights and compute") for t in texts)
+    tried = [t for t in texts if t.startswith("latency plan tried:")]
+    assert tried[0].startswith("latency plan tried: float16 weights and compute (the FP16 preset; GPU providers): "
+                               "batch 1 0.50x the time, batch 8 0.50x the time")
+    assert not any("MatMul/Gemm dynamic int8" in t for t in tried)  # an int8 change, not for float16
+    feed = {"x": data["x"][:8]}
+    assert sqnr_db(run(model, feed)[0], run(saved, feed)[0]) > 50  # float16: far above int8's
+    assert result.config.global_quant_config.weight.dtype == DType.FLOAT16
+
+
+def test_float16_is_a_change_only_where_a_gpu_provider_times_it():
+    model = ir.from_proto(block())
+    plan = plan_quantization(model, onnxq.as_config({}))
+    change = next(c for c in latency_changes.CHANGES if c.name.startswith("float16"))
+    assert change.make(onnxq.as_config({}), model.graph, plan) is None  # the CPU: no float16 kernels to gain
+    cuda = onnxq.as_config({"exclude": ["x"], "calibration": {
+        "providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]}})
+    made = change.make(cuda, model.graph, plan)
+    assert made.global_quant_config.weight.dtype == DType.FLOAT16
+    assert made.exclude == ["x"] and made.calibration == cuda.calibration
+    assert change.make(made, model.graph, plan) is None  # already float16

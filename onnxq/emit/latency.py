@@ -29,7 +29,7 @@ import onnxruntime as ort
 from onnxq.calibrate.access import Access, data_access, refusal
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.evaluate import deployed_options, imports_extended, open_any
-from onnxq.target.profile import cpu_isa
+from onnxq.target.profile import GPU_PROVIDERS, cpu_isa
 
 BATCHES = (1, 8)
 # Runs per model and batch size, and the wall time that stops them sooner on a slow
@@ -71,19 +71,28 @@ class Timing:
         return self.float_ms / self.quantized_ms if self.quantized_ms else float("nan")
 
 
+def timed_on(providers: Collection[str]) -> str:
+    """Where a default session of `providers` runs the model: the GPU provider listed first,
+    else this CPU by its instruction set (`cpu_isa`)."""
+    first = next(iter(providers), None)
+    return first if first in GPU_PROVIDERS else cpu_isa()
+
+
 @dataclass
 class Latency:
-    """Batch-by-batch medians, and the causes where the quantized model is not faster."""
+    """Batch-by-batch medians, and the causes where the quantized model is not faster.
+    `where`: a GPU provider's name, or this CPU's instruction set (`timed_on`)."""
 
     timings: list[Timing]
-    isa: str
+    where: str
     causes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         cells = ", ".join(f"batch {t.batch} {t.float_ms:.3g} -> {t.quantized_ms:.3g} ms ({t.speedup:.2f}x)"
                           for t in self.timings)
-        out = [f"latency, default onnxruntime session on this CPU ({self.isa}), float -> quantized: {cells}"]
+        on = self.where if self.where in GPU_PROVIDERS else f"this CPU ({self.where})"
+        out = [f"latency, default onnxruntime session on {on}, float -> quantized: {cells}"]
         out += [f"latency: {s}" for s in self.skipped]
         out += [f"not faster: {c}" for c in self.causes]
         return out
@@ -158,12 +167,32 @@ def kernel_ms(model: str | os.PathLike | bytes | ir.Model, feed: dict[str, np.nd
     return dict(spent)
 
 
+def gpu_causes(provider: str, qdq: bool) -> list[str]:
+    """Why a model is not faster on a GPU provider (measured on an H200 with onnxruntime-gpu
+    1.31.1, docs/kernels.md section 10): its int8 QDQ runs DequantizeLinear + float kernels,
+    and float16 pays on larger layers only."""
+    found = []
+    if qdq:
+        found.append(f"{provider} has no fused int8 Conv/MatMul kernels: a QDQ model runs QuantizeLinear, "
+                     "DequantizeLinear and the float kernels (1.1-2.6x float's time on an H200); TensorRT "
+                     "(TensorrtExecutionProvider) fuses them into int8 kernels, and float16 (--preset FP16, or "
+                     "--optimize-for latency, which tries it) is this provider's fast format")
+    else:
+        found.append(f"on {provider} float16 pays on wide layers only: small ones are bound by kernel launches "
+                     "and layout changes (on an H200, float16 ran MobileNet-v1 in 0.74-0.86x float's time, "
+                     "ResNet-20 and MiniLM in 1.0-1.8x); deploy the float model where this one is slower")
+    return found
+
+
 def causes(float_ms: dict[str, float], quantized_ms: dict[str, float], isa: str,
            wrapped: Collection[str] = tuple(KERNELS)) -> list[str]:
     """Why the quantized model is not faster, from the kernel time per op type of both
-    (`kernel_ms`), each cause with what would be faster. `wrapped`: the op kinds of
+    (`kernel_ms`), each cause with what would be faster. `isa`: where it ran (`timed_on`;
+    a GPU provider's causes are `gpu_causes`). `wrapped`: the op kinds of
     `KERNELS` that read a DequantizeLinear output in the quantized graph (a kind left out
     of the plan runs in float for that reason, not for want of a kernel)."""
+    if isa in GPU_PROVIDERS:
+        return gpu_causes(isa, any(quantized_ms.get(op) for op in ("QuantizeLinear", "DequantizeLinear")))
     found = []
     if sum(float_ms.values()) < TINY_MS:
         found.append(f"the float model's kernels take {sum(float_ms.values()):.3f} ms: at this size each run's "
@@ -217,12 +246,12 @@ def measure_latency(source: str | os.PathLike | bytes | ir.Model, quantized: ir.
         feeds, skipped = latency_feeds(inputs, data, quantized_session)
         timings = [Timing(batch, *median_ms([float_session, quantized_session], feed))
                    for batch, feed in feeds.items()]
-        result = Latency(timings, cpu_isa(), skipped=skipped)
+        result = Latency(timings, timed_on(providers), skipped=skipped)
         slow = [t for t in timings if t.speedup < FASTER]
         if slow:
             feed = feeds[slow[-1].batch]
             result.causes = causes(kernel_ms(source, feed, providers), kernel_ms(quantized, feed, providers),
-                                   result.isa, wrapped_kinds(quantized))
+                                   result.where, wrapped_kinds(quantized))
     except StopIteration:
         return "latency not measured: the calibration data is empty"
     except Exception as error:  # noqa: BLE001  a check never stops a run; onnxruntime raises several types

@@ -36,7 +36,16 @@ from onnxq.calibrate.access import Access, data_access, refusal
 from onnxq.calibrate.data import CalibrationSource, model_inputs
 from onnxq.config.spec import Config, OptimizeFor
 from onnxq.emit.fidelity import CHECK_SAMPLES, Reference, float_reference, measure
-from onnxq.emit.latency import Latency, Timing, latency_feeds, median_ms, rounds_ms
+from onnxq.emit.latency import (
+    FASTER,
+    Latency,
+    Timing,
+    gpu_causes,
+    latency_feeds,
+    median_ms,
+    rounds_ms,
+    timed_on,
+)
 from onnxq.errors import ConfigError, OnnxqError
 from onnxq.evaluate import deployed_options, imports_extended, open_any
 from onnxq.notes import Note, Topic
@@ -48,7 +57,7 @@ from onnxq.progress import bar
 from onnxq.search import latency_cache
 from onnxq.search.base import with_calibration
 from onnxq.search.latency_changes import CHANGES
-from onnxq.target.profile import cpu_isa
+from onnxq.target.profile import GPU_PROVIDERS
 
 # A change is kept when the model gets at least this much faster at the largest batch
 # (the median ratio over rounds; the same model against itself, below, is within 7%, so
@@ -307,8 +316,12 @@ def quantize_for_latency(source: ModelSource, output: str | os.PathLike | None, 
     result.summary.notes.append(Note(Topic.SEARCH, f"latency plan: {entry.describe()}{when}"))
     result.summary.notes.extend(Note(Topic.SEARCH, f"latency plan tried: {line}") for line in lines)
     if result.summary.latency is None:
+        where = timed_on(plain.calibration.providers)
         result.summary.latency = Latency([Timing(b, entry.float_ms[b], entry.best_ms[b]) for b in sorted(entry.best_ms)],
-                                         cpu_isa(), skipped=[*entry.skipped, "timed by the latency plan's search"
-                                                             + (", when it was cached" if when else "")])
+                                         where, skipped=[*entry.skipped, "timed by the latency plan's search"
+                                                         + (", when it was cached" if when else "")])
+        if where in GPU_PROVIDERS and any(t.speedup < FASTER for t in result.summary.latency.timings):
+            qdq = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in result.ir_model.graph)
+            result.summary.latency.causes = gpu_causes(where, qdq)
     result.config = entry.config
     return result

@@ -33,8 +33,10 @@ import onnxruntime as ort
 from onnxq.config.compose import as_config
 from onnxq.config.io import config_to_json
 from onnxq.config.spec import Config
+from onnxq.emit.latency import timed_on
 from onnxq.errors import OnnxqError
 from onnxq.parallel import cpu_count
+from onnxq.target.profile import GPU_PROVIDERS
 
 FOLDER = "latency"
 
@@ -56,7 +58,8 @@ class Entry:
         times = (f"batch {top}: float {self.float_ms[top]:.3g} ms, as configured {self.first_ms[top]:.3g} ms, "
                  f"chosen {self.best_ms[top]:.3g} ms")
         if not self.kept:
-            return f"no change made the model faster on this CPU ({times})"
+            where = timed_on(self.config.calibration.providers)
+            return f"no change made the model faster on {where if where in GPU_PROVIDERS else 'this CPU'} ({times})"
         return f"{'; '.join(self.kept)} ({times})"
 
 
