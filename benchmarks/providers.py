@@ -164,8 +164,8 @@ def model_report(name: str, model: Path, calib: dict[str, np.ndarray], feeds: di
                 CO.quantize_ort({"model": str(model), "output": str(out), "method": "minmax",
                                  "per_tensor": False}, calib)
                 target = "onnxruntime.quantization.quantize_static (QDQ, U8S8, per-channel, MinMax)"
-            elif preset == LATENCY:  # the default recipe, its plan timed on the provider
-                config = onnxq.as_config({"optimize_for": "latency", "calibration": {"providers": calib_providers}})
+            elif preset == LATENCY:  # the default recipe, its plan timed (and so calibrated) on the provider
+                config = onnxq.as_config({"optimize_for": "latency", "calibration": {"providers": providers}})
                 result = onnxq.quantize(str(model), str(out), config=config, calibration_data=calib, progress=False)
                 target = "; ".join(t for t in result.summary.note_texts if t.startswith("latency plan"))
             else:

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
+from helpers import GraphBuilder
 
 import onnxq
 from onnxq.cli import main
-from onnxq.emit.latency import Latency, Timing, causes, timed_on
+from onnxq.emit.latency import Latency, Timing, causes, model_format, slower_on_gpu, timed_on
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -60,19 +62,30 @@ def test_causes_read_the_kernel_profiles():
 
 
 def test_on_a_gpu_provider_the_causes_and_the_label_are_the_providers():
-    # int8 QDQ on the CUDA provider: DequantizeLinear + float kernels; TensorRT and float16 named.
-    found = causes({"Conv": 1.0}, {"Conv": 1.2, "QuantizeLinear": 0.3, "DequantizeLinear": 0.4},
-                   "CUDAExecutionProvider")
+    b = GraphBuilder(2)
+    x = b.input("x", ["N", 3, 8, 8])
+    conv = ir.from_proto(b.build([b.conv(x, 3, 4, k=3)], name="conv"))
+    qdq = onnxq.quantize(conv.clone(), None, {}, {"x": np.ones((2, 3, 8, 8), np.float32)}, progress=False).ir_model
+    half = onnxq.quantize(conv.clone(), None, "FP16", None, progress=False).ir_model
+    assert [model_format(m) for m in (qdq, half, conv)] == ["qdq", "float16", "other"]
+    slower = Latency([Timing(1, 1.0, 0.9), Timing(8, 1.0, 2.0)], "CUDAExecutionProvider")
+    # int8 QDQ on the CUDA provider: Q/DQ + float kernels; TensorRT and float16 named.
+    found = slower_on_gpu(slower, qdq)
     assert len(found) == 1 and "CUDAExecutionProvider has no fused int8" in found[0]
     assert "TensorrtExecutionProvider" in found[0] and "float16" in found[0]
-    # A float16 model still slower: small layers, deploy float.
-    found = causes({"Conv": 1.0}, {"Conv": 1.3, "Cast": 0.1}, "CUDAExecutionProvider")
-    assert "float16 pays on wide layers only" in found[0] and "deploy the float model" in found[0]
+    assert "float16 pays on wide layers only" in slower_on_gpu(slower, half)[0]
+    assert "saves memory, not time" in slower_on_gpu(slower, conv)[0]
+    # TensorRT compiles its own int8 kernels: not told to use itself.
+    compiled = slower_on_gpu(Latency(slower.timings, "TensorrtExecutionProvider"), qdq)[0]
+    assert compiled.startswith("TensorrtExecutionProvider compiles the model")
+    # Faster everywhere, or timed on the CPU: no GPU causes.
+    assert slower_on_gpu(Latency([Timing(8, 2.0, 1.0)], "CUDAExecutionProvider"), qdq) == []
+    assert slower_on_gpu(Latency(slower.timings, "x86-vnni"), qdq) == []
     assert timed_on(["CUDAExecutionProvider", "CPUExecutionProvider"]) == "CUDAExecutionProvider"
     assert timed_on(["CPUExecutionProvider"]) == timed_on([]) != "CPUExecutionProvider"  # the CPU's ISA
-    line = Latency([Timing(8, 1.0, 2.0)], "CUDAExecutionProvider").lines()[0]
+    line = slower.lines()[0]
     assert line.startswith("latency, default onnxruntime session on CUDAExecutionProvider, float -> quantized: "
-                           "batch 8 1 -> 2 ms (0.50x)")
+                           "batch 1 1 -> 0.9 ms (1.11x), batch 8 1 -> 2 ms (0.50x)")
 
 
 def test_no_data_is_said_not_measured(tmp_path):

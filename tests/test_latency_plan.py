@@ -22,6 +22,7 @@ import onnxq
 import onnxq.errors
 from onnxq.cli import main
 from onnxq.config.spec import DType
+from onnxq.emit import latency as emit_latency
 from onnxq.plan import plan_quantization
 from onnxq.search import latency, latency_cache, latency_changes
 
@@ -105,7 +106,7 @@ def test_the_search_is_cached_and_a_rerun_gives_the_same_bytes(tmp_path, capsys)
     stored = list((tmp_path / "cache" / "latency").glob("*.json"))
     assert len(stored) == 1
     assert main([*base, str(tmp_path / "b.onnx"), *data]) == 0
-    assert "(cached for this model, data, config, CPU and onnxruntime)" in capsys.readouterr().out
+    assert "(cached for this model, data, config and its providers, CPU and onnxruntime)" in capsys.readouterr().out
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
     quantized = onnx.load(tmp_path / "a.onnx")
     onnx.checker.check_model(quantized)
@@ -229,31 +230,48 @@ def test_excluded_names_are_escaped():
 
 def float16_is_faster(self, best, model):
     """A stand-in GPU provider where only float16 pays (the CUDA provider has no fused int8
-    kernels): half the time for a model with float16 weights, every other the same."""
+    kernels): half the time for a model with float16 weights, every other the same. Each
+    float16 candidate's weights are kept, to compare with the model written."""
     half = any(v.const_value is not None and v.const_value.dtype == ir.DataType.FLOAT16
                for v in model.model.graph.initializers.values())
+    if half:
+        TIMED.append({n: v.const_value.numpy().copy() for n, v in model.model.graph.initializers.items()})
     return {b: 0.5 if half else 1.0 for b in self.feeds}
 
 
+TIMED: list[dict[str, np.ndarray]] = []
+
+
 def test_on_a_gpu_provider_float16_is_tried_first_and_kept_where_faster(tmp_path, monkeypatch):
-    # The timing here runs on the CPU; the change table is told the CPU is a GPU provider.
-    monkeypatch.setattr(latency_changes, "GPU_PROVIDERS", ("CPUExecutionProvider",))
+    # The timing runs on the CPU, which the plan is told is a GPU provider.
+    for module in (latency_changes, latency_cache, emit_latency):
+        monkeypatch.setattr(module, "GPU_PROVIDERS", ("CPUExecutionProvider",))
     monkeypatch.setattr(latency._Bench, "ratios", float16_is_faster)
+    TIMED.clear()
     model, data = block(), block_data()
-    result = onnxq.quantize(model, tmp_path / "q.onnx", {"optimize_for": "latency"}, data, progress=False)
+    # A pass and a float op type of the user's: kept, so the model timed is the one written.
+    config = {"optimize_for": "latency", "pre_quant_opt_config": [{"name": "cle"}], "float_op_types": ["Relu"]}
+    result = onnxq.quantize(model, tmp_path / "q.onnx", config, data, progress=False)
     saved = onnx.load(tmp_path / "q.onnx")
     onnx.checker.check_model(saved)
     assert op_count(saved, "QuantizeLinear") == 0
     assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in saved.graph.initializer)
+    written = {t.name: onnx.numpy_helper.to_array(t) for t in saved.graph.initializer}
+    assert len(TIMED) == 2 and written.keys() == TIMED[0].keys()  # one timing, and its confirmation
+    assert all(np.array_equal(written[n], TIMED[0][n]) for n in written)
     texts = result.summary.note_texts
     assert any(t.startswith("latency plan: float16 weights and compute") for t in texts)
     tried = [t for t in texts if t.startswith("latency plan tried:")]
     assert tried[0].startswith("latency plan tried: float16 weights and compute (the FP16 preset; GPU providers): "
                                "batch 1 0.50x the time, batch 8 0.50x the time")
-    assert not any("MatMul/Gemm dynamic int8" in t for t in tried)  # an int8 change, not for float16
     feed = {"x": data["x"][:8]}
     assert sqnr_db(run(model, feed)[0], run(saved, feed)[0]) > 50  # float16: far above int8's
-    assert result.config.global_quant_config.weight.dtype == DType.FLOAT16
+    chosen = result.config
+    assert chosen.global_quant_config.weight.dtype == DType.FLOAT16
+    assert "Relu" in chosen.float_op_types and "Softmax" in chosen.float_op_types
+    assert chosen.pre_quant_opt_config == [{"name": "cle"}]
+    lines = result.summary.latency.lines()
+    assert lines[0].startswith("latency, default onnxruntime session on CPUExecutionProvider, float -> quantized")
 
 
 def test_float16_is_a_change_only_where_a_gpu_provider_times_it():
@@ -261,9 +279,22 @@ def test_float16_is_a_change_only_where_a_gpu_provider_times_it():
     plan = plan_quantization(model, onnxq.as_config({}))
     change = next(c for c in latency_changes.CHANGES if c.name.startswith("float16"))
     assert change.make(onnxq.as_config({}), model.graph, plan) is None  # the CPU: no float16 kernels to gain
-    cuda = onnxq.as_config({"exclude": ["x"], "calibration": {
-        "providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]}})
+    cuda = onnxq.as_config({"exclude": ["x"], "layer_type_quant_config": {"Add": {"weight": {"dtype": "int8"}}},
+                            "calibration": {"providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]}})
     made = change.make(cuda, model.graph, plan)
     assert made.global_quant_config.weight.dtype == DType.FLOAT16
     assert made.exclude == ["x"] and made.calibration == cuda.calibration
+    assert made.layer_type_quant_config == cuda.layer_type_quant_config
     assert change.make(made, model.graph, plan) is None  # already float16
+    # The int8 changes do not apply to a float16 config, whatever the plan holds.
+    dynamic = next(c for c in latency_changes.CHANGES if c.name == "MatMul/Gemm dynamic int8")
+    assert dynamic.make(cuda, model.graph, plan) is not None
+    assert dynamic.make(made, model.graph, plan) is None
+
+
+def test_a_gpu_plan_entry_names_the_provider():
+    entry = latency_cache.Entry(onnxq.as_config({"calibration": {"providers": ["CUDAExecutionProvider"]}}), [],
+                                {8: 1.0}, {8: 2.0}, {8: 2.0}, [])
+    assert entry.describe().startswith("no change made the model faster on CUDAExecutionProvider (batch 8")
+    assert "faster on this CPU" in latency_cache.Entry(onnxq.as_config({}), [], {8: 1.0}, {8: 2.0}, {8: 2.0},
+                                                       []).describe()

@@ -97,7 +97,7 @@ class OptimizeFor(_StrEnum):
     """What a run optimises after accuracy.
 
     `accuracy`: the plan as configured, no timing (fast and byte-reproducible anywhere).
-    `latency`: the plan is then measured on this CPU and changed where that makes the
+    `latency`: the plan is then measured on this CPU (or the GPU provider listed first) and changed where that makes the
     deployed model faster without losing accuracy (`onnxq.search.latency`).
     """
 
@@ -301,7 +301,7 @@ class Config:
     )
     pre_quant_opt_config: list[dict[str, Any]] = field(default_factory=list)
     algo_config: list[dict[str, Any]] = field(default_factory=list)
-    # What the run optimises after accuracy: `latency` measures the plan on this CPU and
+    # What the run optimises after accuracy: `latency` measures the plan on this CPU (or GPU provider) and
     # keeps in float, or quantizes dynamically, what int8 does not speed up here.
     optimize_for: OptimizeFor = OptimizeFor.ACCURACY
     # Search which layers to raise in precision until an accuracy target is met.

@@ -167,32 +167,57 @@ def kernel_ms(model: str | os.PathLike | bytes | ir.Model, feed: dict[str, np.nd
     return dict(spent)
 
 
-def gpu_causes(provider: str, qdq: bool) -> list[str]:
-    """Why a model is not faster on a GPU provider (measured on an H200 with onnxruntime-gpu
-    1.31.1, docs/kernels.md section 10): its int8 QDQ runs DequantizeLinear + float kernels,
-    and float16 pays on larger layers only."""
-    found = []
-    if qdq:
-        found.append(f"{provider} has no fused int8 Conv/MatMul kernels: a QDQ model runs QuantizeLinear, "
-                     "DequantizeLinear and the float kernels (1.1-2.6x float's time on an H200); TensorRT "
-                     "(TensorrtExecutionProvider) fuses them into int8 kernels, and float16 (--preset FP16, or "
-                     "--optimize-for latency, which tries it) is this provider's fast format")
-    else:
-        found.append(f"on {provider} float16 pays on wide layers only: small ones are bound by kernel launches "
-                     "and layout changes (on an H200, float16 ran MobileNet-v1 in 0.74-0.86x float's time, "
-                     "ResNet-20 and MiniLM in 1.0-1.8x); deploy the float model where this one is slower")
-    return found
+# GPU providers that compile the graph into their own kernels, int8 ones from Q/DQ pairs.
+COMPILING_PROVIDERS = ("TensorrtExecutionProvider", "MIGraphXExecutionProvider")
+
+
+def model_format(model: ir.Model) -> str:
+    """`qdq` (QuantizeLinear/DequantizeLinear nodes), `float16` (float16 weights), else
+    `other` (weight-only blocks, dynamic int8, bfloat16): what a GPU cause is about."""
+    if any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph):
+        return "qdq"
+    if any(v.const_value is not None and v.const_value.dtype == ir.DataType.FLOAT16
+           for v in model.graph.initializers.values()):
+        return "float16"
+    return "other"
+
+
+def gpu_causes(provider: str, form: str) -> list[str]:
+    """Why a model of format `form` (`model_format`) is not faster on a GPU provider, as
+    measured on an H200 with onnxruntime-gpu 1.31.1 (docs/kernels.md section 10)."""
+    if provider in COMPILING_PROVIDERS:
+        return [f"{provider} compiles the model into its own kernels (int8 ones where Q/DQ pairs allow): at this "
+                "size kernel launches and layout changes outweigh the arithmetic saved; deploy the float model "
+                "where this one is slower"]
+    if form == "qdq":
+        return [f"{provider} has no fused int8 Conv/MatMul kernels: a QDQ model runs QuantizeLinear, "
+                "DequantizeLinear and the float kernels (1.1-2.6x float's time on an H200); TensorRT "
+                "(TensorrtExecutionProvider) fuses them into int8 kernels, and float16 (--preset FP16, or "
+                "--optimize-for latency, which tries it) is this provider's fast format"]
+    if form == "float16":
+        return [f"on {provider} float16 pays on wide layers only: small ones are bound by kernel launches and "
+                "layout changes (on an H200, float16 ran MobileNet-v1 in 0.74-0.86x float's time, ResNet-20 and "
+                "MiniLM in 1.0-1.8x); deploy the float model where this one is slower"]
+    return [f"on {provider} this format saves memory, not time: weight-only blocks are unpacked to float, "
+            "dynamic int8's ops run on the CPU, and bfloat16 has few fast kernels; float16 (--preset FP16) is "
+            "this provider's fast format"]
+
+
+def slower_on_gpu(latency: Latency, model: ir.Model) -> list[str]:
+    """The causes where `latency` was timed on a GPU provider and `model` is not faster
+    there (`gpu_causes`); none otherwise."""
+    if latency.where not in GPU_PROVIDERS or all(t.speedup >= FASTER for t in latency.timings):
+        return []
+    return gpu_causes(latency.where, model_format(model))
 
 
 def causes(float_ms: dict[str, float], quantized_ms: dict[str, float], isa: str,
            wrapped: Collection[str] = tuple(KERNELS)) -> list[str]:
     """Why the quantized model is not faster, from the kernel time per op type of both
-    (`kernel_ms`), each cause with what would be faster. `isa`: where it ran (`timed_on`;
-    a GPU provider's causes are `gpu_causes`). `wrapped`: the op kinds of
+    (`kernel_ms`) on the CPU, each cause with what would be faster (a GPU provider's are
+    `slower_on_gpu`'s). `isa`: this CPU's (`cpu_isa`). `wrapped`: the op kinds of
     `KERNELS` that read a DequantizeLinear output in the quantized graph (a kind left out
     of the plan runs in float for that reason, not for want of a kernel)."""
-    if isa in GPU_PROVIDERS:
-        return gpu_causes(isa, any(quantized_ms.get(op) for op in ("QuantizeLinear", "DequantizeLinear")))
     found = []
     if sum(float_ms.values()) < TINY_MS:
         found.append(f"the float model's kernels take {sum(float_ms.values()):.3f} ms: at this size each run's "
@@ -248,7 +273,9 @@ def measure_latency(source: str | os.PathLike | bytes | ir.Model, quantized: ir.
                    for batch, feed in feeds.items()]
         result = Latency(timings, timed_on(providers), skipped=skipped)
         slow = [t for t in timings if t.speedup < FASTER]
-        if slow:
+        if result.where in GPU_PROVIDERS:  # the CPU's kernel classes do not apply
+            result.causes = slower_on_gpu(result, quantized)
+        elif slow:
             feed = feeds[slow[-1].batch]
             result.causes = causes(kernel_ms(source, feed, providers), kernel_ms(quantized, feed, providers),
                                    result.where, wrapped_kinds(quantized))

@@ -9,6 +9,7 @@ onnxruntime from fusing them. So the plan is measured here, not assumed:
 2. Try each change of the table (`search/latency_changes.py`) in turn on the best model
    so far. Each re-emits the calibrated state (a calibration pass only for a tensor no
    plan calibrated before) and is timed against the best in default sessions on this CPU
+   (or on the GPU provider listed first, where float16 is tried first)
    at batch 1 and 8 (`emit/latency.py`: the first calibration sample repeated, the models
    taking turns). A change is kept when the model gets faster by `GAIN` at the largest
    batch and at most `SLACK` slower at batch 1, while its output SQNR against float on
@@ -37,13 +38,12 @@ from onnxq.calibrate.data import CalibrationSource, model_inputs
 from onnxq.config.spec import Config, OptimizeFor
 from onnxq.emit.fidelity import CHECK_SAMPLES, Reference, float_reference, measure
 from onnxq.emit.latency import (
-    FASTER,
     Latency,
     Timing,
-    gpu_causes,
     latency_feeds,
     median_ms,
     rounds_ms,
+    slower_on_gpu,
     timed_on,
 )
 from onnxq.errors import ConfigError, OnnxqError
@@ -57,7 +57,6 @@ from onnxq.progress import bar
 from onnxq.search import latency_cache
 from onnxq.search.base import with_calibration
 from onnxq.search.latency_changes import CHANGES
-from onnxq.target.profile import GPU_PROVIDERS
 
 # A change is kept when the model gets at least this much faster at the largest batch
 # (the median ratio over rounds; the same model against itself, below, is within 7%, so
@@ -208,7 +207,7 @@ def _try(bench: _Bench, state: PipelineState, best: _Timed, name: str, candidate
 
 
 def search(source: ModelSource, config: Config, base: QuantizationResult, progress: bool | None) -> Found | str:
-    """The changes that make `base` faster on this CPU (module doc), or why it cannot be
+    """The changes that make `base` faster where it is timed (module doc), or why it cannot be
     searched."""
     state = base.state
     assert state is not None
@@ -276,7 +275,7 @@ def check_latency_options(config: Config) -> None:
 def quantize_for_latency(source: ModelSource, output: str | os.PathLike | None, config: Config,
                          calibration_data: Any, progress: bool | None, keep_state: bool = False,
                          ) -> QuantizationResult:
-    """Quantize `source` under `config`, changed where that makes it faster on this CPU
+    """Quantize `source` under `config`, changed where that makes it faster where it runs
     (module doc); `output` gets the final model. The result's `config` is the chosen one."""
     check_latency_options(config)
     plain = dataclasses.replace(config, optimize_for=OptimizeFor.ACCURACY)
@@ -312,16 +311,13 @@ def quantize_for_latency(source: ModelSource, output: str | os.PathLike | None, 
     result = base if base is not None and not entry.kept else \
         run_pipeline(source, output, entry.config, calibration_data, progress, keep_state=keep_state)
     _measure_if_asked(result, source, plain)
-    when = " (cached for this model, data, config, CPU and onnxruntime)" if cached else ""
+    when = " (cached for this model, data, config and its providers, CPU and onnxruntime)" if cached else ""
     result.summary.notes.append(Note(Topic.SEARCH, f"latency plan: {entry.describe()}{when}"))
     result.summary.notes.extend(Note(Topic.SEARCH, f"latency plan tried: {line}") for line in lines)
     if result.summary.latency is None:
-        where = timed_on(plain.calibration.providers)
         result.summary.latency = Latency([Timing(b, entry.float_ms[b], entry.best_ms[b]) for b in sorted(entry.best_ms)],
-                                         where, skipped=[*entry.skipped, "timed by the latency plan's search"
+                                         timed_on(plain.calibration.providers), skipped=[*entry.skipped, "timed by the latency plan's search"
                                                          + (", when it was cached" if when else "")])
-        if where in GPU_PROVIDERS and any(t.speedup < FASTER for t in result.summary.latency.timings):
-            qdq = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in result.ir_model.graph)
-            result.summary.latency.causes = gpu_causes(where, qdq)
+        result.summary.latency.causes = slower_on_gpu(result.summary.latency, result.ir_model)
     result.config = entry.config
     return result

@@ -6,7 +6,9 @@ search's seconds). The key hashes the model (its file and the names, sizes and t
 of the files beside it, or its serialized proto), the calibration data (a path's files by
 name, size and time, arrays by their bytes, a reader by its type), the config as given,
 the CPU (model name, flags, the cores this process may use) and the onnxruntime and onnxq
-versions: another CPU or onnxruntime measures again. onnxq's own code is not hashed: a
+versions: another CPU or onnxruntime measures again. A GPU provider's plan is keyed by the
+providers in the config, not by the GPU: another GPU model behind the same CPU reads it
+(delete the folder, or set $ONNXQ_CACHE_DIR per machine). onnxq's own code is not hashed: a
 checkout edited without a new version reads the old choices (delete the folder). The folder is `$ONNXQ_CACHE_DIR`,
 else `$XDG_CACHE_HOME/onnxq`, else `~/.cache/onnxq`; a cache that cannot be read or
 written is skipped (the search runs, nothing is stored).

@@ -89,14 +89,21 @@ def _float16_weights(config: Config) -> bool:
 
 def _float16(config: Config, graph: ir.Graph, plan: QuantPlan) -> Config | None:
     """The FP16 preset's weights and compute, where the timing runs on a GPU provider: the
-    CUDA provider has no fused int8 Conv/GEMM (a QDQ model runs DequantizeLinear + float
-    kernels, 1.2-1.8x float's time on an H200) while float16 runs its tensor cores. The
-    user's calibration, exclusions, target and opset stay; int8 algorithms do not apply."""
+    CUDA provider has no fused int8 Conv/GEMM (a QDQ model runs Q/DQ + float kernels,
+    1.1-2.6x float's time on an H200) while float16 runs its tensor cores. What the user
+    set stays: calibration, exclusions, float op types (with the preset's), layer and op-type
+    overrides, passes and algorithms (so the model timed, emitted from the run's state, is
+    the one a run of this config writes), target and opset."""
     providers = config.calibration.providers
     if not providers or providers[0] not in GPU_PROVIDERS or _float16_weights(config):
         return None
-    return dataclasses.replace(fp16(), calibration=config.calibration, exclude=config.exclude, target=config.target,
-                               optimize_for=config.optimize_for, opset=config.opset)
+    half = fp16()
+    return dataclasses.replace(
+        half, calibration=config.calibration, exclude=config.exclude, target=config.target,
+        optimize_for=config.optimize_for, opset=config.opset,
+        float_op_types=list(dict.fromkeys([*half.float_op_types, *config.float_op_types])),
+        layer_quant_config=config.layer_quant_config, layer_type_quant_config=config.layer_type_quant_config,
+        pre_quant_opt_config=config.pre_quant_opt_config, algo_config=config.algo_config)
 
 
 def _kernels_float(which: Callable[[ir.Node], bool]) -> Make:
