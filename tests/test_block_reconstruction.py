@@ -240,3 +240,33 @@ def test_pair_safe_weights_keep_their_layer_wise_rounding(tmp_path):
             codes = inits[producers[node.input[1]].input[0]]
             if codes.dtype == np.int8:
                 assert kernel_pair_sums(node, codes).max() <= PAIR_LIMIT, node.name
+
+
+def test_the_reconstruct_flag(tmp_path, capsys):
+    """`--reconstruct block` sets AdaRound's option: over a preset's AdaRound, with the
+    --adaround flag, or switching AdaRound on; with --adaquant it is AdaQuant's one-line
+    error (exit 2); the CLI run reports its blocks and writes a valid model."""
+    import yaml
+
+    from onnxq.cli import main
+
+    onnx.save(residual_net(), tmp_path / "f.onnx")
+    np.savez(tmp_path / "calib.npz", x=images(32, 1))
+
+    def shown(*flags: str) -> list[dict]:
+        assert main(["config", "show", *flags]) == 0
+        return yaml.safe_load(capsys.readouterr().out)["algo_config"]
+
+    assert shown("--preset", "W4A8", "--reconstruct", "block") == [{"name": "adaround", "reconstruct": "block"}]
+    assert shown("--adaround", "--reconstruct", "layer") == [{"name": "adaround", "reconstruct": "layer"}]
+    assert shown("--reconstruct", "block") == [{"name": "adaround", "reconstruct": "block"}]
+    assert main(["quantize", str(tmp_path / "f.onnx"), str(tmp_path / "a.onnx"), "--adaquant", "--reconstruct",
+                 "block", "--calib-data", str(tmp_path / "calib.npz")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "use the adaround algorithm" in err[0]
+    assert not (tmp_path / "a.onnx").exists()
+    assert main(["quantize", str(tmp_path / "f.onnx"), str(tmp_path / "b.onnx"), "--preset", "W4A8",
+                 "--reconstruct", "block", "--algo-option", "adaround.block_iterations=20",
+                 "--calib-data", str(tmp_path / "calib.npz")]) == 0
+    assert "blocks:" in capsys.readouterr().out
+    onnx.checker.check_model(onnx.load(tmp_path / "b.onnx"), full_check=True)

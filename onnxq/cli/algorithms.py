@@ -1,7 +1,8 @@
-"""The algorithm flags (`--adaround`, `--gptq`, ..., `--algorithm`, `--algo-option`) as the
-config's `algo_config` entries. Which algorithms have flags, in which order they run, which
-round weight-only blocks and which run last all come from the registered contracts
-(`optimize/registry.py`): this module knows no algorithm by name.
+"""The algorithm flags (`--adaround`, `--gptq`, ..., `--algorithm`, `--algo-option`,
+`--reconstruct`) as the config's `algo_config` entries. Which algorithms have flags, in
+which order they run, which round weight-only blocks, which learn rounding and which run
+last all come from the registered contracts (`optimize/registry.py`): this module knows no
+algorithm by name.
 """
 
 from __future__ import annotations
@@ -35,7 +36,17 @@ def algorithm_entries(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.algorithm != NEAREST:
             at = next((i for i, name in enumerate(algorithms) if CONTRACTS[name].runs_last), len(algorithms))
             algorithms.insert(at, args.algorithm)
-    return _algorithm_options(algorithms, args.algo_option or [])
+    options = list(args.algo_option or [])
+    if getattr(args, "reconstruct", None) is not None:
+        options += [f"{name}.reconstruct={args.reconstruct}" for name in _reconstructing(algorithms)]
+    return _algorithm_options(algorithms, options)
+
+
+def _reconstructing(flagged: list[str]) -> list[str]:
+    """Whom `--reconstruct` sets: the rounding learners switched on by flags, else the first
+    of them in flag order (AdaRound: the preset's, or one this switches on)."""
+    learners = [name for name in flagged_algorithms() if CONTRACTS[name].learns_rounding]
+    return [name for name in flagged if name in learners] or learners[:1]
 
 
 def _algorithm_options(flagged: list[str], options: list[str]) -> list[dict[str, Any]]:

@@ -132,6 +132,10 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4),
                    help="MatMulNBits' accuracy_level: the type its kernel computes the activations in "
                         "(0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8)")
+    q.add_argument("--reconstruct", choices=("layer", "block"),
+                   help="what the learned rounding fits: each layer's output (layer, the default) or each "
+                        "block's, through its activations (block: BRECQ's objective, AdaRound only; slower); "
+                        "switches AdaRound on where no rounding learner is")
     q.add_argument("--algo-option", action="append", metavar="[ALGO.]KEY=VALUE",
                    help="option of an algorithm, e.g. num_iteration=500 or adaround.reg_param=0.02 "
                         "(repeatable; a bare KEY goes to the one algorithm flag given)")
