@@ -97,8 +97,10 @@ def test_search_meets_a_cosine_target_with_few_promotions(coarse_chain, tmp_path
     assert mp.evaluations < mp.ranked_layers  # fewer models scored than there are layers
     onnx.checker.check_model(str(tmp_path / "mp.onnx"), full_check=True)
     assert _cosine(float_out, _run(tmp_path / "mp.onnx", held_out)) > 0.995  # held-out data too
+    # The cheapest rung that meets it: 8-bit weights for the 2-bit layers, which stay quantized.
+    assert {p.rung for p in mp.promotions} == {"int8"}
     convs = [sum(op == "Conv" for op in r.plan.quantized_nodes.values()) for r in (plain, result)]
-    assert convs[1] == convs[0] - len(mp.promotions)
+    assert convs[1] == convs[0]
 
     # The resulting config is ordinary: running it again gives the same bytes.
     again = quantize(path, tmp_path / "again.onnx", mp.config, calib, progress=False)
@@ -264,3 +266,31 @@ def test_a_float_type_ladder_raises_layers_to_it(tmp_path, rung, dtype):
     saved = onnx.load(str(tmp_path / "q.onnx"))
     onnx.checker.check_model(saved, full_check=True)
     assert any(t.data_type == dtype for t in saved.graph.initializer)  # the raised layers' weights
+
+
+def test_an_int8_rung_raises_4_bit_weights_and_only_those(tmp_path):
+    """W4A8's cheapest raise is a layer's weights to 8 bits (activations unchanged): the
+    int8 rung meets an SQNR target the all-int4 model misses, with int8 weights on the
+    raised layers and int4 on the rest; on an 8-bit recipe the rung is not applicable."""
+    from onnxq.search.ladder import applicable
+
+    root = Path(__file__).resolve().parents[1] / "models"
+    data = str(root / "digits_calib.npz")
+    plain = quantize(root / "digits_cnn.onnx", None, compose_config("W4A8", None, {"edge_weight": None}), data,
+                     progress=False)
+    assert applicable(["int8", "int16", "float"], plain.plan) == ["int8", "int16", "float"]
+    u8 = quantize(root / "digits_cnn.onnx", None, compose_config("U8S8", None, {}), data, progress=False)
+    assert applicable(["int8", "int16", "float"], u8.plan) == ["int16", "float"]
+    cfg = compose_config("W4A8", None, {"edge_weight": None, "algo_config": [],
+                                        "mixed_precision": {"target": "sqnr>=30", "ladder": ["int8"]}})
+    result = quantize(root / "digits_cnn.onnx", tmp_path / "q.onnx", cfg, data, progress=False)
+    mp = result.summary.mixed_precision
+    assert mp.met and mp.base_score < 30 <= mp.final_score, (mp.base_score, mp.final_score)
+    assert mp.promotions and {p.rung for p in mp.promotions} == {"int8"}
+    saved = onnx.load(str(tmp_path / "q.onnx"))
+    onnx.checker.check_model(saved, full_check=True)
+    types = {t.data_type for t in saved.graph.initializer}
+    assert onnx.TensorProto.INT8 in types and onnx.TensorProto.INT4 in types  # raised layers, and the rest
+    with np.load(data) as npz:
+        x = {k: npz[k][:8] for k in npz.files}
+    assert np.isfinite(_run(saved.SerializeToString(), x)).all()

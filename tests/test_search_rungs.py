@@ -22,7 +22,7 @@ MODELS = Path(__file__).resolve().parent.parent / "models"
 
 def test_rung_table_matches_the_config_names():
     assert tuple(R.ALGORITHM_RUNGS) == ALGORITHM_RUNGS
-    assert R.precision_rungs(list(DEFAULT_LADDER)) == ["int16", "float"]
+    assert R.precision_rungs(list(DEFAULT_LADDER)) == ["int8", "int16", "float"]
     assert [r.name for r in R.algorithm_rungs(["int16", "cle", "per_channel"])] == ["cle", "per_channel"]
     assert not set(ALGORITHM_RUNGS) & set(PRECISION_RUNGS)
 

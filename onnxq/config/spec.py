@@ -211,12 +211,13 @@ class CalibrationConfig:
 # Rungs of the mixed-precision ladder (`onnxq.search`). Precision rungs: what a sensitive
 # layer is raised to. Algorithm rungs (`search/rungs.py`): recipe changes for every layer,
 # tried first since they cost the deployed model nothing.
-PRECISION_RUNGS = ("int16", "fp16", "bf16", "float")
+PRECISION_RUNGS = ("int8", "int16", "fp16", "bf16", "float")
 ALGORITHM_RUNGS = ("bias_correction", "cle", "smoothquant", "per_channel", "adaround", "adaquant")
 LADDER_RUNGS = ALGORITHM_RUNGS + PRECISION_RUNGS
-# Cheapest first: what the deployed model pays (nothing for the algorithm rungs), then what
+# Cheapest first: what the deployed model pays (nothing for the algorithm rungs; 4 more bits
+# of a layer's weights for int8, which only recipes with 4-bit weights try), then what
 # quantizing pays (AdaRound re-quantizes layer by layer: seconds to minutes).
-DEFAULT_LADDER = ("bias_correction", "cle", "smoothquant", "per_channel", "int16", "float")
+DEFAULT_LADDER = ("bias_correction", "cle", "smoothquant", "per_channel", "int8", "int16", "float")
 
 
 @named_fields_only
@@ -229,8 +230,8 @@ class MixedPrecisionConfig:
       VALUE a number or `float-X` / `float+X` (relative to the float model's score).
     ladder: the rungs tried, cheapest first: algorithm rungs (bias_correction, cle,
       smoothquant, per_channel, adaround, adaquant: the whole recipe changes, kept where the
-      score improves), then precision rungs (int16 activations, fp16, bf16, float: the most
-      sensitive layers raised).
+      score improves), then precision rungs (int8 weights where they are 4-bit, int16
+      activations, fp16, bf16, float: the most sensitive layers raised).
     eval_data: the labelled evaluation set (.npz, .npy or a folder; default: the
       calibration data); labels: its array of class labels (top1).
     """

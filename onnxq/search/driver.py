@@ -39,7 +39,7 @@ from onnxq.report import MixedPrecisionSummary, Promotion
 from onnxq.search.base import search_base_config, with_calibration
 from onnxq.search.bisect import bisect_promotions
 from onnxq.search.climb import climb_algorithms
-from onnxq.search.ladder import with_promotions
+from onnxq.search.ladder import applicable, with_promotions
 from onnxq.search.rungs import algorithm_rungs, precision_rungs
 from onnxq.search.sensitivity import impact_order, layers_to_measure
 from onnxq.search.target import (
@@ -155,7 +155,7 @@ def quantize_to_target(
     base, base_config, climbed_score = climb.result, climb.config, climb.score
     said.extend(climb.notes(bool(config.calibration.stats)))
     state = base.state
-    rungs = precision_rungs(mp.ladder)
+    rungs = applicable(precision_rungs(mp.ladder), base.plan)
     order: list[tuple[str, float]] = []
     if not met(climbed_score) and rungs:
         order = sensitivity_order(base, base_config, evalset, float_session, rungs[-1], progress)
@@ -173,10 +173,10 @@ def quantize_to_target(
     finally:
         bar.close()
     final_config = with_promotions(base_config, outcome.promotions)
-    to_float = [name for name, rung in outcome.promotions.items() if rung != "int16"]  # float, fp16, bf16
+    to_float = [name for name, rung in outcome.promotions.items() if rung not in ("int8", "int16")]  # float types
     if to_float and final_config.calibration.stats:
         # The files hold the base plan's tensors; layers raised to a float type drop some of
-        # them (raised to int16, the same observers serve).
+        # them (raised to int8 weights or int16 activations, the same observers serve).
         if calibration_data is None:
             raise CalibrationDataError(
                 f"the accuracy target raises {len(to_float)} layers to a float type, and the final model then "
@@ -222,7 +222,8 @@ def quantize_to_target(
     result.summary.notes.extend(notes(Topic.SEARCH, said))
     if not result.summary.mixed_precision.met:
         how = (f"even with every ranked layer raised to {rungs[-1]}" if rungs else
-               "by the algorithm rungs, and the ladder has no precision rung (int16, fp16, bf16, float)")
+               "by the algorithm rungs, and the ladder has no precision rung for this recipe (int8 for 4-bit "
+               "weights, int16, fp16, bf16, float)")
         result.summary.notes.append(Note(Topic.SEARCH, f"accuracy target {target.describe()} not met {how}; the "
                                          "best all-quantized model is kept"))
     return result

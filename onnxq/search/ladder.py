@@ -1,5 +1,6 @@
 """The rungs a sensitive layer can be raised to, as ordinary node overrides of a config.
 
+int8: the layer's weights in 8 bits (for recipes with 4-bit weights), the rest as configured;
 int16: the layer's activations (inputs and output) in int16, its weights as configured;
 fp16 / bf16: the layer computes in that float type; float: the layer stays float32.
 A promoted config is a plain `Config` (node overrides in `layer_quant_config`), so the
@@ -14,10 +15,13 @@ from onnxq.config.compose import deep_merge
 from onnxq.config.io import config_from_dict, config_to_dict
 from onnxq.config.spec import Config, DType
 from onnxq.numerics.qmath import qdq_opset
+from onnxq.plan import Kind, QuantPlan
 
 
 def _rung_override(rung: str) -> dict[str, dict[str, str]]:
     """A node override, in the config-file shape, that raises a node to `rung`."""
+    if rung == "int8":
+        return {"weight": {"dtype": "int8", "bits": 8}}
     if rung == "int16":
         return {"input_tensors": {"dtype": "int16"}, "output_tensors": {"dtype": "int16"}}
     dtype = {"fp16": "float16", "bf16": "bfloat16", "float": "float32"}[rung]
@@ -25,6 +29,14 @@ def _rung_override(rung: str) -> dict[str, dict[str, str]]:
     # casts it with the node, as the FP16/BF16 presets do with no bias spec at all.
     return {**{tc: {"dtype": dtype} for tc in ("input_tensors", "output_tensors", "weight")},
             "bias": {"dtype": "float32"}}
+
+
+def applicable(rungs: list[str], plan: QuantPlan) -> list[str]:
+    """The rungs that change something under `plan`: int8 only where some weight has fewer
+    than 8 bits (int4/uint4, or `bits` below 8)."""
+    narrow = any(t.kind is Kind.WEIGHT and (t.spec.dtype in (DType.INT4, DType.UINT4) or (t.spec.bits or 8) < 8)
+                 for t in plan.tensors.values())
+    return [r for r in rungs if r != "int8" or narrow]
 
 
 def rung_opset(ladder: list[str]) -> int:
