@@ -144,3 +144,30 @@ def test_bounded_image_ranges_read_their_bound_and_the_true_max():
     for n in names:
         assert highs[n] == pytest.approx(outs[n].max(), rel=1e-5), n
 
+
+
+@pytest.mark.parametrize("shape, geometry, in_session", [
+    (["N", 3, 11], ConvGeometry((3,), (2,), (2,), (1, 2)), True),  # 1-d, dilated, uneven pads
+    (["N", 3, 7, 9], ConvGeometry((3, 2), (1, 2), (1, 1), (0, 0, 0, 0), "SAME_UPPER"), True),
+    (["N", 3, 7, 9], ConvGeometry((5, 5), (3, 3), (1, 1), (2, 2, 2, 2)), True),  # kernel past the edges
+    (["N", 3, "H", "W"], GEOMETRY, False),  # spatial size unknown: the samples summed, contracted in numpy
+])
+def test_window_sums_in_the_session_match_numpy(shape, geometry, in_session):
+    """Window means reduced by MatMuls with the tap matrices inside onnxruntime (`tap_nodes`)
+    equal `ConvGeometry.window_means` of the batch sum in float64; a tensor of unknown
+    spatial size takes the ReduceSum path."""
+    from onnxq.calibrate.statistics import StatisticsSet
+
+    b = GraphBuilder(3)
+    x = b.input("x", shape)
+    model, _ = load_model(b.build([b.node("Relu", [x])], name="windows"))
+    spatial = [7, 9] if not in_session else shape[2:]
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal([2, 3, *spatial]).astype(np.float32)} for _ in range(3)]
+    stat = Statistic("x", "windows", 1, geometry)
+    found = collect(model, [stat], feeds, CalibrationConfig(batch_size=2))
+    xs = np.concatenate([f["x"] for f in feeds]).astype(np.float64)
+    np.testing.assert_allclose(found[stat], geometry.window_means(xs.sum(axis=0)) / len(xs), rtol=1e-5, atol=1e-7)
+    requests = StatisticsSet([stat])
+    requests.attach(model)
+    assert (stat in requests.taps) == in_session

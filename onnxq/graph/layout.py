@@ -279,18 +279,26 @@ class ConvGeometry:
         output of the convolution is then sum over channels and taps of weight x this.
 
         Each spatial axis is contracted with a 0/1 matrix [taps, positions] marking the
-        positions each tap reads (`_reads`; padding reads zeros, so it has no column):
+        positions each tap reads (`reads`; padding reads zeros, so it has no column):
         a few small products in float64 instead of a padded copy summed once per tap
         (MobileNet-v1's 350 calls per calibration: 0.75 s -> 0.05 s)."""
-        nd = len(self.kernel)
-        pads = self.pads_for(x.shape[1:])
+        matrices, outputs = self.reads(x.shape[1:])
         sums = np.asarray(x, dtype=np.float64)
-        outputs = 1
-        for axis in range(nd):
-            reads, out = self._reads(axis, x.shape[1 + axis], pads[axis], pads[axis + nd])
-            outputs *= out
+        for axis, reads in enumerate(matrices):
             sums = np.moveaxis(np.tensordot(reads, sums, axes=([1], [1 + axis])), 0, 1 + axis)
         return sums.reshape(len(sums), -1) / max(outputs, 1)
+
+    def reads(self, spatial: Sequence[int]) -> tuple[list[np.ndarray], int]:
+        """Per spatial axis, which input positions each tap reads ([taps, positions], 0/1),
+        and the number of output positions, for an input of size `spatial`."""
+        nd = len(self.kernel)
+        pads = self.pads_for(spatial)
+        matrices, outputs = [], 1
+        for axis in range(nd):
+            reads, out = self._reads(axis, spatial[axis], pads[axis], pads[axis + nd])
+            matrices.append(reads)
+            outputs *= out
+        return matrices, outputs
 
     def _reads(self, axis: int, size: int, begin: int, end: int) -> tuple[np.ndarray, int]:
         """[kernel, size] 0/1: which input positions tap t reads along `axis` (positions
