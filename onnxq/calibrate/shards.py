@@ -28,7 +28,7 @@ import onnx_ir as ir
 
 from onnxq.calibrate.data import iter_batches, model_inputs
 from onnxq.calibrate.observers import make_observer
-from onnxq.calibrate.runner import CalibrationState
+from onnxq.calibrate.runner import CalibrationState, calibration_batch
 from onnxq.calibrate.statistics import Accumulator, Statistic, StatisticsSet
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
@@ -49,7 +49,7 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def count_batches(model: ir.Model, data: Any, options: CalibrationConfig) -> int:
     """How many calibration batches the data makes (reads it once, runs nothing)."""
-    batches = iter_batches(data, model_inputs(model), options.batch_size, options.max_samples,
+    batches = iter_batches(data, model_inputs(model), calibration_batch(model, options), options.max_samples,
                            "counting calibration batches", options.max_batches)
     return sum(1 for _ in batches)
 
@@ -100,7 +100,7 @@ def fingerprint(model: ir.Model, tensors: dict[str, ResolvedSpec], statistics: C
     h.update(model_digest(model).encode())
     h.update(repr(sorted((n, observed(s)) for n, s in tensors.items())).encode())
     h.update(repr(list(statistics)).encode())
-    h.update(repr((options.batch_size, options.max_samples, options.max_batches)).encode())
+    h.update(repr((calibration_batch(model, options), options.max_samples, options.max_batches)).encode())
     return h.hexdigest()
 
 

@@ -291,9 +291,10 @@ def tap_nodes(value: ir.Value, stat: Statistic, opset: int) -> Taps | None:
     if len(matrices) == 2:  # [taps, H] @ [N, C, H, W]: [N, C, taps, W]
         product(name + "_rows", matrices[0], left=True)
     product(name + "_columns", matrices[-1].T, left=False)  # [..., W] @ [W, taps]
+    counted = source  # [N, C, taps...]: the samples' count, without the image's layout
     nodes += _reduce("ReduceSum", source, [0], 0, name, opset)
     total = nodes[-1].outputs[0]
-    nodes.append(ir.node("Shape", [value], name=name + "_shape", outputs=[ir.Value(name=name + "_shape")]))
+    nodes.append(ir.node("Shape", [counted], name=name + "_shape", outputs=[ir.Value(name=name + "_shape")]))
     return Taps(nodes, [total, nodes[-1].outputs[0]], positions)
 
 
@@ -304,14 +305,21 @@ def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
     if value.dtype not in _SUMMABLE:
         return None
     nodes: list[ir.Node] = []
-    source = value
+    source = counted = value
     if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
         nodes.append(_cast(source, ir.DataType.FLOAT, name + "_f32"))
         source = nodes[-1].outputs[0]
     if reduce == "windows":
         nodes += _reduce("ReduceSum", source, [0], 0, name, opset)
     else:
-        if len(axes) > 1:  # positions of each sample in float32: thousands of terms, not the data
+        if axes == [0, 2, 3] and source.dtype == ir.DataType.FLOAT:
+            # each sample's channel mean, counted once per sample (its shape is [N, C, 1, 1]):
+            # GlobalAveragePool runs on onnxruntime's blocked layout, where ReduceSum, and a
+            # Shape of the image, made the Conv before them reorder their output
+            nodes.append(ir.node("GlobalAveragePool", [source], name=name + "_each",
+                                 outputs=[ir.Value(name=name + "_each")]))
+            source = counted = nodes[-1].outputs[0]
+        elif len(axes) > 1:  # positions of each sample in float32: thousands of terms, not the data
             nodes += _reduce("ReduceSum", source, axes[1:], 1, name + "_each", opset)
             source = nodes[-1].outputs[0]
         if value.dtype != ir.DataType.DOUBLE:
@@ -319,7 +327,7 @@ def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
             source = nodes[-1].outputs[0]
         nodes += _reduce("ReduceSum", source, axes, 0, name, opset)
     total = nodes[-1].outputs[0]
-    nodes.append(ir.node("Shape", [value], name=name + "_shape", outputs=[ir.Value(name=name + "_shape")]))
+    nodes.append(ir.node("Shape", [counted], name=name + "_shape", outputs=[ir.Value(name=name + "_shape")]))
     return nodes, [total, nodes[-1].outputs[0]]
 
 

@@ -179,6 +179,8 @@ class CalibrationConfig:
     """How calibration data is fed: sample cap, batch size, onnxruntime providers."""
 
     max_samples: int | None = None
+    # Samples per calibration run, at most: fewer where a sample's largest activation is big
+    # (`calibrate.runner.calibration_batch`).
     batch_size: int = 8
     # At most this many batches (AMCT's batch_num); with max_samples, whichever ends first.
     max_batches: int | None = None
