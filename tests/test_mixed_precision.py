@@ -287,6 +287,8 @@ def test_an_int8_rung_raises_4_bit_weights_and_only_those(tmp_path):
     mp = result.summary.mixed_precision
     assert mp.met and mp.base_score < 30 <= mp.final_score, (mp.base_score, mp.final_score)
     assert mp.promotions and {p.rung for p in mp.promotions} == {"int8"}
+    from onnxq.search.ladder import narrow_weight_nodes
+    assert {p.node for p in mp.promotions} <= narrow_weight_nodes(plain.plan)  # no no-op raises reported
     saved = onnx.load(str(tmp_path / "q.onnx"))
     onnx.checker.check_model(saved, full_check=True)
     types = {t.data_type for t in saved.graph.initializer}

@@ -187,3 +187,26 @@ def test_calibration_batches_keep_a_samples_largest_image_in_cache():
     assert calibration_batch(large, CalibrationConfig(batch_size=2)) == 2
     assert calibration_batch(model(["N", 3, 16, 16]), CalibrationConfig(batch_size=8)) == 8
     assert calibration_batch(model(["N", 3, "H", "W"]), CalibrationConfig(batch_size=8)) == 8
+    # max_batches counts batches of batch_size (AMCT's batch_num): not cut
+    assert calibration_batch(large, CalibrationConfig(batch_size=8, max_batches=2)) == 8
+
+
+def test_image_means_of_unknown_size_weigh_every_position():
+    """Channel means of fixed-size images come per sample from GlobalAveragePool; where the
+    size can change between batches they are sums over positions, so every position
+    weighs the same whatever its batch's size."""
+    from onnxq.calibrate.statistics import StatisticsSet
+
+    b = GraphBuilder(3)
+    x = b.input("x", ["N", 2, "H", "W"])
+    model, _ = load_model(b.build([b.node("Relu", [x])], name="sizes"))
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.standard_normal((1, 2, 4, 4)).astype(np.float32) - 5},
+             {"x": rng.standard_normal((1, 2, 32, 32)).astype(np.float32)}]
+    stat = Statistic("x", "mean", 1)
+    found = collect(model, [stat], feeds, CalibrationConfig(batch_size=1))
+    every = np.concatenate([f["x"].reshape(2, -1) for f in feeds], axis=1).astype(np.float64)
+    np.testing.assert_allclose(found[stat], every.mean(axis=1), rtol=1e-6)
+    requests = StatisticsSet([stat])
+    nodes, _, _ = requests.attach(model)
+    assert not any(n.op_type == "GlobalAveragePool" for n in nodes)

@@ -34,12 +34,17 @@ BATCH_IMAGE_BYTES = 6 << 20
 def calibration_batch(model: ir.Model, options: CalibrationConfig) -> int:
     """Samples per calibration run: `options.batch_size`, fewer where one sample's largest
     activation of known size (every axis but the first) times the batch would pass
-    `BATCH_IMAGE_BYTES`. The same for every pass and shard of a model and config."""
+    `BATCH_IMAGE_BYTES`. The same for every calibration pass and shard of a model and
+    config; `batch_size` itself where `max_batches` counts batches of it (AMCT's batch_num),
+    and for the passes that stream data themselves (GPTQ, AdaRound)."""
+    if options.max_batches is not None:
+        return options.batch_size
     largest = 0
     for node in model.graph:
         for value in node.outputs:
             dims = value.shape.dims[1:] if value.shape is not None and len(value.shape) > 1 else None
-            if dims and value.dtype is not None and all(isinstance(d, int) for d in dims):
+            if dims and value.dtype not in (None, ir.DataType.STRING, ir.DataType.UNDEFINED) and all(
+                    isinstance(d, int) for d in dims):
                 largest = max(largest, math.prod(dims) * int(value.dtype.itemsize))
     return max(1, min(options.batch_size, BATCH_IMAGE_BYTES // largest)) if largest else options.batch_size
 
@@ -73,6 +78,7 @@ def stream_tensors(
     only the batches whose position is in [first, end) run (a calibration shard).
     """
     inputs = model_inputs(model)
+    batch = calibration_batch(model, options)  # before any node is added: what count_batches sees
     bar = progress_bar(desc=purpose, unit="sample", enabled=progress, total=options.max_samples)
     extra_nodes, extra_outputs, whole = statistics.attach(model) if statistics else ([], [], [])
     outputs = [n for n in names if n not in reduced]
@@ -88,8 +94,8 @@ def stream_tensors(
     # and OpenBLAS threads left spinning after them slowed its kernels 2x (MobileNet-v1).
     with exposed_session(model, exposed, options.providers, reduced, (extra_nodes, extra_outputs),
                          also_whole=extra_whole, options=calibration_options()) as session, bar, serial_blas():
-        for index, feed in enumerate(iter_batches(data, inputs, calibration_batch(model, options),
-                                                  options.max_samples, purpose, options.max_batches)):
+        for index, feed in enumerate(iter_batches(data, inputs, batch, options.max_samples, purpose,
+                                                  options.max_batches)):
             if window is not None and index >= window[1]:
                 break
             if window is not None and index < window[0]:
@@ -135,8 +141,9 @@ def tensor_groups(model: ir.Model, names: list[str], data: Any, options: Calibra
         batches.close()
     groups: list[list[str]] = [[]]
     used = 0
+    batch = calibration_batch(model, options)
     for name in names:
-        size = values[name].nbytes * calibration_batch(model, options)
+        size = values[name].nbytes * batch
         if groups[-1] and used + size > limit:
             groups.append([])
             used = 0

@@ -36,7 +36,8 @@ from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.graph.save import write_npz_atomic
 
 FORMAT = "onnxq-stats"
-VERSION = 1
+# 2: channel means of images counted per sample (GlobalAveragePool), batches cut by size.
+VERSION = 2
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -312,10 +312,12 @@ def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
     if reduce == "windows":
         nodes += _reduce("ReduceSum", source, [0], 0, name, opset)
     else:
-        if axes == [0, 2, 3] and source.dtype == ir.DataType.FLOAT:
-            # each sample's channel mean, counted once per sample (its shape is [N, C, 1, 1]):
-            # GlobalAveragePool runs on onnxruntime's blocked layout, where ReduceSum, and a
-            # Shape of the image, made the Conv before them reorder their output
+        spatial = value.shape.dims[2:] if value.shape is not None else ()
+        if axes == [0, 2, 3] and source.dtype == ir.DataType.FLOAT and all(isinstance(d, int) for d in spatial):
+            # each sample's channel mean, counted once per sample (its shape is [N, C, 1, 1];
+            # every sample has the same positions, the size being fixed): GlobalAveragePool
+            # runs on onnxruntime's blocked layout, where ReduceSum, and a Shape of the
+            # image, made the Conv before them reorder their output
             nodes.append(ir.node("GlobalAveragePool", [source], name=name + "_each",
                                  outputs=[ir.Value(name=name + "_each")]))
             source = counted = nodes[-1].outputs[0]

@@ -39,7 +39,7 @@ from onnxq.report import MixedPrecisionSummary, Promotion
 from onnxq.search.base import search_base_config, with_calibration
 from onnxq.search.bisect import bisect_promotions
 from onnxq.search.climb import climb_algorithms
-from onnxq.search.ladder import applicable, with_promotions
+from onnxq.search.ladder import applicable, effective, with_promotions
 from onnxq.search.rungs import algorithm_rungs, precision_rungs
 from onnxq.search.sensitivity import impact_order, layers_to_measure
 from onnxq.search.target import (
@@ -172,6 +172,7 @@ def quantize_to_target(
         outcome = bisect_promotions([name for name, _ in order], rungs, score_of, met, climbed_score)
     finally:
         bar.close()
+    outcome.promotions = effective(outcome.promotions, base.plan)  # the same model, the no-ops left out
     final_config = with_promotions(base_config, outcome.promotions)
     to_float = [name for name, rung in outcome.promotions.items() if rung not in ("int8", "int16")]  # float types
     if to_float and final_config.calibration.stats:

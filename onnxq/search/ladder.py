@@ -1,6 +1,6 @@
 """The rungs a sensitive layer can be raised to, as ordinary node overrides of a config.
 
-int8: the layer's weights in 8 bits (for recipes with 4-bit weights), the rest as configured;
+int8: the layer's weights in 8 bits (for recipes with 4-bit QDQ weights), the rest as configured;
 int16: the layer's activations (inputs and output) in int16, its weights as configured;
 fp16 / bf16: the layer computes in that float type; float: the layer stays float32.
 A promoted config is a plain `Config` (node overrides in `layer_quant_config`), so the
@@ -31,12 +31,27 @@ def _rung_override(rung: str) -> dict[str, dict[str, str]]:
             "bias": {"dtype": "float32"}}
 
 
+def narrow_weight_nodes(plan: QuantPlan) -> set[str]:
+    """The nodes whose QDQ weight has fewer than 8 bits (int4/uint4, or `bits` below 8):
+    what the int8 rung changes. Weight-only blocks (MatMulNBits, `plan.lowered`) are not
+    among them: a tied LM head raised alone would unshare its table (W8_GROUP128 is their
+    8-bit recipe)."""
+    return {use[0] for t in plan.tensors.values()
+            if t.kind is Kind.WEIGHT and (t.spec.dtype in (DType.INT4, DType.UINT4) or (t.spec.bits or 8) < 8)
+            for use in t.consumers}
+
+
 def applicable(rungs: list[str], plan: QuantPlan) -> list[str]:
-    """The rungs that change something under `plan`: int8 only where some weight has fewer
-    than 8 bits (int4/uint4, or `bits` below 8)."""
-    narrow = any(t.kind is Kind.WEIGHT and (t.spec.dtype in (DType.INT4, DType.UINT4) or (t.spec.bits or 8) < 8)
-                 for t in plan.tensors.values())
+    """The rungs that change something under `plan`: int8 only where `narrow_weight_nodes`."""
+    narrow = bool(narrow_weight_nodes(plan))
     return [r for r in rungs if r != "int8" or narrow]
+
+
+def effective(promotions: Mapping[str, str], plan: QuantPlan) -> dict[str, str]:
+    """`promotions` less those that change nothing: int8 for a node without narrow weights
+    (its weights are 8-bit already, or it has none)."""
+    narrow = narrow_weight_nodes(plan)
+    return {node: rung for node, rung in promotions.items() if rung != "int8" or node in narrow}
 
 
 def rung_opset(ladder: list[str]) -> int:
