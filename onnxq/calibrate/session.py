@@ -54,7 +54,7 @@ def calibration_options() -> ort.SessionOptions:
     layout makes the Conv before it reorder its output, so the reductions of images are
     made of ops with blocked kernels: GlobalMaxPool for a bounded tensor's maximum
     (`_bounded`), GlobalAveragePool for channel means, counts from small outputs' shapes
-    (`statistics.py`); and batches are cut so one sample's largest image stays in cache
+    (`reductions.py`); and batches are cut so one sample's largest image stays in cache
     (`runner.calibration_batch`). MobileNet-v1's default int8 quantize, 2 cores with VNNI:
     1.98 s and 353 MB at the basic level, 1.64 s and 469 MB at this one at batch 8, 1.46 s
     and 349 MB at the batch of 2 it is cut to."""
