@@ -46,6 +46,14 @@ def uneven_weights(rng: np.random.Generator, shape: tuple[int, ...], spread: flo
         np.float32)
 
 
+def image_classifier(nodes: Sequence[onnx.NodeProto], inits: Mapping[str, np.ndarray], name: str) -> onnx.ModelProto:
+    """A model of `nodes` from input x [N, 3, 16, 16] to logits y [N, 10], opset 17."""
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     a = np.asarray(a, dtype=np.float64).ravel()
     b = np.asarray(b, dtype=np.float64).ravel()

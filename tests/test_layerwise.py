@@ -9,7 +9,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from helpers import run, sqnr_db, uneven_weights
+from helpers import image_classifier, run, sqnr_db, uneven_weights
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxq
@@ -44,10 +44,7 @@ def cnn(seed: int = 0) -> onnx.ModelProto:
         helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
         helper.make_node("Gemm", ["f", "w4", "b4"], ["y"], name="fc", transB=1),
     ]
-    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])],
-                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return image_classifier(nodes, inits, "cnn")
 
 
 def images(n: int, seed: int) -> np.ndarray:

@@ -270,8 +270,12 @@ class ConvGeometry:
     def output_shape(self, spatial: Sequence[int]) -> tuple[int, ...]:
         """The output's spatial size for an input of size `spatial`."""
         pads, nd = self.pads_for(spatial), len(self.kernel)
-        return tuple((spatial[i] + pads[i] + pads[i + nd] - (self.kernel[i] - 1) * self.dilations[i] - 1)
-                     // self.strides[i] + 1 for i in range(nd))
+        return tuple(self._outputs(i, spatial[i], pads[i], pads[i + nd]) for i in range(nd))
+
+    def _outputs(self, axis: int, size: int, begin: int, end: int) -> int:
+        """Output positions along `axis` for an input of `size` padded by `begin`, `end`."""
+        k, stride, dilation = self.kernel[axis], self.strides[axis], self.dilations[axis]
+        return max((size + begin + end - (k - 1) * dilation - 1) // stride + 1, 0)
 
     def window_means(self, x: np.ndarray) -> np.ndarray:
         """[C, prod(kernel)]: for each kernel tap, the mean over output positions of the
@@ -305,7 +309,7 @@ class ConvGeometry:
         t * dilation - begin + stride * o for each output o, inside the input), and the
         number of outputs along it."""
         k, stride, dilation = self.kernel[axis], self.strides[axis], self.dilations[axis]
-        out = max((size + begin + end - (k - 1) * dilation - 1) // stride + 1, 0)
+        out = self._outputs(axis, size, begin, end)
         reads = np.zeros((k, size))
         for t in range(k):
             positions = t * dilation - begin + stride * np.arange(out)

@@ -24,9 +24,9 @@ import onnx_ir as ir
 from onnxq.numerics.weights import QuantizedTensor
 from onnxq.optimize.layerwise.block_fit import BlockGraph, Learnable, Rounding, fit_block
 from onnxq.optimize.layerwise.blocks import Block
-from onnxq.optimize.layerwise.emitted import BiasSlot, dequantized, slot_value
+from onnxq.optimize.layerwise.emitted import BiasSlot, dequantized, slot_value, with_codes
 from onnxq.optimize.layerwise.grid import code_grid
-from onnxq.optimize.layerwise.layers import Layer, from_matrices, to_channels
+from onnxq.optimize.layerwise.layers import Layer
 from onnxq.optimize.layerwise.replay import Replay
 from onnxq.parallel import serial_blas
 
@@ -116,11 +116,8 @@ def run_block(block: Block, replay: Replay, qnodes: Mapping[str, ir.Node], slots
         return BlockOutcome(fit.before, fit.before, False)
     for item in learnables:
         qt = current(item.layer)
-        g, m = item.base.shape[:2]
-        zp = to_channels(qt.zero_point, g, m)
-        codes = from_matrices(item.layer.node, fit.codes[item.layer.name] + zp, item.shape)
-        pin(item.layer, QuantizedTensor(code_grid(item.layer.weight.spec, zp).store(codes, qt.data.dtype),
-                                        qt.scale, qt.zero_point, qt.axis))
+        pin(item.layer, with_codes(item.layer.node, fit.codes[item.layer.name], item.shape, qt, qt.scale,
+                                   lambda zp, spec=item.layer.weight.spec: code_grid(spec, zp)))
     return BlockOutcome(fit.before, fit.after, True)
 
 

@@ -14,6 +14,7 @@ from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import dequantize
 from onnxq.numerics.weights import QuantizedTensor, bias_safe_weight_scale
 from onnxq.optimize.context import AlgorithmContext
+from onnxq.optimize.layerwise.grid import CodeGrid
 from onnxq.optimize.layerwise.layers import (
     Layer,
     from_matrices,
@@ -77,11 +78,18 @@ def store_solution(model: ir.Model, layer: Layer, solution: Solution, problem: P
         layer.set_bias(model.graph, solution.bias.reshape(-1))
     scale = solution.scale if solution.scale is not None else problem.scale  # learned, else searched
     scale = (scale.reshape(-1) if problem.per_channel else scale.reshape(-1)[:1]).reshape(np.shape(qt.scale))
-    scale = scale.astype(qt.scale.dtype)
-    g, m = solution.codes.shape[:2]
+    return with_codes(node, solution.codes, shape, qt, np.asarray(scale.astype(qt.scale.dtype)),
+                      lambda zp: problem.grid)
+
+
+def with_codes(node: ir.Node, codes: np.ndarray, shape: tuple[int, ...], qt: QuantizedTensor, scale: np.ndarray,
+               grid: Callable[[np.ndarray], CodeGrid]) -> QuantizedTensor:
+    """`qt` with learned `codes` (the layer's matrices, relative to the zero point) stored
+    in `grid(zero point per channel)`, and `scale`."""
+    g, m = codes.shape[:2]
     zp = to_channels(qt.zero_point, g, m)
-    codes = from_matrices(node, solution.codes + zp, shape)
-    return QuantizedTensor(problem.grid.store(codes, qt.data.dtype), np.asarray(scale), qt.zero_point, qt.axis)
+    stored = grid(zp).store(from_matrices(node, codes + zp, shape), qt.data.dtype)
+    return QuantizedTensor(stored, scale, qt.zero_point, qt.axis)
 
 
 def dequantized(qt: QuantizedTensor) -> np.ndarray:
