@@ -25,6 +25,7 @@ from tqdm import tqdm
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.calibrate.session import check_providers, open_session
 from onnxq.errors import ModelError, OnnxqError
+from onnxq.graph.wire import read_structure
 from onnxq.runtime import DOMAIN, session_options
 
 KERNELS = ("deployed", "reference", "both")
@@ -111,8 +112,7 @@ def imports_extended(model: str | os.PathLike | bytes | ir.Model) -> bool:
     if isinstance(model, ir.Model):
         return DOMAIN in model.opset_imports
     try:
-        proto = (onnx.load_from_string(model) if isinstance(model, bytes)
-                 else onnx.load(str(model), load_external_data=False))
+        proto = onnx.load_from_string(model) if isinstance(model, bytes) else read_structure(model)
     except Exception:  # noqa: BLE001 - not a model: the session reports it
         return False
     return any(o.domain == DOMAIN for o in proto.opset_import)

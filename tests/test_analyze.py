@@ -66,6 +66,20 @@ def test_error_stats_match_numpy():
     assert math.isinf(same.sqnr_db)
 
 
+def test_error_stats_of_masking_constants_do_not_overflow():
+    """An attention mask's float-min entries square beyond float32: the sums go to float64
+    instead of warning and returning inf or nan."""
+    ref = np.array([[0.0, -3.4e38, 1.0], [2.0, -3.4e38, -1.0]], np.float32)
+    test = ref.copy()
+    test[:, 0] += 0.5
+    stats = ErrorStats()
+    with np.errstate(all="raise"):
+        stats.update(ref, test)
+    expected = 10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / 0.5)
+    assert stats.sqnr_db == pytest.approx(expected, abs=1e-6)
+    assert np.isfinite(stats.channel_signal).all() and np.isfinite(stats.channel_relative_noise)
+
+
 def test_range_stats_count_clipped_values():
     stats = RangeStats(-1.0, 1.0)
     stats.update(np.array([-2.0, -0.5, 0.0, 0.5, 1.5], np.float32))

@@ -379,7 +379,7 @@ def test_enum_values_are_case_insensitive():
         ),
         ({"exclude": "conv1"}, "exclude must be a list, got str 'conv1'"),
         ({"exclude": ["a", 3]}, "exclude[1] must be a string, got int 3"),
-        ({"calibration": {"batch_size": None}}, "calibration.batch_size must be an integer"),
+        ({"calibration": {"batch_size": 2.5}}, "calibration.batch_size must be an integer"),
         ({"pre_quant_opt_config": [["fold"]]}, "pre_quant_opt_config[0] must be a mapping"),
         ({"layer_quant_config": {1: {}}}, "key 1 in layer_quant_config must be a string"),
         (["global_quant_config"], "config must be a mapping, got list"),

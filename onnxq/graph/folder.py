@@ -15,6 +15,7 @@ import onnx
 
 from onnxq.errors import ModelError
 from onnxq.graph.save import copy_atomic
+from onnxq.graph.wire import read_structure
 
 GENAI_CONFIG = "genai_config.json"
 
@@ -75,17 +76,11 @@ def open_folder(path: str | os.PathLike) -> ModelFolder | None:
     return ModelFolder(folder, model, data, others)
 
 
-# A model file this big holds its weights itself (protobuf's 2 GB limit keeps external-data
-# models' .onnx small): it is not parsed again to look for data files.
-EMBEDDED_BYTES = 256 << 20
-
-
 def _data_files(model: Path) -> tuple[str, ...]:
-    """The external data files `model` names, relative to its folder."""
-    if model.stat().st_size > EMBEDDED_BYTES:
-        return ()
+    """The external data files `model` names, relative to its folder (its weights are not
+    parsed: `read_structure`)."""
     try:
-        proto = onnx.load(str(model), load_external_data=False)
+        proto = read_structure(model)
     except Exception:  # noqa: BLE001  an unreadable model gets its own error when it is loaded
         return ()
     names = {entry.value for tensor in proto.graph.initializer if tensor.data_location == onnx.TensorProto.EXTERNAL

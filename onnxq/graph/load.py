@@ -11,6 +11,7 @@ optional values keep their types (`normalize.py`).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from onnxq.graph.normalize import (
     remove_initializer_inputs,
     upgrade_opset,
 )
+from onnxq.graph.wire import read_structure
 
 __all__ = ["LoadReport", "check_readable", "check_runnable", "load_model", "read_model"]
 
@@ -56,37 +58,49 @@ def _read_proto(source: str | os.PathLike | onnx.ModelProto, split: bool = False
     (left out of the proto, `graph.wire`)."""
     if isinstance(source, onnx.ModelProto):
         return source, "", "<ModelProto>", {}
+    path = _model_file(source)
+    if split and (found := read_mapped(path)) is not None:
+        proto, weights = found
+        return proto, str(path.parent), str(path), weights
+    return _parsed(path, lambda: onnx.load(str(path), load_external_data=False)), str(path.parent), str(path), {}
+
+
+def _model_file(source: str | os.PathLike) -> Path:
     path = Path(source)
     if not path.exists():
         raise ModelError(f"model file not found: {path}; check the path")
     if path.is_dir():
         raise ModelError(f"{path} is a directory, not an .onnx file; pass the model file itself")
-    if split and (found := read_mapped(path)) is not None:
-        proto, weights = found
-        return proto, str(path.parent), str(path), weights
+    return path
+
+
+def _parsed(path: Path, parse: Callable[[], onnx.ModelProto]) -> onnx.ModelProto:
     try:
-        proto = onnx.load(str(path), load_external_data=False)
+        return parse()
     except (DecodeError, RuntimeError, ValueError, OSError) as exc:
         raise ModelError(
             f"{path} is not a readable ONNX model ({type(exc).__name__}); "
             "check that the file is a complete .onnx export, not truncated or another format"
         ) from None
-    return proto, str(path.parent), str(path), {}
+
+
+def _structure(source: str | os.PathLike) -> onnx.ModelProto:
+    """The model file's proto without its weights' bytes (`wire.read_structure`)."""
+    path = _model_file(source)
+    return _parsed(path, lambda: read_structure(path))
 
 
 def check_readable(path: str | os.PathLike) -> None:
-    """Raise `ModelError` unless `path` parses as an ONNX model with a graph (cheap: big
-    files' weights stay in the file), for commands that hand the file to onnxruntime."""
-    proto, _, name, _ = _read_proto(path, split=True)
-    if not proto.HasField("graph") or not proto.opset_import:
-        raise ModelError(f"{name} is not an ONNX model (no graph or opset); pass a .onnx model file")
+    """Raise `ModelError` unless `path` parses as an ONNX model with a graph (cheap: the
+    weights stay in the file), for commands that hand the file to onnxruntime."""
+    if not (proto := _structure(path)).HasField("graph") or not proto.opset_import:
+        raise ModelError(f"{path} is not an ONNX model (no graph or opset); pass a .onnx model file")
 
 
 def input_names(path: str | os.PathLike) -> list[str]:
     """The graph input names of the model file at `path`, read cheaply (external data not
-    loaded, a big file's weights left in it)."""
-    proto, _, _, _ = _read_proto(path, split=True)
-    return [value.name for value in proto.graph.input]
+    loaded, the weights left in the file)."""
+    return [value.name for value in _structure(path).graph.input]
 
 
 def read_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> ir.Model:

@@ -119,6 +119,17 @@ def read_split(path: str | Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]
     return model, weights
 
 
+def read_structure(path: str | Path) -> onnx.ModelProto:
+    """The model at `path` without its main graph's raw weight bytes (external data not
+    loaded): what reading its inputs, opsets or data files needs, without parsing the
+    weights (all-MiniLM-L6's 90 MB: 0.1 s by `onnx.load`, a few ms here). Raises what
+    `onnx.load` raises for a file that is not a model."""
+    try:
+        return read_split(path)[0]
+    except (WireError, OSError):
+        return onnx.load(str(path), load_external_data=False)
+
+
 class Bytes(Protocol):
     """What `write_filled` writes a weight from (an onnx-ir tensor)."""
 
