@@ -58,7 +58,8 @@ def quantize_onnxq(job: dict[str, Any], data: Any, n: int) -> dict[str, Any]:
 
     cfg = get_preset("U8S8")
     cfg.calibration.max_samples = n
-    cfg.calibration.batch_size = job["batch_size"]
+    if job["batch_size"] is not None:
+        cfg.calibration.batch_size = job["batch_size"]
     gqc = cfg.global_quant_config
     for spec in (gqc.input_tensors, gqc.output_tensors):
         spec.calib_method = CalibMethod(job["method"])
@@ -261,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     p.add_argument("--text-samples", type=int, default=256, help="MiniLM calibration sentences")
     p.add_argument("--eval-samples", type=int, help="cap on evaluation samples (STS-B: pairs)")
     p.add_argument("--percentile", type=float, default=PERCENTILE)
-    p.add_argument("--batch-size", type=int, default=8, help="onnxq calibration batch size")
+    p.add_argument("--batch-size", type=int, help="onnxq calibration batch size (default: onnxq's own)")
     p.add_argument("--ort-max-intermediate", type=int, help="ORT CalibMaxIntermediateOutputs")
     p.add_argument("--eval-batch", type=int, default=32)
     p.add_argument("--threads", type=int, help="intra-op threads of the evaluation sessions")

@@ -58,7 +58,8 @@ def quantize_onnxq(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[s
 
     cfg = get_preset("U8S8")
     cfg.calibration.max_samples = C.num_samples(arrays)
-    cfg.calibration.batch_size = job["batch_size"]
+    if job["batch_size"] is not None:
+        cfg.calibration.batch_size = job["batch_size"]
     gqc = cfg.global_quant_config
     if job["method"] == "percentile":
         for spec in (gqc.input_tensors, gqc.output_tensors):
@@ -467,7 +468,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--percentile", type=float, default=PERCENTILE)
     p.add_argument("--per-tensor", action="store_true", help="per-tensor weights on both sides")
-    p.add_argument("--batch-size", type=int, default=8, help="onnxq calibration batch size")
+    p.add_argument("--batch-size", type=int, help="onnxq calibration batch size (default: onnxq's own)")
     p.add_argument(
         "--ort-max-intermediate",
         type=int,

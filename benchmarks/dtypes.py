@@ -109,7 +109,8 @@ def run_worker(job_path: str) -> int:
         try:
             data = CO.load_calibration(task.calib_spec) if preset in NEEDS_CALIBRATION else None
             cfg = onnxq.get_preset(preset)
-            cfg.calibration.batch_size = job["batch_size"]
+            if job["batch_size"] is not None:
+                cfg.calibration.batch_size = job["batch_size"]
             t0 = time.perf_counter()
             result = onnxq.quantize(
                 path, job["output"], config=cfg, calibration_data=data, progress=False
@@ -300,7 +301,7 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     p.add_argument("--samples", type=int, default=200, help="calibration images (default 200)")
     p.add_argument("--text-samples", type=int, default=256, help="MiniLM calibration sentences")
     p.add_argument("--eval-samples", type=int, help="cap on evaluation samples (STS-B: pairs)")
-    p.add_argument("--batch-size", type=int, default=8, help="onnxq calibration batch size")
+    p.add_argument("--batch-size", type=int, help="onnxq calibration batch size (default: onnxq's own)")
     p.add_argument("--eval-batch", type=int, default=32, help="batch of the accuracy runs")
     p.add_argument(
         "--eval-threads", type=int, help="intra-op threads of the accuracy runs (ORT default)"

@@ -92,7 +92,11 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     path, arrays = calibration_arrays(job["model"], Path(job["shared"]))
     preset, overrides = RECIPES.get(job["recipe"], (job["recipe"], {}))
     config = None if preset == "default" else onnxq.compose_config(preset, None, overrides)
-    batch = config.calibration.batch_size if config is not None else onnxq.compose_config().calibration.batch_size
+    from onnxq.calibrate.runner import calibration_batch
+    from onnxq.graph.load import load_model
+
+    calibration = (config if config is not None else onnxq.compose_config()).calibration
+    batch = calibration_batch(load_model(str(path))[0], calibration)
     floor = float_pass(path, arrays, batch)
     profiler = cProfile.Profile() if job["cprofile"] else None
     with tempfile.TemporaryDirectory(prefix="onnxq-profile-") as tmp:

@@ -96,7 +96,7 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
     # d loss / d h per weight = coef * gradient: loss scale, grid step, movable or not.
     coef = (2.0 / (problem.outputs * max(problem.reference, 1e-30)) * problem.scale * movable).astype(np.float32)
     adam = Adam(options.learning_rate)
-    sig, soft = (np.empty_like(v) for _ in range(2))
+    sig, soft, slope, scratch = (np.empty_like(v) for _ in range(4))
     for step in range(options.num_iteration):
         _, _, active = rectified_sigmoid(v, sig, soft)
         np.multiply(soft, movable, out=full[:, :, :k])
@@ -106,8 +106,12 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
         grad *= coef
         beta = _beta(options, step)
         if beta is not None and options.reg_param:
-            grad -= regulariser_gradient(soft, beta, options.reg_param)
-        grad *= sig * (1 - sig) * SPAN * active
+            grad -= regulariser_gradient(soft, beta, options.reg_param, slope, scratch)
+        np.subtract(1, sig, out=slope)  # h's slope: sig (1 - sig) SPAN where it is not clipped
+        slope *= sig
+        slope *= SPAN
+        slope *= active
+        grad *= slope
         adam.step(0, v, grad)
     codes = np.where(free, np.where(v >= 0, floor + gap, floor), problem.nearest)
     return Solution(codes, bias=problem.best_bias(codes * problem.scale) if tune_bias else None)

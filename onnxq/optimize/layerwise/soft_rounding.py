@@ -32,10 +32,17 @@ def rectified_sigmoid(v: np.ndarray, sig: np.ndarray | None = None,
     return sig, soft, active
 
 
-def regulariser_gradient(soft: np.ndarray, beta: float, weight: float) -> np.ndarray:
-    """d/dh of `weight` x sum(1 - |2h - 1|^beta) at h = `soft`."""
-    d = 2 * soft - 1
-    return np.float32(weight * 2 * beta) * np.abs(d) ** np.float32(beta - 1) * np.sign(d)
+def regulariser_gradient(soft: np.ndarray, beta: float, weight: float, out: np.ndarray | None = None,
+                         scratch: np.ndarray | None = None) -> np.ndarray:
+    """d/dh of `weight` x sum(1 - |2h - 1|^beta) at h = `soft`, written into `out` (with
+    `scratch` for 2h - 1) when given."""
+    d = np.multiply(soft, 2, out=scratch)
+    d -= 1
+    out = np.abs(d, out=out)
+    out **= np.float32(beta - 1)
+    out *= np.float32(weight * 2 * beta)
+    out *= np.sign(d, out=d)
+    return out
 
 
 def beta_at(step: int, steps: int, warm_start: float, start: float, end: float) -> float | None:
