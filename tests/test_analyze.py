@@ -78,6 +78,11 @@ def test_error_stats_of_masking_constants_do_not_overflow():
     expected = 10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / 0.5)
     assert stats.sqnr_db == pytest.approx(expected, abs=1e-6)
     assert np.isfinite(stats.channel_signal).all() and np.isfinite(stats.channel_relative_noise)
+    apart = ErrorStats()  # the difference itself passes float32's range
+    with np.errstate(all="raise"):
+        apart.update(np.array([[3e38, 1.0]], np.float32), np.array([[-3e38, 1.0]], np.float32))
+    assert apart.sqnr_db == pytest.approx(10 * np.log10((9e76 + 1) / 36e76), abs=1e-6)
+    assert apart.max_abs == pytest.approx(6e38, rel=1e-6)
 
 
 def test_range_stats_count_clipped_values():

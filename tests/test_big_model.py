@@ -126,6 +126,30 @@ def test_wire_reader_matches_onnx_load(tmp_path):
     assert proto.opset_import == full.opset_import
 
 
+def test_structure_reads_inputs_opsets_and_data_files_without_weights(tmp_path):
+    """`read_structure`: the model as `onnx.load` gives it, less its raw weights' bytes;
+    external data stays named; a file that is no model fails as `onnx.load` does."""
+    from onnxq.graph.folder import on_disk_bytes
+    from onnxq.graph.wire import read_structure
+
+    path = tmp_path / "m.onnx"
+    onnx.save(_stack(), str(path))
+    proto, full = read_structure(path), onnx.load(str(path))
+    assert [i.name for i in proto.graph.input] == [i.name for i in full.graph.input]
+    assert proto.opset_import == full.opset_import and len(proto.graph.node) == len(full.graph.node)
+    assert not any(t.raw_data for t in proto.graph.initializer) and any(t.raw_data for t in full.graph.initializer)
+    external = tmp_path / "ext" / "m.onnx"
+    external.parent.mkdir()
+    onnx.save(_stack(), str(external), save_as_external_data=True, location="w.bin", size_threshold=0)
+    assert on_disk_bytes(external) == external.stat().st_size + (external.parent / "w.bin").stat().st_size
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"\xff" * 64)
+    with pytest.raises(Exception) as wire_error:
+        read_structure(junk)
+    with pytest.raises(type(wire_error.value)):
+        onnx.load(str(junk))
+
+
 def _mixed_model(tmp_path):
     """Weights of every kind the writer and the sessions meet: big float32 (from an
     external file), float16, bfloat16 and int4 ones (no numpy type onnxruntime takes),

@@ -252,6 +252,17 @@ def test_rich_config_round_trip(tmp_path, suffix):
     ]
 
 
+def test_batch_size_left_to_onnxq_survives_files_and_overrides(tmp_path):
+    """No batch_size (None, `null` in a file) means onnxq chooses it; a number is kept."""
+    assert CalibrationConfig().batch_size is None
+    for suffix in (".yaml", ".json"):
+        path = tmp_path / f"c{suffix}"
+        save_config(get_preset("U8S8"), path)
+        assert load_config(path).calibration.batch_size is None
+    assert config_from_dict({"calibration": {"batch_size": None}}).calibration.batch_size is None
+    assert config_from_dict({"calibration": {"batch_size": 16}}).calibration.batch_size == 16
+
+
 def test_saved_json_is_json(tmp_path):
     path = tmp_path / "c.json"
     save_config(get_preset("S8S8"), path)

@@ -105,6 +105,32 @@ def test_statistics_give_the_exact_output_energy(attrs: dict, wshape: tuple, xsh
     np.testing.assert_allclose(gram.h, gram.c, rtol=1e-5, atol=1e-4)  # same inputs on both sides
 
 
+def test_in_place_adam_and_regulariser_match_their_formulas() -> None:
+    """The scratch-array Adam step and regulariser gradient give the bits the textbook
+    expressions give (AdaRound's outputs must not change with them)."""
+    from onnxq.optimize.layerwise.adam import Adam
+    from onnxq.optimize.layerwise.soft_rounding import regulariser_gradient
+
+    rng = np.random.default_rng(5)
+    soft = rng.random((3, 20, 9)).astype(np.float32)
+    for beta in (20.0, 7.3, 2.0):
+        d = 2 * soft - 1
+        expected = np.float32(0.01 * 2 * beta) * np.abs(d) ** np.float32(beta - 1) * np.sign(d)
+        got = regulariser_gradient(soft, beta, 0.01, np.empty_like(soft), np.empty_like(soft))
+        assert got.dtype == np.float32 and np.array_equal(got, expected)
+        assert np.array_equal(regulariser_gradient(soft, beta, 0.01), expected)
+    param, reference = (rng.standard_normal((4, 30)).astype(np.float32) for _ in range(2))
+    reference[...] = param
+    m, v, adam = np.zeros_like(param), np.zeros_like(param), Adam(0.03)
+    for t in range(1, 40):
+        grad = rng.standard_normal(param.shape).astype(np.float32)
+        adam.step(0, param, grad)
+        m = 0.9 * m + (1 - 0.9) * grad
+        v = 0.999 * v + (1 - 0.999) * grad * grad
+        reference -= 0.03 * (m / (1 - 0.9 ** t)) / (np.sqrt(v / (1 - 0.999 ** t)) + 1e-8)
+        assert np.array_equal(param, reference), t
+
+
 def test_replay_yields_the_tensors_the_models_compute() -> None:
     """Segment by segment (with a residual branch), the replay gives each tensor exactly as
     the whole model computes it, from memory and from disk alike."""

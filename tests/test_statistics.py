@@ -4,6 +4,8 @@ and bias correction's statistics come with the calibration pass (no pass of its 
 from __future__ import annotations
 
 import numpy as np
+import onnx
+import onnx_ir as ir
 import pytest
 from helpers import GraphBuilder, random_feeds, stack_feeds
 
@@ -199,6 +201,14 @@ def test_calibration_batches_keep_a_samples_largest_image_in_cache():
     assert calibration_batch(large, CalibrationConfig()) == 3
     assert calibration_batch(model(["N", 3, "H", "W"]), CalibrationConfig()) == 8  # a size unknown
     assert calibration_batch(small, CalibrationConfig(max_batches=2)) == stream_batch(CalibrationConfig()) == 8
+    # an output no inference could type (after a custom op) is a size unknown too
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 64])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 64])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Foo", ["x"], ["f"], domain="custom"),
+                                    onnx.helper.make_node("Relu", ["f"], ["y"])], "custom", [x], [y])
+    custom = ir.serde.deserialize_model(onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("custom", 1)]))
+    assert calibration_batch(custom, CalibrationConfig()) == 8
     assert stream_batch(CalibrationConfig(batch_size=5)) == 5
 
 

@@ -60,8 +60,12 @@ class ErrorStats:
             raise ValueError(f"shapes differ: {ref.shape} vs {test.shape}")
         with np.errstate(over="ignore", invalid="ignore"):
             diff = r - t
+        noise = _dot(diff, diff)
+        if not math.isfinite(noise) and np.isfinite(r).all() and np.isfinite(t).all():
+            diff = r.astype(np.float64) - t.astype(np.float64)  # float32's difference overflowed
+            noise = float(np.dot(diff, diff))
         self.signal += _dot(r, r)
-        self.noise += _dot(diff, diff)
+        self.noise += noise
         self.test_energy += _dot(t, t)
         self.dot += _dot(r, t)
         if diff.size:

@@ -63,16 +63,16 @@ def _short_of_one_sample(inputs: list[InputSpec], feed: Feed, units: Mapping[str
     )
 
 
-# Samples per batch where `batch_size` is not given, for the passes whose batch is not
-# calibration's (`runner.calibration_batch`): the algorithms that stream the data
-# themselves, and calibration counted in batches (AMCT's batch_num).
+# Samples per batch where `batch_size` is not given, for the algorithms that stream the
+# data themselves, for calibration counted in batches (AMCT's batch_num) and for
+# calibration where an activation's size is unknown (`runner.calibration_batch`).
 STREAM_BATCH = 8
 
 
 def stream_batch(options: CalibrationConfig) -> int:
     """Samples per batch of the algorithms that stream the calibration data themselves
     (GPTQ, AdaRound, AdaQuant): `batch_size`, else `STREAM_BATCH`."""
-    return options.batch_size or STREAM_BATCH
+    return options.batch_size if options.batch_size is not None else STREAM_BATCH
 
 
 def iter_batches(

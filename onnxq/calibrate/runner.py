@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from onnxq.calibrate.batches import STREAM_BATCH
-from onnxq.calibrate.data import iter_batches, model_inputs, sample_rows, stream_batch
+from onnxq.calibrate.batches import STREAM_BATCH, stream_batch
+from onnxq.calibrate.data import iter_batches, model_inputs, sample_rows
 from onnxq.calibrate.observers import Observer, make_observer
 from onnxq.calibrate.session import REDUCED_SUFFIXES, calibration_options, exposed_session
 from onnxq.calibrate.statistics import Statistic, StatisticsSet
@@ -49,13 +49,14 @@ def calibration_batch(model: ir.Model, options: CalibrationConfig) -> int:
     largest, unknown = 0, False
     for node in model.graph:
         for value in node.outputs:
-            if value.dtype in (None, ir.DataType.STRING, ir.DataType.UNDEFINED):
+            if value.dtype in (ir.DataType.STRING, ir.DataType.UNDEFINED):
                 continue
-            if value.shape is None or not all(isinstance(d, int) for d in value.shape.dims[1:]):
-                unknown = True
+            if value.dtype is None or value.shape is None or not all(
+                    isinstance(d, int) for d in value.shape.dims[1:]):
+                unknown = True  # untyped (after a custom op) or of symbolic size
             elif len(value.shape) > 1:
                 largest = max(largest, math.prod(value.shape.dims[1:]) * int(value.dtype.itemsize))
-    cap = options.batch_size or (STREAM_BATCH if unknown else AUTO_BATCH)
+    cap = options.batch_size if options.batch_size is not None else STREAM_BATCH if unknown else AUTO_BATCH
     return max(1, min(cap, BATCH_IMAGE_BYTES // largest)) if largest else cap
 
 

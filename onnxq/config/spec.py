@@ -180,9 +180,9 @@ class CalibrationConfig:
 
     max_samples: int | None = None
     # Samples per calibration run, at most: fewer where a sample's largest activation is big
-    # (`calibrate.runner.calibration_batch`). None: up to 32 in calibration passes, 8 in the
-    # algorithms that stream the data themselves (GPTQ, AdaRound, AdaQuant) and with
-    # max_batches.
+    # (`calibrate.runner.calibration_batch`). None: up to 32 in calibration passes (8 where
+    # an activation's size is unknown, as a sequence length is), 8 in the algorithms that
+    # stream the data themselves (GPTQ, AdaRound, AdaQuant) and with max_batches.
     batch_size: int | None = None
     # At most this many batches (AMCT's batch_num); with max_samples, whichever ends first.
     max_batches: int | None = None
