@@ -4,8 +4,6 @@ and bias correction's statistics come with the calibration pass (no pass of its 
 from __future__ import annotations
 
 import numpy as np
-import onnx
-import onnx_ir as ir
 import pytest
 from helpers import GraphBuilder, random_feeds, stack_feeds
 
@@ -176,11 +174,9 @@ def test_window_sums_in_the_session_match_numpy(shape, geometry, in_session):
 
 
 def test_calibration_batches_keep_a_samples_largest_image_in_cache():
-    """`calibration_batch`: at most batch_size (else AUTO_BATCH, or 8 where a size is
-    unknown) samples, fewer where one sample's largest activation times the batch passes
-    BATCH_IMAGE_BYTES."""
-    from onnxq.calibrate.data import stream_batch
-    from onnxq.calibrate.runner import AUTO_BATCH, BATCH_IMAGE_BYTES, calibration_batch
+    """`calibration_batch`: at most batch_size samples, fewer where one sample's largest
+    activation times the batch passes BATCH_IMAGE_BYTES; unknown sizes keep batch_size."""
+    from onnxq.calibrate.runner import BATCH_IMAGE_BYTES, calibration_batch
 
     def model(shape):
         b = GraphBuilder(1)
@@ -193,23 +189,6 @@ def test_calibration_batches_keep_a_samples_largest_image_in_cache():
     assert calibration_batch(model(["N", 3, "H", "W"]), CalibrationConfig(batch_size=8)) == 8
     # max_batches counts batches of batch_size (AMCT's batch_num): not cut
     assert calibration_batch(large, CalibrationConfig(batch_size=8, max_batches=2)) == 8
-    # without a batch_size: up to AUTO_BATCH where images are small, the same cut where
-    # they are large; 8 (STREAM_BATCH) where a size is unknown, for batch_num and for the
-    # algorithms that stream data
-    small = model(["N", 3, 16, 16])  # 8 KB a sample
-    assert calibration_batch(small, CalibrationConfig()) == AUTO_BATCH == 32
-    assert calibration_batch(large, CalibrationConfig()) == 3
-    assert calibration_batch(model(["N", 3, "H", "W"]), CalibrationConfig()) == 8  # a size unknown
-    assert calibration_batch(small, CalibrationConfig(max_batches=2)) == stream_batch(CalibrationConfig()) == 8
-    # an output no inference could type (after a custom op) is a size unknown too
-    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 64])
-    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 64])
-    graph = onnx.helper.make_graph([onnx.helper.make_node("Foo", ["x"], ["f"], domain="custom"),
-                                    onnx.helper.make_node("Relu", ["f"], ["y"])], "custom", [x], [y])
-    custom = ir.serde.deserialize_model(onnx.helper.make_model(
-        graph, opset_imports=[onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("custom", 1)]))
-    assert calibration_batch(custom, CalibrationConfig()) == 8
-    assert stream_batch(CalibrationConfig(batch_size=5)) == 5
 
 
 def test_image_means_of_unknown_size_weigh_every_position():

@@ -13,7 +13,6 @@ import numpy as np
 
 from onnxq.calibrate.inputs import Feed, InputSpec, check_feed, sample_rows
 from onnxq.calibrate.sources import CalibrationSource
-from onnxq.config.spec import CalibrationConfig
 from onnxq.errors import CalibrationDataError
 
 
@@ -61,18 +60,6 @@ def _short_of_one_sample(inputs: list[InputSpec], feed: Feed, units: Mapping[str
         f"but the data stops after {rows} row{'s' if rows != 1 else ''} of shape {given}; give whole {whole} "
         f"inputs (or a stack [N,{whole[1:]}), or export the model with a dynamic batch axis"
     )
-
-
-# Samples per batch where `batch_size` is not given, for the algorithms that stream the
-# data themselves, for calibration counted in batches (AMCT's batch_num) and for
-# calibration where an activation's size is unknown (`runner.calibration_batch`).
-STREAM_BATCH = 8
-
-
-def stream_batch(options: CalibrationConfig) -> int:
-    """Samples per batch of the algorithms that stream the calibration data themselves
-    (GPTQ, AdaRound, AdaQuant): `batch_size`, else `STREAM_BATCH`."""
-    return options.batch_size if options.batch_size is not None else STREAM_BATCH
 
 
 def iter_batches(

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from onnxq.calibrate.batches import STREAM_BATCH, stream_batch
 from onnxq.calibrate.data import iter_batches, model_inputs, sample_rows
 from onnxq.calibrate.observers import Observer, make_observer
 from onnxq.calibrate.session import REDUCED_SUFFIXES, calibration_options, exposed_session
@@ -28,36 +27,28 @@ from onnxq.progress import bar as progress_bar
 # A calibration batch's largest activation, at most: each reduction reads its image right
 # after the Conv that wrote it, from cache where the batch's image fits. MobileNet-v1
 # (largest activation 2.4 MB a sample), default int8 on 2 cores with VNNI: batch 1 1.61 s,
-# 2 1.46 s and 349 MB, 3 1.53 s, 8 1.64 s and 469 MB.
+# 2 1.46 s and 349 MB, 3 1.53 s, 8 1.64 s and 469 MB. Small images are not run in bigger
+# batches than `batch_size`: ResNet-20 (64 KB a sample) at 32 took 10% less time than at 8
+# but peaked at 174 MB against 155 (onnxruntime's quantize_static: 160).
 BATCH_IMAGE_BYTES = 6 << 20
-# Samples per calibration run at most where `batch_size` is not given and every activation's
-# size is known: small images run in fewer, bigger runs, each run's fixed cost saved
-# (ResNet-20, 64 KB a sample, default int8 on 2 cores with VNNI: 0.318 s at batch 8, 0.306
-# at 16, 0.281 at 32, 0.299 at 64). Where a size is unknown (a sequence length), a long
-# input could make any batch big: `STREAM_BATCH`.
-AUTO_BATCH = 32
 
 
 def calibration_batch(model: ir.Model, options: CalibrationConfig) -> int:
-    """Samples per calibration run: `options.batch_size` (else `AUTO_BATCH`, or
-    `STREAM_BATCH` where some activation's size is unknown), fewer where one sample's
-    largest activation (every axis but the first) times the batch would pass
+    """Samples per calibration run: `options.batch_size`, fewer where one sample's largest
+    activation of known size (every axis but the first) times the batch would pass
     `BATCH_IMAGE_BYTES`. The same for every calibration pass and shard of a model and
-    config; `stream_batch` where `max_batches` counts batches (AMCT's batch_num)."""
+    config; `batch_size` itself where `max_batches` counts batches of it (AMCT's batch_num),
+    and for the passes that stream data themselves (GPTQ, AdaRound)."""
     if options.max_batches is not None:
-        return stream_batch(options)
-    largest, unknown = 0, False
+        return options.batch_size
+    largest = 0
     for node in model.graph:
         for value in node.outputs:
-            if value.dtype in (ir.DataType.STRING, ir.DataType.UNDEFINED):
-                continue
-            if value.dtype is None or value.shape is None or not all(
-                    isinstance(d, int) for d in value.shape.dims[1:]):
-                unknown = True  # untyped (after a custom op) or of symbolic size
-            elif len(value.shape) > 1:
-                largest = max(largest, math.prod(value.shape.dims[1:]) * int(value.dtype.itemsize))
-    cap = options.batch_size if options.batch_size is not None else STREAM_BATCH if unknown else AUTO_BATCH
-    return max(1, min(cap, BATCH_IMAGE_BYTES // largest)) if largest else cap
+            dims = value.shape.dims[1:] if value.shape is not None and len(value.shape) > 1 else None
+            if dims and value.dtype not in (None, ir.DataType.STRING, ir.DataType.UNDEFINED) and all(
+                    isinstance(d, int) for d in dims):
+                largest = max(largest, math.prod(dims) * int(value.dtype.itemsize))
+    return max(1, min(options.batch_size, BATCH_IMAGE_BYTES // largest)) if largest else options.batch_size
 
 
 @dataclass

@@ -194,8 +194,7 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--sequence-length", type=int, metavar="N",
                    help="tokens per --calib-text window (default 256, or the model's context length if shorter)")
     q.add_argument("--batch-size", type=int, help="calibration batch size, at most (dynamic-batch models; "
-                   "default: up to 32, fewer where a sample's activations are large, 8 where their size is unknown "
-                   "and in GPTQ and AdaRound)")
+                   "fewer where a sample's activations are large)")
     q.add_argument("--providers", nargs="+", help="onnxruntime execution providers for calibration")
     q.add_argument("--check-samples", type=int, metavar="N",
                    help="run the quantized model on N calibration samples against the float model "

@@ -180,10 +180,8 @@ class CalibrationConfig:
 
     max_samples: int | None = None
     # Samples per calibration run, at most: fewer where a sample's largest activation is big
-    # (`calibrate.runner.calibration_batch`). None: up to 32 in calibration passes (8 where
-    # an activation's size is unknown, as a sequence length is), 8 in the algorithms that
-    # stream the data themselves (GPTQ, AdaRound, AdaQuant) and with max_batches.
-    batch_size: int | None = None
+    # (`calibrate.runner.calibration_batch`).
+    batch_size: int = 8
     # At most this many batches (AMCT's batch_num); with max_samples, whichever ends first.
     max_batches: int | None = None
     providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])

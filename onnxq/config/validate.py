@@ -130,7 +130,7 @@ def _merged_note(where: str) -> str:
 
 def _check_top_level(config: Config) -> None:
     calibration = config.calibration
-    if calibration.batch_size is not None and calibration.batch_size < 1:
+    if calibration.batch_size < 1:
         raise ConfigError(
             f"invalid batch_size {calibration.batch_size} in calibration; use 1 or more"
         )

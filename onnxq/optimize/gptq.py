@@ -31,7 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.calibrate.access import refusal
-from onnxq.calibrate.data import iter_batches, model_inputs, stream_batch
+from onnxq.calibrate.data import iter_batches, model_inputs
 from onnxq.calibrate.statistics import Accumulator, Statistic
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.errors import CalibrationDataError, ConfigError
@@ -284,7 +284,7 @@ def sequential_walk(model: ir.Model, layers: list[Layer], ctx: AlgorithmContext,
         raise CalibrationDataError(f"{name} with true_sequential reads the calibration data again, but "
                                    f"{refusal(ctx.settings.access)}, or set true_sequential: false")
     groups = input_groups(model, layers)
-    batches = iter_batches(data, model_inputs(model), stream_batch(calibration), calibration.max_samples,
+    batches = iter_batches(data, model_inputs(model), calibration.batch_size, calibration.max_samples,
                            f"{name} data", calibration.max_batches)
     structure, weights = proto_without_weights(model)
     replay = Replay(None, structure, batches, calibration.providers, budget_mb << 20, weights)

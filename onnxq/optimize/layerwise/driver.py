@@ -15,7 +15,7 @@ import onnx
 import onnx_ir as ir
 
 from onnxq.calibrate.access import refusal
-from onnxq.calibrate.data import iter_batches, model_inputs, stream_batch
+from onnxq.calibrate.data import iter_batches, model_inputs
 from onnxq.errors import CalibrationDataError
 from onnxq.graph.edit import set_constant
 from onnxq.numerics.weights import QuantizedTensor
@@ -171,7 +171,7 @@ def _units(layers: list[Layer], blocks: list[Block]) -> list[Layer | Block]:
 
 def _batches(ctx: AlgorithmContext, model: ir.Model, name: str) -> Iterator[Mapping[str, np.ndarray]]:
     calibration = ctx.settings.calibration
-    return iter_batches(ctx.settings.data, model_inputs(model), stream_batch(calibration), calibration.max_samples,
+    return iter_batches(ctx.settings.data, model_inputs(model), calibration.batch_size, calibration.max_samples,
                         f"{name} data", calibration.max_batches)
 
 
