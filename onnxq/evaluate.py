@@ -23,8 +23,8 @@ import onnxruntime as ort
 from tqdm import tqdm
 
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
-from onnxq.calibrate.session import check_providers, open_session
-from onnxq.errors import ModelError, OnnxqError
+from onnxq.calibrate.session import check_providers, open_session, run_on_data
+from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
 from onnxq.graph.wire import read_structure
 from onnxq.runtime import DOMAIN, session_options
 
@@ -100,7 +100,7 @@ def deployed_options(reference: bool = False, extended: bool = False) -> ort.Ses
     them (`extended`, see `imports_extended`): a deployment of any other model runs
     without that library."""
     options = session_options() if extended else ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # errors come as exceptions (`run_on_data`), not log lines too
     if reference:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     return options
@@ -150,6 +150,21 @@ def top1_agreement(ref: np.ndarray, test: np.ndarray) -> float | None:
     return float(np.mean(ref.argmax(1) == test.argmax(1)))
 
 
+def class_labels(labels: Any, samples: int, kind: str = "evaluation") -> np.ndarray:
+    """The first `samples` of `labels`, checked: one class index per sample, at least one
+    for each sample evaluated."""
+    y = np.asarray(labels)
+    if y.ndim == 1 and y.dtype.kind == "f" and np.array_equal(y, np.round(y)):
+        y = y.astype(np.int64)  # class indices saved as floats
+    if y.ndim != 1 or y.dtype.kind not in "iu":
+        hint = "; for one-hot labels pass labels.argmax(1)" if y.ndim == 2 else ""
+        raise CalibrationDataError(f"labels must be one class index per sample, got an array of shape {list(y.shape)} "
+                                   f"and dtype {y.dtype}{hint}")
+    if len(y) < samples:
+        raise CalibrationDataError(f"{len(y)} labels for {samples} {kind} samples; give one label per sample")
+    return y[:samples]
+
+
 def _metrics(
     refs: dict[str, np.ndarray], tests: dict[str, np.ndarray], labels: np.ndarray | None, kernels: str
 ) -> Comparison:
@@ -159,7 +174,7 @@ def _metrics(
         r, t = refs[n], tests[n]
         metrics = OutputMetrics(n, sqnr_db(r, t), cosine(r, t), top1_agreement(r, t))
         if metrics.top1_agreement is not None and labels is not None and n == names[0]:
-            y = np.asarray(labels)[: len(r)]
+            y = class_labels(labels, len(r))
             result.float_accuracy = float(np.mean(r.argmax(1) == y))
             result.quant_accuracy = float(np.mean(t.argmax(1) == y))
         result.outputs.append(metrics)
@@ -202,7 +217,7 @@ def compare_models(
     source = CalibrationSource(data)
     for feed in _progress(iter_batches(source, session_inputs(ref), batch_size, max_samples, kind="evaluation"), progress):
         for kind, session in (("float", ref), *sessions.items()):
-            for n, y in zip(names, session.run(names, feed)):
+            for n, y in zip(names, run_on_data(session, names, feed, "evaluation")):
                 outputs[kind][n].append(y)
         for n in names:
             check_same_shape(n, outputs["float"][n][-1], [outputs[k][n][-1] for k in sessions])
@@ -222,7 +237,7 @@ def run_model(model: str | os.PathLike, data: Any, max_samples: int | None = Non
     names = [o.name for o in session.get_outputs()]
     outputs: dict[str, list[np.ndarray]] = {n: [] for n in names}
     for feed in iter_batches(data, session_inputs(session), batch_size, max_samples, kind="model"):
-        for n, y in zip(names, session.run(names, feed)):
+        for n, y in zip(names, run_on_data(session, names, feed, "input")):
             outputs[n].append(y)
     if not outputs[names[0]]:
         raise OnnxqError("the data holds no sample")

@@ -75,6 +75,11 @@ class Summary:
         finally:
             self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def rest_as(self, name: str, total: float) -> None:
+        """Count as stage `name` what of `total` seconds no stage accounts for: a search's
+        trials around the run whose stages this summary holds."""
+        self.stage_seconds[name] = max(0.0, total - sum(v for k, v in self.stage_seconds.items() if k != name))
+
     @property
     def note_texts(self) -> list[str]:
         """The notes as the summary prints them."""

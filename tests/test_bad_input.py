@@ -383,6 +383,19 @@ def test_compare_calls_its_data_evaluation_data(ws, capsys):
     assert main(["compare", str(ws.model), str(ws.out), "--data", str(data)]) == 2
     line = assert_one_error_line(capsys.readouterr().err, ("nhwc.npy", "evaluation input 'x'"))
     assert "calibration" not in line
+    nan = ws.npz("nan.npz", x=np.full((2, 3, 16, 16), np.nan, np.float32))
+    assert main(["compare", str(ws.model), str(ws.out), "--data", str(nan)]) == 2
+    line = assert_one_error_line(capsys.readouterr().err, ("NaN", "from the evaluation data"))
+    assert "calibration" not in line
+
+
+def test_an_array_that_is_no_input_is_left_out_whatever_its_length(ws, capsys):
+    """A non-input array in the data (labels, ids) is left out with a note, not counted
+    against the inputs' samples."""
+    data = ws.npz("extra.npz", x=np.random.default_rng(0).standard_normal((4, 3, 16, 16)).astype(np.float32),
+                  ids=np.arange(3))
+    assert main(["quantize", str(ws.model), str(ws.out), "--calib-data", str(data)]) == 0
+    assert "left out ids (no model input)" in capsys.readouterr().out
 
 
 def test_ranges_and_stats_of_another_pass_setup_are_refused(ws, capsys):
@@ -435,3 +448,57 @@ def test_usage_mistakes_are_one_line(capsys, argv, words):
         main(argv)
     assert exc.value.code == 2
     assert_one_error_line(capsys.readouterr().err, words)
+
+
+def _lookup_model(root: Path) -> Path:
+    """ids [N, 4] -> an embedding table of 10 rows -> Relu -> MatMul: ids past 9 cannot run."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["e"]), helper.make_node("Relu", ["e"], ["r"]),
+         helper.make_node("MatMul", ["r", "w"], ["y"])],
+        "lookup", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 3])],
+        [numpy_helper.from_array(rng.standard_normal((10, 8)).astype(np.float32), "table"),
+         numpy_helper.from_array(rng.standard_normal((8, 3)).astype(np.float32), "w")])
+    return save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), root / "lookup.onnx")
+
+
+def test_data_the_model_cannot_run_on_is_one_line(ws, capsys):
+    """onnxruntime's refusal of the data (an index past the table, as token ids past a
+    vocabulary) is one line naming the node and the batch's shapes, in quantize and
+    compare, not its traceback."""
+    model = _lookup_model(ws.root)
+    good = ws.npz("ids.npz", ids=np.arange(32, dtype=np.int64).reshape(8, 4) % 10)
+    bad = ws.npz("ids_bad.npz", ids=np.arange(32, dtype=np.int64).reshape(8, 4) * 10)
+    before = sha256(model)
+    assert main(["quantize", str(model), str(ws.out), "--calib-data", str(bad)]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("cannot run on this calibration data", "ids [8, 4]", "Gather"))
+    assert sha256(model) == before and not ws.out.exists()
+    assert main(["quantize", str(model), str(ws.out), "--calib-data", str(good), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(model), str(ws.out), "--data", str(bad)]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("cannot run on this evaluation data", "Gather"))
+
+
+def test_labels_that_do_not_fit_the_data_are_one_line(ws, capsys):
+    """Fewer labels than samples, or one-hot labels: one line with the fix, not numpy's
+    broadcasting error; class indices stored as floats are taken."""
+    from helpers import image_classifier
+    from onnx import helper
+
+    rng = np.random.default_rng(1)
+    model = save(image_classifier(
+        [helper.make_node("GlobalAveragePool", ["x"], ["p"]), helper.make_node("Flatten", ["p"], ["f"]),
+         helper.make_node("Gemm", ["f", "w", "b"], ["y"])],
+        {"w": rng.standard_normal((3, 10)).astype(np.float32), "b": np.zeros(10, np.float32)}, "classifier"),
+        ws.root / "classifier.onnx")
+    x = rng.standard_normal((4, 3, 16, 16)).astype(np.float32)
+    onnxq.quantize(str(model), str(ws.out), calibration_data={"x": x}, progress=False)
+    base = ["compare", str(model), str(ws.out), "--labels", "labels", "--data"]
+    assert main([*base, str(ws.npz("short.npz", x=x, labels=np.arange(2)))]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("2 labels for 4 evaluation samples",))
+    assert main([*base, str(ws.npz("onehot.npz", x=x, labels=np.eye(4)))]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("one class index per sample", "argmax(1)"))
+    assert main([*base, str(ws.npz("floats.npz", x=x, labels=np.arange(4.0))), "--quiet"]) == 0

@@ -252,6 +252,11 @@ def test_rich_config_round_trip(tmp_path, suffix):
     ]
 
 
+def test_a_misspelled_preset_key_is_named():
+    with pytest.raises(ConfigError, match=r"unknown key 'presett' in config; did you mean 'preset'\?"):
+        config_from_dict({"presett": "U8S8"})
+
+
 def test_saved_json_is_json(tmp_path):
     path = tmp_path / "c.json"
     save_config(get_preset("S8S8"), path)

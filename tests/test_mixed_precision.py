@@ -90,6 +90,7 @@ def test_search_meets_a_cosine_target_with_few_promotions(coarse_chain, tmp_path
     result = quantize(path, tmp_path / "mp.onnx", cfg, calib, progress=False)
     mp = result.summary.mixed_precision
     assert mp.met and mp.final_score >= 0.998
+    assert result.summary.size_after == (tmp_path / "mp.onnx").stat().st_size and "search" in result.summary.stage_seconds
     assert mp.base_score == pytest.approx(_cosine(_run(path, evaluation), _run(tmp_path / "plain.onnx", evaluation)),
                                           abs=1e-4)
     # The two 2-bit layers rank first; the rest of the target takes a few uint8 layers more.
@@ -117,6 +118,9 @@ def test_target_met_as_is_promotes_nothing(tmp_path):
     mp = result.summary.mixed_precision
     assert mp.met and not mp.promotions and mp.evaluations == 1
     assert any("calibration data" in n for n in result.summary.note_texts)  # no eval set: said so
+    # the summary's size is the file's, and its time line has the search and the save
+    assert result.summary.size_after == (tmp_path / "q.onnx").stat().st_size
+    assert {"search", "save"} <= set(result.summary.stage_seconds)
 
 
 def test_custom_evaluate_callable_and_unreachable_target(coarse_chain, tmp_path):

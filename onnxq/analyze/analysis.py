@@ -33,7 +33,7 @@ from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
 from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
 from onnxq.analyze.rescaled import rescaled_layers
 from onnxq.calibrate.data import iter_batches
-from onnxq.calibrate.session import check_providers, exposed_session
+from onnxq.calibrate.session import check_providers, exposed_session, run_on_data
 from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
@@ -204,7 +204,7 @@ def analyze_models(
         out_names = [] if deployed is None else [o.name for o in deployed.get_outputs()]
         for feed in _progress(iter_batches(data, session_inputs(ref_session), batch_size, max_samples,
                                                  kind="evaluation"), progress):
-            ref = dict(zip(ref_names, ref_session.run(ref_names, feed)))
+            ref = dict(zip(ref_names, run_on_data(ref_session, ref_names, feed, "evaluation")))
             test = dict(zip(test_names, test_session.run(test_names, feed))) if test_session else {}
             out = dict(zip(out_names, deployed.run(out_names, feed))) if deployed is not None else {}
             for a in activations:

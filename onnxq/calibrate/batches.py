@@ -79,7 +79,7 @@ def iter_batches(
     except CalibrationDataError as exc:
         if kind == "calibration":
             raise
-        raise CalibrationDataError(re.sub(r"\bcalibration (input|sample|arrays)", rf"{kind} \1", str(exc))) from None
+        raise CalibrationDataError(re.sub(r"\bcalibration (input|sample|arrays|data)", rf"{kind} \1", str(exc))) from None
 
 
 def _batches(

@@ -16,7 +16,12 @@ import onnx_ir as ir
 
 from onnxq.calibrate.data import iter_batches, model_inputs, sample_rows
 from onnxq.calibrate.observers import Observer, make_observer
-from onnxq.calibrate.session import REDUCED_SUFFIXES, calibration_options, exposed_session
+from onnxq.calibrate.session import (
+    REDUCED_SUFFIXES,
+    calibration_options,
+    exposed_session,
+    run_on_data,
+)
 from onnxq.calibrate.statistics import Statistic, StatisticsSet
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
@@ -103,7 +108,7 @@ def stream_tensors(
             if window is not None and index < window[0]:
                 continue
             rows = len(next(iter(feed.values())))
-            got = dict(zip(outputs, session.run(outputs, feed)))
+            got = dict(zip(outputs, run_on_data(session, outputs, feed)))
             if statistics is not None:
                 statistics.update(got, index)
             for n in names:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Collection, Iterator, Mapping
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from onnxq.errors import OnnxqError
+from onnxq.errors import CalibrationDataError, OnnxqError
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.layout import clip_bounds
 from onnxq.graph.save import tensors_replaced
@@ -30,7 +31,7 @@ def check_providers(providers: list[str]) -> list[str]:
 def session_options(threads: int = 0) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # errors reach the caller as exceptions, said once (`run_on_data`)
     options.intra_op_num_threads = threads
     # Nodes in the order the graph lists them (`place_observers` puts each reduction right
     # after its tensor): by default onnxruntime ran the added reductions last, keeping every
@@ -65,6 +66,41 @@ def calibration_options() -> ort.SessionOptions:
 
 
 REDUCED_SUFFIXES = ("__onnxq_min", "__onnxq_max")
+
+# What onnxruntime raises when a model cannot run on the data it is given: inputs of a
+# sample whose lengths do not broadcast, indices past a table (token ids beyond the
+# vocabulary), a shape a Reshape cannot take.
+_DATA_FAILURES = (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+                  ort.capi.onnxruntime_pybind11_state.RuntimeException)
+
+
+def _refusal(text: str) -> str:
+    """onnxruntime's error, short: the node and its message, without the source location
+    and the failed assertion."""
+    first = (text.splitlines() or ["onnxruntime error"])[0].split(" : ", 3)[-1]  # past "[ONNXRuntimeError] : 1 : FAIL : "
+    found = re.search(r"running (\S+) node\. Name:'([^']*)' Status Message: (.*)", first)
+    if found:
+        op, node, message = found.groups()
+        message = re.sub(r"^\S+:\d+ .*?\) ", "", message.split(" was false. ")[-1])
+        first = f"{op} node '{node}': {message}"
+    return first[:300]
+
+
+def run_on_data(session: ort.InferenceSession, names: list[str], feed: Mapping[str, np.ndarray],
+                kind: str = "calibration") -> list[np.ndarray]:
+    """`session.run(names, feed)` on the user's data, onnxruntime's refusal of that data
+    a one-line `CalibrationDataError` naming the batch's shapes (a failure inside a node
+    onnxq added, `__onnxq`/`onnxq_` in its name, is raised as it is: a bug, not the data)."""
+    try:
+        return session.run(names, feed)
+    except _DATA_FAILURES as exc:
+        text = str(exc).strip()
+        if "onnxq_" in text:
+            raise
+        shapes = ", ".join(f"{name} {list(np.shape(value))}" for name, value in feed.items())
+        raise CalibrationDataError(
+            f"the model cannot run on this {kind} data ({shapes}): {_refusal(text)}; check that every input of a sample "
+            "has the others' length and values the model takes (token ids within its vocabulary)") from None
 
 
 def lower_bound(value: ir.Value) -> float | None:

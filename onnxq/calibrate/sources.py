@@ -32,7 +32,9 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec]) -> It
     that fills no whole sample is still yielded, for iter_batches to drop or report.
     """
     units = sample_rows(inputs)
-    counts = {name: Fraction(len(a), units.get(name, 1)) for name, a in arrays.items()}
+    names = {spec.name for spec in inputs}
+    counted = {name: a for name, a in arrays.items() if name in names} or arrays  # others are left out later
+    counts = {name: Fraction(len(a), units.get(name, 1)) for name, a in counted.items()}
     if len(set(counts.values())) > 1:
         shown = {name: str(n) for name, n in counts.items()}
         raise CalibrationDataError(

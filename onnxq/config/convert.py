@@ -172,7 +172,8 @@ def _convert_dataclass(value: Any, cls: type, parent: str, name: str) -> Any:
 
 def _unknown_key(key: Any, valid: list[str], path: str) -> ConfigError:
     where = path or "config"
-    hint = closest_name(key, valid) if isinstance(key, str) else None
+    candidates = valid if path else [*valid, "preset"]  # a file's `preset` is read before its fields
+    hint = closest_name(key, candidates) if isinstance(key, str) else None
     if hint:
         return ConfigError(f"unknown key {key!r} in {where}; did you mean '{hint}'?")
     return ConfigError(f"unknown key {key!r} in {where}; valid keys: {', '.join(valid)}")

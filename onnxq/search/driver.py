@@ -34,6 +34,7 @@ from onnxq.errors import CalibrationDataError
 from onnxq.evaluate import deployed_session
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.notes import Note, Topic, notes
+from onnxq.pipeline.prepare import source_size
 from onnxq.pipeline.run import record_latency, run_pipeline
 from onnxq.report import MixedPrecisionSummary, Promotion
 from onnxq.search.base import search_base_config, with_calibration
@@ -192,7 +193,9 @@ def quantize_to_target(
     else:
         result = base
         if output is not None:
-            result.summary.output = str(save_model(base.ir_model, output))
+            with result.summary.stage("save"):
+                result.summary.output = str(save_model(base.ir_model, output))
+            result.summary.size_after = source_size(output, base.ir_model)
         if config.calibration.measure_latency:
             record_latency(result.summary, model, base.ir_model, source, providers)
     final_session = deployed_session(result.ir_model, providers)
@@ -221,6 +224,7 @@ def quantize_to_target(
         scored_on="the eval data" if mp.eval_data is not None else "the calibration data",
     )
     result.summary.notes.extend(notes(Topic.SEARCH, said))
+    result.summary.rest_as("search", time.perf_counter() - start)
     if not result.summary.mixed_precision.met:
         how = (f"even with every ranked layer raised to {rungs[-1]}" if rungs else
                "by the algorithm rungs, and the ladder has no precision rung for this recipe (int8 for 4-bit "

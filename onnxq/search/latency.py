@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,6 +279,7 @@ def quantize_for_latency(source: ModelSource, output: str | os.PathLike | None, 
     """Quantize `source` under `config`, changed where that makes it faster where it runs
     (module doc); `output` gets the final model. The result's `config` is the chosen one."""
     check_latency_options(config)
+    start = time.perf_counter()
     plain = dataclasses.replace(config, optimize_for=OptimizeFor.ACCURACY)
     why_not = _unsearchable(plain, calibration_data)
     name = latency_cache.key(source, plain, calibration_data) if why_not is None else None
@@ -319,5 +321,7 @@ def quantize_for_latency(source: ModelSource, output: str | os.PathLike | None, 
                                          timed_on(plain.calibration.providers), skipped=[*entry.skipped, "timed by the latency plan's search"
                                                          + (", when it was cached" if when else "")])
         result.summary.latency.causes = slower_on_gpu(result.summary.latency, result.ir_model)
+    if base is not None:  # the search ran (not read from the cache)
+        result.summary.rest_as("search", time.perf_counter() - start)
     result.config = entry.config
     return result

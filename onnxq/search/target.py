@@ -20,9 +20,10 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxq.calibrate.data import iter_batches
+from onnxq.calibrate.session import run_on_data
 from onnxq.config.accuracy import AccuracyTarget, parse_target  # noqa: F401 (parse_target: its old home, for importers)
 from onnxq.errors import CalibrationDataError, ConfigError
-from onnxq.evaluate import session_inputs, sqnr_db
+from onnxq.evaluate import class_labels, session_inputs, sqnr_db
 
 # The score of the float model against itself, for metrics measured against it.
 SELF_SCORE = {"cosine": 1.0, "sqnr": math.inf}
@@ -46,7 +47,7 @@ class EvalSet:
 
     def first_output(self, session: ort.InferenceSession) -> np.ndarray:
         name = session.get_outputs()[0].name
-        return np.concatenate([session.run([name], feed)[0] for feed in self.batches(session)])
+        return np.concatenate([run_on_data(session, [name], feed, "evaluation")[0] for feed in self.batches(session)])
 
 
 def load_eval_set(source: Any, labels_key: str, max_samples: int | None = None) -> EvalSet:
@@ -68,8 +69,7 @@ def _top1(out: np.ndarray, labels: np.ndarray) -> float:
     if out.ndim != 2:
         raise CalibrationDataError(f"top1 needs class scores [batch, classes] as the first output; "
                                    f"got shape {out.shape}; use --metric cosine or sqnr")
-    n = min(len(out), len(labels))
-    return 100.0 * float(np.mean(out[:n].argmax(1) == np.asarray(labels)[:n]))
+    return 100.0 * float(np.mean(out.argmax(1) == class_labels(labels, len(out))))
 
 
 def _cosine(ref: np.ndarray, out: np.ndarray) -> float:
