@@ -25,6 +25,7 @@ from tqdm import tqdm
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.calibrate.session import check_providers, open_session, run_on_data
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
+from onnxq.graph.quantized import describe, quantized_ops
 from onnxq.graph.wire import read_structure
 from onnxq.runtime import DOMAIN, session_options
 
@@ -53,6 +54,7 @@ class Comparison:
     kernels: str = "deployed"
     reference: Comparison | None = None
     ignored: list[str] = field(default_factory=list)  # data arrays that are no model input
+    float_quantized: str | None = None  # the quantized ops of a "float" model (arguments swapped?)
 
     def kernel_gap(self) -> str | None:
         """A warning when this CPU's int8 kernels lose much more than the QDQ arithmetic."""
@@ -226,7 +228,15 @@ def compare_models(
     result = results.get("deployed") or results["reference"]
     result.reference = results.get("reference") if "deployed" in results else None
     result.ignored = sorted(source.ignored)
+    result.float_quantized = _quantized_ops(float_model)
     return result
+
+
+def _quantized_ops(model: str | os.PathLike | bytes) -> str | None:
+    """What shows `model` is quantized (`graph.quantized`), None for a float model."""
+    proto = onnx.load_from_string(model) if isinstance(model, bytes) else read_structure(model)
+    ops = quantized_ops(ir.serde.deserialize_model(proto))
+    return describe(ops) if ops else None
 
 
 def run_model(model: str | os.PathLike, data: Any, max_samples: int | None = None,
@@ -297,6 +307,9 @@ def format_comparison(c: Comparison) -> str:
     if c.ignored:
         lines.append(f"  note: left out {', '.join(c.ignored)} from the data (no model input; --labels KEY "
                      "scores top-1 accuracy against one)")
+    if c.float_quantized:
+        lines.append(f"  note: the first model, taken as the float one, is quantized ({c.float_quantized}): "
+                     "give the float model first, then the quantized one")
     if c.reference is not None:
         lines += _format_figures(c.reference, " [reference kernels]")
         gap = c.kernel_gap()

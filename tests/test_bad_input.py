@@ -502,3 +502,13 @@ def test_labels_that_do_not_fit_the_data_are_one_line(ws, capsys):
     assert main([*base, str(ws.npz("onehot.npz", x=x, labels=np.eye(4)))]) == 2
     assert_one_error_line(capsys.readouterr().err, ("one class index per sample", "argmax(1)"))
     assert main([*base, str(ws.npz("floats.npz", x=x, labels=np.arange(4.0))), "--quiet"]) == 0
+
+
+def test_compare_with_its_models_swapped_says_so(ws, capsys):
+    """A quantized model given as the float one is compared (two quantized models can be
+    meant), with a note that the order looks swapped."""
+    onnxq.quantize(str(ws.model), str(ws.out), calibration_data=str(ws.good_data), progress=False)
+    assert main(["compare", str(ws.out), str(ws.model), "--data", str(ws.good_data), "--quiet"]) == 0
+    assert "the first model, taken as the float one, is quantized (DequantizeLinear" in capsys.readouterr().out
+    assert main(["compare", str(ws.model), str(ws.out), "--data", str(ws.good_data), "--quiet"]) == 0
+    assert "taken as the float one" not in capsys.readouterr().out

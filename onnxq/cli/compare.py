@@ -64,7 +64,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
     check_model_files(args.float_model, args.quant_model)
-    check_counts(args, "--max-samples", "--batch-size")
+    check_counts(args, "--max-samples", "--batch-size", "--top")
     check_output_paths(args.quant_model, args.json, args.report)
     data, _ = _data_and_labels(args.data, args.labels)
     analysis = analyze_models(args.float_model, args.quant_model, data, max_samples=args.max_samples,
