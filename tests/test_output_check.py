@@ -178,6 +178,31 @@ def test_outputs_whose_length_depends_on_the_data_are_left_out():
     assert result.summary.fidelity is not None and result.summary.fidelity.output == h  # the fixed-shape one
 
 
+def test_positions_the_attention_mask_hides_are_left_out():
+    """Per-position outputs are compared where `attention_mask` keeps the position:
+    padding's outputs may move freely; outputs of another shape are compared whole."""
+    from onnxq.emit.fidelity import Reference, measure
+
+    class Fixed:  # the quantized model's outputs, given
+        def __init__(self, outputs):
+            self.outputs = outputs
+
+        def run(self, names, feed):
+            return self.outputs
+
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((1, 6, 4)).astype(np.float32)
+    pooled = hidden.mean(axis=1)
+    feed = {"attention_mask": np.array([[1, 1, 1, 1, 0, 0]], np.int64)}
+    moved = hidden.copy()
+    moved[0, 4:] += 100.0  # padding far off
+    figures = measure(Fixed([moved, pooled]), Reference([feed], [[hidden, pooled]], ["hidden", "pooled"]))
+    assert np.isinf(figures.sqnr_db) or figures.sqnr_db > 100  # both outputs exact where it counts
+    moved[0, 1] += 1.0  # a kept position moves: seen
+    figures = measure(Fixed([moved, pooled]), Reference([feed], [[hidden, pooled]], ["hidden", "pooled"]))
+    assert figures.output == "hidden" and figures.sqnr_db < 20
+
+
 def test_top1_agreement_only_for_class_scores():
     """Rows of unit length are embeddings (sentence_embedding): their largest entry means
     nothing, so no top-1 agreement is reported; class scores get one."""

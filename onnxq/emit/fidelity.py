@@ -115,7 +115,8 @@ def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity | s
     """The quantized model (`session`) against `reference`; the output with the lowest
     SQNR is the one reported. A model that loads but fails to run gives a warning instead;
     outputs whose shapes depend on the data (and differ) are not compared, and positions
-    where the float output is not finite are left out."""
+    where the float output is not finite, or that the feed's attention mask hides, are left
+    out."""
     try:
         tests = [session.run(reference.names, feed) for feed in reference.feeds]
     except Exception as exc:  # noqa: BLE001  onnxruntime raises several unrelated types
@@ -123,13 +124,26 @@ def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity | s
         return f"warning: the quantized model loads but failed to run on a calibration sample: {first}"
     worst = None
     for i, name in enumerate(reference.names):
-        pairs = [(np.asarray(r[i]), np.asarray(t[i])) for r, t in zip(reference.outputs, tests)]
+        pairs = [_unmasked(feed, np.asarray(r[i]), np.asarray(t[i]))
+                 for feed, r, t in zip(reference.feeds, reference.outputs, tests)]
         if any(r.shape != t.shape for r, t in pairs):
             continue
         figures = _figures(name, pairs, len(reference.names))
         if worst is None or figures.sqnr_db < worst.sqnr_db:
             worst = figures
     return worst
+
+
+def _unmasked(feed: dict[str, np.ndarray], ref: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A per-position output ([batch, sequence, ...]) at the positions the feed's
+    `attention_mask` [batch, sequence] keeps: padding's outputs are left unused by the
+    model's readers, and a quantized model can move them far without any harm (MiniLM
+    S8S8: 9.3 dB over every position, Spearman within 0.1 of float)."""
+    mask = feed.get("attention_mask")
+    if mask is None or np.ndim(mask) != 2 or ref.shape != test.shape or ref.shape[:2] != np.shape(mask):
+        return ref, test
+    keep = np.asarray(mask) != 0
+    return ref[keep], test[keep]
 
 
 def _figures(name: str, pairs: list[tuple[np.ndarray, np.ndarray]], outputs: int) -> Fidelity:
