@@ -156,8 +156,10 @@ def class_labels(labels: Any, samples: int, kind: str = "evaluation") -> np.ndar
     """The first `samples` of `labels`, checked: one class index per sample, at least one
     for each sample evaluated."""
     y = np.asarray(labels)
-    if y.ndim == 1 and y.dtype.kind == "f" and np.array_equal(y, np.round(y)):
-        y = y.astype(np.int64)  # class indices saved as floats
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]  # a column of indices
+    if y.ndim == 1 and (y.dtype.kind == "b" or y.dtype.kind == "f" and np.array_equal(y, np.round(y))):
+        y = y.astype(np.int64)  # binary labels, class indices saved as floats
     if y.ndim != 1 or y.dtype.kind not in "iu":
         hint = "; for one-hot labels pass labels.argmax(1)" if y.ndim == 2 else ""
         raise CalibrationDataError(f"labels must be one class index per sample, got an array of shape {list(y.shape)} "
@@ -219,7 +221,8 @@ def compare_models(
     source = CalibrationSource(data)
     for feed in _progress(iter_batches(source, session_inputs(ref), batch_size, max_samples, kind="evaluation"), progress):
         for kind, session in (("float", ref), *sessions.items()):
-            for n, y in zip(names, run_on_data(session, names, feed, "evaluation")):
+            run = run_on_data(session, names, feed, "evaluation") if kind == "float" else session.run(names, feed)
+            for n, y in zip(names, run):
                 outputs[kind][n].append(y)
         for n in names:
             check_same_shape(n, outputs["float"][n][-1], [outputs[k][n][-1] for k in sessions])
@@ -233,9 +236,13 @@ def compare_models(
 
 
 def _quantized_ops(model: str | os.PathLike | bytes) -> str | None:
-    """What shows `model` is quantized (`graph.quantized`), None for a float model."""
-    proto = onnx.load_from_string(model) if isinstance(model, bytes) else read_structure(model)
-    ops = quantized_ops(ir.serde.deserialize_model(proto))
+    """What shows `model` is quantized (`graph.quantized`), None for a float model (or
+    one that cannot be read again: the comparison is made, this is only a note)."""
+    try:
+        proto = onnx.load_from_string(model) if isinstance(model, bytes) else read_structure(model)
+        ops = quantized_ops(ir.serde.deserialize_model(proto))
+    except Exception:  # noqa: BLE001
+        return None
     return describe(ops) if ops else None
 
 

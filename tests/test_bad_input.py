@@ -393,9 +393,12 @@ def test_an_array_that_is_no_input_is_left_out_whatever_its_length(ws, capsys):
     """A non-input array in the data (labels, ids) is left out with a note, not counted
     against the inputs' samples."""
     data = ws.npz("extra.npz", x=np.random.default_rng(0).standard_normal((4, 3, 16, 16)).astype(np.float32),
-                  ids=np.arange(3))
+                  ids=np.arange(3), temperature=np.array(1.0))
     assert main(["quantize", str(ws.model), str(ws.out), "--calib-data", str(data)]) == 0
-    assert "left out ids (no model input)" in capsys.readouterr().out
+    assert "left out ids, temperature (no model input)" in capsys.readouterr().out
+    wrong = ws.npz("wrong.npz", image=np.zeros((4, 3, 16, 16), np.float32), ids=np.arange(3))
+    assert main(["quantize", str(ws.model), str(ws.out), "--calib-data", str(wrong)]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("'x'",))
 
 
 def test_ranges_and_stats_of_another_pass_setup_are_refused(ws, capsys):
@@ -502,6 +505,8 @@ def test_labels_that_do_not_fit_the_data_are_one_line(ws, capsys):
     assert main([*base, str(ws.npz("onehot.npz", x=x, labels=np.eye(4)))]) == 2
     assert_one_error_line(capsys.readouterr().err, ("one class index per sample", "argmax(1)"))
     assert main([*base, str(ws.npz("floats.npz", x=x, labels=np.arange(4.0))), "--quiet"]) == 0
+    assert main([*base, str(ws.npz("column.npz", x=x, labels=np.arange(4)[:, None])), "--quiet"]) == 0
+    assert main([*base, str(ws.npz("binary.npz", x=x, labels=np.arange(4) % 2 == 0)), "--quiet"]) == 0
 
 
 def test_compare_with_its_models_swapped_says_so(ws, capsys):

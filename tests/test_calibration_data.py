@@ -225,3 +225,33 @@ def test_float64_samples_are_cast_not_mutated(single):
     result = calibrate(model, feeds64)
     assert result.ranges == reference.ranges
     assert all(np.array_equal(f["x"], s) for f, s in zip(feeds64, snapshot))
+
+
+def test_run_on_data_tells_the_data_from_onnxq_and_memory():
+    """onnxruntime's refusal of the data is a CalibrationDataError naming the node; a
+    failure in a node onnxq added is raised as it is (a bug); running out of memory says
+    how to use less."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, RuntimeException
+
+    from onnxq.calibrate.session import run_on_data
+    from onnxq.errors import OnnxqError
+
+    class Failing:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def run(self, names, feed):
+            raise self.exc
+
+    feed = {"ids": np.zeros((2, 4), np.int64)}
+    data = Fail("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Gather node. "
+                "Name:'emb' Status Message: indices element out of data bounds, idx=99")
+    with pytest.raises(CalibrationDataError, match=r"ids \[2, 4\]\): Gather node 'emb': indices element out"):
+        run_on_data(Failing(data), ["y"], feed)
+    ours = Fail("... running ReduceMax node. Name:'x__onnxq_max' Status Message: bad")
+    with pytest.raises(Fail):
+        run_on_data(Failing(ours), ["y"], feed)
+    memory = RuntimeException("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Failed to allocate memory for buffer")
+    with pytest.raises(OnnxqError, match="out of memory.*--batch-size") as caught:
+        run_on_data(Failing(memory), ["y"], feed)
+    assert not isinstance(caught.value, CalibrationDataError)

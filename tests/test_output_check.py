@@ -201,6 +201,13 @@ def test_positions_the_attention_mask_hides_are_left_out():
     moved[0, 1] += 1.0  # a kept position moves: seen
     figures = measure(Fixed([moved, pooled]), Reference([feed], [[hidden, pooled]], ["hidden", "pooled"]))
     assert figures.output == "hidden" and figures.sqnr_db < 20
+    # not a 0/1 mask (an additive one), or a 2-D output as long as the mask: compared whole
+    scores = rng.standard_normal((1, 6)).astype(np.float32)
+    shifted = scores.copy()
+    shifted[0, 5] += 100.0
+    for mask in (np.array([[0, 0, 0, 0, -1e9, -1e9]], np.float32), feed["attention_mask"]):
+        figures = measure(Fixed([shifted]), Reference([{"attention_mask": mask}], [[scores]], ["scores"]))
+        assert figures.sqnr_db < 0 and figures.top1_agreement == 0.0
 
 
 def test_top1_agreement_only_for_class_scores():

@@ -81,7 +81,8 @@ def _refusal(text: str) -> str:
     found = re.search(r"running (\S+) node\. Name:'([^']*)' Status Message: (.*)", first)
     if found:
         op, node, message = found.groups()
-        message = re.sub(r"^\S+:\d+ .*?\) ", "", message.split(" was false. ")[-1])
+        message = message.split(" was false. ")[-1]
+        message = re.sub(r"^[\w/.-]+\.(?:h|cc|cpp):\d+ (?:(?:\w+ )?[\w:]*::\w+\([^)]*\) )?", "", message)  # file, function
         first = f"{op} node '{node}': {message}"
     return first[:300]
 
@@ -98,6 +99,9 @@ def run_on_data(session: ort.InferenceSession, names: list[str], feed: Mapping[s
         if "onnxq_" in text:
             raise
         shapes = ", ".join(f"{name} {list(np.shape(value))}" for name, value in feed.items())
+        if "Failed to allocate memory" in text:
+            raise OnnxqError(f"onnxruntime ran out of memory on a {kind} batch ({shapes}); lower --batch-size "
+                             "(calibration.batch_size) or bound the exposed tensors with --max-calib-memory") from None
         raise CalibrationDataError(
             f"the model cannot run on this {kind} data ({shapes}): {_refusal(text)}; check that every input of a sample "
             "has the others' length and values the model takes (token ids within its vocabulary)") from None

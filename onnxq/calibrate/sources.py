@@ -33,7 +33,10 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec]) -> It
     """
     units = sample_rows(inputs)
     names = {spec.name for spec in inputs}
-    counted = {name: a for name, a in arrays.items() if name in names} or arrays  # others are left out later
+    counted = {name: a for name, a in arrays.items() if name in names}  # the others are left out later
+    if not counted:  # no model input among them: the feed check names what is missing
+        yield dict(arrays)
+        return
     counts = {name: Fraction(len(a), units.get(name, 1)) for name, a in counted.items()}
     if len(set(counts.values())) > 1:
         shown = {name: str(n) for name, n in counts.items()}
@@ -42,7 +45,8 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec]) -> It
         )
     n = math.ceil(next(iter(counts.values()), 0))
     for i in range(n):
-        yield {name: a[i * units.get(name, 1) : (i + 1) * units.get(name, 1)] for name, a in arrays.items()}
+        yield {name: a[i * units.get(name, 1) : (i + 1) * units.get(name, 1)] if np.ndim(a) else a
+               for name, a in arrays.items()}
 
 
 def _read_file(path: Path, inputs: list[InputSpec]) -> dict[str, np.ndarray]:

@@ -176,7 +176,7 @@ def _unknown_key(key: Any, valid: list[str], path: str) -> ConfigError:
     hint = closest_name(key, candidates) if isinstance(key, str) else None
     if hint:
         return ConfigError(f"unknown key {key!r} in {where}; did you mean '{hint}'?")
-    return ConfigError(f"unknown key {key!r} in {where}; valid keys: {', '.join(valid)}")
+    return ConfigError(f"unknown key {key!r} in {where}; valid keys: {', '.join(candidates)}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -139,8 +139,8 @@ def quantize_to_target(
     state = base.state
     float_session = deployed_session(state.float_model, providers)
     score = scorer(target, evalset, evaluate)
-    if target.metric in ("cosine", "sqnr"):
-        evalset.reference = evalset.first_output(float_session)
+    # the float model's outputs (what cosine and sqnr compare against), and the data checked on it
+    evalset.reference = evalset.first_output(float_session, user_model=True)
     reference_score = float_score(target, score, float_session)
     base_session = deployed_session(base.ir_model, providers)
     base_score = score(base_session)

@@ -308,6 +308,8 @@ def quantize_for_latency(source: ModelSource, output: str | os.PathLike | None, 
         result.summary.notes.append(Note(Topic.SEARCH, f"latency plan not searched: {why_not}; quantized as "
                                          "configured"))
         _measure_if_asked(result, source, plain)
+        if base is not None:  # a search ran and found nothing it could try
+            result.summary.rest_as("search", time.perf_counter() - start)
         result.config = plain
         return result
     result = base if base is not None and not entry.kept else \
