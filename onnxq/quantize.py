@@ -89,6 +89,9 @@ def quantize(
         result = run_pipeline(model, output, config, calibration_data, progress, keep_state=keep)
     if text is not None:
         _insert_note(result.summary.notes, Note(Topic.CALIBRATION, text.describe()))
+    if config.mixed_precision.eval_data is not None and config.mixed_precision.target is None and report is None:
+        result.summary.notes.append(Note(Topic.CALIBRATION, "the eval data was not read: it scores an accuracy "
+                                         "target (--accuracy-target) and the HTML report (--report)"))
     if folder is not None and output is not None:
         copied = copy_companions(folder, Path(output).parent)
         shown = ", ".join(copied[:6]) + (", ..." if len(copied) > 6 else "")

@@ -60,6 +60,11 @@ def test_parse_target():
     for bad in ("top1 > 3", "accuracy>=0.5", "top1>=floaty"):
         with pytest.raises(ConfigError):
             parse_target(bad)
+    # top1 is in percent: a fraction, or more than 100, is a mistake said at once
+    for bad in ("top1>=0.75", "top1>=150"):
+        with pytest.raises(ConfigError, match="top1 is a percentage"):
+            parse_target(bad)
+    assert parse_target("top1>=75").value == 75.0
 
 
 def test_bisect_finds_the_fewest_layers_in_log_time():
@@ -300,3 +305,10 @@ def test_an_int8_rung_raises_4_bit_weights_and_only_those(tmp_path):
     with np.load(data) as npz:
         x = {k: npz[k][:8] for k in npz.files}
     assert np.isfinite(_run(saved.SerializeToString(), x)).all()
+
+
+def test_eval_data_without_a_target_says_it_was_not_read(tmp_path, capsys):
+    models = Path(__file__).resolve().parent.parent / "models"
+    assert main(["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "q.onnx"), "--calib-data",
+                 str(models / "digits_calib.npz"), "--eval-data", str(models / "digits_eval.npz")]) == 0
+    assert "the eval data was not read" in capsys.readouterr().out

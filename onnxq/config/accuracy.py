@@ -63,4 +63,8 @@ def parse_target(text: str, metric: str | None = None) -> AccuracyTarget:
         value = float(rhs[5:] or 0) if relative else float(rhs)
     except ValueError:
         raise ConfigError(f"cannot read the value of accuracy target {text!r}") from None
+    if name == "top1" and not relative and not 1 < value <= 100:
+        raise ConfigError(f"accuracy target {text!r}: top1 is a percentage, and {value:g}% is "
+                          f"{'a target any model meets' if value <= 1 else 'more than every sample right'}; "
+                          "write e.g. 'top1>=75' or 'top1>=float-1'")
     return AccuracyTarget(name, m.group("op") or ">=", value, relative)
