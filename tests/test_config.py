@@ -252,6 +252,19 @@ def test_rich_config_round_trip(tmp_path, suffix):
     ]
 
 
+def test_a_preset_beside_a_whole_config_file_is_refused(tmp_path):
+    """A file --save-config wrote sets every field (preset: none): a preset beside it
+    would change nothing, so it is one line instead of silently ignored."""
+    from onnxq.config.compose import compose_config
+
+    path = tmp_path / "whole.yaml"
+    save_config(get_preset("S8S8"), path)
+    with pytest.raises(ConfigError, match="whole.yaml is a whole config.*preset U8S8 would change nothing"):
+        compose_config("U8S8", path)
+    assert compose_config(None, path) == get_preset("S8S8")
+    assert compose_config("none", path) == get_preset("S8S8")
+
+
 def test_a_misspelled_preset_key_is_named():
     with pytest.raises(ConfigError, match=r"unknown key 'presett' in config; did you mean 'preset'\?"):
         config_from_dict({"presett": "U8S8"})

@@ -125,8 +125,12 @@ def compose_config(
         sources.append(("options", overrides))
     for _, source in sources:
         bare_edge_dtypes(source)
-    named = [source.pop("preset") for _, source in sources if "preset" in source]
-    base = preset or (named[-1] if named else None) or _name(default)
+    named = [(where, source.pop("preset")) for where, source in sources if "preset" in source]
+    whole = [where for where, name in named if isinstance(name, str) and name.lower() == NO_PRESET]
+    if preset is not None and preset.lower() != NO_PRESET and whole:
+        raise ConfigError(f"{whole[0]} is a whole config (preset: {NO_PRESET}, as --save-config writes), so preset "
+                          f"{preset} would change nothing; leave the preset out, or edit the file")
+    base = preset or (named[-1][1] if named else None) or _name(default)
     if not isinstance(base, str):
         raise ConfigError(f"preset must be a preset name such as {DEFAULT_PRESET}, got {base!r}")
     stack = [config_to_dict(Config() if base.lower() == NO_PRESET else get_preset(base))]
