@@ -113,11 +113,20 @@ def imports_extended(model: str | os.PathLike | bytes | ir.Model) -> bool:
     onnxruntime says why when it opens it)."""
     if isinstance(model, ir.Model):
         return DOMAIN in model.opset_imports
+    return _extends(_structure(model))
+
+
+def _structure(model: str | os.PathLike | bytes) -> onnx.ModelProto | None:
+    """The model's proto, a file's without its weights' bytes (`read_structure`); None
+    where it cannot be read (not a model: the session reports it)."""
     try:
-        proto = onnx.load_from_string(model) if isinstance(model, bytes) else read_structure(model)
-    except Exception:  # noqa: BLE001 - not a model: the session reports it
-        return False
-    return any(o.domain == DOMAIN for o in proto.opset_import)
+        return onnx.load_from_string(model) if isinstance(model, bytes) else read_structure(model)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _extends(proto: onnx.ModelProto | None) -> bool:
+    return proto is not None and any(o.domain == DOMAIN for o in proto.opset_import)
 
 
 def deployed_session(
@@ -210,7 +219,8 @@ def compare_models(
     if kernels not in KERNELS:
         raise OnnxqError(f"unknown kernels {kernels!r}; use one of: {', '.join(KERNELS)}")
     providers = check_providers(providers or ["CPUExecutionProvider"])
-    ref = deployed_session(float_model, providers)
+    float_proto = _structure(float_model)  # read once: for its opsets and its quantized ops
+    ref = deployed_session(float_model, providers, extended=_extends(float_proto))
     runs = {"deployed": kernels in ("deployed", "both"), "reference": kernels in ("reference", "both")}
     extended = imports_extended(quant_model)  # read once: a file is parsed whole
     sessions = {k: deployed_session(quant_model, providers, reference=k == "reference", extended=extended)
@@ -231,15 +241,16 @@ def compare_models(
     result = results.get("deployed") or results["reference"]
     result.reference = results.get("reference") if "deployed" in results else None
     result.ignored = sorted(source.ignored)
-    result.float_quantized = _quantized_ops(float_model)
+    result.float_quantized = _quantized_ops(float_proto)
     return result
 
 
-def _quantized_ops(model: str | os.PathLike | bytes) -> str | None:
-    """What shows `model` is quantized (`graph.quantized`), None for a float model (or
-    one that cannot be read again: the comparison is made, this is only a note)."""
+def _quantized_ops(proto: onnx.ModelProto | None) -> str | None:
+    """What shows the model is quantized (`graph.quantized`), None for a float model (or
+    one that cannot be read: the comparison is made, this is only a note)."""
+    if proto is None:
+        return None
     try:
-        proto = onnx.load_from_string(model) if isinstance(model, bytes) else read_structure(model)
         ops = quantized_ops(ir.serde.deserialize_model(proto))
     except Exception:  # noqa: BLE001
         return None
