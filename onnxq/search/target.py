@@ -49,9 +49,8 @@ class EvalSet:
         """The first output over the data; with `user_model` (the float model), a batch
         it cannot run on is the data's fault (`run_on_data`), else onnxq's."""
         name = session.get_outputs()[0].name
-        run = (lambda feed: run_on_data(session, [name], feed, "evaluation")) if user_model else \
-            (lambda feed: session.run([name], feed))
-        return np.concatenate([run(feed)[0] for feed in self.batches(session)])
+        return np.concatenate([(run_on_data(session, [name], feed, "evaluation") if user_model
+                                else session.run([name], feed))[0] for feed in self.batches(session)])
 
 
 def load_eval_set(source: Any, labels_key: str, max_samples: int | None = None) -> EvalSet:
