@@ -161,7 +161,7 @@ def top1_agreement(ref: np.ndarray, test: np.ndarray) -> float | None:
     return float(np.mean(ref.argmax(1) == test.argmax(1)))
 
 
-def class_labels(labels: Any, samples: int, kind: str = "evaluation") -> np.ndarray:
+def class_labels(labels: Any, samples: int) -> np.ndarray:
     """The first `samples` of `labels`, checked: one class index per sample, at least one
     for each sample evaluated."""
     y = np.asarray(labels)
@@ -174,7 +174,7 @@ def class_labels(labels: Any, samples: int, kind: str = "evaluation") -> np.ndar
         raise CalibrationDataError(f"labels must be one class index per sample, got an array of shape {list(y.shape)} "
                                    f"and dtype {y.dtype}{hint}")
     if len(y) < samples:
-        raise CalibrationDataError(f"{len(y)} labels for {samples} {kind} samples; give one label per sample")
+        raise CalibrationDataError(f"{len(y)} labels for {samples} evaluation samples; give one label per sample")
     return y[:samples]
 
 

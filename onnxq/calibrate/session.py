@@ -28,9 +28,10 @@ def check_providers(providers: list[str]) -> list[str]:
     return providers
 
 
-def session_options(threads: int = 0) -> ort.SessionOptions:
+def session_options(threads: int = 0, level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                    ) -> ort.SessionOptions:
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.graph_optimization_level = level
     options.log_severity_level = 4  # errors reach the caller as exceptions, said once (`run_on_data`)
     options.intra_op_num_threads = threads
     # Nodes in the order the graph lists them (`place_observers` puts each reduction right
@@ -59,8 +60,7 @@ def calibration_options() -> ort.SessionOptions:
     (`runner.calibration_batch`). MobileNet-v1's default int8 quantize, 2 cores with VNNI:
     1.98 s and 353 MB at the basic level, 1.64 s and 469 MB at this one at batch 8, 1.46 s
     and 349 MB at the batch of 2 it is cut to."""
-    options = session_options()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options = session_options(level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
     options.enable_mem_pattern = False
     return options
 

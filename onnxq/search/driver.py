@@ -141,7 +141,7 @@ def quantize_to_target(
     score = scorer(target, evalset, evaluate)
     # the float model's outputs (what cosine and sqnr compare against), and the data checked on it
     evalset.reference = evalset.first_output(float_session, user_model=True)
-    reference_score = float_score(target, score, float_session)
+    reference_score = float_score(target, score, float_session, evalset)
     base_session = deployed_session(base.ir_model, providers)
     base_score = score(base_session)
 

@@ -100,8 +100,12 @@ def scorer(target: AccuracyTarget, evalset: EvalSet, evaluate: Evaluate | None) 
     return lambda session: compare(evalset.reference, evalset.first_output(session))
 
 
-def float_score(target: AccuracyTarget, score: Evaluate, float_session: ort.InferenceSession) -> float:
-    """The float model's own score (1.0 / inf for metrics measured against it)."""
+def float_score(target: AccuracyTarget, score: Evaluate, float_session: ort.InferenceSession,
+                evalset: EvalSet) -> float:
+    """The float model's own score (1.0 / inf for metrics measured against it; top1 from
+    its outputs already in `evalset.reference`, not a second pass)."""
     if target.metric in SELF_SCORE:
         return SELF_SCORE[target.metric]
+    if target.metric == "top1" and evalset.reference is not None and evalset.labels is not None:
+        return _top1(evalset.reference, evalset.labels)
     return score(float_session)

@@ -34,8 +34,7 @@ def output_sqnr(reference: onnx.ModelProto, models: list[onnx.ModelProto], batch
         # deployment runs, and every model the blocked-layout convolutions (MobileNet-v1's
         # per-tensor AdaRound: the check 2.1 s at the basic level, 1.0 s at this one). The
         # decision is then this CPU's, as the target's kernel probe already is.
-        options = session_options()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options = session_options(level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
         return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
 
     ref = session(reference)
