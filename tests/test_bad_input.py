@@ -172,7 +172,7 @@ CASES: dict[str, tuple[Callable[[Workspace], list[str]], tuple[str, ...]]] = {
     # the file and its whole array named, not one sample
     "calib_file_channels_last": (_channels_last_file, ("nhwc.npy", "[4, 16, 16, 3]", "axis 1 must be 3")),
     "calib_text_as_npy": (_text_as_npy, ("notes.npy", "not a numpy .npy file")),
-    "zero_max_samples": (_zero_max_samples, ("max_samples",)),
+    "zero_max_samples": (_zero_max_samples, ("invalid --max-samples 0",)),
 }
 
 
@@ -232,6 +232,20 @@ def test_cli_argparse_conflict(flags, ws, capsys):
     err = capsys.readouterr().err
     assert "not allowed with argument" in err
     assert "Traceback" not in err
+    assert not ws.out.exists()
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--batch-size", "0"], ("invalid --batch-size 0",)),
+    (["--num-bins", "1"], ("--num-bins 1 with calib_method minmax", "or remove --num-bins")),
+    (["--percentile", "200"], ("--percentile 200.0", "use calib_method percentile", "remove --percentile")),
+    (["--activation-type", "int8", "--weight-type", "int9"], ("invalid --weight-type 'int9'",)),
+    # one value for two flags of one field: which flag is wrong cannot be told, so the field stays
+    (["--activation-type", "int9", "--weight-type", "int9"], ("options: invalid dtype 'int9'",)),
+])
+def test_cli_config_errors_name_the_flag_given(flags, words, ws, capsys):
+    assert main(["quantize", str(ws.model), str(ws.out), "--calib-data", str(ws.good_data), *flags]) == 2
+    assert_one_error_line(capsys.readouterr().err, words)
     assert not ws.out.exists()
 
 

@@ -244,8 +244,10 @@ TIMED: list[dict[str, np.ndarray]] = []
 
 def test_on_a_gpu_provider_float16_is_tried_first_and_kept_where_faster(tmp_path, monkeypatch):
     # The timing runs on the CPU, which the plan is told is a GPU provider.
-    for module in (latency_changes, latency_cache, emit_latency):
+    for module in (latency_cache, emit_latency):
         monkeypatch.setattr(module, "GPU_PROVIDERS", ("CPUExecutionProvider",))
+    for module in (latency_changes, emit_latency):
+        monkeypatch.setattr(module, "gpu_first", lambda providers: next(iter(providers), None))
     monkeypatch.setattr(latency._Bench, "ratios", float16_is_faster)
     TIMED.clear()
     model, data = block(), block_data()

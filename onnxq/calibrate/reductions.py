@@ -42,6 +42,19 @@ def _cast(source: ir.Value, to: ir.DataType, name: str) -> ir.Node:
     return ir.node("Cast", [source], {"to": to}, name=name, outputs=[ir.Value(name=name)])
 
 
+def _float32(value: ir.Value, name: str) -> list[ir.Node]:
+    """A Cast of a float16/bfloat16 `value` to float32 (sums of halves lose the data's
+    precision), or nothing."""
+    if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        return [_cast(value, ir.DataType.FLOAT, name + "_f32")]
+    return []
+
+
+def _shape(counted: ir.Value, name: str) -> ir.Node:
+    """The Shape of the tensor a sum was taken over: the count its mean divides by."""
+    return ir.node("Shape", [counted], name=name + "_shape", outputs=[ir.Value(name=name + "_shape")])
+
+
 def reduction_nodes(value: ir.Value, stat: Statistic, opset: int) -> tuple[list[ir.Node], list[ir.Value]] | None:
     """Nodes computing `stat` of one batch inside the session, and their outputs (for sums,
     the batch's sum and the tensor's shape, which gives the count). None for Gram matrices
@@ -91,11 +104,8 @@ def tap_nodes(value: ir.Value, stat: Statistic, opset: int) -> Taps | None:
         return None
     matrices, positions = stat.window.reads([int(d) for d in shape[2:]])
     name = value.name + _suffix(stat)
-    nodes: list[ir.Node] = []
-    source = value
-    if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-        nodes.append(_cast(source, ir.DataType.FLOAT, name + "_f32"))
-        source = nodes[-1].outputs[0]
+    nodes = _float32(value, name)
+    source = nodes[-1].outputs[0] if nodes else value
     dtype = np.float64 if source.dtype == ir.DataType.DOUBLE else np.float32
 
     def product(step: str, reads: np.ndarray, left: bool) -> None:
@@ -112,7 +122,7 @@ def tap_nodes(value: ir.Value, stat: Statistic, opset: int) -> Taps | None:
     counted = source  # [N, C, taps...]: the samples' count, without the image's layout
     nodes += _reduce("ReduceSum", source, [0], 0, name, opset)
     total = nodes[-1].outputs[0]
-    nodes.append(ir.node("Shape", [counted], name=name + "_shape", outputs=[ir.Value(name=name + "_shape")]))
+    nodes.append(_shape(counted, name))
     return Taps(nodes, [total, nodes[-1].outputs[0]], positions)
 
 
@@ -122,11 +132,9 @@ def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
     over the first in double; for windows, the sum over the samples (axis 0) in float32."""
     if value.dtype not in _SUMMABLE:
         return None
-    nodes: list[ir.Node] = []
-    source = counted = value
-    if value.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-        nodes.append(_cast(source, ir.DataType.FLOAT, name + "_f32"))
-        source = nodes[-1].outputs[0]
+    nodes = _float32(value, name)
+    counted = value
+    source = nodes[-1].outputs[0] if nodes else value
     if reduce == "windows":
         nodes += _reduce("ReduceSum", source, [0], 0, name, opset)
     else:
@@ -147,5 +155,5 @@ def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
             source = nodes[-1].outputs[0]
         nodes += _reduce("ReduceSum", source, axes, 0, name, opset)
     total = nodes[-1].outputs[0]
-    nodes.append(ir.node("Shape", [counted], name=name + "_shape", outputs=[ir.Value(name=name + "_shape")]))
+    nodes.append(_shape(counted, name))
     return nodes, [total, nodes[-1].outputs[0]]

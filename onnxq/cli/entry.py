@@ -13,6 +13,7 @@ from typing import NoReturn
 
 from onnxq import __version__
 from onnxq.cli import compare, model, presets, quantize
+from onnxq.cli.flags import in_flag_terms
 from onnxq.errors import OnnxqError
 from onnxq.plugins import load_plugins
 
@@ -112,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.debug:
             traceback.print_exc()
         else:
-            print(f"onnxq: error: {exc}", file=sys.stderr)
+            print(f"onnxq: error: {in_flag_terms(str(exc), args)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("onnxq: interrupted", file=sys.stderr)

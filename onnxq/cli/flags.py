@@ -5,6 +5,7 @@ config file and the preset."""
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from onnxq.cli.algorithms import algorithm_entries, weight_only_choices
@@ -95,6 +96,33 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
     if args.accuracy_target is not None or args.metric is not None:
         values.append((("mixed_precision", "target"), _target_text(args.accuracy_target, args.metric)))
     return values
+
+
+# The prefix `compose_config` gives an error of the layer the flags make.
+FLAGS_LAYER = "options: "
+
+
+def in_flag_terms(message: str, args: argparse.Namespace) -> str:
+    """A config error the flags caused, in the flags' words: `invalid batch_size 0 in
+    calibration` for `--batch-size 0` reads `invalid --batch-size 0 in calibration`. A
+    field is renamed where it stands before the value one flag gave it, or after "remove"
+    where one flag sets it; other messages pass unchanged."""
+    if not message.startswith(FLAGS_LAYER):
+        return message
+    given: dict[str, set[tuple[str, Any]]] = {}
+    for flag, path in FLAG_PATHS:
+        value = getattr(args, flag, None)
+        if value is not None and not isinstance(value, list | tuple):
+            given.setdefault(path[-1], set()).add(("--" + flag.replace("_", "-"), value))
+    text = message[len(FLAGS_LAYER):]
+    for field, flags in given.items():
+        for flag, value in flags:
+            if sum(str(other) == str(value) for _, other in flags) == 1:  # the value tells the flag
+                shown = "|".join(re.escape(v) for v in (repr(value), str(value)))
+                text = re.sub(rf"(?<![\w.-]){re.escape(field)} (?={shown})", flag + " ", text)
+        if len(flags) == 1:
+            text = re.sub(rf"(?<=remove ){re.escape(field)}(?![\w-])", next(iter(flags))[0], text)
+    return text if text != message[len(FLAGS_LAYER):] else message
 
 
 def _target_text(expression: str | None, metric: str | None) -> str:

@@ -29,7 +29,7 @@ import onnxruntime as ort
 from onnxq.calibrate.access import Access, data_access, refusal
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.evaluate import deployed_options, imports_extended, open_any
-from onnxq.target.profile import GPU_PROVIDERS, cpu_isa
+from onnxq.target.profile import GPU_PROVIDERS, cpu_isa, gpu_first
 
 BATCHES = (1, 8)
 # Runs per model and batch size, and the wall time that stops them sooner on a slow
@@ -74,8 +74,7 @@ class Timing:
 def timed_on(providers: Collection[str]) -> str:
     """Where a default session of `providers` runs the model: the GPU provider listed first,
     else this CPU by its instruction set (`cpu_isa`)."""
-    first = next(iter(providers), None)
-    return first if first in GPU_PROVIDERS else cpu_isa()
+    return gpu_first(providers) or cpu_isa()
 
 
 @dataclass

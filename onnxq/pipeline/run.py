@@ -93,18 +93,26 @@ def run_pipeline(
     summary.notes.extend(notes(Topic.EMISSION, emitted.notes))
     summary.notes.extend(kept)
 
-    if output is not None:
-        with summary.stage("save"):
-            summary.output = str(save_model(model, output))
-    if options.measure_latency:
-        with summary.stage("latency"):
-            record_latency(summary, source, model, settings.data, options.providers)
-    summary.size_after = source_size(output, model) if output is not None else weight_bytes(model)
+    write_output(summary, source, model, output, settings.data, options.providers, options.measure_latency)
     if not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before:
         summary.notes.append(Note(Topic.WARNING, "warning: nothing was quantized: every node stayed float (see 'left "
                                   "in float'); pick a recipe that covers this model's ops (U8S8 for convolutions; "
                                   "W8_DYNAMIC and W4_GROUP128 quantize MatMul/Gemm only)"))
     return QuantizationResult(model, summary, calibration.ranges, plan, state)
+
+
+def write_output(summary: Summary, source: ModelSource, model: Any, output: str | os.PathLike | None,
+                 data: CalibrationSource, providers: list[str], measure_latency: bool) -> None:
+    """Save `model` to `output` (none: kept in memory), time it against `source` where
+    asked, and record its size (external data included): how a run ends, a search that
+    keeps its first model included."""
+    if output is not None:
+        with summary.stage("save"):
+            summary.output = str(save_model(model, output))
+    if measure_latency:
+        with summary.stage("latency"):
+            record_latency(summary, source, model, data, providers)
+    summary.size_after = source_size(output, model) if output is not None else weight_bytes(model)
 
 
 def record_latency(summary: Summary, source: ModelSource, model: Any, data: CalibrationSource,

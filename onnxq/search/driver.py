@@ -32,10 +32,9 @@ from onnxq.config.spec import Config, MixedPrecisionConfig
 from onnxq.emit.latency import median_ms
 from onnxq.errors import CalibrationDataError
 from onnxq.evaluate import deployed_session
-from onnxq.graph.save import check_output_path, save_model, weight_bytes
+from onnxq.graph.save import check_output_path, weight_bytes
 from onnxq.notes import Note, Topic, notes
-from onnxq.pipeline.prepare import source_size
-from onnxq.pipeline.run import record_latency, run_pipeline
+from onnxq.pipeline.run import run_pipeline, write_output
 from onnxq.report import MixedPrecisionSummary, Promotion
 from onnxq.search.base import search_base_config, with_calibration
 from onnxq.search.bisect import bisect_promotions
@@ -192,12 +191,8 @@ def quantize_to_target(
         result = run_pipeline(model, output, final_config, calibration_data, progress, keep_state)
     else:
         result = base
-        if output is not None:
-            with result.summary.stage("save"):
-                result.summary.output = str(save_model(base.ir_model, output))
-            result.summary.size_after = source_size(output, base.ir_model)
-        if config.calibration.measure_latency:
-            record_latency(result.summary, model, base.ir_model, source, providers)
+        write_output(result.summary, model, base.ir_model, output, source, providers,
+                     config.calibration.measure_latency)
     final_session = deployed_session(result.ir_model, providers)
     final_score = score(final_session) if outcome.promotions else climbed_score
     feed = _first_sample(evalset, final_session)

@@ -18,7 +18,7 @@ from onnxq.config.presets import fp16
 from onnxq.config.spec import Config, DType, QuantizationConfig, QuantizationSpec
 from onnxq.plan import QuantPlan
 from onnxq.plan.rules import OP_RULES
-from onnxq.target.profile import GPU_PROVIDERS
+from onnxq.target.profile import gpu_first
 
 # Ops with integer kernels: the work int8 is for.
 KERNEL_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
@@ -95,7 +95,7 @@ def _float16(config: Config, graph: ir.Graph, plan: QuantPlan) -> Config | None:
     overrides, passes and algorithms (so the model timed, emitted from the run's state, is
     the one a run of this config writes), target and opset."""
     providers = config.calibration.providers
-    if not providers or providers[0] not in GPU_PROVIDERS or _float16_weights(config):
+    if gpu_first(providers) is None or _float16_weights(config):
         return None
     half = fp16()
     return dataclasses.replace(

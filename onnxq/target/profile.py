@@ -12,6 +12,7 @@ saturates the finest 8-bit scale that holds it (`onnxq.target.pairs`), or 7-bit 
 from __future__ import annotations
 
 import platform
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,12 @@ REDUCED_BITS = 7
 WRONG_DEFAULT = frozenset({"depthwise_zero_points"})
 GPU_PROVIDERS = ("CUDAExecutionProvider", "ROCMExecutionProvider", "TensorrtExecutionProvider",
                  "MIGraphXExecutionProvider", "DmlExecutionProvider")
+
+
+def gpu_first(providers: Collection[str]) -> str | None:
+    """The first of `providers` when it is a GPU's (the one a session runs on), else None."""
+    first = next(iter(providers), None)
+    return first if first in GPU_PROVIDERS else None
 
 
 @dataclass(frozen=True)
@@ -109,9 +116,10 @@ def resolve_target(config: Config) -> TargetProfile:
     target = Target(config.target)
     providers = tuple(config.calibration.providers)
     if target is Target.AUTO:
-        if providers and providers[0] in GPU_PROVIDERS:
+        gpu = gpu_first(providers)
+        if gpu is not None:
             name, saturating = Target.GPU.value, frozenset()
-            why = f"auto: {providers[0]}; "
+            why = f"auto: {gpu}; "
         else:
             cpu = ("CPUExecutionProvider",)
             name, saturating = cpu_isa(), saturating_kernels(cpu)
