@@ -226,7 +226,7 @@ BAD = {
     "beyond the context": (lambda f, t, r: [str(f), "--calib-text", str(t), "--sequence-length", "129"],
                            "sequence_length 129 (--sequence-length) is beyond the model's context length 128"),
     "zero length": (lambda f, t, r: [str(f), "--calib-text", str(t), "--sequence-length", "0"],
-                    "invalid sequence_length 0 in calibration"),
+                    "invalid --sequence-length 0 in calibration"),
 }
 
 

@@ -80,7 +80,7 @@ def test_check_samples_from_every_source(tmp_path, capsys):
     assert "check on 2 calibration samples" in capsys.readouterr().out
     assert main(argv + ["--check-samples", "-1"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "invalid check_samples -1" in err
+    assert err.count("\n") == 1 and "invalid --check-samples -1" in err
     with pytest.raises(ConfigError, match="check_samples"):
         onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": -3}}))
 

@@ -406,8 +406,8 @@ def _cli_quantize(cli_inputs, out: Path, *flags: str) -> int:
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--weight-bits", "9"], "invalid bits 9"),
-    (["--weight-type", "int4", "--weight-bits", "7"], "bits 7 with dtype int4"),
+    (["--weight-bits", "9"], "invalid --weight-bits 9"),
+    (["--weight-type", "int4", "--weight-bits", "7"], "--weight-bits 7 with --weight-type int4"),
     (["--target", "nowhere"], "target"),
 ])
 def test_cli_bad_bits_exit_2_with_one_line(cli_inputs, tmp_path, capsys, flags, message):

@@ -31,7 +31,7 @@ def _reduce(op: str, source: ir.Value, axes: list[int], keepdims: int, name: str
     """One Reduce* node over `axes` (an input from the opset where the op takes it so)."""
     out = ir.Value(name=name)
     if opset >= (13 if op == "ReduceSum" else 18):
-        constant = ir.node("Constant", [], {"value": ir.tensor(np.array(axes, np.int64))}, name=name + "_axes",
+        constant = ir.node("Constant", [], {"value": ir.Tensor(np.array(axes, np.int64))}, name=name + "_axes",
                            outputs=[ir.Value(name=name + "_axes")])
         return [constant, ir.node(op, [source, constant.outputs[0]], {"keepdims": keepdims}, outputs=[out],
                                   name=name)]
@@ -110,7 +110,7 @@ def tap_nodes(value: ir.Value, stat: Statistic, opset: int) -> Taps | None:
 
     def product(step: str, reads: np.ndarray, left: bool) -> None:
         nonlocal source
-        constant = ir.node("Constant", [], {"value": ir.tensor(np.ascontiguousarray(reads, dtype))},
+        constant = ir.node("Constant", [], {"value": ir.Tensor(np.ascontiguousarray(reads, dtype))},
                            name=step + "_reads", outputs=[ir.Value(name=step + "_reads")])
         pair = [constant.outputs[0], source] if left else [source, constant.outputs[0]]
         nodes.extend([constant, ir.node("MatMul", pair, name=step, outputs=[ir.Value(name=step)])])

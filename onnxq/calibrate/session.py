@@ -126,7 +126,7 @@ def _bounded(value: ir.Value, bound: float) -> tuple[list[ir.Node], list[ir.Valu
     (MobileNet-v1's calibration pass, 27 Relu6 outputs: 3.5 s -> 2.9 s)."""
     low = ir.Value(name=value.name + REDUCED_SUFFIXES[0], type=value.type, shape=ir.Shape([]))
     high = ir.Value(name=value.name + REDUCED_SUFFIXES[1], type=value.type, shape=ir.Shape([]))
-    constant = ir.tensor(np.array(bound, dtype=value.dtype.numpy()))
+    constant = ir.Tensor(np.array(bound, dtype=value.dtype.numpy()))
     nodes = [ir.node("Constant", [], {"value": constant}, outputs=[low], name=low.name)]
     source = value
     if value.shape is not None and len(value.shape) == 4 and value.dtype == ir.DataType.FLOAT:

@@ -10,7 +10,7 @@ from onnxq.graph.external_data import release
 
 def make_initializer(name: str, array: np.ndarray) -> ir.Value:
     """An initializer value holding `array` (0-d arrays stay 0-d)."""
-    value = ir.Value(name=name, const_value=ir.tensor(np.array(array, order="C"), name=name))
+    value = ir.Value(name=name, const_value=ir.Tensor(np.array(array, order="C"), name=name))
     value.shape = ir.Shape(np.shape(array))
     value.dtype = value.const_value.dtype
     return value
@@ -74,7 +74,7 @@ def set_constant(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, 
     """
     current = node.inputs[index] if index < len(node.inputs) else None
     if current is not None and current.const_value is not None and len(current.uses()) == 1:
-        current.const_value = ir.tensor(np.array(array, order="C"), name=current.name)
+        current.const_value = ir.Tensor(np.array(array, order="C"), name=current.name)
         current.shape = ir.Shape(np.shape(array))
         return
     editor = GraphEditor(graph)

@@ -228,7 +228,7 @@ def _scaled_initializer(edit: GraphEditor, weight: ir.Value, s: np.ndarray) -> i
 
     def scaled() -> ir.Tensor:
         w = original.numpy()
-        return ir.tensor((w * s[:, None].astype(w.dtype)).astype(w.dtype))
+        return ir.Tensor((w * s[:, None].astype(w.dtype)).astype(w.dtype))
 
     name = edit.unique(f"{weight.name}_awq")
     value = ir.Value(name=name, shape=ir.Shape(original.shape), type=ir.TensorType(original.dtype),

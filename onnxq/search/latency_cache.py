@@ -9,9 +9,9 @@ the CPU (model name, flags, the cores this process may use) and the onnxruntime 
 versions: another CPU or onnxruntime measures again. A GPU provider's plan is keyed by the
 providers in the config, not by the GPU: another GPU model behind the same CPU reads it
 (delete the folder, or set $ONNXQ_CACHE_DIR per machine). onnxq's own code is not hashed: a
-checkout edited without a new version reads the old choices (delete the folder). The folder is `$ONNXQ_CACHE_DIR`,
-else `$XDG_CACHE_HOME/onnxq`, else `~/.cache/onnxq`; a cache that cannot be read or
-written is skipped (the search runs, nothing is stored).
+checkout edited without a new version reads the old choices (delete the folder). The folder is `latency` in
+onnxq's cache (`onnxq/cache.py`); a cache that cannot be read or written is skipped (the
+search runs, nothing is stored).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import platform
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +30,12 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from onnxq import cache
 from onnxq.config.compose import as_config
 from onnxq.config.io import config_to_json
 from onnxq.config.spec import Config
 from onnxq.emit.latency import timed_on
 from onnxq.errors import OnnxqError
-from onnxq.parallel import cpu_count
 from onnxq.target.profile import GPU_PROVIDERS
 
 FOLDER = "latency"
@@ -63,26 +61,6 @@ class Entry:
             where = timed_on(self.config.calibration.providers)
             return f"no change made the model faster on {where if where in GPU_PROVIDERS else 'this CPU'} ({times})"
         return f"{'; '.join(self.kept)} ({times})"
-
-
-def where() -> Path | None:
-    """The cache folder (module doc); None where there is no home to put it in."""
-    if os.environ.get("ONNXQ_CACHE_DIR"):
-        return Path(os.environ["ONNXQ_CACHE_DIR"]) / FOLDER
-    try:
-        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    except RuntimeError:  # no HOME and no passwd entry
-        return None
-    return Path(base) / "onnxq" / FOLDER
-
-
-def _cpu() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
-    except OSError:
-        lines = []
-    wanted = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
-    return "\n".join(sorted(set(wanted))) + f"\n{platform.machine()} {cpu_count()}"
 
 
 def _stat(files: list[Path], root: Path | None = None) -> str:
@@ -166,36 +144,27 @@ def key(source: object, config: Config, data: object = None) -> str | None:
     data_part = _data_digest(data)
     if data_part is None:
         return None
-    parts = [_model_digest(source), config_to_json(config), data_part, _cpu(), ort.__version__, _onnxq_version()]
+    parts = [_model_digest(source), config_to_json(config), data_part, cache.cpu_fingerprint(), ort.__version__,
+             _onnxq_version()]
     return hashlib.sha256("\n--\n".join(parts).encode()).hexdigest()[:32]
 
 
 def load(name: str) -> Entry | None:
     """The entry stored under `name`, None where there is none or it cannot be read."""
-    folder = where()
-    if folder is None:
+    doc = cache.read(FOLDER, name)
+    if doc is None:
         return None
     try:
-        doc = json.loads((folder / f"{name}.json").read_text())
         times = [{int(b): float(ms) for b, ms in doc[k].items()} for k in ("float_ms", "first_ms", "best_ms")]
         if not times[0] or any(t.keys() != times[0].keys() for t in times):
             return None
         return Entry(as_config(doc["config"]), list(doc["kept"]), *times, [str(s) for s in doc["skipped"]])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, OnnxqError):
+    except (ValueError, KeyError, TypeError, AttributeError, OnnxqError):
         return None
 
 
 def store(name: str, entry: Entry) -> None:
-    """Write `entry` under `name` atomically; skipped where the folder is not writable."""
-    doc = {"config": json.loads(config_to_json(entry.config)), "kept": entry.kept,
-           "float_ms": entry.float_ms, "first_ms": entry.first_ms, "best_ms": entry.best_ms, "skipped": entry.skipped}
-    folder = where()
-    if folder is None:
-        return
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
-            json.dump(doc, f, indent=1)
-        os.replace(f.name, folder / f"{name}.json")
-    except OSError:
-        return
+    """Write `entry` under `name` (atomically; skipped where the folder is not writable)."""
+    cache.write(FOLDER, name, {"config": json.loads(config_to_json(entry.config)), "kept": entry.kept,
+                               "float_ms": entry.float_ms, "first_ms": entry.first_ms, "best_ms": entry.best_ms,
+                               "skipped": entry.skipped})

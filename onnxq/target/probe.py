@@ -11,11 +11,17 @@ from CPU flags: it stays right for new ISAs, builds and execution providers.
 from __future__ import annotations
 
 import functools
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.capi import onnxruntime_pybind11_state
+
+from onnxq import cache
 
 # (activation kind, kernel class) pairs a probe checks.
 KERNELS = ("gemm", "depthwise")
@@ -137,6 +143,38 @@ def _saturates(model: onnx.ModelProto, x: np.ndarray, exact: float | np.ndarray,
     return not np.allclose(np.asarray(y, np.float64), np.asarray(exact, np.float64))
 
 
+CACHE_KIND = "probe"
+CPU = ("CPUExecutionProvider",)
+
+
+def _cache_name(kind: str) -> str:
+    """The CPU's answers' cache entry (module doc)."""
+    library = Path(onnxruntime_pybind11_state.__file__)
+    try:
+        info = library.stat()
+        build = f"{library} {info.st_size} {info.st_mtime_ns}"
+    except OSError:
+        build = str(library)
+    parts = [kind, ort.__version__, build, cache.cpu_fingerprint(), hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]
+    return hashlib.sha256("\n--\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _remembered(kind: str, providers: tuple[str, ...], probe: Callable[[], frozenset]) -> frozenset:
+    """`probe()`, read from the cache where this CPU answered it before (module doc); other
+    providers are probed every process (a GPU is not in the key)."""
+    if providers != CPU:
+        return probe()
+    name = _cache_name(kind)
+    doc = cache.read(CACHE_KIND, name)
+    if isinstance(doc, dict) and doc.get("kind") == kind and isinstance(doc.get("found"), list):
+        found = [tuple(x) if isinstance(x, list) else x for x in doc["found"]]
+        if all(isinstance(x, str) or (isinstance(x, tuple) and all(isinstance(y, str) for y in x)) for x in found):
+            return frozenset(found)
+    answer = probe()
+    cache.write(CACHE_KIND, name, {"kind": kind, "found": sorted(answer)})
+    return answer
+
+
 @functools.lru_cache(maxsize=8)
 def saturating_kernels(providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> frozenset[tuple[str, str]]:
     """(activation dtype, kernel class) pairs whose default-session kernels saturate.
@@ -144,14 +182,14 @@ def saturating_kernels(providers: tuple[str, ...] = ("CPUExecutionProvider",)) -
     Kernel classes: `gemm` (Conv, MatMul, Gemm through the quantized GEMM), `depthwise`
     (grouped Conv with one channel per group), `dynamic` (MatMulInteger, activation uint8).
     """
-    found = set()
-    for kernel in KERNELS:
-        for activation in ACTIVATIONS:
-            if _saturates(*_probe_model(kernel, activation), providers):
-                found.add((activation, kernel))
-    if _saturates(*_dynamic_model(), providers):
-        found.add(("uint8", "dynamic"))
-    return frozenset(found)
+    def probe() -> frozenset[tuple[str, str]]:
+        found = {(activation, kernel) for kernel in KERNELS for activation in ACTIVATIONS
+                 if _saturates(*_probe_model(kernel, activation), providers)}
+        if _saturates(*_dynamic_model(), providers):
+            found.add(("uint8", "dynamic"))
+        return frozenset(found)
+
+    return _remembered("saturating", providers, probe)
 
 
 @functools.lru_cache(maxsize=8)
@@ -159,7 +197,10 @@ def wrong_kernels(providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> fro
     """Kernel features that give wrong results (not saturation): `depthwise_zero_points`
     when a depthwise Conv with per-channel weight zero points is miscomputed, `u8u8_gemm`
     when the U8U8 GEMM (uint8 weights) is not exact."""
-    wrong = {"depthwise_zero_points"} if _saturates(*_depthwise_zero_point_model(), providers) else set()
-    if _saturates(*_u8u8_model(), providers):
-        wrong.add("u8u8_gemm")
-    return frozenset(wrong)
+    def probe() -> frozenset[str]:
+        wrong = {"depthwise_zero_points"} if _saturates(*_depthwise_zero_point_model(), providers) else set()
+        if _saturates(*_u8u8_model(), providers):
+            wrong.add("u8u8_gemm")
+        return frozenset(wrong)
+
+    return _remembered("wrong", providers, probe)

@@ -54,7 +54,7 @@ class KernelProbe:
             if array is not None and array.size <= _PROBE_CONSTANT_LIMIT and dtype != value.dtype:
                 array = cast_array(array, dtype) if dtype in NUMPY_TYPES else None
             if array is not None and array.size <= _PROBE_CONSTANT_LIMIT:
-                initializers.append(ir.serde.serialize_tensor(ir.tensor(array, name=value.name)))
+                initializers.append(ir.serde.serialize_tensor(ir.Tensor(array, name=value.name)))
             else:
                 inputs.append(_value_info(value.name, dtype, value.shape))
         outputs = [_value_info(v.name, t, None) for v, t in zip(node.outputs, outs) if v.name]

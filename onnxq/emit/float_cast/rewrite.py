@@ -91,7 +91,7 @@ class Rewriter:
                 continue
             key = (name, target)
             if key not in self.tensors:
-                self.tensors[key] = ir.tensor(cast_array(array, target), name=name)
+                self.tensors[key] = ir.Tensor(cast_array(array, target), name=name)
             value.const_value = self.tensors[key]
             self.storage_nodes.update(i for i in map(self._node_index, value.consumers()) if i in self.plan.storage)
             self._retype(value, target)

@@ -45,5 +45,5 @@ def typed_attributes(node: ir.Node, target: ir.DataType) -> list[ir.Attr]:
     if node.op_type in ("ConstantOfShape", "Constant"):
         attr = node.attributes.get("value")
         array = attr.as_tensor().numpy() if attr is not None else np.zeros(1, np.float32)
-        return [ir.AttrTensor("value", ir.tensor(cast_array(array, target)))]
+        return [ir.AttrTensor("value", ir.Tensor(cast_array(array, target)))]
     return []
