@@ -42,11 +42,14 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "resnet20_w4": {"model": "resnet20", "weight": INT4_PC, "ort": {"per_channel": True, "weight": "QInt4"}},
     "mobilenet_w4a": {"model": "mobilenet", "weight": INT4_PC_ASYM, "ort": {"per_channel": True, "weight": "QUInt4"}},
     "resnet20_w4a": {"model": "resnet20", "weight": INT4_PC_ASYM, "ort": {"per_channel": True, "weight": "QUInt4"}},
-    # The W4A8 preset's protocol: first and last weighted layer int8 (edge_weight); the
-    # ort row stays all-int4 (quantize_static has no such option).
-    "mobilenet_w4a8": {"model": "mobilenet", "weight": INT4_PC_ASYM, "config": {"edge_weight": INT8_PC},
+    # The W4A8 preset's protocol: first and last weighted layer int8 (edge_weight), and the
+    # depthwise convolutions (depthwise_weight); the ort row stays all-int4 (quantize_static
+    # has no such option).
+    "mobilenet_w4a8": {"model": "mobilenet", "weight": INT4_PC_ASYM,
+                       "config": {"edge_weight": INT8_PC, "depthwise_weight": INT8_PC},
                        "ort": {"per_channel": True, "weight": "QUInt4"}},
-    "resnet20_w4a8": {"model": "resnet20", "weight": INT4_PC_ASYM, "config": {"edge_weight": INT8_PC},
+    "resnet20_w4a8": {"model": "resnet20", "weight": INT4_PC_ASYM,
+                      "config": {"edge_weight": INT8_PC, "depthwise_weight": INT8_PC},
                       "ort": {"per_channel": True, "weight": "QUInt4"}},
     "minilm_int8": {"model": "minilm", "weight": {}, "ort": {"per_channel": True}},
 }

@@ -66,7 +66,7 @@ def images(n: int, seed: int) -> np.ndarray:
 
 def _w4a8(reconstruct: str, **extra) -> onnxq.Config:
     config = onnxq.get_preset("W4A8")
-    config.edge_weight = None
+    config.edge_weight = config.depthwise_weight = None  # all-int4
     config.algo_config = [{"name": "adaround", "reconstruct": reconstruct, "num_iteration": 100,
                            "block_iterations": 60, "validation_every": 0, **extra}]
     return config

@@ -1,5 +1,7 @@
 """`edge_weight`: the first and last weighted layers take their own weight spec (W4A8
-keeps them int8, the protocol of AdaRound's and BRECQ's int4 results)."""
+keeps them int8, the protocol of AdaRound's and BRECQ's int4 results); `depthwise_weight`:
+the depthwise convolutions take theirs (W4A8 keeps them int8 too). The model's weighted
+layers: a 3x3 Conv, a depthwise Conv, a 1x1 Conv and a Gemm."""
 
 from __future__ import annotations
 
@@ -31,12 +33,13 @@ def weight_types(model: onnx.ModelProto) -> list[int]:
     return types
 
 
-def test_w4a8_keeps_the_first_and_last_layer_int8():
+def test_w4a8_keeps_the_first_and_last_layer_and_the_depthwise_one_int8():
     result = onnxq.quantize(MODEL, None, "W4A8", CALIB)
-    assert weight_types(result.model) == [INT8, INT4, INT4, INT8]
+    assert weight_types(result.model) == [INT8, INT8, INT4, INT8]
     onnx.checker.check_model(result.model, full_check=True)
-    (edges,) = of(result.summary.notes, Topic.CONFIG)
+    edges, depthwise = of(result.summary.notes, Topic.CONFIG)
     assert "edge_weight" in edges.text and len(edges.nodes) == 2  # the first and the last weighted layer
+    assert "depthwise_weight: the 1 depthwise convolutions" in depthwise.text and len(depthwise.nodes) == 1
     feed = random_feeds(MODEL, 1, seed=9)[0]
     assert sqnr_db(run(MODEL, feed), run(result.model, feed)) > 15
 
@@ -44,6 +47,8 @@ def test_w4a8_keeps_the_first_and_last_layer_int8():
 def test_without_edge_weight_every_layer_is_alike():
     config = onnxq.get_preset("W4A8")
     config.edge_weight = None
+    assert weight_types(onnxq.quantize(MODEL, None, config, CALIB).model) == [INT4, INT8, INT4, INT4]
+    config.depthwise_weight = None
     assert weight_types(onnxq.quantize(MODEL, None, config, CALIB).model) == [INT4] * 4
 
 
@@ -53,7 +58,7 @@ def test_a_node_override_wins_over_the_edge_spec():
     first = next(n.name for n in MODEL.graph.node if n.op_type == "Conv")
     config.layer_quant_config = {first: onnxq.QuantizationConfig(weight=onnxq.QuantizationSpec(dtype="int4"))}
     result = onnxq.quantize(MODEL, None, config, CALIB)
-    assert weight_types(result.model) == [INT4, INT4, INT4, INT8]
+    assert weight_types(result.model) == [INT4, INT8, INT4, INT8]
     assert config.layer_quant_config[first].weight.symmetric is None  # the user's config is left alone
 
 
@@ -74,11 +79,14 @@ def test_cli_flag_sets_or_clears_it(tmp_path):
 
     path = save(MODEL, tmp_path / "m.onnx")
     np.savez(tmp_path / "calib.npz", **stack_feeds(CALIB))
-    for flag, expected in (("none", [INT4] * 4), ("uint8", [onnx.TensorProto.UINT8, INT4, INT4,
-                                                           onnx.TensorProto.UINT8])):
-        out = tmp_path / f"{flag}.onnx"
+    u8 = onnx.TensorProto.UINT8
+    for flags, expected in ((["--edge-weight-type", "none"], [INT4, INT8, INT4, INT4]),
+                            (["--edge-weight-type", "uint8"], [u8, INT8, INT4, u8]),
+                            (["--edge-weight-type", "none", "--depthwise-weight-type", "none"], [INT4] * 4),
+                            (["--depthwise-weight-type", "uint8"], [INT8, u8, INT4, INT8])):
+        out = tmp_path / f"{'_'.join(flags)}.onnx"
         proc = cli("quantize", str(path), str(out), "--calib-data", str(tmp_path / "calib.npz"), "--preset", "W4A8",
-                   "--edge-weight-type", flag, "--quiet")
+                   *flags, "--quiet")
         assert proc.returncode == 0, proc.stderr
         assert weight_types(onnx.load(str(out))) == expected
 
@@ -93,7 +101,7 @@ def test_re_emission_from_the_pipeline_state_keeps_the_edge_layers():
     config = onnxq.get_preset("W4A8")
     config.algo_config = []
     result = run_pipeline(MODEL, None, config, CALIB, keep_state=True)
-    assert weight_types(ir.to_proto(result.state.emit(config))) == [INT8, INT4, INT4, INT8]
+    assert weight_types(ir.to_proto(result.state.emit(config))) == [INT8, INT8, INT4, INT8]
 
 
 def test_search_trials_keep_the_runs_edge_layers():
@@ -109,7 +117,7 @@ def test_search_trials_keep_the_runs_edge_layers():
     result = run_pipeline(MODEL, None, config, CALIB, keep_state=True)
     first = next(n.name for n in MODEL.graph.node if n.op_type == "Conv")
     trial = ir.to_proto(result.state.emit(with_promotions(config, {first: "float"})))
-    assert weight_types(trial) == [None, INT4, INT4, INT8]
+    assert weight_types(trial) == [None, INT8, INT4, INT8]
 
 
 def test_an_edge_type_that_needs_a_newer_opset_upgrades_the_model():
@@ -130,7 +138,7 @@ def test_an_invalid_edge_spec_is_refused_under_its_own_key():
 def test_an_excluded_first_layer_is_not_replaced_by_the_next():
     config = onnxq.get_preset("W4A8")
     config.exclude = [next(n.name for n in MODEL.graph.node if n.op_type == "Conv")]
-    assert weight_types(onnxq.quantize(MODEL, None, config, CALIB).model) == [None, INT4, INT4, INT8]
+    assert weight_types(onnxq.quantize(MODEL, None, config, CALIB).model) == [None, INT8, INT4, INT8]
 
 
 def input_quantized(model: onnx.ModelProto) -> list[bool]:
@@ -203,3 +211,44 @@ def test_a_bare_edge_dtype_merges_like_the_flag():
     the preset's symmetric per-channel spec stays."""
     config = onnxq.config.compose.compose_config("W4A8", None, {"edge_weight": "uint8"})
     assert config.edge_weight == onnxq.QuantizationSpec(dtype="uint8", symmetric=True, qscheme="per_channel")
+
+
+def test_depthwise_weight_from_a_config_file_on_an_int8_recipe():
+    """On any recipe: int4 depthwise weights where everything else is int8, as a bare dtype."""
+    from onnxq.config.compose import compose_config
+
+    config = compose_config("U8S8", None, {"depthwise_weight": "int4"})
+    result = onnxq.quantize(MODEL, None, config, CALIB)
+    assert weight_types(result.model) == [INT8, INT4, INT8, INT8]
+    onnx.checker.check_model(result.model, full_check=True)
+    feed = random_feeds(MODEL, 1, seed=9)[0]
+    assert sqnr_db(run(MODEL, feed), run(result.model, feed)) > 15
+
+
+def test_the_edge_spec_and_the_users_node_field_win_over_the_depthwise_spec():
+    config = onnxq.get_preset("U8S8")
+    config.depthwise_weight = onnxq.QuantizationSpec(dtype="int4", symmetric=False)
+    depthwise = [n.name for n in MODEL.graph.node if n.op_type == "Conv"][1]
+    config.layer_quant_config = {depthwise: onnxq.QuantizationConfig(weight=onnxq.QuantizationSpec(dtype="uint8"))}
+    assert weight_types(onnxq.quantize(MODEL, None, config, CALIB).model) == [INT8, onnx.TensorProto.UINT8, INT8,
+                                                                             INT8]
+    # a model whose first weighted layer is depthwise: it is an edge layer, and takes edge_weight
+    from helpers import GraphBuilder
+
+    b = GraphBuilder(5)
+    x = b.relu(b.conv(b.input("x", ["N", 8, 8, 8]), 8, 8, group=8))
+    x = b.node("Flatten", [b.relu(b.conv(x, 8, 8, k=1))])
+    b_model = b.build([b.gemm(x, 8 * 8 * 8, 10)], name="depthwise_first")
+    config = onnxq.get_preset("W4A8")
+    config.algo_config = []
+    result = onnxq.quantize(b_model, None, config, random_feeds(b_model, 8, seed=1))
+    assert weight_types(result.model) == [INT8, INT4, INT8]
+    edges, = of(result.summary.notes, Topic.CONFIG)  # no depthwise layer is left for its own note
+    assert "edge_weight" in edges.text
+
+
+def test_an_invalid_depthwise_spec_is_refused_under_its_own_key():
+    config = onnxq.get_preset("U8S8")
+    config.depthwise_weight = onnxq.QuantizationSpec(dtype="int32")
+    with pytest.raises(ConfigError, match="^depthwise_weight: .*32-bit"):
+        onnxq.quantize(MODEL, None, config, CALIB)

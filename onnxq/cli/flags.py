@@ -12,7 +12,7 @@ from onnxq.cli.algorithms import algorithm_entries, weight_only_choices
 from onnxq.cli.arguments import key_values
 from onnxq.config import PRESETS
 from onnxq.config.accuracy import parse_target
-from onnxq.config.spec import DEFAULT_LADDER, EDGE_FIELDS
+from onnxq.config.spec import DEFAULT_LADDER, LAYER_CLASS_FIELDS
 from onnxq.errors import OnnxqError
 from onnxq.optimize.registry import CONTRACTS, flagged_algorithms
 
@@ -82,7 +82,7 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
         values += [(("weight", "qscheme"), "per_group"), (("weight", "group_size"), args.per_group)]
     if args.matmul_nbits:
         values.append((("matmul_nbits",), True))
-    for key in EDGE_FIELDS:  # a bare dtype or none, as in a config file (`config.io.bare_edge_dtypes`)
+    for key in LAYER_CLASS_FIELDS:  # a bare dtype or none, as in a config file (`config.io.bare_edge_dtypes`)
         if getattr(args, f"{key}_type") is not None:
             values.append(((key,), getattr(args, f"{key}_type")))
     passes = [{"name": "cle"}] if args.cle else []
@@ -200,6 +200,9 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--edge-weight-type", metavar="DTYPE",
                    help="weight dtype of the first and last weighted layers (edge_weight; W4A8 keeps them "
                         "int8), or none: like every other layer")
+    q.add_argument("--depthwise-weight-type", metavar="DTYPE",
+                   help="weight dtype of the depthwise convolutions (depthwise_weight; W4A8 keeps them int8), "
+                        "or none: like every other layer")
     q.add_argument("--edge-input-type", metavar="DTYPE",
                    help="input-activation dtype of the same two layers (edge_input; FP8_E4M3 keeps them "
                         "float32, unquantized), or none: like every other layer")

@@ -14,7 +14,7 @@ import yaml
 
 from onnxq.config.amct import AMCT_SUFFIXES, looks_like_amct, read_amct
 from onnxq.config.convert import config_to_dict, convert, type_error
-from onnxq.config.spec import EDGE_FIELDS, Config
+from onnxq.config.spec import LAYER_CLASS_FIELDS, Config
 from onnxq.config.validate import validate_config
 from onnxq.errors import ConfigError
 from onnxq.graph.save import write_text_atomic
@@ -51,8 +51,9 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
 
 def bare_edge_dtypes(source: dict[str, Any]) -> None:
     """`edge_weight: uint8` (a dtype alone, as --edge-weight-type takes it) means its dtype
-    field, merged over the lower sources' spec like the flag; `none` means null. In place."""
-    for key in EDGE_FIELDS:
+    field, merged over the lower sources' spec like the flag; `none` means null. In place.
+    The same for every layer-class key (`LAYER_CLASS_FIELDS`)."""
+    for key in LAYER_CLASS_FIELDS:
         if isinstance(source.get(key), str):
             source[key] = None if source[key].lower() == "none" else {"dtype": source[key]}
 

@@ -17,7 +17,14 @@ import onnx_ir as ir
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.calibrate.decoder import DECODE_STEPS, DecoderFeeds, decoder_feeds
 from onnxq.config import validate_node_configs
-from onnxq.config.spec import EDGE_FIELDS, TENSOR_CLASSES, Config, DType, QScheme, QuantFormat
+from onnxq.config.spec import (
+    LAYER_CLASS_FIELDS,
+    TENSOR_CLASSES,
+    Config,
+    DType,
+    QScheme,
+    QuantFormat,
+)
 from onnxq.errors import UnsupportedModelError
 from onnxq.graph.folder import on_disk_bytes
 from onnxq.graph.load import LoadReport, check_runnable, load_model
@@ -43,7 +50,7 @@ def required_opset(config: Config) -> int:
         return 13
     levels = [config.global_quant_config, *config.layer_type_quant_config.values(),
               *config.layer_quant_config.values()]
-    specs = [getattr(level, tc) for level in levels for tc in TENSOR_CLASSES] + [getattr(config, key) for key in EDGE_FIELDS]
+    specs = [getattr(level, tc) for level in levels for tc in TENSOR_CLASSES] + [getattr(config, key) for key in LAYER_CLASS_FIELDS]
     opsets = [qdq_opset(s.dtype) for s in specs if s is not None and s.dtype is not None
               and DType(s.dtype) not in FLOAT_TARGETS | {DType.FLOAT32}]
     opsets += [21 for s in specs if s is not None and s.qscheme == QScheme.PER_GROUP]
@@ -153,8 +160,8 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
         summary.notes.append(Note(Topic.FLOAT, f"already quantized: {ops}; left as they are, the rest quantized",
                                   tuple(kept)))
     validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)])
-    config, edges, note = apply_edges(config, model)
-    summary.notes.extend([Note(Topic.CONFIG, note, tuple(edges))] if note else [])
+    config, edges, said = apply_edges(config, model)
+    summary.notes.extend(Note(Topic.CONFIG, text, layers) for text, layers in said)
 
     with summary.stage("optimise"):
         passes, added = with_equalization(model, config, passes, configured, target)

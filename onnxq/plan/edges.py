@@ -1,5 +1,5 @@
-"""The first and last weighted layers, and the config that gives them `edge_weight` and
-`edge_input`.
+"""The classes of layers a config gives their own specs: the first and last weighted layers
+(`edge_weight`, `edge_input`) and the depthwise convolutions (`depthwise_weight`).
 
 Low-bit weight recipes keep the first and the last weighted layer at 8 bits (the
 protocol of AdaRound's and BRECQ's int4 results): the first layer reads the raw input
@@ -12,6 +12,11 @@ op-type and global specs.
 A run fixes its edge layers once (`prepare`); re-emissions (the accuracy-target search's
 trials) reuse them, so promoting a layer to float never moves the edge. A weight tensor
 shared by several layers is planned once, from its first consumer's spec.
+
+Depthwise convolutions (every group reads one input channel) hold few weights each: 9 a
+channel for a 3x3 kernel, which 4-bit codes fit poorly, and about 1% of a MobileNet's
+weights. `depthwise_weight` is applied like the edge specs, beneath them: an edge layer
+that is depthwise takes the edge spec.
 """
 
 from __future__ import annotations
@@ -21,9 +26,16 @@ import dataclasses
 import onnx_ir as ir
 
 from onnxq.config.resolve import resolve_node_config
-from onnxq.config.spec import EDGE_FIELDS, Config, QuantizationConfig, QuantizationSpec
+from onnxq.config.spec import (
+    EDGE_FIELDS,
+    LAYER_CLASS_FIELDS,
+    Config,
+    QuantizationConfig,
+    QuantizationSpec,
+)
 from onnxq.config.validate import check_resolved
 from onnxq.errors import ConfigError
+from onnxq.graph import layout
 from onnxq.graph.fold import constant_array
 
 WEIGHTED = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
@@ -51,22 +63,42 @@ def _edge_specs(config: Config) -> dict[str, QuantizationSpec]:
     return {field: spec for field, spec in specs.items() if spec is not None}
 
 
+def depthwise_layers(model: ir.Model, config: Config) -> list[ir.Node]:
+    """The Conv nodes with more than one group whose constant weight [M, 1, k...] gives
+    each group one input channel, each only if the config quantizes its weight."""
+    found = []
+    for node in model.graph:
+        if node.op_type != "Conv" or len(node.inputs) < 2 or layout.groups(node) < 2:
+            continue
+        weight = node.inputs[1].const_value if node.inputs[1] is not None else None
+        if weight is not None and len(weight.shape) > 2 and weight.shape[1] == 1 and _weight_quantized(config, node):
+            found.append(node)
+    return found
+
+
 def with_edges(config: Config, model: ir.Model, names: list[str] | None = None) -> tuple[Config, list[str]]:
     """`config` with `edge_weight` and `edge_input` as node-level overrides of the edge
-    layers (a copy; the config itself is left alone), and their names. `names`: the
-    layers a run already chose (a re-emission must not move them). Unchanged without
-    either field."""
+    layers, then `depthwise_weight` of the depthwise convolutions (a copy; the config
+    itself is left alone), and the edge layers' names. `names`: the edge layers a run
+    already chose (a re-emission must not move them). Unchanged without those fields."""
     specs = _edge_specs(config)
-    if not specs:
+    if not specs and config.depthwise_weight is None:
         return config, []
     if names is None:
-        names = [node.name for node in edge_layers(model, config)]
+        names = [node.name for node in edge_layers(model, config)] if specs else []
     overrides = dict(config.layer_quant_config)
     for name in names:
-        own = overrides.get(name) or QuantizationConfig()
-        overrides[name] = dataclasses.replace(
-            own, **{field: _merged(getattr(own, field), spec) for field, spec in specs.items()})
+        overrides[name] = _with_specs(overrides.get(name), specs)
+    if config.depthwise_weight is not None:
+        for node in depthwise_layers(model, config):
+            overrides[node.name] = _with_specs(overrides.get(node.name), {"weight": config.depthwise_weight})
     return dataclasses.replace(config, layer_quant_config=overrides), names
+
+
+def _with_specs(own: QuantizationConfig | None, specs: dict[str, QuantizationSpec]) -> QuantizationConfig:
+    """A node's own override with each of `specs` merged beneath its fields."""
+    own = own or QuantizationConfig()
+    return dataclasses.replace(own, **{field: _merged(getattr(own, field), spec) for field, spec in specs.items()})
 
 
 def _merged(own: QuantizationSpec | None, edge: QuantizationSpec) -> QuantizationSpec:
@@ -77,26 +109,37 @@ def _merged(own: QuantizationSpec | None, edge: QuantizationSpec) -> Quantizatio
     return dataclasses.replace(own, **unset)
 
 
-def apply_edges(config: Config, model: ir.Model) -> tuple[Config, list[str], str | None]:
-    """`with_edges` for a run: the edge layers' resolved configs checked like any node
+def apply_edges(config: Config, model: ir.Model) -> tuple[Config, list[str], list[tuple[str, tuple[str, ...]]]]:
+    """`with_edges` for a run: the layers' resolved configs checked like any node
     override's (an int32 weight, per-group without a group size), under the config's own
-    keys, and the summary's note naming them (None without edge layers)."""
-    specs = _edge_specs(config)
+    keys, and the summary's notes naming them, with the layers each note is about."""
     applied, names = with_edges(config, model)
-    if not names:
-        return applied, names, None
+    if applied is config:
+        return applied, names, []
     ops = {node.name: node.op_type for node in model.graph}
-    key_of = {field: key for key, field in EDGE_FIELDS.items()}
+    depthwise = [node.name for node in depthwise_layers(model, config)] if config.depthwise_weight else []
+    specs = {**_edge_specs(config), **({"depthwise": config.depthwise_weight} if depthwise else {})}
+    key_of = {**{field: key for key, field in EDGE_FIELDS.items()}, "depthwise": "depthwise_weight"}
     for field in specs:  # one at a time, so that an error names its own key
-        alone = dataclasses.replace(config, **{key: None for key in EDGE_FIELDS if key != key_of[field]})
+        own = key_of[field]
+        alone = dataclasses.replace(config, **{key: None for key in LAYER_CLASS_FIELDS if key != own})
+        layers = depthwise if field == "depthwise" else names
         try:
-            check_resolved(with_edges(alone, model, names)[0], [(name, ops[name]) for name in names])
+            check_resolved(with_edges(alone, model, names)[0], [(name, ops[name]) for name in layers])
         except ConfigError as exc:
-            raise ConfigError(f"{key_of[field]}: {exc}") from None
-    keys = " / ".join(key_of[field] for field in specs)
-    what = " and ".join(f"{_describe(spec)} {'weights' if field == 'weight' else 'inputs'}"
-                        for field, spec in specs.items())
-    return applied, names, f"{keys}: the first and last weighted layers ({', '.join(names)}) take {what}"
+            raise ConfigError(f"{own}: {exc}") from None
+    said = []
+    edge = {field: spec for field, spec in specs.items() if field != "depthwise"}
+    if names and edge:
+        keys = " / ".join(key_of[field] for field in edge)
+        what = " and ".join(f"{_describe(spec)} {'weights' if field == 'weight' else 'inputs'}"
+                            for field, spec in edge.items())
+        said.append((f"{keys}: the first and last weighted layers ({', '.join(names)}) take {what}", tuple(names)))
+    taken = [name for name in depthwise if name not in names]  # an edge layer keeps its edge spec
+    if taken:
+        said.append((f"depthwise_weight: the {len(taken)} depthwise convolutions take "
+                     f"{_describe(config.depthwise_weight)} weights", tuple(taken)))
+    return applied, names, said
 
 
 def _describe(spec: QuantizationSpec) -> str:
