@@ -9,6 +9,7 @@ reason a run fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -57,10 +58,14 @@ def write(kind: str, name: str, doc: Any) -> None:
     where = folder(kind)
     if where is None:
         return
+    temporary = None
     try:
         where.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=where, suffix=".tmp", delete=False) as f:
+            temporary = f.name
             json.dump(doc, f, indent=1)
-        os.replace(f.name, where / f"{name}.json")
+        os.replace(temporary, where / f"{name}.json")
     except OSError:
-        return
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)

@@ -62,8 +62,28 @@ def test_an_unwritable_cache_is_skipped(tmp_path, monkeypatch):
     blocker.write_text("a file where the cache folder would be")
     monkeypatch.setenv("ONNXQ_CACHE_DIR", str(blocker))
     probe.saturating_kernels.cache_clear()
+    calls = _probes_counted(monkeypatch)
     try:
-        assert isinstance(probe.saturating_kernels(), frozenset)
+        first = probe.saturating_kernels()
+        probe.saturating_kernels.cache_clear()
+        assert probe.saturating_kernels() == first  # probed again, the same answer
     finally:
         probe.saturating_kernels.cache_clear()
-    assert cache.read(probe.CACHE_KIND, "anything") is None
+    assert calls[0] == 10  # five kernels, twice: nothing was stored
+    assert blocker.read_text().startswith("a file")
+
+
+def test_an_entry_naming_an_unknown_kernel_is_probed_again(fresh, monkeypatch):
+    expected = probe.wrong_kernels()
+    (entry,) = [p for p in fresh.glob("*.json") if cache.read(probe.CACHE_KIND, p.stem)["kind"] == "wrong"]
+    entry.write_text('{"kind": "wrong", "found": ["everything"]}')
+    probe.wrong_kernels.cache_clear()
+    calls = _probes_counted(monkeypatch)
+    assert probe.wrong_kernels() == expected and calls[0] == 2
+
+
+def test_a_cpu_without_feature_flags_is_not_cached(fresh, monkeypatch):
+    """Without flags two CPUs of one architecture and core count would share an entry."""
+    monkeypatch.setattr(cache, "cpu_fingerprint", lambda: "x86_64 2")
+    probe.saturating_kernels()
+    assert not fresh.exists() or not list(fresh.glob("*.json"))

@@ -39,7 +39,7 @@ def test_w4a8_keeps_the_first_and_last_layer_and_the_depthwise_one_int8():
     onnx.checker.check_model(result.model, full_check=True)
     edges, depthwise = of(result.summary.notes, Topic.CONFIG)
     assert "edge_weight" in edges.text and len(edges.nodes) == 2  # the first and the last weighted layer
-    assert "depthwise_weight: the 1 depthwise convolutions" in depthwise.text and len(depthwise.nodes) == 1
+    assert "depthwise_weight: the depthwise convolution takes int8" in depthwise.text and len(depthwise.nodes) == 1
     feed = random_feeds(MODEL, 1, seed=9)[0]
     assert sqnr_db(run(MODEL, feed), run(result.model, feed)) > 15
 
@@ -225,26 +225,62 @@ def test_depthwise_weight_from_a_config_file_on_an_int8_recipe():
     assert sqnr_db(run(MODEL, feed), run(result.model, feed)) > 15
 
 
-def test_the_edge_spec_and_the_users_node_field_win_over_the_depthwise_spec():
+def _depthwise_first():
+    """A depthwise Conv first (an edge layer), a 1x1 Conv, a Gemm."""
+    from helpers import GraphBuilder
+
+    b = GraphBuilder(5)
+    x = b.relu(b.conv(b.input("x", ["N", 8, 8, 8]), 8, 8, group=8))
+    x = b.node("Flatten", [b.relu(b.conv(x, 8, 8, k=1))])
+    return b.build([b.gemm(x, 8 * 8 * 8, 10)], name="depthwise_first")
+
+
+def test_the_users_node_field_wins_over_the_depthwise_spec():
     config = onnxq.get_preset("U8S8")
     config.depthwise_weight = onnxq.QuantizationSpec(dtype="int4", symmetric=False)
     depthwise = [n.name for n in MODEL.graph.node if n.op_type == "Conv"][1]
     config.layer_quant_config = {depthwise: onnxq.QuantizationConfig(weight=onnxq.QuantizationSpec(dtype="uint8"))}
     assert weight_types(onnxq.quantize(MODEL, None, config, CALIB).model) == [INT8, onnx.TensorProto.UINT8, INT8,
                                                                              INT8]
-    # a model whose first weighted layer is depthwise: it is an edge layer, and takes edge_weight
+
+
+def test_a_depthwise_edge_layer_takes_the_edge_weight_spec_whole():
+    """Not the depthwise spec, and not a mix: the depthwise spec's fields the edge spec
+    leaves unset (bits, granularity) do not reach the edge layer."""
+    model = _depthwise_first()
+    config = onnxq.get_preset("U8S8")
+    config.edge_weight = onnxq.QuantizationSpec(dtype="uint8")
+    config.depthwise_weight = onnxq.QuantizationSpec(dtype="int4", bits=3, qscheme="per_tensor", symmetric=False)
+    result = onnxq.quantize(model, None, config, random_feeds(model, 8, seed=1))
+    u8 = onnx.TensorProto.UINT8
+    assert weight_types(result.model) == [u8, INT8, u8]
+    first = next(n for n in result.model.graph.node if n.op_type == "Conv")
+    scale = next(t for t in result.model.graph.initializer
+                 if t.name == next(n for n in result.model.graph.node if n.output[0] == first.input[1]).input[1])
+    assert list(scale.dims) == [8]  # per-channel, as the preset's weights: not the depthwise spec's per-tensor
+    (edges,) = of(result.summary.notes, Topic.CONFIG)  # no depthwise layer left for a note of its own
+    assert "edge_weight" in edges.text
+    # with only edge_input set, the depthwise edge layer takes depthwise_weight, and its note says so
+    config = onnxq.get_preset("U8S8")
+    config.edge_input = onnxq.QuantizationSpec(dtype="float32")
+    config.depthwise_weight = onnxq.QuantizationSpec(dtype="int4")
+    result = onnxq.quantize(model, None, config, random_feeds(model, 8, seed=1))
+    assert weight_types(result.model)[0] == INT4
+    assert any("depthwise_weight: the depthwise convolution" in n.text for n in of(result.summary.notes, Topic.CONFIG))
+
+
+def test_a_grouped_conv_that_is_not_depthwise_keeps_the_global_spec():
     from helpers import GraphBuilder
 
-    b = GraphBuilder(5)
-    x = b.relu(b.conv(b.input("x", ["N", 8, 8, 8]), 8, 8, group=8))
-    x = b.node("Flatten", [b.relu(b.conv(x, 8, 8, k=1))])
-    b_model = b.build([b.gemm(x, 8 * 8 * 8, 10)], name="depthwise_first")
-    config = onnxq.get_preset("W4A8")
-    config.algo_config = []
-    result = onnxq.quantize(b_model, None, config, random_feeds(b_model, 8, seed=1))
-    assert weight_types(result.model) == [INT8, INT4, INT8]
-    edges, = of(result.summary.notes, Topic.CONFIG)  # no depthwise layer is left for its own note
-    assert "edge_weight" in edges.text
+    b = GraphBuilder(7)
+    x = b.relu(b.conv(b.input("x", ["N", 8, 8, 8]), 8, 8, group=2))  # 4 input channels a group
+    x = b.relu(b.conv(x, 8, 8, k=1))
+    model = b.build([b.conv(x, 8, 4, group=4)], name="grouped")  # 2 input channels a group
+    config = onnxq.get_preset("U8S8")
+    config.depthwise_weight = onnxq.QuantizationSpec(dtype="int4")
+    result = onnxq.quantize(model, None, config, random_feeds(model, 8, seed=1))
+    assert weight_types(result.model) == [INT8, INT8, INT8]
+    assert not of(result.summary.notes, Topic.CONFIG)
 
 
 def test_an_invalid_depthwise_spec_is_refused_under_its_own_key():

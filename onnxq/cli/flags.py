@@ -12,6 +12,7 @@ from onnxq.cli.algorithms import algorithm_entries, weight_only_choices
 from onnxq.cli.arguments import key_values
 from onnxq.config import PRESETS
 from onnxq.config.accuracy import parse_target
+from onnxq.config.compose import OVERRIDES_SOURCE
 from onnxq.config.spec import DEFAULT_LADDER, LAYER_CLASS_FIELDS
 from onnxq.errors import OnnxqError
 from onnxq.optimize.registry import CONTRACTS, flagged_algorithms
@@ -82,7 +83,7 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
         values += [(("weight", "qscheme"), "per_group"), (("weight", "group_size"), args.per_group)]
     if args.matmul_nbits:
         values.append((("matmul_nbits",), True))
-    for key in LAYER_CLASS_FIELDS:  # a bare dtype or none, as in a config file (`config.io.bare_edge_dtypes`)
+    for key in LAYER_CLASS_FIELDS:  # a bare dtype or none, as in a config file (`config.io.bare_layer_class_dtypes`)
         if getattr(args, f"{key}_type") is not None:
             values.append(((key,), getattr(args, f"{key}_type")))
     passes = [{"name": "cle"}] if args.cle else []
@@ -98,31 +99,53 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
     return values
 
 
-# The prefix `compose_config` gives an error of the layer the flags make.
-FLAGS_LAYER = "options: "
+def _where(path: tuple[str, ...]) -> tuple[str, ...]:
+    """Where a config error locates a field the flag at `path` sets (`... in WHERE; fix`)."""
+    if path[0] == "act":
+        return ("global_quant_config.input_tensors", "global_quant_config.output_tensors")
+    if path[0] == "weight":
+        return ("global_quant_config.weight",)
+    return (path[0],) if len(path) == 2 else ("config",)
+
+
+def _given(args: argparse.Namespace) -> list[tuple[str, str, tuple[str, ...], Any]]:
+    """(flag, field, where, value) of each single-valued flag given that sets a config field."""
+    paths = [*FLAG_PATHS, ("per_group", ("weight", "group_size")),
+             *((f"{key}_type", (key, "dtype")) for key in LAYER_CLASS_FIELDS)]
+    given = []
+    for flag, path in paths:
+        value = getattr(args, flag, None)
+        if value is not None and not isinstance(value, list | tuple | bool):
+            given.append(("--" + flag.replace("_", "-"), path[-1], _where(path), value))
+    return given
 
 
 def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     """A config error the flags caused, in the flags' words: `invalid batch_size 0 in
-    calibration` for `--batch-size 0` reads `invalid --batch-size 0 in calibration`. A
-    field is renamed where it stands before the value one flag gave it, or after "remove"
-    where one flag sets it; other messages pass unchanged."""
-    if not message.startswith(FLAGS_LAYER):
+    calibration` for `--batch-size 0` reads `invalid --batch-size 0 in calibration`. In the
+    problem (before the first "; "), a field is renamed where it stands before the value a
+    flag gave it and the error locates it where that flag writes; in the fix after it,
+    "remove FIELD" of a renamed field. Any other message passes unchanged."""
+    prefix = OVERRIDES_SOURCE + ": "
+    if not message.startswith(prefix):
         return message
-    given: dict[str, set[tuple[str, Any]]] = {}
-    for flag, path in FLAG_PATHS:
-        value = getattr(args, flag, None)
-        if value is not None and not isinstance(value, list | tuple):
-            given.setdefault(path[-1], set()).add(("--" + flag.replace("_", "-"), value))
-    text = message[len(FLAGS_LAYER):]
-    for field, flags in given.items():
-        for flag, value in flags:
-            if sum(str(other) == str(value) for _, other in flags) == 1:  # the value tells the flag
-                shown = "|".join(re.escape(v) for v in (repr(value), str(value)))
-                text = re.sub(rf"(?<![\w.-]){re.escape(field)} (?={shown})", flag + " ", text)
-        if len(flags) == 1:
-            text = re.sub(rf"(?<=remove ){re.escape(field)}(?![\w-])", next(iter(flags))[0], text)
-    return text if text != message[len(FLAGS_LAYER):] else message
+    problem, sep, fix = message[len(prefix):].partition("; ")
+    if " in " not in problem:
+        return message
+    where = problem.rsplit(" in ", 1)[1]
+    candidates = [(flag, field, value) for flag, field, wheres, value in _given(args) if where in wheres]
+    renamed = []
+    for flag, field, value in candidates:
+        if sum(f == field and str(v) == str(value) for _, f, v in candidates) > 1:
+            continue  # two flags gave this field this value: which one is meant cannot be told
+        shown = "|".join(re.escape(v) for v in (repr(value), str(value)))
+        new = re.sub(rf"(?<![\w.-]){re.escape(field)} (?=(?:{shown})(?![\w.]))", flag + " ", problem)
+        if new != problem:
+            problem = new
+            renamed.append((flag, field))
+    for flag, field in renamed:
+        fix = re.sub(rf"(?<=remove ){re.escape(field)}(?![\w-])", flag, fix)
+    return problem + sep + fix if renamed else message
 
 
 def _target_text(expression: str | None, metric: str | None) -> str:

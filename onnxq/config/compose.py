@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from onnxq.config.convert import config_to_dict, entry_dict
-from onnxq.config.io import NO_PRESET, bare_edge_dtypes, config_from_dict, read_config_dict
+from onnxq.config.io import NO_PRESET, bare_layer_class_dtypes, config_from_dict, read_config_dict
 from onnxq.config.presets import PRESETS, get_preset
 from onnxq.config.spec import Config
 from onnxq.config.validate import validate_config
@@ -61,6 +61,10 @@ def _merge_by_name(base: list[Any], override: list[Any]) -> list[Any]:
             merged.append(entry)
             names.append(name)
     return merged
+
+
+# How an error of the overrides' layer is prefixed (`cli.flags.in_flag_terms` reads it).
+OVERRIDES_SOURCE = "options"
 
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -122,9 +126,9 @@ def compose_config(
     if overrides:
         overrides = {key: [entry_dict(e) for e in value] if key in NAMED_LISTS and isinstance(value, list)
                      else value for key, value in overrides.items()}
-        sources.append(("options", overrides))
+        sources.append((OVERRIDES_SOURCE, overrides))
     for _, source in sources:
-        bare_edge_dtypes(source)
+        bare_layer_class_dtypes(source)
     named = [(where, source.pop("preset")) for where, source in sources if "preset" in source]
     whole = [where for where, name in named if isinstance(name, str) and name.lower() == NO_PRESET]
     if preset is not None and preset.lower() != NO_PRESET and whole:

@@ -43,13 +43,13 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
     if not isinstance(base, str) or base.lower() != NO_PRESET:
         raise ConfigError(f"preset {base!r} in a whole config; read it with onnxq.config.as_config "
                           "or compose_config, which lay it over its preset")
-    bare_edge_dtypes(d)
+    bare_layer_class_dtypes(d)
     config = convert(d, Config, "", "")
     validate_config(config)
     return config
 
 
-def bare_edge_dtypes(source: dict[str, Any]) -> None:
+def bare_layer_class_dtypes(source: dict[str, Any]) -> None:
     """`edge_weight: uint8` (a dtype alone, as --edge-weight-type takes it) means its dtype
     field, merged over the lower sources' spec like the flag; `none` means null. In place.
     The same for every layer-class key (`LAYER_CLASS_FIELDS`)."""

@@ -249,7 +249,7 @@ class MixedPrecisionConfig:
 # weighted layers (`plan/edges.py`).
 EDGE_FIELDS = {"edge_weight": "weight", "edge_input": "input_tensors"}
 # The config keys that give a class of layers its own spec (`plan/edges.py`), each also
-# written as a bare dtype or `none` (`config.io.bare_edge_dtypes`, the --KEY-type flags).
+# written as a bare dtype or `none` (`config.io.bare_layer_class_dtypes`, the --KEY-type flags).
 LAYER_CLASS_FIELDS = (*EDGE_FIELDS, "depthwise_weight")
 
 

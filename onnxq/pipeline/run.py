@@ -93,7 +93,8 @@ def run_pipeline(
     summary.notes.extend(notes(Topic.EMISSION, emitted.notes))
     summary.notes.extend(kept)
 
-    write_output(summary, source, model, output, settings.data, options.providers, options.measure_latency)
+    write_output(summary, source, model, output, data=settings.data, providers=options.providers,
+                 measure_latency=options.measure_latency)
     if not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before:
         summary.notes.append(Note(Topic.WARNING, "warning: nothing was quantized: every node stayed float (see 'left "
                                   "in float'); pick a recipe that covers this model's ops (U8S8 for convolutions; "
@@ -101,7 +102,7 @@ def run_pipeline(
     return QuantizationResult(model, summary, calibration.ranges, plan, state)
 
 
-def write_output(summary: Summary, source: ModelSource, model: Any, output: str | os.PathLike | None,
+def write_output(summary: Summary, source: ModelSource, model: Any, output: str | os.PathLike | None, *,
                  data: CalibrationSource, providers: list[str], measure_latency: bool) -> None:
     """Save `model` to `output` (none: kept in memory), time it against `source` where
     asked, and record its size (external data included): how a run ends, a search that

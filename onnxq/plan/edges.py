@@ -70,17 +70,27 @@ def depthwise_layers(model: ir.Model, config: Config) -> list[ir.Node]:
     for node in model.graph:
         if node.op_type != "Conv" or len(node.inputs) < 2 or layout.groups(node) < 2:
             continue
-        weight = node.inputs[1].const_value if node.inputs[1] is not None else None
-        if weight is not None and len(weight.shape) > 2 and weight.shape[1] == 1 and _weight_quantized(config, node):
+        weight = constant_array(node.inputs[1])
+        if weight is not None and weight.ndim > 2 and weight.shape[1] == 1 and _weight_quantized(config, node):
             found.append(node)
     return found
 
 
+def _depthwise_taking(model: ir.Model, config: Config, edges: list[str]) -> list[str]:
+    """The depthwise layers `depthwise_weight` applies to: an edge layer takes
+    `edge_weight` whole where the config sets it, not a mix of the two."""
+    if config.depthwise_weight is None:
+        return []
+    skip = set(edges) if config.edge_weight is not None else set()
+    return [node.name for node in depthwise_layers(model, config) if node.name not in skip]
+
+
 def with_edges(config: Config, model: ir.Model, names: list[str] | None = None) -> tuple[Config, list[str]]:
     """`config` with `edge_weight` and `edge_input` as node-level overrides of the edge
-    layers, then `depthwise_weight` of the depthwise convolutions (a copy; the config
-    itself is left alone), and the edge layers' names. `names`: the edge layers a run
-    already chose (a re-emission must not move them). Unchanged without those fields."""
+    layers, and `depthwise_weight` of the depthwise convolutions (`_depthwise_taking`), as
+    a copy (the config itself is left alone); and the edge layers' names. `names`: the
+    edge layers a run already chose (a re-emission must not move them). Unchanged without
+    those fields."""
     specs = _edge_specs(config)
     if not specs and config.depthwise_weight is None:
         return config, []
@@ -89,9 +99,8 @@ def with_edges(config: Config, model: ir.Model, names: list[str] | None = None) 
     overrides = dict(config.layer_quant_config)
     for name in names:
         overrides[name] = _with_specs(overrides.get(name), specs)
-    if config.depthwise_weight is not None:
-        for node in depthwise_layers(model, config):
-            overrides[node.name] = _with_specs(overrides.get(node.name), {"weight": config.depthwise_weight})
+    for name in _depthwise_taking(model, config, names):
+        overrides[name] = _with_specs(overrides.get(name), {"weight": config.depthwise_weight})
     return dataclasses.replace(config, layer_quant_config=overrides), names
 
 
@@ -117,28 +126,26 @@ def apply_edges(config: Config, model: ir.Model) -> tuple[Config, list[str], lis
     if applied is config:
         return applied, names, []
     ops = {node.name: node.op_type for node in model.graph}
-    depthwise = [node.name for node in depthwise_layers(model, config)] if config.depthwise_weight else []
-    specs = {**_edge_specs(config), **({"depthwise": config.depthwise_weight} if depthwise else {})}
-    key_of = {**{field: key for key, field in EDGE_FIELDS.items()}, "depthwise": "depthwise_weight"}
-    for field in specs:  # one at a time, so that an error names its own key
-        own = key_of[field]
+    depthwise = _depthwise_taking(model, config, names)
+    edge = _edge_specs(config)
+    layers_of = {**{key: names for key in EDGE_FIELDS if getattr(config, key) is not None},
+                 **({"depthwise_weight": depthwise} if depthwise else {})}
+    for own, layers in layers_of.items():  # one at a time, so that an error names its own key
         alone = dataclasses.replace(config, **{key: None for key in LAYER_CLASS_FIELDS if key != own})
-        layers = depthwise if field == "depthwise" else names
         try:
             check_resolved(with_edges(alone, model, names)[0], [(name, ops[name]) for name in layers])
         except ConfigError as exc:
             raise ConfigError(f"{own}: {exc}") from None
     said = []
-    edge = {field: spec for field, spec in specs.items() if field != "depthwise"}
     if names and edge:
-        keys = " / ".join(key_of[field] for field in edge)
+        keys = " / ".join(key for key in EDGE_FIELDS if getattr(config, key) is not None)
         what = " and ".join(f"{_describe(spec)} {'weights' if field == 'weight' else 'inputs'}"
                             for field, spec in edge.items())
         said.append((f"{keys}: the first and last weighted layers ({', '.join(names)}) take {what}", tuple(names)))
-    taken = [name for name in depthwise if name not in names]  # an edge layer keeps its edge spec
-    if taken:
-        said.append((f"depthwise_weight: the {len(taken)} depthwise convolutions take "
-                     f"{_describe(config.depthwise_weight)} weights", tuple(taken)))
+    if depthwise:
+        count = "the depthwise convolution" if len(depthwise) == 1 else f"the {len(depthwise)} depthwise convolutions"
+        said.append((f"depthwise_weight: {count} take{'s' if len(depthwise) == 1 else ''} "
+                     f"{_describe(config.depthwise_weight)} weights", tuple(depthwise)))
     return applied, names, said
 
 

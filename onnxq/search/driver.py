@@ -191,8 +191,8 @@ def quantize_to_target(
         result = run_pipeline(model, output, final_config, calibration_data, progress, keep_state)
     else:
         result = base
-        write_output(result.summary, model, base.ir_model, output, source, providers,
-                     config.calibration.measure_latency)
+        write_output(result.summary, model, base.ir_model, output, data=source, providers=providers,
+                     measure_latency=config.calibration.measure_latency)
     final_session = deployed_session(result.ir_model, providers)
     final_score = score(final_session) if outcome.promotions else climbed_score
     feed = _first_sample(evalset, final_session)

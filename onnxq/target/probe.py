@@ -147,29 +147,37 @@ CACHE_KIND = "probe"
 CPU = ("CPUExecutionProvider",)
 
 
-def _cache_name(kind: str) -> str:
-    """The CPU's answers' cache entry (module doc)."""
+def _cache_name(kind: str) -> str | None:
+    """The CPU's answers' cache entry (module doc); None where this CPU cannot be told
+    apart from another (no feature flags to read) or this file cannot be read."""
+    cpu = cache.cpu_fingerprint()
+    if not any(line.split(":")[0].strip() in ("flags", "Features") for line in cpu.splitlines()):
+        return None
     library = Path(onnxruntime_pybind11_state.__file__)
     try:
         info = library.stat()
-        build = f"{library} {info.st_size} {info.st_mtime_ns}"
+        code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
     except OSError:
-        build = str(library)
-    parts = [kind, ort.__version__, build, cache.cpu_fingerprint(), hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]
+        return None
+    parts = [kind, ort.__version__, f"{library} {info.st_size} {info.st_mtime_ns}", cpu, code]
     return hashlib.sha256("\n--\n".join(parts).encode()).hexdigest()[:32]
 
 
-def _remembered(kind: str, providers: tuple[str, ...], probe: Callable[[], frozenset]) -> frozenset:
-    """`probe()`, read from the cache where this CPU answered it before (module doc); other
-    providers are probed every process (a GPU is not in the key)."""
-    if providers != CPU:
+def _remembered(kind: str, providers: tuple[str, ...], probe: Callable[[], frozenset], known: frozenset) -> frozenset:
+    """`probe()`, read from the cache where this CPU answered it before (module doc): an
+    entry naming anything outside `known` is probed again. Other providers are probed
+    in every process (a GPU is not in the key)."""
+    name = _cache_name(kind) if providers == CPU else None
+    if name is None:
         return probe()
-    name = _cache_name(kind)
     doc = cache.read(CACHE_KIND, name)
     if isinstance(doc, dict) and doc.get("kind") == kind and isinstance(doc.get("found"), list):
-        found = [tuple(x) if isinstance(x, list) else x for x in doc["found"]]
-        if all(isinstance(x, str) or (isinstance(x, tuple) and all(isinstance(y, str) for y in x)) for x in found):
-            return frozenset(found)
+        try:
+            found = frozenset(tuple(x) if isinstance(x, list) else x for x in doc["found"])
+        except TypeError:  # an unhashable entry
+            found = None
+        if found is not None and found <= known:
+            return found
     answer = probe()
     cache.write(CACHE_KIND, name, {"kind": kind, "found": sorted(answer)})
     return answer
@@ -189,7 +197,8 @@ def saturating_kernels(providers: tuple[str, ...] = ("CPUExecutionProvider",)) -
             found.add(("uint8", "dynamic"))
         return frozenset(found)
 
-    return _remembered("saturating", providers, probe)
+    known = frozenset({(a, k) for a in ACTIVATIONS for k in KERNELS} | {("uint8", "dynamic")})
+    return _remembered("saturating", providers, probe, known)
 
 
 @functools.lru_cache(maxsize=8)
@@ -203,4 +212,4 @@ def wrong_kernels(providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> fro
             wrong.add("u8u8_gemm")
         return frozenset(wrong)
 
-    return _remembered("wrong", providers, probe)
+    return _remembered("wrong", providers, probe, frozenset({"depthwise_zero_points", "u8u8_gemm"}))
