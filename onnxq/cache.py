@@ -49,7 +49,7 @@ def read(kind: str, name: str) -> Any:
         return None
     try:
         return json.loads((where / f"{name}.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nesting past Python's limit
         return None
 
 

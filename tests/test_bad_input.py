@@ -238,7 +238,7 @@ def test_cli_argparse_conflict(flags, ws, capsys):
 @pytest.mark.parametrize(("flags", "words"), [
     (["--batch-size", "0"], ("invalid --batch-size 0",)),
     (["--num-bins", "1"], ("--num-bins 1 with calib_method minmax", "or remove --num-bins")),
-    (["--percentile", "200"], ("--percentile 200.0", "use calib_method percentile", "remove --percentile")),
+    (["--percentile", "200"], ("--percentile 200.0", "use --calib-method percentile", "remove --percentile")),
     (["--activation-type", "int8", "--weight-type", "int9"], ("invalid --weight-type 'int9'",)),
     # one value for two flags of one field: where the error is tells them apart
     (["--activation-type", "int9", "--weight-type", "int9"],
@@ -246,8 +246,11 @@ def test_cli_argparse_conflict(flags, ws, capsys):
     # a field the error names elsewhere than the flag writes keeps its name: the dtype is the
     # preset's weights', not the activations' the flag set
     (["--preset", "W4A8", "--activation-type", "int8", "--weight-bits", "6"],
-     ("--weight-bits 6 with dtype int4 in global_quant_config.weight", "use dtype int8/uint8")),
+     ("--weight-bits 6 with dtype int4 in global_quant_config.weight", "use --weight-type int8/uint8")),
     (["--preset", "W4A8", "--depthwise-weight-type", "int9"], ("invalid --depthwise-weight-type 'int9'",)),
+    # float16 weights beside uint8 activations: no kernel computes that mix
+    (["--weight-type", "float16"], ("weight dtype float16 with uint8 input_tensors", "float32 to keep the weights")),
+    (["--preset", "FP16", "--weight-bits", "4"], ("--weight-bits 4 with dtype float16", "remove --weight-bits")),
 ])
 def test_cli_config_errors_name_the_flag_given(flags, words, ws, capsys):
     assert main(["quantize", str(ws.model), str(ws.out), "--calib-data", str(ws.good_data), *flags]) == 2

@@ -45,7 +45,8 @@ def test_the_probe_answers_once_per_machine_and_a_new_process_reads_them(fresh, 
     assert all(isinstance(pair, tuple) and len(pair) == 2 for pair in saturating)
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"kind": "saturating", "found": [[1, 2]]}', "[]"])
+@pytest.mark.parametrize("content", ["{not json", '{"kind": "saturating", "found": [[1, 2]]}', "[]", "[" * 100000,
+                                     '{"kind": "saturating", "found": ' + "[" * 3000 + "]" * 3000 + "}"])
 def test_a_damaged_entry_is_probed_again_and_replaced(fresh, monkeypatch, content):
     expected = probe.saturating_kernels()
     (entry,) = [p for p in fresh.glob("*.json") if cache.read(probe.CACHE_KIND, p.stem)["kind"] == "saturating"]

@@ -118,7 +118,7 @@ def test_debug_keeps_exit_status_2(tmp_path, chain):
 
 
 @pytest.mark.parametrize(("flags", "words"), [
-    (["--percentile", "99.9"], ("percentile 99.9", "calib_method minmax", "use calib_method percentile")),
+    (["--percentile", "99.9"], ("--percentile 99.9", "calib_method minmax", "use --calib-method percentile")),
     (["--num-bins", "512"], ("--num-bins 512", "calib_method minmax")),
     (["--exclude", "conv_9"], ("exclude entry 'conv_9' matches no node", "did you mean")),
 ])

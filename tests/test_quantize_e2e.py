@@ -486,3 +486,27 @@ def test_opset_upgraded_only_when_the_output_needs_it():
     qdq = onnxq.quantize(model, None, {"preset": "W4_GROUP128", "matmul_nbits": False}, progress=False)
     assert qdq.summary.opset == (17, 21)
     onnx.checker.check_model(qdq.model)
+
+
+@pytest.mark.parametrize("op", ["Gemm", "MatMul"])
+def test_a_weight_kept_float32_by_its_node_override_stays_float(op):
+    """`weight: {dtype: float32}` on a Gemm/MatMul node keeps its constant weight float,
+    not quantized as an activation input (the activation spec reaches input 1 only where
+    the weight spec does not claim it)."""
+    b = GraphBuilder(3)
+    x = b.input("x", ["N", 16])
+    h = b.relu(b.gemm(x, 16, 16)) if op == "Gemm" else b.relu(b.matmul(x, 16, 16))
+    model = b.build([b.gemm(h, 16, 4)], name=f"{op.lower()}_float_weight")
+    first = next(n.name for n in model.graph.node if n.op_type == op)
+    config = {"layer_quant_config": {first: {"weight": {"dtype": "float32"}}}}
+    result = onnxq.quantize(model, None, config, random_feeds(model, 16, seed=CALIB_SEED))
+    onnx.checker.check_model(result.model, full_check=True)
+    node = next(n for n in result.model.graph.node if n.name == first)
+    weight = initializers(result.model).get(node.input[1])  # the float weight itself, no DequantizeLinear
+    assert weight is not None and weight.dtype == np.float32
+    # as close to float as with the weight quantized (one quantized tensor less), on held-out samples
+    plain = onnxq.quantize(model, None, None, random_feeds(model, 16, seed=CALIB_SEED)).model
+    feeds = random_feeds(model, 8, seed=EVAL_SEED)
+    floats = np.concatenate([run(model, f) for f in feeds])
+    kept = sqnr_db(floats, np.concatenate([run(result.model, f) for f in feeds]))
+    assert kept >= sqnr_db(floats, np.concatenate([run(plain, f) for f in feeds])) - 0.5 and kept > 10

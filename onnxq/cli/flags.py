@@ -120,18 +120,25 @@ def _given(args: argparse.Namespace) -> list[tuple[str, str, tuple[str, ...], An
     return given
 
 
+def _flags_at(where: str) -> list[tuple[str, str]]:
+    """(flag, field) of every flag that writes a field where an error locates it."""
+    return [("--" + flag.replace("_", "-"), path[-1]) for flag, path in FLAG_PATHS if where in _where(path)]
+
+
 def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     """A config error the flags caused, in the flags' words: `invalid batch_size 0 in
     calibration` for `--batch-size 0` reads `invalid --batch-size 0 in calibration`. In the
     problem (before the first "; "), a field is renamed where it stands before the value a
     flag gave it and the error locates it where that flag writes; in the fix after it,
-    "remove FIELD" of a renamed field. Any other message passes unchanged."""
+    "remove FIELD" of a renamed field and "use FIELD VALUE" of a field a flag sets there.
+    The layer's "options: " prefix goes (on the command
+    line the overrides are the flags); an error of another source passes unchanged."""
     prefix = OVERRIDES_SOURCE + ": "
     if not message.startswith(prefix):
         return message
     problem, sep, fix = message[len(prefix):].partition("; ")
     if " in " not in problem:
-        return message
+        return message[len(prefix):]
     where = problem.rsplit(" in ", 1)[1]
     candidates = [(flag, field, value) for flag, field, wheres, value in _given(args) if where in wheres]
     renamed = []
@@ -145,7 +152,9 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
             renamed.append((flag, field))
     for flag, field in renamed:
         fix = re.sub(rf"(?<=remove ){re.escape(field)}(?![\w-])", flag, fix)
-    return problem + sep + fix if renamed else message
+    for flag, field in _flags_at(where):  # a fix's "use FIELD VALUE" names the flag that sets it there
+        fix = re.sub(rf"(?<=use ){re.escape(field)} (?=\w)", flag + " ", fix)
+    return problem + sep + fix  # without the prefix: on the command line every override is a flag
 
 
 def _target_text(expression: str | None, metric: str | None) -> str:

@@ -248,9 +248,10 @@ class MixedPrecisionConfig:
 # Config key -> the tensor class of QuantizationConfig it sets for the first and last
 # weighted layers (`plan/edges.py`).
 EDGE_FIELDS = {"edge_weight": "weight", "edge_input": "input_tensors"}
-# The config keys that give a class of layers its own spec (`plan/edges.py`), each also
-# written as a bare dtype or `none` (`config.io.bare_layer_class_dtypes`, the --KEY-type flags).
-LAYER_CLASS_FIELDS = (*EDGE_FIELDS, "depthwise_weight")
+# The config keys that give a class of layers its own spec (`plan/edges.py`) -> the tensor
+# class it sets; each also written as a bare dtype or `none` (`config.io.bare_layer_class_dtypes`,
+# the --KEY-type flags).
+LAYER_CLASS_FIELDS = {**EDGE_FIELDS, "depthwise_weight": "weight"}
 
 
 @named_fields_only

@@ -88,9 +88,10 @@ def _activation_rounds_half_even(
 
 def _int32_only_for_bias(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
     if tc != "bias" and v["dtype"] in ("int32", "uint32") and not (v[EXTENDED] and tc in ACTIVATIONS):
+        extended = ", or quant_format: qdq-ext (onnxq's extended ops)" if tc in ACTIVATIONS else ""
         return f"dtype {v['dtype']}", (
             "32-bit integers are only for bias (activations and weights have no stock onnxruntime "
-            "kernel): use int8/uint8 or int16/uint16, or for activations quant_format: qdq-ext"
+            f"kernel): use int8/uint8 or int16/uint16{extended}"
         )
     return None
 
@@ -133,12 +134,12 @@ def _bits_range(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] |
     top = 8 if tc == "weight" else 32
     if not 2 <= bits <= top:
         return f"invalid bits {bits}", f"use a bit width from 2 to {top}"
-    if resolved and (v["dtype"] not in INTEGER_DTYPES or bits > INTEGER_DTYPES[v["dtype"]]):
-        return (
-            f"bits {bits} with dtype {v['dtype']}",
-            "bits must not exceed the integer dtype's width: use dtype int8/uint8 for 5..8 bits, "
-            "int16/uint16 or int32/uint32 for more",
-        )
+    if resolved and v["dtype"] not in INTEGER_DTYPES:
+        return f"bits {bits} with dtype {v['dtype']}", "bits narrows integer dtypes only: use dtype int8, or remove bits"
+    if resolved and bits > INTEGER_DTYPES[v["dtype"]]:
+        wider = "int8/uint8" if bits <= 8 else "int16/uint16 or int32/uint32"
+        return (f"bits {bits} with dtype {v['dtype']}",
+                f"bits must not exceed the dtype's width: use dtype {wider} for {bits} bits")
     return None
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from enum import Enum
 from typing import Any
@@ -21,9 +21,16 @@ from typing import Any
 import onnx
 
 from onnxq.config.accuracy import parse_target
-from onnxq.config.convert import check_types, entry_dict
+from onnxq.config.convert import check_types, convert, entry_dict
 from onnxq.config.resolve import is_excluded, merge_specs, resolve_node_config
-from onnxq.config.spec import LADDER_RUNGS, TENSOR_CLASSES, Config, QuantizationConfig
+from onnxq.config.spec import (
+    LADDER_RUNGS,
+    LAYER_CLASS_FIELDS,
+    TENSOR_CLASSES,
+    Config,
+    QuantizationConfig,
+    QuantizationSpec,
+)
 from onnxq.config.spec_rules import EXTENDED, check_spec
 from onnxq.errors import ConfigError, closest_name
 
@@ -32,6 +39,7 @@ def validate_config(config: Config) -> None:
     """Raise `ConfigError` for wrong value types or invalid combinations in `config`."""
     config.pre_quant_opt_config[:] = [entry_dict(e) for e in config.pre_quant_opt_config]
     config.algo_config[:] = [entry_dict(e) for e in config.algo_config]
+    _layer_class_specs(config)
     check_types(config)
     _check_top_level(config)
     extended = _extended(config)
@@ -41,11 +49,55 @@ def validate_config(config: Config) -> None:
             if spec is not None:
                 check_spec(_plain_values(spec, extended), tensor_class, f"{where}.{tensor_class}")
     for where, stack in _merged_levels(config):
-        for tensor_class in TENSOR_CLASSES:
-            resolved = merge_specs([getattr(level, tensor_class) for level in stack], tensor_class)
+        merged = {tc: merge_specs([getattr(level, tc) for level in stack], tc) for tc in TENSOR_CLASSES}
+        for tensor_class, resolved in merged.items():
             if resolved is not None:
                 path = f"{where}.{tensor_class}" + _merged_note(where)
                 check_spec(_plain_values(resolved, extended), tensor_class, path, resolved=True)
+        _check_float_weight(merged, where + _merged_note(where))
+    for key, tensor_class in LAYER_CLASS_FIELDS.items():  # as written, and over the global spec
+        spec = getattr(config, key)
+        if spec is None:
+            continue
+        check_spec(_plain_values(spec, extended), tensor_class, key)
+        merged = merge_specs([spec, getattr(config.global_quant_config, tensor_class)], tensor_class)
+        path = f"{key} (merged over global_quant_config.{tensor_class})"
+        if merged is not None:  # None: kept float (dtype float32)
+            check_spec(_plain_values(merged, extended), tensor_class, path, resolved=True)
+        if tensor_class == "weight":  # beside the layers' inputs: the edge layers' own where set
+            inputs = [config.edge_input] if key.startswith("edge") and config.edge_input is not None else []
+            _check_float_weight({"weight": merged, "input_tensors": merge_specs(
+                [*inputs, config.global_quant_config.input_tensors], "input_tensors")}, path)
+
+
+def _layer_class_specs(config: Config) -> None:
+    """Layer-class keys set in code as a file writes them (a dtype name, `none`, a
+    mapping) made specs, in place."""
+    for key in LAYER_CLASS_FIELDS:
+        value = getattr(config, key)
+        if isinstance(value, str):
+            value = None if value.lower() == "none" else {"dtype": value}
+        if isinstance(value, Mapping):
+            value = convert(dict(value), QuantizationSpec, "", key)
+        setattr(config, key, value)
+
+
+# Float types an op computes in whole (its weights, inputs and outputs): the float_target
+# strategy's, as the FP16 and BF16 presets set them.
+_WHOLE_OP_FLOATS = ("float16", "bfloat16")
+
+
+def _check_float_weight(merged: dict[str, Any], where: str) -> None:
+    """float16/bfloat16 weights beside integer activations: no kernel computes that mix."""
+    weight, inputs = merged.get("weight"), merged.get("input_tensors")
+    if weight is None or inputs is None or _plain(weight.dtype) not in _WHOLE_OP_FLOATS:
+        return
+    if _plain(inputs.dtype) not in (*_WHOLE_OP_FLOATS, "float32", None):
+        raise ConfigError(
+            f"weight dtype {_plain(weight.dtype)} with {_plain(inputs.dtype)} input_tensors in {where}; "
+            f"{_plain(weight.dtype)} runs a whole op in that type: give its input_tensors and output_tensors "
+            f"{_plain(weight.dtype)} too (as the FP16 and BF16 presets do), or weight dtype float32 to keep "
+            "the weights float")
 
 
 def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> None:

@@ -141,17 +141,26 @@ def apply_edges(config: Config, model: ir.Model) -> tuple[Config, list[str], lis
         keys = " / ".join(key for key in EDGE_FIELDS if getattr(config, key) is not None)
         what = " and ".join(f"{_describe(spec)} {'weights' if field == 'weight' else 'inputs'}"
                             for field, spec in edge.items())
-        said.append((f"{keys}: the first and last weighted layers ({', '.join(names)}) take {what}", tuple(names)))
+        said.append((f"{keys}: the first and last weighted layers ({', '.join(names)}) take {what}"
+                     + _own_fields(config, names), tuple(names)))
     if depthwise:
         count = "the depthwise convolution" if len(depthwise) == 1 else f"the {len(depthwise)} depthwise convolutions"
         said.append((f"depthwise_weight: {count} take{'s' if len(depthwise) == 1 else ''} "
-                     f"{_describe(config.depthwise_weight)} weights", tuple(depthwise)))
+                     f"{_describe(config.depthwise_weight)} weights" + _own_fields(config, depthwise), tuple(depthwise)))
     return applied, names, said
 
 
+def _own_fields(config: Config, layers: list[str]) -> str:
+    """The note's word on the layers whose node overrides keep fields of their own."""
+    own = [name for name in layers if name in config.layer_quant_config]
+    return f"; the node overrides of {', '.join(own)} keep the fields they set" if own else ""
+
+
 def _describe(spec: QuantizationSpec) -> str:
-    """A spec in a few words: its dtype, granularity and symmetry where set."""
-    parts = [str(getattr(spec, name)) for name in ("dtype", "qscheme") if getattr(spec, name) is not None]
+    """A spec in a few words: its dtype, bits, granularity and symmetry where set."""
+    parts = [str(spec.dtype)] if spec.dtype is not None else []
+    parts += [f"{spec.bits}-bit"] if spec.bits is not None else []
+    parts += [str(spec.qscheme)] if spec.qscheme is not None else []
     if spec.symmetric is not None:
         parts.append("symmetric" if spec.symmetric else "asymmetric")
     return " ".join(parts) or "their own"

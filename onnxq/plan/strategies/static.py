@@ -146,7 +146,10 @@ def plan_compute(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig)
             value = node.inputs[i] if i < len(node.inputs) else None
             if i == weight_index or not _is_float(value):
                 continue
-            kind = Kind.CONSTANT if constant_array(value) is not None else Kind.ACTIVATION
+            constant = constant_array(value) is not None
+            if i == rule.weight_input and constant and cfg.weight is None:
+                continue  # a constant weight the config keeps float (weight dtype float32): not an activation
+            kind = Kind.CONSTANT if constant else Kind.ACTIVATION
             draft.add_use(value, kind, act_spec, node, i)
             quantized_inputs.append(i)
     if weight_index is None and not quantized_inputs:
