@@ -46,6 +46,15 @@ def test_flag_beats_the_presets_op_type_setting():
     assert matmul.weight.dtype.value == "int4"
 
 
+def test_a_flag_that_leaves_per_group_takes_the_presets_blocks_with_it():
+    """`--per-tensor` over W4_GROUP128: MatMul per tensor, its 128-wide blocks gone (a
+    group size without per_group would be an invalid config)."""
+    config = compose_config("W4_GROUP128", None, {"global_quant_config": {"weight": {"qscheme": "per_tensor"}}})
+    matmul = resolve_node_config(config, "mm", "MatMul")
+    assert matmul.weight.qscheme == "per_tensor" and matmul.weight.group_size is None
+    assert matmul.weight.dtype.value == "int4"
+
+
 def test_cli_per_group_beats_the_preset(tmp_path, capsys):
     out = tmp_path / "show.yaml"
     assert main(["config", "show", "--preset", "W4_GROUP128", "--per-group", "32"]) == 0

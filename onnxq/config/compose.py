@@ -99,6 +99,8 @@ def _yield_to(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, An
                 if isinstance(spec, Mapping) and isinstance(lower, dict) and not keeps_float:
                     for key in spec:
                         lower.pop(key, None)
+                    if spec.get("qscheme") not in (None, "per_group"):  # its blocks go with it
+                        lower.pop("group_size", None)
     return base
 
 

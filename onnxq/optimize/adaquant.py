@@ -49,7 +49,8 @@ class AdaQuantConfig(LayerwiseConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check(self.reconstruct == "layer",
-              "adaquant: reconstruct: block learns rounding, which is AdaRound's; use the adaround algorithm")
+              "adaquant: reconstruct: block learns rounding, which is AdaRound's; use the adaround "
+              "algorithm (on the command line: --reconstruct block without --adaquant)")
         check(self.max_step >= 0, "adaquant: max_step is in grid steps, >= 0 (0: unbounded)")
 
 
