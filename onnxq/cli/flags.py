@@ -131,8 +131,8 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     problem (before the first "; "), a field is renamed where it stands before the value a
     flag gave it and the error locates it where that flag writes; in the fix after it,
     "remove FIELD" of a renamed field and "use FIELD VALUE" of a field a flag sets there.
-    The layer's "options: " prefix goes (on the command
-    line the overrides are the flags); an error of another source passes unchanged."""
+    The layer's "options: " prefix goes (on the command line the overrides are the flags);
+    an error of another source passes unchanged."""
     prefix = OVERRIDES_SOURCE + ": "
     if not message.startswith(prefix):
         return message
