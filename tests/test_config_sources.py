@@ -55,6 +55,28 @@ def test_a_flag_that_leaves_per_group_takes_the_presets_blocks_with_it():
     assert matmul.weight.dtype.value == "int4"
 
 
+def test_a_flag_that_leaves_per_group_drops_a_files_global_group_size():
+    file_layer = {"global_quant_config": {"weight": {"qscheme": "per_group", "group_size": 32}}}
+    flags = {"global_quant_config": {"weight": {"qscheme": "per_channel"}}}
+    from onnxq.config.compose import overlay
+
+    merged = overlay(overlay({}, file_layer), flags)
+    assert merged["global_quant_config"]["weight"] == {"qscheme": "per_channel"}
+
+
+def test_float16_weights_are_judged_where_a_node_resolves():
+    """A node's float16 weight over its op type's float16 inputs is a whole float16 op
+    (valid); over the global uint8 inputs it is a mix no kernel computes (refused, per node)."""
+    from onnxq.config.validate import validate_node_configs
+
+    base = {"layer_quant_config": {"mm1": {"weight": {"dtype": "float16"}}}}
+    fp16_inputs = {"layer_type_quant_config": {"MatMul": {"input_tensors": {"dtype": "float16"},
+                                                          "output_tensors": {"dtype": "float16"}}}}
+    validate_node_configs(compose_config("U8S8", None, {**base, **fp16_inputs}), [("mm1", "MatMul")])
+    with pytest.raises(ConfigError, match="weight dtype float16 with uint8 input_tensors in node 'mm1'"):
+        validate_node_configs(compose_config("U8S8", None, base), [("mm1", "MatMul")])
+
+
 def test_cli_per_group_beats_the_preset(tmp_path, capsys):
     out = tmp_path / "show.yaml"
     assert main(["config", "show", "--preset", "W4_GROUP128", "--per-group", "32"]) == 0

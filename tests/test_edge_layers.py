@@ -302,5 +302,5 @@ def test_code_may_set_a_layer_class_key_as_a_file_writes_it(value):
 def test_a_float16_layer_class_weight_beside_integer_inputs_is_refused():
     config = onnxq.get_preset("W4A8")
     config.depthwise_weight = onnxq.QuantizationSpec(dtype="bfloat16")
-    with pytest.raises(ConfigError, match="weight dtype bfloat16 with uint8 input_tensors in depthwise_weight"):
+    with pytest.raises(ConfigError, match="^depthwise_weight: weight dtype bfloat16 with uint8 input_tensors in node"):
         onnxq.quantize(MODEL, None, config, CALIB)

@@ -510,3 +510,22 @@ def test_a_weight_kept_float32_by_its_node_override_stays_float(op):
     floats = np.concatenate([run(model, f) for f in feeds])
     kept = sqnr_db(floats, np.concatenate([run(result.model, f) for f in feeds]))
     assert kept >= sqnr_db(floats, np.concatenate([run(plain, f) for f in feeds])) - 0.5 and kept > 10
+
+
+def test_a_constant_first_operand_kept_float32_stays_float():
+    """MatMul(W, x) with W constant: under `weight: {dtype: float32}` W is the weight the
+    config keeps float, whichever input it is."""
+    rng = np.random.default_rng(5)
+    w = onnx.numpy_helper.from_array(rng.normal(0, 0.3, (8, 16)).astype(np.float32), "w")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["w", "x"], ["y"], name="mm")], "const_a",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [16, "N"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [8, "N"])], [w])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    data = [{"x": rng.normal(0, 1, (16, 4)).astype(np.float32)} for _ in range(8)]
+    result = onnxq.quantize(model, None, {"layer_quant_config": {"mm": {"weight": {"dtype": "float32"}}}}, data)
+    onnx.checker.check_model(result.model, full_check=True)
+    node = next(n for n in result.model.graph.node if n.op_type == "MatMul")
+    assert node.input[0] == "w" and initializers(result.model)["w"].dtype == np.float32
+    feed = {"x": rng.normal(0, 1, (16, 4)).astype(np.float32)}
+    assert sqnr_db(run(model, feed), run(result.model, feed)) > 30  # only x is quantized (8 bits)

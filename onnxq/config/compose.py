@@ -82,6 +82,12 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str
     return merged
 
 
+def _leaves_per_group(spec: Mapping[str, Any]) -> bool:
+    """A spec that sets a scheme other than per_group (a group size then means nothing)."""
+    scheme = spec.get("qscheme")
+    return scheme is not None and str(getattr(scheme, "value", scheme)).lower() != "per_group"
+
+
 def _yield_to(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """`base` without the op-type and node settings of the spec fields that `override`
     sets globally (module doc): a higher source's global setting beats them."""
@@ -89,6 +95,11 @@ def _yield_to(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, An
     if not isinstance(top, Mapping):
         return base
     base = copy.deepcopy(base)
+    below = base.get("global_quant_config")
+    for tensor_class, spec in top.items():  # blocks go with a scheme that leaves per_group, globally too
+        lower = below.get(tensor_class) if isinstance(below, dict) else None
+        if isinstance(spec, Mapping) and isinstance(lower, dict) and _leaves_per_group(spec):
+            lower.pop("group_size", None)
     for attr in OVERRIDE_LEVELS:
         for level in (base.get(attr) or {}).values():
             if not isinstance(level, dict):
@@ -99,7 +110,7 @@ def _yield_to(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, An
                 if isinstance(spec, Mapping) and isinstance(lower, dict) and not keeps_float:
                     for key in spec:
                         lower.pop(key, None)
-                    if spec.get("qscheme") not in (None, "per_group"):  # its blocks go with it
+                    if _leaves_per_group(spec):  # its blocks go with it
                         lower.pop("group_size", None)
     return base
 

@@ -135,7 +135,8 @@ def _bits_range(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] |
     if not 2 <= bits <= top:
         return f"invalid bits {bits}", f"use a bit width from 2 to {top}"
     if resolved and v["dtype"] not in INTEGER_DTYPES:
-        return f"bits {bits} with dtype {v['dtype']}", "bits narrows integer dtypes only: use dtype int8, or remove bits"
+        integer = "int8" if bits <= 8 else "int16"
+        return f"bits {bits} with dtype {v['dtype']}", f"bits narrows integer dtypes only: use dtype {integer}, or remove bits"
     if resolved and bits > INTEGER_DTYPES[v["dtype"]]:
         wider = "int8/uint8" if bits <= 8 else "int16/uint16 or int32/uint32"
         return (f"bits {bits} with dtype {v['dtype']}",

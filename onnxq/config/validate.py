@@ -54,7 +54,6 @@ def validate_config(config: Config) -> None:
             if resolved is not None:
                 path = f"{where}.{tensor_class}" + _merged_note(where)
                 check_spec(_plain_values(resolved, extended), tensor_class, path, resolved=True)
-        _check_float_weight(merged, where + _merged_note(where))
     for key, tensor_class in LAYER_CLASS_FIELDS.items():  # as written, and over the global spec
         spec = getattr(config, key)
         if spec is None:
@@ -64,10 +63,6 @@ def validate_config(config: Config) -> None:
         path = f"{key} (merged over global_quant_config.{tensor_class})"
         if merged is not None:  # None: kept float (dtype float32)
             check_spec(_plain_values(merged, extended), tensor_class, path, resolved=True)
-        if tensor_class == "weight":  # beside the layers' inputs: the edge layers' own where set
-            inputs = [config.edge_input] if key.startswith("edge") and config.edge_input is not None else []
-            _check_float_weight({"weight": merged, "input_tensors": merge_specs(
-                [*inputs, config.global_quant_config.input_tensors], "input_tensors")}, path)
 
 
 def _layer_class_specs(config: Config) -> None:
@@ -88,7 +83,8 @@ _WHOLE_OP_FLOATS = ("float16", "bfloat16")
 
 
 def _check_float_weight(merged: dict[str, Any], where: str) -> None:
-    """float16/bfloat16 weights beside integer activations: no kernel computes that mix."""
+    """float16/bfloat16 weights beside integer activations: no kernel computes that mix.
+    Judged per node as resolved (node > op type > global): a level alone cannot tell."""
     weight, inputs = merged.get("weight"), merged.get("input_tensors")
     if weight is None or inputs is None or _plain(weight.dtype) not in _WHOLE_OP_FLOATS:
         return
@@ -137,6 +133,7 @@ def check_resolved(config: Config, nodes: Iterable[tuple[str, str]]) -> None:
             if spec is not None:
                 path = f"node {name!r} ({op_type}).{tensor_class} as resolved"
                 check_spec(_plain_values(spec, _extended(config)), tensor_class, path, resolved=True)
+        _check_float_weight({tc: getattr(resolved, tc) for tc in TENSOR_CLASSES}, f"node {name!r} ({op_type}) as resolved")
 
 
 @functools.cache

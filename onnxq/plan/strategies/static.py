@@ -147,8 +147,8 @@ def plan_compute(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig)
             if i == weight_index or not _is_float(value):
                 continue
             constant = constant_array(value) is not None
-            if i == rule.weight_input and constant and cfg.weight is None:
-                continue  # a constant weight the config keeps float (weight dtype float32): not an activation
+            if constant and rule.weight_input is not None and cfg.weight is None:
+                continue  # a constant operand of a weighted op the config keeps float (weight float32)
             kind = Kind.CONSTANT if constant else Kind.ACTIVATION
             draft.add_use(value, kind, act_spec, node, i)
             quantized_inputs.append(i)
