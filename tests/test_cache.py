@@ -13,11 +13,11 @@ from onnxq.target import probe
 def fresh(tmp_path, monkeypatch):
     """An empty cache folder and no answers held in this process."""
     monkeypatch.setenv("ONNXQ_CACHE_DIR", str(tmp_path / "cache"))
-    probe.saturating_kernels.cache_clear()
-    probe.wrong_kernels.cache_clear()
+    for held in (probe.saturating_kernels, probe.wrong_kernels, probe._machine_key):
+        held.cache_clear()
     yield tmp_path / "cache" / probe.CACHE_KIND
-    probe.saturating_kernels.cache_clear()
-    probe.wrong_kernels.cache_clear()
+    for held in (probe.saturating_kernels, probe.wrong_kernels, probe._machine_key):
+        held.cache_clear()
 
 
 def _probes_counted(monkeypatch) -> list[int]:

@@ -108,21 +108,29 @@ def _where(path: tuple[str, ...]) -> tuple[str, ...]:
     return (path[0],) if len(path) == 2 else ("config",)
 
 
+def _option(flag: str) -> str:
+    """A flag's `dest` as typed on the command line."""
+    return "--" + flag.replace("_", "-")
+
+
+# The flags `FLAG_PATHS` leaves to `_flag_values`, by the field they set.
+_DERIVED_PATHS = (("per_group", ("weight", "group_size")),
+                  *((f"{key}_type", (key, "dtype")) for key in LAYER_CLASS_FIELDS))
+
+
 def _given(args: argparse.Namespace) -> list[tuple[str, str, tuple[str, ...], Any]]:
     """(flag, field, where, value) of each single-valued flag given that sets a config field."""
-    paths = [*FLAG_PATHS, ("per_group", ("weight", "group_size")),
-             *((f"{key}_type", (key, "dtype")) for key in LAYER_CLASS_FIELDS)]
     given = []
-    for flag, path in paths:
+    for flag, path in (*FLAG_PATHS, *_DERIVED_PATHS):
         value = getattr(args, flag, None)
         if value is not None and not isinstance(value, list | tuple | bool):
-            given.append(("--" + flag.replace("_", "-"), path[-1], _where(path), value))
+            given.append((_option(flag), path[-1], _where(path), value))
     return given
 
 
 def _flags_at(where: str) -> list[tuple[str, str]]:
     """(flag, field) of every flag that writes a field where an error locates it."""
-    return [("--" + flag.replace("_", "-"), path[-1]) for flag, path in FLAG_PATHS if where in _where(path)]
+    return [(_option(flag), path[-1]) for flag, path in FLAG_PATHS if where in _where(path)]
 
 
 def in_flag_terms(message: str, args: argparse.Namespace) -> str:

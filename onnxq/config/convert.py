@@ -40,6 +40,14 @@ def spec_from_dict(d: Mapping[str, Any], where: str = "spec") -> QuantizationSpe
     return convert(d, QuantizationSpec, "", where)
 
 
+def bare_dtype(value: Any) -> Any:
+    """A layer-class key's value as a file may write it: a dtype name means a spec of that
+    dtype, `none` no spec; anything else as it is."""
+    if isinstance(value, str):
+        return None if value.lower() == "none" else {"dtype": value}
+    return value
+
+
 def check_types(config: Config) -> None:
     """Raise `ConfigError` if a `Config` built in code holds values of the wrong type."""
     convert(config_to_dict(config), Config, "", "")

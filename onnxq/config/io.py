@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from onnxq.config.amct import AMCT_SUFFIXES, looks_like_amct, read_amct
-from onnxq.config.convert import config_to_dict, convert, type_error
+from onnxq.config.convert import bare_dtype, config_to_dict, convert, type_error
 from onnxq.config.spec import LAYER_CLASS_FIELDS, Config
 from onnxq.config.validate import validate_config
 from onnxq.errors import ConfigError
@@ -54,8 +54,8 @@ def bare_layer_class_dtypes(source: dict[str, Any]) -> None:
     field, merged over the lower sources' spec like the flag; `none` means null. In place.
     The same for every layer-class key (`LAYER_CLASS_FIELDS`)."""
     for key in LAYER_CLASS_FIELDS:
-        if isinstance(source.get(key), str):
-            source[key] = None if source[key].lower() == "none" else {"dtype": source[key]}
+        if key in source:
+            source[key] = bare_dtype(source[key])
 
 
 # ---------------------------------------------------------------------------------------

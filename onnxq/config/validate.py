@@ -21,7 +21,7 @@ from typing import Any
 import onnx
 
 from onnxq.config.accuracy import parse_target
-from onnxq.config.convert import check_types, convert, entry_dict
+from onnxq.config.convert import bare_dtype, check_types, convert, entry_dict
 from onnxq.config.resolve import is_excluded, merge_specs, resolve_node_config
 from onnxq.config.spec import (
     LADDER_RUNGS,
@@ -69,9 +69,7 @@ def _layer_class_specs(config: Config) -> None:
     """Layer-class keys set in code as a file writes them (a dtype name, `none`, a
     mapping) made specs, in place."""
     for key in LAYER_CLASS_FIELDS:
-        value = getattr(config, key)
-        if isinstance(value, str):
-            value = None if value.lower() == "none" else {"dtype": value}
+        value = bare_dtype(getattr(config, key))
         if isinstance(value, Mapping):
             value = convert(dict(value), QuantizationSpec, "", key)
         setattr(config, key, value)

@@ -38,11 +38,14 @@ NO_FOLD = {
 MAX_FOLD_ELEMENTS = 1 << 28
 
 
+def is_constant(value: ir.Value | None) -> bool:
+    """Whether `value` is a constant: an initializer that is not a graph input."""
+    return value is not None and value.const_value is not None and not value.is_graph_input()
+
+
 def constant_array(value: ir.Value | None) -> np.ndarray | None:
-    """The numpy value of a constant (initializer that is not a graph input), else None."""
-    if value is None or value.const_value is None or value.is_graph_input():
-        return None
-    return value.const_value.numpy()
+    """The numpy value of a constant (`is_constant`), else None."""
+    return value.const_value.numpy() if is_constant(value) else None
 
 
 def _outputs_are_tensors(node: ir.Node, opset: int) -> bool:

@@ -36,7 +36,7 @@ from onnxq.config.spec import (
 from onnxq.config.validate import check_resolved
 from onnxq.errors import ConfigError
 from onnxq.graph import layout
-from onnxq.graph.fold import constant_array
+from onnxq.graph.fold import is_constant
 
 WEIGHTED = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 
@@ -46,7 +46,7 @@ def edge_layers(model: ir.Model, config: Config) -> list[ir.Node]:
     weight, each only if the config quantizes its weight: an excluded or float first
     layer is not replaced by the next one (the protocol is about the model's ends)."""
     layers = [node for node in model.graph if node.op_type in WEIGHTED and len(node.inputs) > 1
-              and constant_array(node.inputs[1]) is not None]
+              and is_constant(node.inputs[1])]
     ends = layers[:1] + layers[-1:] if len(layers) > 1 else layers
     return [node for node in ends if _weight_quantized(config, node)]
 
@@ -70,8 +70,10 @@ def depthwise_layers(model: ir.Model, config: Config) -> list[ir.Node]:
     for node in model.graph:
         if node.op_type != "Conv" or len(node.inputs) < 2 or layout.groups(node) < 2:
             continue
-        weight = constant_array(node.inputs[1])
-        if weight is not None and weight.ndim > 2 and weight.shape[1] == 1 and _weight_quantized(config, node):
+        if not is_constant(node.inputs[1]):
+            continue
+        shape = node.inputs[1].const_value.shape  # without reading the weight's bytes
+        if len(shape) > 2 and shape[1] == 1 and _weight_quantized(config, node):
             found.append(node)
     return found
 

@@ -147,9 +147,11 @@ CACHE_KIND = "probe"
 CPU = ("CPUExecutionProvider",)
 
 
-def _cache_name(kind: str) -> str | None:
-    """The CPU's answers' cache entry (module doc); None where this CPU cannot be told
-    apart from another (no feature flags to read) or this file cannot be read."""
+@functools.cache
+def _machine_key() -> str | None:
+    """This CPU and onnxruntime build, and this file, hashed once per process (module doc);
+    None where the CPU cannot be told apart from another (no feature flags to read) or the
+    files cannot be read."""
     cpu = cache.cpu_fingerprint()
     if not any(line.split(":")[0].strip() in ("flags", "Features") for line in cpu.splitlines()):
         return None
@@ -159,7 +161,7 @@ def _cache_name(kind: str) -> str | None:
         code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
     except OSError:
         return None
-    parts = [kind, ort.__version__, f"{library} {info.st_size} {info.st_mtime_ns}", cpu, code]
+    parts = [ort.__version__, f"{library} {info.st_size} {info.st_mtime_ns}", cpu, code]
     return hashlib.sha256("\n--\n".join(parts).encode()).hexdigest()[:32]
 
 
@@ -167,9 +169,10 @@ def _remembered(kind: str, providers: tuple[str, ...], probe: Callable[[], froze
     """`probe()`, read from the cache where this CPU answered it before (module doc): an
     entry naming anything outside `known` is probed again. Other providers are probed
     in every process (a GPU is not in the key)."""
-    name = _cache_name(kind) if providers == CPU else None
-    if name is None:
+    key = _machine_key() if providers == CPU else None
+    if key is None:
         return probe()
+    name = f"{kind}_{key}"
     doc = cache.read(CACHE_KIND, name)
     if isinstance(doc, dict) and doc.get("kind") == kind and isinstance(doc.get("found"), list):
         try:
