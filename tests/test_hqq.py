@@ -119,3 +119,22 @@ def test_hqq_algorithm_on_a_symmetric_preset(tmp_path, capsys):
         onnxq.quantize(model, None, {"preset": "W4_GROUP128", "algo_config": [{"name": "hqq", "p": 2.0}]}, None)
     with pytest.raises(ConfigError, match="accuracy_level"):
         onnxq.as_config({"accuracy_level": 7})
+
+
+def test_accuracy_level_without_matmul_nbits_is_refused(tmp_path, capsys):
+    """An accuracy level on a recipe without MatMulNBits would be silently unused: the CLI
+    refuses it in one line naming the flag (exit 2), a config names the field; a file's
+    `matmul_nbits: false` over a weight-only preset takes the preset's level with it."""
+    from onnxq.cli import main
+
+    path = tmp_path / "m.onnx"
+    onnx.save(_matmul_model(), str(path))
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", str(path), str(out), "--accuracy-level", "4", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--accuracy-level 4 applies only to MatMulNBits" in err and "Traceback" not in err
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="accuracy_level 4 applies only to MatMulNBits; set matmul_nbits"):
+        onnxq.as_config({"preset": "U8S8", "accuracy_level": 4})
+    assert onnxq.as_config({"preset": "W4_GROUP128", "matmul_nbits": False}).accuracy_level == 0
+    assert onnxq.as_config({"preset": "W4_GROUP128"}).accuracy_level == 4

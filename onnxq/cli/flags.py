@@ -137,7 +137,8 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     """A config error the flags caused, in the flags' words: `invalid batch_size 0 in
     calibration` for `--batch-size 0` reads `invalid --batch-size 0 in calibration`. In the
     problem (before the first "; "), a field is renamed where it stands before the value a
-    flag gave it and the error locates it where that flag writes; in the fix after it,
+    flag gave it and the error locates it where that flag writes (nowhere: at the top
+    level, as `invalid accuracy_level 7`); in the fix after it,
     "remove FIELD" of a renamed field and "use FIELD VALUE" of a field a flag sets there.
     The layer's "options: " prefix goes (on the command line the overrides are the flags);
     an error of another source passes unchanged."""
@@ -145,9 +146,7 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     if not message.startswith(prefix):
         return message
     problem, sep, fix = message[len(prefix):].partition("; ")
-    if " in " not in problem:
-        return message[len(prefix):]
-    where = problem.rsplit(" in ", 1)[1]
+    where = problem.rsplit(" in ", 1)[1] if " in " in problem else "config"  # no place: a top-level field
     candidates = [(flag, field, value) for flag, field, wheres, value in _given(args) if where in wheres]
     renamed = []
     for flag, field, value in candidates:

@@ -10,7 +10,9 @@ A spec field a higher source sets globally also replaces that field in the lower
 sources' op-type and node overrides: `--per-group 32` over W4_GROUP128 (whose MatMul
 override says 128) means 32 for MatMul too, not a flag silently outvoted by the preset.
 Overrides that keep a tensor class float (dtype float32) stay as they are: a flag that
-changes how tensors are quantized does not change which are.
+changes how tensors are quantized does not change which are. Likewise a higher source's
+`matmul_nbits: false` takes the lower sources' `accuracy_level` with it (the kernel's
+attribute means nothing without the kernel).
 A file or dict may name its base preset with a top-level `preset:` key (`none`: it is
 the whole config, as the documents onnxq writes are); an explicit preset argument wins.
 Where no source names one, the base is the default preset: U8S8, or the one the model's
@@ -91,6 +93,8 @@ def _leaves_per_group(spec: Mapping[str, Any]) -> bool:
 def _yield_to(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """`base` without the op-type and node settings of the spec fields that `override`
     sets globally (module doc): a higher source's global setting beats them."""
+    if override.get("matmul_nbits") is False and "accuracy_level" in base:  # the level goes with the kernel
+        base = {key: value for key, value in base.items() if key != "accuracy_level"}
     top = override.get("global_quant_config")
     if not isinstance(top, Mapping):
         return base

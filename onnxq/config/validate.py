@@ -208,6 +208,9 @@ def _check_top_level(config: Config) -> None:
     if config.accuracy_level not in (0, 1, 2, 3, 4):
         raise ConfigError(f"invalid accuracy_level {config.accuracy_level}; MatMulNBits takes 0 (unset), 1 (fp32), "
                           "2 (fp16), 3 (bf16) or 4 (int8)")
+    if config.accuracy_level and not config.matmul_nbits:
+        raise ConfigError(f"accuracy_level {config.accuracy_level} applies only to MatMulNBits; set matmul_nbits "
+                          "true (as the W4_GROUP128 and W8_GROUP128 presets do) or remove accuracy_level")
     if calibration.stats is not None and calibration.load_ranges:
         raise ConfigError("calibration.stats and calibration.load_ranges both replace calibration; give one")
     if config.qdq_domain not in ("ai.onnx", "com.microsoft"):
