@@ -53,6 +53,8 @@ class Summary:
     target: str = ""
     quantized_by_op: dict[str, int] = field(default_factory=dict)
     float_nodes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # quantized activations around a float weight: float arithmetic -> (op, why the weight is float)
+    float_weight_nodes: dict[str, tuple[str, str]] = field(default_factory=dict)
     fused_activations: int = 0
     kept_activations: list[str] = field(default_factory=list)
     float_biases: list[str] = field(default_factory=list)
@@ -103,6 +105,11 @@ def format_summary(s: Summary) -> str:
     total_q = sum(s.quantized_by_op.values())
     by_op = ", ".join(f"{op} {n}" for op, n in sorted(s.quantized_by_op.items()))
     lines.append(f"  quantized nodes: {total_q} ({by_op})" if total_q else "  quantized nodes: 0")
+    weights = Counter(s.float_weight_nodes.values())
+    if weights:
+        count = len(s.float_weight_nodes)
+        lines.append(f"  float weights, quantized activations (float arithmetic): {count} node{'s' * (count != 1)}")
+        lines.extend(f"    {op} x{n}: {why}" for (op, why), n in sorted(weights.items()))
     if s.fused_activations:
         lines.append(f"  Relu/Clip absorbed into the preceding op: {s.fused_activations}")
     if s.kept_activations:

@@ -30,6 +30,7 @@ from helpers import (
 
 import onnxq
 from onnxq.config import QScheme, get_preset
+from onnxq.report import format_summary
 
 CALIB_SEED, EVAL_SEED = 100, 200
 # SQNR floors against float, of the reference arithmetic (helpers.reference_run), measured
@@ -504,6 +505,13 @@ def test_a_weight_kept_float32_by_its_node_override_stays_float(op):
     node = next(n for n in result.model.graph.node if n.name == first)
     weight = initializers(result.model).get(node.input[1])  # the float weight itself, no DequantizeLinear
     assert weight is not None and weight.dtype == np.float32
+    # the summary counts it apart from the quantized nodes: its arithmetic is float
+    assert result.summary.float_weight_nodes == {first: (op, f"kept float by its node override (layer_quant_config: {first})")}
+    assert result.summary.quantized_by_op == {"Gemm": 1, "Relu": 1}  # the other Gemm, the Relu on its output
+    assert "float weights, quantized activations (float arithmetic): 1 node\n" in format_summary(result.summary)
+    qop = onnxq.quantize(model, None, {**config, "quant_format": "qoperator"}, random_feeds(model, 16, seed=CALIB_SEED))
+    onnx.checker.check_model(qop.model, full_check=True)  # and as QOperator: the float Gemm is not counted as QGemm
+    assert qop.summary.quantized_by_op == {"Gemm": 1, "Relu": 1} and set(qop.summary.float_weight_nodes) == {first}
     # as close to float as with the weight quantized (one quantized tensor less), on held-out samples
     plain = onnxq.quantize(model, None, None, random_feeds(model, 16, seed=CALIB_SEED)).model
     feeds = random_feeds(model, 8, seed=EVAL_SEED)

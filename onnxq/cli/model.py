@@ -96,8 +96,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     target = resolve_target(config)
     print(target.describe())
     plan = plan_quantization(model, config, passes.keep_float, target)
-    quantized = Counter(plan.quantized_nodes.values())
+    quantized = Counter(op for name, op in plan.quantized_nodes.items() if name not in plan.float_weights)
     print(f"would quantize: {sum(quantized.values())} nodes (" + ", ".join(f"{op} {n}" for op, n in sorted(quantized.items())) + ")")
+    weights = Counter((plan.quantized_nodes[name], why) for name, why in plan.float_weights.items()
+                      if name in plan.quantized_nodes)
+    for (op, why), n in sorted(weights.items()):
+        print(f"  float weight, quantized activations: {op} x{n}: {why}")
     reasons = Counter(plan.float_nodes.values())
     for (op, why), n in sorted(reasons.items()):
         print(f"  float: {op} x{n}: {why}")
@@ -113,6 +117,7 @@ def _print_nodes(graph, plan) -> None:
     for node in graph:
         status = ""
         if plan is not None:
-            status = ("quantized" if node.name in plan.quantized_nodes
+            status = (f"float weight: {plan.float_weights[node.name]}" if node.name in plan.float_weights
+                      else "quantized" if node.name in plan.quantized_nodes
                       else f"float: {plan.float_nodes[node.name][1]}" if node.name in plan.float_nodes else "")
         print(f"  {node.name}  {node.op_type}" + (f"  ({status})" if status else ""))

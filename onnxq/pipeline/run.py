@@ -85,7 +85,10 @@ def run_pipeline(
             summary.fidelity = checked
     del session
     plan = emitted.plan
-    summary.quantized_by_op = dict(sorted(Counter(plan.quantized_nodes.values()).items()))
+    float_weights = {n: (op, plan.float_weights[n]) for n, op in plan.quantized_nodes.items() if n in plan.float_weights}
+    summary.quantized_by_op = dict(sorted(Counter(op for n, op in plan.quantized_nodes.items()
+                                                  if n not in float_weights).items()))
+    summary.float_weight_nodes = float_weights
     summary.float_nodes = plan.float_nodes
     summary.fused_activations = len(emitted.qdq.removed_activations)
     summary.kept_activations = emitted.qdq.kept_activations

@@ -90,6 +90,9 @@ class QuantPlan:
     lowered: Mapping[str, Lowered] = field(default_factory=lambda: EMPTY)  # node -> strategy that lowers it
     float_tensors: Mapping[str, str] = field(default_factory=lambda: EMPTY)  # dropped after planning, with why
     tied: Mapping[str, Tie] = field(default_factory=lambda: EMPTY)  # embedding Gather -> the LM head it shares
+    # quantized nodes whose constant weight the config keeps float -> why: Q/DQ on their
+    # activations, float arithmetic (no integer kernel takes a float weight)
+    float_weights: Mapping[str, str] = field(default_factory=lambda: EMPTY)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -128,11 +128,16 @@ def _why_unconfigured(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedCo
             return (f"weight-only quantization takes the constant weight as input {i} of {node.op_type}; "
                     f"this node's constant is input {other[0]}")
         return f"weight-only quantization needs a constant weight as input {i}; this one is computed at run time"
+    return _kept_float_by(draft, node, "no tensor of this node is configured for quantization")
+
+
+def _kept_float_by(draft: Draft, node: ir.Node, otherwise: str) -> str:
+    """The config level that keeps `node` (or its weight) float, else `otherwise`."""
     if node.name in draft.config.layer_quant_config:
         return f"kept float by its node override (layer_quant_config: {node.name})"
     if node.op_type in draft.config.layer_type_quant_config:
         return f"kept float by the config's {node.op_type} override (layer_type_quant_config)"
-    return "no tensor of this node is configured for quantization"
+    return otherwise
 
 
 def plan_compute(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) -> None:
@@ -156,6 +161,10 @@ def plan_compute(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig)
         draft.float_node(node, _why_unconfigured(draft, node, rule, cfg))
         return
     draft.quantized(node)
+    i = rule.weight_input
+    if cfg.weight is None and i is not None and i < len(node.inputs) and _is_float(node.inputs[i]) \
+            and constant_array(node.inputs[i]) is not None:  # quantized inputs, float weight: float arithmetic
+        draft.float_weights[node.name] = _kept_float_by(draft, node, "the config gives its weight no spec")
     if act_spec is not None and weight_index is not None and rule.bias_input is not None:
         plan_bias(draft, node, rule, cfg, weight_index)
     out_spec = cfg.output_tensors
