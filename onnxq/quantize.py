@@ -16,6 +16,7 @@ from onnxq.config.compose import DEFAULT_PRESET, ConfigLike
 from onnxq.config.defaults import config_for, default_note
 from onnxq.config.spec import OptimizeFor
 from onnxq.errors import ConfigError
+from onnxq.gc_freeze import older_objects_frozen
 from onnxq.graph.folder import copy_companions, open_folder, output_model
 from onnxq.graph.save import check_output_paths
 from onnxq.notes import Note, Topic
@@ -67,6 +68,13 @@ def quantize(
     `config` takes every form `as_config` does; where it names no preset, the model's kind
     picks the default (`config/defaults.py`: weight-only int8 for an LLM decoder, else U8S8).
     """
+    with older_objects_frozen():
+        return _quantize(model, output, config, calibration_data, progress, evaluate, report)
+
+
+def _quantize(model: ModelSource, output: str | os.PathLike | None, config: ConfigLike, calibration_data: Any,
+              progress: bool | None, evaluate: Any, report: str | os.PathLike | None) -> QuantizationResult:
+    """`quantize`'s body."""
     folder = open_folder(model) if isinstance(model, str | os.PathLike) else None
     config, default_kind = config_for(folder or model, config)
     if folder is not None:
