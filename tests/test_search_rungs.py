@@ -135,3 +135,22 @@ def test_a_ladder_of_algorithm_rungs_alone_says_so_when_not_met(tmp_path):
     assert not mp.met and not mp.promotions and mp.ranked_layers == 0
     assert any("the ladder has no precision rung" in n for n in result.summary.note_texts)
     onnx.checker.check_model(str(tmp_path / "q.onnx"))
+
+
+def test_a_recipe_with_nothing_to_raise_says_so(tmp_path):
+    """FP16 on the CPU keeps every node's arithmetic in float32 (weights stored in float16):
+    the rungs that rescale quantized layers are not tried, and an unmet target says that no
+    layer could be raised rather than that every one was."""
+    import onnxq
+
+    config = compose_config("FP16", None, {"mixed_precision": {"eval_data": str(MODELS / "digits_eval.npz"),
+                                                               "target": "sqnr>=200"}})
+    result = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), tmp_path / "q.onnx", config,
+                            str(MODELS / "digits_calib.npz"), progress=False)
+    mp = result.summary.mixed_precision
+    assert not mp.met and mp.ranked_layers == 0 and not mp.promotions
+    skipped = {r["rung"]: r["why"] for r in mp.rungs if r["score"] is None}
+    assert skipped["cle"] == "no quantized Conv or Gemm" and skipped["smoothquant"] == "no quantized MatMul or Gemm"
+    assert any("no layer could be raised" in n for n in result.summary.note_texts)
+    onnx.checker.check_model(str(tmp_path / "q.onnx"))
+    assert ort.InferenceSession(str(tmp_path / "q.onnx")).get_outputs()[0].name == "logits"

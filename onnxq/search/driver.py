@@ -221,9 +221,14 @@ def quantize_to_target(
     result.summary.notes.extend(notes(Topic.SEARCH, said))
     result.summary.rest_as("search", time.perf_counter() - start)
     if not result.summary.mixed_precision.met:
-        how = (f"even with every ranked layer raised to {rungs[-1]}" if rungs else
-               "by the algorithm rungs, and the ladder has no precision rung for this recipe (int8 for 4-bit "
-               "weights, int16, fp16, bf16, float)")
+        if rungs and not order:
+            how = ("and no layer could be raised: none computes in a quantized type (the loss is in what the "
+                   "search does not rank, such as weights stored in float16)")
+        elif rungs:
+            how = f"even with every ranked layer raised to {rungs[-1]}"
+        else:
+            how = ("by the algorithm rungs, and the ladder has no precision rung for this recipe (int8 for 4-bit "
+                   "weights, int16, fp16, bf16, float)")
         result.summary.notes.append(Note(Topic.SEARCH, f"accuracy target {target.describe()} not met {how}; the "
                                          "best all-quantized model is kept"))
     return result

@@ -23,7 +23,9 @@ from onnxq.config.compose import deep_merge
 from onnxq.config.io import config_from_dict, config_to_dict
 from onnxq.config.spec import Config
 from onnxq.optimize.bias_correction import OP_TYPES as BIAS_OPS
+from onnxq.optimize.cle import LAYERS as CLE_OPS
 from onnxq.optimize.registry import CONTRACTS
+from onnxq.optimize.smoothquant import SmoothQuantConfig
 
 Recipe = dict[str, Any]  # a config in the config-file shape (`config_to_dict`)
 Ops = frozenset[str]  # the op types the recipe's plan quantizes on the model at hand
@@ -62,8 +64,15 @@ def _bias_correction_skip(recipe: Recipe, ops: Ops) -> str | None:
     return None
 
 
-def _pass_skip(name: str) -> Callable[[Recipe, Ops], str | None]:
-    return lambda recipe, ops: _named(name, recipe, "pre_quant_opt_config")
+def _pass_skip(name: str, layers: tuple[str, ...]) -> Callable[[Recipe, Ops], str | None]:
+    """The pass `name`'s reason to skip: in the recipe already, or none of the `layers` it
+    rescales is quantized (a float16 recipe on the CPU: it could only move float weights)."""
+    def skip(recipe: Recipe, ops: Ops) -> str | None:
+        named = _named(name, recipe, "pre_quant_opt_config")
+        if named or ops & set(layers):
+            return named
+        return f"no quantized {' or '.join(layers)}"
+    return skip
 
 
 def _rounding_skip(recipe: Recipe, ops: Ops) -> str | None:
@@ -102,10 +111,10 @@ class AlgorithmRung:
 ALGORITHM_RUNGS: dict[str, AlgorithmRung] = {r.name: r for r in (
     AlgorithmRung("bias_correction", "bias correction of Conv/Gemm outputs", _bias_correction_skip,
                   _with_entry("algo_config", {"name": "bias_correction"})),
-    AlgorithmRung("cle", "cross-layer equalization before calibration", _pass_skip("cle"),
+    AlgorithmRung("cle", "cross-layer equalization before calibration", _pass_skip("cle", tuple(sorted(CLE_OPS))),
                   _with_entry("pre_quant_opt_config", {"name": "cle"})),
     AlgorithmRung("smoothquant", f"SmoothQuant (alpha {SMOOTHQUANT_ALPHA}) for MatMul/Gemm inputs",
-                  _pass_skip("smoothquant"),
+                  _pass_skip("smoothquant", SmoothQuantConfig.op_types),
                   _with_entry("pre_quant_opt_config", {"name": "smoothquant", "alpha": SMOOTHQUANT_ALPHA})),
     AlgorithmRung("per_channel", "per-channel weight scales", _per_channel_skip, _per_channel),
     AlgorithmRung("adaround", "AdaRound: each weight's rounding learned layer by layer", _rounding_skip,
