@@ -77,6 +77,29 @@ def test_float16_weights_are_judged_where_a_node_resolves():
         validate_node_configs(compose_config("U8S8", None, base), [("mm1", "MatMul")])
 
 
+def test_activation_fields_do_not_make_a_weight_only_recipe_static(tmp_path, capsys):
+    """`--calib-method percentile` over W4_GROUP128 (no activation spec) would merge into a
+    uint8 spec and drop MatMulNBits: it is a one-line error naming the flag (exit 2), from a
+    dict too; `--scale-type`, which writes the weights as well, applies to them alone; with
+    an activation dtype the fields apply."""
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", str(DIGITS), str(out), "--preset", "W4_GROUP128", "--calib-method", "percentile"]) == 2
+    err = capsys.readouterr().err
+    assert "--calib-method percentile has no activations to apply to" in err and "--activation-type uint8" in err
+    assert not out.exists()
+    given = {"preset": "W4_GROUP128", "global_quant_config": {"output_tensors": {"num_bins": 512}}}
+    with pytest.raises(ConfigError, match="num_bins 512 has no activations to apply to in global_quant_config.output"):
+        compose_config(None, None, given)
+    assert given["global_quant_config"] == {"output_tensors": {"num_bins": 512}}  # the caller's dict as given
+    scaled = compose_config("W4_GROUP128", None, {"global_quant_config": {
+        "input_tensors": {"scale_type": "float16"}, "output_tensors": {"scale_type": "float16"},
+        "weight": {"scale_type": "float16"}}})
+    assert scaled.global_quant_config.input_tensors is None and scaled.global_quant_config.weight.scale_type
+    static = compose_config("W4_GROUP128", None, {"global_quant_config": {
+        "input_tensors": {"dtype": "uint8", "calib_method": "percentile"}}})
+    assert static.global_quant_config.input_tensors.calib_method.value == "percentile"
+
+
 def test_cli_per_group_beats_the_preset(tmp_path, capsys):
     out = tmp_path / "show.yaml"
     assert main(["config", "show", "--preset", "W4_GROUP128", "--per-group", "32"]) == 0

@@ -155,12 +155,42 @@ def compose_config(
     if not isinstance(base, str):
         raise ConfigError(f"preset must be a preset name such as {DEFAULT_PRESET}, got {base!r}")
     stack = [config_to_dict(Config() if base.lower() == NO_PRESET else get_preset(base))]
-    for _, source in sources:
+    for where, source in sources:
+        _no_activations_created(stack[-1], source, base, where)
         stack.append(overlay(stack[-1], source))
     try:
         return config_from_dict(stack[-1])
     except ConfigError as exc:
         raise ConfigError(f"{_blame(stack, sources)}: {exc}") from None
+
+
+ACTIVATION_CLASSES = ("input_tensors", "output_tensors")
+
+
+def _no_activations_created(base: Mapping[str, Any], source: dict[str, Any], preset: str, where: str) -> None:
+    """Refuse a source that gives activation fields but no dtype where the config so far
+    quantizes no activations: merged, they would make a spec of the default dtype and turn
+    a weight-only recipe static (`--calib-method percentile` over W4_GROUP128 lost its
+    MatMulNBits). A `scale_type` the source gives the weights too is dropped there instead
+    (the flag `--scale-type` writes both)."""
+    top = source.get("global_quant_config")
+    below = base.get("global_quant_config") or {}
+    if not isinstance(top, dict):
+        return
+    weight = top.get("weight") if isinstance(top.get("weight"), Mapping) else {}
+    for tensor_class in ACTIVATION_CLASSES:
+        spec = top.get(tensor_class)
+        if not isinstance(spec, dict) or "dtype" in spec or below.get(tensor_class) is not None:
+            continue
+        fields = {key: value for key, value in spec.items()
+                  if not (key == "scale_type" and weight.get("scale_type") == value)}
+        if not fields:  # a new mapping: the caller's dict stays as given
+            top = source["global_quant_config"] = {k: v for k, v in top.items() if k != tensor_class}
+            continue
+        key, value = next(iter(fields.items()))
+        raise ConfigError(f"{where}: {key} {value} has no activations to apply to in global_quant_config."
+                          f"{tensor_class}; the recipe ({preset}) leaves them float: remove it, or use dtype "
+                          "uint8 for static activations")
 
 
 def _blame(stack: list[dict[str, Any]], sources: list[tuple[str, dict[str, Any]]]) -> str:
