@@ -227,7 +227,19 @@ BAD = {
                            "sequence_length 129 (--sequence-length) is beyond the model's context length 128"),
     "zero length": (lambda f, t, r: [str(f), "--calib-text", str(t), "--sequence-length", "0"],
                     "invalid --sequence-length 0 in calibration"),
+    "ids beyond the vocabulary": (lambda f, t, r: [str(f), "--gptq", "--calib-data", str(_ids(r, 300))],
+                                  "token windows hold id 300, beyond the vocabulary of 256: they were not made with"),
+    "negative ids": (lambda f, t, r: [str(f), "--gptq", "--calib-data", str(_ids(r, -1))],
+                     "token windows hold id -1, below 0"),
 }
+
+
+def _ids(folder: Path, token: int) -> Path:
+    """Token windows (.npz of input_ids) with one `token` among valid ids."""
+    windows = np.ones((2, 16), np.int64)
+    windows[1, 5] = token
+    np.savez(folder / "ids.npz", input_ids=windows)
+    return folder / "ids.npz"
 
 
 def _write(path: Path, content: str) -> Path:

@@ -25,6 +25,7 @@ import onnxruntime as ort
 
 from onnxq.errors import CalibrationDataError
 from onnxq.graph.folder import genai_settings
+from onnxq.graph.wire import read_structure
 
 PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 # Decode steps observed after each prefill, where activations are calibrated: their ranges
@@ -110,6 +111,7 @@ class DecoderFeeds:
         if self.inputs is None:
             raise CalibrationDataError("token windows calibrate a decoder with a KV cache (inputs input_ids and "
                                        "past_key_values.*); for this model pass feeds of every input")
+        _check_token_ids(windows, Path(model))
         self.model, self.windows, self.decode_steps = model, windows.astype(np.int64), decode_steps
         self.providers = providers or ["CPUExecutionProvider"]
         self._session: ort.InferenceSession | None = None
@@ -174,6 +176,36 @@ def genai_head_size(model: Path) -> int | None:
         return int(decoder["head_size"])
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def vocabulary_size(model: Path) -> int | None:
+    """Rows of the model's token table: `genai_config.json`'s vocab_size, else the table a
+    Gather reads `input_ids` from (its weights are not read: `read_structure`)."""
+    size = genai_settings(model.parent).get("vocab_size")
+    if isinstance(size, int):
+        return size
+    try:
+        graph = read_structure(model).graph
+    except Exception:  # noqa: BLE001  an unreadable model gets its own error when it is loaded
+        return None
+    tables = {t.name: t.dims for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == "input_ids" \
+                and len(tables.get(node.input[0], ())) == 2:
+            return int(tables[node.input[0]][0])
+    return None
+
+
+def _check_token_ids(windows: np.ndarray, model: Path) -> None:
+    """Every token id is a row of the model's token table (onnxruntime's Gather would fail
+    deep inside a calibration pass otherwise)."""
+    if not windows.size:
+        return
+    low, high, size = int(windows.min()), int(windows.max()), vocabulary_size(model)
+    if low < 0 or (size is not None and high >= size):
+        bad, bound = (low, "below 0") if low < 0 else (high, f"beyond the vocabulary of {size}")
+        raise CalibrationDataError(f"token windows hold id {bad}, {bound}: they were not made with {model.name}'s "
+                                   "tokenizer; tokenize with the model's own tokenizer, or pass --calib-text FILE")
 
 
 def decoder_feeds(model: Any, data: Any, providers: list[str] | None = None, decode_steps: int = DECODE_STEPS) -> Any:
