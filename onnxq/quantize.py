@@ -17,7 +17,13 @@ from onnxq.config.defaults import config_for, default_note
 from onnxq.config.spec import OptimizeFor
 from onnxq.errors import ConfigError
 from onnxq.gc_freeze import older_objects_frozen
-from onnxq.graph.folder import copy_companions, open_folder, output_model
+from onnxq.graph.folder import (
+    copy_companions,
+    data_files,
+    open_folder,
+    output_model,
+    remove_replaced_data,
+)
 from onnxq.graph.save import check_output_paths
 from onnxq.notes import Note, Topic
 from onnxq.optimize.registry import parse_algorithms, parse_passes
@@ -82,6 +88,7 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
         output = None if output is None else output_model(folder, output)
     check_output_paths(model if isinstance(model, str | os.PathLike) else None, report,
                        config.calibration.save_ranges)
+    replaced = data_files(output) if output is not None else ()  # an existing model's data, to clear after
     text = text_windows(model, config.calibration, calibration_data)
     if text is not None:  # the windows calibrate as an .npz of input_ids would
         calibration_data = {"input_ids": text.windows}
@@ -100,12 +107,18 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
     if config.mixed_precision.eval_data is not None and config.mixed_precision.target is None and report is None:
         result.summary.notes.append(Note(Topic.CALIBRATION, "the eval data was not read: it scores an accuracy "
                                          "target (--accuracy-target) and the HTML report (--report)"))
+    copied: list[str] = []
     if folder is not None and output is not None:
         copied = copy_companions(folder, Path(output).parent)
         shown = ", ".join(copied[:6]) + (", ..." if len(copied) > 6 else "")
         result.summary.notes.append(Note(Topic.OUTPUT, f"model folder: {len(copied)} other "
                                          f"file{'' if len(copied) == 1 else 's'} copied beside the model ({shown})" if copied else "model folder: no other file to copy",
                                          tuple(copied)))
+    source = model if isinstance(model, str | os.PathLike) else None
+    if output is not None and (removed := remove_replaced_data(output, replaced, copied, source)):
+        result.summary.notes.append(Note(Topic.OUTPUT, f"removed the external data of the model {Path(output).name} "
+                                         f"replaced, which the new one does not use: {', '.join(removed)}",
+                                         tuple(removed)))
     result.config = result.config or config  # the latency plan's is the config it chose
     if default_kind is not None and (note := default_note(default_kind, _data_use(result, calibration_data))):
         result.summary.notes.insert(0, note)  # the recipe: before what the run says of it

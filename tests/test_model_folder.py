@@ -61,6 +61,11 @@ def test_the_cli_takes_folders_and_refuses_the_input_folder(tmp_path, capsys):
     assert main(["quantize", str(source), str(source), "--preset", "W4_GROUP128"]) == 2
     err = capsys.readouterr().err
     assert "is the input folder; pass another output folder" in err and err.count("\n") == 1
+    before = digests(source)
+    assert main(["quantize", str(source), str(source / "sub"), "--preset", "W4_GROUP128"]) == 2
+    err = capsys.readouterr().err
+    assert "is inside the input folder" in err and err.count("\n") == 1
+    assert digests(source) == before and not (source / "sub").exists()
 
 
 @pytest.mark.parametrize("layout, says", [
@@ -90,3 +95,31 @@ def test_a_plain_folder_with_one_model_works_too(tmp_path):
     calib = {"x": np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32)}
     onnxq.quantize(str(folder), str(tmp_path / "q"), "U8S8", calib, progress=False)
     assert (tmp_path / "q" / "net.onnx").is_file() and (tmp_path / "q" / "README.txt").read_text() == "my model"
+
+
+def test_a_replaced_models_external_data_is_removed_never_the_inputs(tmp_path):
+    """Writing over a folder that holds another model removes that model's external data
+    file the new model does not use (it would sit there stale), and says so; the input's
+    files are never touched, even where the old output named them."""
+    source = genai_folder(tmp_path / "in")
+    small = tmp_path / "small"
+    assert main(["quantize", str(source), str(small), "--preset", "W4_GROUP128", "--quiet"]) == 0
+    assert not (small / "model.onnx.data").exists()  # small enough to keep its weights inline
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("model.onnx", "model.onnx.data", "genai_config.json"):
+        (old / name).write_bytes((source / name).read_bytes())
+    before = digests(small)
+    result = onnxq.quantize(str(small), str(old), "W4_GROUP128", progress=False)
+    assert not (old / "model.onnx.data").exists() and digests(small) == before
+    assert any("removed the external data of the model model.onnx replaced" in n for n in result.summary.note_texts)
+    assert sqnr_db(run(str(source / "model.onnx"), EVAL), run(str(old / "model.onnx"), EVAL)) > 15  # runs without it
+    # an output whose old version named the input's own data file: that file stays
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    onnx.save(decoder_block(), beside / "in.onnx", save_as_external_data=True, location="shared.data",
+              size_threshold=0)
+    (beside / "out.onnx").write_bytes((beside / "in.onnx").read_bytes())  # names shared.data too
+    data = (beside / "shared.data").read_bytes()
+    onnxq.quantize(str(beside / "in.onnx"), str(beside / "out.onnx"), "W4_GROUP128", progress=False)
+    assert (beside / "shared.data").read_bytes() == data

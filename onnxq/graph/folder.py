@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,9 @@ def output_model(source: ModelFolder, output: str | os.PathLike) -> Path:
         raise ModelError(f"{out} is a file; a model folder in gives a folder out: pass a folder path")
     if out.exists() and out.resolve() == source.folder.resolve():
         raise ModelError(f"{out} is the input folder; pass another output folder (the input is never overwritten)")
+    if source.folder.resolve() in out.resolve().parents:  # it would be written into the input folder
+        raise ModelError(f"{out} is inside the input folder {source.folder}; pass a folder outside it (the input "
+                         "is never written)")
     return out / source.model.name
 
 
@@ -110,6 +114,32 @@ def copy_companions(source: ModelFolder, out_folder: Path) -> list[str]:
         else:
             copy_atomic(src, dst)
     return list(source.companions)
+
+
+def data_files(model: str | os.PathLike) -> tuple[str, ...]:
+    """The external data files the saved model at `model` names (none where there is no
+    file there yet)."""
+    return _data_files(Path(model)) if Path(model).is_file() else ()
+
+
+def remove_replaced_data(model: str | os.PathLike, before: tuple[str, ...], keep: Iterable[str] = (),
+                         source: str | os.PathLike | None = None) -> list[str]:
+    """Delete the external data files of the model that `model` replaced (`before`: what
+    it named) that the new model does not name and nothing in `keep` was copied as: left,
+    a float model's 540 MB of weights would sit beside its int4 replacement. The input
+    model `source` and its data are never touched. The names removed."""
+    path = Path(model)
+    stale = sorted(set(before) - set(_data_files(path)) - set(keep))
+    inputs = set()
+    if source is not None and Path(source).is_file():
+        inputs = {Path(source).resolve(), *((Path(source).parent / n).resolve() for n in data_files(source))}
+    removed = []
+    for name in stale:
+        target = path.parent / name
+        if target.is_file() and target.resolve().parent == path.parent.resolve() and target.resolve() not in inputs:
+            target.unlink()
+            removed.append(name)
+    return removed
 
 
 def on_disk_bytes(model: str | os.PathLike) -> int:
