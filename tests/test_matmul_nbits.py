@@ -258,3 +258,23 @@ def test_w8_group128_writes_8_bit_matmulnbits():
     assert sqnr_db(run_feeds(model, EVAL), run_feeds(result.model, EVAL)) > 35
     # Under half of float even here, where K = 64 pads each column to one block of 128.
     assert result.summary.size_after < 0.55 * result.summary.size_before
+
+
+def test_a_matmul_that_cannot_have_matmulnbits_is_a_warning_not_silence():
+    """`matmul_nbits` asked for where MatMulNBits cannot be had (a block size that is not a
+    power of two >= 16; quantized inputs; no MatMul at all) still gives a valid model, and
+    the summary says what was not lowered, why, and that the accuracy level went unused."""
+    proto, _ = matmul_model(96, 32)
+    a = inputs(96)
+    odd = onnxq.quantize(proto, None, {"preset": "W4_GROUP128", "layer_type_quant_config": {
+        "MatMul": {"weight": {"group_size": 48}}}}, None, progress=False)
+    onnx.checker.check_model(odd.model)
+    assert not any(n.op_type == "MatMulNBits" for n in odd.model.graph.node)
+    assert sqnr_db(run(proto, a), run(odd.model, a)) > 15
+    said = [n for n in odd.summary.note_texts if "matmul_nbits:" in n]
+    assert len(said) == 1 and "1 MatMul not lowered to MatMulNBits" in said[0], said
+    assert "group_size 48 is not a power of two >= 16" in said[0] and "accuracy_level 4 is unused" in said[0]
+    static = onnxq.quantize(proto, None, {"preset": "U8S8", "matmul_nbits": True}, {"x": a}, progress=False)
+    assert any("its input is quantized too" in n for n in static.summary.note_texts)
+    fine = onnxq.quantize(proto, None, "W4_GROUP128", None, progress=False)
+    assert not any("matmul_nbits:" in n for n in fine.summary.note_texts)

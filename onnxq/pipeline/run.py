@@ -21,6 +21,7 @@ from onnxq.pipeline.emission import emit_loadable, trial_emitter
 from onnxq.pipeline.prepare import ModelSource, prepare, source_size
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.plan import provider_notes
+from onnxq.plan.strategies.matmul_nbits import refused_note
 from onnxq.report import Summary
 
 
@@ -59,6 +60,8 @@ def run_pipeline(
     plan, dropped = drop_unquantizable(plan, calibration.ranges)
     summary.notes.extend(dropped)
     summary.notes.extend(notes(Topic.PROVIDER, provider_notes(config.calibration.providers, plan)))
+    if (refused := refused_note(plan, config)) is not None:
+        summary.notes.append(Note(Topic.WARNING, *refused))
 
     state = None
     if keep_state:

@@ -15,7 +15,7 @@ from onnxq.target.narrowing import target_weight_spec
 from onnxq.target.profile import TargetProfile
 
 # The tables of a `QuantPlan` that the planner fills, in its field order.
-TABLES = ("tensors", "quantized_nodes", "float_nodes", "fused_activations", "lowered", "tied", "float_weights")
+TABLES = ("tensors", "quantized_nodes", "float_nodes", "fused_activations", "lowered", "tied", "float_weights", "nbits_refused")
 
 
 @dataclasses.dataclass
@@ -32,6 +32,7 @@ class Draft:
     lowered: dict[str, Lowered] = dataclasses.field(default_factory=dict)
     tied: dict[str, Tie] = dataclasses.field(default_factory=dict)
     float_weights: dict[str, str] = dataclasses.field(default_factory=dict)
+    nbits_refused: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def update(self, name: str, **changes: object) -> TensorPlan:
         """Replace the planned tensor `name` by a copy with `changes`."""

@@ -93,6 +93,8 @@ class QuantPlan:
     # quantized nodes whose constant weight the config keeps float -> why: Q/DQ on their
     # activations, float arithmetic (no integer kernel takes a float weight)
     float_weights: Mapping[str, str] = field(default_factory=lambda: EMPTY)
+    # MatMuls `matmul_nbits` could not lower to MatMulNBits -> why (they run as DQ + MatMul)
+    nbits_refused: Mapping[str, str] = field(default_factory=lambda: EMPTY)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig, ResolvedSpec
-from onnxq.config.spec import DType
+from onnxq.config.spec import Config, DType
 from onnxq.graph.fold import constant_array
 from onnxq.plan.draft import Draft
+from onnxq.plan.plan import QuantPlan
 from onnxq.plan.strategies.registry import Decision, Lower, register_strategy
 
 BITS: dict[DType, int] = {DType.INT4: 4, DType.UINT4: 4, DType.INT8: 8, DType.UINT8: 8}
@@ -49,7 +52,31 @@ def can_use_matmul_nbits(node: ir.Node, spec: ResolvedSpec) -> str | None:
 
 @register_strategy("matmul_nbits", order=50)
 def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
-    if draft.config.matmul_nbits and cfg.input_tensors is None and cfg.weight is not None \
-            and can_use_matmul_nbits(node, cfg.weight) is None:
+    """Lower a weight-only MatMul to MatMulNBits; where `matmul_nbits` is asked for a
+    MatMul with a constant weight but cannot be had, say why (the plan's `nbits_refused`:
+    it runs as DequantizeLinear + MatMul, far slower for an LLM)."""
+    if not draft.config.matmul_nbits or cfg.weight is None or node.op_type != "MatMul" \
+            or constant_array(node.inputs[1] if len(node.inputs) > 1 else None) is None:
+        return None
+    why = "its input is quantized too (MatMulNBits takes float inputs)" if cfg.input_tensors is not None \
+        else can_use_matmul_nbits(node, cfg.weight)
+    if why is None:
         return Lower(cfg.weight)
+    draft.nbits_refused[node.name] = why
     return None
+
+
+def refused_note(plan: QuantPlan, config: Config) -> tuple[str, tuple[str, ...]] | None:
+    """The summary's warning where `matmul_nbits` was asked for and MatMuls did not get it:
+    how many, the commonest reason, and that they run as DequantizeLinear + MatMul; with
+    none lowered, that the accuracy level is unused."""
+    if not config.matmul_nbits:
+        return None
+    refused, lowered = dict(plan.nbits_refused), len(plan.nodes_for("matmul_nbits"))
+    unused = f"; accuracy_level {config.accuracy_level} is unused" if config.accuracy_level and not lowered else ""
+    if not refused:
+        return None if lowered else (f"matmul_nbits: the model has no MatMul with a constant weight to lower{unused}", ())
+    (why, count), *_ = Counter(refused.values()).most_common()
+    return (f"warning: matmul_nbits: {len(refused)} MatMul not lowered to MatMulNBits, so they run as "
+            f"DequantizeLinear + MatMul, far slower ({count} because {why}; {lowered} lowered){unused}",
+            tuple(refused))
