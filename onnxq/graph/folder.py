@@ -119,7 +119,10 @@ def copy_companions(source: ModelFolder, out_folder: Path) -> list[str]:
 def data_files(model: str | os.PathLike) -> tuple[str, ...]:
     """The external data files the saved model at `model` names (none where there is no
     file there yet)."""
-    return _data_files(Path(model)) if Path(model).is_file() else ()
+    try:
+        return _data_files(Path(model)) if Path(model).is_file() else ()
+    except OSError:  # a path the system refuses (too long): its own error comes when it is written
+        return ()
 
 
 def remove_replaced_data(model: str | os.PathLike, before: tuple[str, ...], keep: Iterable[str] = (),
