@@ -68,6 +68,10 @@ def test_no_check_without_replayable_data_or_samples():
     assert not any(n.startswith("output check skipped") for n in off.summary.note_texts)  # turned off: nothing to say
     few = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 3}}), feeds)
     assert few.summary.fidelity.samples == 3
+    dataless = onnxq.quantize(model, None, compose_config("W8_DYNAMIC", None, {"calibration": {"check_samples": 3}}))
+    assert dataless.summary.fidelity is None and any(  # asked for with no data: said
+        "--check-samples 3 (calibration.check_samples) runs on calibration samples, and none were given" in n
+        for n in dataless.summary.note_texts), dataless.summary.note_texts
 
 
 def test_check_samples_from_every_source(tmp_path, capsys):

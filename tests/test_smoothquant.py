@@ -98,7 +98,7 @@ def test_layernorm_absorbs_the_scales_of_qkv():
     model = layernorm_qkv()
     data = {"x": np.random.default_rng(3).standard_normal((16, 8, K)).astype(np.float32)}
     after, note = apply(model, data)
-    assert note == "smoothquant: 3 layers smoothed in 1 groups (alpha 0.5): 1 folded into LayerNormalization"
+    assert note == "smoothquant: 3 layers smoothed in 1 group (alpha 0.5): 1 folded into LayerNormalization"
     assert [n.op_type for n in after.graph].count("Mul") == 0
     assert_same_outputs(model, after, data)
     gamma = next(n for n in after.graph if n.op_type == "LayerNormalization").inputs[1].const_value.numpy()

@@ -178,6 +178,9 @@ def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSourc
     if not access.rereadable:
         if access is Access.ONCE and asked != 0:  # unless the user turned the check off
             return 0, f"output check skipped: {refusal(access)} (the data is a {type(data.source).__name__})"
+        if asked and access is Access.NONE:  # asked for, with no data to run: say so
+            return 0, (f"output check skipped: --check-samples {asked} (calibration.check_samples) runs on "
+                       "calibration samples, and none were given; pass --calib-data")
         return 0, None
     if asked is not None:
         return asked, None

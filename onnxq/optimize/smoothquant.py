@@ -336,7 +336,7 @@ def smoothquant(model: ir.Model, opts: SmoothQuantConfig, ctx: PassContext) -> s
             layers += len(group.consumers)
         detail = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         smoothed = sum(n for k, n in counts.items() if k != "skipped")
-        return f"{layers} layers smoothed in {smoothed} groups (alpha {opts.alpha:g}): {detail}", rescaled
+        return f"{layers} layer{'s' * (layers != 1)} smoothed in {smoothed} group{'s' * (smoothed != 1)} (alpha {opts.alpha:g}): {detail}", rescaled
 
     rescalable = {v.name: g.axis for g in placed.values() if g is not None for v in g.rescaled}
     if deferred:
