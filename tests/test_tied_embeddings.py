@@ -223,3 +223,19 @@ def test_hidden_size_not_a_multiple_of_the_tied_block(tmp_path):
                                                 (48, 32, 16)])
 def test_shared_block(hidden, group, block):
     assert shared_block(hidden, group) == block
+
+
+def test_quantizing_the_output_again_keeps_one_table(tmp_path):
+    """An onnxq W4 folder given again keeps its kernels as they are, its tied table stored
+    once (load does not fold the table's Reshape into a second copy), the same logits, and a
+    warning that names the cause rather than a recipe."""
+    folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=64, heads=HEADS, kv_heads=KV_HEADS,
+                                vocab=4096)
+    quantize(folder, tmp_path / "once")
+    again = onnxq.quantize(str(tmp_path / "once"), str(tmp_path / "twice"), "W4_GROUP128", progress=False)
+    once, twice = (onnx.load(str(tmp_path / name / "model.onnx")) for name in ("once", "twice"))
+    assert twice.ByteSize() <= once.ByteSize() * 1.01, (once.ByteSize(), twice.ByteSize())
+    nbits, gbq, _ = kernels(twice)
+    assert reshape_source(twice, gbq.input[0]) == nbits.input[1]
+    np.testing.assert_allclose(prefill_logits(twice, 64), prefill_logits(once, 64), rtol=0, atol=1e-6)
+    assert any("the model is already quantized" in n for n in again.summary.note_texts)

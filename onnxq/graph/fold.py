@@ -9,6 +9,8 @@ initializers, Optional of one) stays a node, since an initializer can only be a 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -77,7 +79,24 @@ def _foldable(node: ir.Node, opset: int) -> bool:
     present = [v for v in node.inputs if v is not None]
     if node.op_type != "Constant" and not present:
         return False
+    if any(_shared_quantized(v) for v in present):
+        return False
     return all(constant_array(v) is not None for v in present)
+
+
+# Elements from which a shared integer constant is not folded into a copy.
+SHARED_QUANTIZED_ELEMENTS = 1 << 16
+
+
+def _shared_quantized(value: ir.Value) -> bool:
+    """An integer initializer that other nodes read too, large: an already-quantized table
+    (MatMulNBits' B read by GatherBlockQuantized through a Reshape, as onnxq writes a tied
+    LM head and embedding). Folded, its copy would store the table twice (SmolLM2 int4
+    quantized again: 82.2 -> 96.4 MB)."""
+    shape = value.shape
+    return (len(value.uses()) > 1 and value.dtype is not None and value.dtype.is_integer()
+            and shape is not None and all(isinstance(d, int) for d in shape)
+            and math.prod(shape) >= SHARED_QUANTIZED_ELEMENTS and value.const_value is not None)
 
 
 def _evaluate(node: ir.Node, opset: int) -> list[np.ndarray] | None:

@@ -101,7 +101,12 @@ def run_pipeline(
 
     write_output(summary, source, model, output, data=settings.data, providers=options.providers,
                  measure_latency=options.measure_latency)
-    if not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before:
+    already = sum(why.startswith("already quantized") for why in ready.keep_float.values())
+    if not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before and already:
+        summary.notes.append(Note(Topic.WARNING, f"warning: nothing more was quantized: the model is already "
+                                  f"quantized ({already} quantized kernels left as they are); quantize the float "
+                                  "model instead"))
+    elif not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before:
         summary.notes.append(Note(Topic.WARNING, "warning: nothing was quantized: every node stayed float (see 'left "
                                   "in float'); pick a recipe that covers this model's ops (U8S8 for convolutions; "
                                   "W8_DYNAMIC and W4_GROUP128 quantize MatMul/Gemm only)"))
