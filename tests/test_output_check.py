@@ -241,3 +241,17 @@ def test_an_asked_check_on_data_read_once_says_it_was_skipped():
     (check,) = of(result.summary.notes, Topic.CHECK)
     assert check.text.startswith("output check skipped: the calibration data can be read only once")
     assert check.text.endswith("(the data is a generator)")
+
+
+def test_a_decoders_check_reports_its_logits_not_its_cache(tmp_path):
+    """A KV-cache decoder's present.* outputs feed its next step; the check's headline is
+    the logits, counted among the outputs a user reads."""
+    from genai_model import build_genai_folder
+
+    folder = build_genai_folder(tmp_path / "float", layers=2, hidden=64, heads=4, kv_heads=2)
+    windows = np.random.default_rng(0).integers(0, 256, (2, 16)).astype(np.int64)
+    result = onnxq.quantize(str(folder), str(tmp_path / "out"), compose_config(
+        "W4_GROUP128", None, {"calibration": {"check_samples": 2}}), {"input_ids": windows}, progress=False)
+    fidelity = result.summary.fidelity
+    assert fidelity is not None and fidelity.output == "logits" and fidelity.outputs == 1, fidelity
+    assert fidelity.cosine > 0.5  # int4 blocks on random weights: about 0.88
