@@ -82,7 +82,7 @@ def test_cli_decoder_without_preset_gets_weight_only_int8(folder, windows, tmp_p
     assert_weight_only_int8(out / "model.onnx")
     printed = capsys.readouterr().out
     (line,) = [line for line in printed.splitlines() if "decoder default" in line]
-    assert "--calib-data not needed: weight-only int8 calibrates nothing (only the output check used it)" in line
+    assert "calibration data (--calib-data, --calib-text) not needed: weight-only int8 calibrates nothing (only the output check used it)" in line
     assert config_to_dict(onnxq.load_config(tmp_path / "used.yaml")) == config_to_dict(get_preset("W8_GROUP128"))
 
 
