@@ -374,3 +374,11 @@ def test_unknown_calib_option_is_refused_by_every_route(tmp_path, capsys):
     assert "valid options: num_of_bins, asymmetric" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="bogus"):
         onnxq.load_config(path)
+
+
+def test_an_op_type_under_node_overrides_points_to_op_type_overrides():
+    """`layer_quant_config: {Gemm: ...}` names an op type where node names go: the error
+    says where it belongs."""
+    with pytest.raises(ConfigError, match="one of its op types; put it under layer_type_quant_config for every Gemm"):
+        onnxq.quantize(str(DIGITS), None, {"layer_quant_config": {"Gemm": {"weight": {"dtype": "float32"}}}},
+                       str(ROOT / "models" / "digits_calib.npz"))

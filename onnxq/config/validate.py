@@ -105,11 +105,14 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> N
     for entry in config.exclude:
         if not any(is_excluded(Config(exclude=[entry]), name) for name in names):
             raise ConfigError(f"exclude entry {entry!r} matches no node of the model{_nearest(entry, names)}")
+    op_types = {op for _, op in nodes}
     for name in config.layer_quant_config:
+        if name in op_types and name not in names:  # an op type where node names go
+            raise ConfigError(f"layer_quant_config names {name!r}, which is no node of the model but one of its op "
+                              f"types; put it under layer_type_quant_config for every {name}")
         if name not in names:
             raise ConfigError(f"layer_quant_config names {name!r}, which is no node of the model"
                               f"{_nearest(name, names)}")
-    op_types = {op for _, op in nodes}
     for op in config.layer_type_quant_config:
         if op not in op_types and op not in _onnx_op_types():  # an op type of no model: a typo
             hint = closest_name(op, sorted(op_types)) or closest_name(op, sorted(_onnx_op_types()))
