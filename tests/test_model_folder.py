@@ -123,3 +123,10 @@ def test_a_replaced_models_external_data_is_removed_never_the_inputs(tmp_path):
     data = (beside / "shared.data").read_bytes()
     onnxq.quantize(str(beside / "in.onnx"), str(beside / "out.onnx"), "W4_GROUP128", progress=False)
     assert (beside / "shared.data").read_bytes() == data
+    # nor a file another model in the folder reads
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    onnx.save(decoder_block(), shared / "a.onnx", save_as_external_data=True, location="w.data", size_threshold=0)
+    (shared / "b.onnx").write_bytes((shared / "a.onnx").read_bytes())
+    onnxq.quantize(str(source / "model.onnx"), str(shared / "b.onnx"), "W4_GROUP128", progress=False)
+    assert (shared / "w.data").is_file() and run(str(shared / "a.onnx"), EVAL) is not None

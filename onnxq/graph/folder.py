@@ -130,9 +130,14 @@ def remove_replaced_data(model: str | os.PathLike, before: tuple[str, ...], keep
     """Delete the external data files of the model that `model` replaced (`before`: what
     it named) that the new model does not name and nothing in `keep` was copied as: left,
     a float model's 540 MB of weights would sit beside its int4 replacement. The input
-    model `source` and its data are never touched. The names removed."""
+    model `source` and its data, and files another model in the folder names, are never
+    touched. The names removed."""
     path = Path(model)
-    stale = sorted(set(before) - set(_data_files(path)) - set(keep))
+    stale = set(before) - set(_data_files(path)) - set(keep)
+    if stale:  # another model beside it may read the same file
+        stale -= {name for other in path.parent.glob("*.onnx") if other.resolve() != path.resolve()
+                  for name in data_files(other)}
+    stale = sorted(stale)
     inputs = set()
     if source is not None and Path(source).is_file():
         inputs = {Path(source).resolve(), *((Path(source).parent / n).resolve() for n in data_files(source))}
