@@ -16,7 +16,6 @@ from onnxq.config.compose import DEFAULT_PRESET, ConfigLike
 from onnxq.config.defaults import config_for, default_note
 from onnxq.config.spec import OptimizeFor
 from onnxq.errors import ConfigError
-from onnxq.gc_freeze import older_objects_frozen
 from onnxq.graph.folder import (
     copy_companions,
     data_files,
@@ -74,8 +73,7 @@ def quantize(
     `config` takes every form `as_config` does; where it names no preset, the model's kind
     picks the default (`config/defaults.py`: weight-only int8 for an LLM decoder, else U8S8).
     """
-    with older_objects_frozen():
-        return _quantize(model, output, config, calibration_data, progress, evaluate, report)
+    return _quantize(model, output, config, calibration_data, progress, evaluate, report)
 
 
 def _quantize(model: ModelSource, output: str | os.PathLike | None, config: ConfigLike, calibration_data: Any,

@@ -19,7 +19,6 @@ import onnxq
 from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import QuantizationSpec
 from onnxq.emit.matmul_nbits import can_use_matmul_nbits, emit_matmul_nbits
-from onnxq.errors import ConfigError
 from onnxq.graph.load import load_model
 from onnxq.numerics.blocks import pack_bits, unpack_bits
 
@@ -280,14 +279,3 @@ def test_a_matmul_that_cannot_have_matmulnbits_is_a_warning_not_silence():
     fine = onnxq.quantize(proto, None, "W4_GROUP128", None, progress=False)
     assert not any("matmul_nbits:" in n for n in fine.summary.note_texts)
 
-
-@pytest.mark.parametrize("config", [{"preset": "U8S8", "global_quant_config": {"weight": {
-    "qscheme": "per_group", "group_size": 32, "symmetric": False, "dtype": "int8"}}},
-    {"preset": "W8_DYNAMIC", "global_quant_config": {"weight": {"qscheme": "per_group", "group_size": 32}}}])
-def test_blocked_weights_beside_integer_inputs_on_matmul_are_refused(config):
-    """onnxruntime fuses a per-group weight with a quantized (static or dynamic) input into
-    an integer MatMul that takes one scale per column and fails at run time: refused in one
-    line before anything runs."""
-    proto, _ = matmul_model(96, 32)
-    with pytest.raises(ConfigError, match="per_group weights with uint8 inputs on MatMul .*cannot run that pair"):
-        onnxq.quantize(proto, None, config, {"x": inputs(96)}, progress=False)

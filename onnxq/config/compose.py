@@ -175,8 +175,9 @@ def _no_activations_created(base: Mapping[str, Any], source: dict[str, Any], pre
     (the flag `--scale-type` writes both)."""
     top = source.get("global_quant_config")
     below = base.get("global_quant_config") or {}
-    if not isinstance(top, dict):
-        return
+    if not isinstance(top, dict) or preset.lower() == NO_PRESET or any(
+            below.get(tensor_class) is not None for tensor_class in ACTIVATION_CLASSES):
+        return  # a whole config, or a recipe that quantizes activations: fields merge as given
     weight = top.get("weight") if isinstance(top.get("weight"), Mapping) else {}
     for tensor_class in ACTIVATION_CLASSES:
         spec = top.get(tensor_class)
@@ -189,8 +190,8 @@ def _no_activations_created(base: Mapping[str, Any], source: dict[str, Any], pre
             continue
         key, value = next(iter(fields.items()))
         raise ConfigError(f"{where}: {key} {value} has no activations to apply to in global_quant_config."
-                          f"{tensor_class}; the recipe ({preset}) leaves them float: remove it, or use dtype "
-                          "uint8 for static activations")
+                          f"{tensor_class}; the recipe ({preset}) leaves them float: remove it (for static "
+                          "activations start from a static preset such as U8S8)")
 
 
 def _blame(stack: list[dict[str, Any]], sources: list[tuple[str, dict[str, Any]]]) -> str:

@@ -135,23 +135,6 @@ def check_resolved(config: Config, nodes: Iterable[tuple[str, str]]) -> None:
                 path = f"node {name!r} ({op_type}).{tensor_class} as resolved"
                 check_spec(_plain_values(spec, _extended(config)), tensor_class, path, resolved=True)
         _check_float_weight({tc: getattr(resolved, tc) for tc in TENSOR_CLASSES}, f"node {name!r} ({op_type}) as resolved")
-        if op_type == "MatMul":
-            _check_blocked_matmul(resolved, name)
-
-
-_INTEGERS = ("int8", "uint8")  # what onnxruntime fuses into its integer MatMul kernels
-
-
-def _check_blocked_matmul(resolved: Any, name: str) -> None:
-    """Per-group weights on a MatMul whose input is quantized too: onnxruntime fuses the
-    pair into MatMulIntegerToFloat (or MatMulInteger), which takes one scale per column
-    and fails at run time on blocks."""
-    weight, act = resolved.weight, resolved.input_tensors
-    if weight is None or _plain(weight.qscheme) != "per_group" or act is None or _plain(act.dtype) not in _INTEGERS:
-        return
-    raise ConfigError(f"per_group weights with {_plain(act.dtype)} inputs on MatMul {name!r}: onnxruntime cannot run "
-                      "that pair (its integer MatMul takes one scale per column); give MatMul float inputs "
-                      "(weight-only, as W4_GROUP128) or per-channel weights")
 
 
 @functools.cache
