@@ -96,10 +96,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     target = resolve_target(config)
     print(target.describe())
     plan = plan_quantization(model, config, passes.keep_float, target)
-    quantized = Counter(op for name, op in plan.quantized_nodes.items() if name not in plan.float_weights)
+    quantized = Counter(plan.integer_nodes().values())
     print(f"would quantize: {sum(quantized.values())} nodes (" + ", ".join(f"{op} {n}" for op, n in sorted(quantized.items())) + ")")
-    weights = Counter((plan.quantized_nodes[name], why) for name, why in plan.float_weights.items()
-                      if name in plan.quantized_nodes)
+    weights = Counter(plan.float_weight_nodes().values())
     for (op, why), n in sorted(weights.items()):
         print(f"  float weight, quantized activations: {op} x{n}: {why}")
     reasons = Counter(plan.float_nodes.values())

@@ -93,10 +93,9 @@ def _shared_quantized(value: ir.Value) -> bool:
     (MatMulNBits' B read by GatherBlockQuantized through a Reshape, as onnxq writes a tied
     LM head and embedding). Folded, its copy would store the table twice (SmolLM2 int4
     quantized again: 82.2 -> 96.4 MB)."""
-    shape = value.shape
-    return (len(value.uses()) > 1 and value.dtype is not None and value.dtype.is_integer()
-            and shape is not None and all(isinstance(d, int) for d in shape)
-            and math.prod(shape) >= SHARED_QUANTIZED_ELEMENTS and value.const_value is not None)
+    if not is_constant(value) or len(value.uses()) < 2 or not value.const_value.dtype.is_integer():
+        return False
+    return math.prod(value.const_value.shape) >= SHARED_QUANTIZED_ELEMENTS  # without reading its bytes
 
 
 def _evaluate(node: ir.Node, opset: int) -> list[np.ndarray] | None:

@@ -61,6 +61,7 @@ def required_opset(config: Config) -> int:
 # ops quantized now (an onnxruntime-genai model whose LM head or embedding the builder left
 # in int4): the nodes stay, and the rest of the model is quantized.
 KEPT_KERNELS = frozenset({"MatMulNBits", "GatherBlockQuantized"})
+ALREADY_QUANTIZED = "already quantized"  # how `keep_float` names the kernels it keeps
 
 
 def _already_quantized(model: ir.Model, name: str) -> dict[str, str]:
@@ -168,7 +169,7 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
         summary.notes.extend(added)
         done = run_passes(model, passes, settings, deferrable)
         summary.notes.extend(done.notes)
-        keep_float = {**{name: f"already quantized ({op}): left as it is" for name, op in kept.items()},
+        keep_float = {**{name: f"{ALREADY_QUANTIZED} ({op}): left as it is" for name, op in kept.items()},
                       **done.keep_float}
         plan = plan_quantization(model, config, keep_float, target)
         algorithms, decided = configured_algorithms(config, configured, target, plan, settings.access)

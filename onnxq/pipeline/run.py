@@ -18,7 +18,7 @@ from onnxq.notes import Note, Topic, notes
 from onnxq.optimize.runner import run_algorithms
 from onnxq.pipeline.calibration import calibrate_or_load, drop_unquantizable
 from onnxq.pipeline.emission import emit_loadable, trial_emitter
-from onnxq.pipeline.prepare import ModelSource, prepare, source_size
+from onnxq.pipeline.prepare import ALREADY_QUANTIZED, ModelSource, prepare, source_size
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.plan import provider_notes
 from onnxq.plan.strategies.matmul_nbits import refused_note
@@ -61,7 +61,7 @@ def run_pipeline(
     summary.notes.extend(dropped)
     summary.notes.extend(notes(Topic.PROVIDER, provider_notes(config.calibration.providers, plan)))
     if (refused := refused_note(plan, config)) is not None:
-        summary.notes.append(Note(Topic.WARNING, *refused))
+        summary.notes.append(refused)
 
     state = None
     if keep_state:
@@ -88,10 +88,8 @@ def run_pipeline(
             summary.fidelity = checked
     del session
     plan = emitted.plan
-    float_weights = {n: (op, plan.float_weights[n]) for n, op in plan.quantized_nodes.items() if n in plan.float_weights}
-    summary.quantized_by_op = dict(sorted(Counter(op for n, op in plan.quantized_nodes.items()
-                                                  if n not in float_weights).items()))
-    summary.float_weight_nodes = float_weights
+    summary.quantized_by_op = dict(sorted(Counter(plan.integer_nodes().values()).items()))
+    summary.float_weight_nodes = plan.float_weight_nodes()
     summary.float_nodes = plan.float_nodes
     summary.fused_activations = len(emitted.qdq.removed_activations)
     summary.kept_activations = emitted.qdq.kept_activations
@@ -101,12 +99,13 @@ def run_pipeline(
 
     write_output(summary, source, model, output, data=settings.data, providers=options.providers,
                  measure_latency=options.measure_latency)
-    already = sum(why.startswith("already quantized") for why in ready.keep_float.values())
-    if not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before and already:
+    already = sum(why.startswith(ALREADY_QUANTIZED) for why in ready.keep_float.values())
+    unchanged = not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before
+    if unchanged and already:
         summary.notes.append(Note(Topic.WARNING, f"warning: nothing more was quantized: the model is already "
                                   f"quantized ({already} quantized kernels left as they are); quantize the float "
                                   "model instead"))
-    elif not summary.quantized_by_op and summary.size_after > 0.95 * summary.size_before:
+    elif unchanged:
         summary.notes.append(Note(Topic.WARNING, "warning: nothing was quantized: every node stayed float (see 'left "
                                   "in float'); pick a recipe that covers this model's ops (U8S8 for convolutions; "
                                   "W8_DYNAMIC and W4_GROUP128 quantize MatMul/Gemm only)"))

@@ -102,6 +102,14 @@ class QuantPlan:
 
     # --- reading -----------------------------------------------------------------------
 
+    def integer_nodes(self) -> dict[str, str]:
+        """The quantized nodes but those with a float weight (`float_weights`): name -> op."""
+        return {n: op for n, op in self.quantized_nodes.items() if n not in self.float_weights}
+
+    def float_weight_nodes(self) -> dict[str, tuple[str, str]]:
+        """The quantized nodes whose weight stays float: name -> (op, why)."""
+        return {n: (op, self.float_weights[n]) for n, op in self.quantized_nodes.items() if n in self.float_weights}
+
     def nodes_for(self, strategy: str) -> dict[str, ResolvedSpec | DType]:
         """The nodes `strategy` lowers, with the spec each was claimed with, in graph order."""
         return {name: low.spec for name, low in self.lowered.items() if low.strategy == strategy}

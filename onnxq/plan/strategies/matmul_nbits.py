@@ -11,6 +11,7 @@ import onnx_ir as ir
 from onnxq.config.resolve import ResolvedConfig, ResolvedSpec
 from onnxq.config.spec import Config, DType
 from onnxq.graph.fold import constant_array
+from onnxq.notes import Note, Topic
 from onnxq.plan.draft import Draft
 from onnxq.plan.plan import QuantPlan
 from onnxq.plan.strategies.registry import Decision, Lower, register_strategy
@@ -66,7 +67,7 @@ def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
     return None
 
 
-def refused_note(plan: QuantPlan, config: Config) -> tuple[str, tuple[str, ...]] | None:
+def refused_note(plan: QuantPlan, config: Config) -> Note | None:
     """The summary's warning where `matmul_nbits` was asked for and MatMuls did not get it:
     how many, the commonest reason, and that they run as DequantizeLinear + MatMul; with
     none lowered, that the accuracy level is unused."""
@@ -75,8 +76,9 @@ def refused_note(plan: QuantPlan, config: Config) -> tuple[str, tuple[str, ...]]
     refused, lowered = dict(plan.nbits_refused), len(plan.nodes_for("matmul_nbits"))
     unused = f"; accuracy_level {config.accuracy_level} is unused" if config.accuracy_level and not lowered else ""
     if not refused:
-        return None if lowered else (f"matmul_nbits: the model has no MatMul with a constant weight to lower{unused}", ())
+        return None if lowered else Note(Topic.WARNING,
+                                         f"matmul_nbits: the model has no MatMul with a constant weight to lower{unused}")
     (why, count), *_ = Counter(refused.values()).most_common()
-    return (f"warning: matmul_nbits: {len(refused)} MatMul not lowered to MatMulNBits, so they run as "
-            f"DequantizeLinear + MatMul, far slower ({count} because {why}; {lowered} lowered){unused}",
-            tuple(refused))
+    return Note(Topic.WARNING, f"warning: matmul_nbits: {len(refused)} MatMul not lowered to MatMulNBits, so they run "
+                f"as DequantizeLinear + MatMul, far slower ({count} because {why}; {lowered} lowered){unused}",
+                tuple(refused))
