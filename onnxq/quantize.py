@@ -112,10 +112,9 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
         result.summary.notes.append(Note(Topic.OUTPUT, f"model folder: {len(copied)} other "
                                          f"file{'' if len(copied) == 1 else 's'} copied beside the model ({shown})" if copied else "model folder: no other file to copy",
                                          tuple(copied)))
-    source = model if isinstance(model, str | os.PathLike) else None
-    if output is not None and (removed := remove_replaced_data(output, replaced, copied, source)):
-        result.summary.notes.append(Note(Topic.OUTPUT, f"removed the external data of the model {Path(output).name} "
-                                         f"replaced, which the new one does not use: {', '.join(removed)}",
+    if output is not None and (removed := remove_replaced_data(output, replaced, copied, model)):
+        result.summary.notes.append(Note(Topic.OUTPUT, f"removed {', '.join(removed)}: external data of the "
+                                         f"{Path(output).name} this run wrote over, which the new model does not use",
                                          tuple(removed)))
     result.config = result.config or config  # the latency plan's is the config it chose
     if default_kind is not None and (note := default_note(default_kind, _data_use(result, calibration_data))):

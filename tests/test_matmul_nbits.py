@@ -20,6 +20,7 @@ from onnxq.config.resolve import ResolvedSpec, merge_specs
 from onnxq.config.spec import QuantizationSpec
 from onnxq.emit.matmul_nbits import can_use_matmul_nbits, emit_matmul_nbits
 from onnxq.graph.load import load_model
+from onnxq.notes import Topic
 from onnxq.numerics.blocks import pack_bits, unpack_bits
 
 MS = "com.microsoft"
@@ -275,7 +276,11 @@ def test_a_matmul_that_cannot_have_matmulnbits_is_a_warning_not_silence():
     assert len(said) == 1 and "1 MatMul not lowered to MatMulNBits" in said[0], said
     assert "group_size 48 is not a power of two >= 16" in said[0] and "accuracy_level 4 is unused" in said[0]
     static = onnxq.quantize(proto, None, {"preset": "U8S8", "matmul_nbits": True}, {"x": a}, progress=False)
-    assert any("its input is quantized too" in n for n in static.summary.note_texts)
+    said = [n for n in static.summary.notes if "matmul_nbits:" in n.text]
+    assert len(said) == 1 and said[0].topic is Topic.EMISSION and "integer MatMul" in said[0].text, said
+    int16 = onnxq.quantize(proto, None, {"preset": "A16W8", "matmul_nbits": True}, {"x": a}, progress=False)
+    assert any(n.startswith("warning: matmul_nbits") and "its input is quantized too" in n
+               for n in int16.summary.note_texts)
     fine = onnxq.quantize(proto, None, "W4_GROUP128", None, progress=False)
     assert not any("matmul_nbits:" in n for n in fine.summary.note_texts)
 

@@ -112,7 +112,8 @@ def test_a_replaced_models_external_data_is_removed_never_the_inputs(tmp_path):
     before = digests(small)
     result = onnxq.quantize(str(small), str(old), "W4_GROUP128", progress=False)
     assert not (old / "model.onnx.data").exists() and digests(small) == before
-    assert any("removed the external data of the model model.onnx replaced" in n for n in result.summary.note_texts)
+    assert any(n.startswith("removed model.onnx.data: external data of the model.onnx this run wrote over")
+               for n in result.summary.note_texts)
     assert sqnr_db(run(str(source / "model.onnx"), EVAL), run(str(old / "model.onnx"), EVAL)) > 15  # runs without it
     # an output whose old version named the input's own data file: that file stays
     beside = tmp_path / "beside"
@@ -130,3 +131,37 @@ def test_a_replaced_models_external_data_is_removed_never_the_inputs(tmp_path):
     (shared / "b.onnx").write_bytes((shared / "a.onnx").read_bytes())
     onnxq.quantize(str(source / "model.onnx"), str(shared / "b.onnx"), "W4_GROUP128", progress=False)
     assert (shared / "w.data").is_file() and run(str(shared / "a.onnx"), EVAL) is not None
+
+
+def test_a_model_in_memory_keeps_the_data_files_it_names(tmp_path, monkeypatch):
+    """A model passed in memory with its weights still in external files (read from the
+    working folder) keeps them, even where the model written over named them too."""
+    folder = tmp_path / "mem"
+    folder.mkdir()
+    onnx.save(decoder_block(), folder / "in.onnx", save_as_external_data=True, location="w.data", size_threshold=0)
+    proto = onnx.load(folder / "in.onnx", load_external_data=False)
+    (folder / "in.onnx").rename(folder / "out.onnx")  # the file written over names w.data, as the proto does
+    data = (folder / "w.data").read_bytes()
+    monkeypatch.chdir(folder)
+    result = onnxq.quantize(proto, str(folder / "out.onnx"), "W4_GROUP128", progress=False)
+    assert (folder / "w.data").read_bytes() == data
+    assert not any(n.startswith("removed") for n in result.summary.note_texts)
+
+
+def test_a_data_file_the_system_will_not_delete_stays(tmp_path, monkeypatch):
+    source = genai_folder(tmp_path / "in")
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("model.onnx", "model.onnx.data", "genai_config.json"):
+        (old / name).write_bytes((source / name).read_bytes())
+
+    unlink = Path.unlink
+
+    def refuse(self, *args, **kwargs):
+        if self.name == "model.onnx.data":
+            raise PermissionError(f"read-only: {self}")
+        return unlink(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "unlink", refuse)
+    result = onnxq.quantize(str(source), str(old), "W4_GROUP128", progress=False)
+    assert (old / "model.onnx.data").exists() and not any(n.startswith("removed") for n in result.summary.note_texts)
+    assert run(str(old / "model.onnx"), EVAL) is not None

@@ -518,6 +518,12 @@ def test_a_weight_kept_float32_by_its_node_override_stays_float(op):
     floats = np.concatenate([run(model, f) for f in feeds])
     kept = sqnr_db(floats, np.concatenate([run(result.model, f) for f in feeds]))
     assert kept >= sqnr_db(floats, np.concatenate([run(plain, f) for f in feeds])) - 0.5 and kept > 10
+    # the level that keeps it float is named: a node override that leaves the weight alone is not blamed
+    by_type = {"layer_type_quant_config": {op: {"weight": {"dtype": "float32"}}},
+               "layer_quant_config": {first: {"input_tensors": {"symmetric": False}}}}
+    typed = onnxq.quantize(model, None, by_type, random_feeds(model, 16, seed=CALIB_SEED))
+    assert set(typed.summary.float_weight_nodes.values()) == {
+        (op, f"kept float by the config's {op} override (layer_type_quant_config)")}
 
 
 def test_a_constant_first_operand_kept_float32_stays_float():

@@ -101,6 +101,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     weights = Counter(plan.float_weight_nodes().values())
     for (op, why), n in sorted(weights.items()):
         print(f"  float weight, quantized activations: {op} x{n}: {why}")
+    for why, n in sorted(Counter(plan.float_inputs.values()).items()):
+        print(f"  float inputs, quantized weight: MatMul x{n}: {why}")
     reasons = Counter(plan.float_nodes.values())
     for (op, why), n in sorted(reasons.items()):
         print(f"  float: {op} x{n}: {why}")
@@ -117,6 +119,7 @@ def _print_nodes(graph, plan) -> None:
         status = ""
         if plan is not None:
             status = (f"float weight: {plan.float_weights[node.name]}" if node.name in plan.float_weights
+                      else f"float inputs: {plan.float_inputs[node.name]}" if node.name in plan.float_inputs
                       else "quantized" if node.name in plan.quantized_nodes
                       else f"float: {plan.float_nodes[node.name][1]}" if node.name in plan.float_nodes else "")
         print(f"  {node.name}  {node.op_type}" + (f"  ({status})" if status else ""))

@@ -84,6 +84,13 @@ def _data_files(model: Path) -> tuple[str, ...]:
         proto = read_structure(model)
     except Exception:  # noqa: BLE001  an unreadable model gets its own error when it is loaded
         return ()
+    return external_locations(proto)
+
+
+def external_locations(proto: object) -> tuple[str, ...]:
+    """The external data files a model in memory names (none for any other source)."""
+    if not isinstance(proto, onnx.ModelProto):
+        return ()
     names = {entry.value for tensor in proto.graph.initializer if tensor.data_location == onnx.TensorProto.EXTERNAL
              for entry in tensor.external_data if entry.key == "location"}
     return tuple(sorted(names))
@@ -126,26 +133,30 @@ def data_files(model: str | os.PathLike) -> tuple[str, ...]:
 
 
 def remove_replaced_data(model: str | os.PathLike, before: tuple[str, ...], keep: Iterable[str] = (),
-                         source: str | os.PathLike | None = None) -> list[str]:
+                         source: object = None) -> list[str]:
     """Delete the external data files of the model that `model` replaced (`before`: what
     it named) that the new model does not name and nothing in `keep` was copied as: left,
     a float model's 540 MB of weights would sit beside its int4 replacement. The input
-    model `source` and its data, and files another model in the folder names, are never
-    touched. The names removed."""
+    model `source` and its data (a model in memory: the files it names), and files another
+    model in the folder names, are never touched; a file the system will not delete stays.
+    The names removed."""
     path = Path(model)
     stale = set(before) - set(_data_files(path)) - set(keep)
     if stale:  # another model beside it may read the same file
         stale -= {name for other in path.parent.glob("*.onnx") if other.resolve() != path.resolve()
                   for name in data_files(other)}
-    stale = sorted(stale)
+    stale = sorted(stale - set(external_locations(source)))
     inputs = set()
-    if source is not None and Path(source).is_file():
+    if isinstance(source, str | os.PathLike) and Path(source).is_file():
         inputs = {Path(source).resolve(), *((Path(source).parent / n).resolve() for n in data_files(source))}
     removed = []
     for name in stale:
         target = path.parent / name
         if target.is_file() and target.resolve().parent == path.parent.resolve() and target.resolve() not in inputs:
-            target.unlink()
+            try:
+                target.unlink()
+            except OSError:  # read-only, or in use: the new model does not need it either way
+                continue
             removed.append(name)
     return removed
 

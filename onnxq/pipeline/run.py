@@ -21,6 +21,7 @@ from onnxq.pipeline.emission import emit_loadable, trial_emitter
 from onnxq.pipeline.prepare import ALREADY_QUANTIZED, ModelSource, prepare, source_size
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.plan import provider_notes
+from onnxq.plan.kernel_pairs import float_inputs_note
 from onnxq.plan.strategies.matmul_nbits import refused_note
 from onnxq.report import Summary
 
@@ -60,8 +61,7 @@ def run_pipeline(
     plan, dropped = drop_unquantizable(plan, calibration.ranges)
     summary.notes.extend(dropped)
     summary.notes.extend(notes(Topic.PROVIDER, provider_notes(config.calibration.providers, plan)))
-    if (refused := refused_note(plan, config)) is not None:
-        summary.notes.append(refused)
+    summary.notes.extend(note for note in (float_inputs_note(plan), refused_note(plan, config)) if note is not None)
 
     state = None
     if keep_state:

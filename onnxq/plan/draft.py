@@ -15,7 +15,8 @@ from onnxq.target.narrowing import target_weight_spec
 from onnxq.target.profile import TargetProfile
 
 # The tables of a `QuantPlan` that the planner fills, in its field order.
-TABLES = ("tensors", "quantized_nodes", "float_nodes", "fused_activations", "lowered", "tied", "float_weights", "nbits_refused")
+TABLES = ("tensors", "quantized_nodes", "float_nodes", "fused_activations", "lowered", "tied", "float_weights", "nbits_refused",
+          "float_inputs")
 
 
 @dataclasses.dataclass
@@ -33,6 +34,7 @@ class Draft:
     tied: dict[str, Tie] = dataclasses.field(default_factory=dict)
     float_weights: dict[str, str] = dataclasses.field(default_factory=dict)
     nbits_refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    float_inputs: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def update(self, name: str, **changes: object) -> TensorPlan:
         """Replace the planned tensor `name` by a copy with `changes`."""

@@ -95,6 +95,9 @@ class QuantPlan:
     float_weights: Mapping[str, str] = field(default_factory=lambda: EMPTY)
     # MatMuls `matmul_nbits` could not lower to MatMulNBits -> why (they run as DQ + MatMul)
     nbits_refused: Mapping[str, str] = field(default_factory=lambda: EMPTY)
+    # nodes whose inputs the config quantizes but that read float ones (weight-only), because
+    # onnxruntime cannot run the pair (`plan/kernel_pairs`) -> why
+    float_inputs: Mapping[str, str] = field(default_factory=lambda: EMPTY)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

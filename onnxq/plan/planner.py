@@ -19,6 +19,7 @@ from onnxq.config.resolve import resolve_node_config
 from onnxq.config.spec import Config
 from onnxq.plan import strategies
 from onnxq.plan.draft import Draft
+from onnxq.plan.kernel_pairs import runnable
 from onnxq.plan.plan import QuantPlan
 from onnxq.plan.prune import prune
 from onnxq.plan.tied import tie_tables
@@ -34,6 +35,9 @@ def plan_node(draft: Draft, node: ir.Node, keep_float: Mapping[str, str]) -> Non
     if cfg is None:
         draft.float_node(node, "excluded or kept in float by config")
         return
+    cfg, relaxed = runnable(node, cfg)
+    if relaxed is not None:
+        draft.float_inputs[node.name] = relaxed
     for strategy in strategies.ordered():
         decision = strategy.claim(node, cfg, draft)
         if decision is None:

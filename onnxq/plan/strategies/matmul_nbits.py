@@ -51,6 +51,10 @@ def can_use_matmul_nbits(node: ir.Node, spec: ResolvedSpec) -> str | None:
     return None
 
 
+# The refusal that costs no speed: 8-bit static inputs run in onnxruntime's integer MatMul.
+INTEGER_INPUTS = "its inputs are static 8-bit, which onnxruntime runs in its integer MatMul (MatMulNBits takes float)"
+
+
 @register_strategy("matmul_nbits", order=50)
 def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
     """Lower a weight-only MatMul to MatMulNBits; where `matmul_nbits` is asked for a
@@ -59,8 +63,9 @@ def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
     if not draft.config.matmul_nbits or cfg.weight is None or node.op_type != "MatMul" \
             or constant_array(node.inputs[1] if len(node.inputs) > 1 else None) is None:
         return None
-    why = "its input is quantized too (MatMulNBits takes float inputs)" if cfg.input_tensors is not None \
-        else can_use_matmul_nbits(node, cfg.weight)
+    why = can_use_matmul_nbits(node, cfg.weight) if cfg.input_tensors is None \
+        else INTEGER_INPUTS if cfg.input_tensors.dtype in (DType.INT8, DType.UINT8) and not cfg.input_tensors.is_dynamic \
+        else "its input is quantized too (MatMulNBits takes float inputs)"
     if why is None:
         return Lower(cfg.weight)
     draft.nbits_refused[node.name] = why
@@ -68,17 +73,23 @@ def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
 
 
 def refused_note(plan: QuantPlan, config: Config) -> Note | None:
-    """The summary's warning where `matmul_nbits` was asked for and MatMuls did not get it:
-    how many, the commonest reason, and that they run as DequantizeLinear + MatMul; with
-    none lowered, that the accuracy level is unused."""
+    """The summary's word where `matmul_nbits` was asked for and MatMuls did not get it: a
+    warning for those left as DequantizeLinear + MatMul (how many, the commonest reason),
+    a note for those that run as integer MatMuls instead or where the model has none to
+    lower; with none lowered, that the accuracy level is unused."""
     if not config.matmul_nbits:
         return None
-    refused, lowered = dict(plan.nbits_refused), len(plan.nodes_for("matmul_nbits"))
+    lowered = len(plan.nodes_for("matmul_nbits"))
     unused = f"; accuracy_level {config.accuracy_level} is unused" if config.accuracy_level and not lowered else ""
-    if not refused:
-        return None if lowered else Note(Topic.WARNING,
-                                         f"matmul_nbits: the model has no MatMul with a constant weight to lower{unused}")
-    (why, count), *_ = Counter(refused.values()).most_common()
-    return Note(Topic.WARNING, f"warning: matmul_nbits: {len(refused)} MatMul not lowered to MatMulNBits, so they run "
-                f"as DequantizeLinear + MatMul, far slower ({count} because {why}; {lowered} lowered){unused}",
-                tuple(refused))
+    slow = {n: why for n, why in plan.nbits_refused.items() if why != INTEGER_INPUTS}
+    integer = tuple(n for n, why in plan.nbits_refused.items() if why == INTEGER_INPUTS)
+    if slow:
+        (why, count), *_ = Counter(slow.values()).most_common()
+        return Note(Topic.WARNING, f"warning: matmul_nbits: {len(slow)} MatMul not lowered to MatMulNBits, so they "
+                    f"run as DequantizeLinear + MatMul, far slower ({count} because {why}; {lowered} lowered){unused}",
+                    tuple(slow))
+    if integer:
+        return Note(Topic.EMISSION, f"matmul_nbits: {len(integer)} MatMul not lowered to MatMulNBits: "
+                    f"{INTEGER_INPUTS}{unused}", integer)
+    return None if lowered else Note(Topic.EMISSION, f"matmul_nbits: the model has no MatMul with a constant weight "
+                                     f"to lower{unused}")

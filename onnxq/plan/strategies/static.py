@@ -12,7 +12,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig, resolve_node_config
-from onnxq.config.spec import Config, QScheme
+from onnxq.config.spec import TENSOR_CLASSES, Config, DType, QScheme
 from onnxq.graph import layout
 from onnxq.graph.fold import constant_array
 from onnxq.plan.draft import Draft
@@ -131,12 +131,21 @@ def _why_unconfigured(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedCo
     return _kept_float_by(draft, node, "no tensor of this node is configured for quantization")
 
 
-def _kept_float_by(draft: Draft, node: ir.Node, otherwise: str) -> str:
-    """The config level that keeps `node` (or its weight) float, else `otherwise`."""
-    if node.name in draft.config.layer_quant_config:
-        return f"kept float by its node override (layer_quant_config: {node.name})"
-    if node.op_type in draft.config.layer_type_quant_config:
-        return f"kept float by the config's {node.op_type} override (layer_type_quant_config)"
+def _kept_float_by(draft: Draft, node: ir.Node, otherwise: str, classes: tuple[str, ...] = TENSOR_CLASSES) -> str:
+    """The config level that keeps `node`'s tensors of `classes` float (the first level, node,
+    op type then global, that gives one of them a type: float32), else `otherwise`."""
+    levels = ((f"its node override (layer_quant_config: {node.name})", draft.config.layer_quant_config.get(node.name)),
+              (f"the config's {node.op_type} override (layer_type_quant_config)",
+               draft.config.layer_type_quant_config.get(node.op_type)),
+              ("the global config (global_quant_config)", draft.config.global_quant_config))
+    for tensor_class in classes:
+        for where, level in levels:
+            spec = getattr(level, tensor_class) if level is not None else None
+            if spec is None or (spec.dtype is None and spec.exponent_bits is None and spec.mantissa_bits is None):
+                continue  # this level leaves the tensor class's type to the levels below
+            if spec.dtype is not None and DType(spec.dtype) is DType.FLOAT32:
+                return f"kept float by {where}"
+            break
     return otherwise
 
 
@@ -164,7 +173,8 @@ def plan_compute(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig)
     i = rule.weight_input
     if cfg.weight is None and i is not None and i < len(node.inputs) and _is_float(node.inputs[i]) \
             and constant_array(node.inputs[i]) is not None:  # quantized inputs, float weight: float arithmetic
-        draft.float_weights[node.name] = _kept_float_by(draft, node, "the config gives its weight no spec")
+        draft.float_weights[node.name] = _kept_float_by(draft, node, "the config gives its weight no spec",
+                                                        ("weight",))
     if act_spec is not None and weight_index is not None and rule.bias_input is not None:
         plan_bias(draft, node, rule, cfg, weight_index)
     out_spec = cfg.output_tensors
