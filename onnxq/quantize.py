@@ -25,7 +25,7 @@ from onnxq.graph.folder import (
 )
 from onnxq.graph.save import check_output_paths
 from onnxq.notes import Note, Topic
-from onnxq.optimize.registry import parse_algorithms, parse_passes
+from onnxq.optimize.registry import check_block_rounding, parse_algorithms, parse_passes
 from onnxq.pipeline.prepare import ModelSource, required_opset
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.pipeline.run import run_pipeline
@@ -81,6 +81,7 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
     """`quantize`'s body."""
     folder = open_folder(model) if isinstance(model, str | os.PathLike) else None
     config, default_kind = config_for(folder or model, config)
+    check_block_rounding(config.algo_config, config.matmul_nbits)
     if folder is not None:
         model = str(folder.model)
         output = None if output is None else output_model(folder, output)

@@ -532,6 +532,17 @@ def test_labels_that_do_not_fit_the_data_are_one_line(ws, capsys):
     assert main([*base, str(ws.npz("binary.npz", x=x, labels=np.arange(4) % 2 == 0)), "--quiet"]) == 0
 
 
+def test_a_labels_key_not_in_the_eval_data_is_one_line(tmp_path, capsys):
+    """--labels naming no array of --eval-data: the arrays there and the nearest name, exit 2
+    (before: "metric top1 needs labels", as if none had been given)."""
+    models = Path(__file__).resolve().parents[1] / "models"
+    args = ["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "q.onnx"), "--calib-data", str(models / "digits_calib.npz"),
+            "--accuracy-target", "top1>=float-1", "--eval-data", str(models / "digits_eval.npz"), "--labels", "label"]
+    assert main(args) == 2
+    assert_one_error_line(capsys.readouterr().err, ("labels 'label' not in the evaluation data", "did you mean 'labels'"))
+    assert not (tmp_path / "q.onnx").exists()
+
+
 def test_compare_with_its_models_swapped_says_so(ws, capsys):
     """A quantized model given as the float one is compared (two quantized models can be
     meant), with a note that the order looks swapped."""

@@ -30,6 +30,7 @@ from onnxq.config import (
     validate_config,
     validate_node_configs,
 )
+from onnxq.config.compose import compose_config
 from onnxq.config.spec import SPEC_DEFAULTS
 from onnxq.errors import ConfigError
 
@@ -999,3 +1000,15 @@ def test_a_misspelt_keyword_of_a_config_class_names_the_field():
             make()
         assert isinstance(caught.value, TypeError)
     assert onnxq.AdaRoundConfig(num_iteration=3).num_iteration == 3
+
+
+@pytest.mark.parametrize("alias,dtype", [("fp16", "float16"), ("BF16", "bfloat16"), ("fp32", "float32"),
+                                         ("e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")])
+def test_other_tools_dtype_names_are_taken(alias, dtype):
+    config = compose_config("FP16", None, {"global_quant_config": {"weight": {"dtype": alias}}})
+    assert config.global_quant_config.weight.dtype == dtype
+
+
+def test_a_dtype_name_of_two_formats_lists_both():
+    with pytest.raises(ConfigError, match="'fp8'.*did you mean 'float8_e4m3fn' or 'float8_e5m2'"):
+        compose_config("U8S8", None, {"global_quant_config": {"weight": {"dtype": "fp8"}}})

@@ -28,10 +28,15 @@ class CountOptions:
 
 
 @register_algorithm("count_layers_toy", options=CountOptions, data="none", flag=9,
-                    flag_help="count the layers (a toy)", rounds_blocks=True)
+                    flag_help="count the layers (a toy)")
 def count_layers(model, plan, ranges, options, ctx):
     n = sum(1 for op in plan.quantized_nodes.values() if op in options.op_types)
     return f"{n} quantized {'/'.join(options.op_types)} layers"
+
+
+@register_algorithm("round_blocks_toy", options=CountOptions, data="none", rounds_blocks=True)
+def round_blocks(model, plan, ranges, options, ctx):
+    return "rounded nothing"
 '''
 
 
@@ -47,8 +52,9 @@ def plugin(tmp_path):
     path = tmp_path / "count_plugin.py"
     path.write_text(PLUGIN)
     yield str(path)
-    ALGORITHMS.pop("count_layers_toy", None)
-    CONTRACTS.pop("count_layers_toy", None)
+    for name in ("count_layers_toy", "round_blocks_toy"):
+        ALGORITHMS.pop(name, None)
+        CONTRACTS.pop(name, None)
 
 
 def test_a_plugin_algorithm_gets_its_flag_from_its_contract(tmp_path, plugin, capsys):
@@ -69,12 +75,17 @@ def test_a_plugin_algorithm_gets_its_flag_from_its_contract(tmp_path, plugin, ca
     onnx.checker.check_model(str(out), full_check=True)
     feeds = random_feeds(conv_model(), 4, seed=2)
     assert cosine(run(conv_model(), feeds), run(str(out), feeds)) > 0.999
-    # It rounds weight-only blocks, so --algorithm offers it too.
+    # One that rounds weight-only blocks is among --algorithm's choices, and refused where
+    # the recipe lowers no MatMul to MatMulNBits (it would round nothing)
     with pytest.raises(SystemExit):
         main(["--plugin", plugin, "quantize", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--count-layers-toy count the layers (a toy)" in text
-    assert "--algorithm {rtn,gptq,awq,count_layers_toy,hqq}" in text
+    assert "--algorithm {rtn,gptq,awq,hqq,round_blocks_toy}" in text
+    assert main(["--plugin", plugin, "quantize", str(model), str(tmp_path / "r.onnx"), "--calib-data", str(calib),
+                 "--algorithm", "round_blocks_toy"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("onnxq: error: round_blocks_toy rounds the weight-only blocks of MatMulNBits") and "\n" not in err
 
 
 def test_the_help_lists_the_algorithm_flags_in_flag_order(capsys):

@@ -247,3 +247,14 @@ def test_mixed_specs_on_one_input_keep_each_layers_result(monkeypatch):
         got = onnxq.quantize(single, None, config({name: block64} if i == 1 else {}), calib, progress=False).model
         differ = stored(out, names[i]) != stored(got, name)
         assert differ.mean() < 1e-3  # float32 sums of the stacked rows may round a rare code the other way
+
+
+@pytest.mark.parametrize("name", ["gptq", "awq", "hqq"])
+def test_block_rounding_in_a_recipe_without_matmulnbits_is_refused(name):
+    """GPTQ, AWQ and HQQ round MatMulNBits blocks: over a static int8 recipe they would
+    round nothing on any model, so the config is refused with the fix (before: a note)."""
+    b = GraphBuilder(3)
+    model = b.build([b.matmul(b.input("x", ["N", 32]), 32, 8)], name="mm")
+    with pytest.raises(ConfigError, match=f"{name} rounds the weight-only blocks of MatMulNBits.*W4_GROUP128"):
+        onnxq.quantize(model, None, {"preset": "U8S8", "algo_config": [{"name": name}]},
+                       {"x": np.ones((4, 32), np.float32)}, progress=False)

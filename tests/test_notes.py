@@ -60,3 +60,10 @@ def test_unquantizable_ranges_name_their_tensors():
     onnx.checker.check_model(result.model, full_check=True)
     feed = {"input": data["input"][64:96]}
     assert sqnr_db(run(str(MODELS / "digits_cnn.onnx"), feed), run(result.model, feed)) > 30
+
+
+def test_an_opset_upgrade_is_said_once():
+    data = {k: v[:16] for k, v in np.load(MODELS / "digits_eval.npz").items() if k != "labels"}
+    result = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), None, "A16W8", data, progress=False)
+    text = onnxq.format_summary(result.summary)
+    assert result.summary.opset == (17, 21) and text.count("17 -> 21") == 1, text

@@ -7,6 +7,7 @@ and wrong value types are `ConfigError`s that name where they are and what would
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import types
@@ -16,7 +17,7 @@ from enum import Enum
 from functools import cache
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from onnxq.config.spec import Config, QuantizationSpec
+from onnxq.config.spec import DTYPE_AMBIGUOUS, Config, DType, QuantizationSpec
 from onnxq.errors import ConfigError, closest_name
 
 # Wording for type errors, by expected Python type.
@@ -155,9 +156,13 @@ def _convert_enum(value: Any, tp: type[Enum], parent: str, name: str) -> Enum:
         for member in tp:
             if member.value.lower() == value.strip().lower():
                 return member
+        with contextlib.suppress(ValueError):
+            return tp(value)  # an alias the enum takes (`DType._missing_`: fp16, bf16)
     where = parent or "config"
     # Stricter than for keys: enum values are short, and 'int9' is no typo of 'int8'.
     hint = closest_name(value, valid, cutoff=0.8) if isinstance(value, str) else None
+    if tp is DType and isinstance(value, str):
+        hint = DTYPE_AMBIGUOUS.get(value.strip().lower(), hint)
     did_you_mean = f"did you mean '{hint}'? " if hint else ""
     raise ConfigError(
         f"invalid {name} {value!r} in {where}; {did_you_mean}valid values: {', '.join(valid)}"

@@ -53,6 +53,25 @@ class DType(_StrEnum):
     MXFP4_E2M1 = "mxfp4_e2m1"
     BFP16 = "bfp16"
 
+    @classmethod
+    def _missing_(cls, value: object) -> DType | None:
+        """The short names other tools use (`fp16`, `bf16`, `fp32`, `e4m3`): `DType("fp16")`
+        is FLOAT16. Bare `fp8` is not one: which of the two formats is the user's choice."""
+        name = DTYPE_ALIASES.get(value.strip().lower()) if isinstance(value, str) else None
+        return cls(name) if name is not None else None
+
+
+# The array of an evaluation .npz that holds its labels, unless `labels` names another.
+DEFAULT_LABELS = "labels"
+
+# Other tools' names of the float types (PyTorch, Quark, TensorRT), as `DType` takes them.
+DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32",
+                 "fp8_e4m3": "float8_e4m3fn", "fp8_e4m3fn": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+                 "float8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2"}
+# Names of more than one type: the error lists the candidates.
+DTYPE_AMBIGUOUS = {"fp8": "float8_e4m3fn' or 'float8_e5m2", "float8": "float8_e4m3fn' or 'float8_e5m2",
+                   "int": "int8' or 'int16", "fp4": "mxfp4_e2m1"}
+
 
 class QScheme(_StrEnum):
     PER_TENSOR = "per_tensor"
@@ -241,7 +260,7 @@ class MixedPrecisionConfig:
     target: str | None = None
     ladder: list[str] = field(default_factory=lambda: list(DEFAULT_LADDER))
     eval_data: str | None = None
-    labels: str = "labels"
+    labels: str = DEFAULT_LABELS
     max_samples: int | None = None
 
 

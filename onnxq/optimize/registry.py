@@ -214,3 +214,12 @@ def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping
     options their contracts reject."""
     parse_passes(pre_quant)
     parse_algorithms(algos)
+
+
+def check_block_rounding(algos: list[Mapping[str, Any]], matmul_nbits: bool) -> None:
+    """An algorithm that rounds MatMulNBits blocks (GPTQ, AWQ, HQQ) in a recipe that lowers
+    none would do nothing on any model: ConfigError with the fix."""
+    named = [entry.name for entry in parse_algorithms(algos) if entry.enabled and entry.contract.rounds_blocks]
+    if named and not matmul_nbits:
+        raise ConfigError(f"{named[0]} rounds the weight-only blocks of MatMulNBits, and this recipe lowers no "
+                          f"MatMul to MatMulNBits: add --preset W4_GROUP128 (or W8_GROUP128), or remove {named[0]}")

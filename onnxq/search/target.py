@@ -22,7 +22,8 @@ import onnxruntime as ort
 from onnxq.calibrate.data import iter_batches
 from onnxq.calibrate.session import run_on_data
 from onnxq.config.accuracy import AccuracyTarget, parse_target  # noqa: F401 (parse_target: its old home, for importers)
-from onnxq.errors import CalibrationDataError, ConfigError
+from onnxq.config.spec import DEFAULT_LABELS
+from onnxq.errors import CalibrationDataError, ConfigError, closest_name
 from onnxq.evaluate import class_labels, session_inputs, sqnr_db
 
 # The score of the float model against itself, for metrics measured against it.
@@ -65,6 +66,11 @@ def load_eval_set(source: Any, labels_key: str, max_samples: int | None = None) 
     if isinstance(source, dict) and labels_key in source:
         source = dict(source)
         labels = np.asarray(source.pop(labels_key))
+    elif isinstance(source, dict) and labels_key != DEFAULT_LABELS:  # a key the user named, not there
+        hint = closest_name(labels_key, sorted(source))
+        raise CalibrationDataError(f"labels {labels_key!r} not in the evaluation data, whose arrays are "
+                                   f"{', '.join(sorted(source))}" + (f"; did you mean {hint!r}?" if hint else
+                                                                      "; give --labels the labels array's name"))
     return EvalSet(source, labels, max_samples)
 
 
