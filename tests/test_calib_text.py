@@ -230,8 +230,21 @@ BAD = {
     "ids beyond the vocabulary": (lambda f, t, r: [str(f), "--gptq", "--calib-data", str(_ids(r, 300))],
                                   "token windows hold id 300, beyond the vocabulary of 256: they were not made with"),
     "negative ids": (lambda f, t, r: [str(f), "--gptq", "--calib-data", str(_ids(r, -1))],
-                     "token windows hold id -1, below 0"),
+                     "token windows hold id -1, below 0: padding or ignored labels are not tokens"),
+    "ids beyond the token table (no vocab_size)": (
+        lambda f, t, r: [str(_no_vocab_size(f, r)), "--gptq", "--calib-data", str(_ids(r, 256))],
+        "token windows hold id 256, beyond the vocabulary of 256: they were not made with"),
 }
+
+
+def _no_vocab_size(folder: Path, root: Path) -> Path:
+    """The folder with genai_config.json naming no vocab_size: the token table's rows count."""
+    bare = root / "no_vocab_size"
+    shutil.copytree(folder, bare)
+    settings = json.loads((bare / "genai_config.json").read_text())
+    del settings["model"]["vocab_size"]
+    (bare / "genai_config.json").write_text(json.dumps(settings))
+    return bare
 
 
 def _ids(folder: Path, token: int) -> Path:

@@ -165,3 +165,23 @@ def test_a_data_file_the_system_will_not_delete_stays(tmp_path, monkeypatch):
     result = onnxq.quantize(str(source), str(old), "W4_GROUP128", progress=False)
     assert (old / "model.onnx.data").exists() and not any(n.startswith("removed") for n in result.summary.note_texts)
     assert run(str(old / "model.onnx"), EVAL) is not None
+
+
+def test_inspect_run_and_compare_take_model_folders(tmp_path, capsys):
+    """The commands that look at models take a folder where `quantize` does (its model file)."""
+    source = genai_folder(tmp_path / "in")
+    out = tmp_path / "out"
+    assert main(["quantize", str(source), str(out), "--preset", "W4_GROUP128", "--quiet"]) == 0
+    assert main(["inspect", str(out)]) == 0
+    assert f"model: {out / 'model.onnx'}" in capsys.readouterr().out
+    data = tmp_path / "eval.npz"
+    np.savez(data, **EVAL)
+    assert main(["run", str(out), "--data", str(data)]) == 0
+    assert main(["compare", str(source), str(out), "--data", str(data)]) == 0
+    assert "SQNR" in capsys.readouterr().out
+    (tmp_path / "two").mkdir()
+    for name in ("a.onnx", "b.onnx"):
+        onnx.save(decoder_block(), tmp_path / "two" / name)
+    assert main(["inspect", str(tmp_path / "two")]) == 2  # which model is meant: one line, exit 2
+    err = capsys.readouterr().err.strip()
+    assert "holds 2 .onnx files; pass the .onnx model file itself" in err and "\n" not in err

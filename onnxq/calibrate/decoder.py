@@ -28,6 +28,7 @@ from onnxq.graph.folder import genai_settings
 from onnxq.graph.wire import read_structure
 
 PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")  # the outputs that feed PAST back
 # Decode steps observed after each prefill, where activations are calibrated: their ranges
 # are the deployed ones. A weight-only recipe observes prefills alone: its algorithms' input
 # statistics (GPTQ's Hessians) gain nothing from the few decode rows, and each step is one
@@ -180,7 +181,8 @@ def genai_head_size(model: Path) -> int | None:
 
 def vocabulary_size(model: Path) -> int | None:
     """Rows of the model's token table: `genai_config.json`'s vocab_size, else the table a
-    Gather reads `input_ids` from (its weights are not read: `read_structure`)."""
+    Gather reads `input_ids` from, an initializer or the Transpose of one (a tied LM head),
+    or a tensor of static shape (its weights are not read: `read_structure`)."""
     size = genai_settings(model.parent).get("vocab_size")
     if isinstance(size, int):
         return size
@@ -188,8 +190,14 @@ def vocabulary_size(model: Path) -> int | None:
         graph = read_structure(model).graph
     except Exception:  # noqa: BLE001  an unreadable model gets its own error when it is loaded
         return None
-    tables = {t.name: t.dims for t in graph.initializer}
+    tables = {t.name: tuple(t.dims) for t in graph.initializer}  # and the tensors typed with a static shape
+    tables.update({v.name: tuple(d.dim_value for d in v.type.tensor_type.shape.dim) for v in graph.value_info
+                   if v.type.tensor_type.shape.dim and all(d.dim_value > 0 for d in v.type.tensor_type.shape.dim)})
     for node in graph.node:
+        if node.op_type == "Transpose" and node.input[0] in tables:  # a tied table: the LM head's weight turned
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+            dims = tables[node.input[0]]
+            tables.setdefault(node.output[0], tuple(dims[i] for i in perm) if perm else dims[::-1])
         if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] == "input_ids" \
                 and len(tables.get(node.input[0], ())) == 2:
             return int(tables[node.input[0]][0])
@@ -202,10 +210,13 @@ def _check_token_ids(windows: np.ndarray, model: Path) -> None:
     if not windows.size:
         return
     low, high, size = int(windows.min()), int(windows.max()), vocabulary_size(model)
-    if low < 0 or (size is not None and high >= size):
-        bad, bound = (low, "below 0") if low < 0 else (high, f"beyond the vocabulary of {size}")
-        raise CalibrationDataError(f"token windows hold id {bad}, {bound}: they were not made with {model.name}'s "
-                                   "tokenizer; tokenize with the model's own tokenizer, or pass --calib-text FILE")
+    if low < 0:  # padding or an ignored label (-100), not a token
+        raise CalibrationDataError(f"token windows hold id {low}, below 0: padding or ignored labels are not tokens; "
+                                   "give windows of real token ids only (all of one length), or pass --calib-text FILE")
+    if size is not None and high >= size:
+        raise CalibrationDataError(f"token windows hold id {high}, beyond the vocabulary of {size}: they were not made "
+                                   f"with {model.name}'s tokenizer; tokenize with the model's own tokenizer, or pass "
+                                   "--calib-text FILE")
 
 
 def decoder_feeds(model: Any, data: Any, providers: list[str] | None = None, decode_steps: int = DECODE_STEPS) -> Any:

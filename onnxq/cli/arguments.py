@@ -1,5 +1,5 @@
 """Checks and parsing of argument values that several commands share: KEY=VALUE flags,
-counts of at least 1, readable model files."""
+counts of at least 1, readable model files (or model folders)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from onnxq.errors import OnnxqError
+from onnxq.graph.folder import open_folder
 from onnxq.graph.load import check_readable
 
 
@@ -31,7 +32,12 @@ def check_counts(args: argparse.Namespace, *flags: str) -> None:
             raise OnnxqError(f"invalid {flag} {value}; use 1 or more, or leave it out")
 
 
-def check_model_files(*models: str) -> None:
-    """Each model file exists and can be read (a clear message before any work starts)."""
-    for model in models:
-        check_readable(model)
+def check_model_files(args: argparse.Namespace, *fields: str) -> None:
+    """Each model argument `fields` names exists and can be read (a clear message before
+    any work starts); a model folder (onnxruntime-genai, or one holding one .onnx) stands
+    for its model file, as `quantize` takes it."""
+    for name in fields:
+        folder = open_folder(getattr(args, name))
+        if folder is not None:
+            setattr(args, name, str(folder.model))
+        check_readable(getattr(args, name))

@@ -53,7 +53,7 @@ def _model_pair_parser(sub: argparse._SubParsersAction, name: str, help_text: st
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     data, labels = _data_and_labels(args.data, args.labels)
-    check_model_files(args.float_model, args.quant_model)
+    check_model_files(args, "float_model", "quant_model")
     check_counts(args, "--max-samples", "--batch-size")
     result = compare_models(args.float_model, args.quant_model, data, labels, args.max_samples,
                             providers=args.providers, kernels=args.kernels,
@@ -63,7 +63,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    check_model_files(args.float_model, args.quant_model)
+    check_model_files(args, "float_model", "quant_model")
     check_counts(args, "--max-samples", "--batch-size", "--top")
     check_output_paths(args.quant_model, args.json, args.report)
     data, _ = _data_and_labels(args.data, args.labels)

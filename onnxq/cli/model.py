@@ -59,7 +59,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    check_model_files(args.model)
+    check_model_files(args, "model")
     outputs = run_model(args.model, args.data, args.max_samples, args.providers)
     for name, array in outputs.items():
         print(f"{name}: {array.dtype} {list(array.shape)} min {array.min():.6g} max {array.max():.6g} "
@@ -71,6 +71,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    check_model_files(args, "model")
     model, report = load_model(args.model)
     graph = model.graph
     print(f"model: {report.source}")

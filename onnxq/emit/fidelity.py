@@ -21,6 +21,7 @@ import onnxruntime as ort
 
 from onnxq.calibrate.access import Access, data_access, refusal
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
+from onnxq.calibrate.decoder import PRESENT
 from onnxq.evaluate import (
     cosine,
     deployed_options,
@@ -113,7 +114,8 @@ def _lean_session(model: str | os.PathLike | bytes | ir.Model, providers: list[s
 
 def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity | str | None:
     """The quantized model (`session`) against `reference`; the output with the lowest
-    SQNR is the one reported (a KV cache's outputs only where nothing else is). A model that loads but fails to run gives a warning instead;
+    SQNR is the one reported (a decoder's KV-cache outputs only where it has no other). A
+    model that loads but fails to run gives a warning instead;
     outputs whose shapes depend on the data (and differ) are not compared, and positions
     where the float output is not finite, or that the feed's attention mask hides, are left
     out."""
@@ -123,9 +125,9 @@ def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity | s
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         return f"warning: the quantized model loads but failed to run on a calibration sample: {first}"
     worst = None
-    # A decoder's KV-cache outputs (present.*) feed the next step, not the user: the
+    # A decoder's KV-cache outputs (present.N.key|value) feed the next step, not the user: the
     # logits are what its check reports (SmolLM2 W4 headlined present.29.value at 5.8 dB).
-    cache = [n.startswith("present") for n in reference.names]
+    cache = [PRESENT.match(n) is not None for n in reference.names]
     for i, name in enumerate(reference.names):
         if cache[i] and not all(cache):
             continue
