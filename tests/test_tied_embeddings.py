@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from genai_model import build_genai_folder, genai_generate
 from helpers import session, sqnr_db
@@ -239,3 +240,26 @@ def test_quantizing_the_output_again_keeps_one_table(tmp_path):
     assert reshape_source(twice, gbq.input[0]) == nbits.input[1]
     np.testing.assert_allclose(prefill_logits(twice, 64), prefill_logits(once, 64), rtol=0, atol=1e-6)
     assert any("the model is already quantized" in n for n in again.summary.note_texts)
+
+
+def test_only_tables_a_quantized_kernel_reads_stay_unfolded():
+    """A large shared integer constant stays one table where a com.microsoft kernel reads
+    it; read by plain ops only (an index table), its constant Reshape folds as any other."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxq.graph.fold import SHARED_QUANTIZED_ELEMENTS, fold_constants
+
+    def model(domain: str) -> ir.Model:
+        table = numpy_helper.from_array(np.arange(SHARED_QUANTIZED_ELEMENTS, dtype=np.int64).reshape(256, -1), "t")
+        shape = numpy_helper.from_array(np.array([-1], np.int64), "shape")
+        reader = helper.make_node("Identity", ["t"], ["u"], domain=domain) if domain else \
+            helper.make_node("Gather", ["t", "i"], ["u"])
+        nodes = [helper.make_node("Reshape", ["t", "shape"], ["flat"]), helper.make_node("Gather", ["flat", "i"], ["v"]),
+                 reader]
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("i", TensorProto.INT64, [1])],
+                                  [helper.make_tensor_value_info("v", TensorProto.INT64, None),
+                                   helper.make_tensor_value_info("u", TensorProto.INT64, None)], [table, shape])
+        return ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+
+    assert fold_constants(model("")) == 1
+    assert fold_constants(model("com.microsoft")) == 0
