@@ -12,7 +12,7 @@ from typing import Any
 from onnxq.analyze.quantized import report_quantization
 from onnxq.calibrate.text import text_windows
 from onnxq.config import Config, as_config
-from onnxq.config.compose import DEFAULT_PRESET, ConfigLike
+from onnxq.config.compose import DEFAULT_PRESET, ConfigLike, ConfigSources
 from onnxq.config.defaults import config_for, default_note
 from onnxq.config.spec import OptimizeFor
 from onnxq.errors import ConfigError
@@ -23,7 +23,7 @@ from onnxq.graph.folder import (
     output_model,
     remove_replaced_data,
 )
-from onnxq.graph.save import check_output_paths
+from onnxq.graph.save import check_apart, check_output_paths
 from onnxq.notes import Note, Topic
 from onnxq.optimize.registry import check_block_rounding, parse_algorithms, parse_passes
 from onnxq.pipeline.prepare import ModelSource, required_opset
@@ -80,6 +80,7 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
               progress: bool | None, evaluate: Any, report: str | os.PathLike | None) -> QuantizationResult:
     """`quantize`'s body."""
     folder = open_folder(model) if isinstance(model, str | os.PathLike) else None
+    given = config  # its file, if it names one, is read: never written over
     config, default_kind = config_for(folder or model, config)
     check_block_rounding(config.algo_config, config.matmul_nbits)
     if folder is not None:
@@ -87,6 +88,9 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
         output = None if output is None else output_model(folder, output)
     check_output_paths(model if isinstance(model, str | os.PathLike) else None, report,
                        config.calibration.save_ranges)
+    check_apart({"the output model": output, "the report": report,
+                 "the ranges file (save_ranges)": config.calibration.save_ranges}, 
+                read_paths(model, given, config, calibration_data))
     replaced = data_files(output) if output is not None else ()  # an existing model's data, to clear after
     text = text_windows(model, config.calibration, calibration_data)
     if text is not None:  # the windows calibrate as an .npz of input_ids would
@@ -124,6 +128,17 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
         data = config.mixed_precision.eval_data or calibration_data
         report_quantization(report, result, result.config, data, progress)
     return result
+
+
+def read_paths(model: ModelSource, given: ConfigLike, config: Config, data: Any) -> dict[str, object]:
+    """The files a run reads, by what they are (`check_apart`: no output may be one)."""
+    config_file = given.config_file if isinstance(given, ConfigSources) else given
+    if not isinstance(config_file, str | os.PathLike) or not Path(config_file).is_file():
+        config_file = None  # a preset's name, or no file
+    return {"the input model": model, "the calibration data": data, "the config file": config_file,
+            "the evaluation data": config.mixed_precision.eval_data, "the calibration text": config.calibration.text,
+            "the ranges file to load (load_ranges)": config.calibration.load_ranges,
+            **{f"the statistics file {path}": path for path in config.calibration.stats or ()}}
 
 
 def _insert_note(found: list[Note], note: Note) -> None:

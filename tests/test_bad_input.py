@@ -551,3 +551,37 @@ def test_compare_with_its_models_swapped_says_so(ws, capsys):
     assert "the first model, taken as the float one, is quantized (DequantizeLinear" in capsys.readouterr().out
     assert main(["compare", str(ws.model), str(ws.out), "--data", str(ws.good_data), "--quiet"]) == 0
     assert "taken as the float one" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["OUT", "--save-ranges", "DATA"], "the ranges file (save_ranges) DATA is the calibration data"),
+    (["DATA"], "the output model DATA is the calibration data"),
+    (["CONFIG", "--config", "CONFIG"], "the output model CONFIG is the config file"),
+    (["OUT", "--save-ranges", "OUT"], "the output model and the ranges file (save_ranges) are the same file OUT"),
+    (["OUT", "--save-config", "DATA"], "--save-config DATA is the calibration data (--calib-data)"),
+    (["OUT", "--report", "DATA"], "the report DATA is the calibration data"),
+])
+def test_an_output_never_writes_over_what_the_run_reads(tmp_path, capsys, args, says):
+    """Every path the run writes (model, ranges, report, saved config) is refused where it
+    is a file the run reads (calibration data, config file) or another output: one line,
+    exit 2, the file untouched (before: the calibration .npz was replaced, exit 0)."""
+    models = Path(__file__).resolve().parents[1] / "models"
+    names = {"DATA": tmp_path / "calib.npz", "CONFIG": tmp_path / "c.yaml", "OUT": tmp_path / "q.onnx"}
+    names["DATA"].write_bytes((models / "digits_calib.npz").read_bytes())
+    names["CONFIG"].write_text("preset: U8S8\n")
+    before = {k: v.read_bytes() for k, v in names.items() if v.exists()}
+    argv = [str(names.get(a, a)) for a in args]
+    assert main(["quantize", str(models / "digits_cnn.onnx"), *argv[:1], "--calib-data", str(names["DATA"]),
+                 *argv[1:], "--quiet"]) == 2
+    assert_one_error_line(capsys.readouterr().err, (says.replace("DATA", str(names["DATA"])).replace(
+        "CONFIG", str(names["CONFIG"])).replace("OUT", str(names["OUT"])),))
+    assert {k: v.read_bytes() for k, v in names.items() if v.exists()} == before
+
+
+def test_the_api_refuses_a_report_over_its_calibration_data(tmp_path):
+    models = Path(__file__).resolve().parents[1] / "models"
+    data = tmp_path / "calib.npz"
+    data.write_bytes((models / "digits_calib.npz").read_bytes())
+    with pytest.raises(onnxq.OnnxqError, match="the report .* is the calibration data"):
+        onnxq.quantize(str(models / "digits_cnn.onnx"), None, "U8S8", str(data), progress=False, report=str(data))
+    assert data.read_bytes() == (models / "digits_calib.npz").read_bytes()

@@ -11,7 +11,7 @@ from onnxq.config import save_config
 from onnxq.config.compose import ConfigSources, compose_config
 from onnxq.config.defaults import default_preset
 from onnxq.errors import OnnxqError
-from onnxq.graph.save import check_output_paths
+from onnxq.graph.save import check_apart, check_output_paths
 from onnxq.quantize import calibrate_shard, calibrate_sharded, quantize
 from onnxq.report import format_summary
 
@@ -54,6 +54,9 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     sources = ConfigSources(args.preset, args.config, spec_overrides(args))
     progress = False if args.quiet else None
     check_output_paths(args.input, args.save_config)
+    check_apart({"--save-config": args.save_config}, {
+        "the input model": args.input, "the calibration data (--calib-data)": args.calib_data,
+        "the config file (--config)": args.config, "the output model": args.output, "the report (--report)": args.report})
     # The sources, not a composed config: where they name no preset, the model picks it.
     result = quantize(args.input, args.output, sources, args.calib_data, progress=progress, report=args.report)
     if args.save_config:

@@ -56,6 +56,30 @@ def check_output_paths(source: str | os.PathLike | None, *paths: str | os.PathLi
             check_output_path(path, source)
 
 
+def check_apart(outputs: Mapping[str, str | os.PathLike | None], inputs: Mapping[str, object]) -> None:
+    """No output is a file the run reads (`inputs`: the calibration data, the config file,
+    ...; values that are not paths are skipped), and no two outputs are one file: each
+    would be overwritten, the input lost or one output in place of another."""
+    given = [(label, path) for label, path in outputs.items() if path is not None]
+    for label, out in given:
+        for what, source in inputs.items():
+            if isinstance(source, str | os.PathLike) and _same_file(out, source):
+                raise OnnxqError(f"{label} {out} is {what}; choose another path (onnxq never writes over what it "
+                                 "reads)")
+    for i, (label, out) in enumerate(given):
+        for other, path in given[i + 1:]:
+            if _same_file(out, path):
+                raise OnnxqError(f"{label} and {other} are the same file {out}; give each its own path")
+
+
+def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    first, second = Path(a), Path(b)
+    try:
+        return first.resolve() == second.resolve() or (first.exists() and second.exists() and first.samefile(second))
+    except OSError:  # a name the system refuses: its own error comes when it is written
+        return False
+
+
 def _write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """`write(tmp)` then rename tmp to `path`: an interrupted run (Ctrl-C) leaves the old
     file or none, never half of one."""
