@@ -89,7 +89,7 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
     check_output_paths(model if isinstance(model, str | os.PathLike) else None, report,
                        config.calibration.save_ranges)
     check_apart({"the output model": output, "the report": report,
-                 "the ranges file (save_ranges)": config.calibration.save_ranges}, 
+                 "the ranges file (save_ranges)": config.calibration.save_ranges},
                 read_paths(model, given, config, calibration_data))
     replaced = data_files(output) if output is not None else ()  # an existing model's data, to clear after
     text = text_windows(model, config.calibration, calibration_data)
