@@ -286,3 +286,18 @@ def test_a_channel_offset_never_pushes_values_off_the_grid():
     assert np.all(stats[Statistic("t", "max", 1)] - offset <= 5.0)
     assert np.all(stats[Statistic("t", "min", 1)] - offset >= -5.0)
     assert _offset(stat, mean, {}, limit=5.0) is None  # no extremes measured: no centring
+
+
+def test_float8_named_by_its_bits_raises_the_opset_as_by_name():
+    """`exponent_bits: 4, mantissa_bits: 3` is float8_e4m3fn: the same opset upgrade (19)
+    and the same model (before: opset 17 kept, every layer fell back to float)."""
+    from pathlib import Path
+
+    models = Path(__file__).resolve().parents[1] / "models"
+    data = {k: v[:32] for k, v in np.load(models / "digits_calib.npz").items()}
+    by_bits = onnxq.quantize(str(models / "digits_cnn.onnx"), None, {"global_quant_config": {
+        "weight": {"exponent_bits": 4, "mantissa_bits": 3}}}, data, progress=False)
+    by_name = onnxq.quantize(str(models / "digits_cnn.onnx"), None, {"global_quant_config": {
+        "weight": {"dtype": "float8_e4m3fn"}}}, data, progress=False)
+    assert by_bits.summary.opset == (17, 19) and by_bits.summary.quantized_by_op.get("Conv") == 3
+    assert by_bits.model.SerializeToString() == by_name.model.SerializeToString()

@@ -240,6 +240,37 @@ def test_nodes_onnxruntime_refuses_stay_float(monkeypatch):
     assert sqnr_db(run(MODEL, feeds), reference_run(result.model, feeds)) > 20
 
 
+def test_a_layer_kept_float_after_all_gets_its_float_bias_back(monkeypatch):
+    """A layer onnxruntime refuses quantized stays float with the bias it had, not the one
+    bias correction fitted to its rounding (a trial's model with nothing quantized read
+    27.6 dB against float)."""
+    from pathlib import Path
+
+    digits = onnx.load(Path(__file__).resolve().parents[1] / "models" / "digits_cnn.onnx")
+    victim = next(n.name for n in digits.graph.node if n.op_type == "Conv")
+    real = loadcheck.open_deployed
+
+    def refuses_victim(model, providers, prepack=True):
+        quantized = any(n.name == victim and n.inputs[1].producer() is not None
+                        and n.inputs[1].producer().op_type == "DequantizeLinear" for n in model.graph)
+        return None if quantized else real(model, providers, prepack)
+
+    module = importlib.import_module("onnxq.pipeline.emission")
+    monkeypatch.setattr(module, "open_deployed", refuses_victim)
+    monkeypatch.setattr(module, "model_loads",
+                        lambda model, providers, prepack=True: refuses_victim(model, providers, prepack) is not None)
+    data = {k: v for k, v in np.load(Path(__file__).resolve().parents[1] / "models" / "digits_calib.npz").items()}
+    config = {"preset": "U8S8", "algo_config": [{"name": "bias_correction"}], "target_algorithms": False}
+    result = onnxq.quantize(digits, None, config, data, progress=False)
+    assert victim in result.summary.float_nodes
+    assert any(n.startswith("bias_correction:") for n in result.summary.note_texts)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in result.model.graph.initializer}
+    before = {t.name: onnx.numpy_helper.to_array(t) for t in digits.graph.initializer}
+    node = next(n for n in result.model.graph.node if n.name == victim)
+    original = next(n for n in digits.graph.node if n.name == victim)
+    np.testing.assert_array_equal(inits[node.input[2]], before[original.input[2]])
+
+
 def test_cuda_provider_notes_say_where_int8_is_no_faster():
     """Calibrating for CUDAExecutionProvider, the summary says that its int8/float8 QDQ runs as
     dequantize + float kernels and that dynamic int8 runs on the CPU (measured on an H200,

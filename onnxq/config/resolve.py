@@ -85,6 +85,14 @@ def merge_specs(
     return ResolvedSpec(**values)
 
 
+def written_dtype(spec: QuantizationSpec) -> DType | None:
+    """The type a spec names: by its exponent and mantissa bits, which win over `dtype` as
+    in `merge_specs`, else by `dtype`; None for neither."""
+    if spec.exponent_bits is not None or spec.mantissa_bits is not None:
+        return _dtype_from_bits(spec.exponent_bits, spec.mantissa_bits)
+    return DType(spec.dtype) if spec.dtype is not None else None
+
+
 def _dtype_from_bits(exponent_bits: int | None, mantissa_bits: int | None) -> DType:
     """The standard float type a Brevitas-style (exponent, mantissa) description names."""
     match = FLOAT_BY_BITS.get((exponent_bits, mantissa_bits))

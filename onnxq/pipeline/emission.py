@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
@@ -14,6 +15,8 @@ from onnxq.config.spec import Config
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads, open_deployed
 from onnxq.emit.trial import emit_trial
+from onnxq.graph.edit import set_constant
+from onnxq.graph.fold import constant_array
 from onnxq.notes import Note, Topic
 from onnxq.optimize.context import RunSettings, TrialEmitter
 from onnxq.pipeline.calibration import within_ranges
@@ -34,17 +37,60 @@ def trial_emitter(settings: RunSettings, statistics: Mapping[Statistic, Any]) ->
     return emit
 
 
+# A quantized layer's float bias before the algorithms corrected it: the node holding it
+# (the layer, or the Add after a MatMul), its input index, and its value (None: it had none).
+Biases = Mapping[str, tuple[str, int, np.ndarray | None]]
+BIASED = frozenset({"Conv", "ConvTranspose", "Gemm"})
+
+
+def layer_biases(model: ir.Model, plan: QuantPlan) -> dict[str, tuple[str, int, np.ndarray | None]]:
+    """The float bias of every quantized Conv, ConvTranspose and Gemm (input 2) and MatMul
+    (the constant of the Add that alone reads its output), copied before the algorithms
+    (bias correction, AdaRound's re-fit) rewrite them for the rounding of their layer."""
+    biases: dict[str, tuple[str, int, np.ndarray | None]] = {}
+    for node in model.graph:
+        if node.name not in plan.quantized_nodes:
+            continue
+        if node.op_type in BIASED:
+            value = node.inputs[2] if len(node.inputs) > 2 else None
+            array = constant_array(value) if value is not None else None
+            if value is None or array is not None:
+                biases[node.name] = (node.name, 2, None if array is None else array.copy())
+        elif node.op_type == "MatMul" and not node.outputs[0].is_graph_output() \
+                and len(uses := node.outputs[0].uses()) == 1 and uses[0].node.op_type == "Add":
+            add, index = uses[0].node, 1 - uses[0].idx
+            array = constant_array(add.inputs[index]) if len(add.inputs) == 2 else None
+            if array is not None:
+                biases[node.name] = (add.name, index, array.copy())
+    return biases
+
+
+def _restore_biases(model: ir.Model, biases: Biases, names: set[str]) -> None:
+    """Give the layers `names` (now kept float) their biases as they were before the
+    algorithms: a correction for rounding they no longer have would only add error."""
+    nodes = {node.name: node for node in model.graph}
+    for name in names & set(biases):
+        holder, index, array = biases[name]
+        node = nodes.get(holder)
+        current = constant_array(node.inputs[index]) if node is not None and index < len(node.inputs) \
+            and node.inputs[index] is not None else None
+        if current is None:
+            continue
+        set_constant(model.graph, node, index, np.zeros_like(current) if array is None else array, f"{holder}_bias")
+
+
 def emit_loadable(
     model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], config: Config,
     weights: WeightCache, keep_float: Mapping[str, str], target: TargetProfile,
-    statistics: Mapping[Statistic, Any], prepack: bool = True,
+    statistics: Mapping[Statistic, Any], prepack: bool = True, biases: Biases | None = None,
 ) -> tuple[ir.Model, EmitResult, ort.InferenceSession | None, list[Note]]:
     """Emit, then open the result as a deployment would; if onnxruntime refuses it, keep
-    the nodes responsible float (found by re-emitting from a copy) instead of writing it.
-    Also returns the session that opened it (for the output check) and a note on the nodes
-    kept float that way. `weights`: those the
-    algorithms quantized; `statistics`: the calibration pass's, measured before any
-    algorithm ran (float8 centring)."""
+    the nodes responsible float (found by re-emitting from a copy, the other nodes' learned
+    roundings kept, the float nodes' `biases` as before the algorithms: `layer_biases`)
+    instead of writing it. Also returns the session that opened it (for the output check)
+    and a note on the nodes kept float that way. `weights`: those the algorithms quantized;
+    `statistics`: the calibration pass's, measured before any algorithm ran (float8
+    centring)."""
     pristine = model.clone()
     emitted = emit_model(model, plan, ranges, config, weights, target.runs_on_cpu(), statistics)
     providers = config.calibration.providers
@@ -55,9 +101,10 @@ def emit_loadable(
 
     def trial(kept: set[str]) -> Trial:
         copy = pristine.clone()
+        _restore_biases(copy, biases or {}, kept)
         keep = {**keep_float, **{name: UNLOADABLE for name in kept}}
         new_plan = within_ranges(plan_quantization(copy, config, keep, target), ranges)
-        result = emit_model(copy, new_plan, ranges, config, cpu=target.runs_on_cpu(), statistics=statistics)
+        result = emit_model(copy, new_plan, ranges, config, weights, target.runs_on_cpu(), statistics)
         return Trial(copy, model_loads(copy, providers, prepack=prepack), result)
 
     final, culprits = find_culprits(order, trial)

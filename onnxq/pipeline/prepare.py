@@ -17,6 +17,7 @@ import onnx_ir as ir
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.calibrate.decoder import DECODE_STEPS, DecoderFeeds, decoder_feeds
 from onnxq.config import validate_node_configs
+from onnxq.config.resolve import written_dtype
 from onnxq.config.spec import (
     LAYER_CLASS_FIELDS,
     TENSOR_CLASSES,
@@ -51,8 +52,8 @@ def required_opset(config: Config) -> int:
     levels = [config.global_quant_config, *config.layer_type_quant_config.values(),
               *config.layer_quant_config.values()]
     specs = [getattr(level, tc) for level in levels for tc in TENSOR_CLASSES] + [getattr(config, key) for key in LAYER_CLASS_FIELDS]
-    opsets = [qdq_opset(s.dtype) for s in specs if s is not None and s.dtype is not None
-              and DType(s.dtype) not in FLOAT_TARGETS | {DType.FLOAT32}]
+    dtypes = [written_dtype(s) for s in specs if s is not None]  # by name or by exponent and mantissa bits
+    opsets = [qdq_opset(d) for d in dtypes if d is not None and d not in FLOAT_TARGETS | {DType.FLOAT32}]
     opsets += [21 for s in specs if s is not None and s.qscheme == QScheme.PER_GROUP]
     return max([*opsets, config.opset or 13])
 

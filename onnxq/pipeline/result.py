@@ -19,7 +19,7 @@ from onnxq.optimize.context import RunSettings
 from onnxq.optimize.registry import Entry
 from onnxq.optimize.runner import run_algorithms
 from onnxq.pipeline.calibration import within_ranges
-from onnxq.pipeline.emission import emit_loadable, trial_emitter
+from onnxq.pipeline.emission import emit_loadable, layer_biases, trial_emitter
 from onnxq.plan import QuantPlan, plan_quantization
 from onnxq.plan.edges import with_edges
 from onnxq.report import Summary
@@ -59,10 +59,11 @@ class PipelineState:
                                        False).result().ranges)
         plan = within_ranges(plan, self.ranges)
         statistics = dict(self.statistics)
+        biases = layer_biases(model, plan)
         done = run_algorithms(model, plan, self.ranges, self.algorithms, self.settings,
                               trial_emitter(self.settings, statistics), statistics)
         model, _, _, _ = emit_loadable(model, done.plan, self.ranges, config, done.weights, self.keep_float,
-                                    self.target, self.statistics)
+                                    self.target, self.statistics, biases=biases)
         return model
 
 

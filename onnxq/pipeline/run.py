@@ -17,7 +17,7 @@ from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.notes import Note, Topic, notes
 from onnxq.optimize.runner import run_algorithms
 from onnxq.pipeline.calibration import calibrate_or_load, drop_unquantizable
-from onnxq.pipeline.emission import emit_loadable, trial_emitter
+from onnxq.pipeline.emission import emit_loadable, layer_biases, trial_emitter
 from onnxq.pipeline.prepare import ALREADY_QUANTIZED, ModelSource, prepare, source_size
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.plan import provider_notes
@@ -67,6 +67,7 @@ def run_pipeline(
     if keep_state:
         state = PipelineState(model.clone(), dict(calibration.ranges), dict(calibration.statistics), settings,
                               dict(ready.keep_float), ready.target, ready.algorithms, list(ready.edges))
+    biases = layer_biases(model, plan)  # as they were, for a layer that has to stay float after all
     with summary.stage("optimise"):
         done = run_algorithms(model, plan, calibration.ranges, ready.algorithms, settings,
                               trial_emitter(settings, calibration.statistics), calibration.statistics)
@@ -76,7 +77,7 @@ def run_pipeline(
     with summary.stage("emit"):
         model, emitted, session, kept = emit_loadable(model, done.plan, calibration.ranges, config, done.weights,
                                                    ready.keep_float, ready.target, calibration.statistics,
-                                                   prepacks(float_bytes, samples > 0))
+                                                   prepacks(float_bytes, samples > 0), biases)
     summary.notes.extend(notes(Topic.CHECK, [note] if note else []))
     if session is not None and samples:
         with summary.stage("check"):
