@@ -1012,3 +1012,17 @@ def test_other_tools_dtype_names_are_taken(alias, dtype):
 def test_a_dtype_name_of_two_formats_lists_both():
     with pytest.raises(ConfigError, match="'fp8'.*did you mean 'float8_e4m3fn' or 'float8_e5m2'"):
         compose_config("U8S8", None, {"global_quant_config": {"weight": {"dtype": "fp8"}}})
+
+
+def test_an_alias_keeps_its_meaning_through_the_merge_and_in_code(tmp_path):
+    """`dtype: fp32` on an override keeps its tensors float under a flag as `float32` does,
+    and a spec built in code with an alias is written with onnxq's own name."""
+    path = tmp_path / "c.yaml"
+    path.write_text("layer_type_quant_config:\n  Conv:\n    weight: {dtype: fp32}\n")
+    config = compose_config(None, path, {"global_quant_config": {"weight": {"dtype": "int8"}}})
+    assert config.layer_type_quant_config["Conv"].weight.dtype == "float32"
+    assert resolve_node_config(config, "conv1", "Conv").weight is None
+    built = get_preset("FP16")
+    built.global_quant_config.weight = QuantizationSpec(dtype="fp16")
+    validate_config(built)
+    assert "fp16" not in config_to_yaml(built) and built.global_quant_config.weight.dtype is DType.FLOAT16

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from helpers import op_count, sqnr_db
 from helpers import run as run_feeds
 from onnx import TensorProto, helper, numpy_helper
@@ -74,3 +75,19 @@ def test_per_channel_weights_keep_integer_inputs():
     producers = {o: n.op_type for n in result.model.graph.node for o in n.output}
     weighted = [n for n in result.model.graph.node if n.op_type == "MatMul" and n.output[0] == "y"]
     assert [producers.get(i) for i in weighted[0].input] == ["DequantizeLinear", "DequantizeLinear"]
+
+
+@pytest.mark.parametrize("weight", [{"dtype": "int4", "symmetric": False}, {"group_size": 128}])
+def test_pairs_onnxruntime_runs_keep_their_integer_inputs(weight):
+    """4-bit blocks (not fused) and blocks as long as the column (one scale per column,
+    which the fused kernel takes) keep static inputs, and run."""
+    config = {"preset": "U8S8", "global_quant_config": {"weight": {"qscheme": "per_group", "group_size": 32, **weight}}}
+    proto = weighted_and_activation_matmuls()
+    result = onnxq.quantize(proto, None, config, calib(), progress=False)
+    assert not any("float inputs" in n.text for n in result.summary.notes)
+    producers = {o: n.op_type for n in result.model.graph.node for o in n.output}
+    first = next(n for n in result.model.graph.node if n.op_type == "MatMul" and "W1" in "".join(n.input))
+    assert [producers.get(i) for i in first.input] == ["DequantizeLinear", "DequantizeLinear"]
+    feeds = calib(2, seed=7)
+    for r, g in zip(run_feeds(proto, feeds), run_feeds(result.model, feeds)):
+        assert sqnr_db(r, g) > 15

@@ -133,13 +133,15 @@ def test_a_replaced_models_external_data_is_removed_never_the_inputs(tmp_path):
     assert (shared / "w.data").is_file() and run(str(shared / "a.onnx"), EVAL) is not None
 
 
-def test_a_model_in_memory_keeps_the_data_files_it_names(tmp_path, monkeypatch):
+@pytest.mark.parametrize("reader", ["onnx", "onnx_ir"])
+def test_a_model_in_memory_keeps_the_data_files_it_names(tmp_path, monkeypatch, reader):
     """A model passed in memory with its weights still in external files (read from the
     working folder) keeps them, even where the model written over named them too."""
     folder = tmp_path / "mem"
     folder.mkdir()
     onnx.save(decoder_block(), folder / "in.onnx", save_as_external_data=True, location="w.data", size_threshold=0)
-    proto = onnx.load(folder / "in.onnx", load_external_data=False)
+    proto = onnx.load(folder / "in.onnx", load_external_data=False) if reader == "onnx" else \
+        __import__("onnx_ir").load(folder / "in.onnx")
     (folder / "in.onnx").rename(folder / "out.onnx")  # the file written over names w.data, as the proto does
     data = (folder / "w.data").read_bytes()
     monkeypatch.chdir(folder)

@@ -249,17 +249,23 @@ def test_only_tables_a_quantized_kernel_reads_stay_unfolded():
 
     from onnxq.graph.fold import SHARED_QUANTIZED_ELEMENTS, fold_constants
 
-    def model(domain: str) -> ir.Model:
-        table = numpy_helper.from_array(np.arange(SHARED_QUANTIZED_ELEMENTS, dtype=np.int64).reshape(256, -1), "t")
+    def model(domain: str, dequantized: bool = False) -> ir.Model:
+        table = numpy_helper.from_array((np.arange(SHARED_QUANTIZED_ELEMENTS) % 127).astype(np.int8).reshape(256, -1),
+                                        "t")
         shape = numpy_helper.from_array(np.array([-1], np.int64), "shape")
         reader = helper.make_node("Identity", ["t"], ["u"], domain=domain) if domain else \
             helper.make_node("Gather", ["t", "i"], ["u"])
+        if dequantized:  # a QDQ table: another tool's tied head
+            reader = helper.make_node("DequantizeLinear", ["t", "s"], ["u"])
         nodes = [helper.make_node("Reshape", ["t", "shape"], ["flat"]), helper.make_node("Gather", ["flat", "i"], ["v"]),
                  reader]
         graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("i", TensorProto.INT64, [1])],
-                                  [helper.make_tensor_value_info("v", TensorProto.INT64, None),
-                                   helper.make_tensor_value_info("u", TensorProto.INT64, None)], [table, shape])
+                                  [helper.make_tensor_value_info("v", TensorProto.INT8, None),
+                                   helper.make_tensor_value_info("u", TensorProto.FLOAT if dequantized else
+                                                                 TensorProto.INT8, None)],
+                                  [table, shape, numpy_helper.from_array(np.array(0.5, np.float32), "s")])
         return ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
 
     assert fold_constants(model("")) == 1
     assert fold_constants(model("com.microsoft")) == 0
+    assert fold_constants(model("", dequantized=True)) == 0

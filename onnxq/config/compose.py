@@ -29,7 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from onnxq.config.convert import config_to_dict, entry_dict
-from onnxq.config.io import NO_PRESET, bare_layer_class_dtypes, config_from_dict, read_config_dict
+from onnxq.config.io import (
+    NO_PRESET,
+    bare_layer_class_dtypes,
+    canonical_dtypes,
+    config_from_dict,
+    read_config_dict,
+)
 from onnxq.config.presets import PRESETS, get_preset
 from onnxq.config.spec import Config
 from onnxq.config.validate import validate_config
@@ -146,6 +152,7 @@ def compose_config(
         sources.append((OVERRIDES_SOURCE, overrides))
     for _, source in sources:
         bare_layer_class_dtypes(source)
+        canonical_dtypes(source)
     named = [(where, source.pop("preset")) for where, source in sources if "preset" in source]
     whole = [where for where, name in named if isinstance(name, str) and name.lower() == NO_PRESET]
     if preset is not None and preset.lower() != NO_PRESET and whole:

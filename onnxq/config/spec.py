@@ -70,7 +70,7 @@ DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32
                  "float8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2"}
 # Names of more than one type: the error lists the candidates.
 DTYPE_AMBIGUOUS = {"fp8": "float8_e4m3fn' or 'float8_e5m2", "float8": "float8_e4m3fn' or 'float8_e5m2",
-                   "int": "int8' or 'int16", "fp4": "mxfp4_e2m1"}
+                   "int": "int8' or 'int16"}
 
 
 class QScheme(_StrEnum):

@@ -24,10 +24,12 @@ from onnxq.config.accuracy import parse_target
 from onnxq.config.convert import bare_dtype, check_types, convert, entry_dict
 from onnxq.config.resolve import is_excluded, merge_specs, resolve_node_config
 from onnxq.config.spec import (
+    DTYPE_ALIASES,
     LADDER_RUNGS,
     LAYER_CLASS_FIELDS,
     TENSOR_CLASSES,
     Config,
+    DType,
     QuantizationConfig,
     QuantizationSpec,
 )
@@ -41,6 +43,7 @@ def validate_config(config: Config) -> None:
     config.algo_config[:] = [entry_dict(e) for e in config.algo_config]
     _layer_class_specs(config)
     check_types(config)
+    _canonical_dtypes(config)
     _check_top_level(config)
     extended = _extended(config)
     for where, level in _levels(config):
@@ -158,6 +161,17 @@ def _extended(config: Config) -> bool:
 
 def _plain_values(spec: Any, extended: bool = False) -> dict[str, Any]:
     return {**{f.name: _plain(getattr(spec, f.name)) for f in fields(spec)}, EXTENDED: extended}
+
+
+def _canonical_dtypes(config: Config) -> None:
+    """A spec built in code with another tool's dtype name (`fp16`) holds onnxq's own
+    (`DType`), as one read from a file does: merges and written configs compare names."""
+    specs = [getattr(level, tc) for _, level in _levels(config) for tc in TENSOR_CLASSES]
+    specs += [getattr(config, key) for key in LAYER_CLASS_FIELDS]
+    for spec in specs:
+        if isinstance(spec, QuantizationSpec) and isinstance(spec.dtype, str) \
+                and spec.dtype.strip().lower() in DTYPE_ALIASES:
+            spec.dtype = DType(spec.dtype)
 
 
 def _levels(config: Config) -> list[tuple[str, QuantizationConfig]]:

@@ -89,14 +89,14 @@ SHARED_QUANTIZED_ELEMENTS = 1 << 16
 
 
 def _shared_quantized(value: ir.Value) -> bool:
-    """A large integer initializer that a quantized kernel (com.microsoft: MatMulNBits) and
-    other nodes read: an already-quantized table (MatMulNBits' B read by
+    """A large integer initializer that a quantized kernel (com.microsoft: MatMulNBits) or a
+    DequantizeLinear and other nodes read: an already-quantized table (MatMulNBits' B read by
     GatherBlockQuantized through a Reshape, as onnxq writes a tied LM head and embedding).
     Folded, its copy would store the table twice (SmolLM2 int4 quantized again: 82.2 ->
     96.4 MB). Other integer constants (shapes, index tables) fold as before."""
     if not is_constant(value) or len(value.uses()) < 2 or not value.const_value.dtype.is_integer():
         return False
-    if not any(use.node.domain == "com.microsoft" for use in value.uses()):
+    if not any(use.node.domain == "com.microsoft" or use.node.op_type == "DequantizeLinear" for use in value.uses()):
         return False
     return math.prod(value.const_value.shape) >= SHARED_QUANTIZED_ELEMENTS  # without reading its bytes
 

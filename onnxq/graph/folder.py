@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 
 from onnxq.errors import ModelError
 from onnxq.graph.save import copy_atomic
@@ -87,12 +88,17 @@ def _data_files(model: Path) -> tuple[str, ...]:
     return external_locations(proto)
 
 
-def external_locations(proto: object) -> tuple[str, ...]:
-    """The external data files a model in memory names (none for any other source)."""
-    if not isinstance(proto, onnx.ModelProto):
+def external_locations(model: object) -> tuple[str, ...]:
+    """The external data files a model in memory (`onnx.ModelProto` or `ir.Model`) names;
+    none for any other source (a path)."""
+    if isinstance(model, ir.Model):
+        names = {value.const_value.location for value in model.graph.initializers.values()
+                 if isinstance(value.const_value, ir.ExternalTensor)}
+    elif isinstance(model, onnx.ModelProto):
+        names = {entry.value for tensor in model.graph.initializer if tensor.data_location == onnx.TensorProto.EXTERNAL
+                 for entry in tensor.external_data if entry.key == "location"}
+    else:
         return ()
-    names = {entry.value for tensor in proto.graph.initializer if tensor.data_location == onnx.TensorProto.EXTERNAL
-             for entry in tensor.external_data if entry.key == "location"}
     return tuple(sorted(names))
 
 
@@ -133,7 +139,7 @@ def data_files(model: str | os.PathLike) -> tuple[str, ...]:
 
 
 def remove_replaced_data(model: str | os.PathLike, before: tuple[str, ...], keep: Iterable[str] = (),
-                         source: object = None) -> list[str]:
+                         source: str | os.PathLike | onnx.ModelProto | ir.Model | None = None) -> list[str]:
     """Delete the external data files of the model that `model` replaced (`before`: what
     it named) that the new model does not name and nothing in `keep` was copied as: left,
     a float model's 540 MB of weights would sit beside its int4 replacement. The input

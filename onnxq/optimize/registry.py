@@ -222,4 +222,5 @@ def check_block_rounding(algos: list[Mapping[str, Any]], matmul_nbits: bool) -> 
     named = [entry.name for entry in parse_algorithms(algos) if entry.enabled and entry.contract.rounds_blocks]
     if named and not matmul_nbits:
         raise ConfigError(f"{named[0]} rounds the weight-only blocks of MatMulNBits, and this recipe lowers no "
-                          f"MatMul to MatMulNBits: add --preset W4_GROUP128 (or W8_GROUP128), or remove {named[0]}")
+                          f"MatMul to MatMulNBits: start from a W4_GROUP128 or W8_GROUP128 preset, or set matmul_nbits: "
+                          f"true (--matmul-nbits) over per-group weights, or remove {named[0]}")

@@ -61,7 +61,8 @@ def run_pipeline(
     plan, dropped = drop_unquantizable(plan, calibration.ranges)
     summary.notes.extend(dropped)
     summary.notes.extend(notes(Topic.PROVIDER, provider_notes(config.calibration.providers, plan)))
-    summary.notes.extend(note for note in (float_inputs_note(plan), refused_note(plan, config)) if note is not None)
+    if (refused := refused_note(plan, config)) is not None:
+        summary.notes.append(refused)
 
     state = None
     if keep_state:
@@ -95,6 +96,8 @@ def run_pipeline(
     summary.fused_activations = len(emitted.qdq.removed_activations)
     summary.kept_activations = emitted.qdq.kept_activations
     summary.float_biases = emitted.qdq.float_biases
+    if (relaxed := float_inputs_note(plan)) is not None:
+        summary.notes.append(relaxed)
     summary.notes.extend(notes(Topic.EMISSION, emitted.notes))
     summary.notes.extend(kept)
 

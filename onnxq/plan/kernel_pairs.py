@@ -1,11 +1,11 @@
 """Config pairs onnxruntime's kernels cannot run, relaxed per node before the strategies
 see them; each relaxation is recorded with its reason (the plan's `float_inputs`).
 
-Per-group MatMul weights with 8-bit integer inputs: onnxruntime fuses DequantizeLinear on
-both inputs and the MatMul into MatMulIntegerToFloat, whose weight takes one scale per
-column; on blocks it fails at run time ("Per-column quantization parameter of batched
-matrix should have same dimension as the matrix", onnxruntime 1.32). Gemm and Conv with
-blocked weights are not fused and run. Such a MatMul keeps its quantized weight and reads
+Per-group 8-bit MatMul weights with 8-bit integer inputs: onnxruntime fuses DequantizeLinear
+on both inputs and the MatMul into MatMulIntegerToFloat, whose weight takes one scale per
+column; on blocks shorter than the column it fails at run time ("Per-column quantization
+parameter of batched matrix should have same dimension as the matrix", onnxruntime 1.32).
+4-bit weights are not fused, nor are Gemm and Conv with blocked weights: they run. Such a MatMul keeps its quantized weight and reads
 float inputs (weight-only: DequantizeLinear + MatMul, or MatMulNBits where the config asks).
 """
 
@@ -31,10 +31,12 @@ def blocked_integer_matmul(node: ir.Node, cfg: ResolvedConfig) -> str | None:
     weight, act = cfg.weight, cfg.input_tensors
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or weight is None or act is None:
         return None
-    if weight.qscheme != QScheme.PER_GROUP.value or act.is_dynamic or act.dtype not in _FUSED_INPUTS:
+    if weight.qscheme != QScheme.PER_GROUP.value or act.is_dynamic or act.dtype not in _FUSED_INPUTS \
+            or weight.dtype not in _FUSED_INPUTS:  # 4-bit weights are not fused: they run
         return None
-    if constant_array(node.inputs[1] if len(node.inputs) > 1 else None) is None:
-        return None
+    array = constant_array(node.inputs[1] if len(node.inputs) > 1 else None)
+    if array is None or array.ndim < 2 or (weight.group_size or 0) >= array.shape[-2]:
+        return None  # one block per column is one scale per column: the kernel takes it
     return (f"per_group weights with {act.dtype.value} inputs: onnxruntime's integer MatMul takes one weight "
             "scale per column; per_channel weights keep the inputs integer")
 
@@ -54,5 +56,5 @@ def float_inputs_note(plan: QuantPlan) -> Note | None:
         return None
     (why, _), *_ = Counter(plan.float_inputs.values()).most_common()
     count = len(plan.float_inputs)
-    return Note(Topic.FLOAT, f"{count} MatMul{'s' * (count != 1)} keep float inputs, weight-only ({why})",
-                tuple(plan.float_inputs))
+    return Note(Topic.FLOAT, f"{count} MatMul{'s keep' if count != 1 else ' keeps'} float inputs, weight-only "
+                f"({why})", tuple(plan.float_inputs))

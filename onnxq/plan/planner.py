@@ -68,4 +68,7 @@ def plan_quantization(
         plan_node(draft, node, keep_float)
     tie_tables(draft, model.graph)
     prune(draft, model.graph)
+    # a relaxed node is told of only where its weight was quantized after all
+    draft.float_inputs = {n: why for n, why in draft.float_inputs.items()
+                          if n in draft.quantized_nodes or n in draft.lowered}
     return draft.freeze()

@@ -63,9 +63,13 @@ def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
     if not draft.config.matmul_nbits or cfg.weight is None or node.op_type != "MatMul" \
             or constant_array(node.inputs[1] if len(node.inputs) > 1 else None) is None:
         return None
-    why = can_use_matmul_nbits(node, cfg.weight) if cfg.input_tensors is None \
-        else INTEGER_INPUTS if cfg.input_tensors.dtype in (DType.INT8, DType.UINT8) and not cfg.input_tensors.is_dynamic \
-        else "its input is quantized too (MatMulNBits takes float inputs)"
+    act = cfg.input_tensors
+    if act is None:
+        why = can_use_matmul_nbits(node, cfg.weight)
+    elif act.dtype in (DType.INT8, DType.UINT8) and not act.is_dynamic:
+        why = INTEGER_INPUTS
+    else:
+        why = "its input is quantized too (MatMulNBits takes float inputs)"
     if why is None:
         return Lower(cfg.weight)
     draft.nbits_refused[node.name] = why
