@@ -612,7 +612,8 @@ INVALID = {
         global_quant_config:
           input_tensors: {qscheme: per_channel}
         """,
-        "qscheme per_channel without ch_axis in global_quant_config.input_tensors; set ch_axis",
+        "qscheme per_channel for input_tensors in global_quant_config.input_tensors; activations are calibrated "
+        "per tensor",
     ),
     "output_per_channel_without_axis_at_op_type": (
         """
@@ -620,7 +621,28 @@ INVALID = {
           Conv:
             output_tensors: {dtype: uint8, qscheme: per_channel}
         """,
-        "qscheme per_channel without ch_axis in layer_type_quant_config['Conv'].output_tensors",
+        "qscheme per_channel for output_tensors in layer_type_quant_config['Conv'].output_tensors",
+    ),
+    "activation_per_channel_with_axis": (
+        """
+        global_quant_config:
+          input_tensors: {qscheme: per_channel, ch_axis: 1}
+        """,
+        "qscheme per_channel for input_tensors in global_quant_config.input_tensors; activations are",
+    ),
+    "activation_per_group": (
+        """
+        global_quant_config:
+          output_tensors: {qscheme: per_group, group_size: 4}
+        """,
+        "qscheme per_group for output_tensors in global_quant_config.output_tensors; activations are",
+    ),
+    "bias_per_group": (
+        """
+        global_quant_config:
+          bias: {qscheme: per_group, group_size: 4}
+        """,
+        "bias qscheme per_group in global_quant_config.bias; a bias takes its input's and weight's scales",
     ),
     "input_round_half_up": (
         """
@@ -762,10 +784,6 @@ VALID = {
         layer_quant_config:
           fc:
             weight: {qscheme: per_group, dtype: uint8}
-        """,
-    "activation_per_channel_with_axis": """
-        global_quant_config:
-          input_tensors: {qscheme: per_channel, ch_axis: 1}
         """,
     "weight_round_half_up": """
         global_quant_config:

@@ -63,14 +63,20 @@ def _per_group_needs_group_size(
     return None
 
 
-def _activation_per_channel_needs_axis(
-    v: dict[str, Any], tc: str, resolved: bool
-) -> tuple[str, str] | None:
-    if resolved and tc in ACTIVATIONS and v["qscheme"] == "per_channel" and v["ch_axis"] is None:
-        return (
-            "qscheme per_channel without ch_axis",
-            "set ch_axis (only weights get their axis inferred from the op type)",
-        )
+def _activations_per_tensor(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    """Activations are calibrated and quantized per tensor (the block formats, per block by
+    their own rule); a per-channel or per-group activation spec would be ignored."""
+    if tc not in ACTIVATIONS or v["qscheme"] not in ("per_channel", "per_group") \
+            or v["dtype"] in {d.value for d in BLOCK_DTYPES}:
+        return None
+    return (f"qscheme {v['qscheme']} for {tc}",
+            "activations are calibrated per tensor (one scale each, as onnxruntime's integer kernels take "
+            "them): remove qscheme or set per_tensor; per-channel scales are for weights")
+
+
+def _bias_per_tensor_or_channel(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    if tc == "bias" and v["qscheme"] == "per_group":
+        return "bias qscheme per_group", "a bias takes its input's and weight's scales: per_tensor or per_channel"
     return None
 
 
@@ -235,7 +241,8 @@ SPEC_RULES: tuple[Rule, ...] = (
     _group_size_positive,
     _group_size_needs_per_group,
     _per_group_needs_group_size,
-    _activation_per_channel_needs_axis,
+    _activations_per_tensor,
+    _bias_per_tensor_or_channel,
     _activation_rounds_half_even,
     _percentile_range,
     _num_bins_min,
