@@ -9,13 +9,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import onnx
+import onnx_ir as ir
+
 from onnxq.analyze.quantized import report_quantization
 from onnxq.calibrate.text import text_windows
 from onnxq.config import Config, as_config
 from onnxq.config.compose import DEFAULT_PRESET, ConfigLike, ConfigSources
 from onnxq.config.defaults import config_for, default_note
 from onnxq.config.spec import OptimizeFor
-from onnxq.errors import ConfigError
+from onnxq.errors import ConfigError, ModelError
 from onnxq.graph.folder import (
     copy_companions,
     data_files,
@@ -79,6 +82,9 @@ def quantize(
 def _quantize(model: ModelSource, output: str | os.PathLike | None, config: ConfigLike, calibration_data: Any,
               progress: bool | None, evaluate: Any, report: str | os.PathLike | None) -> QuantizationResult:
     """`quantize`'s body."""
+    if not isinstance(model, str | os.PathLike | onnx.ModelProto | ir.Model):
+        raise ModelError(f"model must be a path, an onnx.ModelProto or an onnx_ir.Model; got {type(model).__name__}"
+                         + (" (for serialized bytes: onnx.load_from_string(data))" if isinstance(model, bytes) else ""))
     folder = open_folder(model) if isinstance(model, str | os.PathLike) else None
     given = config  # its file, if it names one, is read: never written over
     config, default_kind = config_for(folder or model, config)

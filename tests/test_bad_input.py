@@ -605,3 +605,27 @@ def test_a_weight_axis_the_kernels_cannot_take_is_one_line(tmp_path, capsys, con
                  str(models / "digits_calib.npz"), "--config", str(path), "--quiet"]) == 2
     assert_one_error_line(capsys.readouterr().err, (says,))
     assert not out.exists()
+
+
+def test_api_arguments_of_the_wrong_type_are_onnxq_errors(tmp_path):
+    """What the Python API is handed in the wrong type is an onnxq error with the fix, not
+    a TypeError or AttributeError from inside (a new-user trial); a mapping where a
+    QuantizationConfig goes is taken, as a file gives it."""
+    models = Path(__file__).resolve().parents[1] / "models"
+    model, data = str(models / "digits_cnn.onnx"), str(models / "digits_calib.npz")
+    for config in (42, ["U8S8"]):
+        with pytest.raises(ConfigError, match="config must be a Config, a dict, a preset name"):
+            onnxq.quantize(model, None, config, data, progress=False)
+    with pytest.raises(onnxq.OnnxqError, match="model must be a path.*onnx.load_from_string"):
+        onnxq.quantize((models / "digits_cnn.onnx").read_bytes(), None, "U8S8", data, progress=False)
+    with pytest.raises(ConfigError, match="save_config takes a Config, got str"):
+        onnxq.save_config("U8S8", tmp_path / "c.yaml")
+    config = onnxq.get_preset("U8S8")
+    config.layer_quant_config = {"conv3": {"weight": {"qscheme": "per_tensor"}}}
+    by_dict = onnxq.quantize(model, None, config, data, progress=False)
+    by_file = tmp_path / "c.yaml"
+    by_file.write_text("layer_quant_config:\n  conv3:\n    weight: {qscheme: per_tensor}\n")
+    assert by_dict.model.SerializeToString() == onnxq.quantize(model, None, str(by_file), data,
+                                                               progress=False).model.SerializeToString()
+    onnxq.save_config(config, tmp_path / "new" / "dir" / "c.yaml")  # missing folders made, as for the model
+    assert (tmp_path / "new" / "dir" / "c.yaml").is_file()

@@ -57,7 +57,7 @@ def _algorithm_options(flagged: list[str], options: list[str]) -> list[dict[str,
         name, dot, option = key.rpartition(".")
         if not dot:
             if len(flagged) != 1:
-                owner = _algorithm_with_option(key)
+                owner = _algorithm_with_option(key, flagged)
                 raise OnnxqError(f"--algo-option {key}: name its algorithm, e.g. {owner}.{key}=..., "
                                  f"since {'no' if not flagged else 'more than one'} algorithm flag is given")
             name = flagged[0]
@@ -65,10 +65,10 @@ def _algorithm_options(flagged: list[str], options: list[str]) -> list[dict[str,
     return list(entries.values())
 
 
-def _algorithm_with_option(key: str) -> str:
-    """The first registered algorithm with an option `key` (for an example), else the first
-    with a flag."""
-    for name, contract in sorted(CONTRACTS.items()):
+def _algorithm_with_option(key: str, flagged: list[str]) -> str:
+    """The first algorithm with an option `key` (for an example), those the flags switched
+    on first, else the first with a flag."""
+    for name, contract in [(n, CONTRACTS[n]) for n in flagged] + sorted(CONTRACTS.items()):
         if dataclasses.is_dataclass(contract.options) and key in {f.name for f in dataclasses.fields(contract.options)}:
             return name
     return flagged_algorithms()[0]

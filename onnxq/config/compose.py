@@ -246,6 +246,9 @@ def as_config(config: ConfigLike, default: Default = DEFAULT_PRESET) -> Config:
         return compose_config(config.preset, config.config_file, config.overrides, default)
     if isinstance(config, Mapping):
         return compose_config(None, None, config, default)
+    if not isinstance(config, str | os.PathLike):
+        raise ConfigError(f"config must be a Config, a dict, a preset name or a YAML/JSON path; got "
+                          f"{type(config).__name__} {config!r:.60}")
     if isinstance(config, str) and config.upper() in {name.upper() for name in PRESETS}:
         return get_preset(config)
     if Path(config).is_file():

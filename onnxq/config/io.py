@@ -123,6 +123,9 @@ def read_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def save_config(config: Config, path: str | os.PathLike[str]) -> None:
     """Write `config` as YAML or JSON, chosen by the suffix of `path`."""
+    if not isinstance(config, Config):
+        raise ConfigError(f"save_config takes a Config, got {type(config).__name__} {config!r:.60}; "
+                          "onnxq.get_preset(NAME) or onnxq.as_config(...) gives one")
     p = Path(path)
     text = config_to_json(config) if _format_of(p) == "json" else config_to_yaml(config)
     try:

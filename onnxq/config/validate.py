@@ -70,7 +70,16 @@ def validate_config(config: Config) -> None:
 
 def _layer_class_specs(config: Config) -> None:
     """Layer-class keys set in code as a file writes them (a dtype name, `none`, a
-    mapping) made specs, in place."""
+    mapping) made specs, and override levels given as mappings made `QuantizationConfig`s,
+    in place."""
+    if isinstance(config.global_quant_config, Mapping):
+        config.global_quant_config = convert(dict(config.global_quant_config), QuantizationConfig, "",
+                                             "global_quant_config")
+    for attr in ("layer_type_quant_config", "layer_quant_config"):
+        levels = getattr(config, attr)
+        if isinstance(levels, Mapping):
+            setattr(config, attr, {key: convert(dict(level), QuantizationConfig, attr, f"[{key!r}]")
+                                   if isinstance(level, Mapping) else level for key, level in levels.items()})
     for key in LAYER_CLASS_FIELDS:
         value = bare_dtype(getattr(config, key))
         if isinstance(value, Mapping):
@@ -116,10 +125,12 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> N
         if name not in names:
             raise ConfigError(f"layer_quant_config names {name!r}, which is no node of the model"
                               f"{_nearest(name, names)}")
-    for op in config.layer_type_quant_config:
+    named = [("layer_type_quant_config", op) for op in config.layer_type_quant_config]
+    named += [("float_op_types", op) for op in config.float_op_types]
+    for where, op in named:
         if op not in op_types and op not in _onnx_op_types():  # an op type of no model: a typo
             hint = closest_name(op, sorted(op_types)) or closest_name(op, sorted(_onnx_op_types()))
-            raise ConfigError(f"layer_type_quant_config names op type {op!r}, which is no ONNX op type nor one "
+            raise ConfigError(f"{where} names op type {op!r}, which is no ONNX op type nor one "
                               f"of the model's" + (f"; did you mean '{hint}'?" if hint else
                                                    f" ({', '.join(sorted(op_types))})"))
     check_resolved(config, nodes)

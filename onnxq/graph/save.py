@@ -86,6 +86,7 @@ def _write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Pat
     out = Path(path)
     tmp = _temporary(out)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # as the model's own output does
         write(tmp)
         os.replace(tmp, out)
     except OSError as exc:
