@@ -60,7 +60,10 @@ def emitted_weight(
 
     When the weight's int32 bias would overflow, its scale is raised just enough, per
     channel. A per-tensor scale is raised at most 2x (further would coarsen every
-    channel); past that the bias stays float instead.
+    channel); past that the bias stays float instead. So does it where most channels
+    would be raised past 2x: not a few near-zero channels but an input scale too fine
+    for an int32 bias (32-bit activations: conv1 of the digits example fell from 47.5 to
+    14.6 dB of weight SQNR).
     """
     array = constant_of(tensor.name)
     qt = unfloored or quantize_weight(array, tensor.spec, tensor.axis, 0.0, tensor.block_size)
@@ -72,7 +75,8 @@ def emitted_weight(
         bias_values = constant_of(bias.source or bias.name)
     floor = bias_safe_weight_scale(bias_values, float(s_in), channels, bias.spec)
     short = floor > np.asarray(qt.scale, dtype=np.float64) * (1 + SCALE_TOLERANCE)
-    if not np.any(short) or (tensor.axis is None and np.any(floor > 2 * qt.scale)):
+    coarse = floor > 2 * np.asarray(qt.scale, dtype=np.float64)
+    if not np.any(short) or (tensor.axis is None and np.any(coarse)) or np.mean(coarse) > 0.5:
         return qt
     floored = quantize_weight(array, tensor.spec, tensor.axis, floor, tensor.block_size)
     if tensor.axis is None or qt.axis is None:
