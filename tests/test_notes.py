@@ -67,3 +67,13 @@ def test_an_opset_upgrade_is_said_once():
     result = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), None, "A16W8", data, progress=False)
     text = onnxq.format_summary(result.summary)
     assert result.summary.opset == (17, 21) and text.count("17 -> 21") == 1, text
+
+
+def test_calibration_data_of_one_value_is_a_warning():
+    """All-zero calibration data fits every range to nothing real, and the output check on
+    those samples looks fine: the summary warns; real data gives no such warning."""
+    data = {k: np.zeros_like(v[:16]) for k, v in np.load(MODELS / "digits_calib.npz").items()}
+    result = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), None, "U8S8", data, progress=False)
+    (warned,) = [n for n in result.summary.notes if "holds one value" in n.text]
+    assert warned.topic is Topic.WARNING and warned.nodes == ("input",)
+    assert not any("holds one value" in n for n in quantize_digits().summary.note_texts)

@@ -87,6 +87,19 @@ def drop_unquantizable(plan: QuantPlan, ranges: Mapping[str, tuple[float, float]
                        f"(masking constants such as float min): {names}", tuple(sorted(huge)))]
 
 
+def constant_inputs_note(model: ir.Model, ranges: Mapping[str, tuple[float, float]]) -> Note | None:
+    """A warning where a float model input took one value over all the calibration data
+    (all zeros): every range then fits that value, not the data the model will see, and
+    the output check on those samples says nothing of it (the digits example on zeros:
+    30 dB on them, 0.3 dB on real images)."""
+    constant = [v.name for v in model.graph.inputs if v.name in ranges and ranges[v.name][0] == ranges[v.name][1]]
+    if not constant:
+        return None
+    value = ranges[constant[0]][0]
+    return Note(Topic.WARNING, f"warning: calibration input {', '.join(map(repr, constant))} holds one value ({value:g}) in every "
+                f"sample: the ranges fit no real data; calibrate on representative samples", tuple(constant))
+
+
 def within_ranges(plan: QuantPlan, ranges: Mapping[str, tuple[float, float]]) -> QuantPlan:
     """A re-made plan without what `ranges` cannot quantize: unquantizable ranges and
     tensors nobody calibrated."""

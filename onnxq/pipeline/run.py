@@ -16,7 +16,7 @@ from onnxq.emit.loadcheck import prepacks
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.notes import Note, Topic, notes
 from onnxq.optimize.runner import run_algorithms
-from onnxq.pipeline.calibration import calibrate_or_load, drop_unquantizable
+from onnxq.pipeline.calibration import calibrate_or_load, constant_inputs_note, drop_unquantizable
 from onnxq.pipeline.emission import emit_loadable, layer_biases, trial_emitter
 from onnxq.pipeline.prepare import ALREADY_QUANTIZED, ModelSource, prepare, source_size
 from onnxq.pipeline.result import PipelineState, QuantizationResult
@@ -60,6 +60,8 @@ def run_pipeline(
                                   "(no model input)", left_out))
     plan, dropped = drop_unquantizable(plan, calibration.ranges)
     summary.notes.extend(dropped)
+    if (constant := constant_inputs_note(model, calibration.ranges)) is not None:
+        summary.notes.append(constant)
     summary.notes.extend(notes(Topic.PROVIDER, provider_notes(config.calibration.providers, plan)))
     if (refused := refused_note(plan, config)) is not None:
         summary.notes.append(refused)
