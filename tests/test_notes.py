@@ -77,3 +77,20 @@ def test_calibration_data_of_one_value_is_a_warning():
     (warned,) = [n for n in result.summary.notes if "holds one value" in n.text]
     assert warned.topic is Topic.WARNING and warned.nodes == ("input",)
     assert not any("holds one value" in n for n in quantize_digits().summary.note_texts)
+
+
+def test_an_override_the_plan_cannot_use_is_said():
+    """An absorbed Relu's own output spec and a MaxPool's output spec change nothing (the
+    Relu runs inside the Conv, the MaxPool's output reuses its input's parameters): the
+    summary says so instead of writing the same model in silence."""
+    data = {k: v[:32] for k, v in np.load(MODELS / "digits_calib.npz").items()}
+    model = str(MODELS / "digits_cnn.onnx")
+    for config, says in (({"layer_quant_config": {"relu3": {"output_tensors": {"dtype": "int16"}}}},
+                          "layer_quant_config: relu3 has no effect: it runs inside the op before it"),
+                         ({"layer_type_quant_config": {"Relu": {"output_tensors": {"dtype": "uint16"}}}},
+                          "layer_type_quant_config: Relu has no effect on relu1, relu2, relu3"),
+                         ({"layer_quant_config": {"maxpool": {"output_tensors": {"dtype": "int16"}}}},
+                          "layer_quant_config: maxpool has no effect: a data-movement op's output reuses")):
+        result = onnxq.quantize(model, None, config, data, progress=False)
+        assert any(n.topic is Topic.CONFIG and n.text.startswith(says) for n in result.summary.notes), says
+    assert not any("has no effect" in n for n in quantize_digits().summary.note_texts)

@@ -23,6 +23,7 @@ from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.plan import provider_notes
 from onnxq.plan.kernel_pairs import float_inputs_note
 from onnxq.plan.strategies.matmul_nbits import refused_note
+from onnxq.plan.unused_overrides import unused_override_notes
 from onnxq.report import Summary
 
 
@@ -62,6 +63,7 @@ def run_pipeline(
     summary.notes.extend(dropped)
     if (constant := constant_inputs_note(model, calibration.ranges)) is not None:
         summary.notes.append(constant)
+    summary.notes.extend(unused_override_notes(model, plan, config))
     summary.notes.extend(notes(Topic.PROVIDER, provider_notes(config.calibration.providers, plan)))
     if (refused := refused_note(plan, config)) is not None:
         summary.notes.append(refused)
