@@ -170,7 +170,7 @@ CASES: dict[str, tuple[Callable[[Workspace], list[str]], tuple[str, ...]]] = {
     "output_is_directory": (_output_is_directory, ("is a directory",)),
     "output_name_too_long": (_output_name_too_long, ("cannot write", "choose another output path")),
     # the file and its whole array named, not one sample
-    "calib_file_channels_last": (_channels_last_file, ("nhwc.npy", "[4, 16, 16, 3]", "axis 1 must be 3")),
+    "calib_file_channels_last": (_channels_last_file, ("nhwc.npy", "samples of shape [16, 16, 3]", "axis 1 must be 3")),
     "calib_text_as_npy": (_text_as_npy, ("notes.npy", "not a numpy .npy file")),
     "zero_max_samples": (_zero_max_samples, ("invalid --max-samples 0",)),
 }

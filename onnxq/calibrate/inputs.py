@@ -169,7 +169,8 @@ def check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
     for axis, (want, got) in enumerate(zip(spec.shape, array.shape)):
         if want is not None and axis > 0 and want != got:
             raise CalibrationDataError(
-                f"calibration input {spec.name!r} has shape {list(array.shape)}, expected {spec.describe()} "
+                f"calibration input {spec.name!r} has samples of shape {list(array.shape[1:])}, expected "
+                f"{spec.describe()} "
                 f"(axis {axis} must be {want})"
             )
     return array
