@@ -285,3 +285,35 @@ def test_analyze_names_the_qoperator_format(tmp_path, capsys):
     assert main(["analyze", str(model), str(qdq), "--data", str(calib), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "QOperator" not in out and "most sensitive first" in out and "(0 of 0)" not in out
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect"])
+def test_a_pad_runs_on_the_8_bit_tensor(tmp_path, mode):
+    """A Pad between quantized ops pads the 8-bit tensor itself (no DequantizeLinear /
+    QuantizeLinear around it), a constant Pad with the zero point: 0 in float whatever the
+    input's range; its output matches the QDQ model's, and converts back."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    w1 = numpy_helper.from_array((rng.standard_normal((4, 3, 3, 3)) * 0.3).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array((rng.standard_normal((5, 4, 3, 3)) * 0.3).astype(np.float32), "w2")
+    pads = numpy_helper.from_array(np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64), "pads")
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["a"], name="conv1"),  # signed output: a nonzero zero point
+             helper.make_node("Pad", ["a", "pads"], ["p"], name="pad", mode=mode),
+             helper.make_node("Conv", ["p", "w2"], ["y"], name="conv2")]
+    graph = helper.make_graph(nodes, "padded", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5, 10, 10])], [w1, w2, pads])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = random_feeds(model, 16, seed=1)
+    qdq = onnxq.quantize(model, None, "U8S8", feeds, progress=False).model
+    qop = onnxq.quantize(model, None, {"preset": "U8S8", "quant_format": "qoperator"}, feeds, progress=False).model
+    onnx.checker.check_model(qop, full_check=True)
+    producers = {o: n.op_type for n in qop.graph.node for o in n.output}
+    pad = next(n for n in qop.graph.node if n.op_type == "Pad")
+    assert producers[pad.input[0]] == "QLinearConv"
+    test = random_feeds(model, 4, seed=2)
+    ref, got = np.concatenate(run(qdq, test)), np.concatenate(run(qop, test))
+    assert np.abs(ref - got).max() <= 0.05 * np.abs(ref).max()
+    onnx.save(qop, tmp_path / "qop.onnx")
+    assert main(["convert", str(tmp_path / "qop.onnx"), str(tmp_path / "back.onnx"), "--to", "qdq"]) == 0
+    np.testing.assert_array_equal(np.concatenate(run(str(tmp_path / "back.onnx"), test)), got)

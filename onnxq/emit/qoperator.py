@@ -67,6 +67,21 @@ def _dq_of(value: ir.Value | None) -> _Dq | None:
     return _Dq(node)
 
 
+def _pad_inputs(node: ir.Node, dq: ir.Node) -> list[ir.Value | None] | None:
+    """Pad's inputs after its data, for padding the 8-bit tensor itself: a constant pad of
+    0 becomes the zero point (0 in float); edge and reflect padding need nothing. None
+    where the pad value is another constant (the rules table quantizes no such Pad)."""
+    rest = list(node.inputs[1:])
+    mode = node.attributes.get("mode")
+    if mode is not None and mode.as_string() != "constant":
+        return rest
+    value = constant_array(rest[1]) if len(rest) > 1 and rest[1] is not None else None
+    if value is not None and float(np.asarray(value).reshape(-1)[0]) != 0.0:
+        return None
+    zero_point = dq.inputs[2] if len(dq.inputs) > 2 else None
+    return [rest[0], zero_point, *rest[2:]] if zero_point is not None or len(rest) > 2 else rest[:1]
+
+
 def _q_after(value: ir.Value) -> ir.Node | None:
     """The QuantizeLinear that is the only reader of `value`, if any (8-bit, per tensor)."""
     uses = list(value.uses())
@@ -190,10 +205,12 @@ def to_qoperator(model: ir.Model) -> FormatReport:
             continue
         if node.op_type in DATA_MOVEMENT:
             dq, q = _dq_of(node.inputs[0]) if node.inputs else None, _q_after(node.outputs[0])
-            if dq is not None and q is not None and len(node.outputs) == 1 and _same_params(dq.node, q):
+            rest = list(node.inputs[1:]) if dq is None or node.op_type != "Pad" else _pad_inputs(node, dq.node)
+            if dq is not None and q is not None and len(node.outputs) == 1 and _same_params(dq.node, q) \
+                    and rest is not None:
                 out = ir.Value(name=editor.unique(f"{node.name}_int"), type=q.outputs[0].type,
                                shape=q.outputs[0].shape)
-                new = ir.node(node.op_type, [dq.data, *node.inputs[1:]], attributes=dict(node.attributes),
+                new = ir.node(node.op_type, [dq.data, *rest], attributes=dict(node.attributes),
                               outputs=[out], name=editor.unique(f"{node.name}_quant"))
                 _replace(graph, node, new, q.outputs[0])
                 graph.remove([q, node], safe=True)

@@ -106,6 +106,8 @@ def to_qdq(model: ir.Model) -> FormatReport:
             scale, zp = params[node.inputs[0]]
             x = _dq(editor, graph, node, node.inputs[0], scale, zp, None, node.name)
             node.replace_input_with(0, x)
+            if node.op_type == "Pad" and len(node.inputs) > 2 and node.inputs[2] is not None:
+                node.replace_input_with(2, None)  # the zero point it padded with is 0 in float
             params[_requantize_output(graph, editor, node, scale, zp)] = (scale, zp)
             report.converted[node.op_type + " (8-bit)"] += 1
     return report

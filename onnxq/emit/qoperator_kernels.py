@@ -76,9 +76,10 @@ _TABLE = (
 )
 QOPS: dict[str, tuple[QOp, ...]] = {op: tuple(q for q in _TABLE if q.op == op) for op in dict.fromkeys(q.op for q in _TABLE)}
 BY_KERNEL = {(q.domain, q.qop): q for q in _TABLE}
-# Ops that only move or select data: they run on 8-bit tensors as they are (input 0).
+# Ops that only move or select data: they run on 8-bit tensors as they are (input 0); a
+# constant Pad pads with the zero point (0 in float), its value input rewritten each way.
 DATA_MOVEMENT = ("MaxPool", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Resize", "Gather",
-                 "Slice", "DepthToSpace", "SpaceToDepth", "Identity")
+                 "Slice", "DepthToSpace", "SpaceToDepth", "Identity", "Pad")
 
 
 @dataclass
