@@ -312,3 +312,20 @@ def test_eval_data_without_a_target_says_it_was_not_read(tmp_path, capsys):
     assert main(["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "q.onnx"), "--calib-data",
                  str(models / "digits_calib.npz"), "--eval-data", str(models / "digits_eval.npz")]) == 0
     assert "the eval data was not read" in capsys.readouterr().out
+
+
+def test_the_search_raises_no_data_movement_op_alone():
+    """A MaxPool, Flatten, Slice or Pad passes on its input's parameters whatever its own
+    config says: the search's order of layers to raise leaves them out (their override
+    would change nothing, and the summary would call it an override with no effect)."""
+    import onnxq
+    from onnxq.graph.load import load_model
+    from onnxq.plan import plan_quantization
+    from onnxq.search.driver import promotion_order
+
+    models = Path(__file__).resolve().parents[1] / "models"
+    model, _ = load_model(str(models / "digits_cnn.onnx"))
+    plan = plan_quantization(model, onnxq.get_preset("U8S8"))
+    assert {"MaxPool", "Flatten"} <= set(plan.quantized_nodes.values())
+    order = [name for name, _ in promotion_order([], plan)]
+    assert {plan.quantized_nodes[n] for n in order} == {"Conv", "Gemm", "Add", "GlobalAveragePool"}

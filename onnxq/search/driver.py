@@ -35,6 +35,7 @@ from onnxq.evaluate import deployed_session
 from onnxq.graph.save import check_output_path, weight_bytes
 from onnxq.notes import Note, Topic, notes
 from onnxq.pipeline.run import run_pipeline, write_output
+from onnxq.plan.rules import OP_RULES, OutputMode
 from onnxq.report import MixedPrecisionSummary, Promotion
 from onnxq.search.base import search_base_config, with_calibration
 from onnxq.search.bisect import bisect_promotions
@@ -66,16 +67,23 @@ def _eval_set(mp: MixedPrecisionConfig, calibration_data: Any, custom: bool) -> 
 
 
 def promotion_order(layers: list[Any], plan: Any) -> list[tuple[str, float]]:
-    """Every quantized node, most sensitive first. A Relu/Clip fused to the op before it is
-    not a unit of its own: its error counts for that op, which takes it along when raised.
-    Nodes the analysis could not isolate come last, in graph order (sensitivity unknown)."""
+    """Every quantized node a rung can raise, most sensitive first. A Relu/Clip fused to the
+    op before it is not a unit of its own: its error counts for that op, which takes it
+    along when raised; a data-movement op (MaxPool, Slice, Pad, ...) passes on its input's
+    parameters whatever its own config says, so it is raised by raising its producer, never
+    alone. Nodes the analysis could not isolate come last, in graph order."""
+    def raisable(node: str) -> bool:
+        rule = OP_RULES.get(plan.quantized_nodes[node])
+        return rule is None or rule.output is not OutputMode.SHARED or rule.quantize_constant_data
+
     worst: dict[str, float] = {}
     for r in layers:
         node = plan.fused_activations.get(r.name, r.name)
-        if node in plan.quantized_nodes:
+        if node in plan.quantized_nodes and raisable(node):
             worst[node] = max(worst.get(node, 0.0), r.channel_noise)
     ranked = sorted(worst.items(), key=lambda item: -item[1])
-    rest = [(n, float("nan")) for n in plan.quantized_nodes if n not in worst and n not in plan.fused_activations]
+    rest = [(n, float("nan")) for n in plan.quantized_nodes
+            if n not in worst and n not in plan.fused_activations and raisable(n)]
     return ranked + rest
 
 
