@@ -161,9 +161,11 @@ def top1_agreement(ref: np.ndarray, test: np.ndarray) -> float | None:
     return float(np.mean(ref.argmax(1) == test.argmax(1)))
 
 
-def class_labels(labels: Any, samples: int) -> np.ndarray:
+def class_labels(labels: Any, samples: int, classes: int | None = None) -> np.ndarray:
     """The first `samples` of `labels`, checked: one class index per sample, at least one
-    for each sample evaluated."""
+    for each sample evaluated, each a class of the `classes` the model scores (labels of
+    another numbering would score 0% top-1 for float and quantized alike, and a relative
+    target would pass)."""
     y = np.asarray(labels)
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]  # a column of indices
@@ -175,7 +177,11 @@ def class_labels(labels: Any, samples: int) -> np.ndarray:
                                    f"and dtype {y.dtype}{hint}")
     if len(y) < samples:
         raise CalibrationDataError(f"{len(y)} labels for {samples} evaluation samples; give one label per sample")
-    return y[:samples]
+    y = y[:samples]
+    if classes is not None and y.size and (int(y.min()) < 0 or int(y.max()) >= classes):
+        raise CalibrationDataError(f"labels run from {int(y.min())} to {int(y.max())}, but the model scores {classes} "
+                                   f"classes (0 to {classes - 1}); give labels in the model's numbering")
+    return y
 
 
 def _metrics(
@@ -187,7 +193,7 @@ def _metrics(
         r, t = refs[n], tests[n]
         metrics = OutputMetrics(n, sqnr_db(r, t), cosine(r, t), top1_agreement(r, t))
         if metrics.top1_agreement is not None and labels is not None and n == names[0]:
-            y = class_labels(labels, len(r))
+            y = class_labels(labels, len(r), r.shape[1] if r.ndim == 2 else None)
             result.float_accuracy = float(np.mean(r.argmax(1) == y))
             result.quant_accuracy = float(np.mean(t.argmax(1) == y))
         result.outputs.append(metrics)

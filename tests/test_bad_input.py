@@ -530,6 +530,8 @@ def test_labels_that_do_not_fit_the_data_are_one_line(ws, capsys):
     assert main([*base, str(ws.npz("floats.npz", x=x, labels=np.arange(4.0))), "--quiet"]) == 0
     assert main([*base, str(ws.npz("column.npz", x=x, labels=np.arange(4)[:, None])), "--quiet"]) == 0
     assert main([*base, str(ws.npz("binary.npz", x=x, labels=np.arange(4) % 2 == 0)), "--quiet"]) == 0
+    assert main([*base, str(ws.npz("shifted.npz", x=x, labels=np.arange(4) + 10))]) == 2  # 10 classes: 0 to 9
+    assert_one_error_line(capsys.readouterr().err, ("labels run from 10 to 13, but the model scores 10 classes",))
 
 
 def test_a_labels_key_not_in_the_eval_data_is_one_line(tmp_path, capsys):

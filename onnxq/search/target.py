@@ -78,7 +78,7 @@ def _top1(out: np.ndarray, labels: np.ndarray) -> float:
     if out.ndim != 2:
         raise CalibrationDataError(f"top1 needs class scores [batch, classes] as the first output; "
                                    f"got shape {out.shape}; use --metric cosine or sqnr")
-    return 100.0 * float(np.mean(out.argmax(1) == class_labels(labels, len(out))))
+    return 100.0 * float(np.mean(out.argmax(1) == class_labels(labels, len(out), out.shape[1])))
 
 
 def _cosine(ref: np.ndarray, out: np.ndarray) -> float:
