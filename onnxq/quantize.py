@@ -17,7 +17,7 @@ from onnxq.calibrate.text import text_windows
 from onnxq.config import Config, as_config
 from onnxq.config.compose import DEFAULT_PRESET, ConfigLike, ConfigSources
 from onnxq.config.defaults import config_for, default_note
-from onnxq.config.spec import OptimizeFor
+from onnxq.config.spec import DEFAULT_LADDER, OptimizeFor
 from onnxq.errors import ConfigError, ModelError
 from onnxq.graph.folder import (
     copy_companions,
@@ -113,6 +113,9 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
         result = run_pipeline(model, output, config, calibration_data, progress, keep_state=keep)
     if text is not None:
         _insert_note(result.summary.notes, Note(Topic.CALIBRATION, text.describe()))
+    if config.mixed_precision.ladder != list(DEFAULT_LADDER) and config.mixed_precision.target is None:
+        result.summary.notes.append(Note(Topic.SEARCH, "the ladder was not used: it is what the accuracy-target "
+                                         "search tries (--accuracy-target)"))
     if config.mixed_precision.eval_data is not None and config.mixed_precision.target is None and report is None:
         result.summary.notes.append(Note(Topic.CALIBRATION, "the eval data was not read: it scores an accuracy "
                                          "target (--accuracy-target) and the HTML report (--report)"))

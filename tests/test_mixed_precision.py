@@ -329,3 +329,29 @@ def test_the_search_raises_no_data_movement_op_alone():
     assert {"MaxPool", "Flatten"} <= set(plan.quantized_nodes.values())
     order = [name for name, _ in promotion_order([], plan)]
     assert {plan.quantized_nodes[n] for n in order} == {"Conv", "Gemm", "Add", "GlobalAveragePool"}
+
+
+@pytest.mark.parametrize("target, says", [
+    ("cosine>=2", "a cosine is at most 1"),
+    ("top1>=float+5", "asks for 104% top-1 (float scores 99%)"),
+    ("float-1", "names no metric: write one in it (top1>=float-1) or give --metric"),
+])
+def test_a_target_no_model_can_meet_is_one_line(tmp_path, capsys, target, says):
+    """Targets beyond any model (a cosine above 1, top-1 above 100% relative to float) and
+    one without a metric are refused with the fix, exit 2, instead of a whole search that
+    ends 'NOT met' with exit 0."""
+    models = Path(__file__).resolve().parents[1] / "models"
+    assert main(["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "q.onnx"), "--calib-data",
+                 str(models / "digits_calib.npz"), "--eval-data", str(models / "digits_eval.npz"),
+                 "--accuracy-target", target, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_a_ladder_without_a_target_is_said(capsys):
+    models = Path(__file__).resolve().parents[1] / "models"
+    import onnxq
+    result = onnxq.quantize(str(models / "digits_cnn.onnx"), None, {"mixed_precision": {"ladder": ["float"]}},
+                            str(models / "digits_calib.npz"), progress=False)
+    assert any(n.startswith("the ladder was not used") for n in result.summary.note_texts)

@@ -32,7 +32,11 @@ class AccuracyTarget:
         if float_score is None or not math.isfinite(float_score):
             raise ConfigError(f"target {self.describe()} is relative to the float model, whose "
                               f"{self.metric} score is {float_score}; give an absolute value")
-        return float_score + self.value
+        limit = float_score + self.value
+        if self.metric == "top1" and self.op == ">=" and limit > 100:
+            raise ConfigError(f"target {self.describe()} asks for {limit:g}% top-1 (float scores {float_score:g}%), "
+                              "more than every sample right; write e.g. 'top1>=float-0.5'")
+        return limit
 
     def met(self, score: float, float_score: float | None) -> bool:
         limit = self.threshold(float_score)
@@ -67,4 +71,8 @@ def parse_target(text: str, metric: str | None = None) -> AccuracyTarget:
         raise ConfigError(f"accuracy target {text!r}: top1 is a percentage, and {value:g}% is "
                           f"{'a target any model meets' if value <= 1 else 'more than every sample right'}; "
                           "write e.g. 'top1>=75' or 'top1>=float-1'")
-    return AccuracyTarget(name, m.group("op") or ">=", value, relative)
+    op = m.group("op") or ">="
+    if name == "cosine" and op == ">=" and (value > 1 if not relative else value > 0):
+        raise ConfigError(f"accuracy target {text!r}: a cosine is at most 1 (float's own), so no model meets it; "
+                          "write e.g. 'cosine>=0.999'")
+    return AccuracyTarget(name, op, value, relative)

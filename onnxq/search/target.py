@@ -95,8 +95,9 @@ def scorer(target: AccuracyTarget, evalset: EvalSet, evaluate: Evaluate | None) 
     if evaluate is not None and metric in (None, "custom"):
         return evaluate
     if metric in (None, "custom"):
-        raise ConfigError(f"accuracy target {target.describe()} names no metric; write e.g. "
-                          "'top1>=float-0.5' or pass evaluate=fn to quantize()")
+        given = target.describe().removeprefix("custom")
+        raise ConfigError(f"accuracy target {given!r} names no metric: write one in it (top1{given}) or give "
+                          "--metric top1|cosine|sqnr (from Python, evaluate=fn scores a custom metric)")
     if metric == "top1":
         if evalset.labels is None:
             raise CalibrationDataError("metric top1 needs labels: an --eval-data .npz holding a "
