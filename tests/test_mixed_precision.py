@@ -355,3 +355,16 @@ def test_a_ladder_without_a_target_is_said(capsys):
     result = onnxq.quantize(str(models / "digits_cnn.onnx"), None, {"mixed_precision": {"ladder": ["float"]}},
                             str(models / "digits_calib.npz"), progress=False)
     assert any(n.startswith("the ladder was not used") for n in result.summary.note_texts)
+
+
+def test_a_search_result_slower_than_float_is_a_warning():
+    """The model a target needed, timed slower than float, gets a warning naming the int16
+    promotions (no CPU int16 kernels) and the ladder that avoids them; faster or within the
+    runs' spread, nothing."""
+    from onnxq.search.driver import slower_than_float
+
+    note = slower_than_float({"conv1": "int16", "fc": "float"}, 1.90, 0.43)
+    assert note is not None and note.text.startswith("warning: the model the target needed runs slower than float")
+    assert "1 layers raised to int16" in note.text and "--ladder without int16" in note.text
+    assert slower_than_float({"conv1": "int16"}, 0.43, 0.43) is None
+    assert slower_than_float({}, 1.9, 0.43) is None

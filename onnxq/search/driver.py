@@ -114,6 +114,24 @@ def _progress_bar(progress: bool | None, layers: int) -> Any:
                 total=max(1, layers).bit_length() + 2)
 
 
+def slower_than_float(promotions: dict[str, str], after_ms: float, float_ms: float) -> Note | None:
+    """A warning where the model the target needed runs slower than float (batch 1), with
+    the likely cause: layers raised to int16, which onnxruntime's CPU runs as float ops
+    between Q/DQ (a ResNet-20 with 37 layers at int16: 1.90 against float's 0.43 ms)."""
+    if not promotions or after_ms <= FASTER_THAN_FLOAT * float_ms:
+        return None
+    int16 = sum(rung == "int16" for rung in promotions.values())
+    why = (f"{int16} layers raised to int16 run as float ops between Q/DQ (no int16 kernels on the CPU); "
+           "--ladder without int16 raises layers to float instead" if int16 else
+           "the raised layers add Q/DQ boundaries")
+    return Note(Topic.WARNING, f"warning: the model the target needed runs slower than float at batch 1 "
+                f"({after_ms:.2f} against {float_ms:.2f} ms): {why}")
+
+
+# Times within this factor of float's count as no slower (the runs' own spread).
+FASTER_THAN_FLOAT = 1.03
+
+
 def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:
     feed = next(iter(evalset.batches(session)))
     return {k: v[:1] for k, v in feed.items()}
@@ -205,6 +223,7 @@ def quantize_to_target(
     final_score = score(final_session) if outcome.promotions else climbed_score
     feed = _first_sample(evalset, final_session)
     ranks = dict(order)
+    before_ms, after_ms, float_ms = median_ms([base_session, final_session, float_session], feed)
     result.summary.mixed_precision = MixedPrecisionSummary(
         target=target.describe(),
         met=target.met(final_score, reference_score),
@@ -220,13 +239,15 @@ def quantize_to_target(
         algorithm_score=climbed_score,
         size_before=weight_bytes(base.ir_model),
         size_after=weight_bytes(result.ir_model),
-        latency_ms_before=median_ms([base_session], feed)[0],
-        latency_ms_after=median_ms([final_session], feed)[0],
+        latency_ms_before=before_ms,
+        latency_ms_after=after_ms,
         seconds=time.perf_counter() - start,
         config=final_config,
         scored_on="the eval data" if mp.eval_data is not None else "the calibration data",
     )
     result.summary.notes.extend(notes(Topic.SEARCH, said))
+    if (slower := slower_than_float(outcome.promotions, after_ms, float_ms)) is not None:
+        result.summary.notes.append(slower)
     result.summary.rest_as("search", time.perf_counter() - start)
     if not result.summary.mixed_precision.met:
         if rungs and not order:
