@@ -130,7 +130,7 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
         result.summary.notes.append(Note(Topic.OUTPUT, f"removed {', '.join(removed)}: external data of the "
                                          f"{Path(output).name} this run wrote over, which the new model does not use",
                                          tuple(removed)))
-    result.config = result.config or config  # the latency plan's is the config it chose
+    result.config = result.config or config  # the latency plan's and the search's: the config they chose
     if default_kind is not None and (note := default_note(default_kind, _data_use(result, calibration_data))):
         result.summary.notes.insert(0, note)  # the recipe: before what the run says of it
     if report is not None:

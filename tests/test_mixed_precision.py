@@ -368,3 +368,20 @@ def test_a_search_result_slower_than_float_is_a_warning():
     assert "1 layers raised to int16" in note.text and "--ladder without int16" in note.text
     assert slower_than_float({"conv1": "int16"}, 0.43, 0.43) is None
     assert slower_than_float({}, 1.9, 0.43) is None
+
+
+def test_the_result_holds_the_config_the_search_chose(tmp_path):
+    """`result.config` (what the HTML report's Settings and --save-config show) is the
+    config that made the model, promotions included, not the one the search started from."""
+    import onnxq
+
+    models = Path(__file__).resolve().parents[1] / "models"
+    config = {"preset": "U8S8", "global_quant_config": {"weight": {"qscheme": "per_tensor"}},
+              "mixed_precision": {"target": "sqnr>=45", "eval_data": str(models / "digits_eval.npz")}}
+    result = onnxq.quantize(str(models / "digits_cnn.onnx"), None, config, str(models / "digits_calib.npz"),
+                            progress=False)
+    promoted = {p.node for p in result.summary.mixed_precision.promotions}
+    assert promoted and promoted <= set(result.config.layer_quant_config)
+    again = onnxq.quantize(str(models / "digits_cnn.onnx"), None, result.config, str(models / "digits_calib.npz"),
+                           progress=False)
+    assert again.model.SerializeToString() == result.model.SerializeToString()

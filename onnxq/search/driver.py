@@ -245,6 +245,7 @@ def quantize_to_target(
         config=final_config,
         scored_on="the eval data" if mp.eval_data is not None else "the calibration data",
     )
+    result.config = final_config  # what ran: the report's settings, --save-config
     result.summary.notes.extend(notes(Topic.SEARCH, said))
     if (slower := slower_than_float(outcome.promotions, after_ms, float_ms)) is not None:
         result.summary.notes.append(slower)
