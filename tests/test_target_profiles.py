@@ -217,9 +217,9 @@ def test_find_culprits_refuses_when_even_float_fails():
         loadcheck.find_culprits(["a", "b"], lambda kept: loadcheck.Trial(None, False))
 
 
-def test_nodes_onnxruntime_refuses_stay_float(monkeypatch):
-    victim = next(n.name for n in MODEL.graph.node if n.op_type == "Conv" and
-                  any(a.name == "group" and a.i > 1 for a in n.attribute))
+def refuse_quantized(monkeypatch, victim: str) -> None:
+    """Make onnxruntime (as the emission stage opens models) refuse any model in which
+    node `victim` reads a dequantized weight."""
     real = loadcheck.open_deployed
 
     def refuses_victim(model, providers, prepack=True):
@@ -231,6 +231,12 @@ def test_nodes_onnxruntime_refuses_stay_float(monkeypatch):
     monkeypatch.setattr(module, "open_deployed", refuses_victim)
     monkeypatch.setattr(module, "model_loads",
                         lambda model, providers, prepack=True: refuses_victim(model, providers, prepack) is not None)
+
+
+def test_nodes_onnxruntime_refuses_stay_float(monkeypatch):
+    victim = next(n.name for n in MODEL.graph.node if n.op_type == "Conv" and
+                  any(a.name == "group" and a.i > 1 for a in n.attribute))
+    refuse_quantized(monkeypatch, victim)
     result = quantize(target="x86-vnni")
     assert victim in result.summary.float_nodes
     (kept,) = of(result.summary.notes, Topic.FLOAT)
@@ -248,17 +254,7 @@ def test_a_layer_kept_float_after_all_gets_its_float_bias_back(monkeypatch):
 
     digits = onnx.load(Path(__file__).resolve().parents[1] / "models" / "digits_cnn.onnx")
     victim = next(n.name for n in digits.graph.node if n.op_type == "Conv")
-    real = loadcheck.open_deployed
-
-    def refuses_victim(model, providers, prepack=True):
-        quantized = any(n.name == victim and n.inputs[1].producer() is not None
-                        and n.inputs[1].producer().op_type == "DequantizeLinear" for n in model.graph)
-        return None if quantized else real(model, providers, prepack)
-
-    module = importlib.import_module("onnxq.pipeline.emission")
-    monkeypatch.setattr(module, "open_deployed", refuses_victim)
-    monkeypatch.setattr(module, "model_loads",
-                        lambda model, providers, prepack=True: refuses_victim(model, providers, prepack) is not None)
+    refuse_quantized(monkeypatch, victim)
     data = {k: v for k, v in np.load(Path(__file__).resolve().parents[1] / "models" / "digits_calib.npz").items()}
     config = {"preset": "U8S8", "algo_config": [{"name": "bias_correction"}], "target_algorithms": False}
     result = onnxq.quantize(digits, None, config, data, progress=False)
