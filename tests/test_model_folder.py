@@ -176,6 +176,9 @@ def test_inspect_run_and_compare_take_model_folders(tmp_path, capsys):
     assert main(["quantize", str(source), str(out), "--preset", "W4_GROUP128", "--quiet"]) == 0
     assert main(["inspect", str(out)]) == 0
     assert f"model: {out / 'model.onnx'}" in capsys.readouterr().out
+    assert main(["inspect", str(source)]) == 0  # the folder's default preset, as quantize picks it: a decoder's
+    printed = capsys.readouterr().out
+    assert "preset: W8_GROUP128 (this model's default" in printed and "would quantize: 2 nodes (MatMul 2)" in printed
     data = tmp_path / "eval.npz"
     np.savez(data, **EVAL)
     assert main(["run", str(out), "--data", str(data)]) == 0

@@ -71,6 +71,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    given = args.model  # a model folder picks the default preset as quantize's does (a genai folder: a decoder's)
     check_model_files(args, "model")
     model, report = load_model(args.model)
     graph = model.graph
@@ -89,8 +90,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if args.nodes:
             _print_nodes(graph, None)
         return 0
-    config = compose_config(args.preset, args.config, {"target": args.target} if args.target else None,
-                            lambda: default_preset(args.model))
+    picked: list[str] = []
+
+    def pick() -> str:  # called only where no source names a preset
+        picked.append(default_preset(given))
+        return picked[0]
+
+    config = compose_config(args.preset, args.config, {"target": args.target} if args.target else None, pick)
+    if picked:
+        print(f"preset: {picked[0]} (this model's default; --preset NAME for another)")
     passes = run_passes(model, parse_passes(config.pre_quant_opt_config), RunSettings.of(None, config.calibration))
     for note in passes.notes:
         print(f"pass {note}")
