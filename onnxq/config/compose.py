@@ -29,15 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from onnxq.config.convert import config_to_dict, entry_dict
-from onnxq.config.io import (
-    NO_PRESET,
-    bare_layer_class_dtypes,
-    canonical_dtypes,
-    config_from_dict,
-    read_config_dict,
-)
+from onnxq.config.io import NO_PRESET, bare_layer_class_dtypes, config_from_dict, read_config_dict
 from onnxq.config.presets import PRESETS, get_preset
-from onnxq.config.spec import Config
+from onnxq.config.spec import ACTIVATION_CLASSES, Config, DType
 from onnxq.config.validate import validate_config
 from onnxq.errors import ConfigError, closest_name
 
@@ -116,13 +110,21 @@ def _yield_to(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, An
                 continue
             for tensor_class, spec in top.items():
                 lower = level.get(tensor_class)
-                keeps_float = isinstance(lower, dict) and str(lower.get("dtype", "")).lower() == "float32"
+                keeps_float = isinstance(lower, dict) and _names_float32(lower.get("dtype"))
                 if isinstance(spec, Mapping) and isinstance(lower, dict) and not keeps_float:
                     for key in spec:
                         lower.pop(key, None)
                     if _leaves_per_group(spec):  # its blocks go with it
                         lower.pop("group_size", None)
     return base
+
+
+def _names_float32(dtype: Any) -> bool:
+    """Whether a source's dtype value is float32 by any of its names (`fp32`: `DType`)."""
+    try:
+        return dtype is not None and DType(str(dtype).strip().lower()) is DType.FLOAT32
+    except ValueError:  # not a type at all: the conversion names it
+        return False
 
 
 def overlay(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,7 +154,6 @@ def compose_config(
         sources.append((OVERRIDES_SOURCE, overrides))
     for _, source in sources:
         bare_layer_class_dtypes(source)
-        canonical_dtypes(source)
     named = [(where, source.pop("preset")) for where, source in sources if "preset" in source]
     whole = [where for where, name in named if isinstance(name, str) and name.lower() == NO_PRESET]
     if preset is not None and preset.lower() != NO_PRESET and whole:
@@ -169,9 +170,6 @@ def compose_config(
         return config_from_dict(stack[-1])
     except ConfigError as exc:
         raise ConfigError(f"{_blame(stack, sources)}: {exc}") from None
-
-
-ACTIVATION_CLASSES = ("input_tensors", "output_tensors")
 
 
 def _no_activations_created(base: Mapping[str, Any], source: dict[str, Any], preset: str, where: str) -> None:

@@ -14,7 +14,7 @@ import yaml
 
 from onnxq.config.amct import AMCT_SUFFIXES, looks_like_amct, read_amct
 from onnxq.config.convert import bare_dtype, config_to_dict, convert, type_error
-from onnxq.config.spec import DTYPE_ALIASES, LAYER_CLASS_FIELDS, Config
+from onnxq.config.spec import LAYER_CLASS_FIELDS, Config
 from onnxq.config.validate import validate_config
 from onnxq.errors import ConfigError
 from onnxq.graph.save import write_text_atomic
@@ -47,23 +47,6 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
     config = convert(d, Config, "", "")
     validate_config(config)
     return config
-
-
-def canonical_dtypes(source: Any) -> Any:
-    """Other tools' dtype names (`fp16`, `bf16`, `fp32`: `DTYPE_ALIASES`) as onnxq's own,
-    wherever a `dtype` key holds one, in place: the merge rules compare names (an override
-    `dtype: fp32` keeps its tensors float as `float32` does), and written configs say
-    `float16`. Returns `source`."""
-    if isinstance(source, dict):
-        for key, value in source.items():
-            if key == "dtype" and isinstance(value, str):
-                source[key] = DTYPE_ALIASES.get(value.strip().lower(), value)
-            else:
-                canonical_dtypes(value)
-    elif isinstance(source, list):
-        for item in source:
-            canonical_dtypes(item)
-    return source
 
 
 def bare_layer_class_dtypes(source: dict[str, Any]) -> None:

@@ -361,3 +361,4 @@ SPEC_DEFAULTS: dict[str, Any] = {
 }
 
 TENSOR_CLASSES: tuple[str, ...] = ("input_tensors", "output_tensors", "weight", "bias")
+ACTIVATION_CLASSES: tuple[str, ...] = TENSOR_CLASSES[:2]  # the classes calibrated on data

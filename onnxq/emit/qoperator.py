@@ -34,6 +34,7 @@ from onnxq.emit.qoperator_kernels import (
 from onnxq.graph.edit import GraphEditor
 from onnxq.graph.fold import constant_array
 from onnxq.graph.quantized import DOMAINS
+from onnxq.plan.rules import pads_with_zero_or_edges
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,11 @@ def _pad_inputs(node: ir.Node, dq: ir.Node) -> list[ir.Value | None] | None:
     0 becomes the zero point (0 in float); edge and reflect padding need nothing. None
     where the pad value is another constant (the rules table quantizes no such Pad)."""
     rest = list(node.inputs[1:])
+    if not pads_with_zero_or_edges(node):
+        return None
     mode = node.attributes.get("mode")
     if mode is not None and mode.as_string() != "constant":
         return rest
-    value = constant_array(rest[1]) if len(rest) > 1 and rest[1] is not None else None
-    if value is not None and float(np.asarray(value).reshape(-1)[0]) != 0.0:
-        return None
     zero_point = dq.inputs[2] if len(dq.inputs) > 2 else None
     return [rest[0], zero_point, *rest[2:]] if zero_point is not None or len(rest) > 2 else rest[:1]
 

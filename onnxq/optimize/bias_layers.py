@@ -32,7 +32,7 @@ class Layer:
     channel_axis: int  # channel axis of the input
 
 
-def _bias_add(node: ir.Node, channels: int) -> tuple[ir.Node, int] | None:
+def bias_add(node: ir.Node, channels: int) -> tuple[ir.Node, int] | None:
     """The Add of a constant [channels] vector that alone consumes a MatMul's output."""
     out = node.outputs[0]
     if out.is_graph_output() or len(out.uses()) != 1:
@@ -69,7 +69,7 @@ def find_layers(graph: ir.Graph, plan: QuantPlan, opts: BiasCorrectionConfig) ->
             skipped.append(f"{node.name} (shared or batched weight)")
             continue
         if node.op_type == "MatMul":
-            found = _bias_add(node, layout.out_channels(node, w.shape))
+            found = bias_add(node, layout.out_channels(node, w.shape))
             if found is None:
                 skipped.append(f"{node.name} (MatMul without a bias Add)")
                 continue

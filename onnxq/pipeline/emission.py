@@ -15,9 +15,11 @@ from onnxq.config.spec import Config
 from onnxq.emit import EmitResult, emit_model
 from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads, open_deployed
 from onnxq.emit.trial import emit_trial
+from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.notes import Note, Topic
+from onnxq.optimize.bias_layers import bias_add
 from onnxq.optimize.context import RunSettings, TrialEmitter
 from onnxq.pipeline.calibration import within_ranges
 from onnxq.plan import QuantPlan, plan_quantization
@@ -56,12 +58,10 @@ def layer_biases(model: ir.Model, plan: QuantPlan) -> dict[str, tuple[str, int, 
             array = constant_array(value) if value is not None else None
             if value is None or array is not None:
                 biases[node.name] = (node.name, 2, None if array is None else array.copy())
-        elif node.op_type == "MatMul" and not node.outputs[0].is_graph_output() \
-                and len(uses := node.outputs[0].uses()) == 1 and uses[0].node.op_type == "Add":
-            add, index = uses[0].node, 1 - uses[0].idx
-            array = constant_array(add.inputs[index]) if len(add.inputs) == 2 else None
-            if array is not None:
-                biases[node.name] = (add.name, index, array.copy())
+        elif node.op_type == "MatMul" and (w := constant_array(node.inputs[1])) is not None and w.ndim == 2 \
+                and (found := bias_add(node, layout.out_channels(node, w.shape))) is not None:
+            add, index = found  # bias correction's own reading of a MatMul's bias
+            biases[node.name] = (add.name, index, constant_array(add.inputs[index]).copy())
     return biases
 
 

@@ -19,7 +19,7 @@ class OutputMode(Enum):
     SHARED = "shared"  # the output reuses the range of input 0 (data movement, max)
 
 
-def _pads_with_zero_or_edges(node: ir.Node) -> bool:
+def pads_with_zero_or_edges(node: ir.Node) -> bool:
     """Pad's output stays within its input's range (plus 0) unless it pads a nonzero constant."""
     attr = node.attributes.get("mode")
     if attr is not None and attr.as_string() != "constant":
@@ -94,7 +94,7 @@ OP_RULES: dict[str, OpRule] = {
         (0,), OutputMode.SHARED, weight_input=0, weight_axis=weight_out_axis,
         weight_in_axis=weight_in_axis, quantize_constant_data=True,
     ),
-    "Pad": OpRule((0,), OutputMode.SHARED, applies=_pads_with_zero_or_edges),
+    "Pad": OpRule((0,), OutputMode.SHARED, applies=pads_with_zero_or_edges),
     "Identity": _SHARED,
     "Dropout": _SHARED,
 }

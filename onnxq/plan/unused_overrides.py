@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnxq.config.spec import Config
+from onnxq.config.spec import ACTIVATION_CLASSES, Config
 from onnxq.notes import Note, Topic
 from onnxq.plan.plan import QuantPlan
 from onnxq.plan.rules import OP_RULES, OutputMode
-
-ACTIVATION_CLASSES = ("input_tensors", "output_tensors")
 
 
 def _override(config: Config, node: ir.Node) -> tuple[str, object] | None:
