@@ -27,6 +27,7 @@ from onnxq.graph.folder import (
     remove_replaced_data,
 )
 from onnxq.graph.save import check_apart, check_output_paths
+from onnxq.heap import settled_heap
 from onnxq.notes import Note, Topic
 from onnxq.optimize.registry import check_block_rounding, parse_algorithms, parse_passes
 from onnxq.pipeline.prepare import ModelSource, required_opset
@@ -76,7 +77,8 @@ def quantize(
     `config` takes every form `as_config` does; where it names no preset, the model's kind
     picks the default (`config/defaults.py`: weight-only int8 for an LLM decoder, else U8S8).
     """
-    return _quantize(model, output, config, calibration_data, progress, evaluate, report)
+    with settled_heap():  # the collector walks the run's objects, not the libraries' (`heap.py`)
+        return _quantize(model, output, config, calibration_data, progress, evaluate, report)
 
 
 def _quantize(model: ModelSource, output: str | os.PathLike | None, config: ConfigLike, calibration_data: Any,
