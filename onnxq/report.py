@@ -149,6 +149,23 @@ def format_summary(s: Summary) -> str:
     return "\n".join(lines)
 
 
+def _precision_rung_lines(m: MixedPrecisionSummary) -> list[str]:
+    """One line per precision rung the search tried (`search/bisect.py`): every ranked
+    layer raised to it, then the fewest that meet the target."""
+    lines = []
+    for rung in dict.fromkeys(t["rung"] for t in m.trials):
+        tried = [t for t in m.trials if t["rung"] == rung]
+        first = tried[0]
+        line = (f"  rung {rung}: {first['promoted']} layer{'' if first['promoted'] == 1 else 's'} raised: "
+                f"{first['score']:.4g}{' (meets the target)' if first['met'] else ''}")
+        meeting = [t for t in tried if t["met"]]
+        if len(tried) > 1 and meeting:
+            fewest = min(meeting, key=lambda t: t["promoted"])
+            line += f"; fewest that meet: {fewest['promoted']} ({fewest['score']:.4g}), {len(tried)} models scored"
+        lines.append(line)
+    return lines
+
+
 def format_mixed_precision(m: MixedPrecisionSummary) -> list[str]:
     verdict = "met" if m.met else "NOT met"
     lines = [f"  accuracy target {m.target}: {verdict} on {m.scored_on} (float {m.float_score:.4g}, all quantized "
@@ -160,6 +177,7 @@ def format_mixed_precision(m: MixedPrecisionSummary) -> list[str]:
         else:
             lines.append(f"  rung {t['rung']}: {t['score']:.4g}{' (meets the target)' if t['met'] else ''}, "
                          f"{'kept' if t['kept'] else 'dropped'}, {t['seconds']:.1f}s: {t['why']}")
+    lines.extend(_precision_rung_lines(m))
     if m.promotions:
         by_rung = Counter(p.rung for p in m.promotions)
         lines.append("  promoted: " + ", ".join(f"{n} to {r}" for r, n in sorted(by_rung.items())) + ": "

@@ -91,3 +91,26 @@ def test_pairs_onnxruntime_runs_keep_their_integer_inputs(weight):
     feeds = calib(2, seed=7)
     for r, g in zip(run_feeds(proto, feeds), run_feeds(result.model, feeds)):
         assert sqnr_db(r, g) > 15
+
+
+def test_the_int16_rung_leaves_a_float_input_matmul_as_it_is():
+    """The accuracy search's int16 rung gives a node 16-bit inputs; a MatMul reading float
+    inputs already would be lowered by it, so the rung leaves it out: the model it scores
+    and the config it returns keep the float inputs."""
+    from onnxq.search.ladder import effective, with_promotions
+
+    proto = weighted_and_activation_matmuls()
+    result = onnxq.quantize(proto, None, PER_GROUP, calib(), progress=False)
+    assert set(result.plan.float_inputs) == {"mm1", "mm2"}
+    promotions = {"mm1": "int16", "mm2": "float", "mm_aa": "int16"}
+    kept = effective(promotions, result.plan)
+    assert kept == {"mm2": "float", "mm_aa": "int16"}
+    raised = onnxq.quantize(proto, None, with_promotions(onnxq.as_config(PER_GROUP), kept), calib(),
+                            progress=False).model
+    producers = {o: n for n in raised.graph.node for o in n.output}
+    mm1 = next(n for n in raised.graph.node if n.name == "mm1")
+    assert mm1.input[0] not in producers  # mm1 reads the model input x as it is: float, as before
+    aa = next(n for n in raised.graph.node if n.output[0] == "z")
+    dq = producers[aa.input[0]]
+    zero_point = next(i for i in raised.graph.initializer if i.name == dq.input[2])
+    assert zero_point.data_type in (TensorProto.UINT16, TensorProto.INT16)  # the rung raised mm_aa

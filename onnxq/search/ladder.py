@@ -48,10 +48,13 @@ def applicable(rungs: list[str], plan: QuantPlan) -> list[str]:
 
 
 def effective(promotions: Mapping[str, str], plan: QuantPlan) -> dict[str, str]:
-    """`promotions` less those that change nothing: int8 for a node without narrow weights
-    (its weights are 8-bit already, or it has none)."""
+    """`promotions` less those that would not raise the node: int8 for a node without
+    narrow weights (its weights are 8-bit already, or it has none), and int16 for a node
+    that reads float inputs already (`plan.float_inputs`: a MatMul whose per-group weight
+    no integer kernel pairs with int8 inputs), where 16-bit inputs would lower them."""
     narrow = narrow_weight_nodes(plan)
-    return {node: rung for node, rung in promotions.items() if rung != "int8" or node in narrow}
+    return {node: rung for node, rung in promotions.items()
+            if (rung != "int8" or node in narrow) and (rung != "int16" or node not in plan.float_inputs)}
 
 
 def rung_opset(ladder: list[str]) -> int:
