@@ -217,6 +217,20 @@ def test_two_input_npz_with_unequal_counts(tmp_path):
         calibrate(model, path)
 
 
+def test_a_dict_is_read_as_its_npz_would_be(tmp_path):
+    """A stack missing the channel axis is refused from a dict as from its .npz: its rows
+    were each taken for a lone sample, so the same arrays quantized from Python and failed
+    from the CLI."""
+    root = Path(__file__).resolve().parents[1] / "models"
+    stack = np.load(root / "digits_calib.npz")["input"][:, 0]  # [128, 8, 8] for a [?, 1, 8, 8] input
+    np.savez(tmp_path / "r3.npz", input=stack)
+    for data in ({"input": stack}, tmp_path / "r3.npz"):
+        with pytest.raises(CalibrationDataError, match=r"rank 3 .*1 axis missing; give arrays \[samples, 1, 8, 8\]"):
+            onnxq.quantize(str(root / "digits_cnn.onnx"), None, None, data, progress=False)
+    one = onnxq.quantize(str(root / "digits_cnn.onnx"), None, None, {"input": stack[0][None]}, progress=False)
+    assert one.summary.calibration_samples == 1  # a lone sample without its batch axis is still one sample
+
+
 def test_float64_samples_are_cast_not_mutated(single):
     """float64 samples are cast to the float32 input; samples are not mutated."""
     model, feeds, reference = single

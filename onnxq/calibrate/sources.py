@@ -91,15 +91,22 @@ def _from_path(path: Path, inputs: list[InputSpec]) -> Iterator[Mapping[str, Any
 
 
 def _checked_file(path: Path, arrays: dict[str, np.ndarray], inputs: list[InputSpec]) -> dict[str, np.ndarray]:
-    """`arrays` of file `path`, their type, shape and values checked as a whole, so that an
-    error names the file and its arrays' shapes (not one sample's) and counts every NaN."""
-    specs = {s.name: s for s in inputs}
+    """`arrays` of file `path`, checked as a whole (`_checked_arrays`); an error names the file."""
     try:
-        for name, array in arrays.items():
-            if name in specs:
-                check_finite(specs[name], check_array(specs[name], np.asarray(array)))
+        return _checked_arrays(arrays, inputs)
     except CalibrationDataError as exc:
         raise CalibrationDataError(f"{path.name}: {exc}") from None
+
+
+def _checked_arrays(arrays: Mapping[str, Any], inputs: list[InputSpec]) -> Mapping[str, Any]:
+    """`arrays` (samples on axis 0), their type, shape and values checked as a whole, so
+    that an error gives the arrays' shapes (not one sample's) and counts every NaN, and a
+    dict is read as its .npz would be: one sample's rows split from a stack of a smaller
+    rank were each taken for a lone sample (a [128, 8, 8] stack for a [?, 1, 8, 8] input)."""
+    specs = {s.name: s for s in inputs}
+    for name, array in arrays.items():
+        if name in specs:
+            check_finite(specs[name], check_array(specs[name], np.asarray(array)))
     return arrays
 
 
@@ -117,7 +124,7 @@ def raw_feeds(source: Any, inputs: list[InputSpec]) -> Iterator[Mapping[str, Any
     if hasattr(source, "get_next"):
         return _from_reader(source)
     if isinstance(source, Mapping):
-        return _split_rows(_arrays_to_rows(source, inputs), inputs)
+        return _split_rows(_arrays_to_rows(_checked_arrays(source, inputs), inputs), inputs)
     if isinstance(source, Iterable):
         return iter(source)
     raise CalibrationDataError(
