@@ -23,6 +23,7 @@ import onnxruntime as ort
 from tqdm import tqdm
 
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
+from onnxq.calibrate.decoder import PRESENT, decoder_feeds, is_decoder
 from onnxq.calibrate.session import check_providers, open_session, run_on_data
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
 from onnxq.graph.quantized import describe, quantized_ops
@@ -232,6 +233,9 @@ def compare_models(
     sessions = {k: deployed_session(quant_model, providers, reference=k == "reference", extended=extended)
                 for k, on in runs.items() if on}
     names = [o.name for o in ref.get_outputs()]
+    if is_decoder(i.name for i in ref.get_inputs()):  # the KV cache is state handed on, not a result
+        names = [n for n in names if not PRESENT.match(n)]
+        data = decoder_feeds(float_model, data, providers, decode_steps=0)  # token windows: full feeds
     _check_interface(ref, next(iter(sessions.values())))
     outputs: dict[str, dict[str, list[np.ndarray]]] = {k: {n: [] for n in names} for k in ("float", *sessions)}
     source = CalibrationSource(data)

@@ -20,6 +20,7 @@ from onnxq.config.defaults import config_for, default_note
 from onnxq.config.spec import DEFAULT_LADDER, OptimizeFor
 from onnxq.errors import ConfigError, ModelError
 from onnxq.graph.folder import (
+    GENAI_CONFIG,
     copy_companions,
     data_files,
     open_folder,
@@ -30,7 +31,7 @@ from onnxq.graph.save import check_apart, check_output_paths
 from onnxq.heap import settled_heap
 from onnxq.notes import Note, Topic
 from onnxq.optimize.registry import check_block_rounding, parse_algorithms, parse_passes
-from onnxq.pipeline.prepare import ModelSource, required_opset
+from onnxq.pipeline.prepare import WINDOWS_NOTE, ModelSource, required_opset
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.pipeline.run import run_pipeline
 from onnxq.pipeline.shards import ShardResult, calibrate_shard, calibrate_sharded
@@ -99,6 +100,10 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
     check_apart({"the output model": output, "the report": report,
                  "the ranges file (save_ranges)": config.calibration.save_ranges},
                 read_paths(model, given, config, calibration_data))
+    if report is not None and calibration_data is None and config.mixed_precision.eval_data is None \
+            and config.calibration.text is None:  # refused before the model is written, not after
+        raise ConfigError("the report measures the quantized model on data, and none was given; pass --eval-data or "
+                          "--calib-data (token windows, or --calib-text, for an LLM)")
     replaced = data_files(output) if output is not None else ()  # an existing model's data, to clear after
     text = text_windows(model, config.calibration, calibration_data)
     if text is not None:  # the windows calibrate as an .npz of input_ids would
@@ -122,6 +127,11 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
         result.summary.notes.append(Note(Topic.CALIBRATION, "the eval data was not read: it scores an accuracy "
                                          "target (--accuracy-target) and the HTML report (--report)"))
     copied: list[str] = []
+    if folder is None and output is not None and isinstance(model, str | os.PathLike) \
+            and (Path(model).parent / GENAI_CONFIG).is_file():
+        result.summary.notes.append(Note(Topic.OUTPUT, f"{Path(model).name} is the model of an onnxruntime-genai "
+                                         f"folder; only the model was written, without {GENAI_CONFIG} and the "
+                                         f"tokenizer: pass the folder {Path(model).parent} to get a folder out"))
     if folder is not None and output is not None:
         copied = copy_companions(folder, Path(output).parent)
         shown = ", ".join(copied[:6]) + (", ..." if len(copied) > 6 else "")
@@ -133,8 +143,11 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
                                          f"{Path(output).name} this run wrote over, which the new model does not use",
                                          tuple(removed)))
     result.config = result.config or config  # the latency plan's and the search's: the config they chose
-    if default_kind is not None and (note := default_note(default_kind, _data_use(result, calibration_data))):
+    use = _data_use(result, calibration_data)
+    if default_kind is not None and (note := default_note(default_kind, use)):
         result.summary.notes.insert(0, note)  # the recipe: before what the run says of it
+    if use == "nothing":  # the windows were not read: a note describing them would say they were
+        result.summary.notes = [n for n in result.summary.notes if n.source != WINDOWS_NOTE]
     if report is not None:
         data = config.mixed_precision.eval_data or calibration_data
         report_quantization(report, result, result.config, data, progress)

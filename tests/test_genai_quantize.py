@@ -99,3 +99,81 @@ def test_static_activations_observe_the_decode_steps(folder, windows, tmp_path):
     assert "each a prefill and 4 decode steps with the KV cache" in note.text
     assert result.summary.calibration_samples == 6 * 5  # a prefill and 4 steps per window
     assert sqnr_db(prefill_logits(folder / "model.onnx"), prefill_logits(tmp_path / "u8" / "model.onnx")) > 10
+
+
+def test_bad_token_windows_are_one_line_errors(folder, tmp_path):
+    """Windows past the context length (128 here) and an empty set stop before any work,
+    with the fix; before, the first ran into onnxruntime's rotary cache (a traceback) and
+    the second gave GPTQ nothing and a model rounded to nearest."""
+    from onnxq.cli import main
+
+    long, empty = tmp_path / "long.npz", tmp_path / "empty.npz"
+    np.savez(long, input_ids=np.zeros((2, 200), np.int64))
+    np.savez(empty, input_ids=np.zeros((0, 16), np.int64))
+    for data, words in ((long, "token windows of 200 tokens are beyond the model's context length 128"),
+                        (empty, "the token windows hold no window")):
+        with pytest.raises(onnxq.OnnxqError, match=words):
+            onnxq.quantize(str(folder), str(tmp_path / "out"), {"preset": "W4_GROUP128",
+                                                                 "algo_config": [{"name": "gptq"}]},
+                           str(data), progress=False)
+    assert not (tmp_path / "out").exists()
+    assert main(["quantize", str(folder), str(tmp_path / "o"), "--preset", "W4_GROUP128", "--gptq", "--awq",
+                 "--calib-data", str(empty)]) == 2
+
+
+def test_token_windows_evaluate_as_they_calibrate(folder, windows, tmp_path, capsys):
+    """The windows quantize reads also serve compare, the HTML report and an accuracy
+    target (each builds the mask and the empty cache); compare reports the logits, not
+    the KV cache handed on; a report with no data is refused before anything is written."""
+    from onnxq.cli import main
+
+    out = tmp_path / "w4"
+    assert main(["quantize", str(folder), str(out), "--preset", "W4_GROUP128", "--per-group", "32",
+                 "--calib-data", str(windows), "--report", str(tmp_path / "r.html"), "--quiet"]) == 0
+    assert (tmp_path / "r.html").stat().st_size > 1000
+    assert main(["compare", str(folder), str(out), "--data", str(windows)]) == 0
+    shown = capsys.readouterr().out
+    assert "logits: SQNR" in shown and "present." not in shown
+    target = onnxq.quantize(str(folder), None, {"preset": "W4_GROUP128", "layer_type_quant_config": {
+        "MatMul": {"weight": {"group_size": 32}}}, "mixed_precision": {"target": "sqnr>=0"}}, str(windows),
+        progress=False)
+    assert target.summary.mixed_precision.met
+    assert main(["quantize", str(folder), str(tmp_path / "none"), "--preset", "W4_GROUP128",
+                 "--report", str(tmp_path / "r2.html")]) == 2
+    assert "the report measures the quantized model on data" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+
+
+def test_the_windows_note_counts_what_was_read(folder, windows, tmp_path):
+    """max_samples caps the windows read, and the note says so; windows nothing reads
+    (the decoder default, no output check) get no note describing them."""
+    capped = onnxq.quantize(str(folder), None, {"preset": "W4_GROUP128", "algo_config": [{"name": "gptq"}],
+                                                "calibration": {"max_samples": 2}}, str(windows), progress=False)
+    assert "calibration data: 2 of 6 token windows (max_samples 2) of 16 tokens" in " ".join(capped.summary.note_texts)
+    unread = onnxq.quantize(str(folder), str(tmp_path / "w8"), None, str(windows), progress=False)
+    texts = " ".join(unread.summary.note_texts)
+    if "unused" in texts:  # no output check read them either
+        assert "token windows of" not in texts
+
+
+def test_the_model_file_of_a_folder_and_flag_words(folder, tmp_path, capsys):
+    """A genai folder's model.onnx given alone: an output ending in a separator is refused
+    (it became a file of that name), an existing folder as output names the folder input
+    that gives a folder out, and a file output gets a note that the genai files were not
+    copied. Switch flags and per-tensor weights are named as the user gave them."""
+    from onnxq.cli import main
+
+    model = str(folder / "model.onnx")
+    assert main(["quantize", model, str(tmp_path / "o") + "/"]) == 2
+    assert "ends in a separator" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    (tmp_path / "d").mkdir()
+    assert main(["quantize", model, str(tmp_path / "d")]) == 2
+    assert f"pass the model's folder {folder}" in capsys.readouterr().err
+    result = onnxq.quantize(model, str(tmp_path / "m.onnx"), None, progress=False)
+    assert any("only the model was written, without genai_config.json" in t for t in result.summary.note_texts)
+    assert not any("fold_batchnorm" in t for t in result.summary.note_texts)  # a default pass with nothing to do
+    assert main(["quantize", str(folder), str(tmp_path / "dy"), "--dynamic"]) == 2
+    assert "error: --dynamic has no activations to apply to" in capsys.readouterr().err
+    flat = onnxq.quantize(str(folder), None, {"preset": "W4_GROUP128", "global_quant_config": {
+        "weight": {"qscheme": "per_tensor"}}}, progress=False)
+    assert "the weights are per-tensor, not in blocks" in " ".join(flat.summary.note_texts)

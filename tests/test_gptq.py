@@ -55,6 +55,16 @@ def test_gptq_beats_round_to_nearest_on_held_out_data():
     assert scores["act_order"] > scores["no_clip"] + 0.5, scores  # H-weighted clipping of group scales
 
 
+def test_too_few_rows_for_the_hessian_are_a_warning():
+    """Fewer calibration rows than a layer has inputs leave H singular: the run completes,
+    and its note says so with the rows to give; enough rows, no word."""
+    few = onnxq.quantize(_model(), None, _config(), _data(2, 1), progress=False)  # 16 rows, K inputs
+    note = next(t for t in few.summary.note_texts if "quantized with GPTQ" in t)
+    assert f"warning: only 16 calibration rows (tokens of an LLM) for layers of up to {K} inputs" in note
+    enough = onnxq.quantize(_model(), None, _config(), _data(48, 1), progress=False)
+    assert not any("calibration rows" in t for t in enough.summary.note_texts)
+
+
 def test_stored_weight_is_gptqs_and_deterministic(tmp_path):
     model, calib = _model(), _data(16, 3)
     outs = [onnxq.quantize(model, None, _config(), calib, progress=False).model for _ in range(2)]
@@ -78,6 +88,10 @@ def test_gptq_cli_flag_and_bad_options(tmp_path, capsys):
     assert main(["quantize", str(path), str(out), "--preset", "W4_GROUP128", "--gptq", "--calib-data",
                  str(tmp_path / "calib.npz"), "--algo-option", "desc_act=true"]) == 0
     assert "quantized with GPTQ" in capsys.readouterr().out
+    for both in (["--gptq", "--awq"], ["--gptq", "--algorithm", "awq"]):  # the flags are short for --algorithm
+        assert main(["quantize", str(path), str(out), "--preset", "W4_GROUP128", *both, "--calib-data",
+                     str(tmp_path / "calib.npz")]) == 2
+        assert "both pick the weight-only algorithm; give one" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="damp_percent"):
         onnxq.quantize(_model(), None, _config(damp_percent=2.0), _data(4, 6), progress=False)
 
@@ -125,7 +139,8 @@ def test_true_sequential_hessian_comes_from_the_quantized_prefix():
 
     settings = RunSettings(CalibrationSource(data), CalibrationConfig(batch_size=5), progress=False)
     ctx = AlgorithmContext(settings, emit_trial=lambda *args: None)
-    assert sequential_walk(model, layers, ctx, "gptq", record, 1) == 2  # budget 1 MB: batches go to disk
+    done, rows = sequential_walk(model, layers, ctx, "gptq", record, 1)  # budget 1 MB: batches go to disk
+    assert done == 2 and rows == len(data["x"].reshape(-1, K))  # every input row went into each H
     x = data["x"].reshape(-1, K).astype(np.float64)
     gram = x.T @ x / len(x)  # onnxq sums float32 products: within float32's rounding of the largest entry
     np.testing.assert_allclose(seen[first], gram, rtol=1e-5, atol=1e-6 * np.abs(gram).max())

@@ -33,6 +33,7 @@ from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
 from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
 from onnxq.analyze.rescaled import rescaled_layers
 from onnxq.calibrate.data import iter_batches
+from onnxq.calibrate.decoder import decoder_feeds
 from onnxq.calibrate.session import check_providers, exposed_session, run_on_data
 from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
 from onnxq.graph.edit import values_by_name
@@ -152,6 +153,7 @@ def analyze_models(
     measure only the layers alone (one session; what a sensitivity ranking needs).
     """
     providers = check_providers(providers or ["CPUExecutionProvider"])
+    data = decoder_feeds(float_model, data, providers, decode_steps=0)  # an LLM's token windows: its full feeds
     quant = read_model(quant_model)
     reference = _float_reference(float_model, quant, normalised)
     float_values = values_by_name(reference.graph)

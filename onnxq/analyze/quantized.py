@@ -20,7 +20,8 @@ def report_quantization(path: str | os.PathLike, result: Any, config: Config, da
                         progress: bool | None = None) -> None:
     """Analyse `result` (a `QuantizationResult` with its state kept) on `data`; write the report."""
     state = result.state
-    data = load_eval_set(data, config.mixed_precision.labels).data
+    data = load_eval_set(data, config.mixed_precision.labels, model=result.summary.source,
+                         providers=config.calibration.providers).data
     analysis = analyze_models(state.float_model, result.ir_model, data, normalised=True,
                               max_samples=REPORT_SAMPLES, providers=config.calibration.providers,
                               progress=progress)

@@ -23,8 +23,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from onnxq.calibrate.session import DATA_FAILURES, refusal
 from onnxq.errors import CalibrationDataError
-from onnxq.graph.folder import genai_settings
+from onnxq.graph.folder import GENAI_CONFIG, genai_settings
 from onnxq.graph.wire import read_structure
 
 PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
@@ -112,7 +113,11 @@ class DecoderFeeds:
         if self.inputs is None:
             raise CalibrationDataError("token windows calibrate a decoder with a KV cache (inputs input_ids and "
                                        "past_key_values.*); for this model pass feeds of every input")
+        if not len(windows):
+            raise CalibrationDataError("the token windows hold no window (input_ids of shape "
+                                       f"{list(windows.shape)}); give at least one window of token ids")
         _check_token_ids(windows, Path(model))
+        _check_context(windows, Path(model))
         self.model, self.windows, self.decode_steps = model, windows.astype(np.int64), decode_steps
         self.providers = providers or ["CPUExecutionProvider"]
         self._session: ort.InferenceSession | None = None
@@ -143,7 +148,11 @@ class DecoderFeeds:
             if step == self.decode_steps:
                 return
             names = [c.present for c in self.inputs.cache]
-            presents = self._open().run(names, feed)
+            try:
+                presents = self._open().run(names, feed)
+            except DATA_FAILURES as exc:
+                raise CalibrationDataError(f"the float model cannot run a window of {len(window)} tokens: "
+                                           f"{refusal(str(exc))}; give shorter windows, of tokens it takes") from None
             past = {c.name: value for c, value in zip(self.inputs.cache, presents)}
             feed = self._feed(window[None, prefill + step:prefill + step + 1], past, prefill + step)
 
@@ -217,6 +226,15 @@ def _check_token_ids(windows: np.ndarray, model: Path) -> None:
         raise CalibrationDataError(f"token windows hold id {high}, beyond the vocabulary of {size}: they were not made "
                                    f"with {model.name}'s tokenizer; tokenize with the model's own tokenizer, or pass "
                                    "--calib-text FILE")
+
+
+def _check_context(windows: np.ndarray, model: Path) -> None:
+    """Windows fit the model's context length (genai_config.json's `context_length`): the
+    rotary caches of a longer one are too short, deep inside onnxruntime's attention."""
+    context = genai_settings(model.parent).get("context_length")
+    if isinstance(context, int) and context > 0 and windows.shape[1] > context:
+        raise CalibrationDataError(f"token windows of {windows.shape[1]} tokens are beyond the model's context length "
+                                   f"{context} ({GENAI_CONFIG}); cut them to at most {context} tokens")
 
 
 def decoder_feeds(model: Any, data: Any, providers: list[str] | None = None, decode_steps: int = DECODE_STEPS) -> Any:

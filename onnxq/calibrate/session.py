@@ -70,11 +70,11 @@ REDUCED_SUFFIXES = ("__onnxq_min", "__onnxq_max")
 # What onnxruntime raises when a model cannot run on the data it is given: inputs of a
 # sample whose lengths do not broadcast, indices past a table (token ids beyond the
 # vocabulary), a shape a Reshape cannot take.
-_DATA_FAILURES = (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+DATA_FAILURES = (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidArgument,
                   ort.capi.onnxruntime_pybind11_state.RuntimeException)
 
 
-def _refusal(text: str) -> str:
+def refusal(text: str) -> str:
     """onnxruntime's error, short: the node and its message, without the source location
     and the failed assertion."""
     first = (text.splitlines() or ["onnxruntime error"])[0].split(" : ", 3)[-1]  # past "[ONNXRuntimeError] : 1 : FAIL : "
@@ -94,7 +94,7 @@ def run_on_data(session: ort.InferenceSession, names: list[str], feed: Mapping[s
     onnxq added, `__onnxq`/`onnxq_` in its name, is raised as it is: a bug, not the data)."""
     try:
         return session.run(names, feed)
-    except _DATA_FAILURES as exc:
+    except DATA_FAILURES as exc:
         text = str(exc).strip()
         if "onnxq_" in text:
             raise
@@ -103,7 +103,7 @@ def run_on_data(session: ort.InferenceSession, names: list[str], feed: Mapping[s
             raise OnnxqError(f"onnxruntime ran out of memory on a {kind} batch ({shapes}); lower --batch-size "
                              "(calibration.batch_size) or bound the exposed tensors with --max-calib-memory") from None
         raise CalibrationDataError(
-            f"the model cannot run on this {kind} data ({shapes}): {_refusal(text)}; check that every input of a sample "
+            f"the model cannot run on this {kind} data ({shapes}): {refusal(text)}; check that every input of a sample "
             "has the others' length and values the model takes (token ids within its vocabulary)") from None
 
 

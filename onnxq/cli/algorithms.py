@@ -28,6 +28,10 @@ def algorithm_entries(args: argparse.Namespace) -> list[dict[str, Any]]:
     """`algo_config` entries of the algorithm flags given, `--algorithm` before those that
     run last and `--algo-option` merged in; empty when none is given."""
     algorithms = [name for name in flagged_algorithms(run_order=True) if getattr(args, name)]
+    rounding = [name for name in algorithms if CONTRACTS[name].rounds_blocks]
+    if len(rounding) > 1:  # the flags are short for --algorithm, which takes one
+        raise OnnxqError(f"--{rounding[0]} and --{rounding[1]} both pick the weight-only algorithm; give one "
+                         "(--algorithm NAME)")
     if args.algorithm is not None:
         others = [name for name in algorithms if CONTRACTS[name].rounds_blocks]
         if others:

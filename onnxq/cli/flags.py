@@ -125,6 +125,8 @@ def _given(args: argparse.Namespace) -> list[tuple[str, str, tuple[str, ...], An
         value = getattr(args, flag, None)
         if value is not None and not isinstance(value, list | tuple | bool):
             given.append((_option(flag), path[-1], _where(path), value))
+    if getattr(args, "dynamic", False):  # a switch: its field reads "is_dynamic True" in an error
+        given.append(("--dynamic", "is_dynamic", _where(("act", "is_dynamic")), True))
     return given
 
 
@@ -153,7 +155,10 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
         if sum(f == field and str(v) == str(value) for _, f, v in candidates) > 1:
             continue  # two flags gave this field this value: which one is meant cannot be told
         shown = "|".join(re.escape(v) for v in (repr(value), str(value)))
-        new = re.sub(rf"(?<![\w.-]){re.escape(field)} (?=(?:{shown})(?![\w.]))", flag + " ", problem)
+        if value is True:  # a switch stands alone: "is_dynamic True" reads "--dynamic"
+            new = re.sub(rf"(?<![\w.-]){re.escape(field)} True(?![\w.])", flag, problem)
+        else:
+            new = re.sub(rf"(?<![\w.-]){re.escape(field)} (?=(?:{shown})(?![\w.]))", flag + " ", problem)
         if new != problem:
             problem = new
             renamed.append((flag, field))

@@ -193,8 +193,8 @@ def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSourc
         return asked, None
     if model_bytes <= CHECK_AUTO_BYTES:
         return CHECK_SAMPLES, None
-    return 0, (f"output check skipped: a {model_bytes / 1e6:.0f} MB model would be opened again in float to "
-               f"check against; --check-samples {CHECK_SAMPLES} (calibration.check_samples) runs it")
+    return 0, (f"output check skipped: the float model ({model_bytes / 1e6:.0f} MB of weights in memory) would be "
+               f"opened again to check against; --check-samples {CHECK_SAMPLES} (calibration.check_samples) runs it")
 
 
 def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs: list[InputSpec],

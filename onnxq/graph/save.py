@@ -23,6 +23,9 @@ def check_output_path(output: str | os.PathLike, source: str | os.PathLike | Non
     """Refuse to overwrite the input model, and an output that cannot be written (before
     the work, not after it)."""
     out = Path(output)
+    if str(output).endswith(("/", os.sep)) and not out.is_dir():  # Path drops the slash: it would be a file
+        raise OnnxqError(f"output {output} ends in a separator, as a folder does, but the input is a model file; give "
+                         f"a file name such as {out / 'model.int8.onnx'}, or pass a model folder to get a folder out")
     try:
         _check_writable(out, source)
     except OSError as exc:  # a name too long, a special file system
@@ -36,7 +39,11 @@ def _check_writable(out: Path, source: str | os.PathLike | None) -> None:
         if out.resolve() == src.resolve() or (out.exists() and src.exists() and out.samefile(src)):
             raise OnnxqError(f"output {out} is the input model; choose another output path")
     if out.is_dir():
-        raise OnnxqError(f"output {out} is a directory; give a file name such as {out / 'model.int8.onnx'}")
+        name = "model.int8.onnx"
+        if source is not None and (Path(source).parent / "genai_config.json").is_file():  # a genai folder's model
+            raise OnnxqError(f"output {out} is a directory; to get an onnxruntime-genai folder out, pass the model's "
+                             f"folder {Path(source).parent} as the input, else give a file name such as {out / name}")
+        raise OnnxqError(f"output {out} is a directory; give a file name such as {out / name}")
     parent = next((p for p in out.parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise OnnxqError(f"cannot write {out}: {parent} is a file, not a directory; choose another output path")

@@ -282,7 +282,7 @@ def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
             effective[node.name] = (dequantize_blockwise(result) / s[:, None]).astype(w.dtype)
         return [effective.get(node.name) for node, _ in group]
 
-    _, total = walk_groups(model, plan, ctx, "awq", scale_group, options.true_sequential, options.cache_budget_mb)
+    _, total, _ = walk_groups(model, plan, ctx, "awq", scale_group, options.true_sequential, options.cache_budget_mb)
     if not total:
         return NO_LAYERS
     model.graph.sort()

@@ -17,7 +17,7 @@ import onnx_ir as ir
 from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
-from onnxq.optimize.context import PassContext
+from onnxq.optimize.context import PassContext, PassResult
 from onnxq.optimize.registry import register_pass
 
 FOLDABLE = {"Conv", "ConvTranspose", "Gemm"}
@@ -78,7 +78,7 @@ def _fold(graph: ir.Graph, node: ir.Node, bn: ir.Node) -> bool:
 
 
 @register_pass("fold_batchnorm", options=FoldBatchNormConfig, rewrites=("weights", "biases", "graph"))
-def fold_batchnorm(model: ir.Model, opts: FoldBatchNormConfig, ctx: PassContext) -> str:
+def fold_batchnorm(model: ir.Model, opts: FoldBatchNormConfig, ctx: PassContext) -> str | PassResult:
     """Fold every BN that alone consumes a Conv/ConvTranspose/Gemm output.
 
     Options: `FoldBatchNormConfig` (a misspelled option is an error naming the nearest).
@@ -101,7 +101,7 @@ def fold_batchnorm(model: ir.Model, opts: FoldBatchNormConfig, ctx: PassContext)
             folded += 1
         else:
             kept.append(bn.name)
-    if not folded and not kept:
-        return "no BatchNormalization"
+    if not folded and not kept:  # a default pass with nothing to do says nothing (it ran on every model)
+        return PassResult(None)
     note = f"{folded} BatchNormalization folded"
     return note + (f", {len(kept)} kept (no foldable producer): {', '.join(kept[:5])}" if kept else "")

@@ -112,6 +112,9 @@ def source_size(source: Any, model: ir.Model) -> int:
     return weight_bytes(model)
 
 
+WINDOWS_NOTE = "token windows"  # the source of the note describing a decoder's calibration windows
+
+
 @dataclass(frozen=True)
 class Prepared:
     """The model after load and the pre-quantization passes, with its plan: what
@@ -153,8 +156,11 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
     if isinstance(data, DecoderFeeds):
         steps = (f"a prefill and {data.decode_steps} decode steps with the KV cache the float model computes"
                  if data.decode_steps else "a prefill (weight-only: decode steps would add time, not accuracy)")
-        summary.notes.append(Note(Topic.CALIBRATION, f"calibration data: {len(data.windows)} token windows of "
-                                  f"{data.windows.shape[1]} tokens, each {steps}"))
+        given, cap = len(data.windows), config.calibration.max_samples
+        used = given if cap is None else min(given, -(-cap // (data.decode_steps + 1)))  # a feed is a sample
+        count = f"{used} of {given} token windows (max_samples {cap})" if used < given else f"{given} token windows"
+        summary.notes.append(Note(Topic.CALIBRATION, f"calibration data: {count} of {data.windows.shape[1]} tokens, "
+                                  f"each {steps}", source=WINDOWS_NOTE))
     summary.size_before = source_size(source, model)
     check_runnable(model, loaded.source)
     if kept:

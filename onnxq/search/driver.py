@@ -56,14 +56,15 @@ from onnxq.search.target import (
 SENSITIVITY_SAMPLES = 64
 
 
-def _eval_set(mp: MixedPrecisionConfig, calibration_data: Any, custom: bool) -> tuple[EvalSet, list[str]]:
+def _eval_set(mp: MixedPrecisionConfig, calibration_data: Any, custom: bool, model: Any,
+              providers: list[str]) -> tuple[EvalSet, list[str]]:
     """The evaluation data with its labels split off; the calibration data if none is given."""
     if mp.eval_data is None:
         what = "ranked" if custom else "ranked and scored"
         note = (f"no eval_data given: layers were {what} on the calibration data "
                 "(pass --eval-data for a held-out set)")
-        return load_eval_set(calibration_data, mp.labels, mp.max_samples), [note]
-    return load_eval_set(mp.eval_data, mp.labels, mp.max_samples), []
+        return load_eval_set(calibration_data, mp.labels, mp.max_samples, model, providers), [note]
+    return load_eval_set(mp.eval_data, mp.labels, mp.max_samples, model, providers), []
 
 
 def promotion_order(layers: list[Any], plan: Any) -> list[tuple[str, float]]:
@@ -160,7 +161,8 @@ def quantize_to_target(
                                    f"{type(calibration_data).__name__} data can be read only once; "
                                    f"{FIXES[access]}")
     base_config = search_base_config(config)
-    evalset, said = _eval_set(mp, calibration_data, evaluate is not None and target.metric in (None, "custom"))
+    evalset, said = _eval_set(mp, calibration_data, evaluate is not None and target.metric in (None, "custom"),
+                              model, config.calibration.providers)
     providers = config.calibration.providers
 
     base = run_pipeline(model, None, base_config, calibration_data, progress, keep_state=True)

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from onnxq.calibrate.data import iter_batches
+from onnxq.calibrate.data import CalibrationSource, iter_batches
+from onnxq.calibrate.decoder import decoder_feeds
 from onnxq.calibrate.session import run_on_data
 from onnxq.config.accuracy import AccuracyTarget, parse_target  # noqa: F401 (parse_target: its old home, for importers)
 from onnxq.config.spec import DEFAULT_LABELS
@@ -54,9 +55,11 @@ class EvalSet:
                                 else session.run([name], feed))[0] for feed in self.batches(session)])
 
 
-def load_eval_set(source: Any, labels_key: str, max_samples: int | None = None) -> EvalSet:
+def load_eval_set(source: Any, labels_key: str, max_samples: int | None = None, model: Any = None,
+                  providers: list[str] | None = None) -> EvalSet:
     """An evaluation set from a path or arrays: the `labels_key` array (when there is one)
-    split off the model inputs."""
+    split off the model inputs. Token windows for a KV-cache decoder at path `model` become
+    its full feeds, one prefill of each window (`calibrate/decoder.py`)."""
     labels = None
     if isinstance(source, str | os.PathLike) and Path(source).suffix == ".npz":
         if not Path(source).is_file():
@@ -71,7 +74,9 @@ def load_eval_set(source: Any, labels_key: str, max_samples: int | None = None) 
         raise CalibrationDataError(f"labels {labels_key!r} not in the evaluation data, whose arrays are "
                                    f"{', '.join(sorted(source))}" + (f"; did you mean {hint!r}?" if hint else
                                                                       "; give --labels the labels array's name"))
-    return EvalSet(source, labels, max_samples)
+    feeds = decoder_feeds(model, source, providers, decode_steps=0)
+    # a reader is rewound between reads only by the one source that counts them
+    return EvalSet(source if feeds is source else CalibrationSource(feeds), labels, max_samples)
 
 
 def _top1(out: np.ndarray, labels: np.ndarray) -> float:

@@ -92,7 +92,7 @@ def cpu_isa() -> str:
 
 def _explain(saturating: frozenset[tuple[str, str]], wrong: frozenset[str] = WRONG_DEFAULT) -> str:
     if not saturating:
-        return "int8 kernels accumulate exactly: 8-bit weights everywhere"
+        return "int8 kernels accumulate exactly: int8 weights use all 8 bits (no reduced range)"
     kinds = sorted({k for _, k in saturating})
     per_tensor = "" if "u8u8_gemm" in wrong else "; per-tensor weights of uint8 inputs uint8 instead, U8U8 being exact"
     return ("int8 " + "/".join(kinds) + " kernels saturate u8 x s8 pairs in int16: "

@@ -32,7 +32,9 @@ def can_use_matmul_nbits(node: ir.Node, spec: ResolvedSpec) -> str | None:
     if spec.dtype not in BITS:
         return f"weight dtype {spec.dtype} not supported by MatMulNBits (int4/uint4/int8/uint8)"
     block = spec.group_size
-    if block is None or block < 16 or block & (block - 1):
+    if block is None:
+        return f"the weights are {spec.qscheme.replace('_', '-')}, not in blocks (MatMulNBits takes per-group ones)"
+    if block < 16 or block & (block - 1):
         return f"group_size {block} is not a power of two >= 16, as MatMulNBits' block_size must be"
     w = constant_array(node.inputs[1] if len(node.inputs) > 1 else None)
     if w is None:
