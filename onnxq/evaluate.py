@@ -23,11 +23,12 @@ import onnxruntime as ort
 from tqdm import tqdm
 
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
-from onnxq.calibrate.decoder import PRESENT, decoder_feeds, is_decoder
+from onnxq.calibrate.decoder import LOGITS, PRESENT, DecoderFeeds, decoder_feeds, is_decoder
 from onnxq.calibrate.session import check_providers, open_session, run_on_data
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
 from onnxq.graph.quantized import describe, quantized_ops
 from onnxq.graph.wire import read_structure
+from onnxq.perplexity import NextToken, scores_tokens
 from onnxq.runtime import DOMAIN, session_options
 
 KERNELS = ("deployed", "reference", "both")
@@ -56,6 +57,8 @@ class Comparison:
     reference: Comparison | None = None
     ignored: list[str] = field(default_factory=list)  # data arrays that are no model input
     float_quantized: str | None = None  # the quantized ops of a "float" model (arguments swapped?)
+    # An LLM decoder on token windows: next-token perplexity of float and quantized, and agreement
+    next_token: tuple[NextToken, NextToken] | None = None
 
     def kernel_gap(self) -> str | None:
         """A warning when this CPU's int8 kernels lose much more than the QDQ arithmetic."""
@@ -239,6 +242,8 @@ def compare_models(
     _check_interface(ref, next(iter(sessions.values())))
     outputs: dict[str, dict[str, list[np.ndarray]]] = {k: {n: [] for n in names} for k in ("float", *sessions)}
     source = CalibrationSource(data)
+    tokens: dict[str, NextToken] | None = {k: NextToken() for k in ("float", *sessions)} \
+        if isinstance(data, DecoderFeeds) and LOGITS in names else None
     for feed in _progress(iter_batches(source, session_inputs(ref), batch_size, max_samples, kind="evaluation"), progress):
         for kind, session in (("float", ref), *sessions.items()):
             run = run_on_data(session, names, feed, "evaluation") if kind == "float" else session.run(names, feed)
@@ -246,12 +251,18 @@ def compare_models(
                 outputs[kind][n].append(y)
         for n in names:
             check_same_shape(n, outputs["float"][n][-1], [outputs[k][n][-1] for k in sessions])
+        ids = feed.get(data.inputs.ids) if tokens is not None else None
+        if ids is not None and scores_tokens(outputs["float"][LOGITS][-1].shape, ids.shape):
+            for kind, counter in tokens.items():
+                counter.add(outputs[kind][LOGITS][-1], ids, None if kind == "float" else outputs["float"][LOGITS][-1])
     arrays = {k: {n: np.concatenate(v) for n, v in per.items()} for k, per in outputs.items()}
     results = {k: _metrics(arrays["float"], arrays[k], labels, k) for k in sessions}
     result = results.get("deployed") or results["reference"]
     result.reference = results.get("reference") if "deployed" in results else None
     result.ignored = sorted(source.ignored)
     result.float_quantized = _quantized_ops(float_proto)
+    if tokens is not None and tokens["float"].tokens:
+        result.next_token = (tokens["float"], tokens["deployed" if "deployed" in tokens else "reference"])
     return result
 
 
@@ -332,6 +343,11 @@ def format_comparison(c: Comparison) -> str:
             else "reference kernels (no fused int8 kernels: not what a default session runs)")
     lines = [f"compared on {c.samples} samples, quantized model in a {what}"]
     lines += _format_figures(c, "")
+    if c.next_token is not None:
+        base, quant = c.next_token
+        lines.append(f"  next-token perplexity on {base.tokens} tokens: float {base.perplexity():.3f}, quantized "
+                     f"{quant.perplexity():.3f} ({quant.perplexity() / base.perplexity() - 1:+.1%}); most likely "
+                     f"next token as float's: {quant.agreement():.1%}")
     if c.ignored:
         lines.append(f"  note: left out {', '.join(c.ignored)} from the data (no model input; --labels KEY "
                      "scores top-1 accuracy against one)")

@@ -133,7 +133,12 @@ def test_token_windows_evaluate_as_they_calibrate(folder, windows, tmp_path, cap
     assert (tmp_path / "r.html").stat().st_size > 1000
     assert main(["compare", str(folder), str(out), "--data", str(windows)]) == 0
     shown = capsys.readouterr().out
-    assert "logits: SQNR" in shown and "present." not in shown
+    assert "logits: SQNR" in shown and "present." not in shown and "next-token perplexity on 90 tokens" in shown
+    from onnxq.evaluate import compare_models
+
+    same = compare_models(str(folder / "model.onnx"), str(folder / "model.onnx"), str(windows))
+    base, quant = same.next_token  # the float model against itself: the same perplexity, every token agreed
+    assert base.tokens == 6 * 15 and quant.perplexity() == base.perplexity() > 1 and quant.agreement() == 1.0
     target = onnxq.quantize(str(folder), None, {"preset": "W4_GROUP128", "layer_type_quant_config": {
         "MatMul": {"weight": {"group_size": 32}}}, "mixed_precision": {"target": "sqnr>=0"}}, str(windows),
         progress=False)

@@ -30,6 +30,7 @@ from onnxq.graph.wire import read_structure
 
 PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 PRESENT = re.compile(r"^present[._]")  # the cache outputs (present.N.key, present_key_values.N...)
+LOGITS = "logits"  # the scores of the next token, as onnxruntime-genai names that output
 # Decode steps observed after each prefill, where activations are calibrated: their ranges
 # are the deployed ones. A weight-only recipe observes prefills alone: its algorithms' input
 # statistics (GPTQ's Hessians) gain nothing from the few decode rows, and each step is one

@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.graph.fold import constant_array
-from onnxq.numerics.qmath import compute_qparams
+from onnxq.numerics.qmath import compute_qparams, int_type
 from onnxq.numerics.weights import QuantizedTensor, bias_safe_weight_scale, quantize_weight
 from onnxq.plan import Kind, QuantPlan, TensorPlan
 
@@ -60,13 +60,15 @@ def emitted_weight(
 
     When the weight's int32 bias would overflow, its scale is raised just enough, per
     channel. A per-tensor scale is raised at most 2x (further would coarsen every
-    channel); past that the bias stays float instead. So does it where a channel would be
-    raised past 2x both its own scale and the layer's median one: a near-zero channel
-    (a scale far below the others') may rise to the others' step at little cost, but a
-    channel made coarser than the rest loses its weights. That is an input scale too fine
-    for an int32 bias (32-bit activations: conv1 of the digits example fell from 47.5 to
-    14.6 dB of weight SQNR; the classifier, half of whose channels were raised, took the
-    model's output from 44.7 to 23.9 dB).
+    channel); past that the bias stays float instead. So does it where most channels would
+    be raised past 2x: not a few near-zero channels but an input scale too fine for an
+    int32 bias (32-bit activations: conv1 of the digits example fell from 47.5 to 14.6 dB
+    of weight SQNR). Inputs wider than 16 bits keep it float where any channel would be:
+    the raised scale |b| / (2^31 s_in), with s_in = range / 2^bits, adds about
+    |b| * sqrt(K / 12) * 2^(bits - 32) of output error over K inputs: against the bias
+    itself nothing at 8 or 16 bits, and more than it at 32 (the digits
+    classifier, some of whose channels were raised, took the model's output from
+    16-bit's 44.7 dB to 23.9).
     """
     array = constant_of(tensor.name)
     qt = unfloored or quantize_weight(array, tensor.spec, tensor.axis, 0.0, tensor.block_size)
@@ -78,14 +80,28 @@ def emitted_weight(
         bias_values = constant_of(bias.source or bias.name)
     floor = bias_safe_weight_scale(bias_values, float(s_in), channels, bias.spec)
     short = floor > np.asarray(qt.scale, dtype=np.float64) * (1 + SCALE_TOLERANCE)
-    stored = np.asarray(qt.scale, dtype=np.float64)
-    coarse = floor > 2 * np.maximum(stored, np.median(stored))
-    if not np.any(short) or np.any(coarse):
+    coarse = floor > 2 * np.asarray(qt.scale, dtype=np.float64)
+    wide = _input_bits(plan, bias) > WIDEST_BIAS_INPUT_BITS
+    if not np.any(short) or ((tensor.axis is None or wide) and np.any(coarse)) or np.mean(coarse) > 0.5:
         return qt
     floored = quantize_weight(array, tensor.spec, tensor.axis, floor, tensor.block_size)
     if tensor.axis is None or qt.axis is None:
         return floored
     return _merge_channels(qt, floored, short)
+
+
+# Input widths up to which raising a weight channel for its int32 bias costs nothing
+# against the bias (`emitted_weight`).
+WIDEST_BIAS_INPUT_BITS = 16
+
+
+def _input_bits(plan: QuantPlan, bias: TensorPlan) -> int:
+    """Bits of the integer grid the biased node reads (8 where it is not an integer one)."""
+    spec = bias_input_spec(plan, bias) or plan.tensors[bias.bias_inputs[0]].spec
+    try:
+        return int_type(spec.dtype, spec.bits).bits
+    except KeyError:  # a float grid
+        return 8
 
 
 # Relative slack of the bias floor over a stored scale: a scale floored in float64 and
