@@ -182,3 +182,8 @@ def test_the_model_file_of_a_folder_and_flag_words(folder, tmp_path, capsys):
     flat = onnxq.quantize(str(folder), None, {"preset": "W4_GROUP128", "global_quant_config": {
         "weight": {"qscheme": "per_tensor"}}}, progress=False)
     assert "the weights are per-tensor, not in blocks" in " ".join(flat.summary.note_texts)
+    assert main(["inspect", str(folder), "--preset", "W4_GROUP128"]) == 0
+    printed = capsys.readouterr().out
+    cache = [line for line in printed.splitlines() if "past_key_values." in line or "present." in line]
+    assert len(cache) == 2 and "4 KV-cache inputs" in cache[0]  # one line each way, not one per layer
+    assert "tied: " in printed and "one copy, blocks of 32" in printed

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
+from onnxq.calibrate.decoder import PAST, PRESENT
 from onnxq.cli.arguments import check_model_files
 from onnxq.config.compose import compose_config
 from onnxq.config.defaults import default_preset
@@ -79,9 +80,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"opset: {report.original_opset}" + (f" (normalised to {report.opset})" if report.opset != report.original_opset else ""))
     for label, values in (("inputs", graph.inputs), ("outputs", graph.outputs)):
         print(f"{label}:")
+        cache = [v for v in values if PAST.match(v.name) or PRESENT.match(v.name)]
         for v in values:
-            dims = "?" if v.shape is None else "[" + ",".join(str(d) for d in v.shape) + "]"
-            print(f"  {v.name}: {v.dtype.name if v.dtype else '?'} {dims}")
+            if v not in cache:
+                print(f"  {v.name}: {_typed(v)}")
+        if cache:  # an LLM's KV cache: one line, not one per layer and kind
+            print(f"  {cache[0].name} ... {cache[-1].name}: {len(cache)} KV-cache {label}, {_typed(cache[0])}")
     ops = Counter(n.op_type for n in graph)
     print(f"nodes: {sum(ops.values())} (" + ", ".join(f"{op} {n}" for op, n in ops.most_common()) + ")")
     already = quantized_ops(model)
@@ -105,8 +109,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     target = resolve_target(config)
     print(target.describe())
     plan = plan_quantization(model, config, passes.keep_float, target)
+    node_ops = {n.name: n.op_type for n in graph}
     quantized = Counter(plan.integer_nodes().values())
     print(f"would quantize: {sum(quantized.values())} nodes (" + ", ".join(f"{op} {n}" for op, n in sorted(quantized.items())) + ")")
+    lowered = Counter((node_ops.get(n, "?"), low.strategy, _spec_text(low.spec)) for n, low in plan.lowered.items())
+    for (op, strategy, spec), n in sorted(lowered.items()):
+        print(f"  {op} x{n}: {strategy} ({spec})")
+    for gather, tie in sorted(plan.tied.items()):
+        print(f"  tied: {gather} and {tie.head}: " + (f"one copy, blocks of {tie.block_size}"
+                                                     if tie.block_size else "two copies") +
+              (f" ({tie.reason})" if tie.reason else ""))
     weights = Counter(plan.float_weight_nodes().values())
     for (op, why), n in sorted(weights.items()):
         print(f"  float weight, quantized activations: {op} x{n}: {why}")
@@ -118,6 +130,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.nodes:
         _print_nodes(graph, plan)
     return 0
+
+
+def _typed(value) -> str:
+    dims = "?" if value.shape is None else "[" + ",".join(str(d) for d in value.shape) + "]"
+    return f"{value.dtype.name if value.dtype else '?'} {dims}"
+
+
+def _spec_text(spec) -> str:
+    """A lowering's weight type and blocks, as the summary would name them."""
+    if not hasattr(spec, "dtype"):  # a bare type (a float-type lowering)
+        return str(getattr(spec, "value", spec))
+    dtype = getattr(spec.dtype, "value", spec.dtype)
+    return f"{dtype}" + (f", blocks of {spec.group_size}" if spec.group_size else "")
 
 
 def _print_nodes(graph, plan) -> None:
