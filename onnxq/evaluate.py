@@ -23,7 +23,7 @@ import onnxruntime as ort
 from tqdm import tqdm
 
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
-from onnxq.calibrate.decoder import LOGITS, PRESENT, DecoderFeeds, decoder_feeds, is_decoder
+from onnxq.calibrate.decoder import LOGITS, DecoderFeeds, decoder_feeds, is_decoder, result_outputs
 from onnxq.calibrate.session import check_providers, open_session, run_on_data
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
 from onnxq.graph.quantized import describe, quantized_ops
@@ -204,6 +204,29 @@ def _metrics(
     return result
 
 
+@dataclass
+class StreamedOutput:
+    """SQNR and cosine of one output summed batch by batch, as `sqnr_db` and `cosine`
+    compute them on the whole arrays (an LLM's logits are too many to hold)."""
+
+    noise: float = 0.0
+    signal: float = 0.0
+    dot: float = 0.0
+    tested: float = 0.0
+
+    def add(self, ref: np.ndarray, test: np.ndarray) -> None:
+        r, t = ref.astype(np.float64), test.astype(np.float64)
+        self.noise += float(np.sum((r - t) ** 2))
+        self.signal += float(np.sum(r * r))
+        self.dot += float(np.sum(r * t))
+        self.tested += float(np.sum(t * t))
+
+    def metrics(self, name: str) -> OutputMetrics:
+        sqnr = float("inf") if self.noise == 0 else 10.0 * np.log10(max(self.signal, 1e-30) / self.noise)
+        denom = np.sqrt(self.signal * self.tested)
+        return OutputMetrics(name, float(sqnr), float(self.dot / denom) if denom else 1.0)
+
+
 def _progress(batches: Iterable[dict[str, np.ndarray]], enabled: bool | None) -> Iterable[dict[str, np.ndarray]]:
     if enabled is False:
         return batches
@@ -236,27 +259,43 @@ def compare_models(
     sessions = {k: deployed_session(quant_model, providers, reference=k == "reference", extended=extended)
                 for k, on in runs.items() if on}
     names = [o.name for o in ref.get_outputs()]
-    if is_decoder(i.name for i in ref.get_inputs()):  # the KV cache is state handed on, not a result
-        names = [n for n in names if not PRESENT.match(n)]
+    names = result_outputs(names, [i.name for i in ref.get_inputs()])
+    if is_decoder(i.name for i in ref.get_inputs()):
         data = decoder_feeds(float_model, data, providers, decode_steps=0)  # token windows: full feeds
     _check_interface(ref, next(iter(sessions.values())))
     outputs: dict[str, dict[str, list[np.ndarray]]] = {k: {n: [] for n in names} for k in ("float", *sessions)}
     source = CalibrationSource(data)
-    tokens: dict[str, NextToken] | None = {k: NextToken() for k in ("float", *sessions)} \
-        if isinstance(data, DecoderFeeds) and LOGITS in names else None
+    # An LLM on token windows: next-token perplexity, and the outputs' figures summed batch by
+    # batch (a window's logits are T x vocabulary floats: SmolLM2's 256 x 49152 are 50 MB)
+    streamed = isinstance(data, DecoderFeeds) and LOGITS in names
+    tokens = {k: NextToken() for k in ("float", *sessions)} if streamed else None
+    sums = {k: {n: StreamedOutput() for n in names} for k in sessions}
+    samples = 0
     for feed in _progress(iter_batches(source, session_inputs(ref), batch_size, max_samples, kind="evaluation"), progress):
+        got = {}
         for kind, session in (("float", ref), *sessions.items()):
             run = run_on_data(session, names, feed, "evaluation") if kind == "float" else session.run(names, feed)
-            for n, y in zip(names, run):
-                outputs[kind][n].append(y)
+            got[kind] = dict(zip(names, run))
         for n in names:
-            check_same_shape(n, outputs["float"][n][-1], [outputs[k][n][-1] for k in sessions])
-        ids = feed.get(data.inputs.ids) if tokens is not None else None
-        if ids is not None and scores_tokens(outputs["float"][LOGITS][-1].shape, ids.shape):
+            check_same_shape(n, got["float"][n], [got[k][n] for k in sessions])
+        samples += len(got["float"][names[0]])
+        if not streamed:
+            for kind, values in got.items():
+                for n, y in values.items():
+                    outputs[kind][n].append(y)
+            continue
+        for kind in sessions:
+            for n in names:
+                sums[kind][n].add(got["float"][n], got[kind][n])
+        ids = feed[data.inputs.ids]
+        if scores_tokens(got["float"][LOGITS].shape, ids.shape):
             for kind, counter in tokens.items():
-                counter.add(outputs[kind][LOGITS][-1], ids, None if kind == "float" else outputs["float"][LOGITS][-1])
-    arrays = {k: {n: np.concatenate(v) for n, v in per.items()} for k, per in outputs.items()}
-    results = {k: _metrics(arrays["float"], arrays[k], labels, k) for k in sessions}
+                counter.add(got[kind][LOGITS], ids, None if kind == "float" else got["float"][LOGITS])
+    if streamed:
+        results = {k: Comparison(samples, [sums[k][n].metrics(n) for n in names], kernels=k) for k in sessions}
+    else:
+        arrays = {k: {n: np.concatenate(v) for n, v in per.items()} for k, per in outputs.items()}
+        results = {k: _metrics(arrays["float"], arrays[k], labels, k) for k in sessions}
     result = results.get("deployed") or results["reference"]
     result.reference = results.get("reference") if "deployed" in results else None
     result.ignored = sorted(source.ignored)

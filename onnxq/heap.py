@@ -6,27 +6,43 @@ allocates enough (onnx-ir nodes and values, protobuf fields, summaries) to set o
 several. After `import onnxq` about 82,000 objects are alive (onnx, onnxruntime, numpy,
 onnx-ir; `gc.get_objects()`), none of which a run frees. `gc.freeze()` moves them to a
 permanent generation the collector neither walks nor frees; `gc.unfreeze()` hands them
-back when the run ends. Nothing the run drops is kept longer: the frozen objects were alive
-before it began. Measured on ResNet-20, default int8, the first call in a process (what
-the CLI does): about 0.32 s -> 0.28 s, five runs each (2-core AMD EPYC, Python 3.11).
+back when the run ends. Cycles already unreachable when it starts (an earlier run's
+graphs, not yet collected) wait for the run's end too. Measured on ResNet-20, default
+int8, the first call in a process (what the CLI does): about 0.34 s -> 0.28 s, five runs
+each (2-core AMD EPYC, Python 3.11).
+
+Runs in several threads share one freeze: the first to start takes it, the last to end
+gives it back. A freeze the caller made itself (a pre-fork server's) is left as it is; one
+another thread makes while a run is under way is undone with the run's at its end.
 """
 
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+_lock = threading.Lock()
+_runs = 0  # runs under way
+_frozen = False  # whether the first of them froze
 
 
 @contextmanager
 def settled_heap() -> Iterator[None]:
-    """Freeze what is alive for the length of the block. A caller that froze objects
-    itself (a pre-fork server), or an outer run, keeps its freeze: nothing is done then."""
-    if gc.get_freeze_count() or not gc.isenabled():
-        yield
-        return
-    gc.freeze()
+    """Freeze what is alive for the length of the block (module doc)."""
+    global _runs, _frozen
+    with _lock:
+        if _runs == 0:
+            _frozen = gc.isenabled() and not gc.get_freeze_count()
+            if _frozen:
+                gc.freeze()
+        _runs += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        with _lock:
+            _runs -= 1
+            if _runs == 0 and _frozen:
+                gc.unfreeze()
+                _frozen = False

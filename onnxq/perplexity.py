@@ -37,7 +37,11 @@ class NextToken:
                 self.agreeing += int(np.sum(scores[:-1].argmax(1) == reference[row, :-1].argmax(1)))
 
     def perplexity(self) -> float:
-        return math.exp(self.nll / self.tokens) if self.tokens else math.nan
+        """inf past float64's range (a mean loss over 709: a broken model, which must still print)."""
+        if not self.tokens:
+            return math.nan
+        mean = self.nll / self.tokens
+        return math.exp(mean) if mean < 709 else math.inf
 
     def agreement(self) -> float:
         return self.agreeing / self.tokens if self.tokens else math.nan

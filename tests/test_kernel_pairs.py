@@ -114,3 +114,14 @@ def test_the_int16_rung_leaves_a_float_input_matmul_as_it_is():
     dq = producers[aa.input[0]]
     zero_point = next(i for i in raised.graph.initializer if i.name == dq.input[2])
     assert zero_point.data_type in (TensorProto.UINT16, TensorProto.INT16)  # the rung raised mm_aa
+
+
+def test_the_search_counts_only_the_layers_a_rung_raises():
+    """An int16-only ladder over a model whose weighted MatMuls read float inputs: the rung
+    raises only the activation x activation MatMul, and the summary counts that one."""
+    config = {**PER_GROUP, "mixed_precision": {"target": "sqnr>=200", "ladder": ["int16"]}}
+    result = onnxq.quantize(weighted_and_activation_matmuls(), None, config, calib(), progress=False)
+    mp = result.summary.mixed_precision
+    assert mp.ranked_layers >= 3 and mp.trials  # mm1, mm2 and mm_aa ranked; the int16 rung tried
+    assert {t["promoted"] for t in mp.trials} <= {0, 1}  # of them only mm_aa is raised by int16
+    assert not any(p.node in ("mm1", "mm2") for p in mp.promotions)

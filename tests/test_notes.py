@@ -31,6 +31,9 @@ def test_each_stage_writes_notes_of_its_topic():
     # The default BatchNorm fold finds none and says nothing; the target's bias correction
     # reports as an algorithm.
     assert of(notes, Topic.PASS) == []
+    asked = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), None, {"preset": "U8S8", "pre_quant_opt_config": [
+        {"name": "fold_batchnorm"}]}, str(MODELS / "digits_calib.npz"), progress=False)
+    assert [n.text for n in of(asked.summary.notes, Topic.PASS)] == ["fold_batchnorm: no BatchNormalization"]
     assert [n.source for n in of(notes, Topic.TARGET)] == ["bias_correction"]
     (corrected,) = of(notes, Topic.ALGORITHM, "bias_correction")
     assert "biases corrected" in corrected.text

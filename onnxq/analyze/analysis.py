@@ -33,7 +33,7 @@ from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
 from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
 from onnxq.analyze.rescaled import rescaled_layers
 from onnxq.calibrate.data import iter_batches
-from onnxq.calibrate.decoder import decoder_feeds
+from onnxq.calibrate.decoder import decoder_feeds, result_outputs
 from onnxq.calibrate.session import check_providers, exposed_session, run_on_data
 from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
 from onnxq.graph.edit import values_by_name
@@ -160,7 +160,8 @@ def analyze_models(
     quantized = [] if layers_only else quantized_activations(quant)
     activations = [a for a in quantized if a.name in float_values]
     found = layers(quant)
-    graph_outputs = [] if layers_only else [v.name for v in reference.graph.outputs]
+    graph_outputs = [] if layers_only else result_outputs((v.name for v in reference.graph.outputs),
+                                                          (v.name for v in reference.graph.inputs))
     isolated, skipped = add_isolated_layers(reference, quant, found)
     notes = []
     if skipped:

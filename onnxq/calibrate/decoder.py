@@ -40,6 +40,13 @@ DECODE_STEPS = 4
 NUMPY = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
 
 
+def result_outputs(output_names: Iterable[str], input_names: Iterable[str]) -> list[str]:
+    """The outputs that are results (compare and analyze measure them): a KV-cache
+    decoder's `present.*` are the cache handed on to the next step, not a result."""
+    names = list(output_names)
+    return [n for n in names if not PRESENT.match(n)] if is_decoder(input_names) else names
+
+
 def is_decoder(input_names: Iterable[str]) -> bool:
     """Whether a graph with these inputs is a decoder with a KV cache: token ids and
     `past_key_values.*` (an LLM as deployed, one decode step at a time)."""

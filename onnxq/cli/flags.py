@@ -69,13 +69,16 @@ def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+DYNAMIC_PATH = ("act", "is_dynamic")  # what --dynamic sets
+
+
 def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
     """(config path, value) of every flag given, including the derived ones."""
     values = [(path, getattr(args, flag)) for flag, path in FLAG_PATHS if getattr(args, flag) is not None]
     if args.calib_option:
         values.append((("act", "calib_options"), key_values(args.calib_option)))
     if args.dynamic:
-        values.append((("act", "is_dynamic"), True))
+        values.append((DYNAMIC_PATH, True))
     for flag, scheme in (("per_tensor", "per_tensor"), ("per_channel", "per_channel")):
         if getattr(args, flag):
             values.append((("weight", "qscheme"), scheme))
@@ -126,7 +129,7 @@ def _given(args: argparse.Namespace) -> list[tuple[str, str, tuple[str, ...], An
         if value is not None and not isinstance(value, list | tuple | bool):
             given.append((_option(flag), path[-1], _where(path), value))
     if getattr(args, "dynamic", False):  # a switch: its field reads "is_dynamic True" in an error
-        given.append(("--dynamic", "is_dynamic", _where(("act", "is_dynamic")), True))
+        given.append(("--dynamic", DYNAMIC_PATH[-1], _where(DYNAMIC_PATH), True))
     return given
 
 

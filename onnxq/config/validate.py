@@ -140,11 +140,11 @@ def check_resolved(config: Config, nodes: Iterable[tuple[str, str]]) -> None:
     """Each node's resolved config must be valid (its levels can combine into a spec no
     level alone states). Nodes without their own override resolve as their op type does:
     one of each is checked (ResNet-20's 112 nodes: 15 ms -> 2 ms)."""
-    checked: set[tuple[str, str] | str] = set()
+    checked: set[tuple[str, str]] = set()
     for name, op_type in nodes:
         if is_excluded(config, name):
             continue
-        key = name if name in config.layer_quant_config else ("", op_type)
+        key = (name if name in config.layer_quant_config else "", op_type)  # names may repeat
         if key in checked:
             continue
         checked.add(key)

@@ -16,10 +16,9 @@ import onnx
 import onnx_ir as ir
 
 from onnxq.errors import ModelError
+from onnxq.graph.genai_names import GENAI_CONFIG
 from onnxq.graph.save import copy_atomic
 from onnxq.graph.wire import read_structure
-
-GENAI_CONFIG = "genai_config.json"
 
 
 @dataclass(frozen=True)

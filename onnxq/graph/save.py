@@ -14,18 +14,20 @@ import onnx_ir as ir
 
 from onnxq.errors import OnnxqError
 from onnxq.graph import wire
+from onnxq.graph.genai_names import GENAI_CONFIG
 
 # Weights above this size go to an external data file (protobuf cannot exceed 2 GB).
 EXTERNAL_DATA_LIMIT = 1800 * 1024 * 1024
 
 
-def check_output_path(output: str | os.PathLike, source: str | os.PathLike | None) -> Path:
+def check_output_path(output: str | os.PathLike, source: str | os.PathLike | None, what: str = "output") -> Path:
     """Refuse to overwrite the input model, and an output that cannot be written (before
-    the work, not after it)."""
+    the work, not after it). A string ending in a separator names a folder, which a file
+    output is not (a `Path` has dropped the separator already: it is taken as a file)."""
     out = Path(output)
-    if str(output).endswith(("/", os.sep)) and not out.is_dir():  # Path drops the slash: it would be a file
-        raise OnnxqError(f"output {output} ends in a separator, as a folder does, but the input is a model file; give "
-                         f"a file name such as {out / 'model.int8.onnx'}, or pass a model folder to get a folder out")
+    if str(output).endswith(("/", os.sep)) and not out.is_dir():
+        fix = ", or pass a model folder as the input to get a folder out" if what == "output" else ""
+        raise OnnxqError(f"{what} {output} ends in a separator, as a folder does; give a file path{fix}")
     try:
         _check_writable(out, source)
     except OSError as exc:  # a name too long, a special file system
@@ -40,7 +42,7 @@ def _check_writable(out: Path, source: str | os.PathLike | None) -> None:
             raise OnnxqError(f"output {out} is the input model; choose another output path")
     if out.is_dir():
         name = "model.int8.onnx"
-        if source is not None and (Path(source).parent / "genai_config.json").is_file():  # a genai folder's model
+        if source is not None and (Path(source).parent / GENAI_CONFIG).is_file():  # a genai folder's model
             raise OnnxqError(f"output {out} is a directory; to get an onnxruntime-genai folder out, pass the model's "
                              f"folder {Path(source).parent} as the input, else give a file name such as {out / name}")
         raise OnnxqError(f"output {out} is a directory; give a file name such as {out / name}")
@@ -60,7 +62,7 @@ def check_output_paths(source: str | os.PathLike | None, *paths: str | os.PathLi
     work that writes them, not after it."""
     for path in paths:
         if path is not None:
-            check_output_path(path, source)
+            check_output_path(path, source, "side output")
 
 
 def check_apart(outputs: Mapping[str, str | os.PathLike | None], inputs: Mapping[str, object]) -> None:

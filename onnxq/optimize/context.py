@@ -111,6 +111,7 @@ class PassResult:
     note: str | None
     keep_float: Mapping[str, str] = field(default_factory=lambda: EMPTY)
     deferred: Deferred | None = None
+    idle: bool = False  # it found nothing to do: its note is said only where the pass was asked for
 
 
 # emit_trial(model, plan, ranges, weights): rewrite `model` in place as emission will, with

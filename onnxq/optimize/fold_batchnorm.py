@@ -101,7 +101,7 @@ def fold_batchnorm(model: ir.Model, opts: FoldBatchNormConfig, ctx: PassContext)
             folded += 1
         else:
             kept.append(bn.name)
-    if not folded and not kept:  # a default pass with nothing to do says nothing (it ran on every model)
-        return PassResult(None)
+    if not folded and not kept:  # said only where asked for: as a default it runs on every model
+        return PassResult("no BatchNormalization", idle=True)
     note = f"{folded} BatchNormalization folded"
     return note + (f", {len(kept)} kept (no foldable producer): {', '.join(kept[:5])}" if kept else "")

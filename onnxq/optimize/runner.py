@@ -64,7 +64,7 @@ def run_passes(model: ir.Model, entries: tuple[Entry, ...], settings: RunSetting
         result = _pass_result(entry.name, result, ctx)
         keep_float.update(result.keep_float)
         deferred = result.deferred or deferred
-        if result.note is not None:
+        if result.note is not None and not (result.idle and entry.name not in named):
             notes.append(Note(Topic.PASS, f"{entry.name}: {result.note}", source=entry.name))
     ir_passes.RemoveUnusedNodesPass()(model)  # drops initializers the passes replaced
     return PassesOutcome(notes, MappingProxyType(keep_float), deferred)

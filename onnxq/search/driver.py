@@ -102,7 +102,7 @@ def sensitivity_order(base: Any, config: Config, evalset: EvalSet, float_session
     local = [name for name, _ in promotion_order(analysis.layers, base.plan)]
 
     def session_with_only(name: str) -> Any:
-        promoted = {n: top for n in local if n != name}
+        promoted = effective({n: top for n in local if n != name}, base.plan)  # as the search will raise them
         return deployed_session(base.state.emit(with_promotions(config, promoted)), providers)
 
     limit = layers_to_measure(weight_bytes(base.state.float_model))
@@ -137,8 +137,10 @@ SAME_TIME_MS = 0.05
 
 
 def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:
+    """One sample of the eval data: one row, or an input's fixed batch of them."""
     feed = next(iter(evalset.batches(session)))
-    return {k: v[:1] for k, v in feed.items()}
+    fixed = {i.name: i.shape[0] for i in session.get_inputs() if i.shape and isinstance(i.shape[0], int)}
+    return {k: v[:fixed.get(k, 1)] for k, v in feed.items()}
 
 
 def quantize_to_target(
@@ -190,6 +192,8 @@ def quantize_to_target(
     order: list[tuple[str, float]] = []
     if not met(climbed_score) and rungs:
         order = sensitivity_order(base, base_config, evalset, float_session, rungs[-1], progress)
+        if order:  # the rungs that raise one of them (int16 leaves float-input MatMuls as they are)
+            rungs = [r for r in rungs if effective({n: r for n, _ in order}, base.plan)]
 
     bar = _progress_bar(progress, len(order))
 
@@ -240,7 +244,8 @@ def quantize_to_target(
         ranked_layers=len(order),
         evaluations=((target.metric not in SELF_SCORE) + 1 + sum(t.score is not None for t in climb.trials)
                      + len(outcome.trials) + bool(outcome.promotions)),
-        trials=[dataclasses.asdict(t) for t in outcome.trials],
+        trials=[{**dataclasses.asdict(t), "promoted": len(effective({n: t.rung for n, _ in order[:t.promoted]},
+                                                                     base.plan))} for t in outcome.trials],
         rungs=[dataclasses.asdict(t) for t in climb.trials],
         algorithm_score=climbed_score,
         size_before=weight_bytes(base.ir_model),
