@@ -150,6 +150,8 @@ def open_any(model: str | os.PathLike | bytes | ir.Model, options: ort.SessionOp
     memory (`open_session`)."""
     if isinstance(model, ir.Model):
         return open_session(model, options, providers)
+    if isinstance(model, onnx.ModelProto):  # in memory, as the Python API takes it
+        model = model.SerializeToString()
     source = model if isinstance(model, bytes) else str(model)
     return ort.InferenceSession(source, options, providers=providers)
 

@@ -94,3 +94,19 @@ def test_no_data_is_said_not_measured(tmp_path):
     assert result.summary.latency is None
     assert "latency not measured: it runs both models on the first calibration sample; pass --calib-data" \
         in result.summary.note_texts
+
+
+def test_a_fixed_batch_model_is_timed_at_its_batch(tmp_path):
+    """An input of a fixed batch of 8 is timed at 8, with a line for the batch it cannot
+    take (one row of it was fed before: onnxruntime refused it, and nothing was timed)."""
+    b = GraphBuilder()
+    x = b.input("x", [8, 32])
+    w = np.random.default_rng(0).standard_normal((32, 16)).astype(np.float32)
+    model = b.build([b.node("MatMul", [x, b.const("w", w)])], name="fixed8")
+    data = {"x": np.random.default_rng(1).standard_normal((32, 32)).astype(np.float32)}
+    config = onnxq.compose_config("U8S8", None, {"calibration": {"measure_latency": True}})
+    result = onnxq.quantize(model, tmp_path / "q.onnx", config, data, progress=False)
+    latency = result.summary.latency
+    assert latency is not None, result.summary.note_texts
+    assert [t.batch for t in latency.timings] == [8] and latency.timings[0].quantized_ms > 0
+    assert latency.skipped == ["batch 1 not measured: input 'x' has a fixed batch of 8"]

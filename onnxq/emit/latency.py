@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
@@ -102,16 +103,17 @@ class Latency:
 
 def latency_feeds(inputs: list[InputSpec], data: CalibrationSource, session: ort.InferenceSession,
                   ) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
-    """The first sample repeated to each batch size the model's inputs allow."""
+    """The first sample repeated to each batch size the model's inputs allow; an input of
+    a fixed batch is timed at that batch alone (a sample is then its rows)."""
     sample = next(iter(iter_batches(data, inputs, 1, 1, purpose="the latency check")))
-    fixed = [i.name for i in session.get_inputs() if i.shape and i.shape[0] == 1]
-    feeds, skipped = {}, []
-    for batch in BATCHES:
-        if batch > 1 and fixed:
-            skipped.append(f"batch {batch} not measured: input {fixed[0]!r} has a fixed batch of 1")
-            continue
-        feeds[batch] = {k: np.repeat(np.asarray(v)[:1], batch, axis=0) for k, v in sample.items()}
-    return feeds, skipped
+    fixed = {i.name: i.shape[0] for i in session.get_inputs() if i.shape and isinstance(i.shape[0], int)}
+    if fixed:
+        name, batch = next(iter(fixed.items()))
+        skipped = [f"batch {b} not measured: input {name!r} has a fixed batch of {batch}" for b in BATCHES
+                   if b != batch]
+        return {batch: {k: np.asarray(v)[:fixed.get(k, batch)] for k, v in sample.items()}}, skipped
+    return {batch: {k: np.repeat(np.asarray(v)[:1], batch, axis=0) for k, v in sample.items()}
+            for batch in BATCHES}, []
 
 
 def block_ms(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> list[float]:
@@ -262,6 +264,8 @@ def measure_latency(source: str | os.PathLike | bytes | ir.Model, quantized: ir.
                     data: CalibrationSource, providers: list[str]) -> Latency | str:
     """Float `source` against `quantized`, batch 1 and 8 (module doc); a one-line reason
     instead where it cannot be measured (no data, a model that does not run)."""
+    if isinstance(source, onnx.ModelProto):  # a model the Python API was given in memory
+        source = source.SerializeToString()
     access = data_access(data)
     if access is Access.NONE:
         return "latency not measured: it runs both models on the first calibration sample; pass --calib-data"
