@@ -178,7 +178,8 @@ def class_labels(labels: Any, samples: int, classes: int | None = None) -> np.nd
     if y.ndim == 1 and (y.dtype.kind == "b" or y.dtype.kind == "f" and np.array_equal(y, np.round(y))):
         y = y.astype(np.int64)  # binary labels, class indices saved as floats
     if y.ndim != 1 or y.dtype.kind not in "iu":
-        hint = "; for one-hot labels pass labels.argmax(1)" if y.ndim == 2 else ""
+        hint = ("; for one-hot labels pass labels.argmax(1)" if y.ndim == 2 else
+                "; give integer class indices (.astype(int64))" if y.ndim == 1 else "")
         raise CalibrationDataError(f"labels must be one class index per sample, got an array of shape {list(y.shape)} "
                                    f"and dtype {y.dtype}{hint}")
     if len(y) < samples:

@@ -150,7 +150,8 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
         result.summary.notes = [n for n in result.summary.notes if n.source != WINDOWS_NOTE]
     if report is not None:
         data = config.mixed_precision.eval_data or calibration_data
-        report_quantization(report, result, result.config, data, progress)
+        with result.summary.stage("report"):  # often most of the run: the time line says so
+            report_quantization(report, result, result.config, data, progress)
     return result
 
 

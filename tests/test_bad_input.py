@@ -126,6 +126,11 @@ def _missing_channel_axis(ws: Workspace) -> list[str]:
     return [str(ws.model), str(ws.out), "--calib-data", str(data)]
 
 
+def _uint8_images(ws: Workspace) -> list[str]:
+    data = ws.npz("pixels.npz", x=np.zeros((4, 3, 16, 16), np.uint8))
+    return [str(ws.model), str(ws.out), "--calib-data", str(data)]
+
+
 def _already_quantized(ws: Workspace) -> list[str]:
     quantized = ws.root / "q.onnx"
     onnxq.quantize(str(ws.model), str(quantized), calibration_data=str(ws.good_data), progress=False)
@@ -170,7 +175,10 @@ CASES: dict[str, tuple[Callable[[Workspace], list[str]], tuple[str, ...]]] = {
     "output_is_directory": (_output_is_directory, ("is a directory",)),
     "output_name_too_long": (_output_name_too_long, ("cannot write", "choose another output path")),
     # the file and its whole array named, not one sample
-    "calib_file_channels_last": (_channels_last_file, ("nhwc.npy", "samples of shape [16, 16, 3]", "axis 1 must be 3")),
+    "calib_file_channels_last": (_channels_last_file, ("nhwc.npy", "samples of shape [16, 16, 3]", "axis 1 must be 3",
+                                                        ".transpose(0, 3, 1, 2)")),
+    # uint8 images: casting alone would calibrate on pixels the model never sees
+    "calib_uint8_images": (_uint8_images, ("'x'", "uint8", ".astype(float32)", "/255, then its mean and std")),
     "calib_text_as_npy": (_text_as_npy, ("notes.npy", "not a numpy .npy file")),
     "zero_max_samples": (_zero_max_samples, ("invalid --max-samples 0",)),
 }
@@ -631,3 +639,30 @@ def test_api_arguments_of_the_wrong_type_are_onnxq_errors(tmp_path):
                                                                progress=False).model.SerializeToString()
     onnxq.save_config(config, tmp_path / "new" / "dir" / "c.yaml")  # missing folders made, as for the model
     assert (tmp_path / "new" / "dir" / "c.yaml").is_file()
+
+
+def test_side_commands_never_write_over_what_they_read(tmp_path, capsys):
+    """run --out, analyze --json/--report and calibrate --stats naming the model or the
+    data they read (or one another) are refused before anything is written; before, each
+    replaced the file (the model became an .npz of its outputs) with exit 0."""
+    from onnxq.cli import main
+
+    root = Path(__file__).resolve().parents[1] / "models"
+    model, data = tmp_path / "f.onnx", tmp_path / "e.npz"
+    model.write_bytes((root / "digits_cnn.onnx").read_bytes())
+    data.write_bytes((root / "digits_eval.npz").read_bytes())
+    quant = tmp_path / "q.onnx"
+    assert main(["quantize", str(model), str(quant), "--calib-data", str(root / "digits_calib.npz"), "--quiet"]) == 0
+    before = {p: p.read_bytes() for p in (model, data, quant)}
+    for args, words in (
+            (["run", str(quant), "--data", str(data), "--out", str(data)], "--out"),
+            (["run", str(quant), "--data", str(data), "--out", str(quant)], "is the input model"),
+            (["analyze", str(model), str(quant), "--data", str(data), "--json", str(model)], "--json"),
+            (["analyze", str(model), str(quant), "--data", str(data), "--report", str(data)], "--report"),
+            (["analyze", str(model), str(quant), "--data", str(data), "--json", str(tmp_path / "a"),
+              "--report", str(tmp_path / "a")], "are the same file"),
+            (["calibrate", str(model), "--calib-data", str(data), "--stats", str(data)], "--stats")):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+    assert all(p.read_bytes() == b for p, b in before.items())

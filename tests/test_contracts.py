@@ -152,3 +152,7 @@ def test_one_algorithm_learns_the_rounding(tmp_path):
     assert "adaround:" not in said and "adaquant:" in said  # only AdaQuant reports layers
     assert result.summary.fidelity.sqnr_db > 30  # 33.7 dB measured; the two stacked gave 27.2
     onnx.checker.check_model(str(tmp_path / "q.onnx"))
+    # Both asked for by flags: a choice left to the user, not one silently dropped
+    assert main(["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "two.onnx"), "--calib-data",
+                 str(models / "digits_calib.npz"), "--adaround", "--adaquant"]) == 2
+    assert not (tmp_path / "two.onnx").exists()

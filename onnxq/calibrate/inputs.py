@@ -145,6 +145,13 @@ def check_finite(spec: InputSpec, array: np.ndarray) -> None:
     )
 
 
+def _layout_hint(got: tuple[int, ...], want: tuple[int | None, ...]) -> str:
+    """The transpose that makes channels-last images the model's channels-first ones."""
+    if len(got) == 4 and want[1] is not None and got[3] == want[1] != got[1]:
+        return "; channels last: .transpose(0, 3, 1, 2) makes them channels first"
+    return ""
+
+
 def check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
     if array.dtype != spec.dtype:
         if array.dtype.kind == spec.dtype.kind or {array.dtype.kind, spec.dtype.kind} <= {"i", "u"}:
@@ -153,6 +160,8 @@ def check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
             raise CalibrationDataError(
                 f"calibration input {spec.name!r} has dtype {array.dtype}, expected {spec.describe()}; "
                 f"convert it with .astype({spec.dtype.name})"
+                + (" and scale it as the model expects (images: /255, then its mean and std)"
+                   if array.dtype == np.uint8 and spec.dtype.kind == "f" else "")
             )
     if spec.shape is None:
         return array
@@ -171,6 +180,6 @@ def check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
             raise CalibrationDataError(
                 f"calibration input {spec.name!r} has samples of shape {list(array.shape[1:])}, expected "
                 f"{spec.describe()} "
-                f"(axis {axis} must be {want})"
+                f"(axis {axis} must be {want})" + _layout_hint(array.shape, spec.shape)
             )
     return array

@@ -32,6 +32,9 @@ def algorithm_entries(args: argparse.Namespace) -> list[dict[str, Any]]:
     if len(rounding) > 1:  # the flags are short for --algorithm, which takes one
         raise OnnxqError(f"--{rounding[0]} and --{rounding[1]} both pick the weight-only algorithm; give one "
                          "(--algorithm NAME)")
+    learners = [name for name in algorithms if CONTRACTS[name].learns_rounding]
+    if len(learners) > 1:  # one would undo the other: two flags given are a choice left to make
+        raise OnnxqError(f"--{learners[0]} and --{learners[1]} both learn the layers' rounding; give one")
     if args.algorithm is not None:
         others = [name for name in algorithms if CONTRACTS[name].rounds_blocks]
         if others:

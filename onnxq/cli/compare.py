@@ -13,7 +13,7 @@ from onnxq.analyze.html import write_html_report
 from onnxq.cli.arguments import check_counts, check_model_files
 from onnxq.errors import CalibrationDataError
 from onnxq.evaluate import compare_models, format_comparison
-from onnxq.graph.save import check_output_paths
+from onnxq.graph.save import check_apart, check_output_paths
 
 
 def add_compare(sub: argparse._SubParsersAction) -> None:
@@ -66,6 +66,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     check_model_files(args, "float_model", "quant_model")
     check_counts(args, "--max-samples", "--batch-size", "--top")
     check_output_paths(args.quant_model, args.json, args.report)
+    check_apart({"--json": args.json, "--report": args.report},
+                {"the float model": args.float_model, "the quantized model": args.quant_model, "the data": args.data})
     data, _ = _data_and_labels(args.data, args.labels)
     analysis = analyze_models(args.float_model, args.quant_model, data, max_samples=args.max_samples,
                               providers=args.providers, progress=False if args.quiet else None,

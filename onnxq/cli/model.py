@@ -14,7 +14,7 @@ from onnxq.emit.format_convert import convert_model
 from onnxq.evaluate import run_model
 from onnxq.graph.load import load_model
 from onnxq.graph.quantized import describe, quantized_ops
-from onnxq.graph.save import write_npz_atomic
+from onnxq.graph.save import check_apart, check_output_paths, write_npz_atomic
 from onnxq.optimize import RunSettings, parse_passes, run_passes
 from onnxq.plan import plan_quantization
 from onnxq.target import resolve_target
@@ -61,6 +61,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     check_model_files(args, "model")
+    if args.out:  # before the run, not after it
+        check_output_paths(args.model, args.out)
+        check_apart({"--out": args.out}, {"the model": args.model, "the data": args.data})
     outputs = run_model(args.model, args.data, args.max_samples, args.providers)
     for name, array in outputs.items():
         print(f"{name}: {array.dtype} {list(array.shape)} min {array.min():.6g} max {array.max():.6g} "

@@ -75,6 +75,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     output = args.stats
     args.stats = None  # the file written, not statistics to read (FLAG_PATHS)
     check_output_paths(args.input, output)
+    check_apart({"--stats": output}, {"the calibration data": args.calib_data, "the config file": args.config})
     ignored = [flag for flag, value in (("--save-ranges", args.save_ranges), ("--format", args.format),
                                         ("--ladder", args.ladder)) if value is not None]
     if ignored:

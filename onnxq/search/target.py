@@ -100,8 +100,8 @@ def scorer(target: AccuracyTarget, evalset: EvalSet, evaluate: Evaluate | None) 
     if evaluate is not None and metric in (None, "custom"):
         return evaluate
     if metric in (None, "custom"):
-        given = target.describe().removeprefix("custom")
-        raise ConfigError(f"accuracy target {given!r} names no metric: write one in it (top1{given}) or give "
+        given = target.describe().removeprefix("custom").removeprefix(">=")
+        raise ConfigError(f"accuracy target {given!r} names no metric: write one in it (top1>={given}) or give "
                           "--metric top1|cosine|sqnr (from Python, evaluate=fn scores a custom metric)")
     if metric == "top1":
         if evalset.labels is None:
