@@ -258,6 +258,11 @@ def _progress(batches: Iterable[dict[str, np.ndarray]], enabled: bool | None) ->
     return tqdm(batches, desc="analyze", unit="batch", leave=False, disable=None)
 
 
+def tail_name(name: str, width: int) -> str:
+    """`name` in `width` characters: its end, marked as cut where it is longer."""
+    return name if len(name) <= width else "\u2026" + name[-width + 1:]
+
+
 def _fmt_db(x: float | None) -> str:
     if x is None:
         return "-"
@@ -275,7 +280,7 @@ def format_analysis(a: Analysis, top: int = 15) -> str:
                  f"({min(top, len(a.layers))} of {len(a.layers)}):")
     lines.append(f"  {'layer':<40} {'op':<14} {'ch noise':>9} {'alone dB':>9} {'w/ prefix dB':>13} {'cosine':>9}")
     for r in a.layers[:top]:
-        lines.append(f"  {r.name[-40:]:<40} {r.op_type:<14} {r.channel_noise:>9.3g} {_fmt_db(r.own_sqnr_db):>9} "
+        lines.append(f"  {tail_name(r.name, 40):<40} {r.op_type:<14} {r.channel_noise:>9.3g} {_fmt_db(r.own_sqnr_db):>9} "
                      f"{_fmt_db(r.prefix_sqnr_db):>13} {r.own_cosine:>9.5f}")
     lines.append(f"tensors, worst first ({min(top, len(a.tensors))} of {len(a.tensors)}):")
     lines.append(f"  {'tensor':<40} {'dB':>6} {'cosine':>9} {'max err':>9} {'used range':>22} "
@@ -283,7 +288,7 @@ def format_analysis(a: Analysis, top: int = 15) -> str:
     for t in a.tensors[:top]:
         used = f"[{t.used_range[0]:.3g}, {t.used_range[1]:.3g}]"
         cal = f"[{t.calibrated_range[0]:.3g}, {t.calibrated_range[1]:.3g}]"
-        lines.append(f"  {t.name[-40:]:<40} {_fmt_db(t.sqnr_db):>6} {t.cosine:>9.5f} {t.max_abs_error:>9.3g} "
+        lines.append(f"  {tail_name(t.name, 40):<40} {_fmt_db(t.sqnr_db):>6} {t.cosine:>9.5f} {t.max_abs_error:>9.3g} "
                      f"{used:>22} {cal:>22} {t.saturation:>8.2%}")
     lines.extend(f"note: {n}" for n in a.notes if "rescaled per channel" not in n)
     return "\n".join(lines)

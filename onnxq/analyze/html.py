@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from onnxq.analyze.analysis import Analysis, json_safe
+from onnxq.analyze.analysis import Analysis, json_safe, tail_name
 from onnxq.config.accuracy import parse_target
 from onnxq.config.io import config_to_dict, config_to_yaml
 from onnxq.errors import OnnxqError
@@ -160,8 +160,7 @@ def _figure(svg: str, caption: str) -> str:
 
 
 def _label(name: str, width: int = 40) -> str:
-    short = name if len(name) <= width else "\u2026" + name[-width + 1:]
-    return short.replace("$", r"\$")  # no mathtext
+    return tail_name(name, width).replace("$", r"\$")  # no mathtext
 
 
 def _nan(x: float | None) -> float:
