@@ -217,3 +217,21 @@ def test_report_in_browser(report, mixed_report):
             browser.close()
     finally:
         manager.stop()
+
+
+def test_labelled_eval_data_puts_top1_in_the_report(tmp_path):
+    """With labels in the eval data, the report (and the run's summary) gives float and
+    quantized top-1 on the samples it measures, as compare does on the same data."""
+    import onnxq
+    from onnxq.evaluate import compare_models
+
+    config = onnxq.compose_config("U8S8", None, {"mixed_precision": {"eval_data": str(MODELS / "digits_eval.npz")}})
+    result = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), tmp_path / "q.onnx", config,
+                            str(MODELS / "digits_calib.npz"), progress=False, report=tmp_path / "r.html")
+    (line,) = [t for t in result.summary.note_texts if "top-1 against the labels" in t]
+    data = dict(np.load(MODELS / "digits_eval.npz"))
+    labels = data.pop("labels")
+    same = compare_models(str(MODELS / "digits_cnn.onnx"), str(tmp_path / "q.onnx"), data, labels, max_samples=256)
+    assert f"on {same.samples} samples: float {same.float_accuracy:.2%}, quantized {same.quant_accuracy:.2%}" in line
+    assert line.removeprefix("report: ") in html.unescape((tmp_path / "r.html").read_text())
+    assert "report" in result.summary.stage_seconds  # its time in the time line

@@ -9,6 +9,7 @@ from typing import Any
 from onnxq.analyze.analysis import analyze_models
 from onnxq.analyze.html import write_html_report
 from onnxq.config.spec import Config
+from onnxq.evaluate import compare_models
 from onnxq.notes import Topic, notes
 from onnxq.search.target import load_eval_set
 
@@ -20,11 +21,17 @@ def report_quantization(path: str | os.PathLike, result: Any, config: Config, da
                         progress: bool | None = None) -> None:
     """Analyse `result` (a `QuantizationResult` with its state kept) on `data`; write the report."""
     state = result.state
-    data = load_eval_set(data, config.mixed_precision.labels, model=result.summary.source,
-                         providers=config.calibration.providers).data
-    analysis = analyze_models(state.float_model, result.ir_model, data, normalised=True,
+    evalset = load_eval_set(data, config.mixed_precision.labels, model=result.summary.source,
+                            providers=config.calibration.providers)
+    analysis = analyze_models(state.float_model, result.ir_model, evalset.data, normalised=True,
                               max_samples=REPORT_SAMPLES, providers=config.calibration.providers,
                               progress=progress)
+    if evalset.labels is not None:  # labelled data: the accuracy users judge a model by, beside agreement
+        scored = compare_models(state.float_model, result.ir_model, evalset.data, evalset.labels,
+                                max_samples=REPORT_SAMPLES, providers=config.calibration.providers, progress=False)
+        if scored.float_accuracy is not None:
+            analysis.notes.insert(0, f"top-1 against the labels on {scored.samples} samples: float "
+                                     f"{scored.float_accuracy:.2%}, quantized {scored.quant_accuracy:.2%}")
     result.summary.notes.extend(notes(Topic.REPORT, [f"report: {n}" for n in analysis.notes]))
     write_html_report(path, analysis=analysis, summary=result.summary, config=config,
                       title=f"onnxq report: {result.summary.source}")
