@@ -261,9 +261,9 @@ def compare_models(
     extended = imports_extended(quant_model)  # read once: a file is parsed whole
     sessions = {k: deployed_session(quant_model, providers, reference=k == "reference", extended=extended)
                 for k, on in runs.items() if on}
-    names = [o.name for o in ref.get_outputs()]
-    names = result_outputs(names, [i.name for i in ref.get_inputs()])
-    if is_decoder(i.name for i in ref.get_inputs()):
+    inputs = [i.name for i in ref.get_inputs()]
+    names = result_outputs((o.name for o in ref.get_outputs()), inputs)
+    if is_decoder(inputs):
         data = decoder_feeds(float_model, data, providers, decode_steps=0)  # token windows: full feeds
     _check_interface(ref, next(iter(sessions.values())))
     outputs: dict[str, dict[str, list[np.ndarray]]] = {k: {n: [] for n in names} for k in ("float", *sessions)}

@@ -101,12 +101,17 @@ class Latency:
         return out
 
 
+def fixed_batches(session: ort.InferenceSession) -> dict[str, int]:
+    """The session's inputs of a fixed batch (their first dimension a number), and it."""
+    return {i.name: i.shape[0] for i in session.get_inputs() if i.shape and isinstance(i.shape[0], int)}
+
+
 def latency_feeds(inputs: list[InputSpec], data: CalibrationSource, session: ort.InferenceSession,
                   ) -> tuple[dict[int, dict[str, np.ndarray]], list[str]]:
     """The first sample repeated to each batch size the model's inputs allow; an input of
     a fixed batch is timed at that batch alone (a sample is then its rows)."""
     sample = next(iter(iter_batches(data, inputs, 1, 1, purpose="the latency check")))
-    fixed = {i.name: i.shape[0] for i in session.get_inputs() if i.shape and isinstance(i.shape[0], int)}
+    fixed = fixed_batches(session)
     if fixed:
         name, batch = next(iter(fixed.items()))
         skipped = [f"batch {b} not measured: input {name!r} has a fixed batch of {batch}" for b in BATCHES

@@ -29,7 +29,7 @@ from onnxq.analyze import analyze_models
 from onnxq.calibrate.access import FIXES, data_access
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.config.spec import Config, MixedPrecisionConfig
-from onnxq.emit.latency import median_ms
+from onnxq.emit.latency import fixed_batches, median_ms
 from onnxq.errors import CalibrationDataError
 from onnxq.evaluate import deployed_session
 from onnxq.graph.save import check_output_path, weight_bytes
@@ -139,7 +139,7 @@ SAME_TIME_MS = 0.05
 def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:
     """One sample of the eval data: one row, or an input's fixed batch of them."""
     feed = next(iter(evalset.batches(session)))
-    fixed = {i.name: i.shape[0] for i in session.get_inputs() if i.shape and isinstance(i.shape[0], int)}
+    fixed = fixed_batches(session)
     return {k: v[:fixed.get(k, 1)] for k, v in feed.items()}
 
 
