@@ -264,6 +264,10 @@ def quantize(
     return np.clip(q, info.qmin, info.qmax).astype(info.np_dtype)
 
 
+# Integer codes of each size widened to a type that holds the difference of two of them.
+WIDENED = {1: np.int16, 2: np.int32}
+
+
 def dequantize(
     q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int | None = None,
     block_size: int | None = None,
@@ -273,8 +277,13 @@ def dequantize(
     s = broadcast_param(np.asarray(scale, dtype=np.float32), q.shape, axis, block_size)
     if q.dtype.name.startswith("float8"):
         return (q.astype(np.float32) * s).astype(np.float32)
-    z = broadcast_param(np.asarray(zero_point), q.shape, axis, block_size).astype(np.int64)
-    return ((q.astype(np.int64) - z).astype(np.float32) * s).astype(np.float32)
+    # q - zero_point exactly, in the narrowest integer type that holds it (int16 for 8-bit
+    # codes: a quarter of int64's memory traffic on a 400 MB weight), then float32 as before
+    wide = WIDENED.get(q.dtype.itemsize, np.int64) if np.issubdtype(q.dtype, np.integer) else np.int64
+    z = broadcast_param(np.asarray(zero_point), q.shape, axis, block_size).astype(wide)
+    out = (q.astype(wide) - z).astype(np.float32)
+    out *= s
+    return out
 
 
 # Ranges beyond this come from masking sentinels (float min, -1e38): no integer grid can

@@ -152,13 +152,14 @@ def bias_correction(
 
 def _analytic(layer: Layer, mean: InputMean) -> ErrorFn:
     """E[(W_q - W) x] over the float inputs."""
-    return lambda wq, w: output_error(layer, wq - w, mean)
+    return lambda wq, w: output_error(layer, np.subtract(wq, w, dtype=np.float64), mean)
 
 
 def _empirical_error(layer: Layer, float_mean: InputMean, quant_mean: InputMean) -> ErrorFn:
     """E[W_q x_q] - E[W x]: the quantized layer's mean output over its quantized inputs
     against the float layer's over float inputs (biases aside)."""
-    return lambda wq, w: output_error(layer, wq, quant_mean) - output_error(layer, w, float_mean)
+    return lambda wq, w: (output_error(layer, wq.astype(np.float64), quant_mean)
+                          - output_error(layer, w.astype(np.float64), float_mean))
 
 
 def _empirical(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], layers: list[Layer],

@@ -51,7 +51,7 @@ class Emission:
 
     def dequantized_weight(self, tensor: TensorPlan, weight: ir.Value, bias_plan: TensorPlan | None,
                            bias: np.ndarray) -> np.ndarray:
-        """W_q as float, given the bias the layer will have (it floors the weight scale)."""
+        """W_q in float32, given the bias the layer will have (it floors the weight scale)."""
         usable = bias_plan is not None and bias_plan.bias_inputs[0] in self.plan.tensors
         plain = self.weights.unfloored(tensor, weight)
         qt = emitted_weight(self.plan, self.ranges, self.constant_of, tensor,
@@ -65,7 +65,7 @@ class Emission:
 
 
 def _dequantized(qt: QuantizedTensor) -> np.ndarray:
-    return dequantize(qt.data, qt.scale, qt.zero_point, qt.axis, qt.block_size).astype(np.float64)
+    return dequantize(qt.data, qt.scale, qt.zero_point, qt.axis, qt.block_size)
 
 
 def planned_bias_spec(plan: QuantPlan) -> ResolvedSpec | None:
@@ -104,7 +104,10 @@ def float_bias(layer: Layer) -> np.ndarray:
     return np.broadcast_to(old.astype(np.float64).reshape(-1), (channels,)).copy()
 
 
-ErrorFn = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (W_q, W) -> mean output error per channel
+# (W_q, W) -> mean output error per channel, in float64. W_q comes in float32, W as stored:
+# each function casts them as it needs (no float64 copies of both: VGG-19's classifier is
+# 400 MB in float32).
+ErrorFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 def correct(model: ir.Model, plan: QuantPlan, layer: Layer, error: ErrorFn, emission: Emission,
@@ -120,11 +123,14 @@ def correct(model: ir.Model, plan: QuantPlan, layer: Layer, error: ErrorFn, emis
     beta = layout.beta(node)  # an added C is scaled by beta too
     now = float_bias(layer)
     bias = base = now if base is None else base
+    last = None
     for _ in range(3):  # the weight scale floor depends on the bias: let it settle
         wq = emission.dequantized_weight(layer.weight, node.inputs[1], bias_plan, bias)
-        new = base - error(wq, w.astype(np.float64)) / beta
+        if wq is last:  # the same weight as the step before (its floor did not move): the same bias
+            break
+        new = base - error(wq, w) / beta
         settled = np.array_equal(new, bias)
-        bias = new
+        bias, last = new, wq
         if settled:
             break
     if np.array_equal(bias, now):
