@@ -333,6 +333,11 @@ def qdq_counts(path: str | Path) -> dict[str, int]:
     }
 
 
+def _metric(row: dict[str, Any]) -> str:
+    """A row's metric for the log; "n/a" without labels (--calib alone: time and memory)."""
+    return "n/a" if row.get("metric") is None else f"{row['metric']:.2f}"
+
+
 def task_log(task: Task) -> Any:
     return lambda msg: print(f"[{task.name}] {msg}", file=sys.stderr, flush=True)
 
@@ -346,7 +351,7 @@ def float_row(task: Task, args: argparse.Namespace) -> tuple[dict[str, Any], np.
         row["agree"] = 1.0
     elif reference.ndim == 2 and reference.shape[1] > 1:
         row["agree"] = 100.0
-    task_log(task)(f"float: metric {row['metric']:.2f}")
+    task_log(task)(f"float: metric {_metric(row)}")
     return row, reference
 
 
@@ -359,7 +364,7 @@ def score_run(task: Task, res: dict[str, Any], reference: np.ndarray, args: argp
         return res
     metrics, _ = evaluate(task, res["output"], reference, args)
     res.update(metrics, **qdq_counts(res["output"]))
-    log(f"{name}: {res['time_s']:.2f} s, peak {res['peak_rss_mb']:.0f} MB, metric {res['metric']:.2f}")
+    log(f"{name}: {res['time_s']:.2f} s, peak {res['peak_rss_mb']:.0f} MB, metric {_metric(res)}")
     return res
 
 
