@@ -27,11 +27,11 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxq.errors import OnnxqError
+from onnxq.graph.quantized import EXTENDED_DOMAIN, EXTENDED_OPS
 from onnxq.numerics.extended import BLOCK_FORMATS, block_fake_quantize, fake_quantize
 
-DOMAIN = "ai.onnx.contrib"
-QDQ_OP = "OnnxqQuantizeDequantize"
-BLOCK_OP = "OnnxqBlockQuantizeDequantize"
+DOMAIN = EXTENDED_DOMAIN
+QDQ_OP, BLOCK_OP = EXTENDED_OPS
 NO_AXIS = -(2**31)  # `axis` attribute value meaning "per tensor"
 _registered = False
 

@@ -50,8 +50,29 @@ def bare_dtype(value: Any) -> Any:
 
 
 def check_types(config: Config) -> None:
-    """Raise `ConfigError` if a `Config` built in code holds values of the wrong type."""
-    convert(config_to_dict(config), Config, "", "")
+    """Raise `ConfigError` if a `Config` built in code holds values of the wrong type; set
+    the enum fields it holds as strings to their members, as a file's are read (in any
+    case: `quant_format = "QOperator"` compared equal to no member and wrote plain QDQ)."""
+    canonical_enums(config, convert(config_to_dict(config), Config, "", ""))
+
+
+def canonical_enums(target: Any, checked: Any) -> None:
+    """The enum members of `checked` (the converted copy of `target`) set in `target` where
+    it holds them as plain strings, through dataclasses, dicts and lists."""
+    if is_dataclass(target) and not isinstance(target, type) and is_dataclass(checked):
+        for f in fields(target):
+            mine, theirs = getattr(target, f.name), getattr(checked, f.name, None)
+            if isinstance(theirs, Enum) and isinstance(mine, str) and not isinstance(mine, Enum):
+                setattr(target, f.name, theirs)
+            else:
+                canonical_enums(mine, theirs)
+    elif isinstance(target, dict) and isinstance(checked, Mapping):
+        for key, value in target.items():
+            if key in checked:
+                canonical_enums(value, checked[key])
+    elif isinstance(target, list) and isinstance(checked, list) and len(target) == len(checked):
+        for mine, theirs in zip(target, checked):
+            canonical_enums(mine, theirs)
 
 
 @cache

@@ -12,6 +12,7 @@ from typing import Any
 
 from onnxq.calibrate.observers import OBSERVERS  # an open registry: read when a rule runs
 from onnxq.calibrate.observers.options import parse_options
+from onnxq.config.spec import SPEC_DEFAULTS
 from onnxq.errors import ConfigError, closest_name
 from onnxq.numerics.hqq import HqqOptions
 from onnxq.numerics.qmath import BLOCK_DTYPES
@@ -127,6 +128,26 @@ def _num_bins_min(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str]
 def _weight_static(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
     if tc == "weight" and v["is_dynamic"] is True:
         return "is_dynamic true", "weights are always quantized statically: remove is_dynamic"
+    return None
+
+
+def _dynamic_activations(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    """Dynamic activations are uint8 with their range from each input at run time
+    (onnxruntime's DynamicQuantizeLinear): another type or a calibration setting would be
+    ignored without a word (`--dynamic --activation-type int16` gave uint8)."""
+    if not resolved or tc not in ACTIVATIONS or v["is_dynamic"] is not True:
+        return None
+    if v["dtype"] not in (None, "uint8"):
+        return (f"dtype {v['dtype']} with dynamic activations",
+                "onnxruntime quantizes them to uint8 at run time: use dtype uint8 (a U8 preset), or static "
+                f"activations for {v['dtype']} (remove --dynamic / is_dynamic)")
+    ignored = [f"{key} {v[key]}" for key in ("percentile", "num_bins") if v[key] not in (None, SPEC_DEFAULTS[key])]
+    if v["calib_method"] not in (None, "minmax"):
+        ignored.insert(0, f"calib_method {v['calib_method']}")
+    if ignored:
+        return (f"{', '.join(ignored)} with dynamic activations",
+                "their range comes from each input at run time, not from calibration: remove it, or remove "
+                "--dynamic / is_dynamic")
     return None
 
 
@@ -247,5 +268,6 @@ SPEC_RULES: tuple[Rule, ...] = (
     _percentile_range,
     _num_bins_min,
     _weight_static,
+    _dynamic_activations,
     _bits_range,
 )

@@ -82,7 +82,9 @@ def _owned(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
         alone = onnx.TensorProto()
         alone.CopyFrom(proto)
         return ir.serde.TensorProtoTensor(alone)
-    return ir.Tensor(tensor.numpy().copy(), dtype=tensor.dtype, name=tensor.name, doc_string=tensor.doc_string,
+    # numpy() reads the bytes out of the proto into a buffer of their own (read-only, as a
+    # memory-mapped weight is): no second copy
+    return ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name, doc_string=tensor.doc_string,
                      metadata_props=dict(tensor.metadata_props) or None)
 
 

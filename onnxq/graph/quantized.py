@@ -18,6 +18,9 @@ OPAQUE_KERNELS = ("MatMulNBits", "GatherBlockQuantized", "MatMulInteger", "ConvI
                   "DynamicQuantizeLSTM", "DynamicQuantizeMatMul", "MatMulFpQ4", "QAttention",
                   "QEmbedLayerNormalization", "QOrderedMatMul", "MatMulBnb4")
 DOMAINS = ("", "ai.onnx", "com.microsoft")
+# onnxq's own fake-quantization ops of the qdq-ext format (`onnxq.runtime` registers them).
+EXTENDED_DOMAIN = "ai.onnx.contrib"
+EXTENDED_OPS = ("OnnxqQuantizeDequantize", "OnnxqBlockQuantizeDequantize")
 
 
 def integer_kernel(node: ir.Node) -> bool:
@@ -55,6 +58,11 @@ def quantized_ops(model: ir.Model) -> Counter:
 def opaque_kernels(model: ir.Model) -> Counter:
     """Op type -> count of weight-only and dynamic kernels (`OPAQUE_KERNELS`)."""
     return Counter(n.op_type for n in _nodes(model) if n.domain in DOMAINS and n.op_type in OPAQUE_KERNELS)
+
+
+def extended_ops(model: ir.Model) -> Counter:
+    """Op type -> count of onnxq's extended Q/DQ ops (`--format qdq-ext`, `onnxq.runtime`)."""
+    return Counter(n.op_type for n in _nodes(model) if n.domain == EXTENDED_DOMAIN and n.op_type in EXTENDED_OPS)
 
 
 def describe(ops: Counter, limit: int = 4) -> str:

@@ -26,13 +26,13 @@ from onnxq.config.spec import (
     QScheme,
     QuantFormat,
 )
-from onnxq.errors import UnsupportedModelError
+from onnxq.errors import ConfigError, UnsupportedModelError
 from onnxq.graph.folder import on_disk_bytes
 from onnxq.graph.load import LoadReport, check_runnable, load_model
 from onnxq.graph.quantized import describe, quantized_ops
 from onnxq.graph.save import weight_bytes
 from onnxq.notes import Note, Topic, notes
-from onnxq.numerics.qmath import FLOAT_TARGETS, qdq_opset
+from onnxq.numerics.qmath import FLOAT_TARGETS, is_float8, qdq_opset
 from onnxq.optimize.context import Deferred, RunSettings
 from onnxq.optimize.registry import Entry, parse_algorithms, parse_passes
 from onnxq.optimize.runner import run_passes
@@ -86,6 +86,8 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
     GatherBlockQuantized), whose weights W4_GROUP128 configures as int4 blocks."""
     model, report = load_model(source, config.opset or 13)
     kept = _already_quantized(model, report.source)
+    if config.qdq_domain == "com.microsoft":
+        _check_contrib(model, config, target, report.opset)
     if required_opset(config) <= report.opset:
         return model, report, kept
     need = plan_quantization(model, with_edges(config, model)[0], {}, target).required_opset()
@@ -93,6 +95,22 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
         return model, report, kept
     model, report = load_model(source, need)
     return model, report, _already_quantized(model, report.source)
+
+
+def _check_contrib(model: ir.Model, config: Config, target: TargetProfile, opset: int) -> None:
+    """Refuse what onnxruntime's contrib QuantizeLinear/DequantizeLinear cannot write at the
+    model's opset: blocks (no block_size attribute) and float8 types (no saturate). Planned
+    anyway, such tensors fell back to float, a run with nothing quantized and exit 0."""
+    plan = plan_quantization(model, with_edges(config, model)[0], {}, target)
+    specs = [t.spec for t in plan.tensors.values()] + [s for t in plan.tensors.values() for s in t.requant.values()]
+    needs = [("blocks (per_group weights)", 21, "per-channel weights", any(t.block_size for t in plan.tensors.values())),
+             ("float8 types", 19, "integer types", any(is_float8(s.dtype) for s in specs))]
+    missing = [(what, need, other) for what, need, other, used in needs if used and need > opset]
+    if missing:
+        raise ConfigError(f"qdq_domain com.microsoft: onnxruntime's contrib QuantizeLinear/DequantizeLinear have no "
+                          f"{' and '.join(m[0] for m in missing)}, and the model is at opset {opset}; use qdq_domain "
+                          f"ai.onnx (the model is upgraded to opset {max(m[1] for m in missing)}), or "
+                          f"{' and '.join(m[2] for m in missing)}")
 
 
 def calibrates_activations(config: Config) -> bool:
