@@ -57,6 +57,7 @@ class Comparison:
     reference: Comparison | None = None
     ignored: list[str] = field(default_factory=list)  # data arrays that are no model input
     float_quantized: str | None = None  # the quantized ops of a "float" model (arguments swapped?)
+    extended: bool = False  # the quantized model holds onnxq's extended ops (qdq-ext): no default session loads it
     # An LLM decoder on token windows: next-token perplexity of float and quantized, and agreement
     next_token: tuple[NextToken, NextToken] | None = None
 
@@ -303,6 +304,7 @@ def compare_models(
     result.reference = results.get("reference") if "deployed" in results else None
     result.ignored = sorted(source.ignored)
     result.float_quantized = _quantized_ops(float_proto)
+    result.extended = extended
     if tokens is not None and tokens["float"].tokens:
         result.next_token = (tokens["float"], tokens["deployed" if "deployed" in tokens else "reference"])
     return result
@@ -379,10 +381,16 @@ def _format_figures(c: Comparison, label: str) -> list[str]:
     return lines
 
 
+# How a qdq-ext model runs: its extended ops from onnxq.runtime, every other op onnxruntime's.
+EXTENDED_SESSION = "onnxq.runtime, stock kernels elsewhere"
+
+
 def format_comparison(c: Comparison) -> str:
     """Deployed figures first; reference-kernel figures labelled as such."""
     what = ("default onnxruntime session (deployed kernels)" if c.kernels == "deployed"
             else "reference kernels (no fused int8 kernels: not what a default session runs)")
+    if c.extended and c.kernels == "deployed":
+        what = f"session with onnxq's extended ops registered ({EXTENDED_SESSION})"
     lines = [f"compared on {c.samples} samples, quantized model in a {what}"]
     lines += _format_figures(c, "")
     if c.next_token is not None:

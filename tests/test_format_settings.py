@@ -15,6 +15,7 @@ from helpers import run, sqnr_db
 import onnxq
 from onnxq.cli import main
 from onnxq.config.spec import DType, QuantFormat, Target
+from onnxq.evaluate import compare_models, format_comparison
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "digits_cnn.onnx"
@@ -101,3 +102,18 @@ def test_convert_refuses_extended_ops(tmp_path, capsys):
         _one_error_line(capsys, main(["convert", str(ext), str(out), "--to", to]), "OnnxqQuantizeDequantize",
                         "--format qdq")
         assert not out.exists()
+
+
+def test_qdq_ext_figures_say_how_the_model_ran(tmp_path):
+    """No default session loads a qdq-ext model: the check and compare said one did."""
+    config = onnxq.compose_config("U8S8", None, {"quant_format": "qdq-ext", "global_quant_config": {
+        "input_tensors": {"dtype": "int8", "bits": 6}, "output_tensors": {"dtype": "int8", "bits": 6}}})
+    out = tmp_path / "ext.onnx"
+    result = onnxq.quantize(MODEL, out, config, str(DATA), progress=False)
+    line = result.summary.fidelity.line()
+    assert "extended ops registered" in line and "default onnxruntime session" not in line
+    assert result.summary.fidelity.sqnr_db > 20  # measured 26.7 dB
+    text = format_comparison(compare_models(MODEL, out, str(DATA), max_samples=32))
+    assert "extended ops registered" in text.splitlines()[0]
+    plain = onnxq.quantize(MODEL, tmp_path / "plain.onnx", "U8S8", str(DATA), progress=False)
+    assert "default onnxruntime session" in plain.summary.fidelity.line()

@@ -11,6 +11,7 @@ were calibrated on, so they flatter held-out data a little.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from onnxq.calibrate.access import Access, data_access, refusal
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.calibrate.decoder import PRESENT
 from onnxq.evaluate import (
+    EXTENDED_SESSION,
     cosine,
     deployed_options,
     imports_extended,
@@ -57,11 +59,13 @@ class Fidelity:
     sqnr_db: float
     cosine: float
     top1_agreement: float | None
+    extended: bool = False  # a qdq-ext model: its extended ops ran through onnxq.runtime
 
     def line(self) -> str:
         which = f"worst of {self.outputs} outputs, '{self.output}'" if self.outputs > 1 else f"output '{self.output}'"
         top1 = f", top-1 agreement {self.top1_agreement:.0%}" if self.top1_agreement is not None else ""
-        return (f"check on {self.samples} calibration samples (default onnxruntime session): {which}: "
+        session = f"extended ops registered: {EXTENDED_SESSION}" if self.extended else "default onnxruntime session"
+        return (f"check on {self.samples} calibration samples ({session}): {which}: "
                 f"SQNR {self.sqnr_db:.1f} dB, cosine {self.cosine:.4f}{top1}")
 
     def warning(self) -> str | None:
@@ -199,10 +203,12 @@ def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSourc
 
 def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs: list[InputSpec],
                   session: ort.InferenceSession, data: CalibrationSource, samples: int,
-                  providers: list[str]) -> Fidelity | str | None:
+                  providers: list[str], extended: bool = False) -> Fidelity | str | None:
     """The emitted model (open in `session`) against the user's float model (`source`,
     opened only now: the float weights the pipeline loaded are gone, so the check adds one
-    float session to the quantized model, not two copies) on the first `samples` samples."""
+    float session to the quantized model, not two copies) on the first `samples` samples;
+    `extended`: the emitted model holds onnxq's extended ops (the figures say how it ran)."""
     float_model = source.SerializeToString() if isinstance(source, onnx.ModelProto) else source
     reference = float_reference(float_model, inputs, data, samples, providers)
-    return None if reference is None else measure(session, reference)
+    checked = None if reference is None else measure(session, reference)
+    return dataclasses.replace(checked, extended=extended) if isinstance(checked, Fidelity) else checked

@@ -13,6 +13,7 @@ from onnxq.config.spec import Config
 from onnxq.emit.fidelity import check_outputs, samples_to_check
 from onnxq.emit.latency import measure_latency
 from onnxq.emit.loadcheck import prepacks
+from onnxq.evaluate import imports_extended
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.notes import Note, Topic, notes
 from onnxq.optimize.runner import run_algorithms
@@ -87,7 +88,7 @@ def run_pipeline(
     if session is not None and samples:
         with summary.stage("check"):
             checked = check_outputs(source, model_inputs(model), session, settings.data, samples,
-                                    options.providers)
+                                    options.providers, imports_extended(model))
         if isinstance(checked, str):
             summary.notes.append(Note(Topic.CHECK, checked))
         elif checked is not None:
