@@ -117,3 +117,29 @@ def test_qdq_ext_figures_say_how_the_model_ran(tmp_path):
     assert "extended ops registered" in text.splitlines()[0]
     plain = onnxq.quantize(MODEL, tmp_path / "plain.onnx", "U8S8", str(DATA), progress=False)
     assert "default onnxruntime session" in plain.summary.fidelity.line()
+
+
+def test_reasons_for_float_nodes_name_the_real_cause(tmp_path):
+    """A Relu after an MX (block format) Conv was said to follow a Conv whose "input is not
+    quantized"; a constant embedding table the config keeps float was "non-constant data"."""
+    mx = tmp_path / "mx.yaml"
+    mx.write_text("quant_format: qdq-ext\nlayer_type_quant_config:\n"
+                  "  Conv: {input_tensors: {dtype: mxint8}, weight: {dtype: mxint8}}\n")
+    config = onnxq.compose_config(None, str(mx))
+    result = onnxq.quantize(MODEL, tmp_path / "mx.onnx", config, str(DATA), progress=False)
+    relus = [why for op, why in result.summary.float_nodes.values() if op == "Relu"]
+    assert relus and all("lowered as block format" in why for why in relus), relus
+
+    rng = np.random.default_rng(0)
+    table = onnx.numpy_helper.from_array(rng.standard_normal((50, 16)).astype(np.float32), "table")
+    w = onnx.numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["table", "ids"], ["e"], name="embed"),
+         onnx.helper.make_node("MatMul", ["e", "w"], ["y"], name="mm")], "g",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["N"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 8])], [table, w])
+    path = tmp_path / "embed.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), path)
+    config = onnxq.compose_config("W8_DYNAMIC", None, {"layer_type_quant_config": {"Gather": {"weight": {"dtype": "float32"}}}})
+    result = onnxq.quantize(path, tmp_path / "embed.q.onnx", config, None, progress=False)
+    assert "kept float by the config" in result.summary.float_nodes["embed"][1], result.summary.float_nodes

@@ -56,6 +56,9 @@ def _unfused(node: ir.Node, draft: Draft) -> str:
     tail = f"and a {node.op_type} is quantized only with the op it follows"
     if producer is None or producer.name not in draft.quantized_nodes:
         return f"{before} stays float, {tail}"
+    if value.name not in draft.tensors and producer.name in draft.lowered:
+        how = draft.lowered[producer.name].strategy.replace("_", " ")
+        return f"{before} is lowered as {how}, whose output stays float, {tail}"
     if value.name not in draft.tensors:
         cfg = resolve_node_config(draft.config, producer.name or "", producer.op_type)
         why = "no output spec in the config" if cfg is None or cfg.output_tensors is None else \
