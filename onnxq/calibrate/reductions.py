@@ -1,8 +1,9 @@
 """The nodes that reduce a statistic of a tensor inside the calibration session
 (`statistics.py` says what each statistic is and why it is reduced there): ReduceMin /
-ReduceMax for ranges, float32 sums per sample then double across samples for means (by
-GlobalAveragePool for images of fixed size, which runs on onnxruntime's blocked layout),
-and MatMuls with 0/1 tap matrices for a convolution's window means (`tap_nodes`)."""
+ReduceMax for ranges, float32 sums per sample for means (by GlobalAveragePool for images
+of fixed size, which runs on onnxruntime's blocked layout) and MatMuls with 0/1 tap
+matrices for a convolution's window means (`tap_nodes`); the few numbers per sample these
+leave are summed over the samples in numpy (`statistics.py`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def _suffix(stat: Statistic) -> str:
     return f"__onnxq_{stat.reduce}_{stat.axis}{geometry}".replace("-", "m")
 
 
+# The name ending of a mean's per-sample sums, which the session returns to be summed over
+# the samples in numpy (`_sum_nodes`).
+EACH = "_each"
 _SUMMABLE = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
@@ -78,8 +82,8 @@ def reduction_nodes(value: ir.Value, stat: Statistic, opset: int) -> tuple[list[
 
 @dataclass(frozen=True)
 class Taps:
-    """Window sums reduced inside the session (`tap_nodes`): the nodes, their outputs (the
-    batch's sums [C, taps...] and the tensor's shape), and the number of output positions."""
+    """Window sums reduced inside the session (`tap_nodes`): the nodes, their output (each
+    sample's sums [N, C, taps...]), and the number of output positions."""
 
     nodes: list[ir.Node]
     outputs: list[ir.Value]
@@ -89,15 +93,22 @@ class Taps:
         """[C, prod(kernel)] as `ConvGeometry.window_means` gives them, from the sums."""
         return sums.reshape(len(sums), -1).astype(np.float64) / max(self.positions, 1)
 
+    @staticmethod
+    def total(each: np.ndarray) -> tuple[np.ndarray, int]:
+        """The batch's window sums [C, taps...] in float32 from each sample's [N, C, taps...],
+        and the samples they count."""
+        return each.sum(axis=0, dtype=np.float32), len(each)
+
 
 def tap_nodes(value: ir.Value, stat: Statistic, opset: int) -> Taps | None:
     """A `windows` statistic of a 1-d or 2-d convolution's input reduced inside the session
     where its spatial size is known: the last axis contracted with its 0/1 tap matrix
     (`ConvGeometry.reads`) by a MatMul on the right, the one before it by a MatMul on the
     left (no transpose: onnxruntime's Transpose of the small result took 0.97 s of a
-    MobileNet-v1 calibration), then the samples summed. A batch comes back as C x taps
-    numbers, not the C x positions image whose contraction in numpy took 0.2 s of
-    MobileNet-v1's 2.1 s quantize. None: the ReduceSum over the samples (`_sum_nodes`)."""
+    MobileNet-v1 calibration). A batch comes back as N x C x taps numbers, summed over the
+    samples in numpy (`Taps.total`), not the C x positions image whose contraction in numpy
+    took 0.2 s of MobileNet-v1's 2.1 s quantize. None: the ReduceSum over the samples
+    (`_sum_nodes`)."""
     shape = value.shape
     if (stat.window is None or shape is None or len(shape) not in (3, 4) or stat.axis % len(shape) != 1
             or value.dtype not in _SUMMABLE or not all(isinstance(d, int) for d in shape[2:])):
@@ -119,17 +130,16 @@ def tap_nodes(value: ir.Value, stat: Statistic, opset: int) -> Taps | None:
     if len(matrices) == 2:  # [taps, H] @ [N, C, H, W]: [N, C, taps, W]
         product(name + "_rows", matrices[0], left=True)
     product(name + "_columns", matrices[-1].T, left=False)  # [..., W] @ [W, taps]
-    counted = source  # [N, C, taps...]: the samples' count, without the image's layout
-    nodes += _reduce("ReduceSum", source, [0], 0, name, opset)
-    total = nodes[-1].outputs[0]
-    nodes.append(_shape(counted, name))
-    return Taps(nodes, [total, nodes[-1].outputs[0]], positions)
+    # [N, C, taps...] comes back, each sample's window sums, summed over the samples in numpy
+    # (`Taps.total`) where a ReduceSum and a Shape per tensor and batch cost more than that
+    return Taps(nodes, [source], positions)
 
 
 def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
                opset: int) -> tuple[list[ir.Node], list[ir.Value]] | None:
     """A mean's batch sum (module doc): per sample in float32 over `axes` but the first, then
-    over the first in double; for windows, the sum over the samples (axis 0) in float32."""
+    over the first in double (in numpy, where a per-sample sum was taken here: its one
+    output is then those sums); for windows, the sum over the samples (axis 0) in float32."""
     if value.dtype not in _SUMMABLE:
         return None
     nodes = _float32(value, name)
@@ -144,12 +154,18 @@ def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
             # every sample has the same positions, the size being fixed): GlobalAveragePool
             # runs on onnxruntime's blocked layout, where ReduceSum, and a Shape of the
             # image, made the Conv before them reorder their output
-            nodes.append(ir.node("GlobalAveragePool", [source], name=name + "_each",
-                                 outputs=[ir.Value(name=name + "_each")]))
+            nodes.append(ir.node("GlobalAveragePool", [source], name=name + EACH,
+                                 outputs=[ir.Value(name=name + EACH)]))
             source = counted = nodes[-1].outputs[0]
         elif len(axes) > 1:  # positions of each sample in float32: thousands of terms, not the data
-            nodes += _reduce("ReduceSum", source, axes[1:], 1, name + "_each", opset)
+            nodes += _reduce("ReduceSum", source, axes[1:], 1, name + EACH, opset)
             source = nodes[-1].outputs[0]
+        if nodes and source is not value and value.dtype != ir.DataType.DOUBLE:
+            # each sample's sums come back (`EACH`), a few numbers per channel, summed over the
+            # samples in double in numpy (`statistics.per_sample_sum`): a Cast and a ReduceSum
+            # per tensor and batch were a fifth of MobileNet-v1's calibration pass
+            nodes.append(_shape(counted, name))
+            return nodes, [source, nodes[-1].outputs[0]]
         if value.dtype != ir.DataType.DOUBLE:
             nodes.append(_cast(source, ir.DataType.DOUBLE, name + "_f64"))
             source = nodes[-1].outputs[0]

@@ -36,7 +36,7 @@ from typing import Literal
 import numpy as np
 import onnx_ir as ir
 
-from onnxq.calibrate.reductions import Taps, reduction_nodes, tap_nodes
+from onnxq.calibrate.reductions import EACH, Taps, reduction_nodes, tap_nodes
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.layout import ConvGeometry
 from onnxq.parallel import ordered_map
@@ -199,6 +199,13 @@ class Accumulator:
         return acc
 
 
+def per_sample_sum(sums: np.ndarray, axis: int) -> np.ndarray:
+    """The sum in double over the samples of each sample's float32 sums ([N, ..., C at
+    `axis`, ...], the other axes of size 1), as the session's Cast and ReduceSum gave it."""
+    axis %= sums.ndim
+    return sums.astype(np.float64).sum(axis=tuple(i for i in range(sums.ndim) if i != axis))
+
+
 def _count(stat: Statistic, got: Mapping[str, np.ndarray], names: list[str]) -> int:
     """Elements per reduced value in one batch, from the shape output of a sum."""
     if len(names) < 2:
@@ -248,10 +255,13 @@ class StatisticsSet:
         """Fold in batch number `index` (its global position in the calibration data)."""
         for stat, names in self.in_session.items():
             if stat in self.taps:
-                self.accumulators[stat].add_reduced(self.taps[stat].means(got[names[0]]), _count(stat, got, names),
-                                                    index)
+                total, count = self.taps[stat].total(got[names[0]])
+                self.accumulators[stat].add_reduced(self.taps[stat].means(total), count, index)
             elif stat.reduce == "windows":
                 self.accumulators[stat].add_windows(got[names[0]], _count(stat, got, names), index)
+            elif stat.reduce == "mean" and names[0].endswith(EACH):
+                self.accumulators[stat].add_reduced(per_sample_sum(got[names[0]], stat.axis),
+                                                    _count(stat, got, names), index, owned=True)
             else:
                 self.accumulators[stat].add_reduced(got[names[0]], _count(stat, got, names), index)
         for stat, tensor in self.whole.items():
