@@ -182,6 +182,6 @@ def format_mixed_precision(m: MixedPrecisionSummary) -> list[str]:
         by_rung = Counter(p.rung for p in m.promotions)
         lines.append("  promoted: " + ", ".join(f"{n} to {r}" for r, n in sorted(by_rung.items())) + ": "
                      + ", ".join(p.node for p in m.promotions[:6]) + (", ..." if len(m.promotions) > 6 else ""))
-        lines.append(f"  promotion cost: size {_mb(m.size_before)} -> {_mb(m.size_after)}, latency (batch 1) "
+        lines.append(f"  promotion cost: weights {_mb(m.size_before)} -> {_mb(m.size_after)}, latency (batch 1) "
                      f"{m.latency_ms_before:.2f} -> {m.latency_ms_after:.2f} ms")
     return lines

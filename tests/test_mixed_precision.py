@@ -21,6 +21,8 @@ from onnxq.search import parse_target
 from onnxq.search.bisect import bisect_promotions
 from onnxq.search.ladder import with_promotions
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _data(model: onnx.ModelProto, n: int, seed: int) -> dict[str, np.ndarray]:
     return stack_feeds(random_feeds(model, n, seed))
@@ -389,3 +391,72 @@ def test_the_result_holds_the_config_the_search_chose(tmp_path):
     again = onnxq.quantize(str(models / "digits_cnn.onnx"), None, result.config, str(models / "digits_calib.npz"),
                            progress=False)
     assert again.model.SerializeToString() == result.model.SerializeToString()
+
+
+def test_the_int16_rung_leaves_an_embedding_table_alone(tmp_path):
+    """An embedding Gather's only quantized input is its constant table: raised to int16 it
+    doubled the table (MiniLM +11.9 MB) while the summary said the override had no effect.
+    The rung skips it, in the search and in what a search returns."""
+    import onnx.helper as oh
+    import onnx.numpy_helper as nh
+
+    from onnxq.config import get_preset
+    from onnxq.search.ladder import effective
+
+    rng = np.random.default_rng(0)
+    table = nh.from_array(rng.standard_normal((64, 16)).astype(np.float32), "table")
+    w = nh.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w")
+    graph = oh.make_graph([oh.make_node("Gather", ["table", "ids"], ["e"], name="embed"),
+                           oh.make_node("MatMul", ["e", "w"], ["y"], name="mm")], "g",
+                          [oh.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["N"])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 8])], [table, w])
+    path = tmp_path / "embed.onnx"
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]), path)
+    ids = {"ids": rng.integers(0, 64, (32, 5)).astype(np.int64)}
+    result = quantize(path, tmp_path / "q.onnx", "S8S8", ids, progress=False)
+    assert effective({"embed": "int16", "mm": "int16"}, result.plan) == {"mm": "int16"}
+    wide = quantize(path, tmp_path / "r.onnx", with_promotions(get_preset("S8S8"), {"embed": "int16"}), ids,
+                    progress=False)
+    assert wide.summary.size_after > result.summary.size_after  # what the rung did to the table
+
+
+@pytest.mark.parametrize("target, evaluate, words", [
+    ("top1>=float-1", lambda session: 1.0, ["evaluate= is given", "custom>=float-1"]),
+    ("custom>=float-1", None, ["names no metric", "evaluate=fn"]),
+    ("custom>=float-1", lambda session: None, ["returned None"]),
+    ("custom>=float-1", lambda session: float("nan"), ["returned nan"]),
+    ("custom>=float-1", lambda session: "x", ["returned 'x'"]),
+    ("custom>=float-1", lambda session: np.zeros(3), ["array of shape (3,)"]),
+])
+def test_evaluate_and_the_target_metric_agree(tmp_path, target, evaluate, words):
+    """evaluate= beside a built-in metric was never called, without a word; a custom target
+    without it, or a score that is no number, gave raw TypeErrors or misleading errors."""
+    config = compose_config("U8S8")
+    config.mixed_precision.target = target
+    config.mixed_precision.eval_data = str(ROOT / "models" / "digits_eval.npz")
+    with pytest.raises(ConfigError) as info:
+        quantize(ROOT / "models" / "digits_cnn.onnx", tmp_path / "q.onnx", config,
+                 str(ROOT / "models" / "digits_calib.npz"), evaluate=evaluate, progress=False)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_an_unmet_target_is_said_under_quiet(tmp_path, capsys):
+    """--quiet printed nothing and exit 0 left a pipeline no way to see the miss."""
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", str(ROOT / "models" / "digits_cnn.onnx"), str(out), "--calib-data",
+                 str(ROOT / "models" / "digits_calib.npz"), "--eval-data", str(ROOT / "models" / "digits_eval.npz"),
+                 "--accuracy-target", "sqnr>=200", "--ladder", "int16", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and "NOT met" in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert out.exists()
+
+
+def test_slower_than_float_names_the_all_quantized_model_when_raising_did_not_slow_it():
+    from onnxq.search.driver import slower_than_float
+
+    kernels = slower_than_float({"conv": "int8"}, after_ms=0.81, float_ms=0.46, before_ms=1.13)
+    assert kernels is not None and "all-quantized model is slower already" in kernels.text
+    raised = slower_than_float({"conv": "int16"}, after_ms=1.9, float_ms=0.43, before_ms=0.5)
+    assert raised is not None and "raised to int16" in raised.text

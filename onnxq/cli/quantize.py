@@ -4,6 +4,7 @@ saved (one shard or all of them) for `quantize --stats`."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from onnxq.cli.arguments import check_counts
 from onnxq.cli.flags import add_config_flags, spec_overrides
@@ -68,6 +69,10 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             print(f"  config written to {args.save_config}")
         if args.report:
             print(f"  report written to {args.report}")
+    elif (mp := result.summary.mixed_precision) is not None and not mp.met:
+        # the one line --quiet keeps: a pipeline must see that the model it got misses the target
+        print(f"onnxq: warning: accuracy target {mp.target} NOT met on {mp.scored_on} (final {mp.final_score:.4g}, "
+              f"float {mp.float_score:.4g}); the best model found was written", file=sys.stderr)
     return 0
 
 

@@ -115,16 +115,24 @@ def _progress_bar(progress: bool | None, layers: int) -> Any:
                 total=max(1, layers).bit_length() + 2)
 
 
-def slower_than_float(promotions: dict[str, str], after_ms: float, float_ms: float) -> Note | None:
+def slower_than_float(promotions: dict[str, str], after_ms: float, float_ms: float,
+                      before_ms: float | None = None) -> Note | None:
     """A warning where the model the target needed runs slower than float (batch 1), with
     the likely cause: layers raised to int16, which onnxruntime's CPU runs as float ops
-    between Q/DQ (a ResNet-20 with 37 layers at int16: 1.90 against float's 0.43 ms)."""
+    between Q/DQ (a ResNet-20 with 37 layers at int16: 1.90 against float's 0.43 ms); or,
+    where raising made it no slower than the all-quantized model (`before_ms`), that model
+    itself (ResNet-20 W4A8: int4 convolutions have no CPU kernel, 1.13 -> 0.81 ms raised)."""
     if not promotions or after_ms <= max(FASTER_THAN_FLOAT * float_ms, float_ms + SAME_TIME_MS):
         return None
     int16 = sum(rung == "int16" for rung in promotions.values())
-    why = (f"{int16} layer{'' if int16 == 1 else 's'} raised to int16 run{'s' if int16 == 1 else ''} as float ops between Q/DQ (no int16 kernels on the CPU); "
-           "--ladder without int16 raises layers to float instead" if int16 else
-           "the raised layers add Q/DQ boundaries")
+    if before_ms is not None and after_ms <= max(FASTER_THAN_FLOAT * before_ms, before_ms + SAME_TIME_MS):
+        why = (f"the all-quantized model is slower already ({before_ms:.2f} ms; raising layers did not slow it): "
+               "its kernels, not the raised layers")
+    elif int16:
+        why = (f"{int16} layer{'' if int16 == 1 else 's'} raised to int16 run{'s' if int16 == 1 else ''} as float "
+               "ops between Q/DQ (no int16 kernels on the CPU); --ladder without int16 raises layers to float instead")
+    else:
+        why = "the raised layers add Q/DQ boundaries"
     return Note(Topic.WARNING, f"warning: the model the target needed runs slower than float at batch 1 "
                 f"({after_ms:.2f} against {float_ms:.2f} ms): {why}")
 
@@ -254,11 +262,12 @@ def quantize_to_target(
         latency_ms_after=after_ms,
         seconds=time.perf_counter() - start,
         config=final_config,
-        scored_on="the eval data" if mp.eval_data is not None else "the calibration data",
+        scored_on=("the eval data" if mp.eval_data is not None else
+                   "the custom evaluate" if evaluate is not None else "the calibration data"),
     )
     result.config = final_config  # what ran: the report's settings, --save-config
     result.summary.notes.extend(notes(Topic.SEARCH, said))
-    if (slower := slower_than_float(outcome.promotions, after_ms, float_ms)) is not None:
+    if (slower := slower_than_float(outcome.promotions, after_ms, float_ms, before_ms)) is not None:
         result.summary.notes.append(slower)
     result.summary.rest_as("search", time.perf_counter() - start)
     if not result.summary.mixed_precision.met:

@@ -51,10 +51,22 @@ def effective(promotions: Mapping[str, str], plan: QuantPlan) -> dict[str, str]:
     """`promotions` less those that would not raise the node: int8 for a node without
     narrow weights (its weights are 8-bit already, or it has none), and int16 for a node
     that reads float inputs already (`plan.float_inputs`: a MatMul whose per-group weight
-    no integer kernel pairs with int8 inputs), where 16-bit inputs would lower them."""
+    no integer kernel pairs with int8 inputs), where 16-bit inputs would lower them, or that
+    reads only constants (`constant_only_nodes`)."""
     narrow = narrow_weight_nodes(plan)
+    tables = constant_only_nodes(plan)
     return {node: rung for node, rung in promotions.items()
-            if (rung != "int8" or node in narrow) and (rung != "int16" or node not in plan.float_inputs)}
+            if (rung != "int8" or node in narrow)
+            and (rung != "int16" or (node not in plan.float_inputs and node not in tables))}
+
+
+def constant_only_nodes(plan: QuantPlan) -> set[str]:
+    """The nodes whose quantized inputs are all constants (an embedding Gather's table):
+    the int16 rung would widen the table, a weight in all but name (MiniLM's word
+    embeddings: +11.9 MB), and no activation."""
+    reads = {kind: {use[0] for t in plan.tensors.values() if t.kind is kind for use in t.consumers}
+             for kind in (Kind.CONSTANT, Kind.ACTIVATION)}
+    return reads[Kind.CONSTANT] - reads[Kind.ACTIVATION]
 
 
 def rung_opset(ladder: list[str]) -> int:

@@ -94,15 +94,36 @@ def _cosine(ref: np.ndarray, out: np.ndarray) -> float:
     return float(np.mean(cos))
 
 
+def _checked(evaluate: Evaluate) -> Evaluate:
+    """`evaluate` whose every score must be one finite number (None, NaN, a string or an
+    array gave raw TypeErrors or a misleading "relative target" error)."""
+    def score(session: ort.InferenceSession) -> float:
+        got = evaluate(session)
+        try:
+            value = float(got)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or not math.isfinite(value) or isinstance(got, bool):
+            shown = repr(got) if not isinstance(got, np.ndarray) else f"an array of shape {got.shape}"
+            raise ConfigError(f"evaluate= returned {shown[:80]}; it must return one finite number per model (a "
+                              "float: higher is better for >=, lower for <=)")
+        return value
+
+    return score
+
+
 def scorer(target: AccuracyTarget, evalset: EvalSet, evaluate: Evaluate | None) -> Evaluate:
     """The function that scores a session for `target`."""
     metric = target.metric
     if evaluate is not None and metric in (None, "custom"):
-        return evaluate
+        return _checked(evaluate)
+    if evaluate is not None:  # scored otherwise, it would be called never, without a word
+        raise ConfigError(f"evaluate= is given, but accuracy target {target.describe()!r} scores {metric}: write "
+                          f"custom{target.describe().removeprefix(metric)} to score with evaluate, or leave it out")
     if metric in (None, "custom"):
         given = target.describe().removeprefix("custom").removeprefix(">=")
         raise ConfigError(f"accuracy target {given!r} names no metric: write one in it (top1>={given}) or give "
-                          "--metric top1|cosine|sqnr (from Python, evaluate=fn scores a custom metric)")
+                          "--metric top1|cosine|sqnr; a custom metric needs quantize(..., evaluate=fn) from Python")
     if metric == "top1":
         if evalset.labels is None:
             raise CalibrationDataError("metric top1 needs labels: an --eval-data .npz holding a "
