@@ -460,3 +460,34 @@ def test_slower_than_float_names_the_all_quantized_model_when_raising_did_not_sl
     assert kernels is not None and "all-quantized model is slower already" in kernels.text
     raised = slower_than_float({"conv": "int16"}, after_ms=1.9, float_ms=0.43, before_ms=0.5)
     assert raised is not None and "raised to int16" in raised.text
+
+
+def test_cosine_and_sqnr_targets_score_the_positions_the_mask_keeps(tmp_path):
+    """A per-position output was scored over padding too (MiniLM S8S8: 8.9 dB over every
+    position, 12.8 over the kept ones), so the search raised layers for outputs nobody
+    reads; the output check already left them out."""
+    import onnx.helper as oh
+    import onnxruntime as ort
+
+    from onnxq.search.target import EvalSet, _cosine, _sqnr
+
+    graph = oh.make_graph([oh.make_node("Cast", ["attention_mask"], ["m"], to=onnx.TensorProto.FLOAT),
+                           oh.make_node("Unsqueeze", ["m", "axis"], ["m3"]),
+                           oh.make_node("Mul", ["x", "m3"], ["y"])], "g",
+                          [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 4, 3]),
+                           oh.make_tensor_value_info("attention_mask", onnx.TensorProto.INT64, ["N", 4])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 4, 3])],
+                          [onnx.numpy_helper.from_array(np.array([-1], np.int64), "axis")])
+    path = tmp_path / "m.onnx"
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]), path)
+    rng = np.random.default_rng(0)
+    mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]] * 3, np.int64)
+    data = {"x": rng.standard_normal((6, 4, 3)).astype(np.float32), "attention_mask": mask}
+    session = ort.InferenceSession(str(path))
+    evalset = EvalSet(data, None, None, batch_size=4)
+    evalset.reference = evalset.first_output(session)
+    kept = evalset.positions(session)
+    np.testing.assert_array_equal(kept, mask != 0)
+    noisy = evalset.reference + np.where(kept[..., None], 0.0, 100.0).astype(np.float32)  # padding moved far
+    assert _sqnr(evalset.reference, noisy, kept) == float("inf") and _sqnr(evalset.reference, noisy, None) < 0
+    assert _cosine(evalset.reference, noisy, kept) == pytest.approx(1.0)
