@@ -139,6 +139,15 @@ def test_layers_alone_lose_less_than_with_their_prefix(chain):
     assert analysis.outputs[0].sqnr_db > 15
 
 
+def test_models_given_the_wrong_way_round_get_the_note_compare_gives(chain):
+    """Quantized first, float second gave "0 of 0" layers and nothing to say why."""
+    path, quant, model = chain
+    analysis = analyze_models(quant, path, _data(model, 4, 3), progress=False)
+    assert analysis.layers == [] and "taken as the float one, is quantized" in analysis.notes[0]
+    assert not any("taken as the float one" in n for n in analyze_models(path, quant, _data(model, 4, 3),
+                                                                          progress=False).notes)
+
+
 def test_the_layer_made_coarse_ranks_first(tmp_path):
     model = deep_chain(seed=3)
     path = tmp_path / "m.onnx"

@@ -38,7 +38,7 @@ from onnxq.calibrate.session import check_providers, exposed_session, run_on_dat
 from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
-from onnxq.graph.quantized import integer_kernel
+from onnxq.graph.quantized import describe, integer_kernel, quantized_ops
 from onnxq.graph.save import write_text_atomic
 
 ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model
@@ -156,6 +156,7 @@ def analyze_models(
     data = decoder_feeds(float_model, data, providers, decode_steps=0)  # an LLM's token windows: its full feeds
     quant = read_model(quant_model)
     reference = _float_reference(float_model, quant, normalised)
+    swapped = None if normalised else quantized_ops(reference)  # before the isolated layers are added to it
     float_values = values_by_name(reference.graph)
     quantized = [] if layers_only else quantized_activations(quant)
     activations = [a for a in quantized if a.name in float_values]
@@ -177,6 +178,9 @@ def analyze_models(
                         "equalization, SmoothQuant or AWQ), so their tensors differ from the float model's by "
                         "those factors: the per-layer and per-tensor figures measure the rescaling too; the "
                         "output figures do not")
+    if swapped:  # as `compare` says it
+        notes.insert(0, f"the first model, taken as the float one, is quantized ({describe(swapped)}): give the "
+                        "float model first, then the quantized one")
     missing = len(quantized) - len(activations)
     if missing:
         notes.append(f"{missing} quantized tensors have no tensor of the same name in the float model "
