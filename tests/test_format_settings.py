@@ -143,3 +143,31 @@ def test_reasons_for_float_nodes_name_the_real_cause(tmp_path):
     config = onnxq.compose_config("W8_DYNAMIC", None, {"layer_type_quant_config": {"Gather": {"weight": {"dtype": "float32"}}}})
     result = onnxq.quantize(path, tmp_path / "embed.q.onnx", config, None, progress=False)
     assert "kept float by the config" in result.summary.float_nodes["embed"][1], result.summary.float_nodes
+
+
+def test_a_static_calibration_method_beside_dynamic_matmuls_is_kept(tmp_path):
+    """Entropy calibration for the static layers, dynamic Gemm: the method is theirs."""
+    config = {"global_quant_config": {"input_tensors": {"dtype": "uint8", "calib_method": "entropy"},
+                                      "weight": {"dtype": "int8"}},
+              "layer_type_quant_config": {"Gemm": {"input_tensors": {"is_dynamic": True}}}}
+    out = tmp_path / "q.onnx"
+    onnxq.quantize(MODEL, out, config, str(DATA), progress=False)
+    assert _ops(out)["DynamicQuantizeLinear"] >= 1
+
+
+def test_bias_correction_of_a_float16_gemm(tmp_path):
+    """A float16 [N, C] input's mean came back unsummed over the samples, and bias
+    correction failed on its shape."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((24, 32)) / 6).astype(np.float16)
+    b = rng.normal(0, .1, 24).astype(np.float16)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="gemm", transB=1)], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT16, ["N", 32])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT16, ["N", 24])],
+        [onnx.numpy_helper.from_array(w, "w"), onnx.numpy_helper.from_array(b, "b")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    calib = [{"x": (rng.standard_normal((1, 32)) + 0.5).astype(np.float16)} for _ in range(8)]
+    config = {"global_quant_config": {"weight": {"qscheme": "per_tensor"}}, "algo_config": [{"name": "bias_correction"}]}
+    result = onnxq.quantize(model, None, config, calib, progress=False)
+    assert any("1 of 1 biases corrected" in str(n) for n in result.summary.notes)

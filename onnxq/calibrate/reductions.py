@@ -138,8 +138,8 @@ def tap_nodes(value: ir.Value, stat: Statistic, opset: int) -> Taps | None:
 def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
                opset: int) -> tuple[list[ir.Node], list[ir.Value]] | None:
     """A mean's batch sum (module doc): per sample in float32 over `axes` but the first, then
-    over the first in double (in numpy, where a per-sample sum was taken here: its one
-    output is then those sums); for windows, the sum over the samples (axis 0) in float32."""
+    over the first in double (in numpy, where a per-sample sum was taken here: the outputs
+    are then those sums and the tensor's shape); for windows, the sum over the samples (axis 0) in float32."""
     if value.dtype not in _SUMMABLE:
         return None
     nodes = _float32(value, name)
@@ -160,7 +160,7 @@ def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
         elif len(axes) > 1:  # positions of each sample in float32: thousands of terms, not the data
             nodes += _reduce("ReduceSum", source, axes[1:], 1, name + EACH, opset)
             source = nodes[-1].outputs[0]
-        if nodes and source is not value and value.dtype != ir.DataType.DOUBLE:
+        if source.name is not None and source.name.endswith(EACH):  # a per-sample sum was taken (not a Cast alone)
             # each sample's sums come back (`EACH`), a few numbers per channel, summed over the
             # samples in double in numpy (`statistics.per_sample_sum`): a Cast and a ReduceSum
             # per tensor and batch were a fifth of MobileNet-v1's calibration pass

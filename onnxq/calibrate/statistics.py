@@ -3,11 +3,12 @@
 A pass asks for per-channel reductions of tensors (`Statistic`) instead of streaming the
 data itself; `collect` answers any number of requests, together with the calibration
 observers when asked in the same call, in one streaming pass. Each reduction runs inside
-onnxruntime, so a batch returns C numbers per request (C x taps for `windows`: each tap's
-positions summed by MatMuls with 0/1 matrices, `reductions.tap_nodes`; the image summed over the batch
-where its size is unknown), not the tensor: ReduceMin/ReduceMax over every axis but the channel; for means, a float32
-ReduceSum over each sample's positions, then the [N, C] per-sample sums in double
-(float32 over thousands of positions, not over the whole data; a double copy of every
+onnxruntime, so a batch returns N x C numbers per request (N x C x taps for `windows`: each
+tap's positions summed by MatMuls with 0/1 matrices, `reductions.tap_nodes`; the image summed
+over the batch where its size is unknown), not the tensor: ReduceMin/ReduceMax over every
+axis but the channel; for means, a float32 ReduceSum (or GlobalAveragePool) over each
+sample's positions, then the [N, C] per-sample sums added over the samples in double in
+numpy (float32 over thousands of positions, not over the whole data; a double copy of every
 tensor doubled peak memory on MobileNet, and returning the tensors to sum them in numpy
 cost 120 MB and half of MobileNet's quantize time). Tensors of unknown rank or of a
 non-float type, and Gram matrices, come back whole and are reduced in numpy.

@@ -133,14 +133,18 @@ def _weight_static(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str
 
 def _dynamic_activations(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
     """Dynamic activations are uint8 with their range from each input at run time
-    (onnxruntime's DynamicQuantizeLinear): another type or a calibration setting would be
-    ignored without a word (`--dynamic --activation-type int16` gave uint8)."""
-    if not resolved or tc not in ACTIVATIONS or v["is_dynamic"] is not True:
+    (onnxruntime's DynamicQuantizeLinear): another type (as resolved) or a calibration
+    setting given beside is_dynamic at the same level would be ignored without a word
+    (`--dynamic --activation-type int16` gave uint8). A calibration method inherited from
+    a static level stays allowed: the static layers use it."""
+    if tc not in ACTIVATIONS or v["is_dynamic"] is not True:
         return None
-    if v["dtype"] not in (None, "uint8"):
+    if resolved and v["dtype"] not in (None, "uint8"):
         return (f"dtype {v['dtype']} with dynamic activations",
                 "onnxruntime quantizes them to uint8 at run time: use dtype uint8 (a U8 preset), or static "
                 f"activations for {v['dtype']} (remove --dynamic / is_dynamic)")
+    if resolved:
+        return None
     ignored = [f"{key} {v[key]}" for key in ("percentile", "num_bins") if v[key] not in (None, SPEC_DEFAULTS[key])]
     if v["calib_method"] not in (None, "minmax"):
         ignored.insert(0, f"calib_method {v['calib_method']}")

@@ -107,7 +107,8 @@ def _cosine(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None = None) ->
     """The mean over samples of each sample's cosine, over its `kept` positions where
     given ([samples, positions], True where the attention mask keeps a token)."""
     if kept is not None and kept.size:
-        ref, out = ref * kept[(...,) + (None,) * (ref.ndim - 2)], out * kept[(...,) + (None,) * (out.ndim - 2)]
+        where = kept[(...,) + (None,) * (ref.ndim - 2)]
+        ref, out = np.where(where, ref, 0), np.where(where, out, 0)  # padding's values, inf included, left out
     a = ref.reshape(len(ref), -1).astype(np.float64)
     b = out.reshape(len(out), -1).astype(np.float64)
     den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
@@ -124,7 +125,7 @@ def _checked(evaluate: Evaluate) -> Evaluate:
             value = float(got)
         except (TypeError, ValueError):
             value = None
-        if value is None or not math.isfinite(value) or isinstance(got, bool):
+        if value is None or not math.isfinite(value) or isinstance(got, bool | np.bool_):
             shown = repr(got) if not isinstance(got, np.ndarray) else f"an array of shape {got.shape}"
             raise ConfigError(f"evaluate= returned {shown[:80]}; it must return one finite number per model (a "
                               "float: higher is better for >=, lower for <=)")
