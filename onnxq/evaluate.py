@@ -381,6 +381,17 @@ def _format_figures(c: Comparison, label: str) -> list[str]:
     return lines
 
 
+def kept_positions(mask: Any, leading: tuple[int, ...]) -> np.ndarray | None:
+    """Where an output whose first axes are `leading` ([samples, positions]) is read: the
+    positions a 0/1 `attention_mask` [samples, positions] keeps (padding's outputs go
+    unread, and a quantized model may move them far). None where the mask is not such a
+    mask of those axes (an additive mask, another shape, no mask): every position counts."""
+    if mask is None or np.ndim(mask) != 2 or len(leading) < 3 or tuple(leading[:2]) != np.shape(mask):
+        return None
+    keep = np.asarray(mask)
+    return keep != 0 if np.isin(keep, (0, 1)).all() else None
+
+
 # How a qdq-ext model runs: its extended ops from onnxq.runtime, every other op onnxruntime's.
 EXTENDED_SESSION = "onnxq.runtime, stock kernels elsewhere"
 

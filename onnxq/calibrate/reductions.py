@@ -145,6 +145,7 @@ def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
     nodes = _float32(value, name)
     counted = value
     source = nodes[-1].outputs[0] if nodes else value
+    each = False  # whether a per-sample sum is taken here (not a float32 Cast alone)
     if reduce == "windows":
         nodes += _reduce("ReduceSum", source, [0], 0, name, opset)
     else:
@@ -157,10 +158,12 @@ def _sum_nodes(value: ir.Value, reduce: str, axes: list[int], name: str,
             nodes.append(ir.node("GlobalAveragePool", [source], name=name + EACH,
                                  outputs=[ir.Value(name=name + EACH)]))
             source = counted = nodes[-1].outputs[0]
+            each = True
         elif len(axes) > 1:  # positions of each sample in float32: thousands of terms, not the data
             nodes += _reduce("ReduceSum", source, axes[1:], 1, name + EACH, opset)
             source = nodes[-1].outputs[0]
-        if source.name is not None and source.name.endswith(EACH):  # a per-sample sum was taken (not a Cast alone)
+            each = True
+        if each:
             # each sample's sums come back (`EACH`), a few numbers per channel, summed over the
             # samples in double in numpy (`statistics.per_sample_sum`): a Cast and a ReduceSum
             # per tensor and batch were a fifth of MobileNet-v1's calibration pass

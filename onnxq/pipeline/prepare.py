@@ -102,9 +102,8 @@ def _check_contrib(model: ir.Model, config: Config, target: TargetProfile, opset
     model's opset: blocks (no block_size attribute) and float8 types (no saturate). Planned
     anyway, such tensors fell back to float, a run with nothing quantized and exit 0."""
     plan = plan_quantization(model, with_edges(config, model)[0], {}, target)
-    specs = [t.spec for t in plan.tensors.values()] + [s for t in plan.tensors.values() for s in t.requant.values()]
     needs = [("blocks (per_group weights)", 21, "per-channel weights", any(t.block_size for t in plan.tensors.values())),
-             ("float8 types", 19, "integer types", any(is_float8(s.dtype) for s in specs))]
+             ("float8 types", 19, "integer types", any(is_float8(s.dtype) for s in plan.specs()))]
     missing = [(what, need, other) for what, need, other, used in needs if used and need > opset]
     if missing:
         raise ConfigError(f"qdq_domain com.microsoft: onnxruntime's contrib QuantizeLinear/DequantizeLinear have no "

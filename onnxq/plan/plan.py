@@ -117,10 +117,13 @@ class QuantPlan:
         """The nodes `strategy` lowers, with the spec each was claimed with, in graph order."""
         return {name: low.spec for name, low in self.lowered.items() if low.strategy == strategy}
 
+    def specs(self) -> list[ResolvedSpec]:
+        """Every spec a planned tensor is quantized with, its requantizations' included."""
+        return [t.spec for t in self.tensors.values()] + [s for t in self.tensors.values() for s in t.requant.values()]
+
     def required_opset(self) -> int:
         """The lowest ai.onnx opset whose Q/DQ accept every planned type and granularity."""
-        opsets = [qdq_opset(t.spec.dtype) for t in self.tensors.values()]
-        opsets += [qdq_opset(spec.dtype) for t in self.tensors.values() for spec in t.requant.values()]
+        opsets = [qdq_opset(spec.dtype) for spec in self.specs()]
         opsets += [21 for t in self.tensors.values() if t.block_size]
         return max(opsets, default=13)
 

@@ -122,10 +122,10 @@ def slower_than_float(promotions: dict[str, str], after_ms: float, float_ms: flo
     between Q/DQ (a ResNet-20 with 37 layers at int16: 1.90 against float's 0.43 ms); or,
     where raising made it no slower than the all-quantized model (`before_ms`), that model
     itself (ResNet-20 W4A8: int4 convolutions have no CPU kernel, 1.13 -> 0.81 ms raised)."""
-    if not promotions or after_ms <= max(FASTER_THAN_FLOAT * float_ms, float_ms + SAME_TIME_MS):
+    if not promotions or _no_slower(after_ms, float_ms):
         return None
     int16 = sum(rung == "int16" for rung in promotions.values())
-    if before_ms is not None and after_ms <= max(FASTER_THAN_FLOAT * before_ms, before_ms + SAME_TIME_MS):
+    if before_ms is not None and _no_slower(after_ms, before_ms):
         why = (f"the all-quantized model is slower already ({before_ms:.2f} ms; raising layers did not slow it): "
                "its kernels, not the raised layers")
     elif int16:
@@ -142,6 +142,11 @@ def slower_than_float(promotions: dict[str, str], after_ms: float, float_ms: flo
 # digits model (0.02 ms a run) made a raised layer read as "slower than float".
 FASTER_THAN_FLOAT = 1.03
 SAME_TIME_MS = 0.05
+
+
+def _no_slower(ms: float, than_ms: float) -> bool:
+    """Whether `ms` is no slower than `than_ms`, within the runs' spread and a call's jitter."""
+    return ms <= max(FASTER_THAN_FLOAT * than_ms, than_ms + SAME_TIME_MS)
 
 
 def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:

@@ -25,7 +25,7 @@ from onnxq.calibrate.session import run_on_data
 from onnxq.config.accuracy import AccuracyTarget, parse_target  # noqa: F401 (parse_target: its old home, for importers)
 from onnxq.config.spec import DEFAULT_LABELS
 from onnxq.errors import CalibrationDataError, ConfigError, closest_name
-from onnxq.evaluate import class_labels, session_inputs, sqnr_db
+from onnxq.evaluate import class_labels, kept_positions, session_inputs, sqnr_db
 
 # The score of the float model against itself, for metrics measured against it.
 SELF_SCORE = {"cosine": 1.0, "sqnr": math.inf}
@@ -42,27 +42,20 @@ class EvalSet:
     max_samples: int | None
     batch_size: int = 16
     reference: np.ndarray | None = None
-    kept: np.ndarray | None = None  # positions the cosine and SQNR targets score (`positions`)
 
     def batches(self, session: ort.InferenceSession) -> Iterator[dict[str, np.ndarray]]:
         return iter_batches(self.data, session_inputs(session), self.batch_size, self.max_samples,
                             kind="evaluation")
 
-    def positions(self, session: ort.InferenceSession) -> np.ndarray:
+    def positions(self, session: ort.InferenceSession) -> np.ndarray | None:
         """Where a per-position first output ([samples, positions, ...]) is scored: the
-        positions each sample's 0/1 `attention_mask` keeps, as the output check scores them
-        (padding's outputs go unread, and a quantized model may move them far: MiniLM S8S8
-        8.9 dB over every position, 12.8 dB over the kept ones); empty where the output is
-        not per position or there is no such mask (every position counts)."""
+        tokens each sample's attention mask keeps (`kept_positions`), as the output check
+        scores them (MiniLM S8S8: 8.9 dB over every position, 12.8 dB over the kept ones);
+        None where every position counts."""
         masks = [feed.get("attention_mask") for feed in self.batches(session)]
-        if self.reference is None or self.reference.ndim < 3 or any(m is None or np.ndim(m) != 2 for m in masks):
-            return np.zeros(0, bool)
-        if len({np.shape(m)[1] for m in masks}) != 1:
-            return np.zeros(0, bool)
-        mask = np.concatenate([np.asarray(m) for m in masks])
-        if mask.shape != self.reference.shape[:2] or not np.isin(mask, (0, 1)).all():
-            return np.zeros(0, bool)
-        return mask != 0
+        if self.reference is None or any(np.ndim(m) != 2 for m in masks) or len({np.shape(m)[1] for m in masks}) != 1:
+            return None  # no mask, or batches of different lengths (no one array of outputs either)
+        return kept_positions(np.concatenate([np.asarray(m) for m in masks]), self.reference.shape)
 
     def first_output(self, session: ort.InferenceSession, user_model: bool = False) -> np.ndarray:
         """The first output over the data; with `user_model` (the float model), a batch
@@ -106,7 +99,7 @@ def _top1(out: np.ndarray, labels: np.ndarray) -> float:
 def _cosine(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None = None) -> float:
     """The mean over samples of each sample's cosine, over its `kept` positions where
     given ([samples, positions], True where the attention mask keeps a token)."""
-    if kept is not None and kept.size:
+    if kept is not None:
         where = kept[(...,) + (None,) * (ref.ndim - 2)]
         ref, out = np.where(where, ref, 0), np.where(where, out, 0)  # padding's values, inf included, left out
     a = ref.reshape(len(ref), -1).astype(np.float64)
@@ -153,16 +146,18 @@ def scorer(target: AccuracyTarget, evalset: EvalSet, evaluate: Evaluate | None) 
         return lambda session: _top1(evalset.first_output(session), evalset.labels)
     compare = _cosine if metric == "cosine" else _sqnr
 
+    kept: list[np.ndarray | None] = []  # the eval data's, read on the first call
+
     def score(session: ort.InferenceSession) -> float:
-        if evalset.kept is None:
-            evalset.kept = evalset.positions(session)
-        return compare(evalset.reference, evalset.first_output(session), evalset.kept)
+        if not kept:
+            kept.append(evalset.positions(session))
+        return compare(evalset.reference, evalset.first_output(session), kept[0])
 
     return score
 
 
 def _sqnr(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None) -> float:
-    return sqnr_db(ref, out) if kept is None or not kept.size else sqnr_db(ref[kept], out[kept])
+    return sqnr_db(ref, out) if kept is None else sqnr_db(ref[kept], out[kept])
 
 
 def float_score(target: AccuracyTarget, score: Evaluate, float_session: ort.InferenceSession,
