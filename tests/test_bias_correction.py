@@ -279,6 +279,26 @@ def test_convolutions_of_different_geometry_on_one_tensor():
     assert any(n.startswith("bias_correction: 2 of 2 biases corrected") for n in result.summary.note_texts)
 
 
+def test_padded_convs_read_window_means_alone():
+    """A padded Conv's input is observed for its window means alone (no channel means), over
+    images of a fixed size or of sizes that vary between batches (each batch's window means
+    are taken over its own positions): every bias is corrected either way."""
+    from onnxq.graph.load import load_model
+    from onnxq.optimize.bias_layers import Layer, requests
+
+    nodes = two_conv_model().graph.node
+    inits = {i.name: numpy_helper.to_array(i) for i in two_conv_model().graph.initializer}
+    for shape in (["N", 8, 10, 10], ["N", 8, "H", "W"]):
+        graph = load_model(build(list(nodes), inits, shape))[0].graph
+        layers = [Layer(node, None, node, 2, 1) for node in graph if node.op_type == "Conv"]
+        assert {st.reduce for st in requests(layers)} == {"windows"}
+    model = build(list(nodes), inits, ["N", 8, "H", "W"])
+    rng = np.random.default_rng(4)
+    feeds = [{"x": rng.normal(0.5, 1, (2, 8, size, size)).astype(np.float32)} for size in (10, 12, 10, 14)]
+    result = onnxq.quantize(model, None, per_tensor([{"name": "bias_correction"}]), feeds)
+    assert any(n.startswith("bias_correction: 2 of 2 biases corrected") for n in result.summary.note_texts)
+
+
 def two_conv_model(seed: int = 3) -> onnx.ModelProto:
     """Conv -> Relu -> Conv: the second layer's input mean moves with the first layer's
     rounding noise through the Relu, which only the empirical correction sees."""

@@ -4,6 +4,7 @@ and bias correction's statistics come with the calibration pass (no pass of its 
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from helpers import GraphBuilder, random_feeds, stack_feeds
 
@@ -114,7 +115,6 @@ def test_bounded_image_ranges_read_their_bound_and_the_true_max():
     """A Relu's output and a Clip(0.5, 4)'s reach calibration as [bound, true max] (one
     reduction instead of two); an unbounded tensor as its true [min, max]."""
     import onnx
-    import onnxruntime as ort
 
     from onnxq.calibrate.runner import stream_tensors
 
@@ -146,31 +146,37 @@ def test_bounded_image_ranges_read_their_bound_and_the_true_max():
 
 
 
+@pytest.mark.parametrize("channels", [3, 4])  # MatMuls; Convs of ones (`tap_nodes`)
 @pytest.mark.parametrize("shape, geometry, in_session", [
     (["N", 3, 11], ConvGeometry((3,), (2,), (2,), (1, 2)), True),  # 1-d, dilated, uneven pads
     (["N", 3, 7, 9], ConvGeometry((3, 2), (1, 2), (1, 1), (0, 0, 0, 0), "SAME_UPPER"), True),
     (["N", 3, 7, 9], ConvGeometry((5, 5), (3, 3), (1, 1), (2, 2, 2, 2)), True),  # kernel past the edges
+    (["N", 3, 8, 8], ConvGeometry((3, 3), (2, 2), (1, 1), (1, 1, 1, 1)), True),  # stride 2 (MobileNet's)
+    (["N", 3, 11, 10], ConvGeometry((2, 3), (3, 4), (2, 1), (0, 1, 0, 0)), True),  # more positions than taps
+    (["N", 3, 6, 6], ConvGeometry((3, 3), (1, 1), (1, 1), (4, 0, 0, 4)), True),  # a tap that reads nothing
     (["N", 3, "H", "W"], GEOMETRY, False),  # spatial size unknown: the samples summed, contracted in numpy
 ])
-def test_window_sums_in_the_session_match_numpy(shape, geometry, in_session):
-    """Window means reduced by MatMuls with the tap matrices inside onnxruntime (`tap_nodes`)
+def test_window_sums_in_the_session_match_numpy(shape, geometry, in_session, channels):
+    """Window means reduced by MatMuls or Convs of ones inside onnxruntime (`tap_nodes`)
     equal `ConvGeometry.window_means` of the batch sum in float64; a tensor of unknown
     spatial size takes the ReduceSum path."""
     from onnxq.calibrate.statistics import StatisticsSet
 
     b = GraphBuilder(3)
-    x = b.input("x", shape)
+    x = b.input("x", [shape[0], channels, *shape[2:]])
     model, _ = load_model(b.build([b.node("Relu", [x])], name="windows"))
     spatial = [7, 9] if not in_session else shape[2:]
     rng = np.random.default_rng(0)
-    feeds = [{"x": rng.standard_normal([2, 3, *spatial]).astype(np.float32)} for _ in range(3)]
+    feeds = [{"x": rng.standard_normal([2, channels, *spatial]).astype(np.float32)} for _ in range(3)]
     stat = Statistic("x", "windows", 1, geometry)
     found = collect(model, [stat], feeds, CalibrationConfig(batch_size=2))
     xs = np.concatenate([f["x"] for f in feeds]).astype(np.float64)
     np.testing.assert_allclose(found[stat], geometry.window_means(xs.sum(axis=0)) / len(xs), rtol=1e-5, atol=1e-7)
     requests = StatisticsSet([stat])
-    requests.attach(model)
+    ops = {node.op_type for node in requests.attach(model)[0]}
     assert (stat in requests.taps) == in_session
+    if in_session:
+        assert ops - {"Constant"} == ({"Conv"} if channels == 4 and len(shape) == 4 else {"MatMul"})
 
 
 def test_calibration_batches_keep_a_samples_largest_image_in_cache():
@@ -210,3 +216,23 @@ def test_image_means_of_unknown_size_weigh_every_position():
     requests = StatisticsSet([stat])
     nodes, _, _ = requests.attach(model)
     assert not any(n.op_type == "GlobalAveragePool" for n in nodes)
+
+
+@pytest.mark.parametrize("channels", [24, 32])
+def test_window_sums_of_a_conv_output_on_the_blocked_layout(channels):
+    """Window sums of a Conv's output, where onnxruntime runs the Conv and the Convs of ones
+    on its blocked layout (channels a multiple of the block and not): the same means as the
+    tensor returned whole and reduced in numpy."""
+    b = GraphBuilder(3)
+    x = b.input("x", ["N", 3, 12, 12])
+    relu = b.relu(b.conv(x, 3, channels))
+    proto = b.build([relu], name="blocked")
+    model, _ = load_model(proto)
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.standard_normal([2, 3, 12, 12]).astype(np.float32)} for _ in range(2)]
+    stat = Statistic(relu, "windows", 1, GEOMETRY)
+    found = collect(model, [stat], feeds, CalibrationConfig(batch_size=2))
+    reference = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    outs = np.concatenate([reference.run([relu], f)[0] for f in feeds]).astype(np.float64)
+    assert np.abs(outs).max() > 0
+    np.testing.assert_allclose(found[stat], GEOMETRY.window_means(outs.sum(axis=0)) / len(outs), rtol=1e-5, atol=1e-7)

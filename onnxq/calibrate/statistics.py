@@ -4,7 +4,7 @@ A pass asks for per-channel reductions of tensors (`Statistic`) instead of strea
 data itself; `collect` answers any number of requests, together with the calibration
 observers when asked in the same call, in one streaming pass. Each reduction runs inside
 onnxruntime, so a batch returns N x C numbers per request (N x C x taps for `windows`: each
-tap's positions summed by MatMuls with 0/1 matrices, `reductions.tap_nodes`; the image summed
+tap's positions summed by depthwise Convs of ones, `reductions.tap_nodes`; the image summed
 over the batch where its size is unknown), not the tensor: ReduceMin/ReduceMax over every
 axis but the channel; for means, a float32 ReduceSum (or GlobalAveragePool) over each
 sample's positions, then the [N, C] per-sample sums added over the samples in double in
