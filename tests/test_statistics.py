@@ -177,6 +177,9 @@ def test_window_sums_in_the_session_match_numpy(shape, geometry, in_session, cha
     assert (stat in requests.taps) == in_session
     if in_session:
         assert ops - {"Constant"} == ({"Conv"} if channels == 4 and len(shape) == 4 else {"MatMul"})
+        # a GPU provider first: its GEMMs, not the CPU's blocked convolutions
+        assert {node.op_type for node in StatisticsSet([stat]).attach(model, on_cpu=False)[0]} - {"Constant"} == {
+            "MatMul"}
 
 
 def test_calibration_batches_keep_a_samples_largest_image_in_cache():

@@ -105,12 +105,12 @@ class Taps:
         return taps.sum(axis=0, dtype=np.float32), len(each)
 
 
-def tap_nodes(value: ir.Value, stat: Statistic, opset: int) -> Taps | None:
+def tap_nodes(value: ir.Value, stat: Statistic, on_cpu: bool = True) -> Taps | None:
     """A `windows` statistic of a 1-d or 2-d convolution's float input of known size reduced
     inside the session to each sample's window sums, N x C x taps numbers summed over the
-    samples in numpy (`Taps.total`): by depthwise Convs of ones where onnxruntime keeps the
-    image on its blocked layout (`_conv_taps`), by MatMuls with 0/1 tap matrices elsewhere
-    (`_matmul_taps`). None (the ReduceSum over the samples, `_sum_nodes`): an unknown size
+    samples in numpy (`Taps.total`): by depthwise Convs of ones where onnxruntime's CPU
+    provider (`on_cpu`) keeps the image on its blocked layout (`_conv_taps`), by MatMuls
+    with 0/1 tap matrices elsewhere (`_matmul_taps`; GPU providers run them as GEMMs). None (the ReduceSum over the samples, `_sum_nodes`): an unknown size
     or channel count, or an axis with no output position."""
     shape = value.shape
     if (stat.window is None or shape is None or len(shape) not in (3, 4) or stat.axis % len(shape) != 1
@@ -125,7 +125,7 @@ def tap_nodes(value: ir.Value, stat: Statistic, opset: int) -> Taps | None:
     source = nodes[-1].outputs[0] if nodes else value
     # onnxruntime (1.32) runs a depthwise Conv on its blocked layout where the channels are
     # a multiple of 4; with 3 (an RGB input) a Conv of ones took 6x the MatMuls' time
-    blocked = len(spatial) == 2 and int(shape[1]) % 4 == 0 and source.dtype == ir.DataType.FLOAT
+    blocked = on_cpu and len(spatial) == 2 and int(shape[1]) % 4 == 0 and source.dtype == ir.DataType.FLOAT
     made = _conv_taps if blocked else _matmul_taps
     nodes += made(source, stat.window, spatial, int(shape[1]), name)
     return Taps(nodes, [nodes[-1].outputs[0]], stat.window.kernel, math.prod(outputs))

@@ -87,7 +87,8 @@ def stream_tensors(
     inputs = model_inputs(model)
     batch = calibration_batch(model, options)  # before any node is added: what count_batches sees
     bar = progress_bar(desc=purpose, unit="sample", enabled=progress, total=options.max_samples)
-    extra_nodes, extra_outputs, whole = statistics.attach(model) if statistics else ([], [], [])
+    on_cpu = not options.providers or options.providers[0] == "CPUExecutionProvider"
+    extra_nodes, extra_outputs, whole = statistics.attach(model, on_cpu) if statistics else ([], [], [])
     outputs = [n for n in names if n not in reduced]
     outputs += [n + suffix for n in names if n in reduced for suffix in REDUCED_SUFFIXES]
     outputs += [v.name for v in extra_outputs]

@@ -232,14 +232,15 @@ class StatisticsSet:
         self.whole: dict[Statistic, str] = {}  # stat -> tensor returned whole
         self.taps: dict[Statistic, Taps] = {}  # window sums reduced to taps in the session
 
-    def attach(self, model: ir.Model) -> tuple[list[ir.Node], list[ir.Value], list[str]]:
-        """Reduction nodes to add to `model`, the outputs to add, and the tensors needed whole."""
+    def attach(self, model: ir.Model, on_cpu: bool = True) -> tuple[list[ir.Node], list[ir.Value], list[str]]:
+        """Reduction nodes to add to `model`, the outputs to add, and the tensors needed whole
+        (`on_cpu`: the session runs on onnxruntime's CPU provider, `tap_nodes`)."""
         opset = model.opset_imports.get("", 13)
         values = values_by_name(model.graph)
         nodes: list[ir.Node] = []
         outputs: list[ir.Value] = []
         for stat in self.accumulators:
-            taps = tap_nodes(values[stat.tensor], stat, opset) if stat.tensor in values else None
+            taps = tap_nodes(values[stat.tensor], stat, on_cpu) if stat.tensor in values else None
             if taps is not None:
                 self.taps[stat] = taps
             built = (taps.nodes, taps.outputs) if taps is not None else (
