@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 from helpers import conv_relu_chain, save
 
@@ -666,3 +668,20 @@ def test_side_commands_never_write_over_what_they_read(tmp_path, capsys):
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err
     assert all(p.read_bytes() == b for p, b in before.items())
+
+
+@pytest.mark.parametrize("data_name, output_name", [("model.onnx.data", "model.onnx.data"),
+                                                    ("q.onnx.data", "q.onnx")])
+def test_output_over_the_inputs_external_data_is_refused(tmp_path, capsys, data_name, output_name):
+    """An output naming the input's external data file, or one whose own data file
+    (`<output>.data`) would be it, is refused before any work: the input stays whole."""
+    model = tmp_path / "model.onnx"
+    onnx.save_model(conv_relu_chain(), model, save_as_external_data=True, location=data_name, size_threshold=0)
+    data = tmp_path / "calib.npz"
+    np.savez(data, x=np.random.default_rng(0).standard_normal((4, 3, 16, 16)).astype(np.float32))
+    before = sha256(tmp_path / data_name)
+    rc = main(["quantize", str(model), str(tmp_path / output_name), "--calib-data", str(data)])
+    assert rc == 2
+    assert_one_error_line(capsys.readouterr().err, ("input model's external data file", data_name))
+    assert sha256(tmp_path / data_name) == before
+    ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])

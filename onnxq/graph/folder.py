@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from onnxq.errors import ModelError
 from onnxq.graph.genai_names import GENAI_CONFIG
-from onnxq.graph.save import copy_atomic
+from onnxq.graph.save import copy_atomic, same_file
 from onnxq.graph.wire import read_structure
 
 
@@ -153,6 +153,19 @@ def data_files(model: str | os.PathLike) -> tuple[str, ...]:
         return _data_files(Path(model)) if Path(model).is_file() else ()
     except OSError:  # a path the system refuses (too long): its own error comes when it is written
         return ()
+
+
+def check_not_input_data(output: str | os.PathLike, source: str | os.PathLike) -> None:
+    """Refuse an output that would write over an external data file of the input model: the
+    output itself, or the data file saved beside it (`<output>.data`)."""
+    out = Path(output)
+    for name in data_files(source):
+        data = Path(source).parent / name
+        for written in (out, out.with_name(f"{out.name}.data")):
+            if same_file(written, data):
+                raise ModelError(f"{'output' if written == out else 'the data file of output'} {written} is the "
+                                 f"input model's external data file {name}; choose another output path (the input "
+                                 "is never overwritten)")
 
 
 def remove_replaced_data(model: str | os.PathLike, before: tuple[str, ...], keep: Iterable[str] = (),

@@ -72,16 +72,16 @@ def check_apart(outputs: Mapping[str, str | os.PathLike | None], inputs: Mapping
     given = [(label, path) for label, path in outputs.items() if path is not None]
     for label, out in given:
         for what, source in inputs.items():
-            if isinstance(source, str | os.PathLike) and _same_file(out, source):
+            if isinstance(source, str | os.PathLike) and same_file(out, source):
                 raise OnnxqError(f"{label} {out} is {what}; choose another path (onnxq never writes over what it "
                                  "reads)")
     for i, (label, out) in enumerate(given):
         for other, path in given[i + 1:]:
-            if _same_file(out, path):
+            if same_file(out, path):
                 raise OnnxqError(f"{label} and {other} are the same file {out}; give each its own path")
 
 
-def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     first, second = Path(a), Path(b)
     try:
         return first.resolve() == second.resolve() or (first.exists() and second.exists() and first.samefile(second))
