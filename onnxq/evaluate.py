@@ -298,7 +298,7 @@ def compare_models(
     if streamed:
         results = {k: Comparison(samples, [sums[k][n].metrics(n) for n in names], kernels=k) for k in sessions}
     else:
-        arrays = {k: {n: np.concatenate(v) for n, v in per.items()} for k, per in outputs.items()}
+        arrays = {k: {n: joined(v) for n, v in per.items()} for k, per in outputs.items()}
         results = {k: _metrics(arrays["float"], arrays[k], labels, k) for k in sessions}
     result = results.get("deployed") or results["reference"]
     result.reference = results.get("reference") if "deployed" in results else None
@@ -308,6 +308,11 @@ def compare_models(
     if tokens is not None and tokens["float"].tokens:
         result.next_token = (tokens["float"], tokens["deployed" if "deployed" in tokens else "reference"])
     return result
+
+
+def joined(batches: list[np.ndarray]) -> np.ndarray:
+    """An output's batches end to end; a scalar output (a loss, a count) one value a batch."""
+    return np.concatenate(batches) if batches[0].ndim else np.stack(batches)
 
 
 def _quantized_ops(proto: onnx.ModelProto | None) -> str | None:
@@ -334,7 +339,7 @@ def run_model(model: str | os.PathLike, data: Any, max_samples: int | None = Non
             outputs[n].append(y)
     if not outputs[names[0]]:
         raise OnnxqError("the data holds no sample")
-    return {n: np.concatenate(v) for n, v in outputs.items()}
+    return {n: joined(v) for n, v in outputs.items()}
 
 
 def _check_interface(ref: ort.InferenceSession, quant: ort.InferenceSession) -> None:

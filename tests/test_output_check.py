@@ -255,3 +255,29 @@ def test_a_decoders_check_reports_its_logits_not_its_cache(tmp_path):
     fidelity = result.summary.fidelity
     assert fidelity is not None and fidelity.output == "logits" and fidelity.outputs == 1, fidelity
     assert fidelity.cosine > 0.5  # int4 blocks on random weights: about 0.88
+
+
+def test_a_scalar_output_is_checked_and_compared(tmp_path):
+    """A rank-0 output beside the main one (a ReduceSum with keepdims 0): the check and
+    `compare` measure it as one value a batch (both stopped on a raw ValueError)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(3)
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [16, 8], rng.standard_normal(128).astype(np.float32).tolist())
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+         helper.make_node("ReduceSum", ["y"], ["total"], keepdims=0, name="sum")],
+        "scalar", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8]),
+         helper.make_tensor_value_info("total", TensorProto.FLOAT, [])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    calib = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in range(12)]
+    out = tmp_path / "q.onnx"
+    result = onnxq.quantize(model, out, "U8S8", calib)
+    assert result.summary.fidelity is not None and result.summary.fidelity.outputs == 2
+    assert result.summary.fidelity.sqnr_db > 25
+    measured = compare_models(save(model, tmp_path / "m.onnx"), out, {"x": np.concatenate([f["x"] for f in calib])})
+    figures = {o.name: o for o in measured.outputs}
+    assert set(figures) == {"y", "total"} and figures["total"].sqnr_db > 25

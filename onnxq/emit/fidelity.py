@@ -165,7 +165,7 @@ def _figures(name: str, kept: list[tuple[np.ndarray, np.ndarray]], pairs: list[t
         sqnr, cos = -float("inf"), 0.0
     else:
         sqnr, cos = float(sqnr_db(ref, test)), cosine(ref, test)
-    same = len({r.shape for r, _ in pairs}) == 1
+    same = len({r.shape for r, _ in pairs}) == 1 and pairs[0][0].ndim > 0  # a scalar output has no top-1
     top1 = top1_agreement(*(np.concatenate(side) for side in zip(*pairs))) if same else None
     return Fidelity(len(pairs), name, outputs, sqnr, cos, top1)
 
