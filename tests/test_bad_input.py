@@ -685,3 +685,22 @@ def test_output_over_the_inputs_external_data_is_refused(tmp_path, capsys, data_
     assert_one_error_line(capsys.readouterr().err, ("input model's external data file", data_name))
     assert sha256(tmp_path / data_name) == before
     ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+
+
+def test_a_model_onnxruntime_cannot_run_is_one_line(tmp_path, capsys):
+    """A bfloat16 MatMul, which onnxruntime's CPU provider has no kernel for: one line naming
+    the node and the fix, exit 2 (a raw NOT_IMPLEMENTED from the calibration session before)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(2)
+    weight = onnx.numpy_helper.from_array(rng.standard_normal((16, 8)).astype(ml_dtypes.bfloat16), "w")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "bf16",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.BFLOAT16, ["N", 16])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.BFLOAT16, ["N", 8])], [weight])
+    model = save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), tmp_path / "bf.onnx")
+    data = tmp_path / "calib.npz"
+    np.savez(data, x=rng.standard_normal((8, 16)).astype(ml_dtypes.bfloat16))
+    rc = main(["quantize", str(model), str(tmp_path / "q.onnx"), "--calib-data", str(data)])
+    assert rc == 2
+    assert_one_error_line(capsys.readouterr().err, ("onnxruntime cannot run this model", "MatMul", "'mm'"))
+    assert not (tmp_path / "q.onnx").exists()

@@ -10,7 +10,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from onnxq.errors import CalibrationDataError, OnnxqError
+from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.layout import clip_bounds
 from onnxq.graph.save import tensors_replaced
@@ -254,12 +254,37 @@ def exposed_session(
     added += extra[1]
     place_observers(graph, nodes)
     graph.outputs.extend(added)
-    try:
-        # qdq-ext models (analysed) need onnxq's ops
-        session = open_session(model, options_for(model, options or session_options()), providers)
-        yield session
-    finally:
+
+    def restore() -> None:
         for value in added:
             graph.outputs.remove(value)
         for node in reversed(nodes):
             graph.remove(node, safe=True)
+
+    try:
+        # qdq-ext models (analysed) need onnxq's ops
+        session = open_session(model, options_for(model, options or session_options()), providers)
+    except ORT_FAILURES as exc:
+        restore()
+        _refuse_unloadable(model, providers)
+        raise exc from None  # the model loads without the added nodes: onnxq's own error
+    try:
+        yield session
+    finally:
+        restore()
+
+
+# What onnxruntime raises when it cannot open a model.
+ORT_FAILURES = (*DATA_FAILURES, ort.capi.onnxruntime_pybind11_state.NotImplemented,
+                ort.capi.onnxruntime_pybind11_state.InvalidGraph)
+
+
+def _refuse_unloadable(model: ir.Model, providers: list[str]) -> None:
+    """A one-line `ModelError` where the model as given does not open in onnxruntime either
+    (a bfloat16 MatMul on the CPU): a user's model onnxruntime cannot run, not onnxq's."""
+    try:
+        open_session(model, options_for(model, session_options()), providers)
+    except ORT_FAILURES as exc:
+        raise ModelError(f"onnxruntime cannot run this model on {', '.join(providers)}: {refusal(str(exc))}; "
+                         "quantize a model that runs in a default onnxruntime session (a float32 export, or "
+                         "another execution provider with --providers)") from None
