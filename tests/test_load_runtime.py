@@ -130,3 +130,21 @@ def test_weight_only_kernels_already_there_stay_and_the_rest_is_quantized():
     qdq = onnxq.quantize(model, None, "U8S8", CALIB, progress=False).model
     with pytest.raises(onnxq.OnnxqError, match="is already quantized"):
         onnxq.quantize(qdq, None, "U8S8", CALIB, progress=False)
+
+
+@pytest.mark.parametrize("ir_version, noted", [(8, True), (3, False)])
+def test_weights_listed_as_inputs_become_constants_and_the_summary_says_so(ir_version, noted):
+    """A weight also listed as a graph input (from IR 4 an overridable default) is quantized
+    from its value and leaves the inputs: the summary names it. Before IR 4 every weight was
+    listed so: nothing to say."""
+    model = decoder_block()
+    listed = ["w1"] if noted else [t.name for t in model.graph.initializer]  # IR 3: every one, as it must
+    model.graph.input.extend(oh.make_tensor_value_info(t.name, onnx.TensorProto.FLOAT, list(t.dims))
+                             for t in model.graph.initializer if t.name in listed)
+    model.ir_version = ir_version
+    result = onnxq.quantize(model, None, None, CALIB)
+    assert [i.name for i in result.model.graph.input] == ["x"]
+    said = [n for n in result.summary.note_texts if "default value" in n]
+    assert bool(said) == noted
+    if noted:
+        assert "w1" in said[0] and "feeding others at run time is not possible" in said[0]

@@ -133,7 +133,7 @@ def load_model(
         proto, base_dir, name, mapped = _read_proto(source)
     refuse_training(proto, name)
     checked = check_proto(proto, None if isinstance(source, onnx.ModelProto) else str(source), set(mapped))
-    original = default_opset(proto)
+    original, proto_ir_version = default_opset(proto), proto.ir_version
     if isinstance(source, onnx.ModelProto):
         proto = onnx.ModelProto.FromString(proto.SerializeToString())  # never mutate the caller's
     drop_map_types(proto, name)
@@ -150,7 +150,13 @@ def load_model(
     del proto
     report = LoadReport(source=name, original_opset=original, opset=max(original, min_opset))
     report.notes.extend(checked)  # an opset upgrade is in the report's opsets (the summary's own line)
-    report.initializer_inputs_removed = remove_initializer_inputs(model.graph)
+    dropped = remove_initializer_inputs(model.graph)
+    report.initializer_inputs_removed = len(dropped)
+    if dropped and proto_ir_version >= 4:  # before IR 4 every weight was listed as an input
+        shown = ", ".join(dropped[:3]) + (f" and {len(dropped) - 3} more" if len(dropped) > 3 else "")
+        report.notes.append(f"{len(dropped)} graph input(s) with a default value (initializer) taken as constant and "
+                            f"no longer inputs of the output model: {shown}; its weights are quantized from those "
+                            "values, so feeding others at run time is not possible")
     ir_passes.NameFixPass()(model)  # every node and value gets a unique name
     ir_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
     report.folded_nodes = fold_constants(model)

@@ -55,12 +55,13 @@ def upgrade_opset(proto: onnx.ModelProto, opset: int, target: int) -> onnx.Model
     return upgraded
 
 
-def remove_initializer_inputs(graph: ir.Graph) -> int:
-    """Drop graph inputs that are initializers (old IR<4 style): weights are constants."""
+def remove_initializer_inputs(graph: ir.Graph) -> list[str]:
+    """Drop graph inputs that are initializers (IR<4 listed every weight so; later, an
+    overridable default): weights are constants. The names dropped."""
     initializer_inputs = [v for v in graph.inputs if v.name in graph.initializers]
     for value in initializer_inputs:
         graph.inputs.remove(value)
-    return len(initializer_inputs)
+    return [v.name for v in initializer_inputs]
 
 
 def binary_sum_to_add(graph: ir.Graph) -> None:
