@@ -15,6 +15,7 @@ import onnx_ir as ir
 from onnxq.errors import ModelError
 from onnxq.graph.checks import has_map, subgraphs
 from onnxq.graph.edit import GraphEditor, set_constant
+from onnxq.graph.schema_types import fill_dtypes
 
 # Per-channel QuantizeLinear/DequantizeLinear (the `axis` attribute) needs opset 13.
 MIN_OPSET = 13
@@ -143,12 +144,14 @@ def infer_shapes(model: ir.Model) -> None:
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=False, data_prop=True)
     except Exception:  # inference is best effort: onnx raises many kinds of errors
-        return
-    types = _inferred_types(inferred)
-    for graph in model.graphs():
-        for value in [*graph.inputs, *(o for node in graph for o in node.outputs)]:
-            if value.name in types:
-                _merge_type(value, types[value.name])
+        inferred = None
+    if inferred is not None:
+        types = _inferred_types(inferred)
+        for graph in model.graphs():
+            for value in [*graph.inputs, *(o for node in graph for o in node.outputs)]:
+                if value.name in types:
+                    _merge_type(value, types[value.name])
+    fill_dtypes(model.graph, dict(model.opset_imports))  # past ops onnx does not know (contrib ops)
 
 
 def _channel_slope_shape(node: ir.Node, original_opset: int) -> list[int] | None:
