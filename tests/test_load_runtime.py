@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import onnx.numpy_helper as nh
+import onnx_ir as ir
 import pytest
 from helpers import cosine, run, sqnr_db
 
@@ -148,3 +149,32 @@ def test_weights_listed_as_inputs_become_constants_and_the_summary_says_so(ir_ve
     assert bool(said) == noted
     if noted:
         assert "w1" in said[0] and "feeding others at run time is not possible" in said[0]
+
+
+def test_a_matmul_after_a_contrib_op_gets_its_activation_quantized():
+    """onnx's inference leaves a com.microsoft op's outputs untyped; their types come from the
+    op's schema (onnxruntime's), so the MatMul reading BiasGelu's output is quantized
+    statically, as after a Tanh (it was silently weight-only). SkipLayerNormalization's mean
+    output takes the one type its parameter allows."""
+    from onnxq.graph.load import load_model
+
+    w = nh.from_array((RNG.standard_normal((32, 8)) * 0.2).astype(np.float32), "w")
+    b = nh.from_array((RNG.standard_normal(32) * 0.1).astype(np.float32), "b")
+    gamma = nh.from_array(np.ones(32, np.float32), "gamma")
+    nodes = [oh.make_node("SkipLayerNormalization", ["x", "x", "gamma"], ["n", "mean"], domain="com.microsoft",
+                          name="norm"),
+             oh.make_node("BiasGelu", ["n", "b"], ["a"], domain="com.microsoft", name="act"),
+             oh.make_node("MatMul", ["a", "w"], ["y"], name="mm")]
+    graph = oh.make_graph(nodes, "fused", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 32])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 8])], [w, b, gamma])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("com.microsoft", 1)])
+    loaded, _ = load_model(model)
+    values = {o.name: o for node in loaded.graph for o in node.outputs}
+    assert values["a"].dtype == values["mean"].dtype == values["n"].dtype == ir.DataType.FLOAT
+    data = {"x": RNG.standard_normal((32, 32)).astype(np.float32)}
+    result = onnxq.quantize(model, None, "U8S8", data)
+    assert result.summary.calibrated_tensors >= 1
+    mm = next(n for n in result.model.graph.node if n.op_type == "MatMul")
+    producers = {o: n.op_type for n in result.model.graph.node for o in n.output}
+    assert producers[mm.input[0]] == "DequantizeLinear"  # a static int8 activation
+    assert sqnr_db(run(model, data), run(result.model, data)) > 30
