@@ -543,3 +543,24 @@ def test_a_constant_first_operand_kept_float32_stays_float():
     assert node.input[0] == "w" and initializers(result.model)["w"].dtype == np.float32
     feed = {"x": rng.normal(0, 1, (16, 4)).astype(np.float32)}
     assert sqnr_db(run(model, feed), run(result.model, feed)) > 30  # only x is quantized (8 bits)
+
+
+def test_a_double_model_stays_float_and_says_why():
+    """A float64 MatMul model onnxruntime runs: every node stays float, the output is the
+    float model's, and the reason names the weights' type (it said the constant weight was
+    computed at run time)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(9)
+    inits = [numpy_helper.from_array(rng.standard_normal((16, 32)) * 0.3, "w1"),
+             numpy_helper.from_array(rng.standard_normal((32, 4)) * 0.3, "w2")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["a"], name="mm1"), helper.make_node("Relu", ["a"], ["h"]),
+             helper.make_node("MatMul", ["h", "w2"], ["y"], name="mm2")]
+    graph = helper.make_graph(nodes, "double", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["N", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, ["N", 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    data = {"x": rng.standard_normal((8, 16))}
+    result = onnxq.quantize(model, None, None, data)
+    for name in ("mm1", "mm2"):
+        assert "its weight is double" in result.summary.float_nodes[name][1]
+    np.testing.assert_array_equal(run(result.model, data), run(model, data))

@@ -131,6 +131,11 @@ def _why_unconfigured(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedCo
         if other:
             return (f"weight-only quantization takes the constant weight as input {i} of {node.op_type}; "
                     f"this node's constant is input {other[0]}")
+        weight = node.inputs[i] if i < len(node.inputs) else None
+        if weight is not None and constant_array(weight) is not None and not _is_float(weight):
+            kind = weight.dtype.name.lower() if weight.dtype is not None else "of an unknown type"
+            return (f"its weight is {kind}; onnxq quantizes float32, float16 and bfloat16 weights (export the "
+                    "model in float32)")
         return f"weight-only quantization needs a constant weight as input {i}; this one is computed at run time"
     return _kept_float_by(draft, node, "no tensor of this node is configured for quantization")
 
