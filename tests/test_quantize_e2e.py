@@ -564,3 +564,23 @@ def test_a_double_model_stays_float_and_says_why():
     for name in ("mm1", "mm2"):
         assert "its weight is double" in result.summary.float_nodes[name][1]
     np.testing.assert_array_equal(run(result.model, data), run(model, data))
+
+
+def test_a_layer_kept_float_at_the_load_check_loses_the_bias_correction_added():
+    """A float16 Conv without a bias at opset 17 (no float16 Q/DQ before opset 19):
+    onnxruntime cannot load it quantized, so it stays float, and the bias bias correction
+    gave it goes again (a zero bias input was left behind)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(4)
+    weight = numpy_helper.from_array((rng.standard_normal((4, 2, 3, 3)) * 0.3).astype(np.float16), "w")
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1])], "half",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 2, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", 4, 8, 8])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    data = {"x": rng.standard_normal((8, 2, 8, 8)).astype(np.float16)}
+    result = onnxq.quantize(model, None, None, data)
+    assert "conv" in result.summary.float_nodes
+    conv = next(n for n in result.model.graph.node if n.op_type == "Conv")
+    assert list(conv.input) == ["x", "w"]
+    np.testing.assert_array_equal(run(result.model, data), run(model, data))

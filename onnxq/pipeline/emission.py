@@ -76,6 +76,9 @@ def _restore_biases(model: ir.Model, biases: Biases, names: set[str]) -> None:
             and node.inputs[index] is not None else None
         if current is None:
             continue
+        if array is None and index == len(node.inputs) - 1:  # a bias bias correction added: gone again
+            node.resize_inputs(index)
+            continue
         set_constant(model.graph, node, index, np.zeros_like(current) if array is None else array, f"{holder}_bias")
 
 
