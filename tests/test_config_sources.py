@@ -382,3 +382,13 @@ def test_an_op_type_under_node_overrides_points_to_op_type_overrides():
     with pytest.raises(ConfigError, match="one of its op types; put it under layer_type_quant_config for every Gemm"):
         onnxq.quantize(str(DIGITS), None, {"layer_quant_config": {"Gemm": {"weight": {"dtype": "float32"}}}},
                        str(ROOT / "models" / "digits_calib.npz"))
+
+
+def test_config_show_says_what_it_resolved_from(capsys):
+    """`config show --preset U8S8` heads its complete document `preset: none`; a comment line
+    above says it is U8S8 resolved, not no preset (a trial read it as U8S8 ignored)."""
+    from onnxq.cli import main
+
+    assert main(["config", "show", "--preset", "U8S8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("#") and "--preset U8S8" in lines[0] and lines[1] == "preset: none"
