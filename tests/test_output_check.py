@@ -281,3 +281,22 @@ def test_a_scalar_output_is_checked_and_compared(tmp_path):
     measured = compare_models(save(model, tmp_path / "m.onnx"), out, {"x": np.concatenate([f["x"] for f in calib])})
     figures = {o.name: o for o in measured.outputs}
     assert set(figures) == {"y", "total"} and figures["total"].sqnr_db > 25
+
+
+def test_a_float_model_onnxruntime_refuses_skips_the_check_with_a_note():
+    """Two nodes of one name: onnx-ir renames them and the quantized model loads, but the
+    float model as given does not, so there is nothing to check against: a note says so (the
+    check line vanished without a word)."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(5)
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [8, 8], rng.standard_normal(64).astype(np.float32).tolist())
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="dup"), helper.make_node("Relu", ["h"], ["y"], name="dup")],
+        "dup", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result = onnxq.quantize(model, None, "U8S8", [{"x": rng.standard_normal((1, 8)).astype(np.float32)}] * 4)
+    assert result.summary.fidelity is None
+    said = [n for n in result.summary.note_texts if n.startswith("output check skipped")]
+    assert said and "cannot open the float model" in said[0] and "same node name" in said[0]
