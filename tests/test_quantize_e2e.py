@@ -581,6 +581,8 @@ def test_a_layer_kept_float_at_the_load_check_loses_the_bias_correction_added():
     data = {"x": rng.standard_normal((8, 2, 8, 8)).astype(np.float16)}
     result = onnxq.quantize(model, None, None, data)
     assert "conv" in result.summary.float_nodes
+    # the note carries onnxruntime's own words on what it refused
+    assert any("could not load them quantized: conv (onnxruntime: " in n for n in result.summary.note_texts)
     conv = next(n for n in result.model.graph.node if n.op_type == "Conv")
     assert list(conv.input) == ["x", "w"]
     np.testing.assert_array_equal(run(result.model, data), run(model, data))

@@ -39,17 +39,35 @@ def open_deployed(model: ir.Model, providers: list[str], prepack: bool = True) -
     """A default session (all optimisations) of `model` on `providers`, None if
     onnxruntime cannot open it; without `prepack`, kernels keep the weights as they are
     (the session runs, slower, on another path: for a check that only opens it)."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    if not prepack:
-        options.add_session_config_entry("session.disable_prepacking", "1")
-    options = options_for(model, options)
+    options = options_for(model, _options(prepack))
     try:
         return open_session(model, options, providers)
     except OnnxqError:
         raise  # an unavailable provider is the user's to fix, not the model's
     except Exception:  # onnxruntime raises several unrelated types; any failure counts
         return None
+
+
+def _options(prepack: bool) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    return options
+
+
+def load_error(model: ir.Model, providers: list[str], prepack: bool = True) -> str | None:
+    """What onnxruntime says when it cannot open `model` as `open_deployed` does, first line
+    and without its error-code prefix (for the summary only: no decision reads it); None
+    where it opens."""
+    try:
+        open_session(model, options_for(model, _options(prepack)), providers)
+    except OnnxqError:
+        raise
+    except Exception as exc:  # noqa: BLE001  onnxruntime raises several unrelated types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return first.split(" : ")[-1][:240]
+    return None
 
 
 def model_loads(model: ir.Model, providers: list[str], prepack: bool = True) -> bool:

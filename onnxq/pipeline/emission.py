@@ -13,7 +13,14 @@ import onnxruntime as ort
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.spec import Config
 from onnxq.emit import EmitResult, emit_model
-from onnxq.emit.loadcheck import UNLOADABLE, Trial, find_culprits, model_loads, open_deployed
+from onnxq.emit.loadcheck import (
+    UNLOADABLE,
+    Trial,
+    find_culprits,
+    load_error,
+    model_loads,
+    open_deployed,
+)
 from onnxq.emit.trial import emit_trial
 from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
@@ -100,6 +107,7 @@ def emit_loadable(
     session = open_deployed(model, providers, prepack=prepack)
     if session is not None:
         return model, emitted, session, []
+    said = load_error(model, providers, prepack=prepack)
     order = [node.name for node in pristine.graph if node.name in plan.quantized_nodes]
 
     def trial(kept: set[str]) -> Trial:
@@ -112,5 +120,6 @@ def emit_loadable(
 
     final, culprits = find_culprits(order, trial)
     note = Note(Topic.FLOAT, f"{len(culprits)} nodes kept float because onnxruntime could not load them quantized: "
-                + ", ".join(culprits[:5]) + (", ..." if len(culprits) > 5 else ""), tuple(culprits))
+                + ", ".join(culprits[:5]) + (", ..." if len(culprits) > 5 else "")
+                + (f" (onnxruntime: {said})" if said else ""), tuple(culprits))
     return final.model, final.payload, open_deployed(final.model, providers, prepack=prepack), [note]
