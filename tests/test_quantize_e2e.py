@@ -586,3 +586,27 @@ def test_a_layer_kept_float_at_the_load_check_loses_the_bias_correction_added():
     conv = next(n for n in result.model.graph.node if n.op_type == "Conv")
     assert list(conv.input) == ["x", "w"]
     np.testing.assert_array_equal(run(result.model, data), run(model, data))
+
+
+def test_control_flow_says_what_its_subgraphs_hold():
+    """An If whose branches hold a MatMul stays float, and its reason counts the nodes of its
+    subgraphs (they were in neither the summary nor inspect); the model still runs as float."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(6)
+    w = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    out = helper.make_tensor_value_info("b", TensorProto.FLOAT, None)
+    then = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["b"], name="inner_mm")], "then", [], [out])
+    other = helper.make_graph([helper.make_node("Relu", ["x"], ["b"], name="inner_relu")], "else", [], [out])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0, name="sum"),
+             helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+             helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other, name="branch")]
+    graph = helper.make_graph(nodes, "cf", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])],
+                              [w, numpy_helper.from_array(np.array(0, np.float32), "zero")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    data = {"x": rng.standard_normal((8, 8)).astype(np.float32)}
+    result = onnxq.quantize(model, None, None, data)
+    why = result.summary.float_nodes["branch"][1]
+    assert why.startswith("control flow: the 2 nodes of its subgraphs (MatMul x1, Relu x1) run in float")
+    np.testing.assert_allclose(run(result.model, data), run(model, data), rtol=1e-5, atol=1e-5)

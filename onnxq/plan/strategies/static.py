@@ -77,12 +77,30 @@ def _unfused(node: ir.Node, draft: Draft) -> str:
     return f"{why}: it runs in float on the dequantized output of {before}"
 
 
+def _subgraph_ops(node: ir.Node) -> dict[str, int]:
+    """Op counts of the nodes in `node`'s subgraphs (If, Loop, Scan bodies), nested ones too."""
+    counts: dict[str, int] = {}
+    for attribute in node.attributes.values():
+        graphs = [attribute.value] if attribute.type == ir.AttributeType.GRAPH else (
+            list(attribute.value) if attribute.type == ir.AttributeType.GRAPHS else [])
+        for graph in graphs:
+            for inner in graph:
+                counts[inner.op_type] = counts.get(inner.op_type, 0) + 1
+                for op, n in _subgraph_ops(inner).items():
+                    counts[op] = counts.get(op, 0) + n
+    return counts
+
+
 @register_strategy("static", order=100)
 def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
     rule = OP_RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
     if rule is None and node.op_type in FUSABLE_ACTIVATIONS and node.domain in ("", "ai.onnx"):
         # quantized only as part of the op before it (one int8 kernel), which is float here
         return Refuse(_unfused(node, draft))
+    if rule is None and (inner := _subgraph_ops(node)):
+        counts = ", ".join(f"{op} x{n}" for op, n in sorted(inner.items()))
+        return Refuse(f"control flow: the {sum(inner.values())} nodes of its subgraphs ({counts}) run in float "
+                      "(onnxq quantizes the main graph)")
     if rule is None:
         return Refuse(f"no quantized kernel rule for {node.domain or 'ai.onnx'}::{node.op_type}")
     if rule.applies is not None and not rule.applies(node):
