@@ -704,3 +704,20 @@ def test_a_model_onnxruntime_cannot_run_is_one_line(tmp_path, capsys):
     assert rc == 2
     assert_one_error_line(capsys.readouterr().err, ("onnxruntime cannot run this model", "MatMul", "'mm'"))
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_side_outputs_and_convert_never_write_over_the_inputs_data(tmp_path):
+    """The same guard for every output: a ranges file named as the input's external data
+    file, and `convert` writing a model whose `<output>.data` would be it, are refused."""
+    from onnxq.emit.format_convert import convert_model
+
+    model = tmp_path / "m.onnx"
+    onnx.save_model(conv_relu_chain(), model, save_as_external_data=True, location="q.onnx.data", size_threshold=0)
+    before = sha256(tmp_path / "q.onnx.data")
+    data = {"x": np.random.default_rng(0).standard_normal((4, 3, 16, 16)).astype(np.float32)}
+    config = onnxq.compose_config("U8S8", None, {"calibration": {"save_ranges": str(tmp_path / "q.onnx.data")}})
+    with pytest.raises(OnnxqError, match="side output .* is the input model's external data file"):
+        onnxq.quantize(str(model), str(tmp_path / "out.onnx"), config, data)
+    with pytest.raises(OnnxqError, match="the data file of output .* is the input model's external data file"):
+        convert_model(str(model), str(tmp_path / "q.onnx"), "float")
+    assert sha256(tmp_path / "q.onnx.data") == before

@@ -178,3 +178,44 @@ def test_a_matmul_after_a_contrib_op_gets_its_activation_quantized():
     producers = {o: n.op_type for n in result.model.graph.node for o in n.output}
     assert producers[mm.input[0]] == "DequantizeLinear"  # a static int8 activation
     assert sqnr_db(run(model, data), run(result.model, data)) > 30
+
+
+def test_a_loop_with_scalar_inputs_and_a_contrib_op_in_its_body():
+    """A Loop (scalar trip count, condition and counter inputs) whose body holds a
+    com.microsoft Gelu: its outputs are not given the first carried value's type (its
+    variadic parameter is heterogeneous; the float output became int64 and onnxruntime
+    refused the model), and scalar inputs are fed a sample at a time (they cannot stack)."""
+    from onnxq.graph.load import load_model
+
+    body = oh.make_graph(
+        [oh.make_node("Identity", ["cond_in"], ["cond_out"]), oh.make_node("Add", ["cnt_in", "one"], ["cnt_out"]),
+         oh.make_node("Gelu", ["x_in"], ["x_out"], domain="com.microsoft")], "body",
+        [oh.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
+         oh.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+         oh.make_tensor_value_info("cnt_in", onnx.TensorProto.INT64, []),
+         oh.make_tensor_value_info("x_in", onnx.TensorProto.FLOAT, None)],
+        [oh.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []), oh.make_empty_tensor_value_info("cnt_out"),
+         oh.make_empty_tensor_value_info("x_out")], [oh.make_tensor("one", onnx.TensorProto.INT64, [], [1])])
+    w = nh.from_array((RNG.standard_normal((4, 3)) * 0.5).astype(np.float32), "w")
+    graph = oh.make_graph(
+        [oh.make_node("Loop", ["M", "c", "cnt0", "x"], ["cnt", "h"], body=body),
+         oh.make_node("MatMul", ["h", "w"], ["y0"]), oh.make_node("MatMul", ["x", "w"], ["y1"]),
+         oh.make_node("Add", ["y0", "y1"], ["y"]), oh.make_node("Identity", ["cnt"], ["cnt_o"])], "loop",
+        [oh.make_tensor_value_info("M", onnx.TensorProto.INT64, []),
+         oh.make_tensor_value_info("c", onnx.TensorProto.BOOL, []),
+         oh.make_tensor_value_info("cnt0", onnx.TensorProto.INT64, []),
+         oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4])],
+        [oh.make_tensor_value_info("cnt_o", onnx.TensorProto.INT64, []),
+         oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])], [w])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("com.microsoft", 1)],
+                          ir_version=8)
+    loaded, _ = load_model(model)
+    loop = next(n for n in loaded.graph if n.op_type == "Loop")
+    assert loop.outputs[1].dtype in (None, ir.DataType.FLOAT)
+    feeds = [{"M": np.array(2, np.int64), "c": np.array(True), "cnt0": np.array(0, np.int64),
+              "x": RNG.standard_normal((2, 4)).astype(np.float32)} for _ in range(4)]
+    result = onnxq.quantize(model, None, None, feeds)
+    assert result.summary.calibrated_tensors >= 1
+    for feed in feeds:
+        assert run(result.model, feed, 0) == run(model, feed, 0) == 2  # the counter, exact
+        assert sqnr_db(run(model, feed, 1), run(result.model, feed, 1)) > 25

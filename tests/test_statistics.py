@@ -239,3 +239,24 @@ def test_window_sums_of_a_conv_output_on_the_blocked_layout(channels):
     outs = np.concatenate([reference.run([relu], f)[0] for f in feeds]).astype(np.float64)
     assert np.abs(outs).max() > 0
     np.testing.assert_allclose(found[stat], GEOMETRY.window_means(outs.sum(axis=0)) / len(outs), rtol=1e-5, atol=1e-7)
+
+
+def test_a_failed_opening_leaves_the_model_as_it_was(monkeypatch):
+    """Whatever stops the calibration session opening (here an interrupt), the reductions
+    added to the model are taken out again: the next session on it would otherwise meet
+    their names twice."""
+    from onnxq.calibrate import session as session_module
+
+    b = GraphBuilder(3)
+    model, _ = load_model(b.build([b.relu(b.conv(b.input("x", ["N", 3, 8, 8]), 3, 4))], name="restore"))
+    before = (len(list(model.graph)), len(model.graph.outputs))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(session_module, "open_session", interrupted)
+    names = [v.name for v in model.graph.outputs]
+    with pytest.raises(KeyboardInterrupt), session_module.exposed_session(model, names, ["CPUExecutionProvider"],
+                                                                          reduced=set(names)):
+        pass
+    assert (len(list(model.graph)), len(model.graph.outputs)) == before

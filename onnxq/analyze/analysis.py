@@ -32,7 +32,7 @@ from onnxq.analyze.accumulate import AgreementStats, ErrorStats, RangeStats
 from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
 from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
 from onnxq.analyze.rescaled import rescaled_layers
-from onnxq.calibrate.data import iter_batches
+from onnxq.calibrate.data import feed_rows, iter_batches
 from onnxq.calibrate.decoder import decoder_feeds, result_outputs
 from onnxq.calibrate.session import check_providers, exposed_session, run_on_data
 from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
@@ -229,7 +229,7 @@ def analyze_models(
                     check_same_shape(n, ref[n], [out[n]])
                     out_err[n].update(ref[n], out[n])
                     agreement[n].update(ref[n], out[n])
-            samples += len(next(iter(feed.values())))
+            samples += feed_rows(feed)
 
     tensor_reports = [_tensor_report(a, tensor_err[a.name], ranges[a.name]) for a in activations]
     layer_reports = [_layer_report(i, own[i.layer.name], prefix[i.layer.name]) for i in isolated]

@@ -25,7 +25,9 @@ def _shape_key(feed: Feed) -> tuple:
 
 
 def _has_fixed_batch(inputs: list[InputSpec]) -> bool:
-    return any(s.shape and s.shape[0] is not None for s in inputs)
+    """A fixed batch, or a scalar input (a Loop's trip count), which no batch can stack:
+    each sample then runs on its own."""
+    return any((s.shape and s.shape[0] is not None) or s.shape == () for s in inputs)
 
 
 def _samples(feed: Feed, units: Mapping[str, int], fixed: bool) -> Fraction:
@@ -46,7 +48,8 @@ def _samples(feed: Feed, units: Mapping[str, int], fixed: bool) -> Fraction:
 
 def _take(feed: Feed, units: Mapping[str, int], samples: Fraction, start: Fraction = Fraction(0)) -> Feed:
     """Samples [start, start + samples) of every input of a checked feed."""
-    return {k: v[int(start * units[k]) : int((start + samples) * units[k])] for k, v in feed.items()}
+    return {k: v[int(start * units[k]) : int((start + samples) * units[k])] if np.ndim(v) else v
+            for k, v in feed.items()}
 
 
 def _short_of_one_sample(inputs: list[InputSpec], feed: Feed, units: Mapping[str, int]) -> CalibrationDataError:

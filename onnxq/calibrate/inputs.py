@@ -73,6 +73,12 @@ def _fixed_batch(inputs: list[InputSpec]) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
+def feed_rows(feed: Feed) -> int:
+    """Rows in a batch: of its first input with a batch axis (1 where every input is a
+    scalar, which runs one sample at a time)."""
+    return next((len(v) for v in feed.values() if np.ndim(v)), 1)
+
+
 def sample_rows(inputs: list[InputSpec]) -> dict[str, int]:
     """Rows (along axis 0) of each input that make one sample.
 

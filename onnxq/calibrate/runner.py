@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from onnxq.calibrate.data import iter_batches, model_inputs, sample_rows
+from onnxq.calibrate.data import feed_rows, iter_batches, model_inputs, sample_rows
 from onnxq.calibrate.observers import Observer, make_observer
 from onnxq.calibrate.session import (
     REDUCED_SUFFIXES,
@@ -108,7 +108,7 @@ def stream_tensors(
                 break
             if window is not None and index < window[0]:
                 continue
-            rows = len(next(iter(feed.values())))
+            rows = feed_rows(feed)
             got = dict(zip(outputs, run_on_data(session, outputs, feed)))
             if statistics is not None:
                 statistics.update(got, index)

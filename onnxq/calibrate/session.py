@@ -73,6 +73,12 @@ REDUCED_SUFFIXES = ("__onnxq_min", "__onnxq_max")
 DATA_FAILURES = (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidArgument,
                   ort.capi.onnxruntime_pybind11_state.RuntimeException)
 
+# What onnxruntime raises when it cannot open a model (a kernel or a type it lacks, a graph
+# it rejects).
+OPEN_FAILURES = (*DATA_FAILURES, ort.capi.onnxruntime_pybind11_state.NotImplemented,
+                 ort.capi.onnxruntime_pybind11_state.InvalidGraph, ort.capi.onnxruntime_pybind11_state.EPFail,
+                 ort.capi.onnxruntime_pybind11_state.InvalidProtobuf)
+
 
 def refusal(text: str) -> str:
     """onnxruntime's error, short: the node and its message, without the source location
@@ -264,19 +270,15 @@ def exposed_session(
     try:
         # qdq-ext models (analysed) need onnxq's ops
         session = open_session(model, options_for(model, options or session_options()), providers)
-    except ORT_FAILURES as exc:
+    except BaseException as exc:  # the model as it was, whatever stopped the opening
         restore()
-        _refuse_unloadable(model, providers)
-        raise exc from None  # the model loads without the added nodes: onnxq's own error
+        if isinstance(exc, OPEN_FAILURES):
+            _refuse_unloadable(model, providers)  # the model alone fails too: the user's to fix
+        raise  # it opens without the added nodes (at the basic level): onnxq's error, as it is
     try:
         yield session
     finally:
         restore()
-
-
-# What onnxruntime raises when it cannot open a model.
-ORT_FAILURES = (*DATA_FAILURES, ort.capi.onnxruntime_pybind11_state.NotImplemented,
-                ort.capi.onnxruntime_pybind11_state.InvalidGraph)
 
 
 def _refuse_unloadable(model: ir.Model, providers: list[str]) -> None:
@@ -284,7 +286,7 @@ def _refuse_unloadable(model: ir.Model, providers: list[str]) -> None:
     (a bfloat16 MatMul on the CPU): a user's model onnxruntime cannot run, not onnxq's."""
     try:
         open_session(model, options_for(model, session_options()), providers)
-    except ORT_FAILURES as exc:
+    except OPEN_FAILURES as exc:
         raise ModelError(f"onnxruntime cannot run this model on {', '.join(providers)}: {refusal(str(exc))}; "
                          "quantize a model that runs in a default onnxruntime session (a float32 export, or "
                          "another execution provider with --providers)") from None

@@ -37,7 +37,8 @@ from onnxq.graph.save import write_npz_atomic
 
 FORMAT = "onnxq-stats"
 # 2: channel means of images counted per sample (GlobalAveragePool), batches cut by size.
-VERSION = 2
+# 3: a padded or strided convolution's input holds its window means, not its channel means.
+VERSION = 3
 
 
 def parse_shard(text: str) -> tuple[int, int]:

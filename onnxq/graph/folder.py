@@ -16,9 +16,9 @@ import onnx
 import onnx_ir as ir
 
 from onnxq.errors import ModelError
+from onnxq.graph.data_files import data_files, external_locations, model_data_files
 from onnxq.graph.genai_names import GENAI_CONFIG
-from onnxq.graph.save import copy_atomic, same_file
-from onnxq.graph.wire import read_structure
+from onnxq.graph.save import copy_atomic
 
 
 @dataclass(frozen=True)
@@ -72,51 +72,9 @@ def open_folder(path: str | os.PathLike) -> ModelFolder | None:
             raise ModelError(f"{folder} holds {found}; pass the .onnx model file itself (or a folder with one model, "
                              f"or an onnxruntime-genai folder with {GENAI_CONFIG})")
         model = models[0]
-    data = _data_files(model)
+    data = model_data_files(model)
     others = tuple(sorted(p.name for p in folder.iterdir() if p.name != model.name and p.name not in data))
     return ModelFolder(folder, model, data, others)
-
-
-# Files up to this size are searched for an external-data entry before they are parsed:
-# one without the key names no data file. The search reads the whole file (about 0.5 ms a
-# MB), the parse only its structure: ResNet-20's 1.1 MB 0.5 against 1.2 ms, MobileNet-v1's
-# 10 MB 6.0 against 1.6 ms.
-SCAN_MAX_BYTES = 2 << 20
-
-
-def _names_no_data(model: Path) -> bool:
-    """Whether `model` surely names no external data file: no `location` key in its bytes
-    (every external tensor's entry holds one, verbatim)."""
-    with open(model, "rb") as f:
-        if os.fstat(f.fileno()).st_size > SCAN_MAX_BYTES:
-            return False
-        return b"location" not in f.read()
-
-
-def _data_files(model: Path) -> tuple[str, ...]:
-    """The external data files `model` names, relative to its folder (its weights are not
-    parsed: `read_structure`)."""
-    try:
-        if _names_no_data(model):
-            return ()
-        proto = read_structure(model)
-    except Exception:  # noqa: BLE001  an unreadable model gets its own error when it is loaded
-        return ()
-    return external_locations(proto)
-
-
-def external_locations(model: object) -> tuple[str, ...]:
-    """The external data files a model in memory (`onnx.ModelProto` or `ir.Model`) names;
-    none for any other source (a path)."""
-    if isinstance(model, ir.Model):
-        names = {value.const_value.location for value in model.graph.initializers.values()
-                 if isinstance(value.const_value, ir.ExternalTensor)}
-    elif isinstance(model, onnx.ModelProto):
-        names = {entry.value for tensor in model.graph.initializer if tensor.data_location == onnx.TensorProto.EXTERNAL
-                 for entry in tensor.external_data if entry.key == "location"}
-    else:
-        return ()
-    return tuple(sorted(names))
 
 
 def output_model(source: ModelFolder, output: str | os.PathLike) -> Path:
@@ -146,28 +104,6 @@ def copy_companions(source: ModelFolder, out_folder: Path) -> list[str]:
     return list(source.companions)
 
 
-def data_files(model: str | os.PathLike) -> tuple[str, ...]:
-    """The external data files the saved model at `model` names (none where there is no
-    file there yet)."""
-    try:
-        return _data_files(Path(model)) if Path(model).is_file() else ()
-    except OSError:  # a path the system refuses (too long): its own error comes when it is written
-        return ()
-
-
-def check_not_input_data(output: str | os.PathLike, source: str | os.PathLike) -> None:
-    """Refuse an output that would write over an external data file of the input model: the
-    output itself, or the data file saved beside it (`<output>.data`)."""
-    out = Path(output)
-    for name in data_files(source):
-        data = Path(source).parent / name
-        for written in (out, out.with_name(f"{out.name}.data")):
-            if same_file(written, data):
-                raise ModelError(f"{'output' if written == out else 'the data file of output'} {written} is the "
-                                 f"input model's external data file {name}; choose another output path (the input "
-                                 "is never overwritten)")
-
-
 def remove_replaced_data(model: str | os.PathLike, before: tuple[str, ...], keep: Iterable[str] = (),
                          source: str | os.PathLike | onnx.ModelProto | ir.Model | None = None) -> list[str]:
     """Delete the external data files of the model that `model` replaced (`before`: what
@@ -177,7 +113,7 @@ def remove_replaced_data(model: str | os.PathLike, before: tuple[str, ...], keep
     model in the folder names, are never touched; a file the system will not delete stays.
     The names removed."""
     path = Path(model)
-    stale = set(before) - set(_data_files(path)) - set(keep)
+    stale = set(before) - set(model_data_files(path)) - set(keep)
     if stale:  # another model beside it may read the same file
         stale -= {name for other in path.parent.glob("*.onnx") if other.resolve() != path.resolve()
                   for name in data_files(other)}
@@ -200,5 +136,5 @@ def remove_replaced_data(model: str | os.PathLike, before: tuple[str, ...], keep
 def on_disk_bytes(model: str | os.PathLike) -> int:
     """A saved model's size with the external data files it names."""
     path = Path(model)
-    return path.stat().st_size + sum((path.parent / name).stat().st_size for name in _data_files(path)
+    return path.stat().st_size + sum((path.parent / name).stat().st_size for name in model_data_files(path)
                                      if (path.parent / name).is_file())

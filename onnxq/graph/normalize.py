@@ -129,10 +129,12 @@ def _merge_type(value: ir.Value, type_proto: onnx.TypeProto) -> None:
 
 
 def infer_shapes(model: ir.Model) -> None:
-    """Infer types and shapes with onnx (not strict, with data propagation), in place.
+    """Infer types and shapes with onnx (not strict, with data propagation), in place, then
+    the element types it leaves unset past ops it does not know from their schemas
+    (`schema_types.fill_dtypes`).
 
     Values the inference cannot type keep what they had; a model the inference rejects
-    is left unchanged, as with onnx-ir's ShapeInferencePass.
+    is left as it was by it, as with onnx-ir's ShapeInferencePass.
     """
     for graph in model.graphs():
         for value in graph.initializers.values():

@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from onnxq.errors import OnnxqError
 from onnxq.graph import wire
+from onnxq.graph.data_files import data_files
 from onnxq.graph.genai_names import GENAI_CONFIG
 
 # Weights above this size go to an external data file (protobuf cannot exceed 2 GB).
@@ -29,17 +30,18 @@ def check_output_path(output: str | os.PathLike, source: str | os.PathLike | Non
         fix = ", or pass a model folder as the input to get a folder out" if what == "output" else ""
         raise OnnxqError(f"{what} {output} ends in a separator, as a folder does; give a file path{fix}")
     try:
-        _check_writable(out, source)
+        _check_writable(out, source, what)
     except OSError as exc:  # a name too long, a special file system
         raise OnnxqError(f"cannot write {out}: {exc.strerror or exc}; choose another output path") from None
     return out
 
 
-def _check_writable(out: Path, source: str | os.PathLike | None) -> None:
+def _check_writable(out: Path, source: str | os.PathLike | None, what: str) -> None:
     if source is not None and isinstance(source, str | os.PathLike):
         src = Path(source)
         if out.resolve() == src.resolve() or (out.exists() and src.exists() and out.samefile(src)):
             raise OnnxqError(f"output {out} is the input model; choose another output path")
+        _check_not_input_data(out, src, what)
     if out.is_dir():
         name = "model.int8.onnx"
         if source is not None and (Path(source).parent / GENAI_CONFIG).is_file():  # a genai folder's model
@@ -55,6 +57,18 @@ def _check_writable(out: Path, source: str | os.PathLike | None) -> None:
         probe = _temporary(out)
         probe.touch()
         probe.unlink()
+
+
+def _check_not_input_data(out: Path, source: Path, what: str) -> None:
+    """Refuse an output that would write over an external data file of the input model: the
+    output itself, or the data file saved beside it (`<output>.data`)."""
+    for name in data_files(source):
+        data = source.parent / name
+        for written in (out, out.with_name(f"{out.name}.data")):
+            if same_file(written, data):
+                which = what if written == out else f"the data file of {what}"
+                raise OnnxqError(f"{which} {written} is the input model's external data file {name}; choose another "
+                                 "output path (the input is never overwritten)")
 
 
 def check_output_paths(source: str | os.PathLike | None, *paths: str | os.PathLike | None) -> None:

@@ -35,8 +35,19 @@ def _ort_schemas() -> dict[tuple[str, str], list[object]]:
     return found
 
 
-def _schema(node: ir.Node, opsets: dict[str, int]) -> tuple[list[str], list[str], dict[str, list[str]]] | None:
-    """(input type parameters, output type parameters, allowed types per parameter) of the
+# A formal parameter: its type parameter (or a concrete type), and whether every argument it
+# stands for has one type (a variadic parameter may not: Loop's and Scan's carried values).
+Formal = tuple[str, bool]
+
+
+def _formals(params: Sequence[object], onnx_style: bool) -> list[Formal]:
+    if onnx_style:
+        return [(p.type_str, p.is_homogeneous) for p in params]
+    return [(p.typeStr, p.isHomogeneous) for p in params]
+
+
+def _schema(node: ir.Node, opsets: dict[str, int]) -> tuple[list[Formal], list[Formal], dict[str, list[str]]] | None:
+    """(input parameters, output parameters, allowed types per type parameter) of the
     version of `node`'s op its model imports; None where no schema is known."""
     domain = "" if node.domain in _STANDARD else node.domain
     version = opsets.get(domain, opsets.get("ai.onnx", 1) if domain == "" else 1)
@@ -45,13 +56,13 @@ def _schema(node: ir.Node, opsets: dict[str, int]) -> tuple[list[str], list[str]
             schema = onnx.defs.get_schema(node.op_type, version, "")
         except onnx.defs.SchemaError:
             return None
-        return ([p.type_str for p in schema.inputs], [p.type_str for p in schema.outputs],
+        return (_formals(schema.inputs, True), _formals(schema.outputs, True),
                 {c.type_param_str: list(c.allowed_type_strs) for c in schema.type_constraints})
     versions = [s for s in _ort_schemas().get((domain, node.op_type), []) if s.since_version <= version]
     if not versions:
         return None
     schema = max(versions, key=lambda s: s.since_version)
-    return ([p.typeStr for p in schema.inputs], [p.typeStr for p in schema.outputs],
+    return (_formals(schema.inputs, False), _formals(schema.outputs, False),
             {c.type_param_str: list(c.allowed_type_strs) for c in schema.type_constraints})
 
 
@@ -66,14 +77,20 @@ def _dtype(type_str: str) -> ir.DataType | None:
         return None
 
 
-def _formal(params: Sequence[str], index: int) -> str | None:
-    """The type parameter of the `index`-th actual argument (a variadic last one repeats)."""
-    return params[min(index, len(params) - 1)] if params else None
+def _formal(params: Sequence[Formal], index: int) -> str | None:
+    """The type parameter of the `index`-th actual argument (a variadic last one repeats);
+    None where the arguments of a heterogeneous variadic parameter share no type."""
+    if not params:
+        return None
+    param, homogeneous = params[min(index, len(params) - 1)]
+    return param if homogeneous else None
 
 
 def fill_dtypes(graph: ir.Graph, opsets: dict[str, int]) -> int:
-    """Type the untyped outputs of `graph`'s nodes from their schemas, in place, until
-    nothing changes (the graph need not be sorted); the number of values typed."""
+    """Type the untyped outputs of `graph`'s nodes (not those of its subgraphs) from their
+    schemas, in place, until nothing changes (the graph need not be sorted); the number of
+    values typed. Only tensors: a value whose arguments' parameter is heterogeneous (Loop's
+    and Scan's carried values) or may be a sequence is left as it is."""
     typed = 0
     changed = True
     while changed:
@@ -88,13 +105,15 @@ def fill_dtypes(graph: ir.Graph, opsets: dict[str, int]) -> int:
             bound: dict[str, ir.DataType] = {}
             for i, value in enumerate(node.inputs):
                 param = _formal(inputs, i)
-                if value is not None and value.dtype is not None and param is not None:
+                if value is not None and isinstance(value.type, ir.TensorType) and param is not None:
                     bound.setdefault(param, value.dtype)
             for j, value in enumerate(node.outputs):
                 param = _formal(outputs, j)
-                if value.dtype is not None or param is None:
+                if value.type is not None or param is None:
                     continue
                 choices = allowed.get(param, [param])  # a concrete type is its own parameter
+                if not all(c.startswith("tensor(") for c in choices):
+                    continue  # a sequence or an optional: not a tensor's element type
                 dtype = bound.get(param) or (_dtype(choices[0]) if len(choices) == 1 else None)
                 if dtype is not None:
                     value.dtype = dtype

@@ -14,7 +14,6 @@ from onnxq.emit.fidelity import check_outputs, samples_to_check
 from onnxq.emit.latency import measure_latency
 from onnxq.emit.loadcheck import prepacks
 from onnxq.evaluate import imports_extended
-from onnxq.graph.folder import check_not_input_data
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.notes import Note, Topic, notes
 from onnxq.optimize.runner import run_algorithms
@@ -45,8 +44,6 @@ def run_pipeline(
     """
     if output is not None:
         check_output_path(output, source if isinstance(source, str | os.PathLike) else None)
-        if isinstance(source, str | os.PathLike):
-            check_not_input_data(output, source)
     options = config.calibration
     ready = prepare(source, config, calibration_data, progress,
                     deferrable=not options.load_ranges and not options.stats)
