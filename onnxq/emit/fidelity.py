@@ -23,6 +23,7 @@ import onnxruntime as ort
 from onnxq.calibrate.access import Access, data_access, refusal
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.calibrate.decoder import PRESENT
+from onnxq.calibrate.session import refusal as ort_refusal
 from onnxq.evaluate import (
     EXTENDED_SESSION,
     cosine,
@@ -208,8 +209,7 @@ def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs
         try:  # say why where the float model itself is what failed (the check never stops a run)
             _lean_session(float_model, providers)
         except Exception as exc:  # noqa: BLE001  onnxruntime raises several unrelated types
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             return (f"output check skipped: onnxruntime cannot open the float model as given "
-                    f"({first.split(' : ')[-1][:200]}); the quantized model itself loads")
+                    f"({ort_refusal(str(exc) or type(exc).__name__)}); the quantized model itself loads")
     checked = None if reference is None else measure(session, reference)
     return dataclasses.replace(checked, extended=extended) if isinstance(checked, Fidelity) else checked

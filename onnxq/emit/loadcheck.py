@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import onnx_ir as ir
 import onnxruntime as ort
 
-from onnxq.calibrate.session import open_session
+from onnxq.calibrate.session import open_session, refusal
 from onnxq.errors import OnnxqError
 from onnxq.runtime import options_for
 
@@ -65,8 +65,7 @@ def load_error(model: ir.Model, providers: list[str], prepack: bool = True) -> s
     except OnnxqError:
         raise
     except Exception as exc:  # noqa: BLE001  onnxruntime raises several unrelated types
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return first.split(" : ")[-1][:240]
+        return refusal(str(exc) or type(exc).__name__)
     return None
 
 

@@ -46,19 +46,26 @@ def _formals(params: Sequence[object], onnx_style: bool) -> list[Formal]:
     return [(p.typeStr, p.isHomogeneous) for p in params]
 
 
-def _schema(node: ir.Node, opsets: dict[str, int]) -> tuple[list[Formal], list[Formal], dict[str, list[str]]] | None:
+Schema = tuple[list[Formal], list[Formal], dict[str, list[str]]]
+
+
+def _schema(node: ir.Node, opsets: dict[str, int]) -> Schema | None:
     """(input parameters, output parameters, allowed types per type parameter) of the
     version of `node`'s op its model imports; None where no schema is known."""
     domain = "" if node.domain in _STANDARD else node.domain
-    version = opsets.get(domain, opsets.get("ai.onnx", 1) if domain == "" else 1)
+    return _schema_of(domain, node.op_type, opsets.get(domain, opsets.get("ai.onnx", 1) if domain == "" else 1))
+
+
+@functools.cache
+def _schema_of(domain: str, op_type: str, version: int) -> Schema | None:
     if domain == "":
         try:
-            schema = onnx.defs.get_schema(node.op_type, version, "")
+            schema = onnx.defs.get_schema(op_type, version, "")
         except onnx.defs.SchemaError:
             return None
         return (_formals(schema.inputs, True), _formals(schema.outputs, True),
                 {c.type_param_str: list(c.allowed_type_strs) for c in schema.type_constraints})
-    versions = [s for s in _ort_schemas().get((domain, node.op_type), []) if s.since_version <= version]
+    versions = [s for s in _ort_schemas().get((domain, op_type), []) if s.since_version <= version]
     if not versions:
         return None
     schema = max(versions, key=lambda s: s.since_version)
