@@ -721,3 +721,26 @@ def test_side_outputs_and_convert_never_write_over_the_inputs_data(tmp_path):
     with pytest.raises(OnnxqError, match="the data file of output .* is the input model's external data file"):
         convert_model(str(model), str(tmp_path / "q.onnx"), "float")
     assert sha256(tmp_path / "q.onnx.data") == before
+
+
+@pytest.mark.parametrize("edit, words", [({"max": float("nan")}, ("NaN, or min above max",)),
+                                         ({"min": 20.0, "max": 1.0}, ("[20, 1]", "min above max")),
+                                         ({"max": None}, ("not two numbers",))])
+def test_a_hand_edited_range_that_no_data_has_is_refused(ws, capsys, edit, words):
+    """A ranges file edited by hand to a NaN, an inverted range or a missing bound: one line
+    naming the tensor (a NaN quantized on scale 1 without a word; a missing key was a raw
+    KeyError)."""
+    import json
+
+    ranges = ws.root / "r.json"
+    base = [str(ws.model), str(ws.out), "--quiet"]
+    assert main(["quantize", *base, "--calib-data", str(ws.good_data), "--save-ranges", str(ranges)]) == 0
+    doc = json.loads(ranges.read_text())
+    name = sorted(doc["tensors"])[-1]
+    doc["tensors"][name].update(edit)
+    if edit.get("max", 0) is None:
+        del doc["tensors"][name]["max"]
+    ranges.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["quantize", *base, "--load-ranges", str(ranges), "--calib-data", str(ws.good_data)]) == 2
+    assert_one_error_line(capsys.readouterr().err, (repr(name), *words))

@@ -165,6 +165,18 @@ def test_cli_shards_files_processes_and_errors(tmp_path, capsys):
     fails(["quantize", str(path), out, "--stats", str(tmp_path / "s1.npz"), str(tmp_path / "s2.npz"),
            "--calib-method", "entropy", "--quiet"], "calibrated for another model, config or batching")
     fails(["quantize", str(path), out, "--stats", calib, *flags], "is not an onnxq stats file")
+    fails(["quantize", str(path), out, "--stats", str(path), *flags], "is not an onnxq stats file")  # a model
+    # a shard half copied from another machine, and one with a byte flipped: one line, not zipfile's traceback
+    whole = (tmp_path / "s2.npz").read_bytes()
+    (tmp_path / "half.npz").write_bytes(whole[: len(whole) // 2])
+    fails(["quantize", str(path), out, "--stats", str(tmp_path / "s1.npz"), str(tmp_path / "half.npz"), *flags],
+          "is damaged or truncated")
+    flipped = bytearray(whole)
+    at = whole.index(b".npy") + 200  # inside the first array's data
+    flipped[at] ^= 0xFF
+    (tmp_path / "flip.npz").write_bytes(bytes(flipped))
+    fails(["quantize", str(path), out, "--stats", str(tmp_path / "s1.npz"), str(tmp_path / "flip.npz"), *flags],
+          "stats file")
     fails(["quantize", str(path), out, "--stats", str(tmp_path / "none.npz"), *flags], "stats file not found")
     fails(["calibrate", str(path), "--calib-data", calib, "--shard", "3/2", "--stats", out], "1 <= i <= n")
     fails(["calibrate", str(path), "--calib-data", calib, "--shard", "1/30", "--stats", out, "--batch-size", "4"],

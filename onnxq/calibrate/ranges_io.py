@@ -4,6 +4,7 @@ iterated on without recalibrating."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -64,5 +65,19 @@ def load_ranges(path: str | os.PathLike, needed: list[str],
             f"{p} has no range for tensor {missing[0]!r} ({len(missing)} missing); it was saved for "
             "another model or config: recalibrate with --save-ranges"
         )
-    ranges = {n: (float(tensors[n]["min"]), float(tensors[n]["max"])) for n in needed}
+    ranges = {n: _range(p, n, tensors[n]) for n in needed}
     return ranges, int(doc.get("num_samples", 0))
+
+
+def _range(path: Path, name: str, entry: object) -> tuple[float, float]:
+    """One tensor's [min, max] from the file: two numbers, not NaN, min <= max (a hand edit
+    that breaks this would quantize the tensor on a grid no data has)."""
+    try:
+        low, high = float(entry["min"]), float(entry["max"])  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        raise CalibrationDataError(f"{path}: the range of tensor {name!r} is not two numbers min and max ({entry!r}); "
+                                   "recalibrate with --save-ranges") from None
+    if math.isnan(low) or math.isnan(high) or low > high:
+        raise CalibrationDataError(f"{path}: the range of tensor {name!r} is [{low:g}, {high:g}], which no data "
+                                   "has (NaN, or min above max); fix it or recalibrate with --save-ranges")
+    return low, high

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import zipfile
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
@@ -130,8 +131,11 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         meta = json.loads(arrays.pop("__header__").tobytes().decode())
     except FileNotFoundError:
         raise CalibrationDataError(f"stats file not found: {path}") from None
-    except (OSError, ValueError, KeyError) as exc:
-        raise CalibrationDataError(f"{path} is not an onnxq stats file ({exc}); write one with "
+    except (zipfile.BadZipFile, EOFError) as exc:  # a partial copy, a flipped byte
+        raise CalibrationDataError(f"stats file {path} is damaged or truncated ({exc}); copy it again or "
+                                   "calibrate that shard again") from None
+    except (OSError, ValueError, KeyError, UnicodeDecodeError):  # not an .npz of ours (numpy's text: pickles)
+        raise CalibrationDataError(f"{path} is not an onnxq stats file; write one with "
                                    "onnxq calibrate ... --stats FILE") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CalibrationDataError(f"{path} is not an onnxq stats file; write one with onnxq calibrate ... --stats FILE")
@@ -173,20 +177,33 @@ def load_stats(paths: Sequence[str | os.PathLike], model: ir.Model, tensors: dic
         raise CalibrationDataError(f"the stats files cover batches 0..{end - 1} of {total}: a shard's file is "
                                    f"missing (run onnxq calibrate --shard for it)")
     state = None
-    for _, meta, arrays, _ in parts:
-        part = CalibrationState({}, StatisticsSet(statistics) if statistics else None,
-                                meta["num_samples"], meta["num_batches"], meta["num_passes"])
-        for i, name in enumerate(meta["tensors"]):
-            part.observers[name] = make_observer(tensors[name])
-            part.observers[name].set_state(_prefixed(arrays, f"o{i}."))
-        if part.statistics is not None:
-            for i, stat in enumerate(statistics):
-                if stat in part.statistics.accumulators:
-                    part.statistics.accumulators[stat] = Accumulator.from_state(stat, _prefixed(arrays, f"s{i}."))
-        if state is None:
-            state = part
-        else:
-            state.merge(part)
+    for _, meta, arrays, p in parts:
+        try:
+            part = _state(meta, arrays, tensors, statistics)
+            if state is None:
+                state = part
+            else:
+                state.merge(part)
+        except (KeyError, ValueError, TypeError, IndexError) as exc:  # a file edited or damaged inside
+            raise CalibrationDataError(f"stats file {p} is damaged or was edited ({type(exc).__name__}: {exc}); "
+                                       "calibrate that shard again") from None
     assert state is not None
     return state
+
+
+def _state(meta: dict[str, Any], arrays: dict[str, np.ndarray], tensors: dict[str, ResolvedSpec],
+           statistics: Sequence[Statistic]) -> CalibrationState:
+    """One file's calibration state."""
+    part = CalibrationState({}, StatisticsSet(statistics) if statistics else None,
+                            int(meta["num_samples"]), int(meta["num_batches"]), int(meta["num_passes"]))
+    for i, name in enumerate(meta["tensors"]):
+        part.observers[name] = make_observer(tensors[name])
+        part.observers[name].set_state(_prefixed(arrays, f"o{i}."))
+    if set(meta["tensors"]) != set(tensors):
+        raise KeyError(f"tensors {sorted(set(tensors) ^ set(meta['tensors']))[:3]}")
+    if part.statistics is not None:
+        for i, stat in enumerate(statistics):
+            if stat in part.statistics.accumulators:
+                part.statistics.accumulators[stat] = Accumulator.from_state(stat, _prefixed(arrays, f"s{i}."))
+    return part
 
