@@ -77,7 +77,8 @@ def calibrate_shard(
     config = _calibration_config(config_for(model, config)[0])
     index, count = parse_shard(shard) if isinstance(shard, str) else shard
     if not 0 <= index < count:
-        raise ConfigError(f"shard index {index} is outside 0..{count - 1}")
+        raise ConfigError(f"shard index {index} is outside 0..{count - 1} (a tuple (index, count) counts from 0, "
+                          "the string 'i/n' from 1)")
     if config.calibration.stats or config.calibration.load_ranges:
         raise ConfigError("calibrating a shard computes statistics; drop calibration.stats / load_ranges")
     config, calibration_data = _with_text(model, config, calibration_data)
