@@ -110,8 +110,9 @@ def tap_nodes(value: ir.Value, stat: Statistic, on_cpu: bool = True) -> Taps | N
     inside the session to each sample's window sums, N x C x taps numbers summed over the
     samples in numpy (`Taps.total`): by depthwise Convs of ones where onnxruntime's CPU
     provider (`on_cpu`) keeps the image on its blocked layout (`_conv_taps`), by MatMuls
-    with 0/1 tap matrices elsewhere (`_matmul_taps`; GPU providers run them as GEMMs). None (the ReduceSum over the samples, `_sum_nodes`): an unknown size
-    or channel count, or an axis with no output position."""
+    with 0/1 tap matrices elsewhere (`_matmul_taps`; GPU providers run them as GEMMs).
+    None (the ReduceSum over the samples, `_sum_nodes`): an unknown size or channel count,
+    or an axis with no output position."""
     shape = value.shape
     if (stat.window is None or shape is None or len(shape) not in (3, 4) or stat.axis % len(shape) != 1
             or value.dtype not in _SUMMABLE or not all(isinstance(d, int) for d in shape[1:])):

@@ -194,13 +194,13 @@ def load_stats(paths: Sequence[str | os.PathLike], model: ir.Model, tensors: dic
 def _state(meta: dict[str, Any], arrays: dict[str, np.ndarray], tensors: dict[str, ResolvedSpec],
            statistics: Sequence[Statistic]) -> CalibrationState:
     """One file's calibration state."""
+    if set(meta["tensors"]) != set(tensors):
+        raise KeyError(f"tensors {sorted(set(tensors) ^ set(meta['tensors']))[:3]}")
     part = CalibrationState({}, StatisticsSet(statistics) if statistics else None,
                             int(meta["num_samples"]), int(meta["num_batches"]), int(meta["num_passes"]))
     for i, name in enumerate(meta["tensors"]):
         part.observers[name] = make_observer(tensors[name])
         part.observers[name].set_state(_prefixed(arrays, f"o{i}."))
-    if set(meta["tensors"]) != set(tensors):
-        raise KeyError(f"tensors {sorted(set(tensors) ^ set(meta['tensors']))[:3]}")
     if part.statistics is not None:
         for i, stat in enumerate(statistics):
             if stat in part.statistics.accumulators:

@@ -47,7 +47,6 @@ class LoadReport:
     original_opset: int
     opset: int
     folded_nodes: int = 0
-    initializer_inputs_removed: int = 0
     notes: list[str] = field(default_factory=list)
 
 
@@ -151,7 +150,6 @@ def load_model(
     report = LoadReport(source=name, original_opset=original, opset=max(original, min_opset))
     report.notes.extend(checked)  # an opset upgrade is in the report's opsets (the summary's own line)
     dropped = remove_initializer_inputs(model.graph)
-    report.initializer_inputs_removed = len(dropped)
     if dropped and proto_ir_version >= 4:  # before IR 4 every weight was listed as an input
         shown = ", ".join(dropped[:3]) + (f" and {len(dropped) - 3} more" if len(dropped) > 3 else "")
         report.notes.append(f"{len(dropped)} graph input(s) with a default value (initializer) taken as constant and "

@@ -39,7 +39,7 @@ def check_output_path(output: str | os.PathLike, source: str | os.PathLike | Non
 def _check_writable(out: Path, source: str | os.PathLike | None, what: str) -> None:
     if source is not None and isinstance(source, str | os.PathLike):
         src = Path(source)
-        if out.resolve() == src.resolve() or (out.exists() and src.exists() and out.samefile(src)):
+        if _same_file(out, src):
             raise OnnxqError(f"output {out} is the input model; choose another output path")
         _check_not_input_data(out, src, what)
     if out.is_dir():
@@ -65,7 +65,7 @@ def _check_not_input_data(out: Path, source: Path, what: str) -> None:
     for name in data_files(source):
         data = source.parent / name
         for written in (out, out.with_name(f"{out.name}.data")):
-            if same_file(written, data):
+            if _same_file(written, data):
                 which = what if written == out else f"the data file of {what}"
                 raise OnnxqError(f"{which} {written} is the input model's external data file {name}; choose another "
                                  "output path (the input is never overwritten)")
@@ -86,16 +86,16 @@ def check_apart(outputs: Mapping[str, str | os.PathLike | None], inputs: Mapping
     given = [(label, path) for label, path in outputs.items() if path is not None]
     for label, out in given:
         for what, source in inputs.items():
-            if isinstance(source, str | os.PathLike) and same_file(out, source):
+            if isinstance(source, str | os.PathLike) and _same_file(out, source):
                 raise OnnxqError(f"{label} {out} is {what}; choose another path (onnxq never writes over what it "
                                  "reads)")
     for i, (label, out) in enumerate(given):
         for other, path in given[i + 1:]:
-            if same_file(out, path):
+            if _same_file(out, path):
                 raise OnnxqError(f"{label} and {other} are the same file {out}; give each its own path")
 
 
-def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     first, second = Path(a), Path(b)
     try:
         return first.resolve() == second.resolve() or (first.exists() and second.exists() and first.samefile(second))
