@@ -489,5 +489,6 @@ def test_cosine_and_sqnr_targets_score_the_positions_the_mask_keeps(tmp_path):
     kept = evalset.positions(session)
     np.testing.assert_array_equal(kept, mask != 0)
     noisy = evalset.reference + np.where(kept[..., None], 0.0, 100.0).astype(np.float32)  # padding moved far
-    assert _sqnr(evalset.reference, noisy, kept) == float("inf") and _sqnr(evalset.reference, noisy, None) < 0
-    assert _cosine(evalset.reference, noisy, kept) == pytest.approx(1.0)
+    assert _sqnr(evalset.reference, noisy, kept).value == float("inf") and _sqnr(evalset.reference, noisy, None).value < 0
+    assert _cosine(evalset.reference, noisy, kept).value == pytest.approx(1.0)
+    assert not _sqnr(evalset.reference, noisy, kept).samples.any()  # each sample's noise: none where kept

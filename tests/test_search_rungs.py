@@ -16,6 +16,7 @@ from onnxq.config.spec import ALGORITHM_RUNGS, DEFAULT_LADDER, PRECISION_RUNGS
 from onnxq.pipeline.run import run_pipeline
 from onnxq.search import rungs as R
 from onnxq.search.climb import climb_algorithms
+from onnxq.search.target import Scored
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -86,10 +87,10 @@ def test_a_rung_that_does_not_help_is_dropped():
     config = compose_config("U8S8", None, {"global_quant_config": {"weight": {"qscheme": "per_tensor"}}})
     data = str(MODELS / "digits_calib.npz")
     start = run_pipeline(str(MODELS / "digits_cnn.onnx"), None, config, data, False, keep_state=True)
-    scores = iter([1.0, 3.0, 9.0])  # cle: worse than the start (2.0), per_channel: better, adaround: unused
+    scores = iter([Scored(1.0), Scored(3.0), Scored(9.0)])  # cle: worse than the start (2.0), per_channel: better
     climb = climb_algorithms(str(MODELS / "digits_cnn.onnx"), config, data, False,
-                             R.algorithm_rungs(["cle", "per_channel", "adaround"]), start, 2.0,
-                             lambda _model: next(scores), lambda a, b: a > b, lambda s: s >= 3.0)
+                             R.algorithm_rungs(["cle", "per_channel", "adaround"]), start, Scored(2.0),
+                             lambda _model: next(scores), True, lambda s: s >= 3.0)
     assert [(t.rung, t.score, t.kept) for t in climb.trials] == [("cle", 1.0, False), ("per_channel", 3.0, True)]
     assert climb.score == 3.0 and not climb.config.pre_quant_opt_config
     assert climb.config.global_quant_config.weight.qscheme.value == "per_channel"

@@ -50,6 +50,7 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("eval_data", ("mixed_precision", "eval_data")),
     ("labels", ("mixed_precision", "labels")),
     ("ladder", ("mixed_precision", "ladder")),
+    ("rung_min_gain", ("mixed_precision", "rung_min_gain")),
 )
 
 
@@ -299,3 +300,6 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
                         "(bias_correction, cle, smoothquant, per_channel, adaround, adaquant), then what a "
                         "sensitive layer may be raised to (int16, fp16, bf16, float); default: "
                         + " ".join(DEFAULT_LADDER))
+    q.add_argument("--rung-min-gain", type=float, metavar="X",
+                   help="the least score gain that keeps an algorithm rung, in the metric's units (0: any gain); "
+                        "default: a gain beyond its standard error over the eval samples")

@@ -255,6 +255,8 @@ class MixedPrecisionConfig:
       activations, fp16, bf16, float: the most sensitive layers raised).
     eval_data: the labelled evaluation set (.npz, .npy or a folder; default: the
       calibration data); labels: its array of class labels (top1).
+    rung_min_gain: the least gain (in the metric's units) that keeps an algorithm rung;
+      None: a gain beyond its standard error over the eval samples (`search/gain.py`).
     """
 
     target: str | None = None
@@ -262,6 +264,7 @@ class MixedPrecisionConfig:
     eval_data: str | None = None
     labels: str = DEFAULT_LABELS
     max_samples: int | None = None
+    rung_min_gain: float | None = None
 
 
 # Config key -> the tensor class of QuantizationConfig it sets for the first and last

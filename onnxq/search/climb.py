@@ -2,8 +2,8 @@
 
 Each rung (`rungs.py`) is applied on top of the rungs kept so far, the model re-quantized
 (calibration included: CLE and SmoothQuant change the weights the ranges come from) and
-scored in a default session; the rung is kept where the score improves, and the climb stops
-once the target is met. The precision rungs then start from the best recipe found.
+scored in a default session; the rung is kept where the score improves beyond the eval
+set's noise (`gain.py`), and the climb stops once the target is met. The precision rungs then start from the best recipe found.
 """
 
 from __future__ import annotations
@@ -17,13 +17,16 @@ from onnxq.config.spec import Config
 from onnxq.errors import OnnxqError
 from onnxq.pipeline.run import run_pipeline
 from onnxq.search.base import with_calibration
+from onnxq.search.gain import rung_gain
 from onnxq.search.rungs import AlgorithmRung, skip_reason, with_rung
+from onnxq.search.target import Scored
 
 
 @dataclass(frozen=True)
 class RungTrial:
     """What one algorithm rung did: its score (None: not tried, `why` says why), whether it
-    met the target, whether it was kept (it improved the score) and its quantization time."""
+    met the target, whether it was kept (it improved the score beyond the noise) and its
+    quantization time."""
 
     rung: str
     score: float | None
@@ -39,8 +42,12 @@ class Climb:
 
     config: Config
     result: Any
-    score: float
+    scored: Scored
     trials: list[RungTrial]
+
+    @property
+    def score(self) -> float:
+        return self.scored.value
 
     def notes(self, stats: bool) -> list[str]:
         """What the summary must say beyond the rungs' lines: a kept rung calibrated on the
@@ -52,12 +59,12 @@ class Climb:
 
 
 def climb_algorithms(model: Any, config: Config, data: Any, progress: bool | None, rungs: list[AlgorithmRung],
-                     start: Any, start_score: float, score_model: Callable[[Any], float],
-                     better: Callable[[float, float], bool], met: Callable[[float], bool]) -> Climb:
+                     start: Any, start_scored: Scored, score_model: Callable[[Any], Scored],
+                     higher_is_better: bool, met: Callable[[float], bool], min_gain: float | None = None) -> Climb:
     """Try each rung on top of the kept ones until `met` (module doc). `start` is the
-    pipeline result of `config` and `start_score` its score; `score_model(ir_model)`
-    scores a quantized model."""
-    climb = Climb(config, start, start_score, [])
+    pipeline result of `config` and `start_scored` its score; `score_model(ir_model)`
+    scores a quantized model; `min_gain`: `rung_gain`'s."""
+    climb = Climb(config, start, start_scored, [])
     for rung in rungs:
         if met(climb.score):
             break
@@ -77,10 +84,11 @@ def climb_algorithms(model: Any, config: Config, data: Any, progress: bool | Non
             climb.trials.append(RungTrial(rung.name, None, False, False, time.perf_counter() - began,
                                           f"failed: {error}"))
             continue
-        score = score_model(result.ir_model)
-        kept = better(score, climb.score)
-        climb.trials.append(RungTrial(rung.name, score, met(score), kept, time.perf_counter() - began,
-                                      rung.what if kept else f"{rung.what}; no better"))
-        if kept:
-            climb.config, climb.result, climb.score = candidate, result, score
+        scored = score_model(result.ir_model)
+        meets = met(scored.value)
+        not_kept = rung_gain(scored, climb.scored, higher_is_better, meets, min_gain)
+        climb.trials.append(RungTrial(rung.name, scored.value, meets, not_kept is None, time.perf_counter() - began,
+                                      rung.what if not_kept is None else f"{rung.what}; {not_kept}"))
+        if not_kept is None:
+            climb.config, climb.result, climb.scored = candidate, result, scored
     return climb

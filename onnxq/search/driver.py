@@ -48,8 +48,8 @@ from onnxq.search.target import (
     EvalSet,
     float_score,
     load_eval_set,
+    measurer,
     parse_target,
-    scorer,
 )
 
 # Layers ranked on at most this many samples (one analysis pass).
@@ -183,19 +183,24 @@ def quantize_to_target(
     base = run_pipeline(model, None, base_config, calibration_data, progress, keep_state=True)
     state = base.state
     float_session = deployed_session(state.float_model, providers)
-    score = scorer(target, evalset, evaluate)
+    measure = measurer(target, evalset, evaluate)
+
+    def score(session: Any) -> float:
+        return measure(session).value
+
     # the float model's outputs (what cosine and sqnr compare against), and the data checked on it
     evalset.reference = evalset.first_output(float_session, user_model=True)
     reference_score = float_score(target, score, float_session, evalset)
     base_session = deployed_session(base.ir_model, providers)
-    base_score = score(base_session)
+    base_scored = measure(base_session)
+    base_score = base_scored.value
 
     def met(value: float) -> bool:
         return target.met(value, reference_score)
 
     climb = climb_algorithms(model, base_config, calibration_data, progress, algorithm_rungs(mp.ladder), base,
-                             base_score, lambda ir_model: score(deployed_session(ir_model, providers)),
-                             target.better, met)
+                             base_scored, lambda ir_model: measure(deployed_session(ir_model, providers)),
+                             target.op == ">=", met, mp.rung_min_gain)
     if climb.result is not base:  # promotions are priced against the recipe the rungs left
         base_session = deployed_session(climb.result.ir_model, providers)
     base, base_config, climbed_score = climb.result, climb.config, climb.score

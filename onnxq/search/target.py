@@ -33,6 +33,17 @@ SELF_SCORE = {"cosine": 1.0, "sqnr": math.inf}
 Evaluate = Callable[[ort.InferenceSession], float]
 
 
+@dataclass(frozen=True)
+class Scored:
+    """A model's score and each evaluation sample's part in it, in the score's direction
+    (top1: 100 where the label is matched; cosine: the sample's cosine; sqnr: minus the
+    sample's noise energy), so two models' paired differences say whether one is better
+    beyond the eval set's noise (`gain.py`); None where the metric is the caller's."""
+
+    value: float
+    samples: np.ndarray | None = None
+
+
 @dataclass
 class EvalSet:
     """The evaluation data, its labels and the float model's first output on it."""
@@ -89,24 +100,41 @@ def load_eval_set(source: Any, labels_key: str, max_samples: int | None = None, 
     return EvalSet(source if feeds is source else CalibrationSource(feeds), labels, max_samples)
 
 
-def _top1(out: np.ndarray, labels: np.ndarray) -> float:
+def _matched(out: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Per sample, whether the first output's argmax is the label."""
     if out.ndim != 2:
         raise CalibrationDataError(f"top1 needs class scores [batch, classes] as the first output; "
                                    f"got shape {out.shape}; use --metric cosine or sqnr")
-    return 100.0 * float(np.mean(out.argmax(1) == class_labels(labels, len(out), out.shape[1])))
+    return out.argmax(1) == class_labels(labels, len(out), out.shape[1])
 
 
-def _cosine(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None = None) -> float:
+def _top1(out: np.ndarray, labels: np.ndarray) -> float:
+    return 100.0 * float(np.mean(_matched(out, labels)))
+
+
+def _top1_scored(out: np.ndarray, labels: np.ndarray) -> Scored:
+    matched = _matched(out, labels)
+    return Scored(100.0 * float(np.mean(matched)), 100.0 * matched)
+
+
+def _kept_only(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Both outputs with the positions the attention mask drops set to 0 (padding's values,
+    inf included, left out); `kept` [samples, positions], None where every position counts."""
+    if kept is None:
+        return ref, out
+    where = kept[(...,) + (None,) * (ref.ndim - 2)]
+    return np.where(where, ref, 0), np.where(where, out, 0)
+
+
+def _cosine(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None = None) -> Scored:
     """The mean over samples of each sample's cosine, over its `kept` positions where
     given ([samples, positions], True where the attention mask keeps a token)."""
-    if kept is not None:
-        where = kept[(...,) + (None,) * (ref.ndim - 2)]
-        ref, out = np.where(where, ref, 0), np.where(where, out, 0)  # padding's values, inf included, left out
+    ref, out = _kept_only(ref, out, kept)
     a = ref.reshape(len(ref), -1).astype(np.float64)
     b = out.reshape(len(out), -1).astype(np.float64)
     den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
     cos = np.where(den > 0, np.sum(a * b, axis=1) / np.maximum(den, 1e-30), 1.0)
-    return float(np.mean(cos))
+    return Scored(float(np.mean(cos)), cos)
 
 
 def _checked(evaluate: Evaluate) -> Evaluate:
@@ -127,11 +155,13 @@ def _checked(evaluate: Evaluate) -> Evaluate:
     return score
 
 
-def scorer(target: AccuracyTarget, evalset: EvalSet, evaluate: Evaluate | None) -> Evaluate:
-    """The function that scores a session for `target`."""
+def measurer(target: AccuracyTarget, evalset: EvalSet,
+             evaluate: Evaluate | None) -> Callable[[ort.InferenceSession], Scored]:
+    """The function that scores a session for `target`, with each sample's part (`Scored`)."""
     metric = target.metric
     if evaluate is not None and metric in (None, "custom"):
-        return _checked(evaluate)
+        checked = _checked(evaluate)
+        return lambda session: Scored(checked(session))
     if evaluate is not None:  # scored otherwise, it would be called never, without a word
         raise ConfigError(f"evaluate= is given, but accuracy target {target.describe()!r} scores {metric}: write "
                           f"custom{target.describe().removeprefix(metric)} to score with evaluate, or leave it out")
@@ -143,12 +173,12 @@ def scorer(target: AccuracyTarget, evalset: EvalSet, evaluate: Evaluate | None) 
         if evalset.labels is None:
             raise CalibrationDataError("metric top1 needs labels: an --eval-data .npz holding a "
                                        "'labels' array (or --labels KEY), or use --metric cosine")
-        return lambda session: _top1(evalset.first_output(session), evalset.labels)
+        return lambda session: _top1_scored(evalset.first_output(session), evalset.labels)
     compare = _cosine if metric == "cosine" else _sqnr
 
     kept: list[np.ndarray | None] = []  # the eval data's, read on the first call
 
-    def score(session: ort.InferenceSession) -> float:
+    def score(session: ort.InferenceSession) -> Scored:
         if not kept:
             kept.append(evalset.positions(session))
         return compare(evalset.reference, evalset.first_output(session), kept[0])
@@ -156,8 +186,11 @@ def scorer(target: AccuracyTarget, evalset: EvalSet, evaluate: Evaluate | None) 
     return score
 
 
-def _sqnr(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None) -> float:
-    return sqnr_db(ref, out) if kept is None else sqnr_db(ref[kept], out[kept])
+def _sqnr(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None) -> Scored:
+    value = sqnr_db(ref, out) if kept is None else sqnr_db(ref[kept], out[kept])
+    ref, out = _kept_only(ref, out, kept)
+    noise = ((ref.astype(np.float64) - out) ** 2).reshape(len(ref), -1).sum(axis=1)
+    return Scored(value, -noise)
 
 
 def float_score(target: AccuracyTarget, score: Evaluate, float_session: ort.InferenceSession,

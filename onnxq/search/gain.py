@@ -1,0 +1,48 @@
+"""Whether an algorithm rung's gain is real or the eval set's noise.
+
+A rung is scored on the same eval samples as the recipe before it, so the two are compared
+sample by sample: with d_i the change in sample i's part of the score (`target.Scored`:
+100 or 0 for a label matched, a cosine, minus a noise energy), the mean of d is the gain
+and its standard error s(d) / sqrt(n) is how far that gain moves with the choice of
+samples. A rung is kept only where its gain exceeds that error. On top-1 that is at least
+two more labels matched than lost with no others changed (one label more is exactly one
+standard error, and a per-channel rung with a SmoothQuant Mul was kept on one image in
+600, leaving an Add and the pooling in float); three gained and one lost is not enough,
+four gained and one lost is. A rung that meets the target is kept on any gain (the target
+is the user's own bar), and a caller's metric, which gives one number per model, keeps a
+rung on any gain unless `rung_min_gain` is set; `rung_min_gain` (in the metric's units)
+replaces the test wherever it is given, 0 keeping any gain as the search did before.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from onnxq.search.target import Scored
+
+# A gain within this fraction of its standard error counts as equal to it (one label in
+# top-1 is exactly one standard error up to rounding).
+TIE = 1e-9
+
+
+def rung_gain(candidate: Scored, start: Scored, higher_is_better: bool, met: bool,
+              min_gain: float | None) -> str | None:
+    """None where `candidate` is better than `start` by more than the noise (module doc),
+    else why not, for the summary."""
+    gain = candidate.value - start.value if higher_is_better else start.value - candidate.value
+    if not gain > 0:
+        return "no better"
+    if met:
+        return None
+    if min_gain is not None:
+        return None if gain >= min_gain else f"gain {gain:.3g} under rung_min_gain {min_gain:g}"
+    if candidate.samples is None or start.samples is None or len(candidate.samples) < 2:
+        return None
+    d = (candidate.samples.astype(np.float64) - start.samples) * (1 if higher_is_better else -1)
+    error = float(np.std(d, ddof=1)) / math.sqrt(len(d))
+    if float(np.mean(d)) > error * (1 + TIE):
+        return None
+    return (f"gain {gain:.3g} within the eval set's noise ({float(np.mean(d)) / error if error else 0:.2g} standard "
+            f"errors of the per-sample change over {len(d)} samples; --rung-min-gain 0 keeps any gain)")
