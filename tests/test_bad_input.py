@@ -450,6 +450,28 @@ def test_ranges_and_stats_of_another_pass_setup_are_refused(ws, capsys):
     assert main(["quantize", *base, "--load-ranges", str(ranges), "--calib-data", str(ws.good_data)]) == 0
 
 
+def test_ranges_calibrated_for_another_recipe_are_refused(ws, capsys):
+    """A ranges file records each tensor's method, type and symmetry: ranges a run would not
+    calibrate (another method, symmetric for asymmetric, an entropy range fit to another
+    type) are refused in one line; minmax ranges serve any type, as they are the data's."""
+    ranges = ws.root / "r.json"
+    base = [str(ws.model), str(ws.out), "--quiet"]
+    assert main(["quantize", *base, "--calib-data", str(ws.good_data), "--save-ranges", str(ranges)]) == 0
+    capsys.readouterr()
+    assert main(["quantize", *base, "--load-ranges", str(ranges), "--calib-method", "entropy"]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("r.json", "calibrated uint8 asymmetric minmax",
+                                                    "uint8 asymmetric entropy", "--save-ranges under this recipe"))
+    assert main(["quantize", *base, "--load-ranges", str(ranges), "--activation-type", "int16"]) == 0  # minmax
+    entropy = ws.root / "e.json"
+    assert main(["quantize", *base, "--calib-data", str(ws.good_data), "--calib-method", "entropy",
+                 "--save-ranges", str(entropy)]) == 0
+    capsys.readouterr()
+    assert main(["quantize", *base, "--load-ranges", str(entropy), "--calib-method", "entropy",
+                 "--activation-type", "int16"]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("uint8 asymmetric entropy", "int16"))
+    assert main(["quantize", *base, "--load-ranges", str(entropy), "--calib-method", "entropy"]) == 0
+
+
 @pytest.mark.parametrize("flag", ["--report", "--save-ranges", "--save-config"])
 def test_unwritable_side_output_is_refused_before_the_run(ws, capsys, flag):
     blocker = ws.root / "file.txt"
@@ -464,6 +486,8 @@ def test_unwritable_side_output_is_refused_before_the_run(ws, capsys, flag):
 @pytest.mark.parametrize("extra, words", [
     (["--save-ranges", "r.json"], ("--save-ranges has no effect on calibrate",)),
     (["--format", "qoperator"], ("--format has no effect on calibrate",)),
+    (["--latency", "--check-samples", "8"], ("--check-samples, --latency have no effect on calibrate",)),
+    (["--rung-min-gain", "0"], ("--rung-min-gain has no effect on calibrate",)),
     (["--shards", "0"], ("invalid --shards 0",)),
 ])
 def test_calibrate_refuses_flags_it_would_ignore(ws, capsys, extra, words):
@@ -688,21 +712,24 @@ def test_output_over_the_inputs_external_data_is_refused(tmp_path, capsys, data_
 
 
 def test_a_model_onnxruntime_cannot_run_is_one_line(tmp_path, capsys):
-    """A bfloat16 MatMul, which onnxruntime's CPU provider has no kernel for: one line naming
-    the node and the fix, exit 2 (a raw NOT_IMPLEMENTED from the calibration session before)."""
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    """A float64 Conv, which onnxruntime's CPU provider has no kernel for: one line naming
+    the node and the fix, exit 2 (a raw NOT_IMPLEMENTED from the calibration session before;
+    the bfloat16 MatMul this test once used is now quantized as float32, test_half_models.py)."""
     rng = np.random.default_rng(2)
-    weight = onnx.numpy_helper.from_array(rng.standard_normal((16, 8)).astype(ml_dtypes.bfloat16), "w")
+    w32 = onnx.numpy_helper.from_array(rng.standard_normal((4, 4, 1, 1)).astype(np.float32), "w32")
+    w64 = onnx.numpy_helper.from_array(rng.standard_normal((8, 4, 1, 1)), "w64")
     graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "bf16",
-        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.BFLOAT16, ["N", 16])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.BFLOAT16, ["N", 8])], [weight])
-    model = save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), tmp_path / "bf.onnx")
+        [onnx.helper.make_node("Conv", ["x", "w32"], ["h"], name="conv"),
+         onnx.helper.make_node("Cast", ["h"], ["h64"], to=onnx.TensorProto.DOUBLE, name="cast"),
+         onnx.helper.make_node("Conv", ["h64", "w64"], ["y"], name="conv64")], "f64",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 4, 5, 5])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, ["N", 8, 5, 5])], [w32, w64])
+    model = save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), tmp_path / "f64.onnx")
     data = tmp_path / "calib.npz"
-    np.savez(data, x=rng.standard_normal((8, 16)).astype(ml_dtypes.bfloat16))
+    np.savez(data, x=rng.standard_normal((8, 4, 5, 5)).astype(np.float32))
     rc = main(["quantize", str(model), str(tmp_path / "q.onnx"), "--calib-data", str(data)])
     assert rc == 2
-    assert_one_error_line(capsys.readouterr().err, ("onnxruntime cannot run this model", "MatMul", "'mm'"))
+    assert_one_error_line(capsys.readouterr().err, ("onnxruntime cannot run this model", "Conv", "'conv64'"))
     assert not (tmp_path / "q.onnx").exists()
 
 

@@ -152,6 +152,12 @@ def test_cli_shards_files_processes_and_errors(tmp_path, capsys):
     assert main(["quantize", str(path), str(tmp_path / "all.onnx"), "--stats", str(tmp_path / "all.npz"), *flags]) == 0
     assert (tmp_path / "all.onnx").read_bytes() == reference
     capsys.readouterr()
+    # without the data the output is not checked, and the summary says so and how to check it
+    assert main(["quantize", str(path), str(tmp_path / "nock.onnx"), "--stats", str(tmp_path / "all.npz"),
+                 "--per-tensor", "--batch-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "output check skipped: the activations' ranges came from statistics files, with no samples" in out
+    assert "check on" not in out
 
     def fails(argv: list[str], message: str) -> None:
         assert main(argv) == 2

@@ -14,6 +14,10 @@ from onnxq.graph.save import write_text_atomic
 
 FORMAT_VERSION = 1
 
+# Methods whose range is the data's, whatever the type it is quantized to (the others fit
+# the range to the type's grid: entropy, MSE, HFMG, IFMR, ... search with its levels).
+TYPE_FREE_METHODS = frozenset({"minmax", "percentile"})
+
 
 def save_ranges(
     path: str | os.PathLike, ranges: dict[str, tuple[float, float]], specs: dict[str, ResolvedSpec],
@@ -40,10 +44,11 @@ def save_ranges(
     write_text_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
-def load_ranges(path: str | os.PathLike, needed: list[str],
+def load_ranges(path: str | os.PathLike, needed: dict[str, ResolvedSpec],
                 model_digest: str | None = None) -> tuple[dict[str, tuple[float, float]], int]:
-    """Ranges for `needed` tensors from a file written by `save_ranges`, and its sample
-    count; refused when the file names another model digest than `model_digest`."""
+    """Ranges for the `needed` tensors (name -> the spec this run quantizes it with) from a
+    file written by `save_ranges`, and its sample count; refused when the file names another
+    model digest than `model_digest`, or a tensor's range was made for another recipe."""
     p = Path(path)
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
@@ -66,7 +71,36 @@ def load_ranges(path: str | os.PathLike, needed: list[str],
             "another model or config: recalibrate with --save-ranges"
         )
     ranges = {n: _range(p, n, tensors[n]) for n in needed}
+    _check_recipe(p, {n: tensors[n] for n in needed}, needed)
     return ranges, int(doc.get("num_samples", 0))
+
+
+def _recipe(method: object, dtype: object, symmetric: object) -> str:
+    return f"{dtype} {'symmetric' if symmetric else 'asymmetric'} {method}"
+
+
+def _check_recipe(path: Path, saved: dict[str, object], specs: dict[str, ResolvedSpec]) -> None:
+    """Refuse ranges made by another calibration method, symmetry or (for methods that fit
+    the range to the type) type than this run's: a symmetric range, or an int8 entropy range,
+    is not the range this recipe would calibrate, and would be used without a word. Entries
+    without these fields (hand-written files) are taken as they are."""
+    differ = []
+    for name, spec in specs.items():
+        entry = saved[name]
+        method, dtype, symmetric = (entry.get(k) if isinstance(entry, dict) else None
+                                    for k in ("calib_method", "dtype", "symmetric"))
+        if method is None or symmetric is None:
+            continue
+        same_type = dtype is None or spec.calib_method in TYPE_FREE_METHODS or dtype == str(spec.dtype)
+        if method != spec.calib_method or bool(symmetric) != bool(spec.symmetric) or not same_type:
+            differ.append((name, _recipe(method, dtype, symmetric),
+                           _recipe(spec.calib_method, spec.dtype, spec.symmetric)))
+    if differ:
+        name, was, now = differ[0]
+        more = f" ({len(differ)} tensors differ)" if len(differ) > 1 else ""
+        raise CalibrationDataError(f"{path}: the range of tensor {name!r} was calibrated {was}, and this recipe "
+                                   f"calibrates it {now}{more}; recalibrate with --save-ranges under this recipe, "
+                                   "or load it with the recipe it was saved under")
 
 
 def _range(path: Path, name: str, entry: object) -> tuple[float, float]:

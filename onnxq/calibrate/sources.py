@@ -29,7 +29,8 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec]) -> It
     """Yield one sample at a time from arrays that hold samples on axis 0.
 
     A sample is one row, or for an input with a fixed batch B its B rows; a last part
-    that fills no whole sample is still yielded, for iter_batches to drop or report.
+    that fills no whole sample is still yielded, for iter_batches to drop or report. A
+    rank-0 array goes with every sample as it is.
     """
     units = sample_rows(inputs)
     names = {spec.name for spec in inputs}
@@ -37,7 +38,8 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec]) -> It
     if not counted:  # no model input among them: the feed check names what is missing
         yield dict(arrays)
         return
-    counts = {name: Fraction(len(a), units.get(name, 1)) for name, a in counted.items()}
+    # a rank-0 array (a scalar input: a flag, a trip count) is the same for every sample
+    counts = {name: Fraction(len(a), units.get(name, 1)) for name, a in counted.items() if np.ndim(a)} or {"": 1}
     if len(set(counts.values())) > 1:
         shown = {name: str(n) for name, n in counts.items()}
         raise CalibrationDataError(

@@ -82,7 +82,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     check_output_paths(args.input, output)
     check_apart({"--stats": output}, {"the calibration data": args.calib_data, "the config file": args.config})
     ignored = [flag for flag, value in (("--save-ranges", args.save_ranges), ("--format", args.format),
-                                        ("--ladder", args.ladder)) if value is not None]
+                                        ("--ladder", args.ladder), ("--rung-min-gain", args.rung_min_gain),
+                                        ("--check-samples", args.check_samples), ("--latency", args.latency))
+               if value is not None]
     if ignored:
         raise OnnxqError(f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect on calibrate, "
                          "which writes statistics only: give it to onnxq quantize --stats FILE")

@@ -177,9 +177,11 @@ def _figures(name: str, kept: list[tuple[np.ndarray, np.ndarray]], pairs: list[t
 CHECK_SAMPLES, CHECK_AUTO_BYTES = 8, 256 << 20
 
 
-def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSource) -> tuple[int, str | None]:
-    """Samples the check runs on (0: none), with a note when the data cannot be read again or
-    the model's size alone skips it (none when the user turned the check off)."""
+def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSource,
+                     ranges_from: str | None = None) -> tuple[int, str | None]:
+    """Samples the check runs on (0: none), with a note when the data cannot be read again,
+    the model's size alone skips it, or activations calibrated from `ranges_from` (statistics
+    or ranges files) left no samples to run (none when the user turned the check off)."""
     access = data_access(data)
     if not access.rereadable:
         if access is Access.ONCE and asked != 0:  # unless the user turned the check off
@@ -187,6 +189,9 @@ def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSourc
         if asked and access is Access.NONE:  # asked for, with no data to run: say so
             return 0, (f"output check skipped: --check-samples {asked} (calibration.check_samples) runs on "
                        "calibration samples, and none were given; pass --calib-data")
+        if ranges_from and asked is None and access is Access.NONE:
+            return 0, (f"output check skipped: the activations' ranges came from {ranges_from}, with no samples "
+                       "to run; pass --calib-data as well to check the output against float")
         return 0, None
     if asked is not None:
         return asked, None

@@ -34,6 +34,7 @@ from onnxq.graph.normalize import (
     remove_initializer_inputs,
     upgrade_opset,
 )
+from onnxq.graph.upcast import Upcast, upcast_half
 from onnxq.graph.wire import read_structure
 
 __all__ = ["LoadReport", "check_readable", "check_runnable", "load_model", "read_model"]
@@ -48,6 +49,7 @@ class LoadReport:
     opset: int
     folded_nodes: int = 0
     notes: list[str] = field(default_factory=list)
+    upcast: Upcast | None = None  # a float16/bfloat16 model made float32 inside (`upcast.py`)
 
 
 def _read_proto(source: str | os.PathLike | onnx.ModelProto, split: bool = False,
@@ -117,11 +119,12 @@ def read_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> ir.Mod
 
 
 def load_model(
-    source: str | os.PathLike | onnx.ModelProto | ir.Model, min_opset: int = MIN_OPSET
+    source: str | os.PathLike | onnx.ModelProto | ir.Model, min_opset: int = MIN_OPSET, upcast: bool = False,
 ) -> tuple[ir.Model, LoadReport]:
     """Read, check and normalise a model; the caller's file or proto is never modified.
 
-    Models below `min_opset` (at least 13) are upgraded. Returns the normalised onnx-ir
+    Models below `min_opset` (at least 13) are upgraded. With `upcast`, a float16 or
+    bfloat16 model is made float32 inside (`upcast.py`). Returns the normalised onnx-ir
     model and a report of what changed.
     """
     min_opset = max(min_opset, MIN_OPSET)
@@ -161,6 +164,7 @@ def load_model(
     binary_sum_to_add(model.graph)
     ir_passes.RemoveUnusedNodesPass()(model)
     infer_shapes(model)
+    report.upcast = upcast_half(model) if upcast else None  # with every value typed
     if prelus := fix_prelu_slopes(model, original):
         report.notes.append(f"PRelu slopes [C] reshaped to [C,1,...] to broadcast per channel: {prelus}")
         infer_shapes(model)

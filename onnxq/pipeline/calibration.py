@@ -51,7 +51,7 @@ def calibrate_or_load(
     digest = model_digest(model) if options.load_ranges or options.save_ranges else None
     notes: list[Note] = []
     if options.load_ranges:
-        ranges, samples = load_ranges(options.load_ranges, list(tensors), digest)
+        ranges, samples = load_ranges(options.load_ranges, tensors, digest)
         result = CalibrationResult(ranges, samples, 0, 0)
     elif options.stats:
         wanted = file_requests(model, plan, algorithms)

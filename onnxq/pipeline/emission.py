@@ -25,6 +25,7 @@ from onnxq.emit.trial import emit_trial
 from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
+from onnxq.graph.upcast import Upcast, restore_half_weights
 from onnxq.notes import Note, Topic
 from onnxq.optimize.bias_layers import bias_add
 from onnxq.optimize.context import RunSettings, TrialEmitter
@@ -93,6 +94,7 @@ def emit_loadable(
     model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], config: Config,
     weights: WeightCache, keep_float: Mapping[str, str], target: TargetProfile,
     statistics: Mapping[Statistic, Any], prepack: bool = True, biases: Biases | None = None,
+    upcast: Upcast | None = None,
 ) -> tuple[ir.Model, EmitResult, ort.InferenceSession | None, list[Note]]:
     """Emit, then open the result as a deployment would; if onnxruntime refuses it, keep
     the nodes responsible float (found by re-emitting from a copy, the other nodes' learned
@@ -100,13 +102,16 @@ def emit_loadable(
     instead of writing it. Also returns the session that opened it (for the output check)
     and a note on the nodes kept float that way. `weights`: those the algorithms quantized;
     `statistics`: the calibration pass's, measured before any algorithm ran (float8
-    centring)."""
+    centring); `upcast`: a half model's load, whose weights left float are stored in their
+    type again (`graph/upcast.py`)."""
     pristine = model.clone()
     emitted = emit_model(model, plan, ranges, config, weights, target.runs_on_cpu(), statistics)
+    halves = restore_half_weights(model, upcast.weights) if upcast is not None else 0
+    said_half = [Note(Topic.LOAD, upcast.note(halves))] if upcast is not None else []
     providers = config.calibration.providers
     session = open_deployed(model, providers, prepack=prepack)
     if session is not None:
-        return model, emitted, session, []
+        return model, emitted, session, said_half
     said = load_error(model, providers, prepack=prepack)
     order = [node.name for node in pristine.graph if node.name in plan.quantized_nodes]
 
@@ -116,10 +121,12 @@ def emit_loadable(
         keep = {**keep_float, **{name: UNLOADABLE for name in kept}}
         new_plan = within_ranges(plan_quantization(copy, config, keep, target), ranges)
         result = emit_model(copy, new_plan, ranges, config, weights, target.runs_on_cpu(), statistics)
+        if upcast is not None:
+            restore_half_weights(copy, upcast.weights)
         return Trial(copy, model_loads(copy, providers, prepack=prepack), result)
 
     final, culprits = find_culprits(order, trial)
     note = Note(Topic.FLOAT, f"{len(culprits)} nodes kept float because onnxruntime could not load them quantized: "
                 + ", ".join(culprits[:5]) + (", ..." if len(culprits) > 5 else "")
                 + (f" (onnxruntime: {said})" if said else ""), tuple(culprits))
-    return final.model, final.payload, open_deployed(final.model, providers, prepack=prepack), [note]
+    return final.model, final.payload, open_deployed(final.model, providers, prepack=prepack), [*said_half, note]

@@ -31,6 +31,7 @@ from onnxq.graph.folder import on_disk_bytes
 from onnxq.graph.load import LoadReport, check_runnable, load_model
 from onnxq.graph.quantized import describe, quantized_ops
 from onnxq.graph.save import weight_bytes
+from onnxq.graph.upcast import Upcast
 from onnxq.notes import Note, Topic, notes
 from onnxq.numerics.qmath import FLOAT_TARGETS, is_float8, qdq_opset
 from onnxq.optimize.context import Deferred, RunSettings
@@ -83,8 +84,14 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
     is loaded as it is (at least opset 13, or `config.opset`) and loaded again, upgraded,
     only when the Q/DQ the plan writes need a newer opset: int4/int16/float8 tensors and
     blocks, but not the nodes lowered to contrib kernels (MatMulNBits,
-    GatherBlockQuantized), whose weights W4_GROUP128 configures as int4 blocks."""
-    model, report = load_model(source, config.opset or 13)
+    GatherBlockQuantized), whose weights W4_GROUP128 configures as int4 blocks.
+
+    A float16/bfloat16 model is made float32 inside (`graph/upcast.py`: its Q/DQ and int8
+    kernels are a float32 model's), except under weight-only MatMulNBits recipes, whose
+    kernels take half activations as they are (an onnxruntime-genai folder built for a
+    GPU: its attention kernels there take float16 only)."""
+    upcast = not config.matmul_nbits
+    model, report = load_model(source, config.opset or 13, upcast)
     kept = _already_quantized(model, report.source)
     if config.qdq_domain == "com.microsoft":
         _check_contrib(model, config, target, report.opset)
@@ -93,7 +100,7 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
     need = plan_quantization(model, with_edges(config, model)[0], {}, target).required_opset()
     if need <= report.opset:
         return model, report, kept
-    model, report = load_model(source, need)
+    model, report = load_model(source, need, upcast)
     return model, report, _already_quantized(model, report.source)
 
 
@@ -147,6 +154,7 @@ class Prepared:
     summary: Summary
     config: Config  # the config as this model resolves it (edge layers' specs applied)
     edges: list[str]  # the layers `edge_weight` and `edge_input` apply to
+    upcast: Upcast | None = None  # a float16/bfloat16 model made float32 inside at load
 
 
 def prepare(source: ModelSource, config: Config, calibration_data: Any, progress: bool | None,
@@ -194,8 +202,9 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
         done = run_passes(model, passes, settings, deferrable)
         summary.notes.extend(done.notes)
         keep_float = {**{name: f"{ALREADY_QUANTIZED} ({op}): left as it is" for name, op in kept.items()},
-                      **done.keep_float}
+                      **(loaded.upcast.keep_float() if loaded.upcast is not None else {}), **done.keep_float}
         plan = plan_quantization(model, config, keep_float, target)
         algorithms, decided = configured_algorithms(config, configured, target, plan, settings.access)
         summary.notes.extend(decided)
-    return Prepared(model, plan, algorithms, target, settings, keep_float, done.deferred, summary, config, edges)
+    return Prepared(model, plan, algorithms, target, settings, keep_float, done.deferred, summary, config, edges,
+                    loaded.upcast)

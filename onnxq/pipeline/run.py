@@ -79,11 +79,12 @@ def run_pipeline(
                               trial_emitter(settings, calibration.statistics), calibration.statistics)
     summary.notes.extend(done.notes)
 
-    samples, note = samples_to_check(options.check_samples, float_bytes, settings.data)
+    files = "statistics files" if options.stats else "a ranges file" if options.load_ranges else None
+    samples, note = samples_to_check(options.check_samples, float_bytes, settings.data, files)
     with summary.stage("emit"):
         model, emitted, session, kept = emit_loadable(model, done.plan, calibration.ranges, config, done.weights,
                                                    ready.keep_float, ready.target, calibration.statistics,
-                                                   prepacks(float_bytes, samples > 0), biases)
+                                                   prepacks(float_bytes, samples > 0), biases, ready.upcast)
     summary.notes.extend(notes(Topic.CHECK, [note] if note else []))
     if session is not None and samples:
         with summary.stage("check"):

@@ -1,0 +1,232 @@
+"""Float16 and bfloat16 models are quantized as the float32 models they stand for: float32
+inside, their inputs and outputs in their own type, weights left float stored as they were
+(`graph/upcast.py`). Before, every DequantizeLinear of a float16 model was refused at the
+load check and the whole model stayed float."""
+
+from __future__ import annotations
+
+import hashlib
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from helpers import GraphBuilder, every_kernel, gemm, residual, sqnr_db
+from onnx import TensorProto, numpy_helper
+
+import onnxq
+
+HALF = {TensorProto.FLOAT16: np.float16, TensorProto.BFLOAT16: ml_dtypes.bfloat16}
+
+
+def to_half(model: onnx.ModelProto, elem: int = TensorProto.FLOAT16) -> onnx.ModelProto:
+    """`model` with every float32 weight, input, output and Cast in the half type `elem`."""
+    half = onnx.ModelProto()
+    half.CopyFrom(model)
+    graph = half.graph
+    for i, init in enumerate(graph.initializer):
+        if init.data_type == TensorProto.FLOAT:
+            array = numpy_helper.to_array(init).astype(HALF[elem])
+            tensor = onnx.helper.make_tensor(init.name, elem, array.shape, array.view(np.uint16).tobytes(), raw=True)
+            graph.initializer[i].CopyFrom(tensor)
+    for node in graph.node:
+        for a in node.attribute:
+            if node.op_type == "Cast" and a.name == "to" and a.i == TensorProto.FLOAT:
+                a.i = elem
+    for value in [*graph.input, *graph.output]:
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = elem
+    del graph.value_info[:]
+    return half
+
+
+def _run(model, feeds):
+    session = ort.InferenceSession(model if isinstance(model, str) else model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    return session, session.run(None, feeds)[0]
+
+
+def _types(session):
+    return [v.type for v in session.get_inputs()], [v.type for v in session.get_outputs()]
+
+
+def _producer_ops(model: onnx.ModelProto, op_type: str) -> list[str]:
+    made = {o: n.op_type for n in model.graph.node for o in n.output}
+    return [made.get(n.input[1], "initializer") for n in model.graph.node if n.op_type == op_type]
+
+
+def test_a_float16_model_is_quantized_in_float32_with_its_interface_kept(tmp_path):
+    elem = TensorProto.FLOAT16
+    half = to_half(every_kernel(), elem)
+    path = tmp_path / "half.onnx"
+    onnx.save(half, path)
+    rng = np.random.default_rng(0)
+    calib = {"x": rng.standard_normal((32, 4, 8, 8)).astype(HALF[elem])}
+    evaluation = {"x": rng.standard_normal((16, 4, 8, 8)).astype(HALF[elem])}
+    result = onnxq.quantize(str(path), tmp_path / "q.onnx", None, calib, progress=False)
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    onnx.checker.check_model(quantized, full_check=True)
+    q_session, q_out = _run(str(tmp_path / "q.onnx"), evaluation)
+    f_session, f_out = _run(str(path), evaluation)
+    kind = "float16"
+    assert _types(q_session) == _types(f_session) == ([f"tensor({kind})"], [f"tensor({kind})"])
+    assert q_out.dtype == HALF[elem]
+    # every Conv and the Gemm read a dequantized int8 weight: nothing left float but the boundary
+    assert set(_producer_ops(quantized, "Conv") + _producer_ops(quantized, "Gemm")) == {"DequantizeLinear"}
+    assert sqnr_db(f_out.astype(np.float32), q_out.astype(np.float32)) > 25
+    assert any(n.startswith(f"{kind} model: quantized as float32") for n in result.summary.note_texts)
+    assert set(result.summary.float_nodes) == {"x_to_float32", f"{half.graph.output[0].name}_to_{kind}"}
+    first = (tmp_path / "q.onnx").read_bytes()
+    onnxq.quantize(str(path), tmp_path / "q2.onnx", None, calib, progress=False)
+    assert hashlib.sha256((tmp_path / "q2.onnx").read_bytes()).digest() == hashlib.sha256(first).digest()
+    assert path.read_bytes() == half.SerializeToString() or onnx.load(str(path)) == half  # the input is untouched
+
+
+def test_weights_left_float_are_stored_half_again(tmp_path):
+    """An excluded layer's weight goes back to float16 behind a Cast: the file does not
+    grow where layers stay float, and the layer computes what it computed."""
+    half = to_half(residual())
+    path = tmp_path / "half.onnx"
+    onnx.save(half, path)
+    rng = np.random.default_rng(1)
+    calib = {"x": rng.standard_normal((32, 3, 12, 12)).astype(np.float16)}
+    last = [n.name for n in half.graph.node if n.op_type == "Conv"][-1]
+    config = onnxq.compose_config("U8S8", None, {"exclude": [last]})
+    result = onnxq.quantize(str(path), tmp_path / "q.onnx", config, calib, progress=False)
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    onnx.checker.check_model(quantized)
+    conv = next(n for n in quantized.graph.node if n.name == last)
+    made = {o: n for n in quantized.graph.node for o in n.output}
+    cast = made[conv.input[1]]
+    assert cast.op_type == "Cast"
+    stored = next(i for i in quantized.graph.initializer if i.name == cast.input[0])
+    assert stored.data_type == TensorProto.FLOAT16
+    original = next(i for i in half.graph.initializer if i.name == conv.input[1])
+    np.testing.assert_array_equal(numpy_helper.to_array(stored), numpy_helper.to_array(original))
+    assert any("weights left float stored as float16 again" in n and not n.split("; ")[1].startswith("0 ")
+               for n in result.summary.note_texts)
+    _, f_out = _run(str(path), calib)
+    _, q_out = _run(str(tmp_path / "q.onnx"), calib)
+    assert sqnr_db(f_out.astype(np.float32), q_out.astype(np.float32)) > 25
+
+
+def test_casts_to_half_inside_a_float32_model_are_removed(tmp_path):
+    """A float32 model that runs a stretch in float16 (a mixed-precision export) is
+    quantized through that stretch: its Casts, now float32 to float32, are gone."""
+    b = GraphBuilder(3)
+    x = b.input("x", ["N", 3, 12, 12])
+    h = b.relu(b.conv(x, 3, 8))
+    h16 = b.node("Cast", [h], to=TensorProto.FLOAT16)
+    w = np.random.default_rng(3).standard_normal((8, 8, 3, 3)).astype(np.float16) * np.float16(0.2)
+    y16 = b.node("Conv", [h16, b.const("w16", w)], pads=[1, 1, 1, 1])
+    model = b.build([b.node("Cast", [y16], to=TensorProto.FLOAT)], name="mixed")
+    path = tmp_path / "mixed.onnx"
+    onnx.save(model, path)
+    calib = {"x": np.random.default_rng(4).standard_normal((16, 3, 12, 12)).astype(np.float32)}
+    onnxq.quantize(str(path), tmp_path / "q.onnx", None, calib, progress=False)
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    onnx.checker.check_model(quantized)
+    assert not [n for n in quantized.graph.node if n.op_type == "Cast" and n.output[0] != quantized.graph.output[0].name]
+    assert set(_producer_ops(quantized, "Conv")) == {"DequantizeLinear"}
+    _, f_out = _run(str(path), calib)
+    _, q_out = _run(str(tmp_path / "q.onnx"), calib)
+    assert q_out.dtype == np.float32 and sqnr_db(f_out, q_out) > 25
+
+
+def test_a_float16_subgraph_is_made_float32_too(tmp_path):
+    """An If whose branches compute in float16: the branches become float32 with the rest,
+    and the output is valid and runs."""
+    from onnx import helper
+
+    rng = np.random.default_rng(5)
+
+    def branch(name: str, scale: float) -> onnx.GraphProto:
+        k = helper.make_tensor(f"k_{name}", TensorProto.FLOAT16, [1], np.array([scale], np.float16).view(np.uint16)
+                               .tobytes(), raw=True)
+        return helper.make_graph([helper.make_node("Mul", ["h", f"k_{name}"], [f"o_{name}"])], name, [],
+                                 [helper.make_tensor_value_info(f"o_{name}", TensorProto.FLOAT16, ["N", 8, 8, 8])], [k])
+
+    w = numpy_helper.from_array((rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float16), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["h"], pads=[1, 1, 1, 1], name="conv"),
+         helper.make_node("If", ["flag"], ["y"], then_branch=branch("then", 2.0), else_branch=branch("else", -1.0),
+                          name="if")],
+        "sub", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 3, 8, 8]),
+                helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", 8, 8, 8])], [w])
+    path = tmp_path / "if.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    feeds = {"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float16), "flag": np.array(True)}
+    onnxq.quantize(str(path), tmp_path / "q.onnx", None, feeds, progress=False)
+    onnx.checker.check_model(onnx.load(str(tmp_path / "q.onnx")))
+    for flag in (True, False):
+        feed = {**feeds, "flag": np.array(flag)}
+        _, f_out = _run(str(path), feed)
+        _, q_out = _run(str(tmp_path / "q.onnx"), feed)
+        assert q_out.dtype == np.float16 and sqnr_db(f_out.astype(np.float32), q_out.astype(np.float32)) > 25
+
+
+def test_bfloat16_inside_is_quantized_and_a_bfloat16_interface_is_refused(tmp_path, capsys):
+    """bfloat16 weights and Casts inside a float32 model are quantized as float32 (onnxruntime's
+    CPU has no bfloat16 Gemm: the model did not even open). bfloat16 inputs or outputs cannot
+    be fed or read through onnxruntime's Python API: one line, exit 2, nothing written."""
+    from onnxq.cli import main
+
+    inner = to_half(gemm(), TensorProto.BFLOAT16)
+    graph = inner.graph
+    graph.node.insert(0, onnx.helper.make_node("Cast", ["x32"], ["x"], to=TensorProto.BFLOAT16, name="in"))
+    out = graph.output[0].name
+    for node in graph.node:
+        node.output[:] = [f"{out}_bf" if o == out else o for o in node.output]
+    graph.node.append(onnx.helper.make_node("Cast", [f"{out}_bf"], [out], to=TensorProto.FLOAT, name="out"))
+    graph.input[0].name = "x32"
+    graph.input[0].type.tensor_type.elem_type = TensorProto.FLOAT
+    graph.output[0].type.tensor_type.elem_type = TensorProto.FLOAT
+    path = tmp_path / "inside.onnx"
+    onnx.save(inner, path)
+    rng = np.random.default_rng(6)
+    calib = {"x32": rng.standard_normal((32, 32)).astype(np.float32)}
+    with pytest.raises(Exception, match="NOT_IMPLEMENTED"):  # the float model does not run on the CPU
+        _run(str(path), calib)
+    result = onnxq.quantize(str(path), tmp_path / "q.onnx", None, calib, progress=False)
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    onnx.checker.check_model(quantized)
+    assert set(_producer_ops(quantized, "Gemm")) == {"DequantizeLinear"}
+    _, q_out = _run(str(tmp_path / "q.onnx"), calib)
+    bf16_model = to_half(gemm(), TensorProto.BFLOAT16)  # the float32 model it stands for: its weights as stored
+    reference_model = gemm()
+    for i, init in enumerate(bf16_model.graph.initializer):
+        reference_model.graph.initializer[i].CopyFrom(
+            numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float32), init.name))
+    _, reference = _run(reference_model, {"x": calib["x32"]})
+    assert sqnr_db(reference, q_out) > 25
+    assert any(n.startswith("bfloat16 model: quantized as float32") for n in result.summary.note_texts)
+
+    onnx.save(to_half(gemm(), TensorProto.BFLOAT16), tmp_path / "bf_io.onnx")
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((8, 32)).astype(np.float32))
+    capsys.readouterr()
+    assert main(["quantize", str(tmp_path / "bf_io.onnx"), str(tmp_path / "bad.onnx"), "--calib-data",
+                 str(tmp_path / "calib.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "input or output 'x' is bfloat16" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "bad.onnx").exists()
+
+
+def test_weight_only_blocks_keep_a_float16_model_half(tmp_path):
+    """MatMulNBits takes float16 activations as they are (a GPU genai folder's attention
+    kernels take float16 only): W4_GROUP128 leaves a float16 model float16, with float16
+    block scales and no Casts."""
+    rng = np.random.default_rng(7)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "fp16",
+        [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 128])],
+        [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", 32])],
+        [numpy_helper.from_array(rng.standard_normal((128, 32)).astype(np.float16), "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    result = onnxq.quantize(model, tmp_path / "q.onnx", onnxq.get_preset("W4_GROUP128"), None, progress=False)
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    (node,) = quantized.graph.node
+    assert node.op_type == "MatMulNBits" and node.input[0] == "x"
+    assert next(i for i in quantized.graph.initializer if i.name == node.input[2]).data_type == TensorProto.FLOAT16
+    assert not any("model: quantized as float32" in n for n in result.summary.note_texts)
