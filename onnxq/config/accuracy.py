@@ -42,9 +42,10 @@ class AccuracyTarget:
         limit = self.threshold(float_score)
         return score >= limit if self.op == ">=" else score <= limit
 
-    def better(self, score: float, than: float) -> bool:
-        """Whether `score` is strictly closer to meeting the target than `than`."""
-        return score > than if self.op == ">=" else score < than
+    @property
+    def higher_is_better(self) -> bool:
+        """Whether a higher score is closer to meeting the target (`>=`)."""
+        return self.op == ">="
 
     def describe(self) -> str:
         rhs = (f"float{self.value:+g}" if self.value else "float") if self.relative else f"{self.value:g}"

@@ -3,7 +3,8 @@
 Each rung (`rungs.py`) is applied on top of the rungs kept so far, the model re-quantized
 (calibration included: CLE and SmoothQuant change the weights the ranges come from) and
 scored in a default session; the rung is kept where the score improves beyond the eval
-set's noise (`gain.py`), and the climb stops once the target is met. The precision rungs then start from the best recipe found.
+set's noise (`gain.py`), and the climb stops once the target is met. The precision rungs
+then start from the best recipe found.
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def quantize_to_target(
 
     climb = climb_algorithms(model, base_config, calibration_data, progress, algorithm_rungs(mp.ladder), base,
                              base_scored, lambda ir_model: measure(deployed_session(ir_model, providers)),
-                             target.op == ">=", met, mp.rung_min_gain)
+                             target.higher_is_better, met, mp.rung_min_gain)
     if climb.result is not base:  # promotions are priced against the recipe the rungs left
         base_session = deployed_session(climb.result.ir_model, providers)
     base, base_config, climbed_score = climb.result, climb.config, climb.score
