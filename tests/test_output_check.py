@@ -136,6 +136,8 @@ def test_the_check_never_stops_a_run(monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(fidelity, "_lean_session", refuses)
+        # the reference from the float model, not from calibration (`CapturedOutputs`)
+        m.setattr(importlib.import_module("onnxq.pipeline.calibration"), "FLOAT_TYPES", frozenset())
         skipped = onnxq.quantize(model, None, "U8S8", calib)
     assert skipped.summary.fidelity is None
     assert skipped.model.SerializeToString() == plain.model.SerializeToString()
@@ -283,10 +285,11 @@ def test_a_scalar_output_is_checked_and_compared(tmp_path):
     assert set(figures) == {"y", "total"} and figures["total"].sqnr_db > 25
 
 
-def test_a_float_model_onnxruntime_refuses_skips_the_check_with_a_note():
+def test_a_float_model_onnxruntime_refuses_skips_the_check_with_a_note(monkeypatch):
     """Two nodes of one name: onnx-ir renames them and the quantized model loads, but the
-    float model as given does not, so there is nothing to check against: a note says so (the
-    check line vanished without a word)."""
+    float model as given does not, so where the reference must come from it (not from
+    calibration) there is nothing to check against: a note says so (the check line vanished
+    without a word). From calibration's outputs, the check runs."""
     from onnx import TensorProto, helper
 
     rng = np.random.default_rng(5)
@@ -296,7 +299,40 @@ def test_a_float_model_onnxruntime_refuses_skips_the_check_with_a_note():
         "dup", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])], [weight])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    result = onnxq.quantize(model, None, "U8S8", [{"x": rng.standard_normal((1, 8)).astype(np.float32)}] * 4)
+    data = [{"x": rng.standard_normal((1, 8)).astype(np.float32)}] * 4
+    captured = onnxq.quantize(model, None, "U8S8", data)
+    assert captured.summary.fidelity.samples == 4 and captured.summary.fidelity.sqnr_db > 30
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("onnxq.pipeline.calibration"), "FLOAT_TYPES", frozenset())
+    result = onnxq.quantize(model, None, "U8S8", data)
     assert result.summary.fidelity is None
     said = [n for n in result.summary.note_texts if n.startswith("output check skipped")]
     assert said and "cannot open the float model" in said[0] and "same node name" in said[0]
+
+
+def test_the_float_reference_comes_from_calibration(monkeypatch):
+    """The calibration session computes the float model's outputs on its first batches: the
+    check keeps them instead of opening the float model again, and its figures are those
+    of the float model's own session (to float32 rounding)."""
+    import importlib
+
+    import onnxq.emit.fidelity as fidelity
+
+    model = residual()
+    calib = random_feeds(model, 12, seed=1)
+    with monkeypatch.context() as m:
+        m.setattr(importlib.import_module("onnxq.pipeline.calibration"), "FLOAT_TYPES", frozenset())
+        opened = onnxq.quantize(model, None, "U8S8", calib).summary.fidelity  # from the float model's session
+
+    def refuses(*args, **kwargs):
+        raise AssertionError("the float model was opened again")
+
+    monkeypatch.setattr(fidelity, "_lean_session", refuses)
+    result = onnxq.quantize(model, None, "U8S8", calib)
+    captured = result.summary.fidelity
+    assert captured.samples == opened.samples == 8
+    assert captured.sqnr_db == pytest.approx(opened.sqnr_db, abs=0.01) and captured.cosine == pytest.approx(
+        opened.cosine, abs=1e-5)
+    few = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 3}}), calib)
+    assert few.summary.fidelity.samples == 3  # a batch of 8 cut to the 3 asked

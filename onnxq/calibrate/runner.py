@@ -65,6 +65,49 @@ class CalibrationResult:
     num_batches: int = 0
     num_passes: int = 1
     statistics: dict[Statistic, np.ndarray | None] = field(default_factory=dict)  # collected alongside
+    outputs: CapturedOutputs | None = None  # the model's own outputs on the first batches
+
+
+# The captured outputs and feeds are held up to this many bytes (past one batch), as the
+# output check's own float reference is (`emit/fidelity.REFERENCE_BYTES`).
+CAPTURE_BYTES = 64 << 20
+
+
+@dataclass
+class CapturedOutputs:
+    """The float model's floating-point outputs `names` on the first calibration batches
+    with their feeds, until `wanted` samples are held: the output check's reference, read
+    from the calibration session instead of a second session of the float model (ResNet-20:
+    a session and eight single-sample runs less). The calibration model is the user's after
+    the function-preserving passes (BatchNorm folding, CLE, SmoothQuant), at the basic
+    optimisation level: its outputs match the float model's to float32 rounding."""
+
+    names: list[str]
+    wanted: int
+    feeds: list[dict[str, np.ndarray]] = field(default_factory=list)
+    outputs: list[list[np.ndarray]] = field(default_factory=list)
+    samples: int = 0
+    held: int = 0
+    complete: bool = False  # every calibration sample is held (there were fewer than wanted)
+
+    @property
+    def wanting(self) -> bool:
+        return self.samples < self.wanted and self.held < CAPTURE_BYTES
+
+    def add(self, feed: dict[str, np.ndarray], outputs: list[np.ndarray], samples: int, rows: int) -> None:
+        """Keep one batch of `samples` samples (`rows` rows), cut to the samples still
+        wanted where every feed and output is batched on axis 0."""
+        need = self.wanted - self.samples
+        arrays = [*feed.values(), *outputs]
+        if samples > need and all(np.ndim(a) and np.shape(a)[0] == rows for a in arrays):
+            keep = need * (rows // samples)
+            feed = {k: v[:keep] for k, v in feed.items()}
+            outputs = [o[:keep] for o in outputs]
+            samples = need
+        self.feeds.append(feed)
+        self.outputs.append(outputs)
+        self.samples += samples
+        self.held += sum(a.nbytes for a in outputs) + sum(np.asarray(a).nbytes for a in feed.values())
 
 
 def stream_tensors(
@@ -77,14 +120,17 @@ def stream_tensors(
     reduced: Collection[str] = (),
     statistics: StatisticsSet | None = None,
     window: tuple[int, int] | None = None,
+    capture: CapturedOutputs | None = None,
 ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
     """Yield (rows, {tensor: value}) for each calibration batch; nothing is kept.
 
     Tensors in `reduced` arrive as [min, max] of the batch, computed inside onnxruntime.
     `statistics` are fed from the same batches (`calibrate/statistics.py`). `window`:
     only the batches whose position is in [first, end) run (a calibration shard).
+    `capture` keeps the model's outputs on the first batches, as it asks.
     """
     inputs = model_inputs(model)
+    rows_per_sample = max(sample_rows(inputs)[inputs[0].name], 1) if inputs else 1
     batch = calibration_batch(model, options)  # before any node is added: what count_batches sees
     bar = progress_bar(desc=purpose, unit="sample", enabled=progress, total=options.max_samples)
     on_cpu = not options.providers or options.providers[0] == "CPUExecutionProvider"
@@ -109,7 +155,11 @@ def stream_tensors(
             if window is not None and index < window[0]:
                 continue
             rows = feed_rows(feed)
-            got = dict(zip(outputs, run_on_data(session, outputs, feed)))
+            captured = capture.names if capture is not None and capture.wanting else []
+            fetched = outputs + [n for n in captured if n not in outputs]
+            got = dict(zip(fetched, run_on_data(session, fetched, feed)))
+            if captured:
+                capture.add(feed, [got[n] for n in captured], max(rows // rows_per_sample, 1), rows)
             if statistics is not None:
                 statistics.update(got, index)
             for n in names:
@@ -171,6 +221,7 @@ class CalibrationState:
     num_samples: int = 0
     num_batches: int = 0
     num_passes: int = 1
+    outputs: CapturedOutputs | None = None  # the model's outputs on the first batches (never merged)
 
     def merge(self, other: CalibrationState) -> None:
         """Fold in the state of the batches that come after this one's."""
@@ -189,7 +240,8 @@ class CalibrationState:
             raise CalibrationDataError("calibration data is empty; give at least one sample")
         return CalibrationResult(
             {name: obs.compute_range() for name, obs in self.observers.items()}, self.num_samples,
-            self.num_batches, self.num_passes, self.statistics.results() if self.statistics is not None else {})
+            self.num_batches, self.num_passes, self.statistics.results() if self.statistics is not None else {},
+            self.outputs)
 
 
 def observe(
@@ -200,9 +252,12 @@ def observe(
     progress: bool | None = None,
     statistics: Collection[Statistic] = (),
     window: tuple[int, int] | None = None,
+    capture: tuple[list[str], int] | None = None,
 ) -> CalibrationState:
     """Stream the calibration data (the batches in `window`, default all) into an observer
-    per tensor and the requested statistics; `.result()` gives the ranges.
+    per tensor and the requested statistics; `.result()` gives the ranges. `capture`
+    (output names, samples): also keep the model's outputs on the first batches
+    (`CapturedOutputs`).
 
     Tensors are observed in one pass, or in groups over several passes when
     `options.max_memory_mb` bounds the activations held per batch; statistics are
@@ -212,6 +267,7 @@ def observe(
                              StatisticsSet(statistics) if statistics else None)
     if not tensors and not statistics:
         return state
+    captured = CapturedOutputs(*capture) if capture is not None and capture[0] and capture[1] > 0 else None
     groups = tensor_groups(model, list(state.observers), data, options)
     inputs = model_inputs(model)
     rows_per_sample = sample_rows(inputs)[inputs[0].name] if inputs else 1
@@ -219,12 +275,17 @@ def observe(
         purpose = "calibrating" if len(groups) == 1 else f"calibrating {index + 1}/{len(groups)}"
         reduced = {n for n in group if state.observers[n].min_max_only}
         stats = state.statistics if index == 0 else None
-        for rows, values in stream_tensors(model, group, data, options, progress, purpose, reduced, stats, window):
+        keep = captured if index == 0 else None
+        for rows, values in stream_tensors(model, group, data, options, progress, purpose, reduced, stats, window,
+                                           keep):
             for name, value in values.items():
                 state.observers[name].update(np.asarray(value))
             if index == 0:
                 state.num_samples += rows // max(rows_per_sample, 1)
                 state.num_batches += 1
     state.num_passes = len(groups)
+    if captured is not None:
+        captured.complete = captured.samples >= state.num_samples
+    state.outputs = captured
     return state
 

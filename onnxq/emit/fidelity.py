@@ -3,10 +3,13 @@
 A recipe can be far worse on one model than on others (float8 activations through a deep
 CNN, per-tensor weights on depthwise layers); the summary says so at once, measured as the
 model deploys (a default onnxruntime session), rather than leaving it to a later
-`onnxq compare`. The float outputs come from the user's model (their file, or the model
-they passed), opened after emission when the pipeline's float weights are gone, one
-sample at a time, held up to `REFERENCE_BYTES`; the figures are on samples the ranges
-were calibrated on, so they flatter held-out data a little.
+`onnxq compare`. The float outputs come from the calibration session, which computes
+them on its first batches anyway (`calibrate.runner.CapturedOutputs`); where no
+calibration ran (weight-only and dynamic recipes, statistics or ranges files, a deferred
+pass), from the user's model (their file, or the model they passed), opened after
+emission when the pipeline's float weights are gone, one sample at a time. Either is held
+up to `REFERENCE_BYTES`; the figures are on samples the ranges were calibrated on, so they
+flatter held-out data a little.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import onnxruntime as ort
 from onnxq.calibrate.access import Access, data_access, refusal
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.calibrate.decoder import PRESENT
+from onnxq.calibrate.runner import CapturedOutputs
 from onnxq.calibrate.session import refusal as ort_refusal
 from onnxq.evaluate import (
     EXTENDED_SESSION,
@@ -44,11 +48,13 @@ FLOAT_OUTPUTS = ("tensor(float)", "tensor(float16)", "tensor(double)", "tensor(b
 
 @dataclass
 class Reference:
-    """Feeds and the float model's floating-point outputs on them, sample by sample."""
+    """Feeds and the float model's floating-point outputs on them: `samples` samples, one
+    a feed or whole calibration batches."""
 
     feeds: list[dict[str, np.ndarray]]
     outputs: list[list[np.ndarray]]
     names: list[str]
+    samples: int = 0
 
 
 @dataclass
@@ -106,6 +112,7 @@ def _reference(model: str | os.PathLike | bytes | ir.Model, inputs: list[InputSp
         held += sum(a.nbytes for a in outputs) + sum(np.asarray(a).nbytes for a in feed.values())
         if held >= REFERENCE_BYTES:
             break
+    reference.samples = len(reference.feeds)
     return reference if reference.feeds else None
 
 
@@ -141,7 +148,7 @@ def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity | s
         if any(r.shape != t.shape for r, t in pairs):
             continue
         kept = [_unmasked(feed, r, t) for feed, (r, t) in zip(reference.feeds, pairs)]
-        figures = _figures(name, kept, pairs, len(cache) if all(cache) else cache.count(False))
+        figures = _figures(name, kept, pairs, len(cache) if all(cache) else cache.count(False), reference.samples)
         if worst is None or figures.sqnr_db < worst.sqnr_db:
             worst = figures
     return worst
@@ -156,7 +163,7 @@ def _unmasked(feed: dict[str, np.ndarray], ref: np.ndarray, test: np.ndarray) ->
 
 
 def _figures(name: str, kept: list[tuple[np.ndarray, np.ndarray]], pairs: list[tuple[np.ndarray, np.ndarray]],
-             outputs: int) -> Fidelity:
+             outputs: int, samples: int) -> Fidelity:
     """SQNR and cosine over the `kept` positions, top-1 agreement over the whole outputs."""
     ref = np.concatenate([r.ravel().astype(np.float64) for r, _ in kept])
     test = np.concatenate([t.ravel().astype(np.float64) for _, t in kept])
@@ -168,7 +175,7 @@ def _figures(name: str, kept: list[tuple[np.ndarray, np.ndarray]], pairs: list[t
         sqnr, cos = float(sqnr_db(ref, test)), cosine(ref, test)
     same = len({r.shape for r, _ in pairs}) == 1 and pairs[0][0].ndim > 0  # a scalar output has no top-1
     top1 = top1_agreement(*(np.concatenate(side) for side in zip(*pairs))) if same else None
-    return Fidelity(len(pairs), name, outputs, sqnr, cos, top1)
+    return Fidelity(samples, name, outputs, sqnr, cos, top1)
 
 
 # The check by default: this many samples, on models up to this many bytes of weights
@@ -203,11 +210,18 @@ def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSourc
 
 def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs: list[InputSpec],
                   session: ort.InferenceSession, data: CalibrationSource, samples: int,
-                  providers: list[str], extended: bool = False) -> Fidelity | str | None:
-    """The emitted model (open in `session`) against the user's float model (`source`,
-    opened only now: the float weights the pipeline loaded are gone, so the check adds one
-    float session to the quantized model, not two copies) on the first `samples` samples;
-    `extended`: the emitted model holds onnxq's extended ops (the figures say how it ran)."""
+                  providers: list[str], extended: bool = False,
+                  captured: CapturedOutputs | None = None) -> Fidelity | str | None:
+    """The emitted model (open in `session`) against the float model on the first
+    `samples` samples: its outputs as calibration `captured` them where it kept that many
+    (no second float session), else the user's model (`source`, opened only now: the float
+    weights the pipeline loaded are gone, so the check adds one float session to the
+    quantized model, not two copies); `extended`: the emitted model holds onnxq's extended
+    ops (the figures say how it ran)."""
+    if captured is not None and samples > 0 and (captured.samples >= samples or captured.complete):
+        reference = Reference(captured.feeds, captured.outputs, captured.names, captured.samples)
+        checked = measure(session, reference)
+        return dataclasses.replace(checked, extended=extended) if isinstance(checked, Fidelity) else checked
     float_model = source.SerializeToString() if isinstance(source, onnx.ModelProto) else source
     reference = float_reference(float_model, inputs, data, samples, providers)
     if reference is None and samples > 0 and data_access(data).rereadable:

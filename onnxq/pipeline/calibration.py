@@ -39,12 +39,14 @@ def file_requests(model: ir.Model, plan: QuantPlan, algorithms: tuple[Entry, ...
 
 def calibrate_or_load(
     model: ir.Model, plan: QuantPlan, settings: RunSettings, algorithms: tuple[Entry, ...],
-    deferred: Deferred | None,
+    deferred: Deferred | None, check_samples: int = 0,
 ) -> tuple[CalibrationResult, list[Note]]:
     """Calibrate (collecting in the same pass the statistics the first algorithm and a
     deferred pass ask for, then finishing that pass), or take ranges from
     `calibration.load_ranges` or statistics from `calibration.stats`; save the ranges if
-    asked. Also returns the deferred pass's report line."""
+    asked. Also returns the deferred pass's report line. `check_samples`: the output
+    check's; one calibration pass keeps the model's outputs on that many samples for it
+    (`CapturedOutputs`)."""
     tensors = plan.calibrated_tensors()
     options: CalibrationConfig = settings.calibration
     data, progress = settings.data, settings.progress
@@ -69,10 +71,15 @@ def calibrate_or_load(
         result = calibrate_deferred(model, tensors, data, options, progress, wanted, deferred.rescalable, finish)
     else:
         wanted = requests(model, plan, algorithms) if settings.access.readable else []
-        result = observe(model, tensors, data, options, progress, wanted).result()
+        outputs = [v.name for v in model.graph.outputs if isinstance(v.type, ir.TensorType) and v.dtype in FLOAT_TYPES]
+        result = observe(model, tensors, data, options, progress, wanted, capture=(outputs, check_samples)).result()
     if options.save_ranges:
         save_ranges(options.save_ranges, result.ranges, tensors, result.num_samples, digest)
     return result, notes
+
+
+# The output types the check compares (`emit/fidelity.FLOAT_OUTPUTS`).
+FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16})
 
 
 def drop_unquantizable(plan: QuantPlan, ranges: Mapping[str, tuple[float, float]]) -> tuple[QuantPlan, list[Note]]:

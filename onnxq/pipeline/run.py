@@ -49,9 +49,11 @@ def run_pipeline(
                     deferrable=not options.load_ranges and not options.stats)
     config, model, plan, settings, summary = ready.config, ready.model, ready.plan, ready.settings, ready.summary
     float_bytes = max(weight_bytes(model), summary.size_before)  # external data included
+    files = "statistics files" if options.stats else "a ranges file" if options.load_ranges else None
+    samples, note = samples_to_check(options.check_samples, float_bytes, settings.data, files)
 
     with summary.stage("calibrate"):
-        calibration, finished = calibrate_or_load(model, plan, settings, ready.algorithms, ready.deferred)
+        calibration, finished = calibrate_or_load(model, plan, settings, ready.algorithms, ready.deferred, samples)
     summary.notes.extend(finished)
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)
@@ -79,8 +81,6 @@ def run_pipeline(
                               trial_emitter(settings, calibration.statistics), calibration.statistics)
     summary.notes.extend(done.notes)
 
-    files = "statistics files" if options.stats else "a ranges file" if options.load_ranges else None
-    samples, note = samples_to_check(options.check_samples, float_bytes, settings.data, files)
     with summary.stage("emit"):
         model, emitted, session, kept = emit_loadable(model, done.plan, calibration.ranges, config, done.weights,
                                                    ready.keep_float, ready.target, calibration.statistics,
@@ -89,7 +89,7 @@ def run_pipeline(
     if session is not None and samples:
         with summary.stage("check"):
             checked = check_outputs(source, model_inputs(model), session, settings.data, samples,
-                                    options.providers, imports_extended(model))
+                                    options.providers, imports_extended(model), calibration.outputs)
         if isinstance(checked, str):
             summary.notes.append(Note(Topic.CHECK, checked))
         elif checked is not None:
