@@ -57,13 +57,17 @@ def inline_external(model: ir.Model) -> None:
 # (SmolLM2 RTN: peak RSS 2.2x -> 1.4x the model file).
 SPILL_LIMIT = 256 << 20
 _SPILL_MIN_BYTES = 1 << 16  # smaller tensors are copied into memory instead
+# Model files past this size are read by the wire reader whatever their size: their raw
+# weights memory maps of the file, neither parsed into the protobuf nor copied out of it
+# again (all-MiniLM-L6, 90 MB: load 0.215 -> 0.051 s; MobileNet-v1, 10 MB: 0.018 -> 0.014 s).
+MAP_MIN_BYTES = 4 << 20
 
 
 def read_mapped(path: Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]] | None:
-    """The proto of a file past `SPILL_LIMIT` and its raw weights as memory maps of the
+    """The proto of a file past `MAP_MIN_BYTES` and its raw weights as memory maps of the
     file (left out of the proto, `graph.wire`); None for a smaller file or one the wire
     reader cannot split (it is read as usual)."""
-    if not (path.is_file() and path.stat().st_size > SPILL_LIMIT):
+    if not (path.is_file() and path.stat().st_size > min(MAP_MIN_BYTES, SPILL_LIMIT)):
         return None
     try:
         return read_split(path)

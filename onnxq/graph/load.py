@@ -55,7 +55,7 @@ class LoadReport:
 def _read_proto(source: str | os.PathLike | onnx.ModelProto, split: bool = False,
                 ) -> tuple[onnx.ModelProto, str, str, dict[str, np.ndarray]]:
     """The model proto (external data not loaded), its base directory, a display name and,
-    with `split` for a file past `SPILL_LIMIT`, its raw weights as memory maps of the file
+    with `split` for a file past `MAP_MIN_BYTES`, its raw weights as memory maps of the file
     (left out of the proto, `graph.wire`)."""
     if isinstance(source, onnx.ModelProto):
         return source, "", "<ModelProto>", {}
