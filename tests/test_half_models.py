@@ -213,20 +213,72 @@ def test_bfloat16_inside_is_quantized_and_a_bfloat16_interface_is_refused(tmp_pa
     assert not (tmp_path / "bad.onnx").exists()
 
 
-def test_weight_only_blocks_keep_a_float16_model_half(tmp_path):
-    """MatMulNBits takes float16 activations as they are (a GPU genai folder's attention
-    kernels take float16 only): W4_GROUP128 leaves a float16 model float16, with float16
-    block scales and no Casts."""
+def test_weight_only_blocks_keep_a_float16_decoder_half_and_quantize_other_models_in_float32(tmp_path):
+    """A KV-cache decoder under W4_GROUP128 stays float16 (MatMulNBits takes float16
+    activations as they are; a GPU genai folder's attention kernels take float16 only), with
+    float16 block scales and no Casts. Any other float16 model is quantized as float32, so
+    its Gemm and embedding are quantized too (float16 DequantizeLinear was refused)."""
     rng = np.random.default_rng(7)
     graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "fp16",
-        [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 128])],
-        [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", 32])],
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+         onnx.helper.make_node("Identity", ["past_key_values.0.key"], ["present.0.key"], name="cache")], "fp16",
+        [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 128]),
+         onnx.helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["N", 1]),
+         onnx.helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT16, ["N", 2, "P", 8])],
+        [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", 32]),
+         onnx.helper.make_tensor_value_info("present.0.key", TensorProto.FLOAT16, ["N", 2, "P", 8])],
         [numpy_helper.from_array(rng.standard_normal((128, 32)).astype(np.float16), "w")])
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
     result = onnxq.quantize(model, tmp_path / "q.onnx", onnxq.get_preset("W4_GROUP128"), None, progress=False)
     quantized = onnx.load(str(tmp_path / "q.onnx"))
-    (node,) = quantized.graph.node
-    assert node.op_type == "MatMulNBits" and node.input[0] == "x"
+    assert [n.op_type for n in quantized.graph.node] == ["MatMulNBits", "Identity"]
+    node = quantized.graph.node[0]
+    assert node.input[0] == "x"
     assert next(i for i in quantized.graph.initializer if i.name == node.input[2]).data_type == TensorProto.FLOAT16
     assert not any("model: quantized as float32" in n for n in result.summary.note_texts)
+
+    plain = to_half(gemm())
+    onnxq.quantize(plain, tmp_path / "g.onnx", onnxq.get_preset("W4_GROUP128"), None, progress=False)
+    gemms = onnx.load(str(tmp_path / "g.onnx"))
+    assert set(_producer_ops(gemms, "Gemm")) == {"DequantizeLinear"}
+    x = np.random.default_rng(8).standard_normal((8, 32)).astype(np.float16)
+    _, f_out = _run(plain, {"x": x})
+    _, q_out = _run(str(tmp_path / "g.onnx"), {"x": x})
+    assert q_out.dtype == np.float16 and sqnr_db(f_out.astype(np.float32), q_out.astype(np.float32)) > 12
+
+
+@pytest.mark.parametrize("case", ["input returned", "initializer returned", "names taken"])
+def test_half_boundaries_that_are_not_plain(tmp_path, case):
+    """A float16 graph input or initializer also returned as an output keeps its type there
+    (the input's pass-through was a traceback, the initializer came out float32), and the
+    names onnxq adds avoid the model's own (a tensor named x_float32 was a duplicate)."""
+    from onnx import helper
+
+    half = TensorProto.FLOAT16
+    rng = np.random.default_rng(9)
+    w = numpy_helper.from_array((rng.standard_normal((32, 32)) * 0.2).astype(np.float16), "w")
+    y = helper.make_tensor_value_info("y", half, ["N", 32])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
+    outputs = [y]
+    if case == "input returned":
+        outputs.append(helper.make_tensor_value_info("x", half, ["N", 32]))
+    elif case == "initializer returned":
+        outputs.append(helper.make_tensor_value_info("w", half, [32, 32]))
+    else:
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["x_float32"], name="mm"),
+                 helper.make_node("Relu", ["x_float32"], ["y_float32"], name="x_to_float32"),
+                 helper.make_node("MatMul", ["y_float32", "w"], ["y"], name="mm2")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", half, ["N", 32])], outputs, [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    calib = {"x": rng.standard_normal((16, 32)).astype(np.float16)}
+    onnxq.quantize(model, tmp_path / "q.onnx", None, calib, progress=False)
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    onnx.checker.check_model(quantized, full_check=True)
+    session = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"])
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert [(o.name, o.type) for o in session.get_outputs()] == [(o.name, o.type) for o in reference.get_outputs()]
+    assert set(_producer_ops(quantized, "MatMul")) == {"DequantizeLinear"}  # every weight still a constant
+    got, want = session.run(None, calib), reference.run(None, calib)
+    assert sqnr_db(want[0].astype(np.float32), got[0].astype(np.float32)) > 25
+    for a, b in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(a, b)  # the pass-through output: exactly the float model's

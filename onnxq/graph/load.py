@@ -119,13 +119,14 @@ def read_model(source: str | os.PathLike | onnx.ModelProto | ir.Model) -> ir.Mod
 
 
 def load_model(
-    source: str | os.PathLike | onnx.ModelProto | ir.Model, min_opset: int = MIN_OPSET, upcast: bool = False,
+    source: str | os.PathLike | onnx.ModelProto | ir.Model, min_opset: int = MIN_OPSET,
+    upcast: Callable[[ir.Model], bool] | None = None,
 ) -> tuple[ir.Model, LoadReport]:
     """Read, check and normalise a model; the caller's file or proto is never modified.
 
-    Models below `min_opset` (at least 13) are upgraded. With `upcast`, a float16 or
-    bfloat16 model is made float32 inside (`upcast.py`). Returns the normalised onnx-ir
-    model and a report of what changed.
+    Models below `min_opset` (at least 13) are upgraded. A float16 or bfloat16 model is
+    made float32 inside (`upcast.py`) where `upcast(model)` says so. Returns the
+    normalised onnx-ir model and a report of what changed.
     """
     min_opset = max(min_opset, MIN_OPSET)
     if isinstance(source, ir.Model):
@@ -164,7 +165,7 @@ def load_model(
     binary_sum_to_add(model.graph)
     ir_passes.RemoveUnusedNodesPass()(model)
     infer_shapes(model)
-    report.upcast = upcast_half(model) if upcast else None  # with every value typed
+    report.upcast = upcast_half(model) if upcast is not None and upcast(model) else None  # every value typed
     if prelus := fix_prelu_slopes(model, original):
         report.notes.append(f"PRelu slopes [C] reshaped to [C,1,...] to broadcast per channel: {prelus}")
         infer_shapes(model)

@@ -18,7 +18,8 @@ value exactly, so at load a half model becomes float32 inside:
 After emission, the weights that stayed float are written back in their type with a Cast
 to float32 (`restore_half_weights`), which onnxruntime folds when it loads the model: the
 file does not grow where layers stay float, and they compute in float32, as onnxruntime's
-CPU runs float16 nodes anyway (it inserts those Casts itself).
+CPU runs float16 nodes anyway (it inserts those Casts itself). Which recipes want this is
+`pipeline.prepare.wants_float32`'s call. Names added avoid the model's own.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Upcast:
     outputs: list[str] = field(default_factory=list)
     casts_removed: int = 0
     boundary_casts: list[str] = field(default_factory=list)  # the Casts added at the inputs and outputs
+    kinds: list[str] = field(default_factory=list)  # the half types the model held: float16, bfloat16
 
     def keep_float(self) -> dict[str, str]:
         """The added Casts as nodes that stay float, with the plan's reason."""
@@ -57,7 +59,7 @@ class Upcast:
                 for name in self.boundary_casts}
 
     def note(self, restored: int) -> str:
-        kinds = "/".join(sorted({str(t.name).lower() for t in self.weights.values()}) or ["float16"])
+        kinds = "/".join(self.kinds)
         boundary = len(self.inputs) + len(self.outputs)
         kept = f", its half-typed inputs and outputs ({boundary}) kept through a Cast each" if boundary else ""
         return (f"{kinds} model: quantized as float32 (the same values){kept}; {restored} weights left float stored "
@@ -80,9 +82,35 @@ def _values(graph: ir.Graph) -> list[ir.Value]:
     return [*graph.inputs, *graph.initializers.values(), *(v for node in graph for v in node.outputs)]
 
 
+def _half_types(model: ir.Model) -> list[str]:
+    """The half types of the model's values and tensor attributes, subgraphs included."""
+    found = {v.dtype for g in _graphs(model.graph) for v in _values(g)}
+    found |= {a.value.dtype for g in _graphs(model.graph) for n in g for a in n.attributes.values()
+              if a.type == ir.AttributeType.TENSOR}
+    return sorted(t.name.lower() for t in found & HALF)
+
+
 def is_half(model: ir.Model) -> bool:
     """Whether any value of the model (subgraphs included) is float16 or bfloat16."""
-    return any(v.dtype in HALF for g in _graphs(model.graph) for v in _values(g))
+    return bool(_half_types(model))
+
+
+def _names(model: ir.Model) -> set[str]:
+    """Every value and node name of the model, subgraphs included (new names avoid them)."""
+    taken = set()
+    for g in _graphs(model.graph):
+        taken |= {v.name for v in _values(g) if v.name} | {n.name for n in g if n.name}
+    return taken
+
+
+def _fresh(taken: set[str], base: str) -> str:
+    """`base`, or `base_1`, `base_2`, ... where it is taken; the name is taken from then on."""
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    taken.add(name)
+    return name
 
 
 def _float32(tensor: ir.TensorProtocol) -> ir.Tensor:
@@ -99,8 +127,9 @@ def _upcast_attributes(node: ir.Node) -> None:
 
 
 def _upcast_graph(graph: ir.Graph, report: Upcast, main: bool) -> None:
+    outputs = set(graph.outputs) if main else set()  # a half initializer the model returns stays as it is
     for name, value in graph.initializers.items():
-        if value.dtype in HALF and value.const_value is not None:
+        if value.dtype in HALF and value.const_value is not None and value not in outputs:
             if main:
                 report.weights[name] = value.dtype
             value.const_value = _float32(value.const_value)
@@ -123,29 +152,41 @@ def _cast(value: ir.Value, to: ir.DataType, name: str) -> ir.Node:
     return node
 
 
-def _keep_inputs(graph: ir.Graph, report: Upcast) -> None:
-    """Each half graph input read through a Cast to float32 by everything that read it."""
-    for value in graph.inputs:
-        if value.dtype not in HALF or not value.uses():
+def _keep_inputs(graph: ir.Graph, report: Upcast, taken: set[str]) -> None:
+    """Each half graph input read through a Cast to float32 by the nodes that read it, and
+    each half initializer the graph returns read as a float32 copy (a constant still: its
+    readers' weights stay quantizable); the graph output it also is stays itself."""
+    outputs = set(graph.outputs)
+    for value in [*graph.inputs, *(v for v in list(graph.initializers.values()) if v in outputs)]:
+        uses = list(value.uses())
+        if value.dtype not in HALF or not uses:
             continue
-        cast = _cast(value, ir.DataType.FLOAT, f"{value.name}_to_float32")
-        cast.outputs[0].name = f"{value.name}_float32"
-        ir.convenience.replace_all_uses_with(value, cast.outputs[0])
-        cast.replace_input_with(0, value)  # replace_all_uses_with moved the Cast's own read too
-        graph.insert_before(graph.node(0), cast) if len(graph) else graph.append(cast)
-        report.inputs.append(value.name)
-        report.boundary_casts.append(cast.name)
+        if value.const_value is not None:
+            source = ir.Value(name=_fresh(taken, f"{value.name}_float32"), type=ir.TensorType(ir.DataType.FLOAT),
+                              shape=value.shape, const_value=_float32(value.const_value))
+            graph.register_initializer(source)
+            report.weights[source.name] = value.dtype
+        else:
+            cast = _cast(value, ir.DataType.FLOAT, _fresh(taken, f"{value.name}_to_float32"))
+            cast.outputs[0].name = _fresh(taken, f"{value.name}_float32")
+            graph.insert_before(graph.node(0), cast) if len(graph) else graph.append(cast)
+            report.inputs.append(value.name)
+            report.boundary_casts.append(cast.name)
+            source = cast.outputs[0]
+        for node, index in uses:
+            node.replace_input_with(index, source)
 
 
-def _keep_outputs(graph: ir.Graph, half_outputs: dict[int, ir.DataType], report: Upcast) -> None:
-    """Each graph output that was half written by a Cast back from the float32 value."""
+def _keep_outputs(graph: ir.Graph, half_outputs: dict[int, ir.DataType], report: Upcast, taken: set[str]) -> None:
+    """Each graph output that was half written by a Cast back from the float32 value (a
+    graph input or initializer returned as it is keeps its type already)."""
     for index, to in half_outputs.items():
         value = graph.outputs[index]
-        if value.producer() is None:  # an input or initializer passed through: left as it is
+        if value.producer() is None:
             continue
         name = value.name
-        value.name = f"{name}_float32"
-        cast = _cast(value, to, f"{name}_to_{to.name.lower()}")
+        value.name = _fresh(taken, f"{name}_float32")
+        cast = _cast(value, to, _fresh(taken, f"{name}_to_{to.name.lower()}"))
         cast.outputs[0].name = name
         graph.append(cast)
         graph.outputs[index] = cast.outputs[0]
@@ -182,11 +223,13 @@ def upcast_half(model: ir.Model) -> Upcast | None:
             f"the model's input or output {brain[0]!r} is bfloat16, which onnxruntime's Python API can neither feed "
             "nor return, so onnxq cannot calibrate or check it; export the model with float32 or float16 inputs and "
             "outputs (bfloat16 inside it is quantized as float32)")
+    report.kinds = _half_types(model)
+    taken = _names(model)
     half_outputs = {i: v.dtype for i, v in enumerate(graph.outputs) if v.dtype in HALF}
     for sub in _graphs(graph):
         _upcast_graph(sub, report, main=sub is graph)
-    _keep_outputs(graph, half_outputs, report)
-    _keep_inputs(graph, report)
+    _keep_outputs(graph, half_outputs, report, taken)
+    _keep_inputs(graph, report, taken)
     report.casts_removed = sum(_drop_identity_casts(g) for g in _graphs(graph))
     return report
 
@@ -197,6 +240,7 @@ def restore_half_weights(model: ir.Model, weights: dict[str, ir.DataType]) -> in
     through a Cast to float32; returns how many."""
     graph = model.graph
     restored = 0
+    taken = _names(model) if weights else set()
     for name, dtype in weights.items():
         value = graph.initializers.get(name)
         if value is None or value.dtype != ir.DataType.FLOAT or value.const_value is None \
@@ -205,10 +249,10 @@ def restore_half_weights(model: ir.Model, weights: dict[str, ir.DataType]) -> in
         array = value.const_value.numpy()
         if not np.array_equal(array.astype(dtype.numpy()).astype(np.float32), array):
             continue  # a pass rewrote it (CLE's scales, SmoothQuant's in a norm): float32 keeps what it did
-        half = ir.Value(name=f"{name}_{dtype.name.lower()}", type=ir.TensorType(dtype), shape=value.shape,
-                        const_value=ir.Tensor(array.astype(dtype.numpy()), dtype=dtype))
+        half = ir.Value(name=_fresh(taken, f"{name}_{dtype.name.lower()}"), type=ir.TensorType(dtype),
+                        shape=value.shape, const_value=ir.Tensor(array.astype(dtype.numpy()), dtype=dtype))
         graph.register_initializer(half)
-        cast = _cast(half, ir.DataType.FLOAT, f"{name}_to_float32")
+        cast = _cast(half, ir.DataType.FLOAT, _fresh(taken, f"{name}_to_float32"))
         ir.convenience.replace_all_uses_with(value, cast.outputs[0])
         del graph.initializers[name]
         cast.outputs[0].name = name

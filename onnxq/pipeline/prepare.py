@@ -4,6 +4,7 @@ What calibration starts from, for one run or for each calibration shard."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter
 from collections.abc import Mapping
@@ -15,7 +16,7 @@ import onnx
 import onnx_ir as ir
 
 from onnxq.calibrate.data import CalibrationSource
-from onnxq.calibrate.decoder import DECODE_STEPS, DecoderFeeds, decoder_feeds
+from onnxq.calibrate.decoder import DECODE_STEPS, DecoderFeeds, decoder_feeds, is_decoder
 from onnxq.config import validate_node_configs
 from onnxq.config.resolve import written_dtype
 from onnxq.config.spec import (
@@ -46,16 +47,24 @@ from onnxq.target import TargetProfile, resolve_target
 ModelSource = str | os.PathLike | onnx.ModelProto | ir.Model
 
 
+def _levels(config: Config) -> list[Any]:
+    return [config.global_quant_config, *config.layer_type_quant_config.values(), *config.layer_quant_config.values()]
+
+
+def _specs(config: Config) -> list[Any]:
+    """Every tensor spec the config sets, at any level, layer classes included."""
+    specs = [getattr(level, tc) for level in _levels(config) for tc in TENSOR_CLASSES]
+    return [s for s in specs + [getattr(config, key) for key in LAYER_CLASS_FIELDS] if s is not None]
+
+
 def required_opset(config: Config) -> int:
     """The ai.onnx opset the configured Q/DQ types need (13 with contrib Q/DQ allowed)."""
     if config.qdq_domain == "com.microsoft":
         return 13
-    levels = [config.global_quant_config, *config.layer_type_quant_config.values(),
-              *config.layer_quant_config.values()]
-    specs = [getattr(level, tc) for level in levels for tc in TENSOR_CLASSES] + [getattr(config, key) for key in LAYER_CLASS_FIELDS]
-    dtypes = [written_dtype(s) for s in specs if s is not None]  # by name or by exponent and mantissa bits
+    specs = _specs(config)
+    dtypes = [written_dtype(s) for s in specs]  # by name or by exponent and mantissa bits
     opsets = [qdq_opset(d) for d in dtypes if d is not None and d not in FLOAT_TARGETS | {DType.FLOAT32}]
-    opsets += [21 for s in specs if s is not None and s.qscheme == QScheme.PER_GROUP]
+    opsets += [21 for s in specs if s.qscheme == QScheme.PER_GROUP]
     return max([*opsets, config.opset or 13])
 
 
@@ -86,11 +95,9 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
     blocks, but not the nodes lowered to contrib kernels (MatMulNBits,
     GatherBlockQuantized), whose weights W4_GROUP128 configures as int4 blocks.
 
-    A float16/bfloat16 model is made float32 inside (`graph/upcast.py`: its Q/DQ and int8
-    kernels are a float32 model's), except under weight-only MatMulNBits recipes, whose
-    kernels take half activations as they are (an onnxruntime-genai folder built for a
-    GPU: its attention kernels there take float16 only)."""
-    upcast = not config.matmul_nbits
+    A float16/bfloat16 model is made float32 inside where the recipe needs it
+    (`wants_float32`)."""
+    upcast = functools.partial(wants_float32, config)
     model, report = load_model(source, config.opset or 13, upcast)
     kept = _already_quantized(model, report.source)
     if config.qdq_domain == "com.microsoft":
@@ -102,6 +109,20 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
         return model, report, kept
     model, report = load_model(source, need, upcast)
     return model, report, _already_quantized(model, report.source)
+
+
+def wants_float32(config: Config, model: ir.Model) -> bool:
+    """Whether a float16/bfloat16 `model` is quantized as float32 inside (`graph/upcast.py`):
+    where the recipe writes integer or float8 Q/DQ, whose scales and onnxruntime's int8
+    kernels are float32's. Not under float16/bfloat16 recipes alone (the model is half
+    already), nor for a KV-cache decoder under a weight-only MatMulNBits recipe: its kernels
+    take half activations as they are, and a genai folder built for a GPU runs attention
+    kernels there that take float16 only."""
+    if not {written_dtype(s) for s in _specs(config)} - FLOAT_TARGETS - {DType.FLOAT32, None}:
+        return False
+    weight_only = not any(s is not None and s.dtype not in (None, DType.FLOAT32)
+                          for level in _levels(config) for s in (level.input_tensors, level.output_tensors))
+    return not (config.matmul_nbits and weight_only and is_decoder(v.name for v in model.graph.inputs))
 
 
 def _check_contrib(model: ir.Model, config: Config, target: TargetProfile, opset: int) -> None:
@@ -122,10 +143,8 @@ def _check_contrib(model: ir.Model, config: Config, target: TargetProfile, opset
 def calibrates_activations(config: Config) -> bool:
     """Whether some level of the config quantizes activations statically (not weight-only
     or dynamic)."""
-    levels = [config.global_quant_config, *config.layer_type_quant_config.values(),
-              *config.layer_quant_config.values()]
     return any(spec is not None and not spec.is_dynamic and spec.dtype not in (None, DType.FLOAT32)
-               for level in levels for spec in (level.input_tensors, level.output_tensors))
+               for level in _levels(config) for spec in (level.input_tensors, level.output_tensors))
 
 
 def source_size(source: Any, model: ir.Model) -> int:
