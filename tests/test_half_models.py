@@ -282,3 +282,20 @@ def test_half_boundaries_that_are_not_plain(tmp_path, case):
     assert sqnr_db(want[0].astype(np.float32), got[0].astype(np.float32)) > 25
     for a, b in zip(got[1:], want[1:]):
         np.testing.assert_array_equal(a, b)  # the pass-through output: exactly the float model's
+
+
+def test_analyze_takes_a_float16_model_and_its_quantized_form(tmp_path, capsys):
+    """`onnxq analyze` quantizes the float model's tensors one by one: a float16 float model
+    is made float32 inside for it too (float16 QuantizeLinear was refused: one error line)."""
+    from onnxq.cli import main
+
+    half = to_half(every_kernel())
+    onnx.save(half, tmp_path / "half.onnx")
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(10).standard_normal((16, 4, 8, 8)).astype(np.float16))
+    assert main(["quantize", str(tmp_path / "half.onnx"), str(tmp_path / "q.onnx"), "--calib-data",
+                 str(tmp_path / "calib.npz"), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["analyze", str(tmp_path / "half.onnx"), str(tmp_path / "q.onnx"), "--data",
+                 str(tmp_path / "calib.npz")]) == 0
+    out = capsys.readouterr().out
+    assert "tensors, worst first" in out and "x_float32" in out

@@ -126,11 +126,12 @@ def json_safe(value: Any) -> Any:
 
 
 def _float_reference(float_model: ModelLike, quant: ir.Model, normalised: bool) -> ir.Model:
-    """The float model normalised as the quantizer saw it (same opset, constants folded)."""
+    """The float model normalised as the quantizer saw it (same opset, constants folded; a
+    float16 model float32 inside, as the analysis quantizes its tensors, `graph/upcast.py`)."""
     if normalised and isinstance(float_model, ir.Model):
         return float_model.clone()
     opset = quant.opset_imports.get("", 13)
-    model, _ = load_model(float_model, opset)
+    model, _ = load_model(float_model, opset, upcast=lambda _model: True)
     return model
 
 
