@@ -336,3 +336,20 @@ def test_the_float_reference_comes_from_calibration(monkeypatch):
         opened.cosine, abs=1e-5)
     few = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 3}}), calib)
     assert few.summary.fidelity.samples == 3  # a batch of 8 cut to the 3 asked
+
+
+def test_a_pass_that_changes_the_float_outputs_checks_against_the_users_model():
+    """CLE with relu6_to_relu changes the float model on purpose: the calibration model's
+    outputs are then no reference, and the check reads the user's model (it read 36 dB
+    against the changed model where the user's gave -0.4 dB)."""
+    from helpers import GraphBuilder
+
+    b = GraphBuilder(12)
+    x = b.input("x", ["N", 3, 8, 8])
+    h = b.node("Clip", [b.conv(x, 3, 8), b.const("lo", np.float32(0)), b.const("hi", np.float32(0.5))])
+    model = b.build([b.conv(h, 8, 4)], name="clip")
+    calib = random_feeds(model, 12, seed=3)
+    config = compose_config("U8S8", None, {"pre_quant_opt_config": [{"name": "cle", "relu6_to_relu": True}]})
+    result = onnxq.quantize(model, None, config, calib)
+    plain = onnxq.quantize(model, None, compose_config("U8S8", None, {}), calib)
+    assert result.summary.fidelity.sqnr_db < plain.summary.fidelity.sqnr_db - 3

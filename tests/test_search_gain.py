@@ -105,3 +105,12 @@ def test_rung_min_gain_from_the_cli_a_file_and_python_and_bad_values(tmp_path, c
     err = capsys.readouterr().err
     assert "--rung-min-gain -2" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_a_rung_that_fixes_an_overflowed_sample_is_kept():
+    """sqnr parts: the start model's noise is infinite on one sample, the rung's finite:
+    kept (the standard error was NaN and the rung was dropped); the reverse is no better."""
+    start = Scored(-float("inf"), np.array([-1.0, -float("inf"), -2.0]))
+    fixed = Scored(20.0, np.array([-1.0, -3.0, -2.0]))
+    assert rung_gain(fixed, start, True, False, None) is None
+    assert rung_gain(start, fixed, True, False, None) == "no better"

@@ -113,6 +113,14 @@ def _fresh(taken: set[str], base: str) -> str:
     return name
 
 
+def _half_node(node: ir.Node) -> bool:
+    """Whether a node computes in a half type: a half output, tensor attribute or Cast."""
+    return any(v.dtype in HALF for v in node.outputs) or any(
+        (a.type == ir.AttributeType.TENSOR and a.value.dtype in HALF)
+        or (name in TYPE_ATTRIBUTES and a.type == ir.AttributeType.INT and a.value in {int(t) for t in HALF})
+        for name, a in node.attributes.items())
+
+
 def _float32(tensor: ir.TensorProtocol) -> ir.Tensor:
     return ir.Tensor(np.asarray(tensor.numpy(), dtype=np.float32), name=tensor.name)
 
@@ -215,6 +223,8 @@ def upcast_half(model: ir.Model) -> Upcast | None:
     model holds no half value."""
     if not is_half(model):
         return None
+    if any(_half_node(n) for f in model.functions.values() for n in f):
+        return None  # model-local functions keep their half bodies: the model stays as it was given
     report = Upcast()
     graph = model.graph
     brain = [v.name for v in [*graph.inputs, *graph.outputs] if v.dtype == ir.DataType.BFLOAT16]

@@ -111,6 +111,17 @@ def _load(source: ModelSource, config: Config, target: TargetProfile) -> tuple[i
     return model, report, _already_quantized(model, report.source)
 
 
+# Passes whose rewrite keeps the model's float outputs (to float32 rounding): the
+# calibration model's outputs then serve as the output check's float reference.
+FUNCTION_PRESERVING = frozenset({"fold_batchnorm", "cle", "smoothquant"})
+
+
+def preserves_function(entry: Entry) -> bool:
+    """Whether the pass `entry` keeps the float outputs: not CLE's `relu6_to_relu` (it
+    changes them on purpose), nor any pass a plugin registers."""
+    return entry.name in FUNCTION_PRESERVING and not getattr(entry.options, "relu6_to_relu", False)
+
+
 def wants_float32(config: Config, model: ir.Model) -> bool:
     """Whether a float16/bfloat16 `model` is quantized as float32 inside (`graph/upcast.py`):
     where the recipe writes integer or float8 Q/DQ, whose scales and onnxruntime's int8
@@ -174,6 +185,7 @@ class Prepared:
     config: Config  # the config as this model resolves it (edge layers' specs applied)
     edges: list[str]  # the layers `edge_weight` and `edge_input` apply to
     upcast: Upcast | None = None  # a float16/bfloat16 model made float32 inside at load
+    same_function: bool = True  # every pass that ran keeps the model's float outputs (`preserves_function`)
 
 
 def prepare(source: ModelSource, config: Config, calibration_data: Any, progress: bool | None,
@@ -226,4 +238,4 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
         algorithms, decided = configured_algorithms(config, configured, target, plan, settings.access)
         summary.notes.extend(decided)
     return Prepared(model, plan, algorithms, target, settings, keep_float, done.deferred, summary, config, edges,
-                    loaded.upcast)
+                    loaded.upcast, all(preserves_function(p) for p in passes if p.enabled))

@@ -53,7 +53,8 @@ def run_pipeline(
     samples, note = samples_to_check(options.check_samples, float_bytes, settings.data, files)
 
     with summary.stage("calibrate"):
-        calibration, finished = calibrate_or_load(model, plan, settings, ready.algorithms, ready.deferred, samples)
+        capture = samples if ready.same_function else 0  # else the check opens the user's model
+        calibration, finished = calibrate_or_load(model, plan, settings, ready.algorithms, ready.deferred, capture)
     summary.notes.extend(finished)
     summary.calibration_samples = calibration.num_samples
     summary.calibrated_tensors = len(calibration.ranges)

@@ -41,6 +41,8 @@ def rung_gain(candidate: Scored, start: Scored, higher_is_better: bool, met: boo
     if candidate.samples is None or start.samples is None or len(candidate.samples) < 2:
         return None
     d = (candidate.samples.astype(np.float64) - start.samples) * (1 if higher_is_better else -1)
+    if not np.all(np.isfinite(d)):  # a sample overflowed in one model: fixed by the rung, or broken by it
+        return None if not np.any(np.isnan(d) | (d < 0) & np.isinf(d)) else "no better (a sample overflows)"
     error = float(np.std(d, ddof=1)) / math.sqrt(len(d))
     if float(np.mean(d)) > error * (1 + TIE):
         return None
