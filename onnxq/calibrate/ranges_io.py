@@ -71,7 +71,7 @@ def load_ranges(path: str | os.PathLike, needed: dict[str, ResolvedSpec],
             "another model or config: recalibrate with --save-ranges"
         )
     ranges = {n: _range(p, n, tensors[n]) for n in needed}
-    _check_recipe(p, {n: tensors[n] for n in needed}, needed)
+    _check_recipe(p, tensors, needed)
     return ranges, int(doc.get("num_samples", 0))
 
 

@@ -43,7 +43,9 @@ REFERENCE_BYTES = 64 << 20
 # Worst-output SQNR below which the summary warns: the outputs are then off by more than
 # a third of their magnitude (MobileNet v1: float8 activations 6.5 dB, int8 24 dB).
 WARN_DB = 10.0
-FLOAT_OUTPUTS = ("tensor(float)", "tensor(float16)", "tensor(double)", "tensor(bfloat16)")
+# The output types the check compares, as the model and as onnxruntime's session name them.
+FLOAT_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16)
+FLOAT_OUTPUTS = tuple(f"tensor({t.name.lower()})" for t in FLOAT_DTYPES)
 
 
 @dataclass
@@ -219,16 +221,15 @@ def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs
     quantized model, not two copies); `extended`: the emitted model holds onnxq's extended
     ops (the figures say how it ran)."""
     if captured is not None and samples > 0 and (captured.samples >= samples or captured.complete):
-        reference = Reference(captured.feeds, captured.outputs, captured.names, captured.samples)
-        checked = measure(session, reference)
-        return dataclasses.replace(checked, extended=extended) if isinstance(checked, Fidelity) else checked
-    float_model = source.SerializeToString() if isinstance(source, onnx.ModelProto) else source
-    reference = float_reference(float_model, inputs, data, samples, providers)
-    if reference is None and samples > 0 and data_access(data).rereadable:
-        try:  # say why where the float model itself is what failed (the check never stops a run)
-            _lean_session(float_model, providers)
-        except Exception as exc:  # noqa: BLE001  onnxruntime raises several unrelated types
-            return (f"output check skipped: onnxruntime cannot open the float model as given "
-                    f"({ort_refusal(str(exc) or type(exc).__name__)}); the quantized model itself loads")
+        reference: Reference | None = Reference(captured.feeds, captured.outputs, captured.names, captured.samples)
+    else:
+        float_model = source.SerializeToString() if isinstance(source, onnx.ModelProto) else source
+        reference = float_reference(float_model, inputs, data, samples, providers)
+        if reference is None and samples > 0 and data_access(data).rereadable:
+            try:  # say why where the float model itself is what failed (the check never stops a run)
+                _lean_session(float_model, providers)
+            except Exception as exc:  # noqa: BLE001  onnxruntime raises several unrelated types
+                return (f"output check skipped: onnxruntime cannot open the float model as given "
+                        f"({ort_refusal(str(exc) or type(exc).__name__)}); the quantized model itself loads")
     checked = None if reference is None else measure(session, reference)
     return dataclasses.replace(checked, extended=extended) if isinstance(checked, Fidelity) else checked

@@ -160,6 +160,14 @@ def _cast(value: ir.Value, to: ir.DataType, name: str) -> ir.Node:
     return node
 
 
+def _prepend(graph: ir.Graph, node: ir.Node) -> None:
+    """`node` first in `graph` (a Cast of an input or a constant, read by what follows)."""
+    if len(graph):
+        graph.insert_before(graph.node(0), node)
+    else:
+        graph.append(node)
+
+
 def _keep_inputs(graph: ir.Graph, report: Upcast, taken: set[str]) -> None:
     """Each half graph input read through a Cast to float32 by the nodes that read it, and
     each half initializer the graph returns read as a float32 copy (a constant still: its
@@ -177,7 +185,7 @@ def _keep_inputs(graph: ir.Graph, report: Upcast, taken: set[str]) -> None:
         else:
             cast = _cast(value, ir.DataType.FLOAT, _fresh(taken, f"{value.name}_to_float32"))
             cast.outputs[0].name = _fresh(taken, f"{value.name}_float32")
-            graph.insert_before(graph.node(0), cast) if len(graph) else graph.append(cast)
+            _prepend(graph, cast)
             report.inputs.append(value.name)
             report.boundary_casts.append(cast.name)
             source = cast.outputs[0]
@@ -221,7 +229,8 @@ def _drop_identity_casts(graph: ir.Graph) -> int:
 def upcast_half(model: ir.Model) -> Upcast | None:
     """Make a float16/bfloat16 model float32 inside, in place (module doc); None where the
     model holds no half value."""
-    if not is_half(model):
+    kinds = _half_types(model)
+    if not kinds:
         return None
     if any(_half_node(n) for f in model.functions.values() for n in f):
         return None  # model-local functions keep their half bodies: the model stays as it was given
@@ -233,7 +242,7 @@ def upcast_half(model: ir.Model) -> Upcast | None:
             f"the model's input or output {brain[0]!r} is bfloat16, which onnxruntime's Python API can neither feed "
             "nor return, so onnxq cannot calibrate or check it; export the model with float32 or float16 inputs and "
             "outputs (bfloat16 inside it is quantized as float32)")
-    report.kinds = _half_types(model)
+    report.kinds = kinds
     taken = _names(model)
     half_outputs = {i: v.dtype for i, v in enumerate(graph.outputs) if v.dtype in HALF}
     for sub in _graphs(graph):
@@ -266,6 +275,6 @@ def restore_half_weights(model: ir.Model, weights: dict[str, ir.DataType]) -> in
         ir.convenience.replace_all_uses_with(value, cast.outputs[0])
         del graph.initializers[name]
         cast.outputs[0].name = name
-        graph.insert_before(graph.node(0), cast) if len(graph) else graph.append(cast)
+        _prepend(graph, cast)
         restored += 1
     return restored

@@ -15,6 +15,7 @@ from onnxq.calibrate.runner import CalibrationResult, observe
 from onnxq.calibrate.shards import load_stats, model_digest
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.spec import CalibrationConfig
+from onnxq.emit.fidelity import FLOAT_DTYPES
 from onnxq.emit.float8_center import centering_requests
 from onnxq.notes import Note, Topic
 from onnxq.numerics.qmath import MAX_QUANTIZABLE_RANGE
@@ -78,8 +79,8 @@ def calibrate_or_load(
     return result, notes
 
 
-# The output types the check compares (`emit/fidelity.FLOAT_OUTPUTS`).
-FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.BFLOAT16})
+# The output types the check compares.
+FLOAT_TYPES = frozenset(FLOAT_DTYPES)
 
 
 def drop_unquantizable(plan: QuantPlan, ranges: Mapping[str, tuple[float, float]]) -> tuple[QuantPlan, list[Note]]:

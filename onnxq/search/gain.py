@@ -43,8 +43,8 @@ def rung_gain(candidate: Scored, start: Scored, higher_is_better: bool, met: boo
     d = (candidate.samples.astype(np.float64) - start.samples) * (1 if higher_is_better else -1)
     if not np.all(np.isfinite(d)):  # a sample overflowed in one model: fixed by the rung, or broken by it
         return None if not np.any(np.isnan(d) | (d < 0) & np.isinf(d)) else "no better (a sample overflows)"
-    error = float(np.std(d, ddof=1)) / math.sqrt(len(d))
-    if float(np.mean(d)) > error * (1 + TIE):
+    mean, error = float(np.mean(d)), float(np.std(d, ddof=1)) / math.sqrt(len(d))
+    if mean > error * (1 + TIE):
         return None
-    return (f"gain {gain:.3g} within the eval set's noise ({float(np.mean(d)) / error if error else 0:.2g} standard "
+    return (f"gain {gain:.3g} within the eval set's noise ({mean / error if error else 0:.2g} standard "
             f"errors of the per-sample change over {len(d)} samples; --rung-min-gain 0 keeps any gain)")

@@ -109,7 +109,7 @@ def _matched(out: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 
 def _top1(out: np.ndarray, labels: np.ndarray) -> float:
-    return 100.0 * float(np.mean(_matched(out, labels)))
+    return _top1_scored(out, labels).value
 
 
 def _top1_scored(out: np.ndarray, labels: np.ndarray) -> Scored:
