@@ -84,10 +84,26 @@ def sqnr_db(ref: np.ndarray, test: np.ndarray) -> float:
     return float("inf") if noise == 0 else 10.0 * np.log10(max(signal, 1e-30) / noise)
 
 
+def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The cosine of each row pair of `a` and `b` ([rows, values]): 1 where both rows are
+    zero, 0 where one is (a model that outputs zeros where float did not has lost the
+    signal) or where either is not finite (an overflow scores no agreement, not a perfect one)."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = np.sum(a * b, axis=1) / (na * nb)
+    cos = np.where((na == 0) & (nb == 0), 1.0, np.where((na > 0) & (nb > 0), cos, 0.0))
+    return np.where(np.isfinite(cos), cos, 0.0)
+
+
 def cosine(ref: np.ndarray, test: np.ndarray) -> float:
+    """The cosine of the two arrays as one vector each, by `row_cosines`' rules."""
     a, b = ref.astype(np.float64).ravel(), test.astype(np.float64).ravel()
-    denom = np.linalg.norm(a) * np.linalg.norm(b)
-    return float(a @ b / denom) if denom else 1.0
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    if na == 0 or nb == 0:
+        return 1.0 if na == nb else 0.0
+    cos = float(a @ b / (na * nb))
+    return cos if np.isfinite(cos) else 0.0
 
 
 def session_inputs(session: ort.InferenceSession) -> list[InputSpec]:

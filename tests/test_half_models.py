@@ -299,3 +299,39 @@ def test_analyze_takes_a_float16_model_and_its_quantized_form(tmp_path, capsys):
                  str(tmp_path / "calib.npz")]) == 0
     out = capsys.readouterr().out
     assert "tensors, worst first" in out and "x_float32" in out
+
+
+def test_a_subgraphs_float16_weight_left_float_is_stored_half_again(tmp_path):
+    """A weight inside an If branch that stays float goes back to float16 behind a Cast in
+    its branch, as the main graph's do (it stayed float32: twice the bytes)."""
+    from onnx import helper
+
+    rng = np.random.default_rng(6)
+    inner = numpy_helper.from_array((rng.standard_normal((8, 8)) * 0.3).astype(np.float16), "w_inner")
+    then_g = helper.make_graph([helper.make_node("MatMul", ["h", "w_inner"], ["t"], name="then_mm")], "then", [],
+                               [helper.make_tensor_value_info("t", TensorProto.FLOAT16, ["N", 8])], [inner])
+    else_g = helper.make_graph([helper.make_node("Identity", ["h"], ["e"], name="else_id")], "else", [],
+                               [helper.make_tensor_value_info("e", TensorProto.FLOAT16, ["N", 8])])
+    w = numpy_helper.from_array((rng.standard_normal((8, 8)) * 0.3).astype(np.float16), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+         helper.make_node("If", ["c"], ["y"], name="if", then_branch=then_g, else_branch=else_g)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 8]),
+         helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["N", 8])], [w])
+    path = tmp_path / "if.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    data = [{"x": rng.standard_normal((1, 8)).astype(np.float16), "c": np.array(True)} for _ in range(8)]
+    onnxq.quantize(str(path), tmp_path / "q.onnx", None, data, progress=False)
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    onnx.checker.check_model(quantized)
+    branch = next(a.g for n in quantized.graph.node if n.op_type == "If" for a in n.attribute if a.name == "then_branch")
+    stored = {i.name: i for i in branch.initializer}
+    half = [i for i in stored.values() if i.data_type == TensorProto.FLOAT16]
+    assert len(half) == 1 and not [i for i in stored.values() if i.data_type == TensorProto.FLOAT]
+    np.testing.assert_array_equal(numpy_helper.to_array(half[0]), numpy_helper.to_array(inner))
+    for flag in (True, False):
+        feed = {**data[0], "c": np.array(flag)}
+        _, f_out = _run(str(path), feed)
+        _, q_out = _run(str(tmp_path / "q.onnx"), feed)
+        assert q_out.dtype == np.float16 and sqnr_db(f_out.astype(np.float32), q_out.astype(np.float32)) > 25

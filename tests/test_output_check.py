@@ -353,3 +353,53 @@ def test_a_pass_that_changes_the_float_outputs_checks_against_the_users_model():
     result = onnxq.quantize(model, None, config, calib)
     plain = onnxq.quantize(model, None, compose_config("U8S8", None, {}), calib)
     assert result.summary.fidelity.sqnr_db < plain.summary.fidelity.sqnr_db - 3
+
+
+def test_a_calibration_batch_that_does_not_divide_the_samples_keeps_top1():
+    """Batches of 3 hold the 8 checked samples as 3+3+2: the top-1 agreement is over all
+    eight (it was dropped where the batches' shapes differed), as from batches of 8."""
+    model = gemm()
+    calib = random_feeds(model, 16, seed=3)
+    three = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"batch_size": 3}}), calib)
+    eight = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"batch_size": 8}}), calib)
+    assert three.summary.fidelity.samples == eight.summary.fidelity.samples == 8
+    assert three.summary.fidelity.top1_agreement is not None
+    assert three.summary.fidelity.top1_agreement == eight.summary.fidelity.top1_agreement
+
+
+def test_a_capture_stopped_by_max_samples_is_not_the_whole_data(monkeypatch):
+    """max_samples 4 of 16: the check still runs on the 8 samples it asks (from the float
+    model), not on the 4 calibration kept as if they were all the data had."""
+    import onnxq.emit.fidelity as fidelity
+
+    model = residual()
+    calib = random_feeds(model, 16, seed=3)
+    opened = []
+    lean = fidelity._lean_session
+    monkeypatch.setattr(fidelity, "_lean_session", lambda *a, **k: opened.append(1) or lean(*a, **k))
+    four = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"max_samples": 4}}), calib)
+    assert four.summary.fidelity.samples == 8 and opened
+    opened.clear()
+    few = onnxq.quantize(model, None, "U8S8", calib[:5])
+    assert few.summary.fidelity.samples == 5 and not opened  # the data ran out: the capture is all of it
+
+
+def test_the_capture_holds_its_byte_budget_in_copies_not_views(monkeypatch):
+    """A batch past the capture's byte budget is cut to the samples that fit (at least one),
+    and the cut is a copy: a view of the batch kept the whole batch alive (a 16 MB-a-sample
+    output peaked at 1.6 GB against 0.8 GB)."""
+    import onnxq.calibrate.capture as capture
+
+    outputs = np.ones((8, 1000), np.float32)  # 4000 bytes a sample
+    feed = {"x": np.ones((8, 10), np.float32)}  # 40 bytes a sample
+    monkeypatch.setattr(capture, "CAPTURE_BYTES", 3 * 4040 + 100)
+    held = capture.CapturedOutputs(["y"], 8)
+    held.add(feed, [outputs], 8, 8)
+    assert held.samples == 3 and held.outputs[0][0].shape == (3, 1000) and held.outputs[0][0].base is None
+    assert held.held == 3 * 4040 and held.wanting
+    held.add(feed, [outputs], 8, 8)  # under a sample's bytes left: one sample still
+    assert held.samples == 4 and not held.wanting
+    tight = capture.CapturedOutputs(["y"], 8)
+    monkeypatch.setattr(capture, "CAPTURE_BYTES", 10)
+    tight.add(feed, [outputs], 8, 8)
+    assert tight.samples == 1

@@ -96,7 +96,7 @@ def test_rung_min_gain_from_the_cli_a_file_and_python_and_bad_values(tmp_path, c
     assert config.mixed_precision.rung_min_gain == 0.25
     (tmp_path / "c.yaml").write_text("mixed_precision: {rung_min_gain: 0}\n")
     assert compose_config("U8S8", str(tmp_path / "c.yaml"), {}).mixed_precision.rung_min_gain == 0
-    for bad in (-1, float("nan"), "a lot"):
+    for bad in (-1, float("nan"), "a lot", True):  # a bool is an int to Python, not a gain
         with pytest.raises(ConfigError, match="rung_min_gain"):
             compose_config("U8S8", None, {"mixed_precision": {"rung_min_gain": bad}})
     args = ["quantize", str(MODELS / "digits_cnn.onnx"), str(tmp_path / "q.onnx"), "--calib-data",
@@ -114,3 +114,12 @@ def test_a_rung_that_fixes_an_overflowed_sample_is_kept():
     fixed = Scored(20.0, np.array([-1.0, -3.0, -2.0]))
     assert rung_gain(fixed, start, True, False, None) is None
     assert rung_gain(start, fixed, True, False, None) == "no better"
+
+
+def test_a_cosine_sample_that_overflows_or_goes_silent_scores_no_agreement():
+    """Per-sample cosines: a row of NaN (an overflow) or of zeros where float was not zero
+    scores 0, not a perfect 1 (a rung that broke a sample looked like it fixed it); zeros
+    against zeros agree."""
+    ref = np.array([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0], [1.0, 1.0]], np.float32)
+    out = np.array([[1.0, 2.0], [np.nan, 4.0], [0.0, 0.0], [0.0, 0.0]], np.float32)
+    np.testing.assert_allclose(_cosine(ref, out).samples, [1.0, 0.0, 1.0, 0.0])

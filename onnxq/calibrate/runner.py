@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnxq.calibrate.capture import CapturedOutputs
 from onnxq.calibrate.data import feed_rows, iter_batches, model_inputs, sample_rows
 from onnxq.calibrate.observers import Observer, make_observer
 from onnxq.calibrate.session import (
@@ -66,48 +67,6 @@ class CalibrationResult:
     num_passes: int = 1
     statistics: dict[Statistic, np.ndarray | None] = field(default_factory=dict)  # collected alongside
     outputs: CapturedOutputs | None = None  # the model's own outputs on the first batches
-
-
-# The captured outputs and feeds are held up to this many bytes (past one batch), as the
-# output check's own float reference is (`emit/fidelity.REFERENCE_BYTES`).
-CAPTURE_BYTES = 64 << 20
-
-
-@dataclass
-class CapturedOutputs:
-    """The float model's floating-point outputs `names` on the first calibration batches
-    with their feeds, until `wanted` samples are held: the output check's reference, read
-    from the calibration session instead of a second session of the float model (ResNet-20:
-    a session and eight single-sample runs less). The calibration model is the user's after
-    the function-preserving passes (BatchNorm folding, CLE, SmoothQuant), at the basic
-    optimisation level: its outputs match the float model's to float32 rounding."""
-
-    names: list[str]
-    wanted: int
-    feeds: list[dict[str, np.ndarray]] = field(default_factory=list)
-    outputs: list[list[np.ndarray]] = field(default_factory=list)
-    samples: int = 0
-    held: int = 0
-    complete: bool = False  # every calibration sample is held (there were fewer than wanted)
-
-    @property
-    def wanting(self) -> bool:
-        return self.samples < self.wanted and self.held < CAPTURE_BYTES
-
-    def add(self, feed: dict[str, np.ndarray], outputs: list[np.ndarray], samples: int, rows: int) -> None:
-        """Keep one batch of `samples` samples (`rows` rows), cut to the samples still
-        wanted where every feed and output is batched on axis 0."""
-        need = self.wanted - self.samples
-        arrays = [*feed.values(), *outputs]
-        if samples > need and all(np.ndim(a) and np.shape(a)[0] == rows for a in arrays):
-            keep = need * (rows // samples)
-            feed = {k: v[:keep] for k, v in feed.items()}
-            outputs = [o[:keep] for o in outputs]
-            samples = need
-        self.feeds.append(feed)
-        self.outputs.append(outputs)
-        self.samples += samples
-        self.held += sum(a.nbytes for a in outputs) + sum(np.asarray(a).nbytes for a in feed.values())
 
 
 def stream_tensors(
@@ -285,7 +244,9 @@ def observe(
                 state.num_batches += 1
     state.num_passes = len(groups)
     if captured is not None:
-        captured.complete = captured.samples >= state.num_samples
+        stopped = window is not None or (options.max_samples is not None and state.num_samples >= options.max_samples) \
+            or (options.max_batches is not None and state.num_batches >= options.max_batches)
+        captured.finish(state.num_samples, exhausted=not stopped)
     state.outputs = captured
     return state
 

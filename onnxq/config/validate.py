@@ -281,7 +281,8 @@ def _check_mixed_precision(config: Config) -> None:
         parse_target(mp.target)
     if mp.max_samples is not None and mp.max_samples < 1:
         raise ConfigError(f"invalid max_samples {mp.max_samples} in mixed_precision; use 1 or more")
-    if mp.rung_min_gain is not None and not (isinstance(mp.rung_min_gain, int | float) and mp.rung_min_gain >= 0
-                                             and math.isfinite(mp.rung_min_gain)):
+    gain = mp.rung_min_gain  # a bool is an int to Python, not a gain
+    if gain is not None and not (isinstance(gain, int | float) and not isinstance(gain, bool) and gain >= 0
+                                 and math.isfinite(gain)):
         raise ConfigError(f"invalid rung_min_gain {mp.rung_min_gain!r} in mixed_precision; give a number of 0 "
                           "or more in the metric's units (0: any gain keeps a rung), or leave it out")

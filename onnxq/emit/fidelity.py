@@ -4,7 +4,7 @@ A recipe can be far worse on one model than on others (float8 activations throug
 CNN, per-tensor weights on depthwise layers); the summary says so at once, measured as the
 model deploys (a default onnxruntime session), rather than leaving it to a later
 `onnxq compare`. The float outputs come from the calibration session, which computes
-them on its first batches anyway (`calibrate.runner.CapturedOutputs`); where no
+them on its first batches anyway (`calibrate/capture.py`); where no
 calibration ran (weight-only and dynamic recipes, statistics or ranges files, a deferred
 pass), from the user's model (their file, or the model they passed), opened after
 emission when the pipeline's float weights are gone, one sample at a time. Either is held
@@ -24,9 +24,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from onnxq.calibrate.access import Access, data_access, refusal
+from onnxq.calibrate.capture import CapturedOutputs
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.calibrate.decoder import PRESENT
-from onnxq.calibrate.runner import CapturedOutputs
 from onnxq.calibrate.session import refusal as ort_refusal
 from onnxq.evaluate import (
     EXTENDED_SESSION,
@@ -175,8 +175,10 @@ def _figures(name: str, kept: list[tuple[np.ndarray, np.ndarray]], pairs: list[t
         sqnr, cos = -float("inf"), 0.0
     else:
         sqnr, cos = float(sqnr_db(ref, test)), cosine(ref, test)
-    same = len({r.shape for r, _ in pairs}) == 1 and pairs[0][0].ndim > 0  # a scalar output has no top-1
-    top1 = top1_agreement(*(np.concatenate(side) for side in zip(*pairs))) if same else None
+    # Batches of any size (the calibration batch need not divide the samples checked) join on
+    # axis 0 where the rest of their shapes agree; a scalar output has no top-1.
+    rows = all(r.ndim > 0 for r, _ in pairs) and len({r.shape[1:] for r, _ in pairs}) == 1
+    top1 = top1_agreement(*(np.concatenate(side) for side in zip(*pairs))) if rows else None
     return Fidelity(samples, name, outputs, sqnr, cos, top1)
 
 

@@ -42,8 +42,8 @@ RESTORE_MIN_ELEMENTS = 16
 
 @dataclass
 class Upcast:
-    """What `upcast_half` changed: each converted main-graph initializer's type in the input
-    model, the graph inputs and outputs that keep their type through a Cast, and the Casts
+    """What `upcast_half` changed: each converted initializer's type in the input model
+    (subgraphs' included), the graph inputs and outputs that keep their type through a Cast, and the Casts
     that became float32 to float32 and were removed."""
 
     weights: dict[str, ir.DataType] = field(default_factory=dict)
@@ -138,8 +138,7 @@ def _upcast_graph(graph: ir.Graph, report: Upcast, main: bool) -> None:
     outputs = set(graph.outputs) if main else set()  # a half initializer the model returns stays as it is
     for name, value in graph.initializers.items():
         if value.dtype in HALF and value.const_value is not None and value not in outputs:
-            if main:
-                report.weights[name] = value.dtype
+            report.weights[name] = value.dtype
             value.const_value = _float32(value.const_value)
             value.dtype = ir.DataType.FLOAT
     for node in graph:
@@ -254,15 +253,15 @@ def upcast_half(model: ir.Model) -> Upcast | None:
 
 
 def restore_half_weights(model: ir.Model, weights: dict[str, ir.DataType]) -> int:
-    """Store each of `weights` (the initializers `upcast_half` converted) that is still a
-    float32 initializer of `model`, with the values it had, in its half type again, read
-    through a Cast to float32; returns how many."""
-    graph = model.graph
+    """Store each of `weights` (the initializers `upcast_half` converted, of the main graph
+    or a subgraph) that is still a float32 initializer of `model`, with the values it had,
+    in its half type again, read through a Cast to float32 in its graph; returns how many."""
     restored = 0
     taken = _names(model) if weights else set()
-    for name, dtype in weights.items():
-        value = graph.initializers.get(name)
-        if value is None or value.dtype != ir.DataType.FLOAT or value.const_value is None \
+    found = [(g, v) for g in _graphs(model.graph) if weights for v in list(g.initializers.values()) if v.name in weights]
+    for graph, value in found:
+        name, dtype = value.name, weights[value.name]
+        if value.dtype != ir.DataType.FLOAT or value.const_value is None \
                 or value.const_value.size < RESTORE_MIN_ELEMENTS or not value.uses():
             continue
         array = value.const_value.numpy()

@@ -25,7 +25,7 @@ from onnxq.calibrate.session import run_on_data
 from onnxq.config.accuracy import AccuracyTarget, parse_target  # noqa: F401 (parse_target: its old home, for importers)
 from onnxq.config.spec import DEFAULT_LABELS
 from onnxq.errors import CalibrationDataError, ConfigError, closest_name
-from onnxq.evaluate import class_labels, kept_positions, session_inputs, sqnr_db
+from onnxq.evaluate import class_labels, kept_positions, row_cosines, session_inputs, sqnr_db
 
 # The score of the float model against itself, for metrics measured against it.
 SELF_SCORE = {"cosine": 1.0, "sqnr": math.inf}
@@ -130,10 +130,7 @@ def _cosine(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None = None) ->
     """The mean over samples of each sample's cosine, over its `kept` positions where
     given ([samples, positions], True where the attention mask keeps a token)."""
     ref, out = _kept_only(ref, out, kept)
-    a = ref.reshape(len(ref), -1).astype(np.float64)
-    b = out.reshape(len(out), -1).astype(np.float64)
-    den = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    cos = np.where(den > 0, np.sum(a * b, axis=1) / np.maximum(den, 1e-30), 1.0)
+    cos = row_cosines(ref.reshape(len(ref), -1), out.reshape(len(out), -1))
     return Scored(float(np.mean(cos)), cos)
 
 
