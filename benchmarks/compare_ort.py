@@ -53,6 +53,12 @@ def load_calibration(spec: dict[str, Any]) -> dict[str, np.ndarray]:
 
 def quantize_onnxq(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
     import onnxq
+
+    if job.get("same_arguments"):  # onnxruntime's arguments, read by onnxq.ort_compat
+        from onnxq.ort_compat import quantize_static
+
+        result = quantize_static(job["model"], job["output"], C.FeedReader(arrays), **ort_arguments(job))
+        return {"summary": onnxq.format_summary(result.summary), "same_arguments": True}
     from onnxq.config import get_preset
     from onnxq.config.spec import CalibMethod, QScheme
 
@@ -73,8 +79,10 @@ def quantize_onnxq(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[s
     return {"summary": onnxq.format_summary(result.summary)}
 
 
-def quantize_ort(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+def ort_arguments(job: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of onnxruntime's quantize_static for `job` (with
+    --same-arguments, onnxq's worker passes them to onnxq.ort_compat.quantize_static)."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
 
     method = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile}[
         job["method"]
@@ -84,18 +92,16 @@ def quantize_ort(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str
         extra["CalibPercentile"] = job["percentile"]
     if job.get("ort_max_intermediate"):
         extra["CalibMaxIntermediateOutputs"] = job["ort_max_intermediate"]
-    quantize_static(
-        job["model"],
-        job["output"],
-        C.FeedReader(arrays),
-        quant_format=QuantFormat.QDQ,
-        activation_type=QuantType.QUInt8,
-        weight_type=QuantType.QInt8,
-        per_channel=not job["per_tensor"],
-        calibrate_method=method,
-        extra_options=extra or None,
-    )
-    return {"extra_options": extra}
+    return {"quant_format": QuantFormat.QDQ, "activation_type": QuantType.QUInt8, "weight_type": QuantType.QInt8,
+            "per_channel": not job["per_tensor"], "calibrate_method": method, "extra_options": extra or None}
+
+
+def quantize_ort(job: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    from onnxruntime.quantization import quantize_static
+
+    arguments = ort_arguments(job)
+    quantize_static(job["model"], job["output"], C.FeedReader(arrays), **arguments)
+    return {"extra_options": arguments["extra_options"] or {}}
 
 
 def run_worker(quantizer: str, job_path: str) -> int:
@@ -397,18 +403,21 @@ def compare_task(task: Task, args: argparse.Namespace, workdir: Path) -> dict[st
                 "batch_size": args.batch_size,
                 "data": task.calib_spec,
                 "ort_max_intermediate": args.ort_max_intermediate,
+                "same_arguments": args.same_arguments,
             }
             log(f"{quantizer}-{method}: quantizing ...")
             res = run_repeated(quantizer, job, workdir, args)
             rows[f"{quantizer}-{method}"] = score_run(task, res, reference, args, f"{quantizer}-{method}")
     ratios = {m: r for m in args.methods
               if (r := cost_ratio(rows.get(f"onnxq-{m}", {}), rows.get(f"ort-{m}", {}))) is not None}
-    return task_report(task, rows, methods=list(args.methods), ratios=ratios)
+    return {**task_report(task, rows, methods=list(args.methods), ratios=ratios), "same_arguments": args.same_arguments}
 
 
 def format_table(name: str, res: dict[str, Any], per_tensor: bool) -> str:
     weights = "per-tensor" if per_tensor else "per-channel"
     title = f"== {name}: calibration {res['calibration']}; evaluation {res['evaluation']}; U8S8 QDQ, {weights} weights"
+    if res.get("same_arguments"):
+        title += "; onnxq given onnxruntime's arguments (onnxq.ort_compat)"
     lines = C.run_table(title, res, ("quant s", "peak RSS MB", "+RSS MB", "size MB", "metric", "agree",
                                       "infer ms", "Q/DQ"), 18, "all evaluated pairs")
     for method in res["methods"]:
@@ -474,6 +483,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--percentile", type=float, default=PERCENTILE)
     p.add_argument("--per-tensor", action="store_true", help="per-tensor weights on both sides")
     p.add_argument("--batch-size", type=int, help="onnxq calibration batch size (default: onnxq's own)")
+    p.add_argument("--same-arguments", action="store_true",
+                   help="onnxq reads onnxruntime's quantize_static arguments (onnxq.ort_compat): the same recipe "
+                        "on both sides, onnxq's defaults (bias correction, target-aware ranges) included")
     p.add_argument(
         "--ort-max-intermediate",
         type=int,

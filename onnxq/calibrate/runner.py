@@ -23,6 +23,7 @@ from onnxq.calibrate.session import (
     exposed_session,
     run_on_data,
 )
+from onnxq.calibrate.sources import empty_data
 from onnxq.calibrate.statistics import Statistic, StatisticsSet
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
@@ -153,7 +154,7 @@ def tensor_groups(model: ir.Model, names: list[str], data: Any, options: Calibra
     try:
         _, values = next(batches)
     except StopIteration:
-        raise CalibrationDataError("calibration data is empty; give at least one sample") from None
+        raise empty_data(data) from None
     finally:
         batches.close()
     groups: list[list[str]] = [[]]
@@ -242,6 +243,8 @@ def observe(
             if index == 0:
                 state.num_samples += rows // max(rows_per_sample, 1)
                 state.num_batches += 1
+    if state.num_batches == 0 and window is None:
+        raise empty_data(data)
     state.num_passes = len(groups)
     if captured is not None:
         stopped = window is not None or (options.max_samples is not None and state.num_samples >= options.max_samples) \

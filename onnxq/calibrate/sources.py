@@ -139,7 +139,7 @@ class CalibrationSource:
     """Calibration data that may be read several times (calibration, then algorithms).
 
     Paths, dicts of arrays and sequences can be re-read; a reader with `rewind()` is
-    rewound; a one-shot iterator or reader can be read once, and a second read is a
+    rewound before each read; a one-shot iterator or reader can be read once, and a second read is a
     clear error rather than silently empty data.
     """
 
@@ -161,7 +161,17 @@ class CalibrationSource:
                 f"{purpose} needs another pass over the calibration data, but a "
                 f"{type(self.source).__name__} can be read only once; pass a path, a dict of arrays or a list of feeds"
             )
-        if self.reads and hasattr(self.source, "rewind"):
+        if hasattr(self.source, "rewind"):  # the first read too: a reader another tool read to its end
             self.source.rewind()
         self.reads += 1
         return raw_feeds(self.source, inputs)
+
+
+def empty_data(data: Any) -> CalibrationDataError:
+    """The error for calibration data that gave no sample; a reader (`get_next()`) that
+    another tool already read to its end is the usual cause, and is named."""
+    source = getattr(data, "source", data)
+    if hasattr(source, "get_next") and not hasattr(source, "rewind"):
+        return CalibrationDataError(f"calibration data is empty: the {type(source).__name__} gave no sample (a reader "
+                                    "already read to its end gives none); pass a fresh reader, or give it rewind()")
+    return CalibrationDataError("calibration data is empty; give at least one sample")

@@ -91,6 +91,12 @@ def _structure(source: str | os.PathLike) -> onnx.ModelProto:
     return _parsed(path, lambda: read_structure(path))
 
 
+def graph_structure(source: str | os.PathLike | onnx.ModelProto) -> onnx.GraphProto:
+    """The main graph of a model file or proto, its weights' bytes left in the file (cheap:
+    for reading node names, op types and which inputs are constants)."""
+    return source.graph if isinstance(source, onnx.ModelProto) else _structure(source).graph
+
+
 def check_readable(path: str | os.PathLike) -> None:
     """Raise `ModelError` unless `path` parses as an ONNX model with a graph (cheap: the
     weights stay in the file), for commands that hand the file to onnxruntime."""

@@ -1,0 +1,236 @@
+"""onnxruntime.quantization's arguments read into onnxq's config shape: a dict laid over a
+preset like any config file (`ort_overrides`), so `onnxq.ort_compat.quantize_static` takes
+a script written for onnxruntime's quantizer as it is, and `ort_config` shows or saves the
+recipe it means (docs/configuration.md, "From onnxruntime.quantization").
+
+What each argument means here:
+- quant_format QDQ / QOperator -> quant_format qdq / qoperator; activation_type and
+  weight_type (QInt8, QUInt8, QInt16, QUInt16, QInt4, QUInt4, QFLOAT8E4M3FN) -> the dtypes,
+  with onnxruntime's default symmetry (activations asymmetric, signed weights symmetric;
+  `ActivationSymmetric`, `WeightSymmetric`, `CalibTensorRangeSymmetric` change it).
+- per_channel -> weight qscheme per_channel (else per_tensor); reduce_range True -> 7-bit
+  weights; False -> the target decides, as in onnxq (full 8 bits where the CPU's int8
+  kernels are exact, pair-safe scales where they saturate: onnxruntime's own quantizer
+  writes 8-bit pairs that AVX2 CPUs without VNNI saturate).
+- calibrate_method MinMax / Entropy / Percentile -> calib_method minmax / entropy /
+  percentile (`CalibPercentile`); Distribution (onnxruntime's float8 method) -> minmax on
+  float8 types, refused on integer types as onnxruntime refuses it.
+- op_types_to_quantize -> every other op type of the model kept float (`float_op_types`);
+  nodes_to_quantize -> every other node excluded; nodes_to_exclude -> exclude (a name that
+  is no node of the model is an error here, where onnxruntime ignores it).
+- extra_options: the table `EXTRA_OPTIONS` (mapped), `NO_EFFECT` (onnxruntime's layout or
+  memory choices, whose result onnxq reaches its own way: accepted, and said in a note), and
+  `UNSUPPORTED` (no counterpart: a one-line error naming the option and what to use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from onnxq.errors import ConfigError, closest_name
+
+# onnxruntime's QuantType -> onnxq dtype
+QUANT_TYPES = {"qint8": "int8", "quint8": "uint8", "qint16": "int16", "quint16": "uint16", "qint4": "int4",
+               "quint4": "uint4", "qfloat8e4m3fn": "float8_e4m3fn"}
+SIGNED = {"int8", "int16", "int4", "float8_e4m3fn"}
+FORMATS = {"qdq": "qdq", "qoperator": "qoperator"}
+CALIB_METHODS = {"minmax": "minmax", "entropy": "entropy", "percentile": "percentile", "distribution": "minmax"}
+# onnxruntime's IntegerOpsRegistry: what quantize_dynamic quantizes when op_types_to_quantize is empty.
+# onnxq's dynamic recipe (W8_DYNAMIC) keeps Conv float: ConvInteger is slower than float Conv
+# on onnxruntime's CPU; listing Conv quantizes it dynamically as onnxruntime would.
+DYNAMIC_DEFAULT_TYPES = ("MatMul", "Gemm", "Attention", "LSTM", "Gather", "EmbedLayerNormalization")
+
+
+def _activation_symmetric(value: Any, spec: dict[str, Any]) -> None:
+    for key in ("input_tensors", "output_tensors"):
+        spec["global_quant_config"].setdefault(key, {})["symmetric"] = bool(value)
+
+
+def _weight_symmetric(value: Any, spec: dict[str, Any]) -> None:
+    spec["global_quant_config"].setdefault("weight", {})["symmetric"] = bool(value)
+
+
+def _percentile(value: Any, spec: dict[str, Any]) -> None:
+    for key in ("input_tensors", "output_tensors"):
+        spec["global_quant_config"].setdefault(key, {})["percentile"] = value
+
+
+def _no_output_quantization(value: Any, spec: dict[str, Any]) -> None:
+    for op_type in _names(value, "OpTypesToExcludeOutputQuantization"):
+        spec["layer_type_quant_config"].setdefault(op_type, {})["output_tensors"] = {"dtype": "float32"}
+
+
+def _channel_axes(value: Any, spec: dict[str, Any]) -> None:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"QDQOpTypePerChannelSupportToAxis must map op types to axes, e.g. {{'MatMul': 1}}; "
+                          f"got {value!r}")
+    for op_type, axis in value.items():
+        spec["layer_type_quant_config"].setdefault(op_type, {}).setdefault("weight", {})["ch_axis"] = axis
+
+
+def _smoothquant(value: Any, spec: dict[str, Any]) -> None:
+    if value:
+        spec["pre_quant_opt_config"].append({"name": "smoothquant", "alpha": spec.pop("_smoothquant_alpha", 0.5)})
+
+
+def _contrib_ops(value: Any, spec: dict[str, Any]) -> None:
+    spec["qdq_domain"] = "com.microsoft" if value else "ai.onnx"
+
+
+def _keep_activations(value: Any, spec: dict[str, Any]) -> None:
+    spec["fuse_activations"] = not value
+
+
+def _const_b_only(value: Any, spec: dict[str, Any]) -> None:
+    spec["_const_b_only"] = bool(value)
+
+
+# extra_options key -> how it sets the overrides. SmoothQuantAlpha is read with SmoothQuant.
+EXTRA_OPTIONS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
+    "ActivationSymmetric": _activation_symmetric,
+    "CalibTensorRangeSymmetric": _activation_symmetric,
+    "WeightSymmetric": _weight_symmetric,
+    "CalibPercentile": _percentile,
+    "OpTypesToExcludeOutputQuantization": _no_output_quantization,
+    "QDQOpTypePerChannelSupportToAxis": _channel_axes,
+    "SmoothQuant": _smoothquant,
+    "SmoothQuantAlpha": lambda value, spec: None,
+    "UseQDQContribOps": _contrib_ops,
+    "QDQKeepRemovableActivations": _keep_activations,
+    "MatMulConstBOnly": _const_b_only,
+}
+# extra_options whose effect onnxq has anyway, or that change only how onnxruntime's
+# quantizer works (memory, layout of the graph): accepted, and named in the summary.
+NO_EFFECT = {
+    "CalibMaxIntermediateOutputs": "onnxq streams calibration batches into its observers: memory does not grow "
+                                   "with the samples",
+    "CalibStridedMinMax": "onnxq streams calibration batches into its observers: memory does not grow with the "
+                          "samples",
+    "ForceQuantizeNoInputCheck": "onnxq quantizes data-movement ops (MaxPool, Transpose, ...) where their "
+                                 "neighbours are quantized",
+    "DedicatedQDQPair": "onnxq writes one DequantizeLinear per tensor, which onnxruntime's fusions take either way",
+    "QDQDisableWeightAdjustForInt32Bias": "onnxq keeps a bias float where its int32 scale would be too fine",
+    "SmoothQuantFolding": "onnxq folds SmoothQuant's scales into the op before where it can",
+}
+# extra_options with no counterpart, when set to something other than onnxruntime's
+# default: what to use instead.
+UNSUPPORTED = {
+    "CalibMovingAverage": (False, "onnxq has no moving-average MinMax; calibrate_method Percentile, or onnxq's "
+                                  "calib_method minmse, gives ranges robust to outlier batches"),
+    "CalibMovingAverageConstant": (None, "onnxq has no moving-average MinMax (CalibMovingAverage)"),
+    "ActivationRestrictedAsymmetric": (False, "onnxq has no restricted zero points; set ActivationSymmetric"),
+    "AddQDQPairToWeight": (False, "onnxq stores weights quantized, read by a DequantizeLinear"),
+    "EnableSubgraph": (False, "onnxq quantizes the main graph; nodes inside If/Loop/Scan bodies stay float"),
+    "MinimumRealRange": (None, "onnxq has no minimum range; set the tensor's range with layer_quant_config or a "
+                               "ranges file (calibration.load_ranges)"),
+    "TensorQuantOverrides": ({}, "per-tensor overrides are onnxq's layer_quant_config (per node) and ranges files "
+                                 "(calibration.load_ranges); build the Config with onnxq.ort_compat.ort_config and "
+                                 "add them there"),
+    "extra.Sigmoid.nnapi": (False, "onnxq has no NNAPI Sigmoid mode"),
+}
+KNOWN = [*EXTRA_OPTIONS, *NO_EFFECT, *UNSUPPORTED]
+
+
+def enum_name(value: Any, what: str, table: Mapping[str, str]) -> str:
+    """onnxq's name for onnxruntime's enum member `value` (the enum, or its name as a string)."""
+    name = str(getattr(value, "name", value)).lower()
+    if name not in table:
+        raise ConfigError(f"{what} {value!r} is not one of onnxruntime's: "
+                          f"{', '.join(sorted(table))} (case-insensitive)")
+    return name
+
+
+def _names(value: Any, what: str) -> list[str]:
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise ConfigError(f"{what} must be a list of names, got {value!r}")
+    return [str(v) for v in value]
+
+
+def ort_overrides(
+    *,
+    dynamic: bool,
+    model_ops: Mapping[str, str],
+    const_b_matmuls: Iterable[str] = (),
+    quant_format: Any = "QDQ",
+    op_types_to_quantize: Iterable[str] | None = None,
+    per_channel: bool = False,
+    reduce_range: bool = False,
+    activation_type: Any = "QInt8",
+    weight_type: Any = "QInt8",
+    nodes_to_quantize: Iterable[str] | None = None,
+    nodes_to_exclude: Iterable[str] | None = None,
+    calibrate_method: Any = "MinMax",
+    calibration_providers: list[str] | None = None,
+    extra_options: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Any], list[str]]:
+    """The overrides (with their `preset`) that onnxruntime's arguments mean, and the
+    `NO_EFFECT` options given (for the summary). `model_ops`: every node's op type by node
+    name; `const_b_matmuls`: the MatMuls whose second input is a constant (MatMulConstBOnly)."""
+    extra = dict(extra_options or {})
+    for key in extra:
+        if key not in KNOWN:
+            near = closest_name(key, KNOWN)
+            raise ConfigError(f"extra_options {key!r} is not an onnxruntime.quantization option onnxq knows"
+                              + (f"; did you mean {near!r}?" if near else f"; known: {', '.join(sorted(KNOWN))}"))
+    for key, (default, instead) in UNSUPPORTED.items():
+        if key in extra and extra[key] is not None and extra[key] != default:
+            raise ConfigError(f"extra_options {key}={extra[key]!r} has no onnxq counterpart: {instead}")
+    weight = QUANT_TYPES[enum_name(weight_type, "weight_type", QUANT_TYPES)]
+    activation = QUANT_TYPES[enum_name(activation_type, "activation_type", QUANT_TYPES)]
+    method = enum_name(calibrate_method, "calibrate_method", CALIB_METHODS)
+    if method == "distribution" and not activation.startswith("float8") and not weight.startswith("float8"):
+        raise ConfigError("calibrate_method Distribution is onnxruntime's float8 method; with integer types use "
+                          "MinMax, Entropy or Percentile (as onnxruntime requires)")
+    if "CalibPercentile" in extra and method != "percentile":
+        raise ConfigError(f"extra_options CalibPercentile is read by calibrate_method Percentile only (onnxruntime "
+                          f"ignores it with {getattr(calibrate_method, 'name', calibrate_method)}); remove it, or set "
+                          "calibrate_method Percentile")
+    spec: dict[str, Any] = {"global_quant_config": {}, "layer_type_quant_config": {}, "layer_quant_config": {},
+                            "pre_quant_opt_config": [], "exclude": []}
+    gqc = spec["global_quant_config"]
+    gqc["weight"] = {"dtype": weight, "symmetric": weight in SIGNED,
+                     "qscheme": "per_channel" if per_channel else "per_tensor"}
+    if dynamic:
+        spec["preset"] = "W8_DYNAMIC"
+        if weight not in ("int8", "uint8"):
+            raise ConfigError(f"quantize_dynamic takes weight_type QInt8 or QUInt8 (int8 weights read by "
+                              f"MatMulInteger), got {weight_type!r}")
+    else:
+        spec["preset"] = "U8S8"
+        spec["quant_format"] = FORMATS[enum_name(quant_format, "quant_format", FORMATS)]
+        for key in ("input_tensors", "output_tensors"):
+            gqc[key] = {"dtype": activation, "symmetric": activation.startswith("float8"),
+                        "calib_method": CALIB_METHODS[method]}
+    spec["reduce_range"] = True if reduce_range else None
+    if "SmoothQuantAlpha" in extra:
+        spec["_smoothquant_alpha"] = extra["SmoothQuantAlpha"]
+    for key, value in extra.items():
+        if key in EXTRA_OPTIONS:
+            EXTRA_OPTIONS[key](value, spec)
+    spec.pop("_smoothquant_alpha", None)
+    wanted_types = _names(op_types_to_quantize, "op_types_to_quantize") if op_types_to_quantize else (
+        list(DYNAMIC_DEFAULT_TYPES) if dynamic else None)
+    if wanted_types is not None:
+        others = sorted({t for t in model_ops.values() if t not in wanted_types})
+        spec["float_op_types"] = others
+        if dynamic and "Conv" in wanted_types:
+            spec["layer_type_quant_config"]["Conv"] = {"input_tensors": {"dtype": "uint8", "is_dynamic": True},
+                                                       "weight": {"dtype": weight}}
+    excluded = set(_names(nodes_to_exclude, "nodes_to_exclude")) if nodes_to_exclude else set()
+    if nodes_to_quantize:
+        wanted = set(_names(nodes_to_quantize, "nodes_to_quantize"))
+        missing = sorted(wanted - set(model_ops))
+        if missing:
+            near = closest_name(missing[0], list(model_ops))
+            raise ConfigError(f"nodes_to_quantize names {missing[0]!r}, no node of the model"
+                              + (f"; did you mean {near!r}?" if near else "") + " (`onnxq inspect MODEL --nodes` "
+                              "lists them)")
+        excluded |= {name for name in model_ops if name and name not in wanted}
+    if spec.pop("_const_b_only", dynamic):
+        const = set(const_b_matmuls)
+        excluded |= {name for name, op in model_ops.items() if op == "MatMul" and name and name not in const}
+    spec["exclude"] = sorted(excluded)
+    if calibration_providers:
+        spec["calibration"] = {"providers": list(calibration_providers)}
+    return spec, [key for key in extra if key in NO_EFFECT]
