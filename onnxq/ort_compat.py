@@ -4,6 +4,9 @@ onnxruntime's quantizer changes one import line.
     from onnxq.ort_compat import quantize_static   # was: from onnxruntime.quantization import ...
     quantize_static("model.onnx", "model.int8.onnx", reader, per_channel=True)
 
+`quantize(model_input, model_output, quant_config)` takes onnxruntime's StaticQuantConfig or
+DynamicQuantConfig as its own `quantize` does.
+
 The arguments keep onnxruntime's names, defaults and enums (or the enums' names as
 strings); what each means in onnxq is `config/ort_options.py`'s table, and `ort_config`
 returns the `Config` they resolve to (to save as YAML for the CLI, or to extend with
@@ -28,7 +31,8 @@ from onnxq.config.ort_options import NO_EFFECT, ort_overrides
 from onnxq.errors import ConfigError
 from onnxq.graph.load import graph_structure
 from onnxq.notes import Note, Topic
-from onnxq.quantize import QuantizationResult, quantize
+from onnxq.quantize import QuantizationResult
+from onnxq.quantize import quantize as onnxq_quantize
 
 ModelInput = str | os.PathLike | onnx.ModelProto
 
@@ -59,7 +63,7 @@ def _config(model_input: ModelInput, dynamic: bool, arguments: Mapping[str, Any]
 def _run(model_input: ModelInput, model_output: str | os.PathLike, config: Config, data: Any,
          no_effect: list[str], use_external_data_format: bool) -> QuantizationResult:
     model = str(model_input) if isinstance(model_input, Path) else model_input
-    result = quantize(model, model_output, config, data)
+    result = onnxq_quantize(model, model_output, config, data)
     for key in no_effect:
         result.summary.notes.append(Note(Topic.CALIBRATION, f"extra_options {key}: no onnxq setting needed "
                                          f"({NO_EFFECT[key]})"))
@@ -120,3 +124,23 @@ def quantize_dynamic(
         "weight_type": weight_type, "nodes_to_quantize": nodes_to_quantize, "nodes_to_exclude": nodes_to_exclude,
         "extra_options": extra_options})
     return _run(model_input, model_output, config, None, no_effect, use_external_data_format)
+
+
+# StaticQuantConfig's and DynamicQuantConfig's fields that quantize_static / quantize_dynamic take.
+STATIC_FIELDS = ("calibration_data_reader", "quant_format", "op_types_to_quantize", "per_channel", "reduce_range",
+                 "activation_type", "weight_type", "nodes_to_quantize", "nodes_to_exclude", "use_external_data_format",
+                 "calibrate_method", "calibration_providers", "extra_options")
+DYNAMIC_FIELDS = ("op_types_to_quantize", "per_channel", "reduce_range", "weight_type", "nodes_to_quantize",
+                  "nodes_to_exclude", "use_external_data_format", "extra_options")
+
+
+def quantize(model_input: ModelInput, model_output: str | os.PathLike, quant_config: Any) -> QuantizationResult:
+    """onnxruntime.quantization.quantize: `quant_config` a StaticQuantConfig (it holds a
+    calibration_data_reader) or a DynamicQuantConfig, read by their fields."""
+    fields = getattr(quant_config, "__dict__", None)
+    if not isinstance(fields, dict) or "weight_type" not in fields:
+        raise ConfigError(f"quant_config must be onnxruntime's StaticQuantConfig or DynamicQuantConfig, got "
+                          f"{type(quant_config).__name__}")
+    if "calibration_data_reader" in fields:
+        return quantize_static(model_input, model_output, **{k: fields[k] for k in STATIC_FIELDS if k in fields})
+    return quantize_dynamic(model_input, model_output, **{k: fields[k] for k in DYNAMIC_FIELDS if k in fields})

@@ -24,7 +24,7 @@ from onnxruntime.quantization import quantize_static as ort_quantize_static
 from onnxq.cli import main
 from onnxq.config import save_config
 from onnxq.errors import ConfigError
-from onnxq.ort_compat import ort_config, quantize_dynamic, quantize_static
+from onnxq.ort_compat import ort_config, quantize, quantize_dynamic, quantize_static
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 MODEL = str(MODELS / "digits_cnn.onnx")
@@ -205,3 +205,19 @@ def test_a_reader_onnxruntime_already_read_is_rewound_or_named(tmp_path):
     with pytest.raises(CalibrationDataError, match="already read to its end.*rewind"):
         quantize_static(MODEL, tmp_path / "r.onnx", once)
     assert not (tmp_path / "r.onnx").exists()
+
+
+def test_onnxruntimes_quant_config_objects(tmp_path):
+    """onnxruntime's quantize(model, out, StaticQuantConfig | DynamicQuantConfig): the same
+    bytes as the keyword form."""
+    from onnxruntime.quantization import DynamicQuantConfig, StaticQuantConfig
+
+    quantize(MODEL, tmp_path / "s.onnx", StaticQuantConfig(Reader(), per_channel=True,
+                                                          activation_type=QuantType.QUInt8))
+    quantize_static(MODEL, tmp_path / "k.onnx", Reader(), per_channel=True, activation_type=QuantType.QUInt8)
+    assert (tmp_path / "s.onnx").read_bytes() == (tmp_path / "k.onnx").read_bytes()
+    quantize(MODEL, tmp_path / "d.onnx", DynamicQuantConfig(per_channel=True))
+    quantize_dynamic(MODEL, tmp_path / "dk.onnx", per_channel=True)
+    assert (tmp_path / "d.onnx").read_bytes() == (tmp_path / "dk.onnx").read_bytes()
+    with pytest.raises(ConfigError, match="StaticQuantConfig"):
+        quantize(MODEL, tmp_path / "x.onnx", {"per_channel": True})
