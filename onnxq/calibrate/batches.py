@@ -104,6 +104,8 @@ def _batches(
                 break
             feed = _take(feed, units, min(_samples(feed, units, fixed), max_samples - seen))
         samples = _samples(feed, units, fixed)
+        if samples == 0:  # a feed of no rows (a reader's empty batch) adds nothing, and runs nothing
+            continue
         seen += samples
         if pending and _shape_key(pending[0]) != _shape_key(feed):
             if not fixed:  # a fixed-batch model cannot run a partial input: drop it

@@ -17,11 +17,30 @@ from typing import Any
 import numpy as np
 
 from onnxq.calibrate.inputs import Feed, InputSpec, check_array, check_finite, sample_rows, to_rows
-from onnxq.errors import CalibrationDataError
+from onnxq.errors import CalibrationDataError, OnnxqError
 
 
 def _from_reader(reader: Any) -> Iterator[Mapping[str, Any]]:
-    while (item := reader.get_next()) is not None:
+    return _guarded(iter(reader.get_next, None), f"the {type(reader).__name__}'s get_next()")
+
+
+def _guarded(items: Iterator[Any], what: str) -> Iterator[Any]:
+    """`items`, with an exception the user's own code raises (a reader, a generator)
+    turned into one line saying where it came from and at which sample or batch."""
+    count = 0
+    while True:
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        except OnnxqError:
+            raise
+        except Exception as exc:  # noqa: BLE001  the user's code may raise anything
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise CalibrationDataError(f"{what} raised {type(exc).__name__} on item {count + 1}"
+                                       + (f": {first}" if first else "") + "; fix it, or pass the data as arrays "
+                                       "(an .npz, a dict or a list of feeds)") from exc
+        count += 1
         yield item
 
 
@@ -128,7 +147,7 @@ def raw_feeds(source: Any, inputs: list[InputSpec]) -> Iterator[Mapping[str, Any
     if isinstance(source, Mapping):
         return _split_rows(_arrays_to_rows(_checked_arrays(source, inputs), inputs), inputs)
     if isinstance(source, Iterable):
-        return iter(source)
+        return _guarded(iter(source), f"the calibration {type(source).__name__}")
     raise CalibrationDataError(
         f"unsupported calibration data of type {type(source).__name__}; pass a path, a dict of arrays, "
         "an iterable of feed dicts or an object with get_next()"
@@ -172,6 +191,7 @@ def empty_data(data: Any) -> CalibrationDataError:
     another tool already read to its end is the usual cause, and is named."""
     source = getattr(data, "source", data)
     if hasattr(source, "get_next") and not hasattr(source, "rewind"):
-        return CalibrationDataError(f"calibration data is empty: the {type(source).__name__} gave no sample (a reader "
-                                    "already read to its end gives none); pass a fresh reader, or give it rewind()")
+        return CalibrationDataError(f"calibration data is empty: the {type(source).__name__} gave no sample (only "
+                                    "empty batches, or it was already read to its end); pass a fresh reader, or give "
+                                    "it rewind()")
     return CalibrationDataError("calibration data is empty; give at least one sample")

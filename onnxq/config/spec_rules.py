@@ -12,6 +12,7 @@ from typing import Any
 
 from onnxq.calibrate.observers import OBSERVERS  # an open registry: read when a rule runs
 from onnxq.calibrate.observers.options import parse_options
+from onnxq.calibrate.observers.percentile import PERCENTILE_FIX, PERCENTILE_RANGE
 from onnxq.config.spec import SPEC_DEFAULTS
 from onnxq.errors import ConfigError, closest_name
 from onnxq.numerics.hqq import HqqOptions
@@ -114,8 +115,8 @@ def _bias_dtype(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] |
 
 def _percentile_range(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
     p = v["percentile"]
-    if p is not None and not 0 < p <= 100:
-        return f"invalid percentile {p}", "use a value in (0, 100], e.g. 99.999"
+    if p is not None and not PERCENTILE_RANGE[0] <= p <= PERCENTILE_RANGE[1]:
+        return f"invalid percentile {p}", PERCENTILE_FIX
     return None
 
 

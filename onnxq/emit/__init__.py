@@ -29,6 +29,7 @@ from onnxq.emit import (  # noqa: F401 (register lowerings)
 )
 from onnxq.emit.cpu_layout import keep_layernorm_apart
 from onnxq.emit.float_kernels import keep_float_kernels
+from onnxq.emit.gather_rows import gather_before_dequantize
 from onnxq.emit.lowering import ordered
 from onnxq.emit.qdq import EmitReport
 from onnxq.emit.qdq_layout import lay_out_qdq
@@ -84,6 +85,11 @@ def emit_model(
     # Float Conv/Gemm beside quantized ops stay float in onnxruntime (emit/float_kernels.py).
     note = keep_float_kernels(model).note()
     result.notes.extend([note] if note else [])
+    gathered = gather_before_dequantize(model)
+    if gathered:
+        result.notes.append(f"{gathered} Gather{'s' if gathered > 1 else ''} of a quantized table read its integer "
+                            "rows and dequantize only those (a DequantizeLinear before a Gather dequantized the whole "
+                            "table every run; emit/gather_rows.py)")
     apart = keep_layernorm_apart(model) if cpu else 0
     if apart:
         result.notes.append(f"{apart} float Add -> LayerNormalization written as Sum: onnxruntime's CPU "

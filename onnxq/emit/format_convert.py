@@ -13,6 +13,7 @@ from onnxq.emit.qoperator_kernels import FormatReport
 from onnxq.errors import ModelError, OnnxqError
 from onnxq.graph.edit import drop_unused_initializers
 from onnxq.graph.load import read_model
+from onnxq.graph.normalize import infer_shapes
 from onnxq.graph.quantized import describe, extended_ops, opaque_kernels, quantized_ops
 from onnxq.graph.save import check_output_path, save_model
 
@@ -38,6 +39,8 @@ def convert_model(source: str, output: str, to: str) -> str:
         raise OnnxqError(f"unknown format {to!r}; use one of: {', '.join(FORMATS)}")
     check_output_path(output, source)
     model = read_model(source)
+    if any(v.dtype is None for node in model.graph for v in node.outputs):
+        infer_shapes(model)  # another tool's model (onnxruntime's quantize_static) leaves them untyped
     if extended := extended_ops(model):
         raise ModelError(f"{source} holds onnxq's extended Q/DQ ops ({describe(extended)}, --format qdq-ext) that "
                          "convert cannot rewrite; quantize the float model again with --format qdq or qoperator, "

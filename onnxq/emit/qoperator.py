@@ -222,7 +222,10 @@ def to_qoperator(model: ir.Model) -> FormatReport:
         tried = [(qop, *_refusal(qop, node)) for qop in QOPS[node.op_type]]
         fits = [t for t in tried if t[1] is None]
         if not fits:
-            if any(_dq_of(v) for v in node.inputs):
+            # a node quantized in QDQ form (its output quantized again, or a quantized constant weight);
+            # a float node that merely reads quantized neighbours' outputs stays out of the note
+            weights = [dq for v in node.inputs if (dq := _dq_of(v)) is not None and constant_size(dq.data)]
+            if weights or _q_after(node.outputs[0]) is not None:
                 report.kept[node.name] = f"{node.op_type}: {tried[0][1]}"
             continue
         qop, _, dqs, q = fits[0]

@@ -76,6 +76,8 @@ def check_proto(proto: onnx.ModelProto, path: str | None, mapped: set[str] = fro
     if not proto.HasField("graph") or not proto.opset_import:
         name = path or "the model"
         raise ModelError(f"{name} is not an ONNX model (no graph or opset); pass a .onnx model file")
+    if path is None:
+        _check_unloaded_external(proto)
     stub = _without_weight_data(proto)
     notes = _onnxruntime_only_ops(stub)
     try:
@@ -87,6 +89,21 @@ def check_proto(proto: onnx.ModelProto, path: str | None, mapped: set[str] = fro
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"model fails onnx.checker: {first}; fix or re-export the model") from None
     return notes
+
+
+def _check_unloaded_external(proto: onnx.ModelProto) -> None:
+    """A ModelProto in memory whose weights point at external data files it was loaded
+    without (onnx.load(..., load_external_data=False)): the files are looked up from the
+    working directory, and one that is not there is a one-line error, not a raw
+    FileNotFoundError."""
+    for tensor in proto.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        if not Path(location).is_file():
+            raise ModelError(f"the ModelProto's weight {tensor.name!r} is in external data ({location}) it was loaded "
+                             "without, and that file is not in the working directory; load the model with "
+                             "onnx.load(path) (which reads its external data), or pass the model's path")
 
 
 # The private domain the checker's copy moves onnxruntime-only ops to: the checker leaves

@@ -7,6 +7,12 @@ from onnxq.calibrate.observers.registry import register_observer
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.errors import ConfigError
 
+# A percentile in percent: the range keeps [100 - p, p] of the data (asymmetric) or p of |x|;
+# under 50 the asymmetric ends cross. One range for this observer and the config check
+# (`config/spec_rules.py`).
+PERCENTILE_RANGE = (50.0, 100.0)
+PERCENTILE_FIX = "use a percent in [50, 100], e.g. 99.999 (not a fraction: 0.99999 is 0.99999%)"
+
 
 @register_observer("percentile")
 class PercentileObserver(HistogramObserver):
@@ -17,8 +23,8 @@ class PercentileObserver(HistogramObserver):
     spec_fields = ("percentile", "num_bins")
 
     def __init__(self, spec: ResolvedSpec) -> None:
-        if not 50.0 <= float(spec.percentile) <= 100.0:
-            raise ConfigError(f"percentile must be in [50, 100], got {spec.percentile}")
+        if not PERCENTILE_RANGE[0] <= float(spec.percentile) <= PERCENTILE_RANGE[1]:
+            raise ConfigError(f"invalid percentile {spec.percentile}; {PERCENTILE_FIX}")
         super().__init__(spec)
 
     def _range(self) -> tuple[float, float]:
