@@ -124,3 +124,14 @@ def test_a_float_node_beside_qoperator_kernels_is_not_called_qdq(tmp_path):
     result = onnxq.quantize(MODEL, tmp_path / "q.onnx", config, str(MODELS / "digits_calib.npz"), progress=False)
     note = next(n for n in result.summary.note_texts if n.startswith("qoperator format"))
     assert "kept as Q/DQ" not in note and "QLinearConv" in note
+
+
+def test_onnxruntimes_argument_names_in_a_config_file_name_onnxqs(tmp_path, capsys):
+    """`activation_type` was answered "did you mean 'fuse_activations'?"."""
+    (tmp_path / "c.yaml").write_text("activation_type: QUInt8\n")
+    assert main(["config", "show", "--config", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "onnxruntime.quantization's name" in err
+    assert "input_tensors.dtype" in err and "fuse_activations" not in err
+    with pytest.raises(ConfigError, match="weight.qscheme: per_channel"):
+        onnxq.compose_config("U8S8", None, {"per_channel": True})

@@ -17,6 +17,7 @@ from enum import Enum
 from functools import cache
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from onnxq.config.ort_options import ORT_KEYS
 from onnxq.config.spec import DTYPE_AMBIGUOUS, Config, DType, QuantizationSpec
 from onnxq.errors import ConfigError, closest_name
 
@@ -207,6 +208,10 @@ def _convert_dataclass(value: Any, cls: type, parent: str, name: str) -> Any:
 def _unknown_key(key: Any, valid: list[str], path: str) -> ConfigError:
     where = path or "config"
     candidates = valid if path else [*valid, "preset"]  # a file's `preset` is read before its fields
+    if not path and key in ORT_KEYS:
+        return ConfigError(f"unknown key {key!r} in config: that is onnxruntime.quantization's name; in onnxq it is "
+                           f"{ORT_KEYS[key]} (onnxq.ort_compat.quantize_static takes onnxruntime's arguments as they "
+                           "are)")
     hint = closest_name(key, candidates) if isinstance(key, str) else None
     if hint:
         return ConfigError(f"unknown key {key!r} in {where}; did you mean '{hint}'?")

@@ -234,3 +234,20 @@ def ort_overrides(
     if calibration_providers:
         spec["calibration"] = {"providers": list(calibration_providers)}
     return spec, [key for key in extra if key in NO_EFFECT]
+
+
+# onnxruntime.quantization's argument names, met as keys of an onnxq config (a file written
+# from an onnxruntime script): what each is in onnxq, for the unknown-key error.
+ORT_KEYS = {
+    "activation_type": "global_quant_config.input_tensors.dtype and output_tensors.dtype",
+    "weight_type": "global_quant_config.weight.dtype",
+    "per_channel": "global_quant_config.weight.qscheme: per_channel",
+    "calibrate_method": "global_quant_config.input_tensors.calib_method (and output_tensors)",
+    "nodes_to_exclude": "exclude",
+    "nodes_to_quantize": "exclude (the other nodes)",
+    "op_types_to_quantize": "float_op_types (the op types to keep float)",
+    "extra_options": "the keys of docs/configuration.md's 'From onnxruntime.quantization' table",
+    "calibration_providers": "calibration.providers",
+    "calibration_data_reader": "the calibration data (--calib-data; in Python, quantize's calibration_data)",
+    "use_external_data_format": "nothing: onnxq writes external data where the model needs it",
+}
