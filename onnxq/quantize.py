@@ -30,7 +30,7 @@ from onnxq.graph.folder import (
 from onnxq.graph.save import check_apart, check_output_paths
 from onnxq.heap import settled_heap
 from onnxq.notes import Note, Topic
-from onnxq.optimize.registry import check_block_rounding, parse_algorithms, parse_passes
+from onnxq.optimize.registry import parse_algorithms, parse_passes
 from onnxq.pipeline.prepare import WINDOWS_NOTE, ModelSource, required_opset
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.pipeline.run import run_pipeline
@@ -91,7 +91,6 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
     folder = open_folder(model) if isinstance(model, str | os.PathLike) else None
     given = config  # its file, if it names one, is read: never written over
     config, default_kind = config_for(folder or model, config)
-    check_block_rounding(config.algo_config, config.matmul_nbits)
     if folder is not None:
         model = str(folder.model)
         output = None if output is None else output_model(folder, output)

@@ -91,8 +91,8 @@ def rich_config() -> Config:
     config.layer_quant_config["matmul7"] = QuantizationConfig(
         weight=QuantizationSpec(qscheme=QScheme.PER_GROUP, group_size=64, ch_axis=1)
     )
-    config.pre_quant_opt_config = [{"name": "fold_constants"}, {"name": "fuse_bn", "eps": 1e-5}]
-    config.algo_config = [{"name": "smooth_quant", "alpha": 0.5}]
+    config.pre_quant_opt_config = [{"name": "cle"}, {"name": "fold_batchnorm", "skip_fusion_layers": ["bn1"]}]
+    config.algo_config = [{"name": "adaround", "num_iteration": 20}]
     return config
 
 
@@ -248,8 +248,8 @@ def test_rich_config_round_trip(tmp_path, suffix):
     loaded = load_config(path)
     assert loaded == config
     assert loaded.pre_quant_opt_config == [
-        {"name": "fold_constants"},
-        {"name": "fuse_bn", "eps": 1e-5},
+        {"name": "cle"},
+        {"name": "fold_batchnorm", "skip_fusion_layers": ["bn1"]},
     ]
 
 
@@ -417,10 +417,24 @@ def test_ints_are_accepted_for_floats():
 
 
 def test_passthrough_lists_keep_their_content():
-    passes = [{"name": "fuse_bn", "options": {"eps": 1e-5, "nested": [1, {"a": None}]}}]
-    config = config_from_dict({"pre_quant_opt_config": passes, "algo_config": [{"x": 1}]})
+    passes = [{"name": "smoothquant", "alpha": 0.3, "skip_layers": ["a", "b"]}]
+    config = config_from_dict({"pre_quant_opt_config": passes, "algo_config": [{"name": "adaround", "num_iteration": 5}]})
     assert config.pre_quant_opt_config == passes
-    assert config.algo_config == [{"x": 1}]
+    assert config.algo_config == [{"name": "adaround", "num_iteration": 5}]
+
+
+@pytest.mark.parametrize(("entries", "message"), [
+    ({"pre_quant_opt_config": [{"name": "cel"}]}, r"unknown pre_quant_opt_config pass 'cel'; did you mean 'cle'\?"),
+    ({"pre_quant_opt_config": [{"name": "smoothquant", "alpha": 1.5}]}, r"alpha must be in \[0, 1\], got 1.5"),
+    ({"algo_config": [{"name": "adarond"}]}, r"unknown algo_config algorithm 'adarond'; did you mean 'adaround'\?"),
+    ({"algo_config": [{"name": "adaround", "num_iterations": 5}]}, r"did you mean 'num_iteration'\?"),
+    ({"algo_config": [{"x": 1}]}, r"each algo_config algorithm entry needs a 'name' key"),
+])
+def test_config_from_dict_refuses_what_quantize_refuses(entries, message):
+    """The passes and algorithms are checked with the config (`config show`, `convert`, a
+    file, a dict), not first when quantize parses them."""
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(entries)
 
 
 def test_spec_from_dict():

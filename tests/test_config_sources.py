@@ -8,6 +8,7 @@ node by node, to the same config as the onnxq YAML a user would write by hand.
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -374,6 +375,33 @@ def test_unknown_calib_option_is_refused_by_every_route(tmp_path, capsys):
     assert "valid options: num_of_bins, asymmetric" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="bogus"):
         onnxq.load_config(path)
+
+
+@pytest.mark.parametrize(("text", "flags", "message"), [
+    ("algo_config: [{name: adarond}]\n", [], "unknown algo_config algorithm 'adarond'; did you mean 'adaround'?"),
+    ("pre_quant_opt_config: [{name: cel}]\n", [], "unknown pre_quant_opt_config pass 'cel'; did you mean 'cle'?"),
+    ("pre_quant_opt_config: [{name: smoothquant, alpha: 1.5}]\n", [], "alpha must be in [0, 1], got 1.5"),
+    ("", ["--adaround", "--algo-option", "num_iterations=5"], "unknown option 'num_iterations'; did you mean "
+                                                            "'num_iteration'?"),
+    ("", ["--smoothquant", "1.5"], "alpha must be in [0, 1], got 1.5"),
+    ("", ["--gptq"], "--gptq rounds the weight-only blocks of MatMulNBits"),
+])
+def test_passes_and_algorithms_are_refused_by_every_route(tmp_path, capsys, text, flags, message):
+    """`config show`, `config convert` and `compose_config` refuse the passes and algorithms
+    (names, options) that `quantize` refuses, with the same one line and status 2."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text or "{}\n")
+    data = str(ROOT / "models" / "digits_calib.npz")
+    for argv in (["config", "show", "--config", str(path), *flags],
+                 ["quantize", str(DIGITS), str(tmp_path / "q.onnx"), "--calib-data", data, "--config", str(path), *flags],
+                 *([["config", "convert", str(path), str(tmp_path / "out.yaml")]] if not flags else [])):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("onnxq: error: ") and message in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "out.yaml").exists() and not (tmp_path / "q.onnx").exists()
+    if text:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            compose_config("U8S8", path)
 
 
 def test_an_op_type_under_node_overrides_points_to_op_type_overrides():

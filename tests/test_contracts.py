@@ -85,7 +85,8 @@ def test_a_plugin_algorithm_gets_its_flag_from_its_contract(tmp_path, plugin, ca
     assert main(["--plugin", plugin, "quantize", str(model), str(tmp_path / "r.onnx"), "--calib-data", str(calib),
                  "--algorithm", "round_blocks_toy"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("onnxq: error: round_blocks_toy rounds the weight-only blocks of MatMulNBits") and "\n" not in err
+    assert err.startswith("onnxq: error: --algorithm round_blocks_toy rounds the weight-only blocks of MatMulNBits") \
+        and err.endswith("or remove --algorithm round_blocks_toy") and "\n" not in err  # the flag given, not algo_config
 
 
 def test_the_help_lists_the_algorithm_flags_in_flag_order(capsys):
@@ -135,24 +136,38 @@ def test_data_read_once_refusals_say_why_then_the_fix():
                        (f for f in random_feeds(conv_model(), 8, seed=5)), progress=False)
 
 
-def test_one_algorithm_learns_the_rounding(tmp_path):
-    """A preset with AdaRound plus --adaquant: both learn the same layers' rounding, and the
-    two results disagree (MobileNet-v1's logits fell to -2.8 dB SQNR). The one given last
-    runs, the summary says so, and the model stays close to float."""
+def test_one_algorithm_learns_the_rounding(tmp_path, capsys):
+    """A preset with AdaRound under a source that asks for AdaQuant: both learn the same
+    layers' rounding, and the two results disagree (MobileNet-v1's logits fell to -2.8 dB
+    SQNR). The higher source's choice replaces the preset's, as any setting does; two in
+    one source are a choice left to make, refused alike from flags, a file or a dict."""
     from pathlib import Path
 
     models = Path(__file__).resolve().parent.parent / "models"
     assert CONTRACTS["adaround"].learns_rounding and CONTRACTS["adaquant"].learns_rounding
     config = compose_config("W4A8", None, {"algo_config": [{"name": "adaquant", "num_iteration": 50}]})
-    assert [e["name"] for e in config.algo_config] == ["adaround", "adaquant"]
+    assert [e["name"] for e in config.algo_config] == ["adaquant"]
     result = onnxq.quantize(str(models / "digits_cnn.onnx"), tmp_path / "q.onnx", config,
                             str(models / "digits_calib.npz"), progress=False)
     said = " ".join(result.summary.note_texts)
-    assert "adaround and adaquant both learn the layers' rounding" in said and "adaquant, given last, runs" in said
     assert "adaround:" not in said and "adaquant:" in said  # only AdaQuant reports layers
     assert result.summary.fidelity.sqnr_db > 30  # 33.7 dB measured; the two stacked gave 27.2
     onnx.checker.check_model(str(tmp_path / "q.onnx"))
-    # Both asked for by flags: a choice left to the user, not one silently dropped
-    assert main(["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "two.onnx"), "--calib-data",
-                 str(models / "digits_calib.npz"), "--adaround", "--adaquant"]) == 2
-    assert not (tmp_path / "two.onnx").exists()
+    two = [{"name": "adaround"}, {"name": "adaquant"}]
+    with pytest.raises(OnnxqError, match=r"^options: adaround and adaquant in algo_config both learn the layers' rounding, "
+                                         r"and one would undo the other; give one \(remove the other entry"):
+        compose_config("U8S8", None, {"algo_config": two})
+    (tmp_path / "two.yaml").write_text("algo_config: [{name: adaround}, {name: adaquant}]\n")
+    for argv in (["--adaround", "--adaquant"], ["--config", str(tmp_path / "two.yaml")]):
+        assert main(["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "two.onnx"), "--calib-data",
+                     str(models / "digits_calib.npz"), *argv]) == 2
+        assert not (tmp_path / "two.onnx").exists()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("onnxq: error: --adaround and --adaquant both learn the layers' rounding, and one would "
+                      "undo the other; give one")
+    assert err[1].startswith("onnxq: error: ") and "two.yaml: adaround and adaquant in algo_config both learn" in err[1]
+    with pytest.raises(OnnxqError, match="both learn"):  # one turned off: the other runs alone, so off is fine
+        compose_config("U8S8", None, {"algo_config": [*two, {"name": "adaround", "enabled": True}]})
+    assert [e.get("enabled", True) for e in compose_config(
+        "U8S8", None, {"algo_config": [{"name": "adaround", "enabled": False}, {"name": "adaquant"}]}).algo_config] \
+        == [False, True]

@@ -91,7 +91,12 @@ def test_gptq_cli_flag_and_bad_options(tmp_path, capsys):
     for both in (["--gptq", "--awq"], ["--gptq", "--algorithm", "awq"]):  # the flags are short for --algorithm
         assert main(["quantize", str(path), str(out), "--preset", "W4_GROUP128", *both, "--calib-data",
                      str(tmp_path / "calib.npz")]) == 2
-        assert "both pick the weight-only algorithm; give one" in capsys.readouterr().err
+        assert "both pick the weight-only algorithm (how MatMulNBits blocks are rounded); give one\n" \
+            in capsys.readouterr().err
+    (tmp_path / "two.yaml").write_text("preset: W4_GROUP128\nalgo_config: [{name: gptq}, {name: awq}]\n")
+    assert main(["quantize", str(path), str(out), "--config", str(tmp_path / "two.yaml"), "--calib-data",
+                 str(tmp_path / "calib.npz")]) == 2  # the same pair from a file: refused alike, not both run
+    assert "two.yaml: gptq and awq in algo_config both pick the weight-only algorithm" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="damp_percent"):
         onnxq.quantize(_model(), None, _config(damp_percent=2.0), _data(4, 6), progress=False)
 

@@ -314,8 +314,8 @@ def test_cli_flags_and_options(tmp_path, capsys) -> None:
                  "--algo-option", "num_iteration=30", "--quiet"])
     assert code == 0 and out.exists()
     assert main(["quantize", str(model_path), str(out), "--calib-data", str(data), "--adaround", "--adaquant",
-                 "--algo-option", "num_iteration=30"]) == 2
-    assert "both learn the layers' rounding; give one" in capsys.readouterr().err  # refused before its options
+                 "--algo-option", "adaround.num_iteration=30"]) == 2
+    assert "both learn the layers' rounding, and one would undo the other; give one" in capsys.readouterr().err
     assert main(["quantize", str(model_path), str(out), "--calib-data", str(data), "--adaround",
                  "--algo-option", "warm_start=2"]) == 2
     assert "warm_start" in capsys.readouterr().err

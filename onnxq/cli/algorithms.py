@@ -2,7 +2,8 @@
 `--reconstruct`) as the config's `algo_config` entries. Which algorithms have flags, in
 which order they run, which round weight-only blocks, which learn rounding and which run
 last all come from the registered contracts (`optimize/registry.py`): this module knows no
-algorithm by name.
+algorithm by name. Two that exclude each other are refused where every config is checked
+(`registry.EXCLUSIVE`), whichever source names them.
 """
 
 from __future__ import annotations
@@ -28,21 +29,9 @@ def algorithm_entries(args: argparse.Namespace) -> list[dict[str, Any]]:
     """`algo_config` entries of the algorithm flags given, `--algorithm` before those that
     run last and `--algo-option` merged in; empty when none is given."""
     algorithms = [name for name in flagged_algorithms(run_order=True) if getattr(args, name)]
-    rounding = [name for name in algorithms if CONTRACTS[name].rounds_blocks]
-    if len(rounding) > 1:  # the flags are short for --algorithm, which takes one
-        raise OnnxqError(f"--{rounding[0]} and --{rounding[1]} both pick the weight-only algorithm; give one "
-                         "(--algorithm NAME)")
-    learners = [name for name in algorithms if CONTRACTS[name].learns_rounding]
-    if len(learners) > 1:  # one would undo the other: two flags given are a choice left to make
-        raise OnnxqError(f"--{learners[0]} and --{learners[1]} both learn the layers' rounding; give one")
-    if args.algorithm is not None:
-        others = [name for name in algorithms if CONTRACTS[name].rounds_blocks]
-        if others:
-            raise OnnxqError(f"--algorithm {args.algorithm} and --{others[0]} both pick the weight-only algorithm; "
-                             "give one")
-        if args.algorithm != NEAREST:
-            at = next((i for i, name in enumerate(algorithms) if CONTRACTS[name].runs_last), len(algorithms))
-            algorithms.insert(at, args.algorithm)
+    if args.algorithm is not None and args.algorithm != NEAREST and args.algorithm not in algorithms:
+        at = next((i for i, name in enumerate(algorithms) if CONTRACTS[name].runs_last), len(algorithms))
+        algorithms.insert(at, args.algorithm)  # two that pick one thing: `registry.EXCLUSIVE` refuses them
     options = list(args.algo_option or [])
     if getattr(args, "reconstruct", None) is not None:
         options += [f"{name}.reconstruct={args.reconstruct}" for name in _reconstructing(algorithms)]

@@ -170,7 +170,31 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
         fix = re.sub(rf"(?<=remove ){re.escape(field)}(?![\w-])", flag, fix)
     for flag, field in _flags_at(where):  # a fix's "use FIELD VALUE" names the flag that sets it there
         fix = re.sub(rf"(?<=use ){re.escape(field)} (?=\w)", flag + " ", fix)
+    problem, fix = _in_algorithm_flags(problem, fix, args)
     return problem + sep + fix  # without the prefix: on the command line every override is a flag
+
+
+def _in_algorithm_flags(problem: str, fix: str, args: argparse.Namespace) -> tuple[str, str]:
+    """An `algo_config` error in the words of the algorithm flags that made its entries:
+    `gptq and awq in algo_config both pick ...; give one (remove the other entry, ...)` for
+    `--gptq --awq` reads `--gptq and --awq both pick ...; give one`."""
+    if "algo_config" not in problem + fix:
+        return problem, fix
+    flags = {name: _option(name) for name in flagged_algorithms() if getattr(args, name, False)}
+    if getattr(args, "algorithm", None) is not None:
+        flags.setdefault(args.algorithm, f"--algorithm {args.algorithm}")
+    named = [name for name in CONTRACTS if re.search(_word(name), problem)]
+    if not named or any(name not in flags for name in named):
+        return problem, fix  # an entry of the file or the preset: its config words hold
+    for name in named:
+        problem, fix = (re.sub(_word(name), flags[name], text) for text in (problem, fix))
+    fix = re.sub(r" (?:from algo_config|\(remove the other entry[^)]*\))", "", fix)
+    return problem.replace(" in algo_config", ""), fix
+
+
+def _word(name: str) -> str:
+    """`name` as a whole word (not inside another name, a flag or a path)."""
+    return rf"(?<![\w.-]){re.escape(name)}(?![\w-])"
 
 
 def _target_text(expression: str | None, metric: str | None) -> str:

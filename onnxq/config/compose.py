@@ -4,7 +4,10 @@ flags or arguments; within each source, node > op type > global.
 All three are dicts of the config-file shape, so a CLI flag, a YAML key and a Python
 dict mean exactly the same thing. Nested mappings merge key by key; other values
 (lists included) replace, except `exclude`, which accumulates, and the pass lists
-(`pre_quant_opt_config`, `algo_config`), whose entries merge by `name` (key by key).
+(`pre_quant_opt_config`, `algo_config`), whose entries merge by `name` (key by key); an
+algorithm a higher source enables replaces those of its exclusive kind below it
+(`registry.EXCLUSIVE`: AdaQuant over W4A8's AdaRound), and two of one kind in one source
+are refused.
 
 A spec field a higher source sets globally also replaces that field in the lower
 sources' op-type and node overrides: `--per-group 32` over W4_GROUP128 (whose MatMul
@@ -90,9 +93,27 @@ def _leaves_per_group(spec: Mapping[str, Any]) -> bool:
     return scheme is not None and str(getattr(scheme, "value", scheme)).lower() != "per_group"
 
 
+def _replaced_algorithms(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` without the algorithms that those `override` enables exclude (one rounding
+    learner, one block rounder: `registry.EXCLUSIVE`): AdaQuant over W4A8's AdaRound
+    replaces it, as any higher setting replaces a lower one."""
+    # imported here: the optimize modules import the config package
+    from onnxq.optimize.registry import exclusive_with
+
+    entries = override.get("algo_config")
+    if not isinstance(entries, list) or not isinstance(base.get("algo_config"), list):
+        return base
+    named = {e.get("name") for e in entries if isinstance(e, Mapping)}
+    gone = set().union(*(exclusive_with(e["name"]) for e in entries if isinstance(e, Mapping)
+                         and isinstance(e.get("name"), str) and e.get("enabled", True))) - named
+    kept = [e for e in base["algo_config"] if not (isinstance(e, Mapping) and e.get("name") in gone)]
+    return base if len(kept) == len(base["algo_config"]) else {**base, "algo_config": kept}
+
+
 def _yield_to(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """`base` without the op-type and node settings of the spec fields that `override`
     sets globally (module doc): a higher source's global setting beats them."""
+    base = _replaced_algorithms(base, override)
     if override.get("matmul_nbits") is False and "accuracy_level" in base:  # the level goes with the kernel
         base = {key: value for key, value in base.items() if key != "accuracy_level"}
     top = override.get("global_quant_config")

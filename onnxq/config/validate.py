@@ -46,6 +46,7 @@ def validate_config(config: Config) -> None:
     check_types(config)
     _canonical_dtypes(config)
     _check_top_level(config)
+    _check_entries(config)
     extended = _extended(config)
     for where, level in _levels(config):
         for tensor_class in TENSOR_CLASSES:
@@ -67,6 +68,16 @@ def validate_config(config: Config) -> None:
         path = f"{key} (merged over global_quant_config.{tensor_class})"
         if merged is not None:  # None: kept float (dtype float32)
             check_spec(_plain_values(merged, extended), tensor_class, path, resolved=True)
+
+
+def _check_entries(config: Config) -> None:
+    """The passes and algorithms as the run would parse them (names, options, one of each
+    exclusive kind, block rounding only with MatMulNBits): `config show`, `convert`, a
+    file and a dict refuse what `quantize` would."""
+    # imported here: the optimize modules import the config package
+    from onnxq.optimize.registry import check_config_entries
+
+    check_config_entries(config.pre_quant_opt_config, config.algo_config, config.matmul_nbits)
 
 
 def _layer_class_specs(config: Config) -> None:

@@ -209,11 +209,39 @@ def parse_algorithms(entries: list[Mapping[str, Any]]) -> tuple[Entry, ...]:
     return _parse(entries, ALGORITHMS, "algo_config algorithm")
 
 
-def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping[str, Any]]) -> None:
-    """Fail early (before loading the model) on unknown pass or algorithm names and on
-    options their contracts reject."""
+# Contract flags at most one enabled algorithm of a run may have, and what two would do:
+# the same rule for every source (flags, a file, a dict, a preset under them).
+EXCLUSIVE: tuple[tuple[str, str], ...] = (
+    ("rounds_blocks", "both pick the weight-only algorithm (how MatMulNBits blocks are rounded)"),
+    ("learns_rounding", "both learn the layers' rounding, and one would undo the other"),
+)
+
+
+def exclusive_with(name: str) -> frozenset[str]:
+    """The other algorithms that `name` excludes (`EXCLUSIVE`): a source naming `name`
+    replaces them in the sources below it (`config.compose`)."""
+    contract = CONTRACTS.get(name)
+    if contract is None or name not in ALGORITHMS:
+        return frozenset()
+    kinds = [kind for kind, _ in EXCLUSIVE if getattr(contract, kind)]
+    return frozenset(other for other in ALGORITHMS if other != name
+                     and any(getattr(CONTRACTS[other], kind) for kind in kinds))
+
+
+def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping[str, Any]],
+                         matmul_nbits: bool | None = None) -> None:
+    """Fail early (before loading the model) on unknown pass or algorithm names, on options
+    their contracts reject, on two enabled algorithms of one exclusive kind (`EXCLUSIVE`)
+    and, given `matmul_nbits`, on block rounding in a recipe without MatMulNBits."""
     parse_passes(pre_quant)
-    parse_algorithms(algos)
+    entries = [entry for entry in parse_algorithms(algos) if entry.enabled]
+    for kind, what in EXCLUSIVE:
+        named = [entry.name for entry in entries if getattr(entry.contract, kind)]
+        if len(named) > 1:
+            raise ConfigError(f"{named[0]} and {named[1]} in algo_config {what}; give one (remove the other "
+                              "entry, or set enabled: false on it)")
+    if matmul_nbits is not None:
+        check_block_rounding(algos, matmul_nbits)
 
 
 def check_block_rounding(algos: list[Mapping[str, Any]], matmul_nbits: bool) -> None:
@@ -222,5 +250,5 @@ def check_block_rounding(algos: list[Mapping[str, Any]], matmul_nbits: bool) -> 
     named = [entry.name for entry in parse_algorithms(algos) if entry.enabled and entry.contract.rounds_blocks]
     if named and not matmul_nbits:
         raise ConfigError(f"{named[0]} rounds the weight-only blocks of MatMulNBits, and this recipe lowers no "
-                          f"MatMul to MatMulNBits: start from a W4_GROUP128 or W8_GROUP128 preset, or set matmul_nbits: "
-                          f"true (--matmul-nbits) over per-group weights, or remove {named[0]}")
+                          f"MatMul to MatMulNBits; start from a W4_GROUP128 or W8_GROUP128 preset, or set matmul_nbits: "
+                          f"true over per-group weights, or remove {named[0]} from algo_config")

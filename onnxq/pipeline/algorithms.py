@@ -9,8 +9,6 @@ option asks for it gets the equalizing pass before calibration.
 
 from __future__ import annotations
 
-import dataclasses
-
 import onnx_ir as ir
 
 from onnxq.calibrate.access import Access, refusal
@@ -32,9 +30,8 @@ def configured_algorithms(config: Config, configured: tuple[Entry, ...], target:
     """The `configured` algorithms plus those the target adds for a static plan with
     quantized Conv/Gemm layers (bias correction), in contract order, less those the data
     cannot serve; and a note on each such decision."""
-    algorithms, notes = one_rounding(configured)
-    algorithms, moved = in_contract_order(algorithms)
-    notes += [_moved_note(algorithms, moved)] if moved else []
+    algorithms, moved = in_contract_order(configured)  # one of each exclusive kind: `validate_config`
+    notes = [_moved_note(algorithms, moved)] if moved else []
     if access in (Access.ONCE, Access.FILES):
         algorithms, skipped = without_another_read(algorithms, refusal(access))
         notes.extend(skipped)
@@ -54,22 +51,6 @@ def configured_algorithms(config: Config, configured: tuple[Entry, ...], target:
                       "rounded weights' mean error per channel; target_algorithms: false turns it off", source=e.name)
                  for e in added)
     return algorithms + tuple(added), notes
-
-
-def one_rounding(entries: tuple[Entry, ...]) -> tuple[tuple[Entry, ...], list[Note]]:
-    """`entries` with only the last enabled algorithm that learns the weights' rounding
-    (`Contract.learns_rounding`) left on, and a note naming those turned off: run one
-    after the other, the second re-solves the layers from a model the first already
-    moved, and the two results disagree (W4A8 with AdaRound, then AdaQuant: MobileNet-v1's
-    logits at -2.8 dB SQNR)."""
-    learners = [i for i, e in enumerate(entries) if e.enabled and e.contract.learns_rounding]
-    if len(learners) < 2:
-        return entries, []
-    off, last = ", ".join(entries[i].name for i in learners[:-1]), entries[learners[-1]].name
-    note = Note(Topic.RECIPE, f"{off} and {last} both learn the layers' rounding, and one would undo the other: "
-                f"{last}, given last, runs; {off} does not (keep one in algo_config)", source=last)
-    return tuple(dataclasses.replace(e, enabled=False) if i in learners[:-1] else e
-                 for i, e in enumerate(entries)), [note]
 
 
 def _moved_note(algorithms: tuple[Entry, ...], moved: list[str]) -> Note:
