@@ -411,7 +411,7 @@ def test_wrong_value_types_name_the_path(data, message):
 
 
 def test_ints_are_accepted_for_floats():
-    config = config_from_dict({"global_quant_config": {"output_tensors": {"percentile": 100}}})
+    config = config_from_dict({"global_quant_config": {"output_tensors": {"calib_method": "percentile", "percentile": 100}}})
     assert config.global_quant_config.output_tensors.percentile == 100.0
     assert isinstance(config.global_quant_config.output_tensors.percentile, float)
 
@@ -725,7 +725,7 @@ INVALID = {
         """
         layer_quant_config:
           conv1:
-            output_tensors: {percentile: 100.5}
+            output_tensors: {calib_method: percentile, percentile: 100.5}
         """,
         "invalid percentile 100.5 in layer_quant_config['conv1'].output_tensors;",
     ),

@@ -404,6 +404,68 @@ def test_passes_and_algorithms_are_refused_by_every_route(tmp_path, capsys, text
             compose_config("U8S8", path)
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"layer_quant_config": {"conv3": {"input_tensors": {"percentile": 99.0}}}},
+     "percentile 99.0 with calib_method minmax (inherited: the level sets none), which does not use it in "
+     "layer_quant_config['conv3'].input_tensors; use calib_method percentile there, or remove percentile"),
+    ({"layer_type_quant_config": {"Conv": {"input_tensors": {"num_bins": 512}}}},
+     "num_bins 512 with calib_method minmax (inherited: the level sets none), which does not use it in "
+     "layer_type_quant_config['Conv'].input_tensors"),
+    ({"layer_type_quant_config": {"Conv": {"output_tensors": {"calib_method": "minmax", "percentile": 99.0}}}},
+     "percentile 99.0 with calib_method minmax, which does not use it in layer_type_quant_config['Conv']"),
+])
+def test_an_override_setting_what_its_method_ignores_is_refused(overrides, message):
+    """A percentile or num_bins the (inherited) method of an override ignores is refused as
+    the global one is, naming the override (it was dropped without a word)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        compose_config("U8S8", None, overrides)
+
+
+def test_a_node_override_is_judged_with_the_method_its_op_type_gives(tmp_path):
+    """A node override may inherit its op type's method, known with the model only: the
+    config alone passes, the model's Conv node (whose op type sets none) is refused."""
+    overrides = {"layer_type_quant_config": {"Gemm": {"input_tensors": {"calib_method": "percentile"}}},
+                 "layer_quant_config": {"fc": {"input_tensors": {"percentile": 99.0}},
+                                        "conv3": {"input_tensors": {"percentile": 99.0}}}}
+    compose_config("U8S8", None, overrides)  # conv3 might be a Gemm
+    data = str(ROOT / "models" / "digits_calib.npz")
+    with pytest.raises(ConfigError, match=re.escape("percentile 99.0 with calib_method minmax (inherited: the level "
+                                                    "sets none), which does not use it in layer_quant_config['conv3']"
+                                                    ".input_tensors (Conv)")):
+        onnxq.quantize(str(DIGITS), None, overrides, data, progress=False)
+    del overrides["layer_quant_config"]["conv3"]
+    onnxq.quantize(str(DIGITS), None, overrides, data, progress=False)  # fc is a Gemm: percentile reads it
+
+
+def test_a_calib_method_flag_overrides_the_files_and_drops_what_it_ignores(tmp_path, capsys):
+    """`--calib-method minmax` over a file whose method is percentile: the flag wins (flags
+    override the file) and the file's percentile, which minmax ignores, goes with its
+    method instead of being refused; an op type's entropy bins too. What the new method
+    reads stays (num_bins under percentile)."""
+    pct = tmp_path / "pct.yaml"
+    pct.write_text("global_quant_config:\n  input_tensors: {calib_method: percentile, percentile: 99.9}\n"
+                   "  output_tensors: {calib_method: percentile, percentile: 99.9}\n")
+    flag = {"global_quant_config": {tc: {"calib_method": "minmax"} for tc in ("input_tensors", "output_tensors")}}
+    assert compose_config(None, pct, flag) == onnxq.get_preset("U8S8")
+    data = str(ROOT / "models" / "digits_calib.npz")
+    assert main(["quantize", str(DIGITS), str(tmp_path / "o.onnx"), "--calib-data", data, "--config", str(pct),
+                 "--calib-method", "minmax", "--quiet"]) == 0
+    assert main(["quantize", str(DIGITS), str(tmp_path / "base.onnx"), "--calib-data", data, "--quiet"]) == 0
+    assert (tmp_path / "o.onnx").read_bytes() == (tmp_path / "base.onnx").read_bytes()
+    bins = tmp_path / "bins.yaml"
+    bins.write_text("layer_type_quant_config:\n  Conv:\n    input_tensors: {calib_method: entropy, num_bins: 512}\n")
+    capsys.readouterr()
+    assert main(["config", "show", "--config", str(bins), "--calib-method", "minmax"]) == 0
+    conv = yaml.safe_load(capsys.readouterr().out)["layer_type_quant_config"]["Conv"]["input_tensors"]
+    assert "num_bins" not in conv and "calib_method" not in conv
+    assert main(["config", "show", "--config", str(bins), "--calib-method", "percentile"]) == 0
+    conv = yaml.safe_load(capsys.readouterr().out)["layer_type_quant_config"]["Conv"]["input_tensors"]
+    assert conv == {"num_bins": 512}  # percentile reads bins: the file's stay
+    # The flags' own dead value is the user's own mistake: refused, in the flags' words
+    assert main(["config", "show", "--config", str(pct), "--calib-method", "minmax", "--percentile", "99"]) == 2
+    assert "--percentile 99.0 with --calib-method minmax" in capsys.readouterr().err
+
+
 def test_an_op_type_under_node_overrides_points_to_op_type_overrides():
     """`layer_quant_config: {Gemm: ...}` names an op type where node names go: the error
     says where it belongs."""

@@ -13,8 +13,10 @@ A spec field a higher source sets globally also replaces that field in the lower
 sources' op-type and node overrides: `--per-group 32` over W4_GROUP128 (whose MatMul
 override says 128) means 32 for MatMul too, not a flag silently outvoted by the preset.
 Overrides that keep a tensor class float (dtype float32) stay as they are: a flag that
-changes how tensors are quantized does not change which are. Likewise a higher source's
-`matmul_nbits: false` takes the lower sources' `accuracy_level` with it (the kernel's
+changes how tensors are quantized does not change which are. A higher source's
+`calib_method` takes the lower sources' settings the new method does not read
+(`percentile`, `num_bins`, unknown `calib_options`) with the method it replaces. Likewise a
+higher source's `matmul_nbits: false` takes the lower sources' `accuracy_level` with it (the kernel's
 attribute means nothing without the kernel).
 A file or dict may name its base preset with a top-level `preset:` key (`none`: it is
 the whole config, as the documents onnxq writes are); an explicit preset argument wins.
@@ -25,21 +27,24 @@ kind picks (`config/defaults.py`), given as `default`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from onnxq.calibrate.observers import OBSERVERS
 from onnxq.config.convert import config_to_dict, entry_dict
 from onnxq.config.io import NO_PRESET, bare_layer_class_dtypes, config_from_dict, read_config_dict
 from onnxq.config.presets import PRESETS, get_preset
-from onnxq.config.spec import ACTIVATION_CLASSES, Config, DType
+from onnxq.config.spec import ACTIVATION_CLASSES, SPEC_DEFAULTS, Config, DType
 from onnxq.config.validate import validate_config
 from onnxq.errors import ConfigError, closest_name
 
 NAMED_LISTS = ("pre_quant_opt_config", "algo_config")
 OVERRIDE_LEVELS = ("layer_type_quant_config", "layer_quant_config")
+METHOD_FIELDS = ("percentile", "num_bins")  # spec fields only some calibration methods read
 DEFAULT_PRESET = "U8S8"  # where no source names a preset and the model's kind picks none (`defaults.py`)
 
 # A default preset: its name, or a function that picks one, called only where no source
@@ -121,10 +126,8 @@ def _yield_to(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, An
         return base
     base = copy.deepcopy(base)
     below = base.get("global_quant_config")
-    for tensor_class, spec in top.items():  # blocks go with a scheme that leaves per_group, globally too
-        lower = below.get(tensor_class) if isinstance(below, dict) else None
-        if isinstance(spec, Mapping) and isinstance(lower, dict) and _leaves_per_group(spec):
-            lower.pop("group_size", None)
+    below = below if isinstance(below, dict) else {}
+    was = {tensor_class: _method(spec) for tensor_class, spec in below.items()}  # before any change
     for attr in OVERRIDE_LEVELS:
         for level in (base.get(attr) or {}).values():
             if not isinstance(level, dict):
@@ -133,11 +136,45 @@ def _yield_to(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, An
                 lower = level.get(tensor_class)
                 keeps_float = isinstance(lower, dict) and _names_float32(lower.get("dtype"))
                 if isinstance(spec, Mapping) and isinstance(lower, dict) and not keeps_float:
+                    inherited = _method(lower) or was.get(tensor_class)
                     for key in spec:
                         lower.pop(key, None)
                     if _leaves_per_group(spec):  # its blocks go with it
                         lower.pop("group_size", None)
+                    _drop_unread(lower, spec, inherited)
+    for tensor_class, spec in top.items():  # globally too: blocks go with per_group, settings with a method
+        lower = below.get(tensor_class)
+        if isinstance(spec, Mapping) and isinstance(lower, dict):
+            if _leaves_per_group(spec):
+                lower.pop("group_size", None)
+            _drop_unread(lower, spec, was.get(tensor_class))
     return base
+
+
+def _method(spec: Any) -> str:
+    """A source's spec's calibration method as its registered name ('' where it sets none)."""
+    method = spec.get("calib_method") if isinstance(spec, Mapping) else None
+    return "" if method is None else str(getattr(method, "value", method)).strip().lower()
+
+
+def _drop_unread(lower: dict[str, Any], spec: Mapping[str, Any], was: str | None) -> None:
+    """A lower source's settings that only its calibration method read, dropped where a
+    higher source's `spec` sets another (`was`: the method the lower level had, its own or
+    inherited; none: the default): the user asked for that method, so the old one's
+    percentile, bins and options go with it, as a flag's value beats a file's."""
+    method = _method(spec)
+    observer = OBSERVERS.get(method)
+    if observer is None or method == (was or _method(SPEC_DEFAULTS)):
+        return  # no method set (or an unknown one, which the validation names), or the same one
+    for key in METHOD_FIELDS:
+        if key not in observer.spec_fields:
+            lower.pop(key, None)
+    options = lower.get("calib_options")
+    if isinstance(options, Mapping):
+        known = {f.name for f in dataclasses.fields(observer.options_class)} if observer.options_class else set()
+        lower["calib_options"] = {key: value for key, value in options.items() if key in known}
+        if not lower["calib_options"]:
+            del lower["calib_options"]
 
 
 def _names_float32(dtype: Any) -> bool:

@@ -24,6 +24,11 @@ INTEGER_DTYPES = {"int4": 4, "uint4": 4, "int8": 8, "uint8": 8, "int16": 16, "ui
 # extended ops lift the limits of stock QuantizeLinear/DequantizeLinear for activations.
 EXTENDED = "_extended"
 
+# Rules read this key of a spec's values as written at its level: the calibration methods
+# it may inherit where it names none (the levels below it; a node's op type is known only
+# with the model), so a field no such method reads is refused at the level that sets it.
+INHERITED = "_inherited_methods"
+
 # A rule gets (spec values as plain data, tensor class, resolved?) and returns None or
 # (problem, fix). When `resolved` is False a `None` value means "inherited": not judged.
 Rule = Callable[[dict[str, Any], str, bool], tuple[str, str] | None]
@@ -209,16 +214,20 @@ def _calib_method_registered(v: dict[str, Any], tc: str, resolved: bool) -> tupl
 
 
 def _method_reads_its_fields(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
-    """percentile or num_bins set beside a method that ignores it (same level only: a
-    preset's value under a user's method is the preset's business)."""
-    method = v["calib_method"]
-    if resolved or method is None or method not in OBSERVERS:
+    """percentile or num_bins set at a level whose method, its own or every one it may
+    inherit, ignores it (judged where it is written: a preset's value under a user's
+    method is the preset's business, and `config.compose` drops it)."""
+    own = v["calib_method"]
+    if resolved:
         return None
+    methods = [m for m in ((own,) if own is not None else v.get(INHERITED, ())) if m in OBSERVERS]
     for key in ("percentile", "num_bins"):
-        if v[key] is not None and key not in OBSERVERS[method].spec_fields:
+        if v[key] is not None and methods and not any(key in OBSERVERS[m].spec_fields for m in methods):
             users = sorted(name for name, cls in OBSERVERS.items() if key in cls.spec_fields)
-            return (f"{key} {v[key]} with calib_method {method}, which does not use it",
-                    f"use calib_method {' or '.join(users)}, or remove {key}")
+            inherited = "" if own is not None else " (inherited: the level sets none)"
+            there = "" if own is not None else " there"
+            return (f"{key} {v[key]} with calib_method {methods[0]}{inherited}, which does not use it",
+                    f"use calib_method {' or '.join(users)}{there}, or remove {key}")
     return None
 
 

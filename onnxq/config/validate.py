@@ -28,13 +28,14 @@ from onnxq.config.spec import (
     DTYPE_ALIASES,
     LADDER_RUNGS,
     LAYER_CLASS_FIELDS,
+    SPEC_DEFAULTS,
     TENSOR_CLASSES,
     Config,
     DType,
     QuantizationConfig,
     QuantizationSpec,
 )
-from onnxq.config.spec_rules import EXTENDED, check_spec
+from onnxq.config.spec_rules import EXTENDED, INHERITED, check_spec
 from onnxq.errors import ConfigError, closest_name
 
 
@@ -48,11 +49,12 @@ def validate_config(config: Config) -> None:
     _check_top_level(config)
     _check_entries(config)
     extended = _extended(config)
-    for where, level in _levels(config):
+    for (where, level), attr in zip(_levels(config), _level_kinds(config), strict=True):
         for tensor_class in TENSOR_CLASSES:
             spec = getattr(level, tensor_class)
             if spec is not None:
-                check_spec(_plain_values(spec, extended), tensor_class, f"{where}.{tensor_class}")
+                values = {**_plain_values(spec, extended), INHERITED: _inherited_methods(config, attr, tensor_class)}
+                check_spec(values, tensor_class, f"{where}.{tensor_class}")
     for where, stack in _merged_levels(config):
         merged = {tc: merge_specs([getattr(level, tc) for level in stack], tc) for tc in TENSOR_CLASSES}
         for tensor_class, resolved in merged.items():
@@ -163,11 +165,16 @@ def check_resolved(config: Config, nodes: Iterable[tuple[str, str]]) -> None:
         resolved = resolve_node_config(config, name, op_type)
         if resolved is None:
             continue
+        own = config.layer_quant_config.get(name) if key[0] else None
         for tensor_class in TENSOR_CLASSES:
             spec = getattr(resolved, tensor_class)
             if spec is not None:
                 path = f"node {name!r} ({op_type}).{tensor_class} as resolved"
                 check_spec(_plain_values(spec, _extended(config)), tensor_class, path, resolved=True)
+            written = getattr(own, tensor_class) if own is not None else None
+            if spec is not None and written is not None:  # its fields, with the method this node inherits
+                values = {**_plain_values(written, _extended(config)), INHERITED: (spec.calib_method,)}
+                check_spec(values, tensor_class, f"layer_quant_config[{name!r}].{tensor_class} ({op_type})")
         _check_float_weight({tc: getattr(resolved, tc) for tc in TENSOR_CLASSES}, f"node {name!r} ({op_type}) as resolved")
 
 
@@ -192,6 +199,28 @@ def _extended(config: Config) -> bool:
 
 def _plain_values(spec: Any, extended: bool = False) -> dict[str, Any]:
     return {**{f.name: _plain(getattr(spec, f.name)) for f in fields(spec)}, EXTENDED: extended}
+
+
+def _level_kinds(config: Config) -> list[str | None]:
+    """The attribute of each level `_levels` lists (None: the global level)."""
+    return [None] + [attr for attr in ("layer_type_quant_config", "layer_quant_config")
+                     for _ in getattr(config, attr)]
+
+
+def _inherited_methods(config: Config, attr: str | None, tensor_class: str) -> tuple[str, ...]:
+    """The calibration methods a `tensor_class` spec of level `attr` (None: global) may
+    inherit where it names none: the global one (else the default), and for a node
+    override any op type override's too (which applies is known with the model only:
+    `check_resolved` judges each such node)."""
+    def method(level: QuantizationConfig | None) -> str | None:
+        spec = getattr(level, tensor_class) if level is not None else None
+        return None if spec is None or spec.calib_method is None else str(_plain(spec.calib_method))
+
+    below = method(config.global_quant_config) if attr is not None else None
+    methods = [below or str(_plain(SPEC_DEFAULTS["calib_method"]))]
+    if attr == "layer_quant_config":
+        methods += [m for level in config.layer_type_quant_config.values() if (m := method(level)) is not None]
+    return tuple(dict.fromkeys(methods))
 
 
 def _canonical_dtypes(config: Config) -> None:
