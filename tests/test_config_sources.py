@@ -466,6 +466,42 @@ def test_a_calib_method_flag_overrides_the_files_and_drops_what_it_ignores(tmp_p
     assert "--percentile 99.0 with --calib-method minmax" in capsys.readouterr().err
 
 
+def test_a_saved_config_leaves_out_the_runs_output_paths(tmp_path, monkeypatch):
+    """--save-config writes the config to run again: without save_ranges, which a rerun
+    would write over (and beside --load-ranges of the same file, refuse)."""
+    monkeypatch.chdir(tmp_path)
+    data = str(ROOT / "models" / "digits_calib.npz")
+    assert main(["quantize", str(DIGITS), "a.onnx", "--calib-data", data, "--save-ranges", "r.json",
+                 "--save-config", "s.yaml", "--quiet"]) == 0
+    assert "save_ranges" not in Path("s.yaml").read_text()
+    assert main(["quantize", str(DIGITS), "b.onnx", "--calib-data", data, "--config", "s.yaml",
+                 "--load-ranges", "r.json", "--quiet"]) == 0
+    assert Path("a.onnx").read_bytes() == Path("b.onnx").read_bytes()
+
+
+def test_relative_paths_in_a_config_file_read_against_its_folder(tmp_path, monkeypatch):
+    """`calibration: {load_ranges: r8.json}` in sub/lr.yaml names sub/r8.json, as its author
+    sees it, whatever the working directory; a flag's path stays relative to it. A config
+    saved elsewhere keeps its paths relative to its own folder, reading back the same."""
+    monkeypatch.chdir(tmp_path)
+    data = str(ROOT / "models" / "digits_calib.npz")
+    Path("sub").mkdir()
+    assert main(["quantize", str(DIGITS), "r.onnx", "--calib-data", data, "--save-ranges", "sub/r8.json",
+                 "--quiet"]) == 0
+    Path("sub/lr.yaml").write_text("calibration: {load_ranges: r8.json}\n")
+    config = load_config("sub/lr.yaml")
+    assert Path(config.calibration.load_ranges) == Path("sub/r8.json")
+    assert main(["quantize", str(DIGITS), "y.onnx", "--calib-data", data, "--config", "sub/lr.yaml", "--quiet"]) == 0
+    assert compose_config(None, "sub/lr.yaml", {"calibration": {"load_ranges": "sub/r8.json"}}) == config
+    Path("elsewhere").mkdir()
+    onnxq.save_config(config, "elsewhere/c.yaml")
+    assert "load_ranges: ../sub/r8.json" in Path("elsewhere/c.yaml").read_text()
+    assert load_config("elsewhere/c.yaml") == config
+    absolute = str(tmp_path / "sub" / "r8.json")
+    Path("sub/abs.yaml").write_text(f"calibration: {{load_ranges: {absolute}}}\n")
+    assert load_config("sub/abs.yaml").calibration.load_ranges == absolute
+
+
 def test_an_op_type_under_node_overrides_points_to_op_type_overrides():
     """`layer_quant_config: {Gemm: ...}` names an op type where node names go: the error
     says where it belongs."""

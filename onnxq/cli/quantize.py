@@ -11,6 +11,7 @@ from onnxq.cli.flags import add_config_flags, spec_overrides
 from onnxq.config import save_config
 from onnxq.config.compose import ConfigSources, compose_config
 from onnxq.config.defaults import default_preset
+from onnxq.config.paths import for_reuse
 from onnxq.errors import OnnxqError
 from onnxq.graph.save import check_apart, check_output_paths
 from onnxq.quantize import calibrate_shard, calibrate_sharded, quantize
@@ -24,7 +25,8 @@ def add_quantize(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--calib-data", help="calibration data: .npz, .npy or a folder of them")
     add_config_flags(q)
     q.add_argument("--save-config", metavar="FILE.yaml",
-                   help="write the config used (with the layers an accuracy target promoted) to reuse")
+                   help="write the config used (with the layers an accuracy target promoted) to reuse; without "
+                        "--save-ranges, which a rerun would write over")
     q.add_argument("--report", metavar="FILE.html",
                    help="write an HTML report: settings, summary, per-layer error, ranges, promotions")
     q.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
@@ -62,7 +64,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     result = quantize(args.input, args.output, sources, args.calib_data, progress=progress, report=args.report)
     if args.save_config:
         mp = result.summary.mixed_precision
-        save_config(mp.config if mp is not None else result.config, args.save_config)
+        save_config(for_reuse(mp.config if mp is not None else result.config), args.save_config)
     if not args.quiet:
         print(format_summary(result.summary))
         if args.save_config:

@@ -14,6 +14,7 @@ import yaml
 
 from onnxq.config.amct import AMCT_SUFFIXES, looks_like_amct, read_amct
 from onnxq.config.convert import bare_dtype, config_to_dict, convert, type_error
+from onnxq.config.paths import read_from, written_to
 from onnxq.config.spec import LAYER_CLASS_FIELDS, Config
 from onnxq.config.validate import validate_config
 from onnxq.errors import ConfigError
@@ -101,15 +102,17 @@ def read_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"{p}: the config file is empty")
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: config must be a mapping, got {type(data).__name__}")
-    return data
+    return read_from(data, p.parent)
 
 
 def save_config(config: Config, path: str | os.PathLike[str]) -> None:
-    """Write `config` as YAML or JSON, chosen by the suffix of `path`."""
+    """Write `config` as YAML or JSON, chosen by the suffix of `path`; its relative file
+    paths relative to the file's folder, against which reading it takes them (`paths`)."""
     if not isinstance(config, Config):
         raise ConfigError(f"save_config takes a Config, got {type(config).__name__} {config!r:.60}; "
                           "onnxq.get_preset(NAME) or onnxq.as_config(...) gives one")
     p = Path(path)
+    config = written_to(config, p.parent)  # read back against its folder: the same files
     text = config_to_json(config) if _format_of(p) == "json" else config_to_yaml(config)
     try:
         write_text_atomic(p, text)
