@@ -502,6 +502,25 @@ def test_relative_paths_in_a_config_file_read_against_its_folder(tmp_path, monke
     assert load_config("sub/abs.yaml").calibration.load_ranges == absolute
 
 
+def test_enum_values_read_in_any_case_from_every_source(tmp_path, capsys):
+    """`--format QDQ --optimize-for Accuracy --metric TOP1` mean what `quant_format: QDQ`
+    and `optimize_for: Accuracy` mean in a file (and `--target X86-AVX2` on the command
+    line): one normaliser (`spec.enum_text`) for every source."""
+    flags = ["--format", "QDQ-Ext", "--optimize-for", "Accuracy", "--metric", "TOP1", "--accuracy-target", "float-1"]
+    assert main(["config", "show", *flags]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert main(["config", "show", *(f.lower() for f in flags)]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == shown
+    assert shown["quant_format"] == "qdq-ext" and shown["optimize_for"] == "accuracy"
+    path = tmp_path / "c.yaml"
+    path.write_text("quant_format: QDQ-EXT\noptimize_for: Accuracy\n")
+    assert compose_config(None, path).quant_format == compose_config(None, None, {"quant_format": "qdq-ext"}).quant_format
+    with pytest.raises(SystemExit) as exit_info:  # still a choice: a wrong one is named
+        main(["config", "show", "--format", "QDQX"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'qdqx'" in capsys.readouterr().err
+
+
 def test_an_op_type_under_node_overrides_points_to_op_type_overrides():
     """`layer_quant_config: {Gemm: ...}` names an op type where node names go: the error
     says where it belongs."""

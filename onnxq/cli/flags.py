@@ -13,7 +13,7 @@ from onnxq.cli.arguments import key_values
 from onnxq.config import PRESETS
 from onnxq.config.accuracy import parse_target
 from onnxq.config.compose import OVERRIDES_SOURCE
-from onnxq.config.spec import DEFAULT_LADDER, LAYER_CLASS_FIELDS
+from onnxq.config.spec import DEFAULT_LADDER, LAYER_CLASS_FIELDS, enum_text
 from onnxq.errors import OnnxqError
 from onnxq.optimize.registry import CONTRACTS, flagged_algorithms
 
@@ -255,7 +255,7 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--scale-type", help="float32, float16 or power_of_two")
     q.add_argument("--dynamic", action="store_true",
                    help="quantize activations at run time (MatMul/Gemm/Conv/LSTM); no calibration")
-    q.add_argument("--format", choices=("qdq", "qoperator", "qdq-ext"),
+    q.add_argument("--format", type=enum_text, choices=("qdq", "qoperator", "qdq-ext"),
                    help="qdq: QuantizeLinear/DequantizeLinear around float ops (default); qoperator: "
                         "onnxruntime's integer kernels (QLinearConv, QLinearMatMul, QGemm, QLinearAdd, ...); "
                         "qdq-ext: QDQ plus onnxq's extended ops where stock Q/DQ cannot express an activation "
@@ -306,14 +306,14 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--latency", action="store_true", default=None,
                    help="time the float and the quantized model at batch 1 and 8 in default sessions on "
                         "this CPU, print the speed-up, and say why where the quantized model is not faster")
-    q.add_argument("--optimize-for", choices=("accuracy", "latency"),
+    q.add_argument("--optimize-for", type=enum_text, choices=("accuracy", "latency"),
                    help="accuracy (default): the plan as configured; latency: time the plan on this CPU and keep "
                         "in float, or quantize dynamically, what int8 does not speed up here, while the output "
                         "stays as close to float (slower to quantize; cached per model, CPU and onnxruntime)")
     q.add_argument("--accuracy-target", metavar="EXPR",
                    help="raise the most sensitive layers up --ladder until the model meets EXPR, e.g. "
                         "'top1>=float-0.5', 'cosine>=0.999', 'sqnr>=30' (scored in a default session)")
-    q.add_argument("--metric", choices=("top1", "cosine", "sqnr"),
+    q.add_argument("--metric", type=enum_text, choices=("top1", "cosine", "sqnr"),
                    help="what --accuracy-target measures when EXPR names no metric (e.g. float-0.5)")
     q.add_argument("--eval-data", metavar="PATH",
                    help="labelled evaluation set for --accuracy-target (.npz with a 'labels' array for "

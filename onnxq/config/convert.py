@@ -18,7 +18,7 @@ from functools import cache
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from onnxq.config.ort_options import ORT_KEYS
-from onnxq.config.spec import DTYPE_AMBIGUOUS, Config, DType, QuantizationSpec
+from onnxq.config.spec import DTYPE_AMBIGUOUS, Config, DType, QuantizationSpec, enum_text
 from onnxq.errors import ConfigError, closest_name
 
 # Wording for type errors, by expected Python type.
@@ -165,7 +165,7 @@ def _convert_open_enum(value: Any, tp: type[Enum], parent: str, name: str) -> En
     if not isinstance(value, str):
         raise type_error(value, str, parent, name)
     for member in tp:
-        if member.value.lower() == value.strip().lower():
+        if enum_text(member.value) == enum_text(value):
             return member
     return value
 
@@ -176,7 +176,7 @@ def _convert_enum(value: Any, tp: type[Enum], parent: str, name: str) -> Enum:
     valid = [m.value for m in tp]
     if isinstance(value, str):
         for member in tp:
-            if member.value.lower() == value.strip().lower():
+            if enum_text(member.value) == enum_text(value):
                 return member
         with contextlib.suppress(ValueError):
             return tp(value)  # an alias the enum takes (`DType._missing_`: fp16, bf16)
@@ -184,7 +184,7 @@ def _convert_enum(value: Any, tp: type[Enum], parent: str, name: str) -> Enum:
     # Stricter than for keys: enum values are short, and 'int9' is no typo of 'int8'.
     hint = closest_name(value, valid, cutoff=0.8) if isinstance(value, str) else None
     if tp is DType and isinstance(value, str):
-        hint = DTYPE_AMBIGUOUS.get(value.strip().lower(), hint)
+        hint = DTYPE_AMBIGUOUS.get(enum_text(value), hint)
     did_you_mean = f"did you mean '{hint}'? " if hint else ""
     raise ConfigError(
         f"invalid {name} {value!r} in {where}; {did_you_mean}valid values: {', '.join(valid)}"

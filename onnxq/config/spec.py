@@ -15,6 +15,13 @@ from typing import Any
 from onnxq.errors import named_fields_only
 
 
+def enum_text(value: str) -> str:
+    """An enum-like value (a format, a type, a method, a target) as onnxq names it: any
+    case, blanks around it ignored (`QDQ`, `Accuracy`). The one rule every source reads
+    such values by: config files, Python and the command line's flags."""
+    return value.strip().lower()
+
+
 class _StrEnum(str, Enum):
     """An enum of strings that prints as its value (what config files hold)."""
 
@@ -57,7 +64,7 @@ class DType(_StrEnum):
     def _missing_(cls, value: object) -> DType | None:
         """The short names other tools use (`fp16`, `bf16`, `fp32`, `e4m3`): `DType("fp16")`
         is FLOAT16. Bare `fp8` is not one: which of the two formats is the user's choice."""
-        name = DTYPE_ALIASES.get(value.strip().lower()) if isinstance(value, str) else None
+        name = DTYPE_ALIASES.get(enum_text(value)) if isinstance(value, str) else None
         return cls(name) if name is not None else None
 
 
