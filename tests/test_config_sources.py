@@ -521,6 +521,30 @@ def test_enum_values_read_in_any_case_from_every_source(tmp_path, capsys):
     assert "invalid choice: 'qdqx'" in capsys.readouterr().err
 
 
+def test_opset_and_no_matmul_nbits_flags(tmp_path, capsys):
+    """`opset: 21` and `matmul_nbits: false` work in a file: `--opset 21` and
+    `--no-matmul-nbits` say the same on the command line, are listed in --help, and round
+    trip through `config show` and `--save-config`."""
+    with pytest.raises(SystemExit):
+        main(["quantize", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--opset N" in text and "--matmul-nbits, --no-matmul-nbits" in text
+    flags = ["--preset", "W4_GROUP128", "--no-matmul-nbits", "--opset", "21"]
+    path = tmp_path / "f.yaml"
+    path.write_text("preset: W4_GROUP128\nmatmul_nbits: false\nopset: 21\n")
+    assert main(["config", "show", *flags]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["opset"] == 21 and shown["matmul_nbits"] is False and shown["accuracy_level"] == 0
+    assert config_from_dict(shown) == compose_config(None, path)
+    data = str(ROOT / "models" / "digits_calib.npz")
+    assert main(["quantize", str(DIGITS), str(tmp_path / "q.onnx"), "--calib-data", data, "--opset", "21",
+                 "--save-config", str(tmp_path / "s.yaml"), "--quiet"]) == 0
+    assert load_config(tmp_path / "s.yaml").opset == 21
+    assert {o.domain: o.version for o in onnx.load(tmp_path / "q.onnx").opset_import}[""] == 21
+    assert main(["config", "show", "--opset", "12"]) == 2
+    assert "invalid --opset 12; use 13..23" in capsys.readouterr().err
+
+
 def test_an_op_type_under_node_overrides_points_to_op_type_overrides():
     """`layer_quant_config: {Gemm: ...}` names an op type where node names go: the error
     says where it belongs."""

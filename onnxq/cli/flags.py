@@ -35,6 +35,8 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reduce_range", ("reduce_range",)),
     ("target_algorithms", ("target_algorithms",)),
     ("accuracy_level", ("accuracy_level",)),
+    ("matmul_nbits", ("matmul_nbits",)),
+    ("opset", ("opset",)),
     ("max_samples", ("calibration", "max_samples")),
     ("batch_size", ("calibration", "batch_size")),
     ("providers", ("calibration", "providers")),
@@ -85,8 +87,6 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
             values.append((("weight", "qscheme"), scheme))
     if args.per_group is not None:
         values += [(("weight", "qscheme"), "per_group"), (("weight", "group_size"), args.per_group)]
-    if args.matmul_nbits:
-        values.append((("matmul_nbits",), True))
     for key in LAYER_CLASS_FIELDS:  # a bare dtype or none, as in a config file (`config.io.bare_layer_class_dtypes`)
         if getattr(args, f"{key}_type") is not None:
             values.append(((key,), getattr(args, f"{key}_type")))
@@ -261,8 +261,12 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
                         "qdq-ext: QDQ plus onnxq's extended ops where stock Q/DQ cannot express an activation "
                         "(any bit width, int32, rounding modes; run with onnxq.runtime or onnxq run)")
     q.add_argument("--qdq-domain", help="ai.onnx (upgrade opset when a type needs it) or com.microsoft")
-    q.add_argument("--matmul-nbits", action="store_true",
-                   help="weight-only int4/uint4 per-group MatMul as onnxruntime MatMulNBits")
+    q.add_argument("--matmul-nbits", action=argparse.BooleanOptionalAction, default=None,
+                   help="weight-only int4/uint4 per-group MatMul as onnxruntime MatMulNBits; --no-matmul-nbits: "
+                        "as DequantizeLinear + MatMul (the W4/W8_GROUP128 presets' default is on)")
+    q.add_argument("--opset", type=int, metavar="N",
+                   help="lowest ai.onnx opset of the output model, 13..23 (default: the model's, raised where a type or "
+                        "op needs it)")
     q.add_argument("--activation-type",
                    help="activation dtype: uint8, int8, uint16, int16 (opset 21), float8_e4m3fn, float8_e5m2 "
                         "(opset 19), float16 or bfloat16 (float compute), float32 (not quantized)")
