@@ -545,6 +545,24 @@ def test_opset_and_no_matmul_nbits_flags(tmp_path, capsys):
     assert "invalid --opset 12; use 13..23" in capsys.readouterr().err
 
 
+def test_errors_name_what_the_user_gave(tmp_path, capsys):
+    """The Python API names its parameter, the command line its flags (a config field a
+    flag set reads as that flag), and an unknown flag points to its own command's help."""
+    with pytest.raises(onnxq.OnnxqError, match=r"needs calibration data; pass calibration_data \(") as error:
+        onnxq.quantize(str(DIGITS), None, "U8S8", None, progress=False)
+    assert "--" not in str(error.value)
+    assert main(["quantize", str(DIGITS), str(tmp_path / "q.onnx"), "--quiet"]) == 2
+    assert capsys.readouterr().err == ("onnxq: error: static quantization needs calibration data; "
+                                       "pass --calib-data PATH\n")
+    assert main(["config", "show", "--stats", "a.npz", "--load-ranges", "b.json"]) == 2
+    assert capsys.readouterr().err == "onnxq: error: --stats and --load-ranges both replace calibration; give one\n"
+    with pytest.raises(ConfigError, match=r"^options: calibration.stats and calibration.load_ranges both"):
+        compose_config("U8S8", None, {"calibration": {"stats": ["a.npz"], "load_ranges": "b.json"}})
+    with pytest.raises(SystemExit):
+        main(["config", "show", "--bogus"])
+    assert capsys.readouterr().err.endswith("--bogus; see onnxq config show --help\n")
+
+
 def test_an_op_type_under_node_overrides_points_to_op_type_overrides():
     """`layer_quant_config: {Gemm: ...}` names an op type where node names go: the error
     says where it belongs."""

@@ -139,7 +139,8 @@ def _arrays_to_rows(arrays: Mapping[str, Any], inputs: list[InputSpec]) -> dict[
 def raw_feeds(source: Any, inputs: list[InputSpec]) -> Iterator[Mapping[str, Any]]:
     """Turn any accepted source into an iterator of (unchecked) feed dicts."""
     if source is None:
-        raise CalibrationDataError("static quantization needs calibration data; pass --calib-data PATH")
+        raise CalibrationDataError("static quantization needs calibration data; pass calibration_data (a path, "
+                                   "a dict of arrays, feeds or a reader)")
     if isinstance(source, str | os.PathLike):
         return _from_path(Path(source), inputs)
     if hasattr(source, "get_next"):

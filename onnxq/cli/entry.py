@@ -37,11 +37,20 @@ class _Parser(argparse.ArgumentParser):
         """As argparse's, but an unknown option points to the help of the command it was given to."""
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
-            command = getattr(parsed, "command", None)
-            where = f"{self.prog} {command}" if command else self.prog
+            where = _command_prog(self, parsed)
             print(f"onnxq: error: unrecognized arguments: {' '.join(extras)}; see {where} --help", file=sys.stderr)
             raise SystemExit(EXIT_USAGE)
         return parsed
+
+
+def _command_prog(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> str:
+    """The program name of the innermost command `parsed` ran (`onnxq config show`)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+            if chosen is not None:
+                return _command_prog(chosen, parsed)
+    return parser.prog
 
 
 def build_parser() -> argparse.ArgumentParser:

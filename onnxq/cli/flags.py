@@ -56,6 +56,10 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# A Python argument an error names ("pass calibration_data (...)") -> the flag that gives it.
+ARGUMENT_FLAGS: tuple[tuple[str, str], ...] = (("calibration_data", "--calib-data PATH"),)
+
+
 def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Translate quantize flags into a dict of the config-file shape (`FLAG_PATHS`)."""
     out: dict[str, Any] = {}
@@ -148,6 +152,8 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     "remove FIELD" of a renamed field and "use FIELD VALUE" of a field a flag sets there.
     The layer's "options: " prefix goes (on the command line the overrides are the flags);
     an error of another source passes unchanged."""
+    for python, flag in ARGUMENT_FLAGS:  # the Python API's words, in any error
+        message = re.sub(rf"(?<=pass ){python}(?: \([^)]*\))?", flag, message)
     prefix = OVERRIDES_SOURCE + ": "
     if not message.startswith(prefix):
         return message
@@ -170,6 +176,9 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
         fix = re.sub(rf"(?<=remove ){re.escape(field)}(?![\w-])", flag, fix)
     for flag, field in _flags_at(where):  # a fix's "use FIELD VALUE" names the flag that sets it there
         fix = re.sub(rf"(?<=use ){re.escape(field)} (?=\w)", flag + " ", fix)
+    for flag, path in FLAG_PATHS:  # a field the error names by its dotted path, where a flag set it
+        if len(path) == 2 and path[0] not in ("act", "weight") and getattr(args, flag, None) is not None:
+            problem = re.sub(_word(".".join(path)), _option(flag), problem)
     problem, fix = _in_algorithm_flags(problem, fix, args)
     return problem + sep + fix  # without the prefix: on the command line every override is a flag
 
