@@ -719,7 +719,7 @@ INVALID = {
         global_quant_config:
           input_tensors: {calib_method: percentile, percentile: 0}
         """,
-        "invalid percentile 0.0 in global_quant_config.input_tensors; use a value in (0, 100]",
+        "invalid percentile 0.0 in global_quant_config.input_tensors; use a percent in [50, 100]",
     ),
     "percentile_above_100": (
         """

@@ -137,7 +137,7 @@ def test_bad_options_raise_config_error(method: str, options: dict, message: str
 
 
 def test_bad_percentile_raises_config_error() -> None:
-    with pytest.raises(ConfigError, match="percentile must be in"):
+    with pytest.raises(ConfigError, match=r"invalid percentile 20.0; use a percent in \[50, 100\]"):
         make_observer(spec("percentile", percentile=20.0))
 
 
