@@ -47,8 +47,9 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 def _cmd_config_show(args: argparse.Namespace) -> int:
     # `preset: none` heads every complete document: not the preset it was resolved from
     named = f" (--preset {args.preset})" if args.preset else ""
+    text = config_to_yaml(compose_config(args.preset, args.config, spec_overrides(args)))  # refused: nothing printed
     print(f"# the config resolved from preset{named} < --config < flags; complete, so `preset: none`")
-    print(config_to_yaml(compose_config(args.preset, args.config, spec_overrides(args))), end="")
+    print(text, end="")
     return 0
 
 
