@@ -80,3 +80,19 @@ def test_a_static_recipes_gather_is_left_to_onnxruntimes_fusion(tmp_path):
     assert all(made[n.input[0]].op_type == "DequantizeLinear" for n in quantized.graph.node
                if n.op_type == "Gather" and n.input[0] in made)
     assert not any("Gathers of a quantized table" in n for n in result.summary.note_texts)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "uint4"])
+def test_a_4_bit_table_stays_dequantized_whole(tmp_path, dtype):
+    """onnxruntime's CPU Gather takes 8- and 16-bit tables; a 4-bit one keeps its
+    DequantizeLinear in front (blocked 4-bit tables are GatherBlockQuantized's) and loads."""
+    config = compose_config("W8_DYNAMIC", None, {"global_quant_config": {"weight": {"dtype": dtype,
+                                                                                   "symmetric": dtype == "int4"}}})
+    result = onnxq.quantize(_embedding_model(), tmp_path / "q.onnx", config, progress=False)
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    made = _producers(quantized)
+    assert [made[n.input[0]].op_type for n in quantized.graph.node if n.op_type == "Gather"] == [
+        "DequantizeLinear"] * 2
+    assert not any("Gathers of a quantized table" in n for n in result.summary.note_texts)
+    ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"ids": np.zeros((2, 6), np.int64)})

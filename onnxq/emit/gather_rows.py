@@ -24,6 +24,10 @@ import onnx_ir as ir
 
 from onnxq.graph.edit import GraphEditor
 
+# Table types gathered as they are (onnxruntime's CPU Gather takes them; 4-bit tables go to
+# GatherBlockQuantized, float8 ones stay as they were).
+GATHERED_TYPES = frozenset({ir.DataType.INT8, ir.DataType.UINT8, ir.DataType.INT16, ir.DataType.UINT16})
+
 
 def _row_dequantize(node: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value | None, bool] | None:
     """(integer table, scale, zero point or None, per-row) of a DequantizeLinear of a
@@ -34,7 +38,7 @@ def _row_dequantize(node: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value | None,
     table, scale = node.inputs[0], node.inputs[1]
     zero = node.inputs[2] if len(node.inputs) > 2 else None
     if table is None or table.const_value is None or len(table.const_value.shape) != 2 or scale is None \
-            or scale.const_value is None:
+            or scale.const_value is None or table.const_value.dtype not in GATHERED_TYPES:
         return None
     rows = scale.const_value.size != 1
     axis = node.attributes["axis"].value if "axis" in node.attributes else 1
