@@ -262,6 +262,13 @@ def test_the_reconstruct_flag(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "use the adaround algorithm" in err[0]
     assert not (tmp_path / "a.onnx").exists()
+    # a config file's AdaQuant: --reconstruct alone would replace it by AdaRound unasked
+    (tmp_path / "aq.yaml").write_text("algo_config: [{name: adaquant, num_iteration: 20}]\n")
+    assert main(["config", "show", "--config", str(tmp_path / "aq.yaml"), "--reconstruct", "block"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "runs adaquant" in err and "--adaround" in err and len(err.strip().splitlines()) == 1
+    assert shown("--config", str(tmp_path / "aq.yaml"), "--adaround", "--reconstruct", "block") == [
+        {"name": "adaround", "reconstruct": "block"}]
     assert main(["quantize", str(tmp_path / "f.onnx"), str(tmp_path / "b.onnx"), "--preset", "W4A8",
                  "--reconstruct", "block", "--algo-option", "adaround.block_iterations=20",
                  "--calib-data", str(tmp_path / "calib.npz")]) == 0

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from onnxq.cli.arguments import key_values
+from onnxq.config.io import read_config_dict
 from onnxq.errors import OnnxqError
 from onnxq.optimize.registry import CONTRACTS, block_rounding_algorithms, flagged_algorithms
 
@@ -34,8 +35,26 @@ def algorithm_entries(args: argparse.Namespace) -> list[dict[str, Any]]:
         algorithms.insert(at, args.algorithm)  # two that pick one thing: `registry.EXCLUSIVE` refuses them
     options = list(args.algo_option or [])
     if getattr(args, "reconstruct", None) is not None:
-        options += [f"{name}.reconstruct={args.reconstruct}" for name in _reconstructing(algorithms)]
+        targets = _reconstructing(algorithms)
+        _check_file_learner(args, targets)
+        options += [f"{name}.reconstruct={args.reconstruct}" for name in targets]
     return _algorithm_options(algorithms, options)
+
+
+def _check_file_learner(args: argparse.Namespace, targets: list[str]) -> None:
+    """`--reconstruct` without a learner flag sets AdaRound's option, or switches AdaRound on;
+    over a config file whose rounding learner is another (AdaQuant) that would replace the
+    file's learner unasked (`registry.EXCLUSIVE`): refused, as `--adaquant --reconstruct` is."""
+    config = getattr(args, "config", None)
+    if config is None or any(CONTRACTS[name].learns_rounding for name in flagged_algorithms() if getattr(args, name)):
+        return
+    entries = read_config_dict(config).get("algo_config") or []
+    learners = [e.get("name") for e in entries if isinstance(e, dict) and e.get("name") in CONTRACTS
+                and CONTRACTS[e["name"]].learns_rounding and e.get("enabled", True)]
+    others = [name for name in learners if name not in targets]
+    if others:
+        raise OnnxqError(f"--reconstruct {args.reconstruct} is {targets[0]}'s option, and {config} runs {others[0]}; "
+                         f"give --{targets[0]} to run {targets[0]} instead, or leave --reconstruct out")
 
 
 def _reconstructing(flagged: list[str]) -> list[str]:
