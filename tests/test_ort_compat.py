@@ -159,6 +159,8 @@ def test_options_onnxq_needs_no_setting_for_are_said(tmp_path):
 def test_quantize_dynamic_keeps_conv_float_unless_listed(tmp_path):
     default = quantize_dynamic(MODEL, tmp_path / "d.onnx")
     assert "Conv" in default.config.float_op_types
+    table = default.config.layer_type_quant_config["Gather"].weight  # as onnxruntime: like an activation
+    assert (table.dtype.value, table.symmetric) == ("uint8", False)
     listed = quantize_dynamic(MODEL, tmp_path / "c.onnx", op_types_to_quantize=["Conv", "Gemm"], per_channel=True)
     assert listed.config.layer_type_quant_config["Conv"].input_tensors.is_dynamic
     for path in ("d.onnx", "c.onnx"):

@@ -15,6 +15,8 @@ What each argument means here:
 - calibrate_method MinMax / Entropy / Percentile -> calib_method minmax / entropy /
   percentile (`CalibPercentile`); Distribution (onnxruntime's float8 method) -> minmax on
   float8 types, refused on integer types as onnxruntime refuses it.
+- quantize_dynamic: W8_DYNAMIC, its embedding tables uint8 with zero points as onnxruntime
+  quantizes them (as activations); Conv float unless listed (`DYNAMIC_DEFAULT_TYPES`).
 - op_types_to_quantize -> every other op type of the model kept float (`float_op_types`);
   nodes_to_quantize -> every other node excluded; nodes_to_exclude -> exclude (a name that
   is no node of the model is an error here, where onnxruntime ignores it).
@@ -196,6 +198,9 @@ def ort_overrides(
         if weight not in ("int8", "uint8"):
             raise ConfigError(f"quantize_dynamic takes weight_type QInt8 or QUInt8 (int8 weights read by "
                               f"MatMulInteger), got {weight_type!r}")
+        # onnxruntime quantizes an embedding table as it would an activation: uint8 with a zero
+        # point (all-MiniLM-L6, per-tensor, Gather alone: 29.8 dB against 25.6 as a weight)
+        spec["layer_type_quant_config"]["Gather"] = {"weight": {"dtype": "uint8", "symmetric": False}}
     else:
         spec["preset"] = "U8S8"
         spec["quant_format"] = FORMATS[enum_name(quant_format, "quant_format", FORMATS)]
