@@ -28,6 +28,7 @@ from onnxq.config import (
 )
 from onnxq.config.io import config_from_dict
 from onnxq.errors import ConfigError
+from onnxq.quantize import calibrate_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "models" / "digits_cnn.onnx"
@@ -561,6 +562,11 @@ def test_errors_name_what_the_user_gave(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["config", "show", "--bogus"])
     assert capsys.readouterr().err.endswith("--bogus; see onnxq config show --help\n")
+    # the calibration text's words too: the config field in Python, its flag on the command line
+    with pytest.raises(onnxq.OnnxqError, match="pass calibration_data, or calibration.text for an LLM"):
+        calibrate_shard(str(DIGITS), tmp_path / "s.npz", "U8S8", None)
+    assert main(["calibrate", str(DIGITS), "--shard", "1/2", "--stats", str(tmp_path / "s.npz"), "--quiet"]) == 2
+    assert "pass --calib-data PATH, or --calib-text FILE for an LLM" in capsys.readouterr().err
 
 
 def test_an_op_type_under_node_overrides_points_to_op_type_overrides():

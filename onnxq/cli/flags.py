@@ -57,7 +57,8 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 # A Python argument an error names ("pass calibration_data (...)") -> the flag that gives it.
-ARGUMENT_FLAGS: tuple[tuple[str, str], ...] = (("calibration_data", "--calib-data PATH"),)
+ARGUMENT_FLAGS: tuple[tuple[str, str], ...] = (("calibration_data", "--calib-data PATH"),
+                                               ("calibration.text", "--calib-text FILE"))
 
 
 def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -153,7 +154,7 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     The layer's "options: " prefix goes (on the command line the overrides are the flags);
     an error of another source passes unchanged."""
     for python, flag in ARGUMENT_FLAGS:  # the Python API's words, in any error
-        message = re.sub(rf"(?<=pass ){python}(?: \([^)]*\))?", flag, message)
+        message = re.sub(rf"\b(pass|or) {re.escape(python)}(?: \([^)]*\))?", rf"\1 {flag}", message)
     prefix = OVERRIDES_SOURCE + ": "
     if not message.startswith(prefix):
         return message

@@ -84,7 +84,7 @@ class RunSettings:
         if all(stat in known for stat in stats):
             return {stat: known[stat] for stat in stats}
         if not self.access.readable:
-            raise CalibrationDataError(f"{purpose} needs calibration data; pass --calib-data PATH")
+            raise CalibrationDataError(f"{purpose} needs calibration data; pass calibration_data")
         return collect(model, stats, self.data, self.calibration, self.progress, purpose)
 
 

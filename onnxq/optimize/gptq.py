@@ -279,7 +279,7 @@ def sequential_walk(model: ir.Model, layers: list[Layer], ctx: AlgorithmContext,
     data, calibration = ctx.settings.data, ctx.settings.calibration
     if not ctx.settings.access.readable:
         raise CalibrationDataError(f"{name} with true_sequential reads the calibration data layer by layer; pass "
-                                   "--calib-data PATH, or --calib-text FILE for an LLM decoder (statistics files do not "
+                                   "calibration_data, or calibration.text for an LLM decoder (statistics files do not "
                                    "carry it), or set true_sequential: false")
     if not ctx.settings.access.rereadable:
         raise CalibrationDataError(f"{name} with true_sequential reads the calibration data again, but "

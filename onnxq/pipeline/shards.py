@@ -83,8 +83,8 @@ def calibrate_shard(
         raise ConfigError("calibrating a shard computes statistics; drop calibration.stats / load_ranges")
     config, calibration_data = _with_text(model, config, calibration_data)
     if calibration_data is None:
-        raise CalibrationDataError("calibrating a shard needs calibration data; pass --calib-data PATH "
-                                   "(or --calib-text FILE for an LLM folder's model)")
+        raise CalibrationDataError("calibrating a shard needs calibration data; pass calibration_data, or "
+                                   "calibration.text for an LLM folder's model")
     ready = prepare(model, config, calibration_data, progress, deferrable=False)
     tensors, statistics = _calibration_requests(ready)
     total = count_batches(ready.model, ready.settings.data, config.calibration)
@@ -126,8 +126,8 @@ def calibrate_sharded(
     config = _calibration_config(config_for(model, config)[0])
     config, calibration_data = _with_text(model, config, calibration_data)
     if calibration_data is None:
-        raise CalibrationDataError("calibration needs data; pass --calib-data PATH (or --calib-text FILE for an "
-                                   "LLM folder's model)")
+        raise CalibrationDataError("calibration needs data; pass calibration_data, or calibration.text for an "
+                                   "LLM folder's model")
     model, calibration_data = _absolute(model), _absolute(calibration_data)
     ready = prepare(model, config, calibration_data, progress, deferrable=False)
     tensors, statistics = _calibration_requests(ready)

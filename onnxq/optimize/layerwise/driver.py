@@ -84,7 +84,7 @@ def reconstruct(
         return f"no quantized {'/'.join(options.op_types) or 'named'} layer to optimise" + _listed("skipped", refused)
     access = ctx.settings.access
     if not access.readable:
-        raise CalibrationDataError(f"{name} needs calibration data; pass --calib-data PATH")
+        raise CalibrationDataError(f"{name} needs calibration data; pass calibration_data")
     if not access.rereadable:
         return f"skipped: {refusal(access)}"
     original = model.clone() if options.validation_every else None
