@@ -27,7 +27,7 @@ from typing import Any
 import onnx
 
 from onnxq.config import Config, compose_config
-from onnxq.config.ort_options import NO_EFFECT, ort_overrides
+from onnxq.config.ort_options import NO_EFFECT, OrtArguments, ort_overrides
 from onnxq.errors import ConfigError
 from onnxq.graph.load import graph_structure
 from onnxq.notes import Note, Topic
@@ -56,7 +56,8 @@ def ort_config(model_input: ModelInput, *, dynamic: bool = False, **arguments: A
 
 def _config(model_input: ModelInput, dynamic: bool, arguments: Mapping[str, Any]) -> tuple[Config, list[str]]:
     ops, const_b = _index(model_input)
-    overrides, no_effect = ort_overrides(dynamic=dynamic, model_ops=ops, const_b_matmuls=const_b, **arguments)
+    overrides, no_effect = ort_overrides(OrtArguments(**arguments), dynamic=dynamic, model_ops=ops,
+                                         const_b_matmuls=const_b)
     return compose_config(None, None, overrides), no_effect
 
 

@@ -113,6 +113,8 @@ def test_each_argument_means_what_onnxruntime_documents():
     assert c.layer_type_quant_config["Gemm"].output_tensors.dtype.value == "float32"
     assert c.layer_type_quant_config["Gemm"].weight.ch_axis == 0
     assert c.pre_quant_opt_config == [{"name": "smoothquant", "alpha": 0.7}]
+    with pytest.raises(ConfigError, match="did you mean 'per_channel'"):
+        ort_config(MODEL, per_chanel=True)
 
 
 def test_op_types_and_nodes_to_quantize_leave_the_rest_float(tmp_path):

@@ -28,9 +28,10 @@ What each argument means here:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from onnxq.errors import ConfigError, closest_name
+from onnxq.errors import ConfigError, closest_name, named_fields_only
 
 # onnxruntime's QuantType -> onnxq dtype
 QUANT_TYPES = {"qint8": "int8", "quint8": "uint8", "qint16": "int16", "quint16": "uint16", "qint4": "int4",
@@ -149,27 +150,32 @@ def _names(value: Any, what: str) -> list[str]:
     return [str(v) for v in value]
 
 
-def ort_overrides(
-    *,
-    dynamic: bool,
-    model_ops: Mapping[str, str],
-    const_b_matmuls: Iterable[str] = (),
-    quant_format: Any = "QDQ",
-    op_types_to_quantize: Iterable[str] | None = None,
-    per_channel: bool = False,
-    reduce_range: bool = False,
-    activation_type: Any = "QInt8",
-    weight_type: Any = "QInt8",
-    nodes_to_quantize: Iterable[str] | None = None,
-    nodes_to_exclude: Iterable[str] | None = None,
-    calibrate_method: Any = "MinMax",
-    calibration_providers: list[str] | None = None,
-    extra_options: Mapping[str, Any] | None = None,
-) -> tuple[dict[str, Any], list[str]]:
+@named_fields_only
+@dataclass(frozen=True)
+class OrtArguments:
+    """quantize_static's and quantize_dynamic's arguments, onnxruntime's defaults (enums or
+    their names); a misspelt one is refused with the nearest name."""
+
+    quant_format: Any = "QDQ"
+    op_types_to_quantize: Iterable[str] | None = None
+    per_channel: bool = False
+    reduce_range: bool = False
+    activation_type: Any = "QInt8"
+    weight_type: Any = "QInt8"
+    nodes_to_quantize: Iterable[str] | None = None
+    nodes_to_exclude: Iterable[str] | None = None
+    calibrate_method: Any = "MinMax"
+    calibration_providers: list[str] | None = None
+    extra_options: Mapping[str, Any] | None = None
+
+
+def ort_overrides(arguments: OrtArguments, *, dynamic: bool, model_ops: Mapping[str, str],
+                  const_b_matmuls: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
     """The overrides (with their `preset`) that onnxruntime's arguments mean, and the
     `NO_EFFECT` options given (for the summary). `model_ops`: every node's op type by node
     name; `const_b_matmuls`: the MatMuls whose second input is a constant (MatMulConstBOnly)."""
-    extra = dict(extra_options or {})
+    a = arguments
+    extra = dict(a.extra_options or {})
     for key in extra:
         if key not in KNOWN:
             near = closest_name(key, KNOWN)
@@ -178,43 +184,43 @@ def ort_overrides(
     for key, (default, instead) in UNSUPPORTED.items():
         if key in extra and extra[key] is not None and extra[key] != default:
             raise ConfigError(f"extra_options {key}={extra[key]!r} has no onnxq counterpart: {instead}")
-    weight = QUANT_TYPES[enum_name(weight_type, "weight_type", QUANT_TYPES)]
-    activation = QUANT_TYPES[enum_name(activation_type, "activation_type", QUANT_TYPES)]
-    method = enum_name(calibrate_method, "calibrate_method", CALIB_METHODS)
+    weight = QUANT_TYPES[enum_name(a.weight_type, "weight_type", QUANT_TYPES)]
+    activation = QUANT_TYPES[enum_name(a.activation_type, "activation_type", QUANT_TYPES)]
+    method = enum_name(a.calibrate_method, "calibrate_method", CALIB_METHODS)
     if method == "distribution" and not activation.startswith("float8") and not weight.startswith("float8"):
         raise ConfigError("calibrate_method Distribution is onnxruntime's float8 method; with integer types use "
                           "MinMax, Entropy or Percentile (as onnxruntime requires)")
     if "CalibPercentile" in extra and method != "percentile":
         raise ConfigError(f"extra_options CalibPercentile is read by calibrate_method Percentile only (onnxruntime "
-                          f"ignores it with {getattr(calibrate_method, 'name', calibrate_method)}); remove it, or set "
+                          f"ignores it with {getattr(a.calibrate_method, 'name', a.calibrate_method)}); remove it, or set "
                           "calibrate_method Percentile")
     spec: dict[str, Any] = {"global_quant_config": {}, "layer_type_quant_config": {}, "layer_quant_config": {},
                             "pre_quant_opt_config": [], "exclude": []}
     gqc = spec["global_quant_config"]
     gqc["weight"] = {"dtype": weight, "symmetric": weight in SIGNED,
-                     "qscheme": "per_channel" if per_channel else "per_tensor"}
+                     "qscheme": "per_channel" if a.per_channel else "per_tensor"}
     if dynamic:
         spec["preset"] = "W8_DYNAMIC"
         if weight not in ("int8", "uint8"):
             raise ConfigError(f"quantize_dynamic takes weight_type QInt8 or QUInt8 (int8 weights read by "
-                              f"MatMulInteger), got {weight_type!r}")
+                              f"MatMulInteger), got {a.weight_type!r}")
         # onnxruntime quantizes an embedding table as it would an activation: uint8 with a zero
         # point (all-MiniLM-L6, per-tensor, Gather alone: 29.8 dB against 25.6 as a weight)
         spec["layer_type_quant_config"]["Gather"] = {"weight": {"dtype": "uint8", "symmetric": False}}
     else:
         spec["preset"] = "U8S8"
-        spec["quant_format"] = FORMATS[enum_name(quant_format, "quant_format", FORMATS)]
+        spec["quant_format"] = FORMATS[enum_name(a.quant_format, "quant_format", FORMATS)]
         for key in ("input_tensors", "output_tensors"):
             gqc[key] = {"dtype": activation, "symmetric": activation.startswith("float8"),
                         "calib_method": CALIB_METHODS[method]}
-    spec["reduce_range"] = True if reduce_range else None
+    spec["reduce_range"] = True if a.reduce_range else None
     if "SmoothQuantAlpha" in extra:
         spec["_smoothquant_alpha"] = extra["SmoothQuantAlpha"]
     for key, value in extra.items():
         if key in EXTRA_OPTIONS:
             EXTRA_OPTIONS[key](value, spec)
     spec.pop("_smoothquant_alpha", None)
-    wanted_types = _names(op_types_to_quantize, "op_types_to_quantize") if op_types_to_quantize else (
+    wanted_types = _names(a.op_types_to_quantize, "op_types_to_quantize") if a.op_types_to_quantize else (
         list(DYNAMIC_DEFAULT_TYPES) if dynamic else None)
     if wanted_types is not None:
         others = sorted({t for t in model_ops.values() if t not in wanted_types})
@@ -222,9 +228,9 @@ def ort_overrides(
         if dynamic and "Conv" in wanted_types:
             spec["layer_type_quant_config"]["Conv"] = {"input_tensors": {"dtype": "uint8", "is_dynamic": True},
                                                        "weight": {"dtype": weight}}
-    excluded = set(_names(nodes_to_exclude, "nodes_to_exclude")) if nodes_to_exclude else set()
-    if nodes_to_quantize:
-        wanted = set(_names(nodes_to_quantize, "nodes_to_quantize"))
+    excluded = set(_names(a.nodes_to_exclude, "nodes_to_exclude")) if a.nodes_to_exclude else set()
+    if a.nodes_to_quantize:
+        wanted = set(_names(a.nodes_to_quantize, "nodes_to_quantize"))
         missing = sorted(wanted - set(model_ops))
         if missing:
             near = closest_name(missing[0], list(model_ops))
@@ -236,8 +242,8 @@ def ort_overrides(
         const = set(const_b_matmuls)
         excluded |= {name for name, op in model_ops.items() if op == "MatMul" and name and name not in const}
     spec["exclude"] = sorted(excluded)
-    if calibration_providers:
-        spec["calibration"] = {"providers": list(calibration_providers)}
+    if a.calibration_providers:
+        spec["calibration"] = {"providers": list(a.calibration_providers)}
     return spec, [key for key in extra if key in NO_EFFECT]
 
 
