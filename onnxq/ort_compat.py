@@ -19,6 +19,7 @@ int8 scales for the CPU at hand, the output check against float.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -37,12 +38,13 @@ from onnxq.quantize import quantize as onnxq_quantize
 ModelInput = str | os.PathLike | onnx.ModelProto
 
 
-def _index(model: ModelInput) -> tuple[dict[str, str], set[str]]:
-    """Every node's op type by name (main graph), and the MatMuls whose B is a constant."""
+def _index(model: ModelInput) -> tuple[list[tuple[str, str]], set[str]]:
+    """Every node's (name, op type) (main graph; unnamed ones with ""), and the MatMuls
+    whose B is a constant."""
     graph = graph_structure(model)
     constants = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant"
                                                         for o in n.output}
-    ops = {n.name: n.op_type for n in graph.node}
+    ops = [(n.name, n.op_type) for n in graph.node]
     const_b = {n.name for n in graph.node if n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in constants}
     return ops, const_b
 
@@ -128,11 +130,8 @@ def quantize_dynamic(
 
 
 # StaticQuantConfig's and DynamicQuantConfig's fields that quantize_static / quantize_dynamic take.
-STATIC_FIELDS = ("calibration_data_reader", "quant_format", "op_types_to_quantize", "per_channel", "reduce_range",
-                 "activation_type", "weight_type", "nodes_to_quantize", "nodes_to_exclude", "use_external_data_format",
-                 "calibrate_method", "calibration_providers", "extra_options")
-DYNAMIC_FIELDS = ("op_types_to_quantize", "per_channel", "reduce_range", "weight_type", "nodes_to_quantize",
-                  "nodes_to_exclude", "use_external_data_format", "extra_options")
+STATIC_FIELDS = tuple(inspect.signature(quantize_static).parameters)[2:]
+DYNAMIC_FIELDS = tuple(inspect.signature(quantize_dynamic).parameters)[2:]
 
 
 def quantize(model_input: ModelInput, model_output: str | os.PathLike, quant_config: Any) -> QuantizationResult:
@@ -140,8 +139,10 @@ def quantize(model_input: ModelInput, model_output: str | os.PathLike, quant_con
     calibration_data_reader) or a DynamicQuantConfig, read by their fields."""
     fields = getattr(quant_config, "__dict__", None)
     if not isinstance(fields, dict) or "weight_type" not in fields:
+        weight_only = " (weight-only blocks are onnxq's W4_GROUP128 / W8_GROUP128 presets: onnxq.quantize)" \
+            if "WeightOnly" in type(quant_config).__name__ else ""
         raise ConfigError(f"quant_config must be onnxruntime's StaticQuantConfig or DynamicQuantConfig, got "
-                          f"{type(quant_config).__name__}")
+                          f"{type(quant_config).__name__}{weight_only}")
     if "calibration_data_reader" in fields:
         return quantize_static(model_input, model_output, **{k: fields[k] for k in STATIC_FIELDS if k in fields})
     return quantize_dynamic(model_input, model_output, **{k: fields[k] for k in DYNAMIC_FIELDS if k in fields})

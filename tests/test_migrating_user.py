@@ -137,3 +137,24 @@ def test_onnxruntimes_argument_names_in_a_config_file_name_onnxqs(tmp_path, caps
     assert "input_tensors.dtype" in err and "fuse_activations" not in err
     with pytest.raises(ConfigError, match="weight.qscheme: per_channel"):
         onnxq.compose_config("U8S8", None, {"per_channel": True})
+
+
+def test_config_show_redirected_reads_back_to_the_same_files(tmp_path, capsys, monkeypatch):
+    """A file's relative paths read against its folder; `config show` printed them relative
+    to the working directory, so its output saved elsewhere (as the docs do) pointed at
+    out/out/r8.json. It prints them absolute."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "digits.yaml").write_text("calibration: {load_ranges: r8.json}\n")
+    assert main(["config", "show", "--config", "out/digits.yaml"]) == 0
+    (tmp_path / "out" / "resolved.yaml").write_text(capsys.readouterr().out)
+    again = onnxq.load_config(tmp_path / "out" / "resolved.yaml").calibration.load_ranges
+    assert Path(again) == tmp_path / "out" / "r8.json"
+
+
+def test_round_to_nearest_over_a_files_gptq_switches_it_off(tmp_path, capsys):
+    (tmp_path / "g.yaml").write_text("preset: W4_GROUP128\nalgo_config: [{name: gptq}]\n")
+    assert main(["config", "show", "--config", str(tmp_path / "g.yaml"), "--algorithm", "rtn"]) == 0
+    import yaml
+
+    assert yaml.safe_load(capsys.readouterr().out)["algo_config"] == [{"name": "gptq", "enabled": False}]

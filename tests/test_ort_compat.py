@@ -13,6 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from helpers import sqnr_db
+from onnx import numpy_helper
 from onnxruntime.quantization import (
     CalibrationDataReader,
     CalibrationMethod,
@@ -225,3 +226,43 @@ def test_onnxruntimes_quant_config_objects(tmp_path):
     assert (tmp_path / "d.onnx").read_bytes() == (tmp_path / "dk.onnx").read_bytes()
     with pytest.raises(ConfigError, match="StaticQuantConfig"):
         quantize(MODEL, tmp_path / "x.onnx", {"per_channel": True})
+
+
+def test_get_qdq_configs_none_options_keep_onnxruntimes_defaults(tmp_path):
+    """onnxruntime's get_qdq_config writes WeightSymmetric: None ("from the type"): int8
+    weights stay symmetric (they got zero points -18..44 when None read as False)."""
+    from onnxruntime.quantization import get_qdq_config
+
+    logging.disable(logging.WARNING)
+    try:
+        config = get_qdq_config(onnx.load(MODEL), Reader())
+    finally:
+        logging.disable(logging.NOTSET)
+    assert config.extra_options.get("WeightSymmetric", "absent") is None
+    quantize(MODEL, tmp_path / "q.onnx", config)
+    quantized = onnx.load(str(tmp_path / "q.onnx"))
+    zeros = [numpy_helper.to_array(i) for i in quantized.graph.initializer
+             if i.name.endswith("weight_zero_point") or (i.name.endswith("_zero_point") and "weight" in i.name)]
+    assert zeros and all(not z.any() for z in zeros)
+
+
+def test_either_activation_symmetry_flag_and_quantize_bias():
+    for extra in ({"CalibTensorRangeSymmetric": True, "ActivationSymmetric": False},
+                  {"ActivationSymmetric": False, "CalibTensorRangeSymmetric": True}):
+        assert ort_config(MODEL, extra_options=extra).global_quant_config.input_tensors.symmetric is True
+    assert ort_config(MODEL, extra_options={"QuantizeBias": False}).global_quant_config.bias.dtype.value == "float32"
+    with pytest.raises(ConfigError, match="BlockSize=32 has no onnxq counterpart: onnxq's blocked weights are per_group"):
+        ort_config(MODEL, extra_options={"BlockSize": 32})
+
+
+def test_a_model_without_node_names(tmp_path):
+    """op_types_to_quantize reads every node's type (unnamed ones shared one key and the
+    others' types were lost: Add and MaxPool got quantized); naming nodes to leave float
+    needs names, so nodes_to_quantize on unnamed nodes is one line."""
+    model = onnx.load(MODEL)
+    for node in model.graph.node:
+        node.name = ""
+    quantize_static(model, tmp_path / "conv.onnx", Reader(), op_types_to_quantize=["Conv"])
+    assert _quantized_ops(tmp_path / "conv.onnx") == {"Conv"}
+    with pytest.raises(ConfigError, match="have no name.*op_types_to_quantize"):
+        quantize_static(model, tmp_path / "x.onnx", Reader(), nodes_to_quantize=["conv1"])

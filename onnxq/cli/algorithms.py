@@ -38,22 +38,40 @@ def algorithm_entries(args: argparse.Namespace) -> list[dict[str, Any]]:
         targets = _reconstructing(algorithms)
         _check_file_learner(args, targets)
         options += [f"{name}.reconstruct={args.reconstruct}" for name in targets]
-    return _algorithm_options(algorithms, options)
+    return _algorithm_options(algorithms, options) + _nearest(args, algorithms)
+
+
+def _file_algorithms(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The enabled `algo_config` entries of the config file given (`--config`), if any."""
+    config = getattr(args, "config", None)
+    entries = read_config_dict(config).get("algo_config") or [] if config is not None else []
+    return [e for e in entries if isinstance(e, dict) and e.get("name") in CONTRACTS and e.get("enabled", True)]
+
+
+def _nearest(args: argparse.Namespace, flagged: list[str]) -> list[dict[str, Any]]:
+    """`--algorithm rtn` (round to nearest) beside a flag that picks a block rounder is
+    refused, as two such flags are; over a config file's block rounder it switches that
+    one off (a higher source's choice replaces a lower one's)."""
+    if args.algorithm != NEAREST:
+        return []
+    rounders = [name for name in flagged if CONTRACTS[name].rounds_blocks]
+    if rounders:
+        raise OnnxqError(f"--algorithm {NEAREST} and --{rounders[0]} both pick the weight-only algorithm (each "
+                         "rounds the MatMulNBits blocks itself: rtn to nearest); give one")
+    return [{"name": e["name"], "enabled": False} for e in _file_algorithms(args) if CONTRACTS[e["name"]].rounds_blocks]
 
 
 def _check_file_learner(args: argparse.Namespace, targets: list[str]) -> None:
     """`--reconstruct` without a learner flag sets AdaRound's option, or switches AdaRound on;
     over a config file whose rounding learner is another (AdaQuant) that would replace the
     file's learner unasked (`registry.EXCLUSIVE`): refused, as `--adaquant --reconstruct` is."""
-    config = getattr(args, "config", None)
-    if config is None or any(CONTRACTS[name].learns_rounding for name in flagged_algorithms() if getattr(args, name)):
+    if any(CONTRACTS[name].learns_rounding for name in flagged_algorithms() if getattr(args, name)):
         return
-    entries = read_config_dict(config).get("algo_config") or []
-    learners = [e.get("name") for e in entries if isinstance(e, dict) and e.get("name") in CONTRACTS
-                and CONTRACTS[e["name"]].learns_rounding and e.get("enabled", True)]
+    learners = [e["name"] for e in _file_algorithms(args) if CONTRACTS[e["name"]].learns_rounding]
     others = [name for name in learners if name not in targets]
     if others:
-        raise OnnxqError(f"--reconstruct {args.reconstruct} is {targets[0]}'s option, and {config} runs {others[0]}; "
+        raise OnnxqError(f"--reconstruct {args.reconstruct} is {targets[0]}'s option, and {args.config} runs "
+                         f"{others[0]}; "
                          f"give --{targets[0]} to run {targets[0]} instead, or leave --reconstruct out")
 
 

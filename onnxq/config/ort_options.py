@@ -46,12 +46,25 @@ DYNAMIC_DEFAULT_TYPES = ("MatMul", "Gemm", "Attention", "LSTM", "Gather", "Embed
 
 
 def _activation_symmetric(value: Any, spec: dict[str, Any]) -> None:
+    """ActivationSymmetric or CalibTensorRangeSymmetric: None keeps the type's default (as in
+    onnxruntime, whose get_qdq_config writes None); either one true makes them symmetric."""
+    if value is None:
+        return
     for key in ("input_tensors", "output_tensors"):
-        spec["global_quant_config"].setdefault(key, {})["symmetric"] = bool(value)
+        tensors = spec["global_quant_config"].setdefault(key, {})
+        tensors["symmetric"] = bool(value) or tensors.get("_symmetric_set", False)
+        tensors["_symmetric_set"] = tensors["symmetric"]
 
 
 def _weight_symmetric(value: Any, spec: dict[str, Any]) -> None:
-    spec["global_quant_config"].setdefault("weight", {})["symmetric"] = bool(value)
+    """None keeps the type's default: signed weights symmetric (onnxruntime's rule)."""
+    if value is not None:
+        spec["global_quant_config"].setdefault("weight", {})["symmetric"] = bool(value)
+
+
+def _float_bias(value: Any, spec: dict[str, Any]) -> None:
+    if value is False:
+        spec["global_quant_config"]["bias"] = {"dtype": "float32"}
 
 
 def _percentile(value: Any, spec: dict[str, Any]) -> None:
@@ -102,6 +115,7 @@ EXTRA_OPTIONS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "UseQDQContribOps": _contrib_ops,
     "QDQKeepRemovableActivations": _keep_activations,
     "MatMulConstBOnly": _const_b_only,
+    "QuantizeBias": _float_bias,
 }
 # extra_options whose effect onnxq has anyway, or that change only how onnxruntime's
 # quantizer works (memory, layout of the graph): accepted, and named in the summary.
@@ -115,6 +129,7 @@ NO_EFFECT = {
     "DedicatedQDQPair": "onnxq writes one DequantizeLinear per tensor, which onnxruntime's fusions take either way",
     "QDQDisableWeightAdjustForInt32Bias": "onnxq keeps a bias float where its int32 scale would be too fine",
     "SmoothQuantFolding": "onnxq folds SmoothQuant's scales into the op before where it can",
+    "DefaultTensorType": "onnxq infers every tensor's type itself",
 }
 # extra_options with no counterpart, when set to something other than onnxruntime's
 # default: what to use instead.
@@ -131,6 +146,8 @@ UNSUPPORTED = {
                                  "(calibration.load_ranges); build the Config with onnxq.ort_compat.ort_config and "
                                  "add them there"),
     "extra.Sigmoid.nnapi": (False, "onnxq has no NNAPI Sigmoid mode"),
+    "BlockSize": (None, "onnxq's blocked weights are per_group (global_quant_config.weight: {qscheme: per_group, "
+                        "group_size: N}; MatMul weight-only: the W4_GROUP128 / W8_GROUP128 presets)"),
 }
 KNOWN = [*EXTRA_OPTIONS, *NO_EFFECT, *UNSUPPORTED]
 
@@ -142,6 +159,14 @@ def enum_name(value: Any, what: str, table: Mapping[str, str]) -> str:
         raise ConfigError(f"{what} {value!r} is not one of onnxruntime's: "
                           f"{', '.join(sorted(table))} (case-insensitive)")
     return name
+
+
+def _named_only(names: list[str], what: str) -> None:
+    """Nodes to exclude by name must have one (onnxq names unnamed nodes at load, so a
+    model's own empty name would leave such a node quantized)."""
+    if "" in names:
+        raise ConfigError(f"{what}, and {names.count('')} of those nodes have no name; give the model's nodes "
+                          "names (as exporters do), or use op_types_to_quantize")
 
 
 def _names(value: Any, what: str) -> list[str]:
@@ -169,11 +194,12 @@ class OrtArguments:
     extra_options: Mapping[str, Any] | None = None
 
 
-def ort_overrides(arguments: OrtArguments, *, dynamic: bool, model_ops: Mapping[str, str],
+def ort_overrides(arguments: OrtArguments, *, dynamic: bool, model_ops: list[tuple[str, str]],
                   const_b_matmuls: Iterable[str] = ()) -> tuple[dict[str, Any], list[str]]:
     """The overrides (with their `preset`) that onnxruntime's arguments mean, and the
-    `NO_EFFECT` options given (for the summary). `model_ops`: every node's op type by node
-    name; `const_b_matmuls`: the MatMuls whose second input is a constant (MatMulConstBOnly)."""
+    `NO_EFFECT` options given (for the summary). `model_ops`: every node's (name, op type),
+    unnamed ones with ""; `const_b_matmuls`: the MatMuls whose second input is a constant
+    (MatMulConstBOnly)."""
     a = arguments
     extra = dict(a.extra_options or {})
     for key in extra:
@@ -220,27 +246,34 @@ def ort_overrides(arguments: OrtArguments, *, dynamic: bool, model_ops: Mapping[
         if key in EXTRA_OPTIONS:
             EXTRA_OPTIONS[key](value, spec)
     spec.pop("_smoothquant_alpha", None)
+    for tensors in gqc.values():
+        tensors.pop("_symmetric_set", None)
     wanted_types = _names(a.op_types_to_quantize, "op_types_to_quantize") if a.op_types_to_quantize else (
         list(DYNAMIC_DEFAULT_TYPES) if dynamic else None)
     if wanted_types is not None:
-        others = sorted({t for t in model_ops.values() if t not in wanted_types})
+        others = sorted({t for _, t in model_ops if t not in wanted_types})
         spec["float_op_types"] = others
         if dynamic and "Conv" in wanted_types:
             spec["layer_type_quant_config"]["Conv"] = {"input_tensors": {"dtype": "uint8", "is_dynamic": True},
                                                        "weight": {"dtype": weight}}
     excluded = set(_names(a.nodes_to_exclude, "nodes_to_exclude")) if a.nodes_to_exclude else set()
+    names = [name for name, _ in model_ops]
     if a.nodes_to_quantize:
         wanted = set(_names(a.nodes_to_quantize, "nodes_to_quantize"))
-        missing = sorted(wanted - set(model_ops))
+        _named_only(names, "nodes_to_quantize leaves the other nodes float by name")
+        missing = sorted(wanted - set(names))
         if missing:
-            near = closest_name(missing[0], list(model_ops))
+            near = closest_name(missing[0], [n for n in names if n])
             raise ConfigError(f"nodes_to_quantize names {missing[0]!r}, no node of the model"
                               + (f"; did you mean {near!r}?" if near else "") + " (`onnxq inspect MODEL --nodes` "
                               "lists them)")
-        excluded |= {name for name in model_ops if name and name not in wanted}
-    if spec.pop("_const_b_only", dynamic):
+        excluded |= {name for name in names if name not in wanted}
+    # quantize_dynamic's default: onnxq's dynamic recipe quantizes no MatMul of two activations anyway
+    if spec.pop("_const_b_only", False):
         const = set(const_b_matmuls)
-        excluded |= {name for name, op in model_ops.items() if op == "MatMul" and name and name not in const}
+        loose = [name for name, op in model_ops if op == "MatMul" and name not in const]
+        _named_only(loose, "MatMulConstBOnly leaves the MatMuls of two activations float by name")
+        excluded |= set(loose)
     spec["exclude"] = sorted(excluded)
     if a.calibration_providers:
         spec["calibration"] = {"providers": list(a.calibration_providers)}

@@ -47,11 +47,22 @@ def read_from(data: dict[str, Any], folder: str | os.PathLike) -> dict[str, Any]
 def written_to(config: Config, folder: str | os.PathLike) -> Config:
     """A copy of `config` whose relative paths are relative to `folder` (where it is
     written), so `read_from` that folder gives the same files back."""
+    return written_to_with(config, lambda p: os.path.relpath(p, folder or "."))
+
+
+def absolute(config: Config) -> Config:
+    """A copy of `config` whose relative paths are absolute: printed (`config show`), it
+    reads back to the same files wherever it is saved."""
+    return written_to_with(config, os.path.abspath)
+
+
+def written_to_with(config: Config, move: Callable[[str], str]) -> Config:
+    """A copy of `config` with each relative path of `PATH_FIELDS` moved by `move`."""
     config = copy.deepcopy(config)
     for section, key in PATH_FIELDS:
         block = getattr(config, section)
         if getattr(block, key) is not None:
-            setattr(block, key, _rebased(getattr(block, key), lambda p: os.path.relpath(p, folder or ".")))
+            setattr(block, key, _rebased(getattr(block, key), move))
     return config
 
 

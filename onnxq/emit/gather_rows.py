@@ -46,6 +46,8 @@ def _row_dequantize(node: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value | None,
         return None
     if zero is not None and zero.const_value is None:
         return None
+    if rows and scale.const_value.dtype != ir.DataType.FLOAT and table.const_value.dtype.bitwidth > 8:
+        return None  # a 16-bit code is not exact in a half type: the product would round twice
     return table, scale, zero, rows
 
 

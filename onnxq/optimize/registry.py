@@ -212,7 +212,8 @@ def parse_algorithms(entries: list[Mapping[str, Any]]) -> tuple[Entry, ...]:
 # Contract flags at most one enabled algorithm of a run may have, and what two would do:
 # the same rule for every source (flags, a file, a dict, a preset under them).
 EXCLUSIVE: tuple[tuple[str, str], ...] = (
-    ("rounds_blocks", "both pick the weight-only algorithm (how MatMulNBits blocks are rounded)"),
+    ("rounds_blocks", "both pick the weight-only algorithm (each rounds the MatMulNBits blocks itself: AWQ after "
+                      "its scaling, GPTQ through the Hessian, HQQ by its solver)"),
     ("learns_rounding", "both learn the layers' rounding, and one would undo the other"),
 )
 
