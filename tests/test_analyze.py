@@ -15,6 +15,7 @@ from onnxq.analyze.accumulate import ErrorStats, RangeStats
 from onnxq.cli import main
 from onnxq.config.compose import compose_config
 from onnxq.config.presets import get_preset
+from onnxq.errors import ModelError
 from onnxq.quantize import quantize
 
 
@@ -139,13 +140,22 @@ def test_layers_alone_lose_less_than_with_their_prefix(chain):
     assert analysis.outputs[0].sqnr_db > 15
 
 
-def test_models_given_the_wrong_way_round_get_the_note_compare_gives(chain):
-    """Quantized first, float second gave "0 of 0" layers and nothing to say why."""
+def test_models_given_the_wrong_way_round_are_one_line(chain, tmp_path, capsys):
+    """Quantized first, float second gave "0 of 0" layers and nothing to say why, then empty
+    tables with a note and exit 0; a float model as the quantized one, or one model twice,
+    gave empty tables (or SQNR inf from compare) with exit 0."""
     path, quant, model = chain
-    analysis = analyze_models(quant, path, _data(model, 4, 3), progress=False)
-    assert analysis.layers == [] and "taken as the float one, is quantized" in analysis.notes[0]
+    with pytest.raises(ModelError, match="the arguments look swapped"):
+        analyze_models(quant, path, _data(model, 4, 3), progress=False)
+    with pytest.raises(ModelError, match="no QuantizeLinear/DequantizeLinear"):
+        analyze_models(path, path, _data(model, 4, 3), progress=False)
     assert not any("taken as the float one" in n for n in analyze_models(path, quant, _data(model, 4, 3),
                                                                           progress=False).notes)
+    np.savez(tmp_path / "d.npz", **_data(model, 4, 3))
+    for command in ("analyze", "compare"):
+        assert main([command, str(path), str(path), "--data", str(tmp_path / "d.npz")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "are the same model" in err
 
 
 def test_the_layer_made_coarse_ranks_first(tmp_path):

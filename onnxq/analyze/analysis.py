@@ -35,6 +35,7 @@ from onnxq.analyze.rescaled import rescaled_layers
 from onnxq.calibrate.data import feed_rows, iter_batches
 from onnxq.calibrate.decoder import decoder_feeds, result_outputs
 from onnxq.calibrate.session import check_providers, exposed_session, run_on_data
+from onnxq.errors import ModelError
 from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
@@ -158,6 +159,12 @@ def analyze_models(
     quant = read_model(quant_model)
     reference = _float_reference(float_model, quant, normalised)
     swapped = None if normalised else quantized_ops(reference)  # before the isolated layers are added to it
+    if not normalised and not quantized_ops(quant):  # nothing to measure per layer or tensor
+        raise ModelError(("the arguments look swapped: the first model is quantized, the second is not; give the float "
+                          "model first, then the quantized one") if swapped else
+                         "the second model has no QuantizeLinear/DequantizeLinear or integer kernel, so no layer or "
+                         "tensor to analyze; give the quantized model onnxq wrote (for output figures alone: onnxq "
+                         "compare)")
     float_values = values_by_name(reference.graph)
     quantized = [] if layers_only else quantized_activations(quant)
     activations = [a for a in quantized if a.name in float_values]

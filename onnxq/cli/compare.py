@@ -11,7 +11,7 @@ import numpy as np
 from onnxq.analyze import analyze_models, format_analysis
 from onnxq.analyze.html import write_html_report
 from onnxq.cli.arguments import check_counts, check_model_files
-from onnxq.errors import CalibrationDataError
+from onnxq.errors import CalibrationDataError, ModelError
 from onnxq.evaluate import compare_models, format_comparison
 from onnxq.graph.save import check_apart, check_output_paths
 
@@ -51,9 +51,20 @@ def _model_pair_parser(sub: argparse._SubParsersAction, name: str, help_text: st
     return c
 
 
+def _check_pair(args: argparse.Namespace) -> None:
+    """The two models are two: the same file (or the same bytes) twice gave SQNR inf and
+    empty tables with exit 0."""
+    first, second = Path(args.float_model), Path(args.quant_model)
+    if first.resolve() == second.resolve() or (first.stat().st_size == second.stat().st_size
+                                               and first.read_bytes() == second.read_bytes()):
+        raise ModelError(f"{args.float_model} and {args.quant_model} are the same model; give the float model, then "
+                         "the quantized one onnxq wrote from it")
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     data, labels = _data_and_labels(args.data, args.labels)
     check_model_files(args, "float_model", "quant_model")
+    _check_pair(args)
     check_counts(args, "--max-samples", "--batch-size")
     result = compare_models(args.float_model, args.quant_model, data, labels, args.max_samples,
                             providers=args.providers, kernels=args.kernels,
@@ -64,6 +75,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
     check_model_files(args, "float_model", "quant_model")
+    _check_pair(args)
     check_counts(args, "--max-samples", "--batch-size", "--top")
     check_output_paths(args.quant_model, args.json, args.report)
     check_apart({"--json": args.json, "--report": args.report},
