@@ -422,7 +422,7 @@ def test_the_int16_rung_leaves_an_embedding_table_alone(tmp_path):
 
 @pytest.mark.parametrize("target, evaluate, words", [
     ("top1>=float-1", lambda session: 1.0, ["evaluate= is given", "custom>=float-1"]),
-    ("custom>=float-1", None, ["names no metric", "evaluate=fn"]),
+    ("custom>=float-1", None, ["'custom>=float-1' scores with your own function", "evaluate=fn"]),
     ("custom>=float-1", lambda session: None, ["returned None"]),
     ("custom>=float-1", lambda session: float("nan"), ["returned nan"]),
     ("custom>=float-1", lambda session: "x", ["returned 'x'"]),

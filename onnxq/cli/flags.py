@@ -215,7 +215,7 @@ def _target_text(expression: str | None, metric: str | None) -> str:
     if metric is not None and target.metric != metric:
         raise OnnxqError(f"--metric {metric} conflicts with the metric in --accuracy-target {expression!r}; "
                          "give the metric once")
-    return target.describe()
+    return target.describe() if target.metric is not None else expression  # no metric: not 'custom' either
 
 
 def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:

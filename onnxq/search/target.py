@@ -162,8 +162,12 @@ def measurer(target: AccuracyTarget, evalset: EvalSet,
     if evaluate is not None:  # scored otherwise, it would be called never, without a word
         raise ConfigError(f"evaluate= is given, but accuracy target {target.describe()!r} scores {metric}: write "
                           f"custom{target.describe().removeprefix(metric)} to score with evaluate, or leave it out")
-    if metric in (None, "custom"):
-        given = target.describe().removeprefix("custom").removeprefix(">=")
+    if metric == "custom":
+        raise ConfigError(f"accuracy target {target.describe()!r} scores with your own function, and none was given: "
+                          "pass quantize(..., evaluate=fn) from Python (fn(session) -> a number), or name a metric "
+                          "(top1, cosine, sqnr)")
+    if metric is None:
+        given = target.describe().removeprefix("custom").removeprefix(">=")  # as written: no metric
         raise ConfigError(f"accuracy target {given!r} names no metric: write one in it (top1>={given}) or give "
                           "--metric top1|cosine|sqnr; a custom metric needs quantize(..., evaluate=fn) from Python")
     if metric == "top1":
