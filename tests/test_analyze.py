@@ -260,3 +260,19 @@ def test_a_model_equalized_against_its_float_model_is_flagged(chain, tmp_path):
     assert format_analysis(flagged).splitlines()[1].startswith("warning: ")
     clean = analyze_models(path, plain, _data(model, 8, 5), progress=False)
     assert not any("rescaled per channel" in n for n in clean.notes)
+
+
+def test_top1_agreement_is_for_class_scores_not_embeddings():
+    """analyze printed a 'top-1 agreement' for MiniLM's sentence embedding (58-63%), which
+    compare leaves out: unit-length rows with negative entries are embeddings."""
+    from onnxq.analyze.accumulate import AgreementStats
+
+    rng = np.random.default_rng(0)
+    scores = rng.standard_normal((8, 10)).astype(np.float32)
+    stats = AgreementStats()
+    stats.update(scores, scores + 0.01)
+    assert stats.rate == 1.0
+    embeddings = scores / np.linalg.norm(scores, axis=1, keepdims=True)
+    stats = AgreementStats()
+    stats.update(embeddings, embeddings + 0.01)
+    assert stats.rate is None

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from onnxq.evaluate import top1_agreement
+
 HISTOGRAM_BINS = 64
 
 
@@ -161,8 +163,11 @@ class AgreementStats:
     total: int = 0
 
     def update(self, ref: np.ndarray, test: np.ndarray) -> None:
-        if ref.ndim == 2 and ref.shape[1] > 1:
-            self.agree += int(np.count_nonzero(ref.argmax(1) == test.argmax(1)))
+        """Counted for outputs that look like class scores, as `evaluate.top1_agreement`
+        judges them (not unit-length embeddings: their largest entry means nothing)."""
+        share = top1_agreement(ref, test)
+        if share is not None:
+            self.agree += int(round(share * ref.shape[0]))
             self.total += ref.shape[0]
 
     @property
