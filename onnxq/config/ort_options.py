@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from onnxq.config.spec import ACTIVATION_CLASSES
 from onnxq.errors import ConfigError, closest_name, named_fields_only
 
 # onnxruntime's QuantType -> onnxq dtype
@@ -50,7 +51,7 @@ def _activation_symmetric(value: Any, spec: dict[str, Any]) -> None:
     onnxruntime, whose get_qdq_config writes None); either one true makes them symmetric."""
     if value is None:
         return
-    for key in ("input_tensors", "output_tensors"):
+    for key in ACTIVATION_CLASSES:
         tensors = spec["global_quant_config"].setdefault(key, {})
         tensors["symmetric"] = bool(value) or tensors.get("_symmetric_set", False)
         tensors["_symmetric_set"] = tensors["symmetric"]
@@ -68,7 +69,7 @@ def _float_bias(value: Any, spec: dict[str, Any]) -> None:
 
 
 def _percentile(value: Any, spec: dict[str, Any]) -> None:
-    for key in ("input_tensors", "output_tensors"):
+    for key in ACTIVATION_CLASSES:
         spec["global_quant_config"].setdefault(key, {})["percentile"] = value
 
 
@@ -236,7 +237,7 @@ def ort_overrides(arguments: OrtArguments, *, dynamic: bool, model_ops: list[tup
     else:
         spec["preset"] = "U8S8"
         spec["quant_format"] = FORMATS[enum_name(a.quant_format, "quant_format", FORMATS)]
-        for key in ("input_tensors", "output_tensors"):
+        for key in ACTIVATION_CLASSES:
             gqc[key] = {"dtype": activation, "symmetric": activation.startswith("float8"),
                         "calib_method": CALIB_METHODS[method]}
     spec["reduce_range"] = True if a.reduce_range else None
