@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -276,3 +277,17 @@ def test_top1_agreement_is_for_class_scores_not_embeddings():
     stats = AgreementStats()
     stats.update(embeddings, embeddings + 0.01)
     assert stats.rate is None
+
+
+def test_long_names_print_whole_up_to_a_width():
+    """Layer and tensor names are pasted into --exclude: a name up to 100 characters prints
+    whole (cut from the left at 40, MiniLM's rows of different layers printed alike)."""
+    from onnxq.analyze.analysis import Analysis, LayerReport
+
+    long = "/bert/encoder/layer.3/intermediate/intermediate_act_fn/Mul_1"
+    fields = {f.name: 0.0 for f in dataclasses.fields(LayerReport)}
+    fields.update(name=long, op_type="Mul")
+    analysis = Analysis(**{f.name: ([] if f.name in ("outputs", "tensors", "notes") else
+                                    [LayerReport(**fields)] if f.name == "layers" else 1 if f.name == "samples"
+                                    else "x") for f in dataclasses.fields(Analysis)})
+    assert long in format_analysis(analysis)

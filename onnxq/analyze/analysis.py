@@ -275,6 +275,16 @@ def tail_name(name: str, width: int) -> str:
     return name if len(name) <= width else "\u2026" + name[-width + 1:]
 
 
+# Name columns widen to the names shown, up to this many characters: names are pasted into
+# --exclude and layer_quant_config, and cut ones of different layers printed alike
+# (MiniLM: "…/intermediate/intermediate_act_fn/Mul_1" three times).
+NAME_WIDTH = (40, 100)
+
+
+def _name_width(names: list[str]) -> int:
+    return max(NAME_WIDTH[0], min(NAME_WIDTH[1], max((len(n) for n in names), default=0)))
+
+
 def _fmt_db(x: float | None) -> str:
     if x is None:
         return "-"
@@ -290,17 +300,19 @@ def format_analysis(a: Analysis, top: int = 15) -> str:
         lines.append(f"output {o.name}: SQNR {_fmt_db(o.sqnr_db)} dB, cosine {o.cosine:.5f}{extra}")
     lines.append(f"layers, most sensitive first: mean noise/signal of their channels, alone "
                  f"({min(top, len(a.layers))} of {len(a.layers)}):")
-    lines.append(f"  {'layer':<40} {'op':<14} {'ch noise':>9} {'alone dB':>9} {'w/ prefix dB':>13} {'cosine':>9}")
+    w = _name_width([r.name for r in a.layers[:top]])
+    lines.append(f"  {'layer':<{w}} {'op':<14} {'ch noise':>9} {'alone dB':>9} {'w/ prefix dB':>13} {'cosine':>9}")
     for r in a.layers[:top]:
-        lines.append(f"  {tail_name(r.name, 40):<40} {r.op_type:<14} {r.channel_noise:>9.3g} {_fmt_db(r.own_sqnr_db):>9} "
-                     f"{_fmt_db(r.prefix_sqnr_db):>13} {r.own_cosine:>9.5f}")
+        lines.append(f"  {tail_name(r.name, w):<{w}} {r.op_type:<14} {r.channel_noise:>9.3g} "
+                     f"{_fmt_db(r.own_sqnr_db):>9} {_fmt_db(r.prefix_sqnr_db):>13} {r.own_cosine:>9.5f}")
     lines.append(f"tensors, worst first ({min(top, len(a.tensors))} of {len(a.tensors)}):")
-    lines.append(f"  {'tensor':<40} {'dB':>6} {'cosine':>9} {'max err':>9} {'used range':>22} "
+    w = _name_width([t.name for t in a.tensors[:top]])
+    lines.append(f"  {'tensor':<{w}} {'dB':>6} {'cosine':>9} {'max err':>9} {'used range':>22} "
                  f"{'calibrated':>22} {'clipped':>8}")
     for t in a.tensors[:top]:
         used = f"[{t.used_range[0]:.3g}, {t.used_range[1]:.3g}]"
         cal = f"[{t.calibrated_range[0]:.3g}, {t.calibrated_range[1]:.3g}]"
-        lines.append(f"  {tail_name(t.name, 40):<40} {_fmt_db(t.sqnr_db):>6} {t.cosine:>9.5f} {t.max_abs_error:>9.3g} "
+        lines.append(f"  {tail_name(t.name, w):<{w}} {_fmt_db(t.sqnr_db):>6} {t.cosine:>9.5f} {t.max_abs_error:>9.3g} "
                      f"{used:>22} {cal:>22} {t.saturation:>8.2%}")
     lines.extend(f"note: {n}" for n in a.notes if "rescaled per channel" not in n)
     return "\n".join(lines)
