@@ -27,7 +27,6 @@ from onnxq.calibrate.sources import empty_data
 from onnxq.calibrate.statistics import Statistic, StatisticsSet
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
-from onnxq.errors import CalibrationDataError
 from onnxq.parallel import serial_blas
 from onnxq.progress import bar as progress_bar
 
@@ -197,7 +196,7 @@ class CalibrationState:
         if not self.observers and self.statistics is None:
             return CalibrationResult()
         if self.num_batches == 0:
-            raise CalibrationDataError("calibration data is empty; give at least one sample")
+            raise empty_data(None)
         return CalibrationResult(
             {name: obs.compute_range() for name, obs in self.observers.items()}, self.num_samples,
             self.num_batches, self.num_passes, self.statistics.results() if self.statistics is not None else {},

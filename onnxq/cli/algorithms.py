@@ -34,11 +34,14 @@ def algorithm_entries(args: argparse.Namespace) -> list[dict[str, Any]]:
         at = next((i for i, name in enumerate(algorithms) if CONTRACTS[name].runs_last), len(algorithms))
         algorithms.insert(at, args.algorithm)  # two that pick one thing: `registry.EXCLUSIVE` refuses them
     options = list(args.algo_option or [])
-    if getattr(args, "reconstruct", None) is not None:
+    reconstruct = getattr(args, "reconstruct", None)
+    # the file's entries, read only where a flag must see them (they are composed later anyway)
+    in_file = _file_algorithms(args) if reconstruct is not None or args.algorithm == NEAREST else []
+    if reconstruct is not None:
         targets = _reconstructing(algorithms)
-        _check_file_learner(args, targets)
-        options += [f"{name}.reconstruct={args.reconstruct}" for name in targets]
-    return _algorithm_options(algorithms, options) + _nearest(args, algorithms)
+        _check_file_learner(args, targets, in_file)
+        options += [f"{name}.reconstruct={reconstruct}" for name in targets]
+    return _algorithm_options(algorithms, options) + _nearest(args, algorithms, in_file)
 
 
 def _file_algorithms(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -48,7 +51,7 @@ def _file_algorithms(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [e for e in entries if isinstance(e, dict) and e.get("name") in CONTRACTS and e.get("enabled", True)]
 
 
-def _nearest(args: argparse.Namespace, flagged: list[str]) -> list[dict[str, Any]]:
+def _nearest(args: argparse.Namespace, flagged: list[str], in_file: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`--algorithm rtn` (round to nearest) beside a flag that picks a block rounder is
     refused, as two such flags are; over a config file's block rounder it switches that
     one off (a higher source's choice replaces a lower one's)."""
@@ -58,16 +61,16 @@ def _nearest(args: argparse.Namespace, flagged: list[str]) -> list[dict[str, Any
     if rounders:
         raise OnnxqError(f"--algorithm {NEAREST} and --{rounders[0]} both pick the weight-only algorithm (each "
                          "rounds the MatMulNBits blocks itself: rtn to nearest); give one")
-    return [{"name": e["name"], "enabled": False} for e in _file_algorithms(args) if CONTRACTS[e["name"]].rounds_blocks]
+    return [{"name": e["name"], "enabled": False} for e in in_file if CONTRACTS[e["name"]].rounds_blocks]
 
 
-def _check_file_learner(args: argparse.Namespace, targets: list[str]) -> None:
+def _check_file_learner(args: argparse.Namespace, targets: list[str], in_file: list[dict[str, Any]]) -> None:
     """`--reconstruct` without a learner flag sets AdaRound's option, or switches AdaRound on;
     over a config file whose rounding learner is another (AdaQuant) that would replace the
     file's learner unasked (`registry.EXCLUSIVE`): refused, as `--adaquant --reconstruct` is."""
     if any(CONTRACTS[name].learns_rounding for name in flagged_algorithms() if getattr(args, name)):
         return
-    learners = [e["name"] for e in _file_algorithms(args) if CONTRACTS[e["name"]].learns_rounding]
+    learners = [e["name"] for e in in_file if CONTRACTS[e["name"]].learns_rounding]
     others = [name for name in learners if name not in targets]
     if others:
         raise OnnxqError(f"--reconstruct {args.reconstruct} is {targets[0]}'s option, and {args.config} runs "
