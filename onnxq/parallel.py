@@ -57,6 +57,15 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = 
             wait(pending)
 
 
+def in_background(fn: Callable[..., R], *args: object) -> Future[R]:
+    """`fn(*args)` on a thread of its own, beside the caller's work (`ordered_map` calls
+    included): for a single-threaded step, such as a LAPACK factorisation under
+    `serial_blas`, that would otherwise leave a core idle while another step waits for
+    nothing it computes. BLAS keeps the caller's limit; an `ordered_map` inside `fn` runs
+    serially (the thread is a pool's). Results are the same as a serial call's."""
+    return _pool(1).submit(fn, *args)
+
+
 _worker = threading.local()  # busy: this thread is one of a pool's
 
 

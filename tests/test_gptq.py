@@ -279,3 +279,23 @@ def test_block_rounding_in_a_recipe_without_matmulnbits_is_refused(name):
     with pytest.raises(ConfigError, match=f"{name} rounds the weight-only blocks of MatMulNBits.*W4_GROUP128"):
         onnxq.quantize(model, None, {"preset": "U8S8", "algo_config": [{"name": name}]},
                        {"x": np.ones((4, 32), np.float32)}, progress=False)
+
+
+@pytest.mark.parametrize("scale_dtype,k", [(np.float32, 256), (np.float16, 200)])
+def test_dequantized_codes_are_what_the_packed_weight_gives(scale_dtype, k):
+    """The replay's weight from GPTQ's codes without packing equals MatMulNBits' view of
+    the packed result, bit for bit (K padded to whole blocks included)."""
+    from onnxq.config.resolve import ResolvedSpec
+    from onnxq.config.spec import DType
+    from onnxq.numerics.blocks import dequantize_codes
+    from onnxq.optimize.gptq import to_block_quantized
+
+    rng = np.random.default_rng(k)
+    spec = ResolvedSpec(DType.INT4, False, "per_group", None, 64, "minmax", 99.99, 2048, (), None, None,
+                        "float32", "half_even", False)
+    groups = -(-k // 64)
+    codes = rng.integers(-8, 8, (48, k)).astype(np.int8)
+    zeros = rng.integers(-3, 4, (48, groups)).astype(np.float64)
+    scales = rng.uniform(1e-3, 0.1, (48, groups)).astype(scale_dtype).astype(np.float64)
+    packed = dequantize_blockwise(to_block_quantized(codes, scales, zeros, spec, scale_dtype))
+    assert np.array_equal(dequantize_codes(codes, scales, zeros, 64, scale_dtype), packed)

@@ -17,3 +17,12 @@ def test_factor_matches_the_inverse_then_cholesky(k):
     assert np.array_equal(u, np.triu(u)) and np.all(np.diag(u) > 0)
     np.testing.assert_allclose(u, reference, rtol=1e-7, atol=1e-9 * np.abs(reference).max())
     np.testing.assert_allclose(u.T @ u @ h, np.eye(k), atol=1e-8)
+
+
+def test_a_float32_factor_is_the_float64_one_rounded():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((300, 129))
+    h = x.T @ x / len(x) + 0.01 * np.eye(129)
+    u32 = inverse_cholesky_upper(h, np.float32)
+    assert u32.dtype == np.float32 and u32.flags.c_contiguous
+    assert np.array_equal(u32, inverse_cholesky_upper(h).astype(np.float32))

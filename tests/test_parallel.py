@@ -57,3 +57,22 @@ def test_a_forked_child_gets_its_own_pool():
     if alive:
         child.kill()
     assert not alive and queue.get(timeout=5) == [1, 2, 3, 4, 5]
+
+
+def test_a_background_task_runs_beside_ordered_map_and_raises_its_own_error():
+    from onnxq.parallel import in_background
+
+    def slow_square(x: int) -> int:
+        time.sleep(0.05)
+        return x * x
+
+    future = in_background(slow_square, 7)
+    assert list(ordered_map(lambda x: x + 1, range(6), workers=2)) == [1, 2, 3, 4, 5, 6]
+    assert future.result(timeout=10) == 49
+    assert list(in_background(lambda: list(ordered_map(lambda x: -x, range(3), workers=2))).result(timeout=10)) == [0, -1, -2]
+
+    def fail() -> None:
+        raise ValueError("bad factor")
+
+    with pytest.raises(ValueError, match="bad factor"):
+        in_background(fail).result(timeout=10)

@@ -73,10 +73,12 @@ GRAM_ROWS = 1024
 def _gram(rows: np.ndarray) -> np.ndarray:
     """rows^T rows: float32 products of `GRAM_ROWS`-row slices, summed in float64 in place
     (no float64 copy of each product)."""
-    k = rows.shape[1]
-    total = np.zeros((k, k))
-    for part in ordered_map(lambda r: r.T @ r, [rows[i:i + GRAM_ROWS] for i in range(0, len(rows), GRAM_ROWS)]):
-        np.add(total, part, out=total)
+    total = None
+    for part in ordered_map(lambda r: r.T @ r, [rows[i:i + GRAM_ROWS] for i in range(0, max(len(rows), 1), GRAM_ROWS)]):
+        if total is None:
+            total = part.astype(np.float64)  # 0 + x is x: the sum's bits, without a zeroed K x K
+        else:
+            np.add(total, part, out=total)
     return total
 
 

@@ -157,6 +157,19 @@ def packed(q: np.ndarray, scale: np.ndarray, zp: np.ndarray, spec: ResolvedSpec,
                           BITS[spec.dtype], block)
 
 
+def dequantize_codes(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, block: int,
+                     scale_dtype: type) -> np.ndarray:
+    """W [K, N] from signed codes [N, K] and integer zero points and scales [N, k_blocks]
+    (float64 holding `scale_dtype` values): the values `dequantize_blockwise` gives for
+    them once packed ((q - zp) * scale in float32, the difference exact), without the
+    packing and unpacking (1.5 s of SmolLM2's GPTQ)."""
+    blocks = np.arange(codes.shape[1]) // block
+    w = codes.astype(np.float32)
+    w -= zeros.astype(np.float32)[:, blocks]
+    w *= scales.astype(scale_dtype).astype(np.float32)[:, blocks]
+    return w.T
+
+
 def dequantize_blockwise(bq: BlockQuantized) -> np.ndarray:
     """W [K, N] as MatMulNBits sees it: (q - zero_point) * scale, in float32."""
     k_blocks = bq.scales.shape[1]

@@ -19,10 +19,12 @@ import numpy as np
 DIRECT = 128
 
 
-def inverse_cholesky_upper(h: np.ndarray) -> np.ndarray:
-    """Upper triangular U with inv(h) = U^T U, for symmetric positive definite `h` (module doc)."""
+def inverse_cholesky_upper(h: np.ndarray, dtype: type = np.float64) -> np.ndarray:
+    """Upper triangular U with inv(h) = U^T U, for symmetric positive definite `h` (module
+    doc), stored as `dtype` (computed in h's type: the one copy that reverses the axes
+    also casts, where a cast after it cost GPTQ a second K x K copy per layer)."""
     lower = np.linalg.cholesky(h[::-1, ::-1])
-    return np.ascontiguousarray(lower_triangular_inverse(lower)[::-1, ::-1])
+    return np.ascontiguousarray(lower_triangular_inverse(lower)[::-1, ::-1], dtype=dtype)
 
 
 def lower_triangular_inverse(lower: np.ndarray) -> np.ndarray:

@@ -38,14 +38,14 @@ from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
 from onnxq.graph.save import proto_without_weights
-from onnxq.numerics.blocks import BlockQuantized, dequantize_blockwise, packed
+from onnxq.numerics.blocks import BlockQuantized, dequantize_codes, packed
 from onnxq.numerics.linalg import inverse_cholesky_upper
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import cast_scale, search_clip_scales, searchable, weight_qparams
 from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.layerwise.replay import Replay
 from onnxq.optimize.registry import register_algorithm, statistics_of
-from onnxq.parallel import cpu_count, ordered_map, serial_blas
+from onnxq.parallel import cpu_count, in_background, ordered_map, serial_blas
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
 from onnxq.progress import bar as progress_bar
@@ -128,22 +128,29 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, spec: ResolvedSpec, option
                   scale_dtype: type = np.float32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Codes [N, K] (signed, in the spec's range), scales and zero points [N, groups] of
     W^T = `w` [N, K] under input Hessian `hessian` [K, K] (module doc)."""
-    k = w.shape[1]
-    h = np.array(hessian, dtype=np.float64)  # one copy: the damping writes into it
-    dead = np.diag(h) <= 0
-    h[dead, dead] = 1.0
-    order = np.argsort(-np.diag(h), kind="stable") if options.desc_act else np.arange(k)
-    h = h[np.ix_(order, order)]
-    h[np.diag_indices(k)] += options.damp_percent * np.mean(np.diag(h))
-    upper = inverse_cholesky_upper(h).astype(np.float32)  # H^-1 = U^T U, U upper triangular
-    del h  # K x K float64: 254 MB at K = 5632; the row slices share the float32 factor
+    dead = np.diag(hessian) <= 0
+    factor = in_background(_factor, hessian, dead, options)  # one core's LAPACK beside the static groups' search
     diag = np.diag(hessian).astype(np.float32)
     static = _static_params(w, dead, diag, spec, options, scale_dtype)
+    order, upper = factor.result()
     cuts = np.linspace(0, len(w), -(-len(w) // ROW_CHUNK) + 1).round().astype(int)
     parts = list(ordered_map(lambda c: _quantize_rows(
         w[c[0]:c[1]], dead, order, upper, diag, spec, options, scale_dtype,
         None if static is None else (static[0][c[0]:c[1]], static[1][c[0]:c[1]])), zip(cuts[:-1], cuts[1:])))
     return tuple(np.concatenate(p) for p in zip(*parts))  # type: ignore[return-value]
+
+
+def _factor(hessian: np.ndarray, dead: np.ndarray, options: GPTQConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The quantization order (decreasing H diagonal with `desc_act`) and the damped,
+    permuted H^-1's upper Cholesky factor U (H^-1 = U^T U), float32; dead inputs' rows of
+    H set to the identity's."""
+    k = len(hessian)
+    h = np.array(hessian, dtype=np.float64)  # one copy: the damping writes into it
+    h[dead, dead] = 1.0
+    order = np.argsort(-np.diag(h), kind="stable") if options.desc_act else np.arange(k)
+    h = h[np.ix_(order, order)]
+    h[np.diag_indices(k)] += options.damp_percent * np.mean(np.diag(h))
+    return order, inverse_cholesky_upper(h, np.float32)  # the K x K float64 goes with this frame
 
 
 def _static_params(w: np.ndarray, dead: np.ndarray, diag: np.ndarray, spec: ResolvedSpec, options: GPTQConfig,
@@ -359,7 +366,8 @@ def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, flo
             result = to_block_quantized(codes[rows], scales[rows], zeros[rows], spec, scale_dtype)
             ctx.weights.pin_node(node.name, node.inputs[1], result)
             drop_pages(node.inputs[1].const_value)  # read once; a mapped weight's pages may go
-            out.append(dequantize_blockwise(result).astype(w.dtype))
+            out.append(dequantize_codes(codes[rows], scales[rows], zeros[rows], int(spec.group_size), scale_dtype)
+                       .astype(w.dtype))
         return out
 
     def quantize_group(group: list[Layer], hessian: np.ndarray) -> list[np.ndarray | None]:
