@@ -403,3 +403,24 @@ def test_the_capture_holds_its_byte_budget_in_copies_not_views(monkeypatch):
     monkeypatch.setattr(capture, "CAPTURE_BYTES", 10)
     tight.add(feed, [outputs], 8, 8)
     assert tight.samples == 1
+
+
+def test_a_batch_that_cannot_be_cut_ends_the_capture_past_its_budget(monkeypatch):
+    """An output not batched on axis 0 cannot be cut to the samples that fit: past the first
+    batch (always kept, as the check needs a reference) a batch over the bytes left is not
+    held whole; the capture stops there and the check runs the float model for the rest."""
+    import onnxq.calibrate.capture as capture
+
+    feed = {"x": np.ones((4, 10), np.float32)}
+    sequence_major = np.ones((3, 4, 100), np.float32)  # [time, batch, features]: axis 0 is not the batch
+    monkeypatch.setattr(capture, "CAPTURE_BYTES", 6000)
+    held = capture.CapturedOutputs(["y"], 16)
+    held.add(feed, [sequence_major], 4, 4)
+    assert held.samples == 4 and held.held == 160 + 4800 and held.wanting
+    held.add(feed, [sequence_major], 4, 4)
+    assert held.samples == 4 and held.held == 4960 and not held.wanting and len(held.outputs) == 1
+    roomy = capture.CapturedOutputs(["y"], 16)
+    monkeypatch.setattr(capture, "CAPTURE_BYTES", 64 << 20)
+    roomy.add(feed, [sequence_major], 4, 4)
+    roomy.add(feed, [sequence_major], 4, 4)
+    assert roomy.samples == 8 and roomy.wanting

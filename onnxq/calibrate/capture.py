@@ -31,19 +31,27 @@ class CapturedOutputs:
     samples: int = 0
     held: int = 0
     complete: bool = False  # every sample of the data is held (the data ran out before `wanted`)
+    full: bool = False  # a batch that could not be cut did not fit: nothing more is kept
 
     @property
     def wanting(self) -> bool:
-        return self.samples < self.wanted and self.held < CAPTURE_BYTES
+        return not self.full and self.samples < self.wanted and self.held < CAPTURE_BYTES
 
     def add(self, feed: dict[str, np.ndarray], outputs: list[np.ndarray], samples: int, rows: int) -> None:
         """Keep one batch of `samples` samples (`rows` rows). Where every feed and output is
         batched on axis 0, it is cut to the samples still wanted and to the bytes left (at
-        least one sample), and the cut is copied: a view would hold the whole batch."""
+        least one sample), and the cut is copied: a view would hold the whole batch. A batch
+        that cannot be cut (an array not batched on axis 0) is kept whole only as the first
+        one, and past the bytes left it ends the capture (the check then runs the float model
+        for the samples it lacks)."""
         arrays = [*feed.values(), *outputs]
         size = sum(np.asarray(a).nbytes for a in arrays)
         keep = min(self.wanted - self.samples, max(1, (CAPTURE_BYTES - self.held) * samples // max(size, 1)))
-        if keep < samples and all(np.ndim(a) and np.shape(a)[0] == rows for a in arrays):
+        cuttable = all(np.ndim(a) and np.shape(a)[0] == rows for a in arrays)
+        if not cuttable and self.samples and self.held + size > CAPTURE_BYTES:
+            self.full = True
+            return
+        if keep < samples and cuttable:
             cut = keep * (rows // samples)
             feed = {k: np.array(v[:cut]) for k, v in feed.items()}
             outputs = [np.array(o[:cut]) for o in outputs]
