@@ -92,8 +92,21 @@ def test_no_data_is_said_not_measured(tmp_path):
     config = onnxq.compose_config("W8_DYNAMIC", None, {"calibration": {"measure_latency": True}})
     result = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), tmp_path / "q.onnx", config, None, progress=False)
     assert result.summary.latency is None
-    assert "latency not measured: it runs both models on the first calibration sample; pass --calib-data" \
+    assert "latency not measured: it runs both models on the first calibration sample; pass calibration_data" \
         in result.summary.note_texts
+
+
+def test_notes_name_the_python_argument_in_python_and_the_flag_on_the_command_line(tmp_path, capsys):
+    """A summary note says what a Python caller passes (calibration_data); the CLI prints
+    the same note with the flag its user types (--calib-data PATH)."""
+    from onnxq.cli import main
+
+    code = main(["quantize", str(MODELS / "digits_cnn.onnx"), str(tmp_path / "q.onnx"), "--preset", "W8_DYNAMIC",
+                 "--latency"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "latency not measured: it runs both models on the first calibration sample; pass --calib-data PATH" in out
+    assert "calibration_data" not in out
 
 
 def test_a_fixed_batch_model_is_timed_at_its_batch(tmp_path):

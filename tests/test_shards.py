@@ -238,8 +238,8 @@ def test_an_accuracy_target_raising_layers_to_float_from_stats_files(tmp_path):
     stats = str(calibrate_shard(model, tmp_path / "t.npz", target, data, "1/1", progress=False).path)
     reused = onnxq.quantize(model, None, {**target, "calibration": {"stats": [stats]}}, data, progress=False)
     assert reused.model.SerializeToString() == direct.model.SerializeToString()
-    assert any("calibrated on --calib-data" in n for n in reused.summary.note_texts)
-    with pytest.raises(CalibrationDataError, match="pass --calib-data as well"):
+    assert any("calibrated on the calibration data" in n for n in reused.summary.note_texts)
+    with pytest.raises(CalibrationDataError, match="pass calibration_data as well"):
         onnxq.quantize(model, None, {**target, "calibration": {"stats": [stats]}}, None, progress=False)
 
 

@@ -58,7 +58,8 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 # A Python argument an error names ("pass calibration_data (...)") -> the flag that gives it.
 ARGUMENT_FLAGS: tuple[tuple[str, str], ...] = (("calibration_data", "--calib-data PATH"),
-                                               ("calibration.text", "--calib-text FILE"))
+                                               ("calibration.text", "--calib-text FILE"),
+                                               ("mixed_precision.eval_data", "--eval-data PATH"))
 
 
 def spec_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -144,6 +145,15 @@ def _flags_at(where: str) -> list[tuple[str, str]]:
     return [(_option(flag), path[-1]) for flag, path in FLAG_PATHS if where in _where(path)]
 
 
+def in_cli_words(text: str) -> str:
+    """The Python API's words for its arguments, in an error or a summary note ("pass
+    calibration_data (...)"), as the flags that give them ("pass --calib-data PATH"): the
+    library says what a Python caller passes, the command line what its user types."""
+    for python, flag in ARGUMENT_FLAGS:
+        text = re.sub(rf"\b(pass|or) {re.escape(python)}(?: \([^)]*\))?", rf"\1 {flag}", text)
+    return text
+
+
 def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     """A config error the flags caused, in the flags' words: `invalid batch_size 0 in
     calibration` for `--batch-size 0` reads `invalid --batch-size 0 in calibration`. In the
@@ -153,8 +163,7 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     "remove FIELD" of a renamed field and "use FIELD VALUE" of a field a flag sets there.
     The layer's "options: " prefix goes (on the command line the overrides are the flags);
     an error of another source passes unchanged."""
-    for python, flag in ARGUMENT_FLAGS:  # the Python API's words, in any error
-        message = re.sub(rf"\b(pass|or) {re.escape(python)}(?: \([^)]*\))?", rf"\1 {flag}", message)
+    message = in_cli_words(message)
     prefix = OVERRIDES_SOURCE + ": "
     if not message.startswith(prefix):
         return message

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from onnxq.cli.arguments import check_counts
-from onnxq.cli.flags import add_config_flags, spec_overrides
+from onnxq.cli.flags import add_config_flags, in_cli_words, spec_overrides
 from onnxq.config import save_config
 from onnxq.config.compose import ConfigSources, compose_config
 from onnxq.config.defaults import default_preset
@@ -66,7 +66,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         mp = result.summary.mixed_precision
         save_config(for_reuse(mp.config if mp is not None else result.config), args.save_config)
     if not args.quiet:
-        print(format_summary(result.summary))
+        print(in_cli_words(format_summary(result.summary)))
         if args.save_config:
             print(f"  config written to {args.save_config}")
         if args.report:

@@ -199,10 +199,10 @@ def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSourc
             return 0, f"output check skipped: {refusal(access)} (the data is a {type(data.source).__name__})"
         if asked and access is Access.NONE:  # asked for, with no data to run: say so
             return 0, (f"output check skipped: --check-samples {asked} (calibration.check_samples) runs on "
-                       "calibration samples, and none were given; pass --calib-data")
+                       "calibration samples, and none were given; pass calibration_data")
         if ranges_from and asked is None and access is Access.NONE:
             return 0, (f"output check skipped: the activations' ranges came from {ranges_from}, with no samples "
-                       "to run; pass --calib-data as well to check the output against float")
+                       "to run; pass calibration_data as well to check the output against float")
         return 0, None
     if asked is not None:
         return asked, None

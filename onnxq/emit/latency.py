@@ -273,7 +273,7 @@ def measure_latency(source: str | os.PathLike | bytes | ir.Model, quantized: ir.
         source = source.SerializeToString()
     access = data_access(data)
     if access is Access.NONE:
-        return "latency not measured: it runs both models on the first calibration sample; pass --calib-data"
+        return "latency not measured: it runs both models on the first calibration sample; pass calibration_data"
     if not access.rereadable:
         return f"latency not measured: {refusal(access)}"
     try:

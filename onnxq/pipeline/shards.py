@@ -50,7 +50,7 @@ def _calibration_requests(ready: Prepared) -> tuple[dict[str, Any], list[Statist
     if not tensors and not statistics:
         raise ConfigError("this config takes nothing from the data in the calibration pass (weight-only, or "
                           "algorithms that read the data themselves such as gptq with true_sequential), so "
-                          "shards would be empty: quantize with --calib-data instead")
+                          "shards would be empty: quantize without shards instead; pass calibration_data")
     return tensors, statistics
 
 

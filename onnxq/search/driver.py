@@ -62,7 +62,7 @@ def _eval_set(mp: MixedPrecisionConfig, calibration_data: Any, custom: bool, mod
     if mp.eval_data is None:
         what = "ranked" if custom else "ranked and scored"
         note = (f"no eval_data given: layers were {what} on the calibration data "
-                "(pass --eval-data for a held-out set)")
+                "(pass mixed_precision.eval_data for a held-out set)")
         return load_eval_set(calibration_data, mp.labels, mp.max_samples, model, providers), [note]
     return load_eval_set(mp.eval_data, mp.labels, mp.max_samples, model, providers), []
 
@@ -168,7 +168,7 @@ def quantize_to_target(
         check_output_path(output, model if isinstance(model, str | os.PathLike) else None)
     if calibration_data is None and mp.eval_data is None:
         raise CalibrationDataError("an accuracy target needs data to rank layers and score models; pass "
-                                   "--eval-data PATH (or --calib-data)")
+                                   "mixed_precision.eval_data (or calibration_data)")
     source = CalibrationSource(calibration_data)
     access = data_access(source)
     if calibration_data is not None and not access.rereadable:
@@ -235,9 +235,9 @@ def quantize_to_target(
         if calibration_data is None:
             raise CalibrationDataError(
                 f"the accuracy target raises {len(to_float)} layers to a float type, and the final model then "
-                "calibrates other tensors than the statistics files hold: pass --calib-data as well")
+                "calibrates other tensors than the statistics files hold: pass calibration_data as well")
         final_config = with_calibration(final_config, stats=None)
-        said.append("accuracy target: the final model, with layers raised, is calibrated on --calib-data "
+        said.append("accuracy target: the final model, with layers raised, is calibrated on the calibration data "
                      "(the statistics files hold the first model's plan)")
     if config.calibration.measure_latency:  # measured once, on the model returned (not on every trial)
         final_config = with_calibration(final_config, measure_latency=True)
