@@ -41,6 +41,10 @@ class MixedPrecisionSummary:
     scored_on: str = "the eval data"  # what the scores were measured on
     rungs: list[dict[str, Any]] = field(default_factory=list)  # algorithm rungs tried (`search/climb.py`)
     algorithm_score: float | None = None  # all quantized, after the kept algorithm rungs
+    # Where the target is not met: the best score any model scored, and the model written
+    # in words (the best, or the cheapest as good within the noise: `search/unmet.py`)
+    best_score: float | None = None
+    written: str = ""
 
 
 @dataclass

@@ -269,7 +269,8 @@ def _mixed_precision_section(data: dict[str, Any]) -> str:
         ("target", "target"), ("met", "met"), ("threshold", "threshold"),
         ("float score", "float_score"), ("all quantized score", "base_score"),
         ("after algorithm rungs", "algorithm_score"),
-        ("final score", "final_score"), ("ranked layers", "ranked_layers"),
+        ("final score", "final_score"), ("best score (target not met)", "best_score"),
+        ("written (target not met)", "written"), ("ranked layers", "ranked_layers"),
         ("models scored", "evaluations"), ("size before", "size_before"),
         ("size after", "size_after"), ("latency before (batch 1)", "latency_ms_before"),
         ("latency after (batch 1)", "latency_ms_after"), ("search time", "seconds")])

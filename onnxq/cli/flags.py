@@ -348,5 +348,6 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
                         "sensitive layer may be raised to (int16, fp16, bf16, float); default: "
                         + " ".join(DEFAULT_LADDER))
     q.add_argument("--rung-min-gain", type=float, metavar="X",
-                   help="the least score gain that keeps an algorithm rung, in the metric's units (0: any gain); "
+                   help="the least score gain that keeps an algorithm rung, in the metric's units (0: any gain), "
+                        "and that makes a costlier model better where no model meets the target; "
                         "default: a gain beyond its standard error over the eval samples")

@@ -74,7 +74,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     elif (mp := result.summary.mixed_precision) is not None and not mp.met:
         # the one line --quiet keeps: a pipeline must see that the model it got misses the target
         print(f"onnxq: warning: accuracy target {mp.target} NOT met on {mp.scored_on} (final {mp.final_score:.4g}, "
-              f"float {mp.float_score:.4g}); the best model found was written", file=sys.stderr)
+              f"float {mp.float_score:.4g}); written: {mp.written}", file=sys.stderr)
     return 0
 
 

@@ -262,7 +262,8 @@ class MixedPrecisionConfig:
       activations, fp16, bf16, float: the most sensitive layers raised).
     eval_data: the labelled evaluation set (.npz, .npy or a folder; default: the
       calibration data); labels: its array of class labels (top1).
-    rung_min_gain: the least gain (in the metric's units) that keeps an algorithm rung;
+    rung_min_gain: the least gain (in the metric's units) that keeps an algorithm rung, and
+      that makes a costlier model better where none meets the target (`search/unmet.py`);
       None: a gain beyond its standard error over the eval samples (`search/gain.py`).
     """
 

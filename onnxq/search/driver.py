@@ -13,6 +13,8 @@
    calibration.
 6. The result is an ordinary config (node overrides, opset pinned): the final model is
    quantized from it, so saving that config and running it again gives the same bytes.
+   Where no model meets the target, it is the best model scored, or the cheapest as good
+   within the eval set's noise (`unmet.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -46,11 +49,13 @@ from onnxq.search.sensitivity import impact_order, layers_to_measure
 from onnxq.search.target import (
     SELF_SCORE,
     EvalSet,
+    Scored,
     float_score,
     load_eval_set,
     measurer,
     parse_target,
 )
+from onnxq.search.unmet import Candidate, Choice, choose_unmet, raised_words
 
 # Layers ranked on at most this many samples (one analysis pass).
 SENSITIVITY_SAMPLES = 64
@@ -214,18 +219,25 @@ def quantize_to_target(
             rungs = [r for r in rungs if effective({n: r for n, _ in order}, base.plan)]
 
     bar = _progress_bar(progress, len(order))
+    trial_scores: list[Scored] = []  # each trial's, in the order `bisect_promotions` records them
 
     def score_of(promotions: dict[str, str]) -> float:
         raised = with_promotions(base_config, effective(promotions, base.plan))  # as the result will be
-        value = score(deployed_session(state.emit(raised), providers))
+        trial_scores.append(measure(deployed_session(state.emit(raised), providers)))
         bar.update(1)
-        bar.set_postfix_str(f"{len(promotions)} raised: {value:.4g}")
-        return value
+        bar.set_postfix_str(f"{len(promotions)} raised: {trial_scores[-1].value:.4g}")
+        return trial_scores[-1].value
 
     try:
         outcome = bisect_promotions([name for name, _ in order], rungs, score_of, met, climbed_score)
     finally:
         bar.close()
+    choice = None
+    if not outcome.met:  # the best model scored, not the first one (`unmet.py`)
+        writable = partial(_writable, config=base_config, calibration_data=calibration_data)
+        choice = choose_unmet(_candidates(climb, order, outcome.trials, trial_scores, base.plan, writable),
+                              target.higher_is_better, mp.rung_min_gain)
+        outcome.promotions = choice.written.promotions
     outcome.promotions = effective(outcome.promotions, base.plan)  # the same model, the no-ops left out
     final_config = with_promotions(base_config, outcome.promotions)
     to_float = [name for name, rung in outcome.promotions.items() if rung not in ("int8", "int16")]  # float types
@@ -274,6 +286,8 @@ def quantize_to_target(
         config=final_config,
         scored_on=("the eval data" if mp.eval_data is not None else
                    "the custom evaluate" if evaluate is not None else "the calibration data"),
+        best_score=None if choice is None else choice.best.scored.value,
+        written="" if choice is None else choice.written.what,
     )
     result.config = final_config  # what ran: the report's settings, --save-config
     result.summary.notes.extend(notes(Topic.SEARCH, said))
@@ -289,6 +303,40 @@ def quantize_to_target(
         else:
             how = ("by the algorithm rungs, and the ladder has no precision rung for this recipe (int8 for 4-bit "
                    "weights, int16, fp16, bf16, float)")
-        result.summary.notes.append(Note(Topic.SEARCH, f"accuracy target {target.describe()} not met {how}; the "
-                                         "best all-quantized model is kept"))
+        result.summary.notes.append(Note(Topic.SEARCH, f"accuracy target {target.describe()} not met {how}; "
+                                         + _written_words(choice, final_score, mp.rung_min_gain)))
     return result
+
+
+def _writable(rung: str, config: Config, calibration_data: Any) -> bool:
+    """Whether the search can write a model with layers raised to `rung`: raised to a
+    float type, it calibrates other tensors than statistics files hold (`--stats`), which
+    needs the calibration data."""
+    return rung in ("int8", "int16") or calibration_data is not None or not config.calibration.stats
+
+
+def _candidates(climb: Any, order: list[tuple[str, float]], trials: list[Any], scores: list[Any], plan: Any,
+                writable: Any) -> list[Candidate]:
+    """What a search that missed its target may write, cheapest first (`unmet.py`): the
+    all-quantized model after the kept algorithm rungs, then each trial it can write, in
+    the ladder's order (`trials` and their `scores` as the bisection recorded them)."""
+    kept = [t.rung for t in climb.trials if t.kept]
+    found = [Candidate("the all-quantized model" + (f" with {', '.join(kept)}" if kept else ""), {}, climb.scored)]
+    names = [name for name, _ in order]
+    for trial, scored in zip(trials, scores, strict=True):
+        promotions = {name: trial.rung for name in names[:trial.promoted]}
+        if writable(trial.rung):
+            words = raised_words(trial.rung, len(effective(promotions, plan)), len(names), trial.promoted)
+            found.append(Candidate(words, promotions, scored))
+    return found
+
+
+def _written_words(choice: Choice, final_score: float, min_gain: float | None) -> str:
+    """What a search that missed its target wrote, for its note: the best score reached, by
+    which model, and the model written where it is another (as good within the eval set's
+    noise, or `rung_min_gain`, and cheaper: `unmet.py`)."""
+    if choice.written is choice.best:
+        return f"the best score reached is {final_score:.4g}, by {choice.best.what}, and that model is written"
+    within = "the eval set's noise" if min_gain is None else f"rung_min_gain {min_gain:g}"
+    return (f"the best score reached is {choice.best.scored.value:.4g}, by {choice.best.what}; written: "
+            f"{choice.written.what}, {final_score:.4g}, as good within {within} and cheaper")
