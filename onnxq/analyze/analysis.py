@@ -29,10 +29,16 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from onnxq.analyze.accumulate import AgreementStats, ErrorStats, RangeStats
-from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
+from onnxq.analyze.impact import (
+    IMPACT_OUTPUT_BYTES,
+    IMPACT_SAMPLES,
+    impact_order,
+    layers_to_measure,
+)
+from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers, with_only
 from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
 from onnxq.analyze.rescaled import rescaled_layers
-from onnxq.calibrate.data import feed_rows, iter_batches
+from onnxq.calibrate.data import CalibrationSource, feed_rows, iter_batches
 from onnxq.calibrate.decoder import decoder_feeds, result_outputs
 from onnxq.calibrate.session import check_providers, exposed_session, run_on_data
 from onnxq.errors import ModelError
@@ -40,7 +46,7 @@ from onnxq.evaluate import check_same_shape, deployed_options, deployed_session,
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
 from onnxq.graph.quantized import describe, integer_kernel, quantized_ops
-from onnxq.graph.save import write_text_atomic
+from onnxq.graph.save import weight_bytes, write_text_atomic
 
 ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model
 
@@ -73,7 +79,12 @@ class LayerReport:
     prefix_sqnr_db: float | None
     prefix_cosine: float | None
     relative_noise: float  # noise / signal of the layer alone
-    channel_noise: float  # mean over channels of noise / signal, alone: the sensitivity ranking key
+    # mean over its output channels of each channel's noise / signal, alone ('ch noise'):
+    # the order of the layers the output ranking did not measure
+    channel_noise: float
+    # SQNR of the model's first output with this layer alone quantized ('output dB'): the
+    # ranking key (`impact.py`, the accuracy search's rule); None where not measured
+    output_sqnr_db: float | None = None
 
 
 @dataclass
@@ -152,12 +163,15 @@ def analyze_models(
 
     `normalised`: `float_model` is the model the quantizer emitted from (after its
     passes), so tensors rescaled by a pass (CLE) still match by name. `layers_only`:
-    measure only the layers alone (one session; what a sensitivity ranking needs).
+    measure only the layers alone (one session; what a sensitivity ranking needs), in the
+    order of their channels' noise; otherwise the layers are ranked by what each alone does
+    to the model's output (`impact.py`), re-reading the first IMPACT_SAMPLES samples.
     """
     providers = check_providers(providers or ["CPUExecutionProvider"])
     data = decoder_feeds(float_model, data, providers, decode_steps=0)  # an LLM's token windows: its full feeds
     quant = read_model(quant_model)
     reference = _float_reference(float_model, quant, normalised)
+    pristine = None if layers_only else reference.clone()  # the float model for the output ranking
     swapped = None if normalised else quantized_ops(reference)  # before the isolated layers are added to it
     if not normalised and not quantized_ops(quant):  # nothing to measure per layer or tensor
         raise ModelError(("the arguments look swapped: the first model is quantized, the second is not; give the float "
@@ -243,9 +257,59 @@ def analyze_models(
     layer_reports = [_layer_report(i, own[i.layer.name], prefix[i.layer.name]) for i in isolated]
     tensor_reports.sort(key=lambda t: (t.sqnr_db, t.name))
     layer_reports.sort(key=lambda r: (-r.channel_noise, r.name))
+    if pristine is not None and layer_reports:
+        if _rereadable(data):
+            layer_reports = _by_output(layer_reports, pristine, quant, data, providers, batch_size,
+                                       max_samples, progress)
+        else:
+            notes.append("layers ranked by their channels' noise, not by the output: the data can be read only "
+                         "once (pass a path, a dict of arrays or a list of feeds)")
     outputs = [OutputReport(n, e.sqnr_db, e.cosine, e.max_abs, agreement[n].rate)
                for n, e in out_err.items() if e.count]
     return Analysis(samples, tensor_reports, layer_reports, outputs, notes)
+
+
+def _rereadable(data: Any) -> bool:
+    """Whether `data` can be read again after the analysis's pass."""
+    return (data if isinstance(data, CalibrationSource) else CalibrationSource(data)).replayable
+
+
+def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Model, data: Any,
+               providers: list[str], batch_size: int, max_samples: int | None,
+               progress: bool | None) -> list[LayerReport]:
+    """`reports` (in their channels' noise order) ranked by what each layer alone does to
+    the first output (`impact.impact_order`, as the accuracy search ranks them: the model
+    with only that layer quantized, `isolate.with_only`, on the first IMPACT_SAMPLES
+    samples in a default session), with each measured layer's `output_sqnr_db` set."""
+    by_name = {r.name: r for r in reports}
+    found = {layer.name: layer for layer in layers(quant)}
+    samples = min(max_samples or IMPACT_SAMPLES, IMPACT_SAMPLES)
+    names = [r.name for r in reports]
+    limit = layers_to_measure(weight_bytes(float_model))
+    bar = tqdm(total=min(limit, len(names)), desc="rank layers", unit="layer", leave=False,
+               disable=True if progress is False else None)
+
+    def first_output(session: Any) -> np.ndarray:
+        name, got = session.get_outputs()[0].name, []
+        for feed in iter_batches(data, session_inputs(session), batch_size, samples, kind="evaluation"):
+            got.append(session.run([name], feed)[0])
+            if sum(g.nbytes for g in got) >= IMPACT_OUTPUT_BYTES:  # an LLM's logits: 50 MB a window
+                break
+        return np.concatenate(got)
+
+    def session_with_only(name: str) -> Any:
+        bar.update(1)
+        return deployed_session(with_only(float_model, quant, found[name]), providers)
+
+    try:
+        order = impact_order(names, names, first_output, deployed_session(float_model, providers),
+                             session_with_only, limit)
+    finally:
+        bar.close()
+    for name, noise in order:
+        if not math.isnan(noise):
+            by_name[name].output_sqnr_db = -10.0 * math.log10(noise) if noise > 0 else math.inf
+    return [by_name[name] for name, _ in order]
 
 
 def _tensor_report(a: QuantizedActivation, err: ErrorStats, rng: RangeStats) -> TensorReport:
@@ -291,6 +355,16 @@ def _fmt_db(x: float | None) -> str:
     return "inf" if math.isinf(x) else f"{x:.1f}"
 
 
+def _layer_order(a: Analysis) -> str:
+    """What the layer table is sorted by, in words."""
+    measured = sum(r.output_sqnr_db is not None for r in a.layers)
+    if not measured:
+        return "by ch noise, the mean over output channels of noise/signal with the layer alone quantized"
+    rest = "" if measured == len(a.layers) else f" ({measured} measured; the rest by ch noise)"
+    return ("by output dB, the SQNR of the model's first output with only that layer quantized, as the accuracy "
+            f"search ranks them{rest}")
+
+
 def format_analysis(a: Analysis, top: int = 15) -> str:
     """The worst layers and tensors first, as a terminal table."""
     lines = [f"analysed on {a.samples} samples ({a.method})"]
@@ -298,13 +372,14 @@ def format_analysis(a: Analysis, top: int = 15) -> str:
     for o in a.outputs:
         extra = f", top-1 agreement {o.top1_agreement:.2%}" if o.top1_agreement is not None else ""
         lines.append(f"output {o.name}: SQNR {_fmt_db(o.sqnr_db)} dB, cosine {o.cosine:.5f}{extra}")
-    lines.append(f"layers, most sensitive first: mean noise/signal of their channels, alone "
-                 f"({min(top, len(a.layers))} of {len(a.layers)}):")
+    lines.append(f"layers, most sensitive first ({min(top, len(a.layers))} of {len(a.layers)}): {_layer_order(a)}")
     w = _name_width([r.name for r in a.layers[:top]])
-    lines.append(f"  {'layer':<{w}} {'op':<14} {'ch noise':>9} {'alone dB':>9} {'w/ prefix dB':>13} {'cosine':>9}")
+    lines.append(f"  {'layer':<{w}} {'op':<14} {'output dB':>9} {'alone dB':>9} {'w/ prefix dB':>13} {'ch noise':>9} "
+                 f"{'cosine':>9}")
     for r in a.layers[:top]:
-        lines.append(f"  {tail_name(r.name, w):<{w}} {r.op_type:<14} {r.channel_noise:>9.3g} "
-                     f"{_fmt_db(r.own_sqnr_db):>9} {_fmt_db(r.prefix_sqnr_db):>13} {r.own_cosine:>9.5f}")
+        lines.append(f"  {tail_name(r.name, w):<{w}} {r.op_type:<14} {_fmt_db(r.output_sqnr_db):>9} "
+                     f"{_fmt_db(r.own_sqnr_db):>9} {_fmt_db(r.prefix_sqnr_db):>13} {r.channel_noise:>9.3g} "
+                     f"{r.own_cosine:>9.5f}")
     lines.append(f"tensors, worst first ({min(top, len(a.tensors))} of {len(a.tensors)}):")
     w = _name_width([t.name for t in a.tensors[:top]])
     lines.append(f"  {'tensor':<{w}} {'dB':>6} {'cosine':>9} {'max err':>9} {'used range':>22} "

@@ -172,16 +172,20 @@ def _layers_chart(layers: list[dict[str, Any]]) -> str:
     fig = _figure_class()(figsize=(8, 1.2 + 0.3 * len(worst)))
     ax = fig.add_subplot()
     ys = range(len(worst))
-    ax.barh([y - 0.2 for y in ys], [_nan(r["own_sqnr_db"]) for r in worst], 0.4, label="alone")
-    ax.barh([y + 0.2 for y in ys], [_nan(r["prefix_sqnr_db"]) for r in worst], 0.4,
-            label="with prefix")
+    bars = [("output, layer alone", "output_sqnr_db"), ("alone", "own_sqnr_db"), ("with prefix", "prefix_sqnr_db")]
+    bars = [b for b in bars if b[1] != "output_sqnr_db" or any(r.get(b[1]) is not None for r in worst)]
+    height = 0.8 / len(bars)
+    for i, (label, key) in enumerate(bars):
+        ax.barh([y + (i - (len(bars) - 1) / 2) * height for y in ys], [_nan(r.get(key)) for r in worst], height,
+                label=label)
     ax.set_yticks(list(ys), [_label(r["name"]) for r in worst], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("SQNR (dB), higher is better")
-    ax.legend(fontsize=8, ncols=2, loc="lower left", bbox_to_anchor=(0, 1))
+    ax.legend(fontsize=8, ncols=len(bars), loc="lower left", bbox_to_anchor=(0, 1))
     ax.grid(axis="x", alpha=0.3)
-    return _figure(_svg(fig, "layers-"), f"SQNR of the {len(worst)} most sensitive layers, "
-                   "quantized alone and with every earlier layer quantized too.")
+    output = "the model's output with the layer alone quantized (the ranking), " if len(bars) == 3 else ""
+    return _figure(_svg(fig, "layers-"), f"SQNR of the {len(worst)} most sensitive layers: {output}"
+                   "the layer's own output quantized alone and with every earlier layer quantized too.")
 
 
 def _ranges_chart(tensors: list[dict[str, Any]]) -> str:
@@ -251,9 +255,9 @@ def _analysis_sections(data: dict[str, Any]) -> list[str]:
                                           ("top-1 agreement", "top1_agreement")])
                + (f"<ul>{notes}</ul>" if notes else ""))
     layers = (_layers_chart(data["layers"]) if data["layers"] else "") + _table(
-        data, "layers", [("layer", "name"), ("op", "op_type"), ("alone dB", "own_sqnr_db"),
-                         ("with prefix dB", "prefix_sqnr_db"), ("cosine", "own_cosine"),
-                         ("channel noise", "channel_noise")])
+        data, "layers", [("layer", "name"), ("op", "op_type"), ("output dB", "output_sqnr_db"),
+                         ("alone dB", "own_sqnr_db"), ("with prefix dB", "prefix_sqnr_db"),
+                         ("channel noise", "channel_noise"), ("cosine", "own_cosine")])
     tensors = _table(data, "tensors", [
         ("tensor", "name"), ("dtype", "dtype"), ("dB", "sqnr_db"), ("cosine", "cosine"),
         ("max err", "max_abs_error"), ("used range", "used_range"),

@@ -129,3 +129,18 @@ def add_isolated_layers(
             continue
         isolated.append(IsolatedLayer(layer, out.name, reference))
     return isolated, skipped
+
+
+def with_only(float_model: ir.Model, quant_model: ir.Model, layer: Layer) -> ir.Model | None:
+    """A copy of `float_model` in which `layer` alone is quantized: its isolated copy
+    (`add_isolated_layers`) feeds every reader of its float output, graph outputs included,
+    so the rest of the network runs in float on its error (`impact.py`); None where the
+    layer cannot be isolated."""
+    model = float_model.clone()
+    isolated, _ = add_isolated_layers(model, quant_model, [layer])
+    if not isolated:
+        return None
+    values = values_by_name(model.graph)
+    values[isolated[0].reference].replace_all_uses_with(values[isolated[0].output], replace_graph_outputs=True)
+    model.graph.sort()  # the copy was appended after the nodes that now read it
+    return model

@@ -1,0 +1,114 @@
+"""`onnxq analyze` ranks layers by what each alone does to the model's output, the rule the
+accuracy search ranks them by (`analyze/impact.py`), not by their own channels' noise,
+which a layer whose damage the rest of the network drops can top."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from helpers import GraphBuilder, random_feeds, sqnr_db, stack_feeds
+
+from onnxq.analyze import analyze_models, format_analysis
+from onnxq.config.compose import compose_config
+from onnxq.quantize import quantize
+
+SAMPLES = 32  # impact.IMPACT_SAMPLES: the output ranking's samples
+
+
+def _masked_channel_model() -> tuple[onnx.ModelProto, str, str]:
+    """Two 1x1 convolutions. The first's output channel 3 is 1000x smaller than the others:
+    its per-tensor uint8 output grid rounds that channel away (its channels' mean noise is
+    the larger), but the second conv reads channel 3 with zero weights, so none of that
+    reaches the output. The second conv gets 3-bit weights: little noise per channel, all
+    of it in the output."""
+    b = GraphBuilder(3)
+    x = b.input("x", ["N", 4, 8, 8])
+    w_a = b.he((4, 4, 1, 1), 4)
+    w_a[3] *= 1e-3
+    a = b.node("Conv", [x, b.const("w_a", w_a), b.const("b_a", np.zeros(4, np.float32))], kernel_shape=[1, 1])
+    w_b = b.he((4, 4, 1, 1), 4)
+    w_b[:, 3] = 0.0
+    y = b.node("Conv", [a, b.const("w_b", w_b), b.const("b_b", np.zeros(4, np.float32))], kernel_shape=[1, 1])
+    model = b.build([y], name="masked_channel")
+    first, second = (n.name for n in model.graph.node)
+    return model, first, second
+
+
+@pytest.fixture(scope="module")
+def masked(tmp_path_factory):
+    model, first, second = _masked_channel_model()
+    folder = tmp_path_factory.mktemp("ranking")
+    onnx.save(model, folder / "m.onnx")
+    overrides = {"layer_quant_config": {second: {"weight": {"bits": 3}}}}
+    calib = stack_feeds(random_feeds(model, 64, 0))
+    quantize(folder / "m.onnx", folder / "q.onnx", compose_config("U8S8", None, overrides), calib, progress=False)
+    data = stack_feeds(random_feeds(model, 48, 1))
+    return folder, overrides, calib, data, first, second
+
+
+def _output_sqnr(folder, quantized, data) -> float:
+    feeds = {k: v[:SAMPLES] for k, v in data.items()}
+    outs = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+            for p in (folder / "m.onnx", quantized)]
+    return sqnr_db(*outs)
+
+
+def test_layers_rank_by_the_output_damage_not_their_channels_noise(masked, tmp_path):
+    folder, overrides, calib, data, first, second = masked
+    analysis = analyze_models(folder / "m.onnx", folder / "q.onnx", data, progress=False)
+    rows = {r.name: r for r in analysis.layers}
+    assert rows[first].channel_noise > 5 * rows[second].channel_noise  # what ranked it first before
+    assert [r.name for r in analysis.layers] == [second, first]
+    assert rows[second].output_sqnr_db < rows[first].output_sqnr_db - 10
+
+    # 'output dB' is the output SQNR of the model with that layer alone quantized: the other
+    # one kept float (excluded) gives it, on the same samples, in a default session
+    for layer, other in ((second, first), (first, second)):
+        alone = tmp_path / f"{other}_float.onnx"
+        config = compose_config("U8S8", None, {**overrides, "exclude": [other]})
+        quantize(folder / "m.onnx", alone, config, calib, progress=False)
+        assert rows[layer].output_sqnr_db == pytest.approx(_output_sqnr(folder, alone, data), abs=0.5)
+    # and so the top row is the layer to raise: the model with it float is much the better
+    assert _output_sqnr(folder, tmp_path / f"{second}_float.onnx", data) > (
+        _output_sqnr(folder, tmp_path / f"{first}_float.onnx", data) + 10)
+
+    text = format_analysis(analysis)
+    assert "by output dB, the SQNR of the model's first output with only that layer quantized" in text
+    header = next(line for line in text.splitlines() if "alone dB" in line).split()
+    assert header[2:] == ["output", "dB", "alone", "dB", "w/", "prefix", "dB", "ch", "noise", "cosine"]
+
+
+def test_analyze_and_the_search_rank_alike(masked):
+    """One rule: the search's ranking (emitted from its calibrated state) and analyze's
+    (from the written model) put the layers in the same order, with the same noise."""
+    from onnxq.evaluate import deployed_session
+    from onnxq.pipeline.run import run_pipeline
+    from onnxq.search.driver import sensitivity_order
+    from onnxq.search.target import EvalSet
+
+    folder, overrides, calib, data, first, second = masked
+    config = compose_config("U8S8", None, overrides)
+    base = run_pipeline(str(folder / "m.onnx"), None, config, calib, False, keep_state=True)
+    float_session = deployed_session(base.state.float_model, ["CPUExecutionProvider"])
+    searched = sensitivity_order(base, config, EvalSet(data, None, None), float_session, "float", False)
+    analysed = analyze_models(folder / "m.onnx", folder / "q.onnx", data, progress=False).layers
+    assert [n for n, _ in searched] == [r.name for r in analysed] == [second, first]
+    for (_, noise), row in zip(searched, analysed, strict=True):
+        assert -10 * np.log10(noise) == pytest.approx(row.output_sqnr_db, abs=0.05)
+
+
+def test_without_the_output_ranking_layers_keep_their_channels_order(masked):
+    """The search's own pass (layers_only) and data that can be read once keep the order of
+    the channels' noise, and say which order it is."""
+    folder, _, _, data, first, second = masked
+    quick = analyze_models(folder / "m.onnx", folder / "q.onnx", data, progress=False, layers_only=True)
+    assert [r.name for r in quick.layers] == [first, second]
+    assert all(r.output_sqnr_db is None for r in quick.layers)
+
+    once = (dict(feed) for feed in [{k: v[i:i + 8] for k, v in data.items()} for i in range(0, 48, 8)])
+    analysis = analyze_models(folder / "m.onnx", folder / "q.onnx", once, progress=False)
+    assert [r.name for r in analysis.layers] == [first, second]
+    assert any("can be read only once" in n for n in analysis.notes)
+    assert "by ch noise, the mean over output channels" in format_analysis(analysis)
