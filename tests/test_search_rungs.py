@@ -39,10 +39,17 @@ def test_skip_reasons_and_applied_recipes():
     assert "target adds it" in R.skip_reason(rungs["bias_correction"], per_tensor, convs)
     assert R.skip_reason(rungs["bias_correction"], per_tensor, {"MatMul", "Add"}) is None
     assert "no quantized Conv" in R.skip_reason(rungs["bias_correction"], per_tensor, {"Add"})
-    assert R.skip_reason(rungs["per_channel"], per_tensor, convs) is None
-    raised = R.with_rung(per_tensor, rungs["per_channel"])
+    # per-tensor weights asked for are kept (a deployment's choice); per-tensor by default
+    # (no qscheme named) are what the rung is for
+    assert R.skip_reason(rungs["per_channel"], per_tensor, convs) == ("the recipe asks for per-tensor weights "
+                                                                     "(qscheme: per_tensor)")
+    unnamed = compose_config("U8S8", None, {"global_quant_config": {"weight": {"qscheme": None}}})
+    assert R.skip_reason(rungs["per_channel"], unnamed, convs) is None
+    raised = R.with_rung(unnamed, rungs["per_channel"])
     assert raised.global_quant_config.weight.qscheme.value == "per_channel"
     assert R.skip_reason(rungs["per_channel"], raised, convs) == "the weights are not per-tensor"
+    fp16 = compose_config("FP16", None, {})
+    assert R.skip_reason(rungs["per_channel"], fp16, {"Conv"}) == "the weights are not per-tensor"
     smooth = R.with_rung(per_tensor, rungs["smoothquant"])
     assert [p["name"] for p in smooth.pre_quant_opt_config] == ["cle", "smoothquant"]
     assert per_tensor.pre_quant_opt_config[-1]["name"] == "cle"  # the input config is not changed
@@ -82,9 +89,39 @@ def _producer(model: onnx.ModelProto, name: str) -> str:
     return next((n.op_type for n in model.graph.node if name in n.output), "")
 
 
+def _conv_weight_scales(path: Path) -> list[int]:
+    """The number of scales of each Conv's weight DequantizeLinear (1: per-tensor)."""
+    model = onnx.load(str(path))
+    inits = {t.name: t for t in model.graph.initializer}
+    dq = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    return [int(np.prod(inits[dq[n.input[1]].input[1]].dims)) for n in model.graph.node if n.op_type == "Conv"]
+
+
+def test_per_tensor_weights_asked_for_are_kept_and_by_default_are_tried(tmp_path, capsys):
+    """--per-tensor (a deployment's choice: an integer-only NPU) is not undone by the
+    per_channel rung, even where per-channel would score better and the target is missed;
+    weights per-tensor only because the recipe names no qscheme get the rung."""
+    common = ["--calib-data", str(MODELS / "digits_calib.npz"), "--weight-bits", "4", "--eval-data",
+              str(MODELS / "digits_eval.npz"), "--accuracy-target", "sqnr>=200", "--ladder", "per_channel"]
+    asked = tmp_path / "asked.onnx"
+    assert main(["quantize", str(MODELS / "digits_cnn.onnx"), str(asked), "--per-tensor", *common]) == 0
+    out = capsys.readouterr().out
+    assert "rung per_channel: not tried: the recipe asks for per-tensor weights (qscheme: per_tensor)" in out
+    assert set(_conv_weight_scales(asked)) == {1}
+
+    (tmp_path / "unnamed.yaml").write_text("global_quant_config: {weight: {qscheme: null}}\n")
+    unnamed = tmp_path / "unnamed.onnx"
+    assert main(["quantize", str(MODELS / "digits_cnn.onnx"), str(unnamed), "--config",
+                 str(tmp_path / "unnamed.yaml"), *common]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "rung per_channel:" in x)
+    assert ", kept," in line, line  # per-channel 4-bit weights beat per-tensor ones beyond the noise
+    assert max(_conv_weight_scales(unnamed)) > 1
+
+
 def test_a_rung_that_does_not_help_is_dropped():
     """The climb keeps a rung only where the score improves, and stops once the target is met."""
-    config = compose_config("U8S8", None, {"global_quant_config": {"weight": {"qscheme": "per_tensor"}}})
+    config = compose_config("U8S8", None, {"global_quant_config": {"weight": {"qscheme": None}}})  # per-tensor
     data = str(MODELS / "digits_calib.npz")
     start = run_pipeline(str(MODELS / "digits_cnn.onnx"), None, config, data, False, keep_state=True)
     scores = iter([Scored(1.0), Scored(3.0), Scored(9.0)])  # cle: worse than the start (2.0), per_channel: better

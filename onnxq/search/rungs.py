@@ -21,7 +21,8 @@ from typing import Any
 
 from onnxq.config.compose import deep_merge
 from onnxq.config.io import config_from_dict, config_to_dict
-from onnxq.config.spec import Config
+from onnxq.config.spec import SPEC_DEFAULTS, Config, DType, QScheme
+from onnxq.numerics.qmath import FLOAT8_TYPES, INT_TYPES
 from onnxq.optimize.bias_correction import OP_TYPES as BIAS_OPS
 from onnxq.optimize.cle import LAYERS as CLE_OPS
 from onnxq.optimize.registry import CONTRACTS
@@ -83,13 +84,20 @@ def _rounding_skip(recipe: Recipe, ops: Ops) -> str | None:
     return f"{', '.join(sorted(there))} already rounds the weights" if there else None
 
 
-def _per_tensor(recipe: Recipe) -> bool:
-    weight = (recipe.get("global_quant_config") or {}).get("weight") or {}
-    return weight.get("qscheme") == "per_tensor"
-
-
 def _per_channel_skip(recipe: Recipe, ops: Ops) -> str | None:
-    return None if _per_tensor(recipe) else "the weights are not per-tensor"
+    """Per-channel scales only where the weights are per-tensor by default (the global
+    weight spec names no qscheme: SPEC_DEFAULTS' per_tensor), not where the recipe asks for
+    per-tensor (`--per-tensor`, `qscheme: per_tensor`, the XINT8 preset): that is a choice
+    for the deployment (an integer-only NPU, a runtime with one scale per tensor), which a
+    model whose score the rung improved would silently break."""
+    weight = (recipe.get("global_quant_config") or {}).get("weight") or {}
+    if weight.get("qscheme") == QScheme.PER_TENSOR.value:
+        return "the recipe asks for per-tensor weights (qscheme: per_tensor)"
+    dtype = DType(weight.get("dtype") or SPEC_DEFAULTS["dtype"])
+    by_default = weight and weight.get("qscheme") is None and SPEC_DEFAULTS["qscheme"] is QScheme.PER_TENSOR
+    if by_default and (dtype in INT_TYPES or dtype in FLOAT8_TYPES):  # types with scales (not float16)
+        return None
+    return "the weights are not per-tensor"
 
 
 def _per_channel(recipe: Recipe) -> Recipe:
