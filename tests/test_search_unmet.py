@@ -149,3 +149,25 @@ def test_an_unmet_target_keeps_the_all_quantized_model_where_no_trial_beats_it(t
 def _int16(path) -> bool:
     """Whether the model at `path` has int16 Q/DQ (their zero points)."""
     return any(t.data_type == onnx.TensorProto.INT16 for t in onnx.load(str(path)).graph.initializer)
+
+
+def test_the_report_says_what_an_unmet_search_wrote(two_bit_chain, tmp_path):
+    """The HTML report's mixed-precision data and table carry the best score and the model
+    written; its layer table is ordered by the output ranking, with its figure."""
+    pytest.importorskip("matplotlib")
+    import json
+    import re
+
+    folder, overrides, calib = two_bit_chain
+    cfg = compose_config("U8S8", None, {**overrides, "mixed_precision": {
+        "target": "sqnr>=200", "ladder": ["int8"], "eval_data": str(folder / "eval.npz")}})
+    result = quantize(folder / "chain.onnx", tmp_path / "q.onnx", cfg, calib, progress=False,
+                      report=tmp_path / "r.html")
+    text = (tmp_path / "r.html").read_text()
+    data = json.loads(re.search(r'id="onnxq-data">(.*?)</script>', text, re.S).group(1))
+    mp = result.summary.mixed_precision
+    assert data["mixed_precision"]["written"] == mp.written == "every ranked layer raised to int8 (2 layers)"
+    assert data["mixed_precision"]["best_score"] == pytest.approx(mp.final_score)
+    assert "written (target not met)" in text and "output dB" in text
+    ranked = [r["output_sqnr_db"] for r in data["layers"] if r["output_sqnr_db"] is not None]
+    assert ranked and ranked == sorted(ranked)
