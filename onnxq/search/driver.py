@@ -303,8 +303,9 @@ def quantize_to_target(
         else:
             how = ("by the algorithm rungs, and the ladder has no precision rung for this recipe (int8 for 4-bit "
                    "weights, int16, fp16, bf16, float)")
-        result.summary.notes.append(Note(Topic.SEARCH, f"accuracy target {target.describe()} not met {how}; "
-                                         + _written_words(choice, final_score, mp.rung_min_gain)))
+        written = (_written_words(choice, final_score, mp.rung_min_gain) if choice is not None else
+                   f"the model written scores {final_score:.4g}")  # a model that met it in the search
+        result.summary.notes.append(Note(Topic.SEARCH, f"accuracy target {target.describe()} not met {how}; {written}"))
     return result
 
 
