@@ -259,7 +259,8 @@ def test_layers_rank_by_their_effect_on_the_output():
     """The ranking measures each layer where the target is scored, on the output: a layer
     whose own error is small but which the rest of the network amplifies comes first.
     Past the budget, the layers not measured follow in the fallback order."""
-    from onnxq.search.sensitivity import impact_order, layers_to_measure
+    from onnxq.analyze.impact import layers_to_measure
+    from onnxq.search.sensitivity import impact_order
     from onnxq.search.target import EvalSet
 
     effect = {"quiet_locally": 3.0, "loud_locally": 0.5, "harmless": 0.0}

@@ -29,6 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from onnxq.analyze import analyze_models
+from onnxq.analyze.impact import layers_to_measure
 from onnxq.calibrate.access import FIXES, data_access
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.config.spec import Config, MixedPrecisionConfig
@@ -45,7 +46,7 @@ from onnxq.search.bisect import bisect_promotions
 from onnxq.search.climb import climb_algorithms
 from onnxq.search.ladder import applicable, effective, with_promotions
 from onnxq.search.rungs import algorithm_rungs, precision_rungs
-from onnxq.search.sensitivity import impact_order, layers_to_measure
+from onnxq.search.sensitivity import impact_order
 from onnxq.search.target import (
     SELF_SCORE,
     EvalSet,

@@ -11,13 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from onnxq.analyze.impact import (  # noqa: F401 (output_noise, layers_to_measure: importers' old home)
-    IMPACT_MIN_LAYERS,
-    IMPACT_SAMPLES,
-    IMPACT_WORK_BYTES,
-    layers_to_measure,
-    output_noise,
-)
+from onnxq.analyze.impact import IMPACT_SAMPLES
 from onnxq.analyze.impact import impact_order as _impact_order
 from onnxq.search.target import EvalSet
 
