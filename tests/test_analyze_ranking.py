@@ -130,3 +130,24 @@ def test_the_ranking_reads_fewer_samples_where_the_output_is_large(masked, monke
             for p in (folder / "m.onnx", alone)]
     assert rows[second].output_sqnr_db == pytest.approx(sqnr_db(*outs), abs=0.01)
     assert rows[second].output_sqnr_db != pytest.approx(_output_sqnr(folder, alone, data), abs=0.01)
+
+
+def test_rank_noise_skips_the_output_runs_and_a_bad_rank_is_one_line(masked, capsys):
+    """`--rank noise` (rank="noise") keeps the channels' order without a model per layer;
+    an unknown rank is refused by name, from Python and from the CLI (exit 2)."""
+    from onnxq.cli import main
+
+    folder, _, _, data, first, second = masked
+    quick = analyze_models(folder / "m.onnx", folder / "q.onnx", data, progress=False, rank="noise")
+    assert [r.name for r in quick.layers] == [first, second]
+    assert all(r.output_sqnr_db is None for r in quick.layers)
+    with pytest.raises(ValueError, match="rank must be one of output, noise, got 'loss'"):
+        analyze_models(folder / "m.onnx", folder / "q.onnx", data, progress=False, rank="loss")
+    np.savez(folder / "d.npz", **data)
+    assert main(["analyze", str(folder / "m.onnx"), str(folder / "q.onnx"), "--data", str(folder / "d.npz"),
+                 "--rank", "noise", "--quiet"]) == 0
+    assert "by ch noise" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["analyze", str(folder / "m.onnx"), str(folder / "q.onnx"), "--data", str(folder / "d.npz"),
+              "--rank", "loss"])
+    assert exit_info.value.code == 2 and "invalid choice: 'loss'" in capsys.readouterr().err

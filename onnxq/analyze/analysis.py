@@ -49,6 +49,9 @@ from onnxq.graph.quantized import describe, integer_kernel, quantized_ops
 from onnxq.graph.save import weight_bytes, write_text_atomic
 
 ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model
+# How the layer table is ordered: by each layer's effect on the model's output when it
+# alone is quantized (the accuracy search's rule), or by its channels' own noise (fast).
+RANKS = ("output", "noise")
 
 
 @dataclass
@@ -158,6 +161,7 @@ def analyze_models(
     progress: bool | None = None,
     normalised: bool = False,
     layers_only: bool = False,
+    rank: str = "output",
 ) -> Analysis:
     """Measure `quant_model` against `float_model` on `data` (any calibration-data source).
 
@@ -165,13 +169,17 @@ def analyze_models(
     passes), so tensors rescaled by a pass (CLE) still match by name. `layers_only`:
     measure only the layers alone (one session; what a sensitivity ranking needs), in the
     order of their channels' noise; otherwise the layers are ranked by what each alone does
-    to the model's output (`impact.py`), re-reading the first IMPACT_SAMPLES samples.
+    to the model's output (`impact.py`), re-reading the first IMPACT_SAMPLES samples;
+    `rank="noise"` keeps the channels' noise order without that (a model per measured
+    layer: MiniLM's 47 measured layers cost about 30 s more than the pass itself).
     """
+    if rank not in RANKS:
+        raise ValueError(f"rank must be one of {', '.join(RANKS)}, got {rank!r}")
     providers = check_providers(providers or ["CPUExecutionProvider"])
     data = decoder_feeds(float_model, data, providers, decode_steps=0)  # an LLM's token windows: its full feeds
     quant = read_model(quant_model)
     reference = _float_reference(float_model, quant, normalised)
-    pristine = None if layers_only else reference.clone()  # the float model for the output ranking
+    pristine = None if layers_only or rank == "noise" else reference.clone()  # the float model for the output ranking
     swapped = None if normalised else quantized_ops(reference)  # before the isolated layers are added to it
     if not normalised and not quantized_ops(quant):  # nothing to measure per layer or tensor
         raise ModelError(("the arguments look swapped: the first model is quantized, the second is not; give the float "

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from onnxq.analyze import analyze_models, format_analysis
+from onnxq.analyze.analysis import RANKS
 from onnxq.analyze.html import write_html_report
 from onnxq.cli.arguments import check_counts, check_model_files
 from onnxq.errors import CalibrationDataError, ModelError
@@ -31,6 +32,10 @@ def add_analyze(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--json", metavar="FILE.json", help="write every figure as JSON")
     a.add_argument("--report", metavar="FILE.html", help="write an HTML report")
     a.add_argument("--top", type=int, default=15, help="rows of each table on the terminal (default 15)")
+    a.add_argument("--rank", choices=RANKS, default="output",
+                   help="order of the layer table: output (default): what each layer alone does to the model's "
+                        "output, as the accuracy search ranks (a short run of a model per layer); noise: the "
+                        "layer's own channel noise, without those runs (faster, and can misrank)")
     a.set_defaults(func=_cmd_analyze)
 
 
@@ -83,7 +88,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     data, _ = _data_and_labels(args.data, args.labels)
     analysis = analyze_models(args.float_model, args.quant_model, data, max_samples=args.max_samples,
                               providers=args.providers, progress=False if args.quiet else None,
-                              **_batch_size(args))
+                              rank=args.rank, **_batch_size(args))
     if args.json:
         analysis.to_json(args.json)
     if args.report:
