@@ -58,12 +58,27 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = 
 
 
 def in_background(fn: Callable[..., R], *args: object) -> Future[R]:
-    """`fn(*args)` on a thread of its own, beside the caller's work (`ordered_map` calls
-    included): for a single-threaded step, such as a LAPACK factorisation under
-    `serial_blas`, that would otherwise leave a core idle while another step waits for
-    nothing it computes. BLAS keeps the caller's limit; an `ordered_map` inside `fn` runs
-    serially (the thread is a pool's). Results are the same as a serial call's."""
-    return _pool(1).submit(fn, *args)
+    """`fn(*args)` on a thread of its own, beside the caller's work: two steps that do not
+    read each other's results (GPTQ's factorisation and its static groups' search), each
+    with its own `ordered_map` calls, share the pool's cores instead of taking turns. The
+    thread is no pool worker, so its `ordered_map` calls use the pool (whose tasks never
+    wait on other tasks: no deadlock); called from a pool worker, `fn` runs inline, as a
+    nested `ordered_map` does. Results are the same as a serial call's."""
+    if getattr(_worker, "busy", False):
+        done: Future[R] = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller, as a thread's would be)
+            done.set_exception(exc)
+        return done
+    with _POOLS_LOCK:
+        if _BACKGROUND not in _POOLS:
+            _POOLS[_BACKGROUND] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnxq-background")
+        pool = _POOLS[_BACKGROUND]
+    return pool.submit(fn, *args)
+
+
+_BACKGROUND = 0  # `_POOLS` key of `in_background`'s thread (pool keys are worker counts, at least 1)
 
 
 _worker = threading.local()  # busy: this thread is one of a pool's

@@ -299,3 +299,29 @@ def test_dequantized_codes_are_what_the_packed_weight_gives(scale_dtype, k):
     scales = rng.uniform(1e-3, 0.1, (48, groups)).astype(scale_dtype).astype(np.float64)
     packed = dequantize_blockwise(to_block_quantized(codes, scales, zeros, spec, scale_dtype))
     assert np.array_equal(dequantize_codes(codes, scales, zeros, 64, scale_dtype), packed)
+
+
+def test_hessian_shrink_is_gptq_on_h_with_its_correlations_scaled():
+    """hessian_shrink s runs GPTQ on (1 - s) H + s diag(H): the inputs' correlations,
+    trusted in part; the diagonal (each input's importance, the clipping's weights) kept.
+    0 is plain GPTQ; values outside [0, 1) are refused by name."""
+    from onnxq.config.resolve import ResolvedSpec
+    from onnxq.config.spec import DType
+    from onnxq.optimize.gptq import GPTQConfig, gptq_quantize
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((512, 64)) @ rng.standard_normal((64, 64))  # correlated inputs
+    h = x.T @ x / len(x)
+    w = rng.standard_normal((24, 64)).astype(np.float32)
+    spec = ResolvedSpec(DType.INT4, False, "per_group", None, 32, "minmax", 99.99, 2048, (), None, None,
+                        "float32", "half_even", False)
+    shrunk = 0.5 * h
+    shrunk[np.diag_indices(64)] = np.diag(h)
+    half = gptq_quantize(w, h, spec, GPTQConfig(hessian_shrink=0.5))
+    explicit = gptq_quantize(w, shrunk, spec, GPTQConfig(hessian_shrink=0.0))
+    plain = gptq_quantize(w, h, spec, GPTQConfig(hessian_shrink=0.0))
+    assert all(np.array_equal(a, b) for a, b in zip(half, explicit))
+    assert not np.array_equal(half[0], plain[0])
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ConfigError, match=r"hessian_shrink must be in \[0, 1\)"):
+            GPTQConfig(hessian_shrink=bad)

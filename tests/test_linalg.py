@@ -26,3 +26,16 @@ def test_a_float32_factor_is_the_float64_one_rounded():
     u32 = inverse_cholesky_upper(h, np.float32)
     assert u32.dtype == np.float32 and u32.flags.c_contiguous
     assert np.array_equal(u32, inverse_cholesky_upper(h).astype(np.float32))
+
+
+def test_the_factor_is_the_same_on_any_number_of_cores(monkeypatch):
+    """The recursion's products run in fixed row slices on the pool: one core or two give
+    the same bits (GPTQ's output must not depend on the machine)."""
+    import onnxq.parallel as parallel
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((1500, 700)) * rng.gamma(1.0, 1.0, 700)
+    h = x.T @ x / len(x) + 0.01 * np.eye(700)
+    two = inverse_cholesky_upper(h)
+    monkeypatch.setattr(parallel, "cpu_count", lambda: 1)
+    assert np.array_equal(inverse_cholesky_upper(h), two)

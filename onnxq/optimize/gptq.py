@@ -60,7 +60,16 @@ class GPTQConfig:
     update. true_sequential: Hessians from the quantized prefix (module doc);
     cache_budget_mb: tensors its replay keeps in memory before spilling to disk.
     clip_search: each group's scale clipped where that lowers the group's output error
-    weighted by H's diagonal (the RTN clipping search, activation-aware)."""
+    weighted by H's diagonal (the RTN clipping search, activation-aware).
+    hessian_shrink: H's off-diagonal part (the inputs' correlations) is scaled by 1 minus
+    this, a shrinkage toward its diagonal: the correlations of a few thousand calibration
+    tokens are partly those of their text, and GPTQ trusting them whole fits its error
+    feedback to that text. SmolLM2-135M int4 b128, perplexity STS-B / GPL-3 (float 17.53 /
+    27.77) on 64 STS-B calibration windows: 0 18.40 / 32.71, 0.1 18.32 / 32.40, 0.3 18.12 /
+    32.27, 0.5 18.14 / 31.87, 0.7 18.17 / 32.21; on 64 other windows 0 19.09 / 32.41, 0.5
+    18.62 / 31.94; all-MiniLM-L6 W4 sentence embeddings 12.13 dB (0), 12.23 (0.3), 12.09
+    (0.5) on 2400 held-out sentences. 1 is round-to-nearest with GPTQ's clipping: no
+    error feedback."""
 
     ALGORITHM: ClassVar[str] = "gptq"
 
@@ -71,6 +80,7 @@ class GPTQConfig:
     true_sequential: bool = True
     cache_budget_mb: int = 256
     clip_search: bool = True
+    hessian_shrink: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0 < self.damp_percent < 1:
@@ -79,6 +89,8 @@ class GPTQConfig:
             raise ConfigError(f"gptq: block_size must be at least 1, got {self.block_size}")
         if self.cache_budget_mb < 0:
             raise ConfigError(f"gptq: cache_budget_mb must be >= 0, got {self.cache_budget_mb}")
+        if not 0 <= self.hessian_shrink < 1:
+            raise ConfigError(f"gptq: hessian_shrink must be in [0, 1), got {self.hessian_shrink}")
 
 
 def matmul_nbits_layers(model: ir.Model, plan: QuantPlan) -> list[tuple[ir.Node, ResolvedSpec]]:
@@ -142,10 +154,14 @@ def gptq_quantize(w: np.ndarray, hessian: np.ndarray, spec: ResolvedSpec, option
 
 def _factor(hessian: np.ndarray, dead: np.ndarray, options: GPTQConfig) -> tuple[np.ndarray, np.ndarray]:
     """The quantization order (decreasing H diagonal with `desc_act`) and the damped,
-    permuted H^-1's upper Cholesky factor U (H^-1 = U^T U), float32; dead inputs' rows of
-    H set to the identity's."""
+    permuted H^-1's upper Cholesky factor U (H^-1 = U^T U), float32; H's off-diagonal
+    part shrunk (`hessian_shrink`), dead inputs' rows of H set to the identity's."""
     k = len(hessian)
-    h = np.array(hessian, dtype=np.float64)  # one copy: the damping writes into it
+    h = np.array(hessian, dtype=np.float64)  # one copy: the shrinkage and the damping write into it
+    if options.hessian_shrink:
+        diagonal = np.diag(h).copy()
+        h *= 1.0 - options.hessian_shrink
+        h[np.diag_indices(k)] = diagonal
     h[dead, dead] = 1.0
     order = np.argsort(-np.diag(h), kind="stable") if options.desc_act else np.arange(k)
     h = h[np.ix_(order, order)]
