@@ -424,3 +424,22 @@ def test_a_batch_that_cannot_be_cut_ends_the_capture_past_its_budget(monkeypatch
     roomy.add(feed, [sequence_major], 4, 4)
     roomy.add(feed, [sequence_major], 4, 4)
     assert roomy.samples == 8 and roomy.wanting
+
+
+def test_a_check_after_a_fitting_algorithm_says_it_reads_the_fit():
+    """AdaRound (and GPTQ, AWQ, AdaQuant) fit the model's weights to the calibration
+    samples the check runs on: its line names them and points to held-out data; a recipe
+    that fits nothing says nothing of the kind."""
+    from onnxq.optimize.registry import fits_data
+
+    assert [n for n in ("adaround", "adaquant", "gptq", "awq", "bias_correction", "cle", "smoothquant", "hqq")
+            if fits_data(n)] == ["adaround", "adaquant", "gptq", "awq"]
+    model = residual()
+    calib = random_feeds(model, 16, seed=3)
+    fitted = onnxq.quantize(model, None, compose_config("U8S8", None, {"algo_config": [{"name": "adaround"}]}), calib,
+                            progress=False)
+    assert fitted.summary.fidelity.fitted_by == ("adaround",)
+    line = fitted.summary.fidelity.line()
+    assert "adaround fitted the model to these samples" in line and "onnxq compare FLOAT QUANT" in line
+    plain = onnxq.quantize(model, None, "U8S8", calib, progress=False)
+    assert plain.summary.fidelity.fitted_by == () and "fitted" not in plain.summary.fidelity.line()

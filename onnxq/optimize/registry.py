@@ -156,6 +156,16 @@ def flagged_algorithms(run_order: bool = False) -> tuple[str, ...]:
     return tuple(sorted(names, key=lambda name: (last(name), CONTRACTS[name].flag, name)))
 
 
+def fits_data(name: str) -> bool:
+    """Whether algorithm `name` fits the weights to the calibration data (AdaRound,
+    AdaQuant, GPTQ, AWQ: a choice per weight, which can fit those samples' noise): the
+    output check, which runs on calibration samples, then reads its own fit, not held-out
+    accuracy. Bias correction fits one mean per channel (no more optimistic on those
+    samples than on others); passes (CLE, SmoothQuant) keep the float function."""
+    contract = CONTRACTS.get(name) if name in ALGORITHMS else None
+    return contract is not None and contract.data == "required" and "weights" in contract.rewrites
+
+
 def block_rounding_algorithms() -> tuple[str, ...]:
     """The algorithms that round weight-only blocks (`--algorithm`'s choices besides rtn),
     those with a flag first, in flag order."""

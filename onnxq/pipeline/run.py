@@ -4,6 +4,7 @@ summary completed here from those results."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from typing import Any
@@ -16,6 +17,7 @@ from onnxq.emit.loadcheck import prepacks
 from onnxq.evaluate import imports_extended
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.notes import Note, Topic, notes
+from onnxq.optimize.registry import fits_data
 from onnxq.optimize.runner import run_algorithms
 from onnxq.pipeline.calibration import calibrate_or_load, constant_inputs_note, drop_unquantizable
 from onnxq.pipeline.emission import emit_loadable, layer_biases, trial_emitter
@@ -94,7 +96,8 @@ def run_pipeline(
         if isinstance(checked, str):
             summary.notes.append(Note(Topic.CHECK, checked))
         elif checked is not None:
-            summary.fidelity = checked
+            fitted = tuple(e.name for e in ready.algorithms if e.enabled and fits_data(e.name))
+            summary.fidelity = dataclasses.replace(checked, fitted_by=fitted)
     del session
     plan = emitted.plan
     summary.quantized_by_op = dict(sorted(Counter(plan.integer_nodes().values()).items()))
