@@ -522,6 +522,31 @@ def test_enum_values_read_in_any_case_from_every_source(tmp_path, capsys):
     assert "invalid choice: 'qdqx'" in capsys.readouterr().err
 
 
+def test_algorithm_option_names_read_in_any_case(tmp_path, capsys):
+    """An algorithm's named options (`reconstruct: Block`, `scaling: Both`) read as the
+    enums do, in a file and with `--reconstruct BLOCK`; a wrong name is still refused."""
+    from onnxq.errors import ConfigError
+
+    from onnxq.optimize.registry import parse_algorithms
+
+    def options(config):
+        return [e.options for e in parse_algorithms(config.algo_config)]
+
+    path = tmp_path / "c.yaml"
+    path.write_text("preset: W4A8\nalgo_config: [{name: adaround, reconstruct: Block}]\n")
+    assert main(["config", "show", "--config", str(path)]) == 0
+    assert main(["config", "show", "--preset", "W4A8", "--reconstruct", "BLOCK"]) == 0
+    assert "block" in capsys.readouterr().out
+    from_file = options(compose_config(None, path))
+    assert [o.reconstruct for o in from_file] == ["block"]
+    assert from_file == options(compose_config("W4A8", None, {"algo_config": [{"name": "adaround",
+                                                                                "reconstruct": "block"}]}))
+    assert [o.scaling for o in options(compose_config("W4_GROUP128", None, {"algo_config": [
+        {"name": "awq", "scaling": "Both"}]}))] == ["both"]
+    with pytest.raises(ConfigError, match="reconstruct"):
+        compose_config("W4A8", None, {"algo_config": [{"name": "adaround", "reconstruct": "Blocks"}]})
+
+
 def test_opset_and_no_matmul_nbits_flags(tmp_path, capsys):
     """`opset: 21` and `matmul_nbits: false` work in a file: `--opset 21` and
     `--no-matmul-nbits` say the same on the command line, are listed in --help, and round

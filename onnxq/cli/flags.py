@@ -251,7 +251,7 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--accuracy-level", type=int, choices=(0, 1, 2, 3, 4),
                    help="MatMulNBits' accuracy_level: the type its kernel computes the activations in "
                         "(0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8)")
-    q.add_argument("--reconstruct", choices=("layer", "block"),
+    q.add_argument("--reconstruct", type=enum_text, choices=("layer", "block"),
                    help="what the learned rounding fits: each layer's output (layer, the default) or each "
                         "block's, through its activations (block: BRECQ's objective, AdaRound only; slower); "
                         "switches AdaRound on where no rounding learner is")

@@ -7,6 +7,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from onnxq.config.spec import enum_text
 from onnxq.errors import ConfigError
 
 T = TypeVar("T")
@@ -24,6 +25,9 @@ def _coerce(value: Any, default: Any, key: str, where: str) -> Any:
     elif isinstance(default, tuple):
         ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
         value = tuple(value) if ok else value
+    elif isinstance(default, str):  # a name from the option's fixed set: any case, as every enum
+        ok = isinstance(value, str)
+        value = enum_text(value) if ok else value
     else:
         ok = True
     if not ok:
@@ -36,7 +40,8 @@ def parse_options(cls: type[T], options: Mapping[str, Any], where: str) -> T:
     """Build `cls` (a dataclass whose fields all have defaults) from an entry's options.
 
     Unknown keys raise ConfigError naming the closest known option; values must have the
-    type of the field's default (ints are accepted for floats, lists for tuples).
+    type of the field's default (ints are accepted for floats, lists for tuples; strings,
+    names from a fixed set, are read in any case: `reconstruct: Block`).
     """
     known = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
