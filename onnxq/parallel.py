@@ -6,14 +6,14 @@ work (block quantization, the HQQ solver): no pickling, no second copy of the mo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from threadpoolctl import ThreadpoolController
 
@@ -62,9 +62,11 @@ def in_background(fn: Callable[..., R], *args: object) -> Future[R]:
     read each other's results (GPTQ's factorisation and its static groups' search), each
     with its own `ordered_map` calls, share the pool's cores instead of taking turns. The
     thread is no pool worker, so its `ordered_map` calls use the pool (whose tasks never
-    wait on other tasks: no deadlock); called from a pool worker, `fn` runs inline, as a
-    nested `ordered_map` does. Results are the same as a serial call's."""
-    if getattr(_worker, "busy", False):
+    wait on other tasks: no deadlock); called from a pool worker or from that thread, `fn`
+    runs inline, as a nested `ordered_map` does. Results are the same as a serial call's.
+    Where both sides use BLAS, hold `serial_blas` in the calling thread until the task is
+    done: OpenBLAS (0.3.31) ignored the thread count restored from another thread."""
+    if getattr(_worker, "busy", False) or getattr(_worker, "background", False):
         done: Future[R] = Future()
         try:
             done.set_result(fn(*args))
@@ -73,7 +75,8 @@ def in_background(fn: Callable[..., R], *args: object) -> Future[R]:
         return done
     with _POOLS_LOCK:
         if _BACKGROUND not in _POOLS:
-            _POOLS[_BACKGROUND] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnxq-background")
+            _POOLS[_BACKGROUND] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onnxq-background",
+                                                     initializer=_mark_background)
         pool = _POOLS[_BACKGROUND]
     return pool.submit(fn, *args)
 
@@ -86,6 +89,10 @@ _worker = threading.local()  # busy: this thread is one of a pool's
 
 def _mark_worker() -> None:
     _worker.busy = True
+
+
+def _mark_background() -> None:
+    _worker.background = True  # an `in_background` inside it runs inline: its one thread would wait on itself
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -111,10 +118,12 @@ def _controller() -> ThreadpoolController:
 
 
 def _forget() -> None:
-    """In a forked child: no pool, no controller, a fresh lock (the parent's may be held)."""
-    global _POOLS_LOCK
+    """In a forked child: no pool, no controller, fresh locks (the parent's may be held),
+    no open `serial_blas` block (the parent's threads that opened it do not exist here)."""
+    global _POOLS_LOCK, _SERIAL_LOCK, _SERIAL_DEPTH, _SERIAL_LIMITER
     _POOLS.clear()
     _POOLS_LOCK = threading.Lock()
+    _SERIAL_LOCK, _SERIAL_DEPTH, _SERIAL_LIMITER = threading.Lock(), 0, None
     _controller.cache_clear()
 
 
@@ -122,9 +131,32 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget)
 
 
-def serial_blas() -> AbstractContextManager:
+@contextlib.contextmanager
+def serial_blas() -> Iterator[None]:
     """BLAS (and LAPACK) on one thread inside the block: for work that brings its own
     threads (`ordered_map` takes it) or runs beside onnxruntime's. OpenBLAS's threads spin for a
     core; when another thread or process holds one, a 2048-wide Cholesky factor took
-    2.8 s on 2 threads against 0.34 s on one (2 cores, one busy)."""
-    return _controller().limit(limits=1, user_api="blas")
+    2.8 s on 2 threads against 0.34 s on one (2 cores, one busy).
+
+    The limit is the process's, so blocks entered by several threads at once (GPTQ's
+    factorisation beside its static groups' search, `in_background`) share one: the first
+    entry sets it, the last exit restores what was there before. Each block restoring what
+    it saw on entry left numpy on one thread after GPTQ when the blocks closed out of order."""
+    global _SERIAL_DEPTH, _SERIAL_LIMITER
+    with _SERIAL_LOCK:
+        if _SERIAL_DEPTH == 0:
+            _SERIAL_LIMITER = _controller().limit(limits=1, user_api="blas")
+        _SERIAL_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _SERIAL_LOCK:
+            _SERIAL_DEPTH -= 1
+            if _SERIAL_DEPTH == 0 and _SERIAL_LIMITER is not None:
+                _SERIAL_LIMITER.restore_original_limits()
+                _SERIAL_LIMITER = None
+
+
+_SERIAL_LOCK = threading.Lock()
+_SERIAL_DEPTH = 0  # `serial_blas` blocks open in this process, any thread
+_SERIAL_LIMITER: Any = None  # threadpoolctl's limiter of the outermost one, which restores the limit

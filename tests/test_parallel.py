@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from onnxq.parallel import ordered_map
+from onnxq.parallel import in_background, ordered_map
 
 
 def test_results_in_order_and_nested_calls_run():
@@ -76,3 +76,39 @@ def test_a_background_task_runs_beside_ordered_map_and_raises_its_own_error():
 
     with pytest.raises(ValueError, match="bad factor"):
         in_background(fail).result(timeout=10)
+
+
+def test_blas_threads_are_restored_after_gptq_and_nested_serial_blocks():
+    """GPTQ runs its factor in the background beside its static groups' search, both under
+    serial_blas: afterwards the process's BLAS threads are what they were (blocks restoring
+    what each saw on entry, closing out of order, left numpy on one thread)."""
+    import numpy as np
+    from threadpoolctl import threadpool_info
+
+    from onnxq.config.resolve import ResolvedSpec
+    from onnxq.config.spec import DType
+    from onnxq.optimize.gptq import GPTQConfig, gptq_quantize
+    from onnxq.parallel import serial_blas
+
+    def blas_threads() -> list[int]:
+        return sorted({info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"})
+
+    before = blas_threads()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1600, 768))
+    spec = ResolvedSpec(DType.INT4, False, "per_group", None, 128, "minmax", 99.99, 2048, (), None, None,
+                        "float32", "half_even", False)
+    for _ in range(4):
+        gptq_quantize(rng.standard_normal((64, 768)).astype(np.float32), x.T @ x / len(x), spec, GPTQConfig())
+        assert blas_threads() == before
+    with serial_blas():
+        with serial_blas():
+            assert blas_threads() in ([], [1])
+        assert blas_threads() in ([], [1])  # the inner block leaves the outer's limit in place
+    assert blas_threads() == before
+
+
+def test_a_background_task_started_from_the_background_thread_runs_inline():
+    from onnxq.parallel import in_background
+
+    assert in_background(lambda: in_background(lambda: 5).result(timeout=10)).result(timeout=10) == 5
