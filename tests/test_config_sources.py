@@ -526,7 +526,6 @@ def test_algorithm_option_names_read_in_any_case(tmp_path, capsys):
     """An algorithm's named options (`reconstruct: Block`, `scaling: Both`) read as the
     enums do, in a file and with `--reconstruct BLOCK`; a wrong name is still refused."""
     from onnxq.errors import ConfigError
-
     from onnxq.optimize.registry import parse_algorithms
 
     def options(config):

@@ -123,3 +123,18 @@ def test_a_fixed_batch_model_is_timed_at_its_batch(tmp_path):
     assert latency is not None, result.summary.note_texts
     assert [t.batch for t in latency.timings] == [8] and latency.timings[0].quantized_ms > 0
     assert latency.skipped == ["batch 1 not measured: input 'x' has a fixed batch of 8"]
+
+
+def test_cli_words_keep_an_alternative_in_parentheses(capsys):
+    """"pass mixed_precision.eval_data (or calibration_data)" reads "pass --eval-data PATH
+    (or --calib-data PATH)" on the command line: the alternative is not taken for the
+    argument's own explanation and dropped."""
+    from onnxq.cli import main
+    from onnxq.cli.flags import in_cli_words
+
+    assert in_cli_words("an accuracy target needs data; pass mixed_precision.eval_data (or calibration_data)") == \
+        "an accuracy target needs data; pass --eval-data PATH (or --calib-data PATH)"
+    assert in_cli_words("pass calibration_data (a path or arrays) as well") == "pass --calib-data PATH as well"
+    assert main(["quantize", str(MODELS / "digits_cnn.onnx"), "/tmp/onnxq_never_written.onnx",
+                 "--accuracy-target", "sqnr>=30"]) == 2
+    assert "pass --eval-data PATH (or --calib-data PATH)" in capsys.readouterr().err

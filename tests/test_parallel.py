@@ -60,7 +60,6 @@ def test_a_forked_child_gets_its_own_pool():
 
 
 def test_a_background_task_runs_beside_ordered_map_and_raises_its_own_error():
-    from onnxq.parallel import in_background
 
     def slow_square(x: int) -> int:
         time.sleep(0.05)
@@ -109,6 +108,5 @@ def test_blas_threads_are_restored_after_gptq_and_nested_serial_blocks():
 
 
 def test_a_background_task_started_from_the_background_thread_runs_inline():
-    from onnxq.parallel import in_background
 
     assert in_background(lambda: in_background(lambda: 5).result(timeout=10)).result(timeout=10) == 5

@@ -171,3 +171,17 @@ def test_the_report_says_what_an_unmet_search_wrote(two_bit_chain, tmp_path):
     assert "written (target not met)" in text and "output dB" in text
     ranked = [r["output_sqnr_db"] for r in data["layers"] if r["output_sqnr_db"] is not None]
     assert ranked and ranked == sorted(ranked)
+
+
+def test_the_note_gives_the_best_score_the_search_found_and_the_written_models_own():
+    """Where the best candidate is written but scores otherwise once calibrated again, the
+    note's best score is the candidate's, and the written model's score follows it."""
+    from onnxq.search.driver import _written_words
+    from onnxq.search.unmet import Choice
+
+    best = _candidate("every ranked layer raised to int8", _top1(*range(80)))
+    same = _written_words(Choice(best, best), 80.0, None)
+    assert same == ("the best score reached is 80, by every ranked layer raised to int8, and that model is written")
+    again = _written_words(Choice(best, best), 77.0, None)
+    assert again.startswith("the best score reached is 80, by every ranked layer raised to int8")
+    assert "(it scores 77 as written: calibrated again)" in again

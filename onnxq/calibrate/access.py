@@ -42,9 +42,9 @@ REASONS = {
     Access.FILES: "it reads the calibration data itself, which statistics files do not hold",
 }
 FIXES = {
-    Access.NONE: "pass --calib-data",
+    Access.NONE: "pass calibration_data",
     Access.ONCE: "pass a path, a dict of arrays, a list of feeds or a reader with rewind()",
-    Access.FILES: "pass --calib-data as well (the same files still serve)",
+    Access.FILES: "pass calibration_data as well (the same files still serve)",
 }
 
 

@@ -150,7 +150,7 @@ def in_cli_words(text: str) -> str:
     calibration_data (...)"), as the flags that give them ("pass --calib-data PATH"): the
     library says what a Python caller passes, the command line what its user types."""
     for python, flag in ARGUMENT_FLAGS:
-        text = re.sub(rf"\b(pass|or) {re.escape(python)}(?: \([^)]*\))?", rf"\1 {flag}", text)
+        text = re.sub(rf"\b(pass|or) {re.escape(python)}(?: \((?!or )[^)]*\))?", rf"\1 {flag}", text)
     return text
 
 

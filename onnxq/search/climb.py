@@ -55,7 +55,7 @@ class Climb:
         data instead of the statistics files the recipe named."""
         if stats and any(t.kept for t in self.trials):
             return ["accuracy target: the algorithm rungs kept change the weights the ranges come from, so the "
-                    "model is calibrated on --calib-data, not on the statistics files"]
+                    "model is calibrated on the calibration data, not on the statistics files"]
         return []
 
 
@@ -71,7 +71,7 @@ def climb_algorithms(model: Any, config: Config, data: Any, progress: bool | Non
             break
         why = skip_reason(rung, climb.config, set(climb.result.plan.quantized_nodes.values()))
         if why is None and data is None:
-            why = "needs calibration data to quantize again (pass --calib-data)"
+            why = "needs calibration data to quantize again (pass calibration_data)"
         if why is not None:
             climb.trials.append(RungTrial(rung.name, None, False, False, 0.0, why))
             continue

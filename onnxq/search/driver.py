@@ -288,7 +288,7 @@ def quantize_to_target(
         scored_on=("the eval data" if mp.eval_data is not None else
                    "the custom evaluate" if evaluate is not None else "the calibration data"),
         best_score=None if choice is None else choice.best.scored.value,
-        written="" if choice is None else choice.written.what,
+        written="the model with the layers the search raised" if choice is None else choice.written.what,
     )
     result.config = final_config  # what ran: the report's settings, --save-config
     result.summary.notes.extend(notes(Topic.SEARCH, said))
@@ -338,7 +338,9 @@ def _written_words(choice: Choice, final_score: float, min_gain: float | None) -
     which model, and the model written where it is another (as good within the eval set's
     noise, or `rung_min_gain`, and cheaper: `unmet.py`)."""
     if choice.written is choice.best:
-        return f"the best score reached is {final_score:.4g}, by {choice.best.what}, and that model is written"
+        best = choice.best.scored.value
+        again = "" if final_score == best else f" (it scores {final_score:.4g} as written: calibrated again)"
+        return f"the best score reached is {best:.4g}, by {choice.best.what}, and that model is written{again}"
     within = "the eval set's noise" if min_gain is None else f"rung_min_gain {min_gain:g}"
     return (f"the best score reached is {choice.best.scored.value:.4g}, by {choice.best.what}; written: "
             f"{choice.written.what}, {final_score:.4g}, as good within {within} and cheaper")

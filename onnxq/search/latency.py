@@ -252,7 +252,7 @@ def _unsearchable(config: Config, calibration_data: Any) -> str | None:
                 "int8 placement to time")
     access = data_access(CalibrationSource(calibration_data))
     if access is Access.NONE:
-        return "it times the model on the first calibration sample; pass --calib-data"
+        return "it times the model on the first calibration sample; pass calibration_data"
     return None if access.rereadable else refusal(access)
 
 
