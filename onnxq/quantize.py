@@ -101,8 +101,8 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
                 read_paths(model, given, config, calibration_data))
     if report is not None and calibration_data is None and config.mixed_precision.eval_data is None \
             and config.calibration.text is None:  # refused before the model is written, not after
-        raise ConfigError("the report measures the quantized model on data, and none was given; pass --eval-data or "
-                          "--calib-data (token windows, or --calib-text, for an LLM)")
+        raise ConfigError("the report measures the quantized model on data, and none was given; pass "
+                          "mixed_precision.eval_data or calibration_data; for an LLM, token windows or calibration.text")
     replaced = data_files(output) if output is not None else ()  # an existing model's data, to clear after
     text = text_windows(model, config.calibration, calibration_data)
     if text is not None:  # the windows calibrate as an .npz of input_ids would

@@ -145,7 +145,9 @@ def test_token_windows_evaluate_as_they_calibrate(folder, windows, tmp_path, cap
     assert target.summary.mixed_precision.met
     assert main(["quantize", str(folder), str(tmp_path / "none"), "--preset", "W4_GROUP128",
                  "--report", str(tmp_path / "r2.html")]) == 2
-    assert "the report measures the quantized model on data" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the report measures the quantized model on data" in err
+    assert "pass --eval-data PATH or --calib-data PATH; for an LLM, token windows or --calib-text FILE" in err
     assert not (tmp_path / "none").exists()
 
 
