@@ -15,9 +15,9 @@ def test_the_freeze_lasts_the_run_and_ends_with_it():
     with settled_heap():
         frozen = gc.get_freeze_count()
         assert frozen > 0
-        with settled_heap():  # a run inside a run: the outer one's freeze holds
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+        with settled_heap():  # a run inside a run: the outer one's freeze holds (frozen objects may still be freed)
+            assert 0 < gc.get_freeze_count() <= frozen
+        assert 0 < gc.get_freeze_count() <= frozen
     assert gc.get_freeze_count() == 0
     with pytest.raises(ValueError), settled_heap():
         raise ValueError("a failing run")
@@ -30,6 +30,8 @@ def test_a_callers_own_freeze_is_left_as_it_is():
         kept = gc.get_freeze_count()
         with settled_heap():
             pass
-        assert gc.get_freeze_count() == kept
+        # neither undone (0) nor frozen again (more): frozen objects can still be freed when
+        # their last reference goes (another test's threads finishing), so the count may drop
+        assert 0 < gc.get_freeze_count() <= kept
     finally:
         gc.unfreeze()
