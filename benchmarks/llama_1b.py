@@ -188,10 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         p.error("--out FOLDER is required")
     import compare_ort as CO
-    import genai as G
 
     t0 = time.perf_counter()
-    report = C.start_report(args, {**CO.machine_info(), "cpu_flags": G.cpu_flags(), "git_revision": C.git_revision()})
+    report = C.start_report(args, {**CO.machine_info(), "cpu_flags": C.cpu_flags(), "git_revision": C.git_revision()})
     folder = args.out
     if args.rebuild or not (folder / "genai_config.json").is_file():
         report["build"] = build(folder, args.layers)
@@ -202,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     bound = BOUND_MB + largest_bytes / 2**20
     print(f"{folder}: {params / 1e9:.2f}B parameters, {C.file_mb(folder / 'model.onnx') / 1e3:.2f} GB; largest "
           f"weight {largest} ({largest_bytes / 2**20:.0f} MiB float32); bound 1.5 GiB + it = {bound:.0f} MiB; "
-          f"CPU flags: {G.cpu_flags()}; {os.cpu_count()} cores", flush=True)
+          f"CPU flags: {C.cpu_flags()}; {os.cpu_count()} cores", flush=True)
     report.update(parameters=params, largest_weight=largest, largest_weight_mb=largest_bytes / 2**20, bound_mb=bound)
     if args.build_only:
         return C.finish_report(report, t0, args.json)
