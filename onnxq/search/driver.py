@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -39,11 +40,12 @@ from onnxq.evaluate import deployed_session
 from onnxq.graph.save import check_output_path, weight_bytes
 from onnxq.notes import Note, Topic, notes
 from onnxq.pipeline.run import run_pipeline, write_output
+from onnxq.plan import QuantPlan
 from onnxq.plan.rules import OP_RULES, OutputMode
 from onnxq.report import MixedPrecisionSummary, Promotion
 from onnxq.search.base import search_base_config, with_calibration
-from onnxq.search.bisect import bisect_promotions
-from onnxq.search.climb import climb_algorithms
+from onnxq.search.bisect import Trial, bisect_promotions
+from onnxq.search.climb import Climb, climb_algorithms
 from onnxq.search.ladder import applicable, effective, with_promotions
 from onnxq.search.rungs import algorithm_rungs, precision_rungs
 from onnxq.search.sensitivity import impact_order
@@ -58,6 +60,9 @@ from onnxq.search.target import (
 )
 from onnxq.search.unmet import Candidate, Choice, choose_unmet, raised_words
 
+# Rungs that keep a raised layer in an integer type: its tensors are the ones statistics files
+# hold; the float types calibrate others (`_writable`, the final model's calibration).
+INTEGER_RUNGS = ("int8", "int16")
 # Layers ranked on at most this many samples (one analysis pass).
 SENSITIVITY_SAMPLES = 64
 
@@ -241,7 +246,7 @@ def quantize_to_target(
         outcome.promotions = choice.written.promotions
     outcome.promotions = effective(outcome.promotions, base.plan)  # the same model, the no-ops left out
     final_config = with_promotions(base_config, outcome.promotions)
-    to_float = [name for name, rung in outcome.promotions.items() if rung not in ("int8", "int16")]  # float types
+    to_float = [name for name, rung in outcome.promotions.items() if rung not in INTEGER_RUNGS]
     if to_float and final_config.calibration.stats:
         # The files hold the base plan's tensors; layers raised to a float type drop some of
         # them (raised to int8 weights or int16 activations, the same observers serve).
@@ -314,11 +319,11 @@ def _writable(rung: str, config: Config, calibration_data: Any) -> bool:
     """Whether the search can write a model with layers raised to `rung`: raised to a
     float type, it calibrates other tensors than statistics files hold (`--stats`), which
     needs the calibration data."""
-    return rung in ("int8", "int16") or calibration_data is not None or not config.calibration.stats
+    return rung in INTEGER_RUNGS or calibration_data is not None or not config.calibration.stats
 
 
-def _candidates(climb: Any, order: list[tuple[str, float]], trials: list[Any], scores: list[Any], plan: Any,
-                writable: Any) -> list[Candidate]:
+def _candidates(climb: Climb, order: list[tuple[str, float]], trials: list[Trial], scores: list[Scored],
+                plan: QuantPlan, writable: Callable[[str], bool]) -> list[Candidate]:
     """What a search that missed its target may write, cheapest first (`unmet.py`): the
     all-quantized model after the kept algorithm rungs, then each trial it can write, in
     the ladder's order (`trials` and their `scores` as the bisection recorded them)."""
