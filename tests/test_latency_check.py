@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+import pytest
 from helpers import GraphBuilder
 
 import onnxq
@@ -138,3 +139,18 @@ def test_cli_words_keep_an_alternative_in_parentheses(capsys):
     assert main(["quantize", str(MODELS / "digits_cnn.onnx"), "/tmp/onnxq_never_written.onnx",
                  "--accuracy-target", "sqnr>=30"]) == 2
     assert "pass --eval-data PATH (or --calib-data PATH)" in capsys.readouterr().err
+
+
+def test_the_cli_report_names_flags_where_the_library_names_arguments(tmp_path):
+    """The HTML report written through the CLI says what its user types (--eval-data
+    PATH), as its printed summary does, not the Python argument (mixed_precision.eval_data)."""
+    pytest.importorskip("matplotlib")
+    from onnxq.cli import main
+
+    report = tmp_path / "r.html"
+    assert main(["quantize", str(MODELS / "digits_cnn.onnx"), str(tmp_path / "q.onnx"), "--calib-data",
+                 str(MODELS / "digits_calib.npz"), "--accuracy-target", "sqnr>=10", "--report", str(report),
+                 "--quiet"]) == 0
+    text = report.read_text(encoding="utf-8")
+    assert "pass --eval-data PATH for a held-out set" in text
+    assert "mixed_precision.eval_data" not in text

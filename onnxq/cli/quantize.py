@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from onnxq.cli.arguments import check_counts
 from onnxq.cli.flags import add_config_flags, in_cli_words, spec_overrides
@@ -13,7 +14,7 @@ from onnxq.config.compose import ConfigSources, compose_config
 from onnxq.config.defaults import default_preset
 from onnxq.config.paths import for_reuse
 from onnxq.errors import OnnxqError
-from onnxq.graph.save import check_apart, check_output_paths
+from onnxq.graph.save import check_apart, check_output_paths, write_text_atomic
 from onnxq.quantize import calibrate_shard, calibrate_sharded, quantize
 from onnxq.report import format_summary
 
@@ -62,6 +63,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         "the config file (--config)": args.config, "the output model": args.output, "the report (--report)": args.report})
     # The sources, not a composed config: where they name no preset, the model picks it.
     result = quantize(args.input, args.output, sources, args.calib_data, progress=progress, report=args.report)
+    if args.report:  # the library wrote its notes as a Python caller passes data; this user typed flags
+        write_text_atomic(args.report, in_cli_words(Path(args.report).read_text(encoding="utf-8")))
     if args.save_config:
         mp = result.summary.mixed_precision
         save_config(for_reuse(mp.config if mp is not None else result.config), args.save_config)
