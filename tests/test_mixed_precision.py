@@ -184,6 +184,11 @@ def test_cli_accuracy_target_and_bad_input(tmp_path, capsys):
     for bad, words in ((["--accuracy-target", "top1 > 2"], "cannot read accuracy target"),
                        (["--metric", "top1"], "--metric names what"),
                        (["--accuracy-target", "cosine>=0.9", "--ladder", "int61"], "did you mean 'int16'"),
+                       (["--accuracy-target", "cosine>=0.9", "--ladder", "float", "int16"],
+                        "ladder rung 'int16' comes after 'float' in mixed_precision; rungs go cheapest first and "
+                        "float is the costliest: put float last"),
+                       (["--accuracy-target", "cosine>=0.9", "--ladder", "cle", "int16", "cle"],
+                        "ladder rung 'cle' is listed twice"),
                        (["--accuracy-target", "top1>=float-1", "--metric", "cosine"], "conflicts")):
         assert main(args[:6] + bad) == 2
         err = capsys.readouterr().err

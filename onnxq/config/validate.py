@@ -28,6 +28,7 @@ from onnxq.config.spec import (
     DTYPE_ALIASES,
     LADDER_RUNGS,
     LAYER_CLASS_FIELDS,
+    PRECISION_RUNGS,
     SPEC_DEFAULTS,
     TENSOR_CLASSES,
     Config,
@@ -317,6 +318,16 @@ def _check_mixed_precision(config: Config) -> None:
                               + (f"; did you mean {hint!r}?" if hint else f"; use {', '.join(LADDER_RUNGS)}"))
     if mp.target is not None and not mp.ladder:
         raise ConfigError("mixed_precision.ladder is empty; give at least one rung, e.g. [float]")
+    twice = next((r for i, r in enumerate(mp.ladder) if r in mp.ladder[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"ladder rung {twice!r} is listed twice in mixed_precision; list each rung once")
+    # The search takes the first rung that meets the target: one after float (the costliest
+    # model, and the most accurate) would be tried only where float itself falls short.
+    after = [r for r in mp.ladder[mp.ladder.index("float") + 1:] if r in PRECISION_RUNGS] \
+        if "float" in mp.ladder else []
+    if after:
+        raise ConfigError(f"ladder rung {after[0]!r} comes after 'float' in mixed_precision; rungs go cheapest "
+                          "first and float is the costliest: put float last")
     if mp.target is not None:
         parse_target(mp.target)
     if mp.max_samples is not None and mp.max_samples < 1:
