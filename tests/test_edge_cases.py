@@ -86,3 +86,38 @@ def test_batchnorm_folding_is_not_taken_for_equalization():
     quant = onnxq.quantize(model, None, "U8S8", data).model
     analysis = analyze_models(model, quant, data, progress=False)
     assert not any("rescaled per channel" in n for n in analysis.notes)
+
+
+def _relu_cnn(factor: float) -> onnx.ModelProto:
+    """Conv-Relu-Conv-Relu-pool-Gemm whose every activation is `factor` times the unit
+    network's (a ReLU network with its first weights and every bias scaled by `factor`)."""
+    b = GraphBuilder(4)
+    x = b.input("x", ["N", 3, 12, 12])
+    h = b.relu(b.conv(x, 3, 8))
+    h = b.relu(b.conv(h, 8, 8))
+    y = b.gemm(b.node("Flatten", [b.node("GlobalAveragePool", [h])]), 8, 10)
+    model = b.build([y], name="tiny")
+    first = model.graph.node[0].input[1]
+    for init in model.graph.initializer:
+        if init.name == first or "_b_" in init.name:
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(factor), init.name))
+    return model
+
+
+def test_a_network_whose_activations_vanish_quantizes_as_one_at_unit_scale():
+    """A random-weight network can compute in tiny numbers (a freshly initialised
+    EfficientNet's activations shrink to 1e-13 at its head). Quantization is
+    scale-equivariant, so those keep the unit network's SQNR; a scale floor of 2^-40
+    zeroed every tensor under 2e-10 (0 dB, where onnxruntime's quantizer kept 21 dB)."""
+    feeds = {"x": np.random.default_rng(5).standard_normal((16, 3, 12, 12)).astype(np.float32)}
+    scores = []
+    for factor in (1.0, 1e-13):
+        model = _relu_cnn(factor)
+        result = onnxq.quantize(model, None, None, feeds, progress=False)
+        onnx.checker.check_model(result.model)
+        want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        got = ort.InferenceSession(result.model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        assert np.abs(want).max() > 1e-12 * factor
+        scores.append(10 * np.log10(np.sum(want.astype(np.float64) ** 2) / np.sum((want - got).astype(np.float64) ** 2)))
+    assert scores[0] > 25 and scores[1] > scores[0] - 1, scores
