@@ -177,11 +177,35 @@ def top1_agreement(ref: np.ndarray, test: np.ndarray) -> float | None:
     """How often the two agree on the largest score per row, for outputs that look like
     class scores ([N, classes] floats; not unit-length rows with negative entries, which
     are embeddings); None for other outputs."""
-    if ref.ndim != 2 or ref.shape[1] < 2 or not np.issubdtype(ref.dtype, np.floating):
-        return None
-    if ref.min() < 0 and np.allclose(np.linalg.norm(ref.astype(np.float64), axis=1), 1.0, atol=1e-3):
-        return None  # unit-length rows with negative entries: embeddings, whose largest entry means nothing
-    return float(np.mean(ref.argmax(1) == test.argmax(1)))
+    tally = Top1Tally()
+    tally.add(ref, test)
+    return tally.result()
+
+
+@dataclass
+class Top1Tally:
+    """`top1_agreement` over rows that arrive batch by batch (an LM head's logits are
+    megabytes a sample: joining them held copies of them all)."""
+
+    agree: int = 0
+    rows: int = 0
+    scores: bool = True  # every batch is [N, classes] floats
+    negative: bool = False  # some score is negative
+    unit: bool = True  # every row has unit length
+
+    def add(self, ref: np.ndarray, test: np.ndarray) -> None:
+        if ref.ndim != 2 or ref.shape[1] < 2 or not np.issubdtype(ref.dtype, np.floating) or not len(ref):
+            self.scores = False
+            return
+        self.negative |= bool(ref.min() < 0)
+        self.unit &= bool(np.allclose(np.linalg.norm(ref.astype(np.float64), axis=1), 1.0, atol=1e-3))
+        self.agree += int(np.count_nonzero(ref.argmax(1) == test.argmax(1)))
+        self.rows += len(ref)
+
+    def result(self) -> float | None:
+        if not self.scores or not self.rows or (self.negative and self.unit):
+            return None  # not class scores; or unit-length rows with negative entries: embeddings
+        return self.agree / self.rows
 
 
 def class_labels(labels: Any, samples: int, classes: int | None = None) -> np.ndarray:

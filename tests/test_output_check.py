@@ -443,3 +443,32 @@ def test_a_check_after_a_fitting_algorithm_says_it_reads_the_fit():
     assert "adaround fitted the model to these samples" in line and "onnxq compare FLOAT QUANT" in line
     plain = onnxq.quantize(model, None, "U8S8", calib, progress=False)
     assert plain.summary.fidelity.fitted_by == () and "fitted" not in plain.summary.fidelity.line()
+
+
+def test_the_check_sums_batch_by_batch_to_the_figures_of_the_joined_outputs():
+    """The check adds each batch's sums as it runs (joined, eight samples of an LM head's
+    logits held 700 MB of copies): the figures equal those of the outputs joined, with
+    masked positions and non-finite float values left out, batches of different sizes
+    counted together for top-1."""
+    from onnxq.emit.fidelity import _Tally, _unmasked
+    from onnxq.evaluate import cosine, sqnr_db, top1_agreement
+
+    rng = np.random.default_rng(3)
+    refs = [rng.standard_normal((n, 7)).astype(np.float32) for n in (3, 5, 1)]
+    refs[1][2, 4] = np.nan
+    tests = [r + rng.standard_normal(r.shape).astype(np.float32) * 0.6 for r in refs]
+    feeds = [{"x": np.zeros(len(r))} for r in refs]
+    tally = _Tally()
+    for feed, r, t in zip(feeds, refs, tests):
+        tally.add(feed, r, t)
+    figures = tally.figures("y", 1, 9)
+    kept = [_unmasked(f, r, t) for f, r, t in zip(feeds, refs, tests)]
+    ref = np.concatenate([r.ravel() for r, _ in kept]).astype(np.float64)
+    test = np.concatenate([t.ravel() for _, t in kept]).astype(np.float64)
+    finite = np.isfinite(ref)
+    assert figures.sqnr_db == pytest.approx(sqnr_db(ref[finite], test[finite]), rel=1e-12)
+    assert figures.cosine == pytest.approx(cosine(ref[finite], test[finite]), rel=1e-12)
+    joined = [np.concatenate(side) for side in zip(*zip(refs, tests))]
+    assert figures.top1_agreement == top1_agreement(*joined) and 0 < figures.top1_agreement < 1
+    tally.add(feeds[0], refs[0], tests[0] * np.float32(np.inf))  # the quantized model overflows
+    assert tally.figures("y", 1, 12).sqnr_db == -np.inf
