@@ -472,3 +472,22 @@ def test_the_check_sums_batch_by_batch_to_the_figures_of_the_joined_outputs():
     assert figures.top1_agreement == top1_agreement(*joined) and 0 < figures.top1_agreement < 1
     tally.add(feeds[0], refs[0], tests[0] * np.float32(np.inf))  # the quantized model overflows
     assert tally.figures("y", 1, 12).sqnr_db == -np.inf
+
+
+def test_a_capture_its_bytes_ended_serves_the_check_without_a_float_session(monkeypatch):
+    """Outputs too large for 8 samples in the capture's bytes: the check runs on the samples
+    the capture holds. Its own float session would hold no more (the same byte budget), and
+    cost the float model and its outputs again (an LM head's logits: 64 MB more)."""
+    import onnxq.calibrate.capture as capture
+    import onnxq.emit.fidelity as fidelity
+
+    model = residual()
+    calib = random_feeds(model, 16, seed=3)
+    per_sample = sum(a[:1].nbytes for a in calib[0].values()) + 4 * 12 * 12 * 4  # its feed and its [4, 12, 12] output
+    monkeypatch.setattr(capture, "CAPTURE_BYTES", 3 * per_sample + 1)
+    opened = []
+    lean = fidelity._lean_session
+    monkeypatch.setattr(fidelity, "_lean_session", lambda *a, **k: opened.append(1) or lean(*a, **k))
+    result = onnxq.quantize(model, None, "U8S8", calib, progress=False)
+    assert not opened and 3 <= result.summary.fidelity.samples < 8
+    assert result.summary.fidelity.sqnr_db > 20

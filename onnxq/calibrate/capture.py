@@ -32,6 +32,9 @@ class CapturedOutputs:
     held: int = 0
     complete: bool = False  # every sample of the data is held (the data ran out before `wanted`)
     full: bool = False  # a batch that could not be cut did not fit: nothing more is kept
+    # the byte budget, not the samples wanted, ended the capture: a float session of the
+    # check's own would hold no more samples (`emit/fidelity.REFERENCE_BYTES`, the same bytes)
+    spent: bool = False
 
     @property
     def wanting(self) -> bool:
@@ -49,8 +52,9 @@ class CapturedOutputs:
         keep = min(self.wanted - self.samples, max(1, (CAPTURE_BYTES - self.held) * samples // max(size, 1)))
         cuttable = all(np.ndim(a) and np.shape(a)[0] == rows for a in arrays)
         if not cuttable and self.samples and self.held + size > CAPTURE_BYTES:
-            self.full = True
+            self.full = self.spent = True
             return
+        self.spent = self.spent or keep < min(samples, self.wanted - self.samples)
         if keep < samples and cuttable:
             cut = keep * (rows // samples)
             feed = {k: np.array(v[:cut]) for k, v in feed.items()}
@@ -60,6 +64,7 @@ class CapturedOutputs:
         self.outputs.append(outputs)
         self.samples += samples
         self.held += size
+        self.spent = self.spent or self.held >= CAPTURE_BYTES
 
     def finish(self, calibrated: int, exhausted: bool) -> None:
         """Calibration read `calibrated` samples, all the data had where `exhausted` (no

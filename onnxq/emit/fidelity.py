@@ -167,6 +167,10 @@ def _unmasked(feed: dict[str, np.ndarray], ref: np.ndarray, test: np.ndarray) ->
     return (ref, test) if keep is None else (ref[keep], test[keep])
 
 
+# Values per float64 slice of the check's sums (8 MB each side).
+CHUNK = 1 << 20
+
+
 @dataclass
 class _Tally:
     """One output's figures summed batch by batch in float64: SQNR and cosine over the
@@ -189,19 +193,21 @@ class _Tally:
             return
         self.trailing.add(ref.shape[1:] if ref.ndim else None)
         self.top1.add(ref, test)
-        kept = _unmasked(feed, ref, test)
-        r, t = kept[0].ravel().astype(np.float64), kept[1].ravel().astype(np.float64)
-        finite = np.isfinite(r)
-        if not finite.all():
-            r, t = r[finite], t[finite]
-        if not np.all(np.isfinite(t)):
-            self.overflow = True
-            return
-        diff = r - t
-        self.noise += float(diff @ diff)
-        self.signal += float(r @ r)
-        self.dot += float(r @ t)
-        self.energy += float(t @ t)
+        kept_ref, kept_test = (a.ravel() for a in _unmasked(feed, ref, test))
+        for start in range(0, kept_ref.size, CHUNK):  # float64 copies of a slice at a time
+            r = kept_ref[start:start + CHUNK].astype(np.float64)
+            t = kept_test[start:start + CHUNK].astype(np.float64)
+            finite = np.isfinite(r)
+            if not finite.all():
+                r, t = r[finite], t[finite]
+            if not np.all(np.isfinite(t)):
+                self.overflow = True
+                return
+            diff = r - t
+            self.noise += float(diff @ diff)
+            self.signal += float(r @ r)
+            self.dot += float(r @ t)
+            self.energy += float(t @ t)
 
     def figures(self, name: str, outputs: int, samples: int) -> Fidelity | None:
         """None where the shapes depend on the data (not compared)."""
@@ -261,7 +267,7 @@ def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs
     weights the pipeline loaded are gone, so the check adds one float session to the
     quantized model, not two copies); `extended`: the emitted model holds onnxq's extended
     ops (the figures say how it ran)."""
-    if captured is not None and samples > 0 and (captured.samples >= samples or captured.complete):
+    if captured is not None and samples > 0 and (captured.samples >= samples or captured.complete or captured.spent):
         reference: Reference | None = Reference(captured.feeds, captured.outputs, captured.names, captured.samples)
     else:
         float_model = source.SerializeToString() if isinstance(source, onnx.ModelProto) else source
