@@ -225,7 +225,11 @@ def test_qparams_per_channel_arrays():
 
 
 def test_qparams_tiny_range_has_a_floor():
+    """A range of 1e-30 keeps its resolution (scale-equivariance); one under float32's
+    normal numbers takes the floor."""
     s, _ = qp(0.0, 1e-30, "uint8", False)
+    assert float(s) == pytest.approx(1e-30 / 255, rel=1e-6)
+    s, _ = qp(0.0, 1e-40, "uint8", False)
     assert float(s) == np.float32(qmath.MIN_SCALE)
 
 
