@@ -24,6 +24,7 @@ from onnxq.pipeline.emission import emit_loadable, layer_biases, trial_emitter
 from onnxq.pipeline.prepare import ALREADY_QUANTIZED, ModelSource, prepare, source_size
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.plan import provider_notes
+from onnxq.plan.kept_clips import clip_safe_ranges
 from onnxq.plan.kernel_pairs import float_inputs_note
 from onnxq.plan.strategies.matmul_nbits import refused_note
 from onnxq.plan.unused_overrides import unused_override_notes
@@ -67,6 +68,9 @@ def run_pipeline(
                                   "(no model input)", left_out))
     plan, dropped = drop_unquantizable(plan, calibration.ranges)
     summary.notes.extend(dropped)
+    ranges, widened = clip_safe_ranges(model, plan, calibration.ranges)
+    calibration = dataclasses.replace(calibration, ranges=ranges)
+    summary.notes.extend(widened)
     if (constant := constant_inputs_note(model, calibration.ranges)) is not None:
         summary.notes.append(constant)
     summary.notes.extend(unused_override_notes(model, plan, config))
