@@ -149,7 +149,7 @@ def format_summary(s: Summary) -> str:
         lines.extend(f"  {line}" for line in s.latency.lines())
     if s.mixed_precision is not None:
         lines.extend(format_mixed_precision(s.mixed_precision))
-    lines.extend(f"  note: {n.text}" for n in s.notes)
+    lines.extend(f"  {n.text}" if n.text.startswith("warning: ") else f"  note: {n.text}" for n in s.notes)
     return "\n".join(lines)
 
 

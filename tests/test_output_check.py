@@ -97,6 +97,9 @@ def test_nothing_quantized_is_a_warning_with_the_config_level_named():
     assert not result.summary.quantized_by_op
     (warning,) = of(result.summary.notes, Topic.WARNING)
     assert warning.text.startswith("warning: nothing was quantized")
+    assert "U8S8, the default, for convolutions; W8_DYNAMIC quantizes MatMul, Gemm and LSTM only" in warning.text
+    printed = onnxq.format_summary(result.summary).splitlines()
+    assert f"  {warning.text}" in printed and not any("note: warning:" in line for line in printed)
     reasons = {why for op, why in result.summary.float_nodes.values() if op == "Conv"}
     assert reasons == {"kept float by the config's Conv override (layer_type_quant_config)"}
     fp16 = onnxq.quantize(model, None, "FP16", random_feeds(model, 8, seed=1))  # weights stored in float16

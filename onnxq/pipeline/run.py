@@ -125,8 +125,8 @@ def run_pipeline(
                                   "model instead"))
     elif unchanged:
         summary.notes.append(Note(Topic.WARNING, "warning: nothing was quantized: every node stayed float (see 'left "
-                                  "in float'); pick a recipe that covers this model's ops (U8S8 for convolutions; "
-                                  "W8_DYNAMIC and W4_GROUP128 quantize MatMul/Gemm only)"))
+                                  "in float'); pick a recipe that covers this model's ops (U8S8, the default, for "
+                                  "convolutions; W8_DYNAMIC quantizes MatMul, Gemm and LSTM only)"))
     return QuantizationResult(model, summary, calibration.ranges, plan, state)
 
 
