@@ -63,7 +63,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         "the config file (--config)": args.config, "the output model": args.output, "the report (--report)": args.report})
     # The sources, not a composed config: where they name no preset, the model picks it.
     result = quantize(args.input, args.output, sources, args.calib_data, progress=progress, report=args.report)
-    if args.report:  # the library wrote its notes as a Python caller passes data; this user typed flags
+    if args.report and Path(args.report).is_file():  # its notes in a Python caller's words; this user typed flags
         write_text_atomic(args.report, in_cli_words(Path(args.report).read_text(encoding="utf-8")))
     if args.save_config:
         mp = result.summary.mixed_precision
