@@ -59,15 +59,18 @@ def perplexity(model: Path, windows: np.ndarray) -> float:
     import onnx
     import onnxruntime as ort
 
+    from onnxq.calibrate.decoder import sliding_caches
+
     proto = onnx.load(str(model), load_external_data=False)
     past = {v.name: v for v in proto.graph.input if v.name.startswith("past_key_values.")}
+    capacity = sliding_caches(proto)  # a sliding-window cache starts at the window's length
     config = json.loads((model.parent / "genai_config.json").read_text())["model"]["decoder"]
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     losses = []
     for window in windows:
         feeds = {"input_ids": window[None].astype(np.int64), "attention_mask": np.ones((1, len(window)), np.int64),
-                 **{name: np.zeros((1, config["num_key_value_heads"], 0, config["head_size"]), np.float32)
-                    for name in past}}
+                 **{name: np.zeros((1, config["num_key_value_heads"], capacity.get(name, 0), config["head_size"]),
+                                   np.float32) for name in past}}
         logits = session.run(["logits"], feeds)[0][0, :-1].astype(np.float64)
         logits -= logits.max(axis=1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))

@@ -190,3 +190,32 @@ def test_the_model_file_of_a_folder_and_flag_words(folder, tmp_path, capsys):
     cache = [line for line in printed.splitlines() if "past_key_values." in line or "present." in line]
     assert len(cache) == 2 and "4 KV-cache inputs" in cache[0]  # one line each way, not one per layer
     assert "tied: " in printed and "one copy, blocks of 32" in printed
+
+
+def test_a_sliding_window_cache_is_fed_a_cache_of_the_window(tmp_path, windows):
+    """The model builder writes `sliding_window_cache` on Gemma2's local-attention GQA,
+    and onnxruntime refuses such a cache shorter than the window: prefills on an empty
+    cache stopped GPTQ with a traceback and skipped the check without a word. The feeds
+    now start from a zero cache of the window's length (the logits of a model without a
+    sliding cache, to the bit), and every recipe runs, checks and generates."""
+    folder = build_genai_folder(tmp_path / "sliding", layers=LAYERS, kv_heads=KV_HEADS)
+    model = onnx.load(str(folder / "model.onnx"))
+    plain = tmp_path / "plain.onnx"  # no sliding cache: the reference logits
+    onnx.save(model, str(plain))
+    gqa = next(n for n in model.graph.node if n.op_type == "GroupQueryAttention")
+    for attribute in gqa.attribute:
+        if attribute.name == "local_window_size":
+            attribute.i = 32
+    gqa.attribute.append(onnx.helper.make_attribute("sliding_window_cache", 1))
+    (folder / "model.onnx").write_bytes(model.SerializeToString())
+    feeds = DecoderFeeds(folder / "model.onnx", np.arange(24).reshape(2, 12), decode_steps=1)
+    first = feeds.get_next()
+    assert first["past_key_values.0.key"].shape == (1, KV_HEADS, 32, HEAD_SIZE)
+    assert first["past_key_values.1.key"].shape == (1, KV_HEADS, 0, HEAD_SIZE)
+    reference = {**first, **{k: v[:, :, :0] for k, v in first.items() if k.startswith("past_")}}
+    want = session(plain, threads=1).run(["logits"], reference)[0]
+    assert np.array_equal(session(folder / "model.onnx", threads=1).run(["logits"], first)[0], want)
+    config = onnxq.compose_config("W4_GROUP128", None, {
+        "layer_type_quant_config": {"MatMul": {"weight": {"group_size": 32}}}, "algo_config": [{"name": "gptq"}]})
+    result = onnxq.quantize(str(folder), str(tmp_path / "out"), config, str(windows), progress=False)
+    assert result.summary.fidelity is not None and result.summary.fidelity.sqnr_db > 4

@@ -63,6 +63,9 @@ class CacheInput:
     kv_heads: int
     head_size: int
     dtype: type
+    # Positions of the empty cache a prefill starts from: 0, or the window of a
+    # GroupQueryAttention that keeps a sliding-window cache (`sliding_caches`).
+    capacity: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class DecoderInputs:
         if not is_decoder(inputs):
             return None
         cache = []
+        windows = sliding_caches(model)
         for name, value in inputs.items():
             found = PAST.match(name)
             if not found:
@@ -98,9 +102,27 @@ class DecoderInputs:
                     "with kv_heads fixed and head_size fixed or in genai_config.json (decoder.head_size); pass "
                     "calibration feeds with every input instead")
             dtype = NUMPY.get(value.type.tensor_type.elem_type, np.float32)
-            cache.append(CacheInput(name, present, dims[1].dim_value, size, dtype))
+            cache.append(CacheInput(name, present, dims[1].dim_value, size, dtype, windows.get(name, 0)))
         return cls("input_ids", "attention_mask" if "attention_mask" in inputs else None,
                    "position_ids" if "position_ids" in inputs else None, tuple(cache))
+
+
+def sliding_caches(model: onnx.ModelProto) -> dict[str, int]:
+    """Cache inputs read by a GroupQueryAttention with `sliding_window_cache` (the model
+    builder writes it on Gemma2's local-attention layers) -> its window. onnxruntime (1.32)
+    refuses such a cache shorter than the window, where onnxruntime-genai hands it a buffer
+    of its maximum length; a prefill on a zero-filled cache of the window's length, the
+    attention mask covering the tokens alone, gives the logits of one with no sliding
+    cache (tested on a random Gemma2 folder: identical)."""
+    found: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        window = int(attrs.get("local_window_size", -1))
+        if attrs.get("sliding_window_cache", 0) and window > 0:
+            found.update({name: window for name in node.input[3:5] if name})
+    return found
 
 
 class DecoderFeeds:
@@ -149,7 +171,7 @@ class DecoderFeeds:
 
     def _window(self, window: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
         prefill = len(window) - self.decode_steps
-        past = {c.name: np.zeros((1, c.kv_heads, 0, c.head_size), c.dtype) for c in self.inputs.cache}
+        past = {c.name: np.zeros((1, c.kv_heads, c.capacity, c.head_size), c.dtype) for c in self.inputs.cache}
         feed = self._feed(window[None, :prefill], past, 0)
         for step in range(self.decode_steps + 1):
             yield feed

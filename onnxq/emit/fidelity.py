@@ -96,12 +96,20 @@ def float_reference(model: str | os.PathLike | bytes | ir.Model, inputs: list[In
     `inputs` (the model's, as calibration read them) say; None when there is nothing to
     check (no samples asked, no data, data that can be read only once, no floating-point
     output) or the float model cannot run: the check never stops a run."""
+    found = reference_or_failure(model, inputs, data, samples, providers)
+    return found if isinstance(found, Reference) else None
+
+
+def reference_or_failure(model: str | os.PathLike | bytes | ir.Model, inputs: list[InputSpec],
+                         data: CalibrationSource, samples: int, providers: list[str]) -> Reference | str | None:
+    """`float_reference`, or onnxruntime's refusal where the float model failed to open or
+    to run on the samples (the check says why it was skipped)."""
     if samples <= 0 or not data_access(data).rereadable:
         return None
     try:
         return _reference(model, inputs, data, samples, providers)
-    except Exception:  # noqa: BLE001  onnxruntime and the data raise several unrelated types
-        return None
+    except Exception as exc:  # noqa: BLE001  onnxruntime and the data raise several unrelated types
+        return ort_refusal(str(exc) or type(exc).__name__)
 
 
 def _reference(model: str | os.PathLike | bytes | ir.Model, inputs: list[InputSpec], data: CalibrationSource,
@@ -271,12 +279,14 @@ def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs
         reference: Reference | None = Reference(captured.feeds, captured.outputs, captured.names, captured.samples)
     else:
         float_model = source.SerializeToString() if isinstance(source, onnx.ModelProto) else source
-        reference = float_reference(float_model, inputs, data, samples, providers)
-        if reference is None and samples > 0 and data_access(data).rereadable:
-            try:  # say why where the float model itself is what failed (the check never stops a run)
+        found = reference_or_failure(float_model, inputs, data, samples, providers)
+        if isinstance(found, str):  # say why (the check never stops a run)
+            try:
                 _lean_session(float_model, providers)
             except Exception as exc:  # noqa: BLE001  onnxruntime raises several unrelated types
                 return (f"output check skipped: onnxruntime cannot open the float model as given "
                         f"({ort_refusal(str(exc) or type(exc).__name__)}); the quantized model itself loads")
+            return f"output check skipped: the float model failed on a calibration sample ({found})"
+        reference = found
     checked = None if reference is None else measure(session, reference)
     return dataclasses.replace(checked, extended=extended) if isinstance(checked, Fidelity) else checked
