@@ -23,7 +23,14 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from onnxq.calibrate.session import add_arrays, check_providers, injected, session_options, stand_in
+from onnxq.calibrate.session import (
+    add_arrays,
+    check_providers,
+    injected,
+    run_on_data,
+    session_options,
+    stand_in,
+)
 from onnxq.errors import OnnxqError
 from onnxq.graph.external_data import drop_pages
 
@@ -263,7 +270,8 @@ class Replay:
             if needed:
                 if session is None:
                     session = self._segment(needed, outputs, inputs, kept)
-                values = session.run(outputs, {n: kept[n] for n in inputs})
+                # onnxruntime's refusal of the data: one line naming the batch (`run_on_data`)
+                values = run_on_data(session, outputs, {n: kept[n] for n in inputs})
                 for name, value in zip(outputs, values):
                     if not isinstance(value, np.ndarray):
                         raise ReplayError(f"tensor {name!r} is not a tensor ({type(value).__name__})")
