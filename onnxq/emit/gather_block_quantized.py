@@ -1,4 +1,4 @@
-"""Embedding lookups on int4 tables: onnxruntime's `com.microsoft::GatherBlockQuantized`.
+"""Embedding lookups on int4 (or 8-bit) tables: onnxruntime's `com.microsoft::GatherBlockQuantized`.
 
 A DequantizeLinear in front of a Gather dequantizes the whole table on every run; this
 kernel gathers the int4 rows first and dequantizes only those, with block scales along the
@@ -19,12 +19,13 @@ from onnxq.graph.edit import GraphEditor, drop_unread
 from onnxq.graph.external_data import drop_array_pages
 from onnxq.numerics.weights import QuantizedTensor, quantize_weight
 from onnxq.plan.strategies.gather_int4 import can_use_gather_block_quantized, table_array
+from onnxq.plan.strategies.matmul_nbits import BITS
 
 CONTRIB = "com.microsoft"
 
 
 def replace_with_gather_block_quantized(model: ir.Model, edit: GraphEditor, node: ir.Node,
-                                        stored: list[ir.Value | None], block_size: int) -> None:
+                                        stored: list[ir.Value | None], block_size: int, bits: int = 4) -> None:
     """Replace the Gather `node` by GatherBlockQuantized reading `stored` (quantized table,
     scales, zero points or None), and drop the float table if nothing else reads it."""
     graph = model.graph
@@ -33,7 +34,7 @@ def replace_with_gather_block_quantized(model: ir.Model, edit: GraphEditor, node
     inputs = [data, node.inputs[1], scales, *([zero_points] if zero_points is not None else [])]
     new = ir.node(
         "GatherBlockQuantized", inputs,
-        {"gather_axis": 0, "quantize_axis": 1, "block_size": block_size, "bits": 4},
+        {"gather_axis": 0, "quantize_axis": 1, "block_size": block_size, "bits": bits},
         domain=CONTRIB, name=edit.unique(f"{node.name}_GatherBlockQuantized"),
     )
     new.outputs[0].dtype, new.outputs[0].shape = out.dtype, out.shape
@@ -54,11 +55,24 @@ def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpe
     for node, spec in ready:
         table = node.inputs[0]
         qt = _quantize_table(table_array(table), spec, clip_search)
-        stored = [edit.initializer(f"{table.name}_quantized", qt.data),
+        data, zero_point = qt.data, None if spec.symmetric else qt.zero_point
+        bits = BITS[spec.dtype]
+        if bits == 8:  # the kernel reads 8-bit codes as uint8, its default zero point 128
+            data, zero_point = unsigned_codes(data, zero_point)
+        stored = [edit.initializer(f"{table.name}_quantized", data),
                   edit.initializer(f"{table.name}_scale", qt.scale.astype(np.float32)),
-                  None if spec.symmetric else edit.initializer(f"{table.name}_zero_point", qt.zero_point)]
-        replace_with_gather_block_quantized(model, edit, node, stored, spec.group_size)
+                  None if zero_point is None else edit.initializer(f"{table.name}_zero_point", zero_point)]
+        replace_with_gather_block_quantized(model, edit, node, stored, spec.group_size, bits)
     return skipped
+
+
+def unsigned_codes(data: np.ndarray, zero_point: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """8-bit codes and zero points as GatherBlockQuantized stores them: uint8, int8 offset
+    by 128 (a symmetric int8 table then needs no zero points: 128 is the kernel's default)."""
+    if data.dtype == np.uint8:
+        return data, zero_point
+    shift = lambda a: (a.astype(np.int16) + 128).astype(np.uint8)  # noqa: E731
+    return shift(data), None if zero_point is None else shift(zero_point)
 
 
 # Rows of a table quantized at a time: each block has its own scale, so the codes are those

@@ -35,6 +35,7 @@ class Shared:
 
     stored: list[ir.Value | None]  # data (B through a Reshape), scales, zero points or None
     block_size: int
+    bits: int
 
 
 def _lower_head(model: ir.Model, edit: GraphEditor, head: ir.Node, spec: ResolvedSpec, config: Config,
@@ -50,7 +51,8 @@ def _lower_head(model: ir.Model, edit: GraphEditor, head: ir.Node, spec: Resolve
     packed, rows = nbits.inputs[1], [bq.n, bq.packed[0].size]
     data = edit.add_node("Reshape", [packed, edit.initializer(f"{packed.name}_shape", np.array(rows, np.int64))],
                          f"{packed.name}_rows", dtype=packed.dtype, shape=ir.Shape(rows))
-    return Shared([data, nbits.inputs[2], nbits.inputs[3] if len(nbits.inputs) > 3 else None], bq.block_size)
+    return Shared([data, nbits.inputs[2], nbits.inputs[3] if len(nbits.inputs) > 3 else None], bq.block_size,
+                  bq.bits)
 
 
 def lower_tied(model: ir.Model, plan: QuantPlan, config: Config, weights: object = None) -> LoweringReport:
@@ -72,7 +74,7 @@ def lower_tied(model: ir.Model, plan: QuantPlan, config: Config, weights: object
     for name, tie in plan.tied.items():
         pair = f"tied embedding {name} and LM head {tie.head}"
         if tie.block_size is None:
-            report.notes.append(f"{pair}: each stores its own int4 copy: {tie.reason}")
+            report.notes.append(f"{pair}: each stores its own copy: {tie.reason}")
             continue
         if name not in ready or (tie.head not in shared and tie.head not in ready):
             continue
@@ -81,10 +83,11 @@ def lower_tied(model: ir.Model, plan: QuantPlan, config: Config, weights: object
             report.converted.extend([] if isinstance(shared[tie.head], str) else [tie.head])
         head = shared[tie.head]
         if isinstance(head, str):
-            report.notes.append(f"{pair}: each stores its own int4 copy: {head}")
+            report.notes.append(f"{pair}: each stores its own copy: {head}")
             continue
-        replace_with_gather_block_quantized(model, edit, ready[name], head.stored, head.block_size)
+        replace_with_gather_block_quantized(model, edit, ready[name], head.stored, head.block_size, head.bits)
         report.converted.append(name)
         blocks = f"blocks of {tie.block_size}" + (f" ({tie.reason})" if tie.reason else "")
-        report.notes.append(f"{pair}: one int4 copy, MatMulNBits' weight read by GatherBlockQuantized, {blocks}")
+        report.notes.append(f"{pair}: one {'int4' if head.bits == 4 else '8-bit'} copy, MatMulNBits' weight read by "
+                            f"GatherBlockQuantized, {blocks}")
     return report

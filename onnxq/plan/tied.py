@@ -1,5 +1,5 @@
 """Tied embeddings: an embedding Gather whose table is, transposed, the weight of a MatMul
-lowered to MatMulNBits is planned to share that MatMul's int4 weight.
+lowered to MatMulNBits is planned to share that MatMul's int4 (or 8-bit) weight.
 
 onnxruntime-genai's model builder ties the token embedding to the LM head: the LM head's
 weight [hidden, vocab] is the one table, and the embedding gathers from its Transpose
@@ -49,11 +49,11 @@ def shared_block(hidden: int, group: int) -> int | None:
 
 
 def _heads(draft: Draft, graph: ir.Graph) -> list[tuple[ir.Node, ResolvedSpec]]:
-    """The MatMuls lowered to 4-bit MatMulNBits, with their specs."""
+    """The MatMuls lowered to 4- or 8-bit MatMulNBits, with their specs."""
     found = []
     for node in graph:
         low = draft.lowered.get(node.name)
-        if low is not None and low.strategy == MATMUL and BITS.get(low.spec.dtype) == 4:
+        if low is not None and low.strategy == MATMUL and BITS.get(low.spec.dtype) in (4, 8):
             found.append((node, low.spec))
     return found
 
@@ -95,7 +95,8 @@ def tie_tables(draft: Draft, graph: ir.Graph) -> None:
             continue
         head, spec = found
         hidden, group = constant_array(head.inputs[1]).shape[0], int(spec.group_size)
-        block = shared_block(hidden, min(group, HEAD_BLOCK))
+        largest = min(group, HEAD_BLOCK) if BITS[spec.dtype] == 4 else group  # 8 bits need no finer blocks
+        block = shared_block(hidden, largest)
         if block is None:
             draft.tied[gather.name] = Tie(head.name, None, f"no power of two from {MIN_BLOCK} to {group} "
                                           f"divides the hidden size {hidden}")
@@ -103,7 +104,6 @@ def tie_tables(draft: Draft, graph: ir.Graph) -> None:
         shared = dataclasses.replace(spec, group_size=block)
         if can_use_gather_block_quantized(gather, shared) is not None:
             continue
-        largest = min(group, HEAD_BLOCK)
         reason = ("" if block == group else f"the tied table's blocks are at most {HEAD_BLOCK}" if block == largest
                   else f"the hidden size {hidden} is not a multiple of {largest}")
         draft.tied[gather.name] = Tie(head.name, block, reason)

@@ -1,4 +1,4 @@
-"""int4 embedding tables: a weight-only Gather becomes com.microsoft::GatherBlockQuantized
+"""int4 (or 8-bit) embedding tables: a weight-only Gather becomes com.microsoft::GatherBlockQuantized
 (lowered by `emit/gather_block_quantized`), which dequantizes only the rows it looks up.
 The table is a constant, or the Transpose of one that load left unfolded (a tied LM head's
 weight past `graph.fold.MAX_FOLD_ELEMENTS`)."""
@@ -13,7 +13,7 @@ from onnxq.graph.fold import constant_array
 from onnxq.plan.draft import Draft
 from onnxq.plan.strategies.registry import Decision, Lower, register_strategy, weights_only
 
-TYPES = ("int4", "uint4")
+TYPES = ("int4", "uint4", "int8", "uint8")
 
 
 def transposed_constant(value: ir.Value) -> ir.Value | None:
@@ -43,7 +43,7 @@ def can_use_gather_block_quantized(node: ir.Node, spec: ResolvedSpec) -> str | N
     if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
         return "not a Gather"
     if str(spec.dtype) not in TYPES or spec.qscheme != "per_group":
-        return "needs int4/uint4 per-group weights"
+        return "needs 4- or 8-bit integer per-group weights"
     size = spec.group_size or 0
     if size < 16 or size & (size - 1):
         return "block size must be a power of two >= 16"
