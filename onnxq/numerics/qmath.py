@@ -124,7 +124,9 @@ def qdq_opset(dtype: DType | str) -> int:
 # replaced zeroed everything under 2e-10 (that EfficientNet: output SQNR 0 dB, onnxruntime's
 # quantizer 21 dB; now 21.2; a Conv chain at 1e-30 keeps its 33 dB). Where an int8 kernel's
 # s_in * s_w underflows float32, both are tiny and the products it drops lie far under the
-# output's resolution; a bias that would pass int32 stays float (`weights.quantize_bias`).
+# output's resolution; a bias that would pass int32 stays float (`weights.quantize_bias`),
+# though onnxruntime's basic level quantizes a float bias itself and overflows there too
+# (a Conv with an ordinary bias on inputs of 1e-8 loses its output, as under 2^-40).
 MIN_SCALE = 2.0**-126
 
 
