@@ -17,6 +17,7 @@ from onnxq.config.spec import Config
 from onnxq.emit.lowering import LoweringReport, claimed_nodes, register_lowering
 from onnxq.graph.edit import GraphEditor, drop_unread
 from onnxq.graph.external_data import drop_array_pages
+from onnxq.numerics.blocks import packed_codes, stored_zero_points
 from onnxq.numerics.weights import QuantizedTensor, quantize_weight
 from onnxq.plan.strategies.gather_int4 import can_use_gather_block_quantized, table_array
 from onnxq.plan.strategies.matmul_nbits import BITS
@@ -57,22 +58,13 @@ def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpe
         qt = _quantize_table(table_array(table), spec, clip_search)
         data, zero_point = qt.data, None if spec.symmetric else qt.zero_point
         bits = BITS[spec.dtype]
-        if bits == 8:  # the kernel reads 8-bit codes as uint8, its default zero point 128
-            data, zero_point = unsigned_codes(data, zero_point)
+        if bits == 8:  # the kernel reads 8-bit codes unsigned, as MatMulNBits stores them (default zero point 128)
+            data, zero_point = packed_codes(data, spec), stored_zero_points(qt.zero_point, np.float32, spec)
         stored = [edit.initializer(f"{table.name}_quantized", data),
                   edit.initializer(f"{table.name}_scale", qt.scale.astype(np.float32)),
                   None if zero_point is None else edit.initializer(f"{table.name}_zero_point", zero_point)]
         replace_with_gather_block_quantized(model, edit, node, stored, spec.group_size, bits)
     return skipped
-
-
-def unsigned_codes(data: np.ndarray, zero_point: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-    """8-bit codes and zero points as GatherBlockQuantized stores them: uint8, int8 offset
-    by 128 (a symmetric int8 table then needs no zero points: 128 is the kernel's default)."""
-    if data.dtype == np.uint8:
-        return data, zero_point
-    shift = lambda a: (a.astype(np.int16) + 128).astype(np.uint8)  # noqa: E731
-    return shift(data), None if zero_point is None else shift(zero_point)
 
 
 # Rows of a table quantized at a time: each block has its own scale, so the codes are those

@@ -39,10 +39,10 @@ def _grid(spec: ResolvedSpec, low: float, high: float) -> tuple[float, float]:
     return float(s * np.float32(info.qmin - int(zp))), float(s * np.float32(info.qmax - int(zp)))
 
 
-def _dropped(spec: ResolvedSpec, low: float, high: float, bounds: tuple[float, float]) -> bool:
-    """Whether onnxruntime removes a Clip of `bounds` before this range's QuantizeLinear
-    although values under the Clip's minimum would pass the grid."""
-    lower, upper = _grid(spec, low, high)
+def _dropped(grid: tuple[float, float], bounds: tuple[float, float]) -> bool:
+    """Whether onnxruntime removes a Clip of `bounds` before a QuantizeLinear of this
+    `_grid` although values under the Clip's minimum would pass the grid."""
+    lower, upper = grid
     return lower < bounds[0] and bounds[0] - lower <= EPSILON and upper - bounds[1] <= EPSILON
 
 
@@ -62,11 +62,11 @@ def clip_safe_ranges(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tupl
         if bounds is None or root not in out or not is_integer(spec.dtype) or int_type(spec.dtype).bits not in (8, 16):
             continue
         low, high = out[root]
-        if not _dropped(spec, low, high, bounds):
+        grid = _grid(spec, low, high)
+        if not _dropped(grid, bounds):
             continue
-        lower, _ = _grid(spec, low, high)
-        factor = (bounds[0] - 2 * EPSILON) / lower if lower < 0 else 0.0
-        while factor > 0 and _dropped(spec, low * factor, high * factor, bounds):
+        factor = (bounds[0] - 2 * EPSILON) / grid[0] if grid[0] < 0 else 0.0
+        while factor > 0 and _dropped(_grid(spec, low * factor, high * factor), bounds):
             factor *= 1.01  # float32 rounding of the new scale
         if factor > 0:
             out[root] = (low * factor, high * factor)
