@@ -136,3 +136,35 @@ def test_a_dequantize_without_zero_point_is_guarded_too():
 def default_run_feed(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> np.ndarray:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, feed)[0]
+
+
+def tiny_input_conv(seed: int = 5) -> onnx.ModelProto:
+    """A Conv reading values of about 1e-6 with a bias of about 0.05: with 16-bit
+    activations its int32 bias (b / (x_scale * w_scale)) would overflow past what raising
+    its weights' scale 2x covers, and the bias stays float."""
+    b = GraphBuilder(seed)
+    w = b.he((6, 3, 3, 3), 27)
+    bias = np.linspace(-0.06, 0.06, 6, dtype=np.float32)
+    y = b.node("Conv", [b.input("x", ["N", 3, 8, 8]), b.const("w", w), b.const("b", bias)],
+               kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    return b.build([y], name="tiny_input_conv")
+
+
+def test_a_quantized_conv_with_a_float_bias_keeps_its_bias():
+    """onnxruntime's WeightBiasQuantization would rewrite the float bias beside the
+    quantized weight as Cast<int32>(Round(b / (x_scale * w_scale))) and wrap it: the output
+    would be about the bias negated or garbage (0 dB). Guarded, the default session
+    computes the Conv in float from its DequantizeLinear inputs, as the graph says."""
+    model = tiny_input_conv()
+    x = (np.random.default_rng(0).standard_normal((16, 3, 8, 8)) * 1e-6).astype(np.float32)
+    result = onnxq.quantize(model, None, "A16W8", {"x": x}, progress=False)
+    assert any(b.startswith("b") and "overflow" in b for b in result.summary.float_biases)
+    quantized = result.model
+    onnx.checker.check_model(quantized)
+    conv = next(n for n in quantized.graph.node if n.op_type == "Conv")
+    dq = producers(quantized)[conv.input[0]]
+    scale = next(t for t in quantized.graph.initializer if t.name == dq.input[1])
+    assert dq.op_type == "DequantizeLinear" and list(scale.dims) == [3]
+    out = default_run(quantized, x)
+    np.testing.assert_allclose(out, default_run(quantized, x, ["WeightBiasQuantization"]), rtol=1e-5, atol=1e-7)
+    assert sqnr_db(default_run(model, x), out) > 60
