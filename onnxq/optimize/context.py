@@ -146,8 +146,10 @@ class AlgorithmContext:
 @dataclass(frozen=True)
 class AlgorithmResult:
     """What an algorithm hands back: its report line, the plan when it changed a decision,
-    and the layers whose bias it fitted (node -> its name)."""
+    the layers whose bias it fitted (node -> its name), and what the user should act on
+    (each its own `warning:` line in the summary)."""
 
     note: str
     plan: QuantPlan | None = None
     fitted_biases: Mapping[str, str] = field(default_factory=lambda: EMPTY)
+    warnings: tuple[str, ...] = ()

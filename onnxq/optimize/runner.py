@@ -133,6 +133,7 @@ def run_algorithms(
         fitted.update(result.fitted_biases)
         plan = result.plan if result.plan is not None else plan
         notes.append(Note(Topic.ALGORITHM, f"{entry.name}: {result.note}", source=entry.name))
+        notes.extend(Note(Topic.ALGORITHM, f"warning: {entry.name}: {w}", source=entry.name) for w in result.warnings)
         statistics = {}  # collected on the model before this algorithm changed it
     return AlgorithmsOutcome(plan, notes, weights)
 

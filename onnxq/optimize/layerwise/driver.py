@@ -148,7 +148,8 @@ def reconstruct(
     finally:
         bar.close()
         replay.close()
-    line = report.line(len(layers), refused, replay.samples, replay.samples + split.held_out_samples)
+    line = report.line(len(layers), refused)
+    warnings = report.warnings(replay.samples, replay.samples + split.held_out_samples)
     if blocks is not None:
         line += block_line(len(found), outcomes, not_blocked)
     del qmodel
@@ -158,7 +159,7 @@ def reconstruct(
         else:
             line += (f"; no model-level check: fewer than {options.validation_every} calibration batches "
                      "to hold one out")
-    return AlgorithmResult(line, fitted_biases=fitted)
+    return AlgorithmResult(line, fitted_biases=fitted, warnings=warnings)
 
 
 def _units(layers: list[Layer], blocks: list[Block]) -> list[Layer | Block]:
@@ -305,9 +306,8 @@ class _Report:
         self.through: dict[str, int] = {}  # activation op type -> layers whose loss ran through one
         self.last = ""
 
-    def line(self, total: int, refused: Mapping[str, str], samples: int, supplied: int) -> str:
-        """The report; `samples`: those the statistics came from, `supplied`: the
-        calibration samples given (the model-level check's held-out batches included)."""
+    def line(self, total: int, refused: Mapping[str, str]) -> str:
+        """The report."""
         improved = [(n, b, a) for n, b, a in self.losses if a < b]
         text = f"{len(improved)} of {_count(total, 'layer')} improved on nearest rounding"
         fitted = sum(n in self.short for n, _, _ in improved)
@@ -321,13 +321,21 @@ class _Report:
         if self.through:
             text += "; error measured after the activation on " + ", ".join(
                 f"{_count(n, 'layer')} ({op})" for op, n in self.through.items())
-        text += _listed("kept nearest", self.kept) + _listed("not optimised", refused)
-        if self.short:
-            need = math.ceil(max(self.short.values()) * supplied / max(samples, 1))
-            text += (f"; warning: {_count(len(self.short), 'layer')} rounded to nearest (only their scale and bias "
-                     f"fitted), too few calibration rows for their weights ({', '.join(list(self.short)[:3])}): "
-                     f"calibrate on at least {need} samples (now {supplied}) to optimise them")
-        return text
+        return text + _listed("kept nearest", self.kept) + _listed("not optimised", refused)
+
+    def warnings(self, samples: int, supplied: int) -> tuple[str, ...]:
+        """The layers too short of calibration rows to learn their rounding; `samples`:
+        those the statistics came from, `supplied`: the calibration samples given (the
+        model-level check's held-out batches included)."""
+        if not self.short:
+            return ()
+        need = math.ceil(max(self.short.values()) * supplied / max(samples, 1))
+        layers = ", ".join(list(self.short)[:3]) + (" ..." if len(self.short) > 3 else "")
+        one = len(self.short) == 1
+        return (f"{_count(len(self.short), 'layer')} ({layers}) {'has' if one else 'have'} too few calibration rows "
+                f"for {'its' if one else 'their'} weights and kept nearest rounding ({'its' if one else 'their'} "
+                f"scale and bias fitted): calibrate on at least {need} samples (now {supplied}) to optimise "
+                f"{'it' if one else 'them'}",)
 
 
 def _count(n: int, noun: str) -> str:
