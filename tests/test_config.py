@@ -253,6 +253,26 @@ def test_rich_config_round_trip(tmp_path, suffix):
     ]
 
 
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_typed_pass_and_algorithm_entries_are_saved_with_their_names(tmp_path, suffix):
+    """configuration.md's snippet: typed entries (CLEConfig(), AdaRoundConfig(...)) on a
+    preset, saved and read back, give the same model as the config itself."""
+    import onnxq
+    config = get_preset("U8S8")
+    config.pre_quant_opt_config.append(onnxq.CLEConfig())
+    config.algo_config.append(onnxq.AdaRoundConfig(num_iteration=20))
+    path = tmp_path / f"typed{suffix}"
+    save_config(config, path)
+    loaded = load_config(path)
+    assert [e["name"] for e in loaded.pre_quant_opt_config] == ["cle"]
+    assert loaded.algo_config[0]["name"] == "adaround" and loaded.algo_config[0]["num_iteration"] == 20
+    root = Path(__file__).resolve().parents[1]
+    model, data = root / "models" / "digits_cnn.onnx", root / "models" / "digits_calib.npz"
+    first = onnxq.quantize(model, None, config, data, progress=False).model.SerializeToString()
+    again = onnxq.quantize(model, None, loaded, data, progress=False).model.SerializeToString()
+    assert first == again
+
+
 def test_a_preset_beside_a_whole_config_file_is_refused(tmp_path):
     """A file --save-config wrote sets every field (preset: none): a preset beside it
     would change nothing, so it is one line instead of silently ignored."""

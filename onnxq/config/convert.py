@@ -229,6 +229,8 @@ def config_to_dict(config: Any) -> Any:
     left out, so specs stay short. `config_from_dict(config_to_dict(c)) == c`.
     """
     if is_dataclass(config) and not isinstance(config, type):
+        if getattr(type(config), "ALGORITHM", None):  # a typed pass/algorithm entry: named
+            return config_to_dict(entry_dict(config))
         return {
             f.name: config_to_dict(getattr(config, f.name))
             for f in fields(config)
