@@ -614,6 +614,38 @@ def test_an_output_never_writes_over_what_the_run_reads(tmp_path, capsys, args, 
     assert {k: v.read_bytes() for k, v in names.items() if v.exists()} == before
 
 
+@pytest.mark.parametrize("args, says", [
+    (["FOLDER/batch_0.npy"], "the output model FOLDER/batch_0.npy is inside the calibration data FOLDER"),
+    (["OUT", "--save-ranges", "FOLDER/r.json"], "the ranges file (save_ranges) FOLDER/r.json is inside the "
+                                                 "calibration data FOLDER"),
+    (["OUT", "--save-ranges", "R", "--save-config", "R"], "--save-config and --save-ranges are the same file R"),
+    (["PLUGIN", "--plugin", "PLUGIN"], "the output model PLUGIN is the plugin PLUGIN"),
+])
+def test_an_output_never_writes_into_a_data_folder_a_plugin_or_another_output(tmp_path, capsys, args, says):
+    """A folder of calibration batches, a plugin's source, and --save-config beside
+    --save-ranges (new-user trial: each was overwritten, exit 0)."""
+    models = Path(__file__).resolve().parents[1] / "models"
+    folder = tmp_path / "batches"
+    folder.mkdir()
+    x = np.load(models / "digits_calib.npz")["input"]
+    for i in range(0, len(x), 64):
+        np.save(folder / f"batch_{i}.npy", x[i:i + 64])
+    names = {"FOLDER": folder, "OUT": tmp_path / "q.onnx", "R": tmp_path / "r.json", "PLUGIN": tmp_path / "plug.py"}
+    names["PLUGIN"].write_text("# a plugin that registers nothing\n")
+    files = [*folder.iterdir(), names["PLUGIN"]]
+    before = {f: f.read_bytes() for f in files}
+
+    def path(a: str) -> str:
+        for key, value in names.items():
+            a = a.replace(key, str(value))
+        return a
+    argv = [path(a) for a in args]
+    assert main(["quantize", str(models / "digits_cnn.onnx"), argv[0], "--calib-data", str(folder), *argv[1:],
+                 "--quiet"]) == 2
+    assert_one_error_line(capsys.readouterr().err, (path(says),))
+    assert {f: f.read_bytes() for f in files} == before and not names["R"].exists()
+
+
 def test_the_api_refuses_a_report_over_its_calibration_data(tmp_path):
     models = Path(__file__).resolve().parents[1] / "models"
     data = tmp_path / "calib.npz"

@@ -61,6 +61,11 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     check_apart({"--save-config": args.save_config}, {
         "the input model": args.input, "the calibration data (--calib-data)": args.calib_data,
         "the config file (--config)": args.config, "the output model": args.output, "the report (--report)": args.report})
+    check_apart({"--save-config": args.save_config, "--save-ranges": args.save_ranges}, {})
+    plugins = [p for p in (*getattr(args, "plugin", ()), *getattr(args, "command_plugins", ())) if Path(p).is_file()]
+    for label, out in (("the output model", args.output), ("--save-config", args.save_config),
+                       ("--report", args.report), ("--save-ranges", args.save_ranges)):
+        check_apart({label: out}, {f"the plugin {p}": p for p in plugins})
     # The sources, not a composed config: where they name no preset, the model picks it.
     result = quantize(args.input, args.output, sources, args.calib_data, progress=progress, report=args.report)
     if args.report and Path(args.report).is_file():  # its notes in a Python caller's words; this user typed flags

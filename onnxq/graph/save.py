@@ -89,10 +89,21 @@ def check_apart(outputs: Mapping[str, str | os.PathLike | None], inputs: Mapping
             if isinstance(source, str | os.PathLike) and _same_file(out, source):
                 raise OnnxqError(f"{label} {out} is {what}; choose another path (onnxq never writes over what it "
                                  "reads)")
+            if isinstance(source, str | os.PathLike) and _inside(out, source):
+                raise OnnxqError(f"{label} {out} is inside {what} {source}, whose files the run reads; choose a path "
+                                 "outside that folder (onnxq never writes over what it reads)")
     for i, (label, out) in enumerate(given):
         for other, path in given[i + 1:]:
             if _same_file(out, path):
                 raise OnnxqError(f"{label} and {other} are the same file {out}; give each its own path")
+
+
+def _inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
+    """Whether `path` lies in the existing directory `folder` (or below it)."""
+    try:
+        return Path(folder).is_dir() and Path(path).resolve().is_relative_to(Path(folder).resolve())
+    except OSError:
+        return False
 
 
 def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
