@@ -803,3 +803,16 @@ def test_a_hand_edited_range_that_no_data_has_is_refused(ws, capsys, edit, words
     capsys.readouterr()
     assert main(["quantize", *base, "--load-ranges", str(ranges), "--calib-data", str(ws.good_data)]) == 2
     assert_one_error_line(capsys.readouterr().err, (repr(name), *words))
+
+
+def test_a_checker_failure_keeps_the_node_it_names(tmp_path, capsys):
+    """onnx puts the node's name and op on lines of their own; the one-line error joins
+    them (before: "... however input 'nope' of node: ; fix or re-export the model")."""
+    node = onnx.helper.make_node("Relu", ["nope"], ["y"], name="r")
+    graph = onnx.helper.make_graph([node], "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])])
+    path = tmp_path / "invalid.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), path)
+    assert main(["inspect", str(path)]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("input 'nope' of node: name: r OpType: Relu is not output",
+                                                   "fix or re-export the model"))

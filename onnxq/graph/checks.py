@@ -86,9 +86,19 @@ def check_proto(proto: onnx.ModelProto, path: str | None, mapped: set[str] = fro
         _check_weight_sizes(proto, mapped)
         onnx.checker.check_model(stub)
     except (onnx.checker.ValidationError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"model fails onnx.checker: {first}; fix or re-export the model") from None
+        raise ModelError(f"model fails onnx.checker: {_one_line(exc)}; fix or re-export the model") from None
     return notes
+
+
+# The longest checker message kept whole in the one-line error.
+_CHECKER_CHARS = 300
+
+
+def _one_line(exc: Exception) -> str:
+    """onnx's message on one line: its lines joined (a node's name and op come on lines of
+    their own), its '==> Context:' dump of the node left out, cut at `_CHECKER_CHARS`."""
+    text = " ".join(str(exc).split("==> Context:")[0].split()) or type(exc).__name__
+    return text if len(text) <= _CHECKER_CHARS else text[:_CHECKER_CHARS - 3].rstrip() + "..."
 
 
 def _check_unloaded_external(proto: onnx.ModelProto) -> None:
