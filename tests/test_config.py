@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from onnxq import quantize as onnxq_quantize
 from onnxq.config import (
     PRESETS,
     CalibMethod,
@@ -166,6 +167,22 @@ def test_exclude_by_name_and_regex(node, excluded):
     config.exclude = ["fc_out", "head/.*", "conv["]
     resolved = resolve_node_config(config, node, "Conv")
     assert (resolved is None) is excluded
+
+
+def test_a_float_node_names_the_config_level_that_kept_it():
+    """accuracy.md: each float node's reason names the config level that kept it float
+    (before: 'excluded or kept in float by config' for an exclude and a float op type)."""
+    from onnxq.config.resolve import float_reason
+    config = get_preset("U8S8")
+    config.exclude = ["fc_out", "head/.*"]
+    config.float_op_types = ["Softmax"]
+    assert float_reason(config, "fc_out", "Gemm") == "excluded by the config (exclude: fc_out)"
+    assert float_reason(config, "head/conv", "Conv") == "excluded by the config (exclude: pattern 'head/.*')"
+    assert float_reason(config, "attn/softmax", "Softmax") == "kept float by the config's float_op_types (Softmax)"
+    model = Path(__file__).resolve().parents[1] / "models"
+    result = onnxq_quantize(model / "digits_cnn.onnx", None, {"exclude": ["fc"]}, model / "digits_calib.npz",
+                            progress=False)
+    assert result.summary.float_nodes["fc"] == ("Gemm", "excluded by the config (exclude: fc)")
 
 
 def test_exclude_beats_node_override():

@@ -107,15 +107,28 @@ def _dtype_from_bits(exponent_bits: int | None, mantissa_bits: int | None) -> DT
 
 def is_excluded(config: Config, node_name: str) -> bool:
     """True if `node_name` equals an exclude entry or fully matches it as a regex."""
+    return _exclusion(config, node_name) is not None
+
+
+def _exclusion(config: Config, node_name: str) -> str | None:
+    """The exclude entry `node_name` equals or fully matches as a regex, else None."""
     for pattern in config.exclude:
         if pattern == node_name:
-            return True
+            return pattern
         try:
             if re.fullmatch(pattern, node_name):
-                return True
+                return pattern
         except re.error:
             continue
-    return False
+    return None
+
+
+def float_reason(config: Config, node_name: str, op_type: str) -> str:
+    """Why `resolve_node_config` keeps the node float, naming the config level that does."""
+    pattern = _exclusion(config, node_name)
+    if pattern is not None:
+        return "excluded by the config (exclude: " + (node_name if pattern == node_name else f"pattern {pattern!r}") + ")"
+    return f"kept float by the config's float_op_types ({op_type})"
 
 
 def resolve_node_config(config: Config, node_name: str, op_type: str) -> ResolvedConfig | None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import onnx_ir as ir
 
-from onnxq.config.resolve import resolve_node_config
+from onnxq.config.resolve import float_reason, resolve_node_config
 from onnxq.config.spec import Config
 from onnxq.plan import strategies
 from onnxq.plan.draft import Draft
@@ -33,7 +33,7 @@ def plan_node(draft: Draft, node: ir.Node, keep_float: Mapping[str, str]) -> Non
         return
     cfg = resolve_node_config(draft.config, node.name, node.op_type)
     if cfg is None:
-        draft.float_node(node, "excluded or kept in float by config")
+        draft.float_node(node, float_reason(draft.config, node.name, node.op_type))
         return
     cfg, relaxed = runnable(node, cfg)
     if relaxed is not None:
