@@ -193,3 +193,38 @@ def test_block_formats_need_the_extended_format():
         onnxq.as_config({"global_quant_config": {"weight": {"dtype": "mxfp4_e2m1"}}})
     with pytest.raises(ConfigError, match="inputs and weights"):
         onnxq.as_config({"quant_format": "qdq-ext", "global_quant_config": {"output_tensors": {"dtype": "mxint8"}}})
+
+
+def test_analyze_reads_a_qdq_ext_model_per_layer_and_tensor(tmp_path):
+    """formats-and-targets.md: analyze registers the ops itself; it also reads their
+    structure (before: 6-bit activations gave '0 of 0' layers and tensors, and block formats
+    'no QuantizeLinear/DequantizeLinear', exit 2). A 6-bit tensor's figures match a direct
+    comparison of the float tensor with the op's output."""
+    from onnxq.analyze import analyze_models
+    spec = {"bits": 6, "round_method": "half_up"}
+    float_path, six, mx = tmp_path / "f.onnx", tmp_path / "six.onnx", tmp_path / "mx.onnx"
+    onnx.save(conv_relu_chain(), str(float_path))
+    onnx.save(_quantize({"quant_format": "qdq-ext", "global_quant_config": {"input_tensors": spec,
+                                                                           "output_tensors": spec}}), str(six))
+    onnx.save(_quantize({"quant_format": "qdq-ext", "layer_type_quant_config": {
+        "Conv": {"input_tensors": {"dtype": "mxint8"}, "weight": {"dtype": "mxint8"}}}}), str(mx))
+    data = stack_feeds(random_feeds(conv_relu_chain(), 8, seed=4))
+    analysis = analyze_models(float_path, six, data, progress=False)
+    convs = [r for r in analysis.layers if r.op_type == "Conv"]
+    assert convs and all(r.own_sqnr_db > 15 for r in convs)
+    assert analysis.tensors and all(t.sqnr_db < 60 for t in analysis.tensors)  # 6-bit grids: errors measured
+    worst = analysis.tensors[0]
+    model = onnx.load(six)
+    op = next(n for n in model.graph.node if n.op_type == rt.QDQ_OP and n.input[0] == worst.name)
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    exposed.graph.output.append(onnx.ValueInfoProto(name=op.output[0]))
+    test = rt.InferenceSession(exposed.SerializeToString()).run([op.output[0]], {k: v for k, v in data.items()})[0]
+    plain = onnx.ModelProto()
+    plain.CopyFrom(conv_relu_chain())
+    plain.graph.output.append(onnx.ValueInfoProto(name=worst.name))
+    ref = ort.InferenceSession(plain.SerializeToString()).run([worst.name], data)[0]
+    expected = 10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / np.sum((ref - test).astype(np.float64) ** 2))
+    assert worst.sqnr_db == pytest.approx(expected, abs=0.05)
+    blocks = analyze_models(float_path, mx, data, progress=False)
+    assert [r.op_type for r in blocks.layers if r.op_type == "Conv"] and blocks.tensors == []

@@ -45,7 +45,7 @@ from onnxq.errors import ModelError
 from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
-from onnxq.graph.quantized import describe, integer_kernel, quantized_ops
+from onnxq.graph.quantized import describe, extended_ops, integer_kernel, quantized_ops
 from onnxq.graph.save import weight_bytes, write_text_atomic
 
 ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model
@@ -181,7 +181,7 @@ def analyze_models(
     reference = _float_reference(float_model, quant, normalised)
     pristine = None if layers_only or rank == "noise" else reference.clone()  # the float model for the output ranking
     swapped = None if normalised else quantized_ops(reference)  # before the isolated layers are added to it
-    if not normalised and not quantized_ops(quant):  # nothing to measure per layer or tensor
+    if not normalised and not quantized_ops(quant) and not extended_ops(quant):  # nothing per layer or tensor
         raise ModelError(("the arguments look swapped: the first model is quantized, the second is not; give the float "
                           "model first, then the quantized one") if swapped else
                          "the second model has no QuantizeLinear/DequantizeLinear or integer kernel, so no layer or "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from onnxq.analyze.qgraph import Layer, bias_add, dequantizer, is_glue
+from onnxq.analyze.qgraph import Layer, bias_add, dequantizer, is_extended, is_glue
 from onnxq.graph.edit import values_by_name
 
 PREFIX = "onnxq_isolated/"
@@ -77,6 +77,8 @@ class _Copier:
         copy = ir.Node(node.domain, node.op_type, inputs, attributes=list(node.attributes.values()),
                        outputs=outputs, name=self.unique(node.name), version=node.version)
         self.graph.append(copy)
+        if node.domain not in ("", "ai.onnx"):  # an extended Q/DQ op: its domain imported too
+            self.graph.opset_imports.setdefault(node.domain, node.version or 1)
         if shared:
             self.copied.update({id(o): c for o, c in zip(node.outputs, outputs)})
         return outputs[node.outputs.index(wanted or node.outputs[0])]
@@ -85,9 +87,12 @@ class _Copier:
         """`out` (a copied layer output) through the Q/DQ the quantized model applies to it
         (with a float8 centring's Sub before and Add after, when it has them)."""
         first = next((u.node for u in quant_out.uses() if u.node.op_type == "QuantizeLinear"
-                      or (u.node.op_type == "Sub" and is_glue(u.node))), None)
+                      or (u.node.op_type == "Sub" and is_glue(u.node)) or is_extended(u.node, 0)), None)
         if first is None:
             return out
+        if is_extended(first):  # Q and DQ in one node
+            params = [self.value(v) if v is not None else None for v in first.inputs[1:]]
+            return None if any(p is None for p in params) else self.node(first, inputs=[out, *params])
         centre = first if first.op_type == "Sub" else None
         if centre is not None:
             out = self.node(centre, inputs=[out, self.value(centre.inputs[1])])

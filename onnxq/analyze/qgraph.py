@@ -2,7 +2,10 @@
 parameters, and which nodes compute on dequantized inputs (the layers).
 
 Works on any QDQ model (onnxq's or another tool's): it looks only at QuantizeLinear /
-DequantizeLinear nodes and their constant scale and zero point.
+DequantizeLinear nodes and their constant scale and zero point, and at onnxq's extended
+ops (`--format qdq-ext`): an `OnnxqQuantizeDequantize` is a Q/DQ pair in one node, with
+its grid in attributes; an `OnnxqBlockQuantizeDequantize` fake-quantizes in blocks (its
+readers are layers; it has no per-tensor grid to list).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import onnx_ir as ir
 
 from onnxq.graph import layout
 from onnxq.graph.fold import constant_array
+from onnxq.graph.quantized import EXTENDED_DOMAIN, EXTENDED_OPS
 from onnxq.numerics.qmath import FLOAT8_TYPES, INT_TYPES
 
 QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
@@ -86,12 +90,18 @@ def _centring(q: ir.Node) -> ir.Node | None:
     return sub if restores else None
 
 
+def is_extended(node: ir.Node | None, index: int | None = None) -> bool:
+    """One of onnxq's extended Q/DQ ops (`EXTENDED_OPS[index]` only, when given)."""
+    ops = EXTENDED_OPS if index is None else EXTENDED_OPS[index:index + 1]
+    return node is not None and node.domain == EXTENDED_DOMAIN and node.op_type in ops
+
+
 def is_glue(node: ir.Node | None) -> bool:
-    """Q/DQ glue: QuantizeLinear, DequantizeLinear, Cast, and a float8 centring's Sub
-    before a Q or Add after a DQ of the same per-channel offset."""
+    """Q/DQ glue: QuantizeLinear, DequantizeLinear, Cast, onnxq's extended Q/DQ ops, and a
+    float8 centring's Sub before a Q or Add after a DQ of the same per-channel offset."""
     if node is None:
         return False
-    if node.op_type in GLUE_OPS:
+    if node.op_type in GLUE_OPS or is_extended(node):
         return True
     if node.op_type == "Sub" and node.outputs:
         return any(_centring(u.node) is node for u in node.outputs[0].uses() if u.node.op_type == "QuantizeLinear")
@@ -142,26 +152,49 @@ def _bounds(value: ir.Value) -> tuple[float, float] | None:
     return (0.0, float("inf")) if node.op_type == "Relu" else layout.clip_bounds(node)
 
 
+def _extended_activation(node: ir.Node) -> QuantizedActivation | None:
+    """The activation an `OnnxqQuantizeDequantize` quantizes and reads back in one node:
+    its grid [qmin - zp, qmax - zp] * scale, from its attributes and constant inputs."""
+    value = node.inputs[0] if node.inputs else None
+    scale = constant_array(node.inputs[1]) if len(node.inputs) > 1 else None
+    zero = constant_array(node.inputs[2]) if len(node.inputs) > 2 else None
+    qmin, qmax = node.attributes.get("qmin"), node.attributes.get("qmax")
+    if value is None or not value.name or scale is None or scale.size != 1 or zero is None or qmin is None \
+            or qmax is None or constant_array(value) is not None:
+        return None
+    s, z = float(scale.reshape(-1)[0]), float(zero.reshape(-1)[0])
+    grid = ((qmin.as_int() - z) * s, (qmax.as_int() - z) * s)
+    return QuantizedActivation(value.name, node.outputs[0].name, f"int[{qmin.as_int()}, {qmax.as_int()}]", *grid,
+                               _bounds(node.outputs[0]))
+
+
 def quantized_activations(model: ir.Model) -> list[QuantizedActivation]:
     """Every per-tensor quantized activation of `model`, in graph order."""
     found = []
     for node in model.graph:
         if node.op_type == "QuantizeLinear":
             act = _activation(node)
-            if act is not None:
-                found.append(act)
+        elif is_extended(node, 0):
+            act = _extended_activation(node)
+        else:
+            continue
+        if act is not None:
+            found.append(act)
     return found
 
 
 def _reads_dequantized(node: ir.Node) -> bool:
     return any(v is not None and v.producer() is not None and (
-        v.producer().op_type == "DequantizeLinear" or (v.producer().op_type == "Add" and is_glue(v.producer())))
+        v.producer().op_type == "DequantizeLinear" or is_extended(v.producer())
+        or (v.producer().op_type == "Add" and is_glue(v.producer())))
         for v in node.inputs)
 
 
 def _dequantized_output(value: ir.Value) -> ir.Value | None:
     """The DQ output consumers read when `value` is quantized right after it is computed."""
     for use in value.uses():
+        if is_extended(use.node, 0):
+            return use.node.outputs[0]
         q = use.node
         if q.op_type == "Sub" and len(q.outputs[0].uses()) == 1:  # float8 centring (checked below)
             after = next(iter(q.outputs[0].uses())).node
