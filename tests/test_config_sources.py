@@ -581,8 +581,11 @@ def test_errors_name_what_the_user_gave(tmp_path, capsys):
                                        "pass --calib-data PATH\n")
     assert main(["config", "show", "--stats", "a.npz", "--load-ranges", "b.json"]) == 2
     assert capsys.readouterr().err == "onnxq: error: --stats and --load-ranges both replace calibration; give one\n"
-    with pytest.raises(ConfigError, match=r"^options: calibration.stats and calibration.load_ranges both"):
+    with pytest.raises(ConfigError, match=r"^overrides: calibration.stats and calibration.load_ranges both"):
         compose_config("U8S8", None, {"calibration": {"stats": ["a.npz"], "load_ranges": "b.json"}})
+    # quantize's dict is its `config` (it read 'options:', which names nothing a caller passed)
+    with pytest.raises(ConfigError, match=r"^config: unknown key 'global_quant_confg' in config; did you mean"):
+        onnxq.quantize(str(DIGITS), None, {"global_quant_confg": {}}, None, progress=False)
     with pytest.raises(SystemExit):
         main(["config", "show", "--bogus"])
     assert capsys.readouterr().err.endswith("--bogus; see onnxq config show --help\n")

@@ -8,7 +8,7 @@ from collections import Counter
 
 from onnxq.calibrate.decoder import PAST, PRESENT
 from onnxq.cli.arguments import check_model_files
-from onnxq.config.compose import compose_config
+from onnxq.config.compose import OVERRIDES_SOURCE, compose_config
 from onnxq.config.defaults import default_preset
 from onnxq.emit.format_convert import convert_model
 from onnxq.evaluate import run_model
@@ -103,7 +103,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         picked.append(default_preset(given))
         return picked[0]
 
-    config = compose_config(args.preset, args.config, {"target": args.target} if args.target else None, pick)
+    config = compose_config(args.preset, args.config, {"target": args.target} if args.target else None, pick,
+                            label=OVERRIDES_SOURCE)
     if picked:
         print(f"preset: {picked[0]} (this model's default; --preset NAME for another)")
     passes = run_passes(model, parse_passes(config.pre_quant_opt_config), RunSettings.of(None, config.calibration))

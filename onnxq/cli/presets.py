@@ -8,7 +8,7 @@ from pathlib import Path
 
 from onnxq.cli.flags import add_config_flags, spec_overrides
 from onnxq.config import PRESETS, config_to_yaml, get_preset, save_config
-from onnxq.config.compose import compose_config
+from onnxq.config.compose import OVERRIDES_SOURCE, compose_config
 from onnxq.config.paths import absolute
 from onnxq.errors import OnnxqError
 
@@ -49,7 +49,7 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     # `preset: none` heads every complete document: not the preset it was resolved from
     named = f" (--preset {args.preset})" if args.preset else ""
     # refused: nothing printed; paths absolute, so the output redirected anywhere reads back to the same files
-    text = config_to_yaml(absolute(compose_config(args.preset, args.config, spec_overrides(args))))
+    text = config_to_yaml(absolute(compose_config(args.preset, args.config, spec_overrides(args), label=OVERRIDES_SOURCE)))
     print(f"# the config resolved from preset{named} < --config < flags; complete, so `preset: none`")
     print(text, end="")
     return 0

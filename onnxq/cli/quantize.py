@@ -10,7 +10,7 @@ from pathlib import Path
 from onnxq.cli.arguments import check_counts
 from onnxq.cli.flags import add_config_flags, in_cli_words, spec_overrides
 from onnxq.config import save_config
-from onnxq.config.compose import ConfigSources, compose_config
+from onnxq.config.compose import OVERRIDES_SOURCE, ConfigSources, compose_config
 from onnxq.config.defaults import default_preset
 from onnxq.config.paths import for_reuse
 from onnxq.errors import OnnxqError
@@ -100,7 +100,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
                          "which writes statistics only: give it to onnxq quantize --stats FILE")
     check_counts(args, "--shards")
     config = compose_config(args.preset, args.config, spec_overrides(args),
-                            lambda: default_preset(args.input))
+                            lambda: default_preset(args.input), label=OVERRIDES_SOURCE)
     progress = False if args.quiet else None
     if args.shard is not None and args.shards is not None:
         raise OnnxqError("--shard i/n calibrates one shard here, --shards N runs all N on --executor; give one")

@@ -195,13 +195,16 @@ def compose_config(
     config_file: str | os.PathLike | None = None,
     overrides: Mapping[str, Any] | None = None,
     default: Default = DEFAULT_PRESET,
+    *,
+    label: str = "overrides",
 ) -> Config:
     """The config made of a preset, a file over it, and overrides over both.
 
     The preset is `preset`, else the file's or the overrides' `preset:` key, else `default`;
     `none` means no preset: the sources are the whole config (as onnxq writes configs).
     `default` (a name, or a function that picks one) is called only where no source names
-    the preset.
+    the preset. `label`: what an error in the overrides calls them, as the caller named
+    them (`quantize`'s dict is its `config`; the command line's flags are `OVERRIDES_SOURCE`).
     """
     sources = []
     if config_file is not None:
@@ -209,7 +212,7 @@ def compose_config(
     if overrides:
         overrides = {key: [entry_dict(e) for e in value] if key in NAMED_LISTS and isinstance(value, list)
                      else value for key, value in overrides.items()}
-        sources.append((OVERRIDES_SOURCE, overrides))
+        sources.append((label, overrides))
     for _, source in sources:
         bare_layer_class_dtypes(source)
     named = [(where, source.pop("preset")) for where, source in sources if "preset" in source]
@@ -299,9 +302,9 @@ def as_config(config: ConfigLike, default: Default = DEFAULT_PRESET) -> Config:
         validate_config(config)
         return config
     if isinstance(config, ConfigSources):
-        return compose_config(config.preset, config.config_file, config.overrides, default)
+        return compose_config(config.preset, config.config_file, config.overrides, default, label=OVERRIDES_SOURCE)
     if isinstance(config, Mapping):
-        return compose_config(None, None, config, default)
+        return compose_config(None, None, config, default, label="config")
     if not isinstance(config, str | os.PathLike):
         raise ConfigError(f"config must be a Config, a dict, a preset name or a YAML/JSON path; got "
                           f"{type(config).__name__} {config!r:.60}")
