@@ -17,7 +17,8 @@ onnxq leaves a bias float only where that int32 would overflow (`qdq.quantize_bi
 onnxruntime's rewrite wraps it: an A16W8 Conv reading values of about 1e-4 (input scale
 2e-9, weight scale 5e-4, bias 0.06) gave 0.0 dB output SQNR in a default session, its
 bias garbage. Such a node is guarded the same way and runs as written: DequantizeLinear
-inputs, float bias (that model: 54.7 -> 84 dB, as its 8-bit version).
+inputs, float bias (that model, a YOLO-like random-weight detector: 54.7 -> 115.8 dB; 8-bit
+activations: 83.8).
 
 The rule fires only for a per-tensor input scale (a scalar or a single value), so every
 such float node (whatever its output leads to: onnxruntime's own condition on it has
