@@ -154,7 +154,7 @@ def test_one_algorithm_learns_the_rounding(tmp_path, capsys):
     assert result.summary.fidelity.sqnr_db > 30  # 33.7 dB measured; the two stacked gave 27.2
     onnx.checker.check_model(str(tmp_path / "q.onnx"))
     two = [{"name": "adaround"}, {"name": "adaquant"}]
-    with pytest.raises(OnnxqError, match=r"^options: adaround and adaquant in algo_config both learn the layers' rounding, "
+    with pytest.raises(OnnxqError, match=r"^overrides: adaround and adaquant in algo_config both learn the layers' rounding, "
                                          r"and one would undo the other; give one \(remove the other entry"):
         compose_config("U8S8", None, {"algo_config": two})
     (tmp_path / "two.yaml").write_text("algo_config: [{name: adaround}, {name: adaquant}]\n")
