@@ -612,3 +612,26 @@ def test_config_show_says_what_it_resolved_from(capsys):
     assert main(["config", "show", "--preset", "U8S8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("#") and "--preset U8S8" in lines[0] and lines[1] == "preset: none"
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--cle", "--algo-option", "steps=5"], {"name": "cle", "steps": 5}),
+    (["--cle", "--algo-option", "cle.steps=5"], {"name": "cle", "steps": 5}),
+    (["--algo-option", "cle.steps=3"], {"name": "cle", "steps": 3}),
+    (["--smoothquant", "0.5", "--algo-option", "smoothquant.alpha=0.7"], {"name": "smoothquant", "alpha": 0.7}),
+])
+def test_algo_option_reaches_a_pass(capsys, argv, want):
+    """algorithms.md: `--algo-option [ALGO.]KEY=VALUE` for every row of its table, passes
+    too. `--cle --algo-option steps=20` said to name the algorithm, and `cle.steps=20` then
+    said 'cle belongs in pre_quant_opt_config': no command line worked (new-user trial)."""
+    assert main(["config", "show", *argv]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["pre_quant_opt_config"] == [want] and shown["algo_config"] == []
+
+
+def test_algo_option_splits_between_a_pass_and_an_algorithm(capsys):
+    argv = ["--cle", "--adaround", "--algo-option", "cle.steps=2", "--algo-option", "num_iteration=20"]
+    assert main(["config", "show", *argv]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["pre_quant_opt_config"] == [{"name": "cle", "steps": 2}]
+    assert shown["algo_config"][0]["name"] == "adaround" and shown["algo_config"][0]["num_iteration"] == 20

@@ -15,7 +15,7 @@ from onnxq.config.accuracy import parse_target
 from onnxq.config.compose import OVERRIDES_SOURCE
 from onnxq.config.spec import DEFAULT_LADDER, LAYER_CLASS_FIELDS, enum_text
 from onnxq.errors import OnnxqError
-from onnxq.optimize.registry import CONTRACTS, flagged_algorithms
+from onnxq.optimize.registry import CONTRACTS, PASSES, flagged_algorithms
 
 # Flag -> where its value goes in the config-file shape. "act" stands for both
 # input_tensors and output_tensors; a flag set to None (not given) is skipped.
@@ -99,14 +99,35 @@ def _flag_values(args: argparse.Namespace) -> list[tuple[tuple[str, ...], Any]]:
     passes = [{"name": "cle"}] if args.cle else []
     if args.smoothquant is not None:
         passes.append({"name": "smoothquant", "alpha": args.smoothquant})
+    passes, rest = pass_options(args, passes)
     if passes:
         values.append((("pre_quant_opt_config",), passes))
-    entries = algorithm_entries(args)
+    entries = algorithm_entries(argparse.Namespace(**{**vars(args), "algo_option": rest}))
     if entries:
         values.append((("algo_config",), entries))
     if args.accuracy_target is not None or args.metric is not None:
         values.append((("mixed_precision", "target"), _target_text(args.accuracy_target, args.metric)))
     return values
+
+
+def pass_options(args: argparse.Namespace, passes: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """`passes` (the pass flags' `pre_quant_opt_config` entries) with the `--algo-option`s
+    that name a pass (`cle.steps=5`; a bare KEY where a pass flag is the only flag given,
+    `--cle --algo-option steps=5`) merged in, and the options left for the algorithms."""
+    entries = {e["name"]: dict(e) for e in passes}
+    algorithms = any(getattr(args, name) for name in flagged_algorithms()) or args.algorithm is not None \
+        or getattr(args, "reconstruct", None) is not None
+    rest = []
+    for item in args.algo_option or []:
+        key, sep, value = item.partition("=")
+        name, dot, option = key.rpartition(".")
+        if not dot and len(entries) == 1 and not algorithms:
+            name, option = next(iter(entries)), key
+        elif not dot or name not in PASSES:
+            rest.append(item)
+            continue
+        entries.setdefault(name, {"name": name}).update(key_values([f"{option}{sep}{value}"], "--algo-option"))
+    return list(entries.values()), rest
 
 
 def _where(path: tuple[str, ...]) -> tuple[str, ...]:
@@ -256,8 +277,8 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
                         "block's, through its activations (block: BRECQ's objective, AdaRound only; slower); "
                         "switches AdaRound on where no rounding learner is")
     q.add_argument("--algo-option", action="append", metavar="[ALGO.]KEY=VALUE",
-                   help="option of an algorithm, e.g. num_iteration=500 or adaround.reg_param=0.02 "
-                        "(repeatable; a bare KEY goes to the one algorithm flag given)")
+                   help="option of an algorithm or pass, e.g. num_iteration=500, adaround.reg_param=0.02 or "
+                        "cle.steps=5 (repeatable; a bare KEY goes to the one algorithm or pass flag given)")
     q.add_argument("--max-calib-memory", type=int, metavar="MIB",
                    help="bound on activations held per batch; calibrates in groups above it")
     q.add_argument("--save-ranges", metavar="FILE.json", help="write calibrated ranges to a file")
