@@ -272,3 +272,19 @@ def test_one_stats_file_serves_other_types_and_an_accuracy_target(tmp_path, meth
     if method != "minmax":  # a histogram of other bins is another state: refused
         with pytest.raises(CalibrationDataError, match="another model, config"):
             onnxq.quantize(model, None, {**other_bins, "calibration": {"stats": [str(stats)]}}, None, progress=False)
+
+
+def test_sharding_a_one_shot_generator_is_one_line(tmp_path):
+    """calibration.md: a one-shot generator is refused in one line; calibrate_sharded let
+    multiprocessing raise 'cannot pickle generator' (new-user trial)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from onnxq.errors import CalibrationDataError
+    models = Path(__file__).resolve().parents[1] / "models"
+    x = np.load(models / "digits_calib.npz")["input"]
+    batches = ({"input": x[i:i + 32]} for i in range(0, len(x), 32))
+    with pytest.raises(CalibrationDataError, match="generator can be read only once; pass a path"):
+        calibrate_sharded(str(models / "digits_cnn.onnx"), tmp_path / "s.npz", None, batches, shards=2)
+    assert not (tmp_path / "s.npz").exists()

@@ -22,6 +22,7 @@ from onnxq.calibrate.shards import (
     save_stats,
     shard_window,
 )
+from onnxq.calibrate.sources import CalibrationSource
 from onnxq.calibrate.statistics import Statistic
 from onnxq.calibrate.text import text_windows
 from onnxq.config import Config
@@ -128,6 +129,10 @@ def calibrate_sharded(
     if calibration_data is None:
         raise CalibrationDataError("calibration needs data; pass calibration_data, or calibration.text for an "
                                    "LLM folder's model")
+    if not CalibrationSource(calibration_data).replayable:  # every shard reads it from its start
+        raise CalibrationDataError(f"calibrating in {shards} shards reads the data once per shard, but a "
+                                   f"{type(calibration_data).__name__} can be read only once; pass a path, a dict "
+                                   "of arrays, a list of feeds or a reader with rewind()")
     model, calibration_data = _absolute(model), _absolute(calibration_data)
     ready = prepare(model, config, calibration_data, progress, deferrable=False)
     tensors, statistics = _calibration_requests(ready)
