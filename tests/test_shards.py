@@ -190,7 +190,7 @@ def test_cli_shards_files_processes_and_errors(tmp_path, capsys):
     fails(["calibrate", str(path), "--calib-data", calib, "--shard", "1/2", "--shards", "2", "--stats", out],
           "give one")
     fails(["calibrate", str(path), "--calib-data", calib, "--stats", out, "--preset", "W4_GROUP128"],
-          "shards would be empty")
+          "no statistics to write: quantize with this config and the data directly, or calibrate for a static")
     fails(["quantize", str(path), out, "--stats", str(tmp_path / "all.npz"), "--load-ranges", "r.json"],
           "give one")
     assert not (tmp_path / "x.onnx").exists()
@@ -203,7 +203,7 @@ def test_true_sequential_gptq_needs_the_data_itself(tmp_path):
     data = stack_feeds(random_feeds(model, 8, seed=5))
     config = {"preset": "W4_GROUP128", "layer_type_quant_config": {"MatMul": {"weight": {"group_size": 32}}},
               "algo_config": [{"name": "gptq"}]}
-    with pytest.raises(ConfigError, match="shards would be empty"):
+    with pytest.raises(ConfigError, match="no statistics to write"):
         calibrate_shard(model, tmp_path / "s.npz", config, data, "1/1", progress=False)
     with pytest.raises(CalibrationDataError, match="statistics files do not carry it"):
         onnxq.quantize(model, None, config, None, progress=False)
@@ -288,3 +288,23 @@ def test_sharding_a_one_shot_generator_is_one_line(tmp_path):
     with pytest.raises(CalibrationDataError, match="generator can be read only once; pass a path"):
         calibrate_sharded(str(models / "digits_cnn.onnx"), tmp_path / "s.npz", None, batches, shards=2)
     assert not (tmp_path / "s.npz").exists()
+
+
+def test_calibrate_takes_a_model_folder(tmp_path):
+    """llm-weight-only.md: inspect and calibrate follow quantize's rule, a model folder
+    stands for its model; calibrate refused it ('is a directory, not an .onnx file')."""
+    import shutil
+    from pathlib import Path
+
+    import numpy as np
+    models = Path(__file__).resolve().parents[1] / "models"
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    shutil.copy(models / "digits_cnn.onnx", folder / "model.onnx")
+    calib = tmp_path / "c.npz"
+    np.savez(calib, input=np.load(models / "digits_calib.npz")["input"][:64])
+    for given in (folder, folder / "model.onnx"):
+        assert main(["calibrate", str(given), "--calib-data", str(calib), "--stats", str(tmp_path / "s.npz"),
+                     "--quiet"]) == 0
+        assert (tmp_path / "s.npz").exists()
+        (tmp_path / "s.npz").unlink()

@@ -28,6 +28,7 @@ from onnxq.calibrate.text import text_windows
 from onnxq.config import Config
 from onnxq.config.defaults import config_for
 from onnxq.errors import CalibrationDataError, ConfigError
+from onnxq.graph.folder import open_folder
 from onnxq.pipeline.calibration import file_requests
 from onnxq.pipeline.prepare import ModelSource, Prepared, prepare
 from onnxq.search.base import search_base_config
@@ -49,9 +50,10 @@ def _calibration_requests(ready: Prepared) -> tuple[dict[str, Any], list[Statist
     the algorithms a run from the files can run (`without_another_read`: it has no data)."""
     tensors, statistics = ready.plan.calibrated_tensors(), file_requests(ready.model, ready.plan, ready.algorithms)
     if not tensors and not statistics:
-        raise ConfigError("this config takes nothing from the data in the calibration pass (weight-only, or "
-                          "algorithms that read the data themselves such as gptq with true_sequential), so "
-                          "shards would be empty: quantize without shards instead; pass calibration_data")
+        raise ConfigError("this config takes nothing from the data in a calibration pass (weight-only, or "
+                          "algorithms that read the data themselves such as gptq with true_sequential), so there "
+                          "are no statistics to write: quantize with this config and the data directly, or "
+                          "calibrate for a static recipe (preset U8S8, for instance)")
     return tensors, statistics
 
 
@@ -59,6 +61,14 @@ def _calibration_config(config: Config) -> Config:
     """With an accuracy target, the statistics are those of the search's first model
     (`search.base.search_base_config`: its opset), so `quantize --stats` finds them."""
     return config if config.mixed_precision.target is None else search_base_config(config)
+
+
+def _model_and_config(model: ModelSource, config: Config | Any) -> tuple[ModelSource, Config]:
+    """The model file (a folder's, an onnxruntime-genai one included) and the calibration
+    config the folder's model takes (`config_for`: a decoder's defaults)."""
+    folder = open_folder(model) if isinstance(model, str | os.PathLike) else None
+    config = _calibration_config(config_for(folder or model, config)[0])
+    return (str(folder.model) if folder is not None else model), config
 
 
 def calibrate_shard(
@@ -74,8 +84,8 @@ def calibrate_shard(
     contiguous stretch of the calibration batches. Writes the observers' and statistics'
     state to `stats` (.npz); `quantize` with `calibration.stats` = every shard's file gives
     the model a single run over all the data gives, byte for byte
-    (`onnxq.calibrate.shards`)."""
-    config = _calibration_config(config_for(model, config)[0])
+    (`onnxq.calibrate.shards`). A model folder stands for its model, as in `quantize`."""
+    model, config = _model_and_config(model, config)
     index, count = parse_shard(shard) if isinstance(shard, str) else shard
     if not 0 <= index < count:
         raise ConfigError(f"shard index {index} is outside 0..{count - 1} (a tuple (index, count) counts from 0, "
@@ -123,8 +133,9 @@ def calibrate_sharded(
 ) -> ShardResult:
     """Calibrate `shards` shards in parallel on `executor` ('process': local processes;
     'ray': Ray tasks, on the cluster at `address` or a local instance) and write their
-    merged statistics to `stats`, for `quantize` with `calibration.stats`."""
-    config = _calibration_config(config_for(model, config)[0])
+    merged statistics to `stats`, for `quantize` with `calibration.stats`. A model folder
+    stands for its model, as in `quantize`."""
+    model, config = _model_and_config(model, config)
     config, calibration_data = _with_text(model, config, calibration_data)
     if calibration_data is None:
         raise CalibrationDataError("calibration needs data; pass calibration_data, or calibration.text for an "
