@@ -219,3 +219,22 @@ def test_a_sliding_window_cache_is_fed_a_cache_of_the_window(tmp_path, windows):
         "layer_type_quant_config": {"MatMul": {"weight": {"group_size": 32}}}, "algo_config": [{"name": "gptq"}]})
     result = onnxq.quantize(str(folder), str(tmp_path / "out"), config, str(windows), progress=False)
     assert result.summary.fidelity is not None and result.summary.fidelity.sqnr_db > 4
+
+
+def test_a_folder_without_its_genai_config_says_so(folder, windows, tmp_path):
+    """The graph leaves the caches' head size symbolic and genai_config.json gives it; a
+    folder missing that file said only 'needs ... head_size fixed or in genai_config.json
+    ...; pass calibration feeds with every input' (new-user trial)."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    (bare / "genai_config.json").unlink()
+    model = onnx.load(str(bare / "model.onnx"), load_external_data=False)
+    past = next(v for v in model.graph.input if v.name.startswith("past_key_values"))
+    if past.type.tensor_type.shape.dim[3].dim_value:
+        pytest.skip("this toy folder's caches have a fixed head size")
+    config = {"preset": "W4_GROUP128", "algo_config": [{"name": "gptq"}],
+              "layer_type_quant_config": {"MatMul": {"weight": {"group_size": 32}}}}
+    with pytest.raises(onnxq.OnnxqError, match="symbolic head_size, and no genai_config.json beside the model"):
+        onnxq.quantize(str(bare), str(tmp_path / "out"), config, str(windows), progress=False)

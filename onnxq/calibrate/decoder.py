@@ -96,7 +96,12 @@ class DecoderInputs:
             present = f"present.{found.group(1)}.{found.group(2)}"
             dims = value.type.tensor_type.shape.dim
             size = dims[3].dim_value or head_size if len(dims) == 4 else None
-            if present not in outputs or len(dims) != 4 or not dims[1].dim_value or not size:
+            if present in outputs and len(dims) == 4 and dims[1].dim_value and not size:
+                raise CalibrationDataError(
+                    f"decoder input {name} has a symbolic head_size, and no genai_config.json beside the model "
+                    "gives decoder.head_size: keep the model in its onnxruntime-genai folder, genai_config.json "
+                    "included, or pass calibration feeds with every input")
+            if present not in outputs or len(dims) != 4 or not dims[1].dim_value:
                 raise CalibrationDataError(
                     f"decoder input {name} needs output {present} and a [batch, kv_heads, past, head_size] shape "
                     "with kv_heads fixed and head_size fixed or in genai_config.json (decoder.head_size); pass "
