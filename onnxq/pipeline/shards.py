@@ -141,9 +141,9 @@ def calibrate_sharded(
         raise CalibrationDataError("calibration needs data; pass calibration_data, or calibration.text for an "
                                    "LLM folder's model")
     if not CalibrationSource(calibration_data).replayable:  # every shard reads it from its start
-        raise CalibrationDataError(f"calibrating in {shards} shards reads the data once per shard, but a "
-                                   f"{type(calibration_data).__name__} can be read only once; pass a path, a dict "
-                                   "of arrays, a list of feeds or a reader with rewind()")
+        raise CalibrationDataError("sharded calibration reads the data more than once (to prepare, then in each "
+                                   f"shard), but a {type(calibration_data).__name__} can be read only once; pass a "
+                                   "path, a dict of arrays, a list of feeds or a reader with rewind()")
     model, calibration_data = _absolute(model), _absolute(calibration_data)
     ready = prepare(model, config, calibration_data, progress, deferrable=False)
     tensors, statistics = _calibration_requests(ready)
