@@ -619,6 +619,8 @@ def test_config_show_says_what_it_resolved_from(capsys):
     (["--cle", "--algo-option", "cle.steps=5"], {"name": "cle", "steps": 5}),
     (["--algo-option", "cle.steps=3"], {"name": "cle", "steps": 3}),
     (["--smoothquant", "0.5", "--algo-option", "smoothquant.alpha=0.7"], {"name": "smoothquant", "alpha": 0.7}),
+    (["--smoothquant", "0.5", "--algo-option", "migration_strength=0.3"],
+     {"name": "smoothquant", "migration_strength": 0.3}),
 ])
 def test_algo_option_reaches_a_pass(capsys, argv, want):
     """algorithms.md: `--algo-option [ALGO.]KEY=VALUE` for every row of its table, passes

@@ -126,8 +126,15 @@ def pass_options(args: argparse.Namespace, passes: list[dict[str, Any]]) -> tupl
         elif not dot or name not in PASSES:
             rest.append(item)
             continue
-        entries.setdefault(name, {"name": name}).update(key_values([f"{option}{sep}{value}"], "--algo-option"))
+        entry = entries.setdefault(name, {"name": name})
+        entry.pop(_SAME_SETTING.get(option, ""), None)  # the option replaces the flag's value of its setting
+        entry.update(key_values([f"{option}{sep}{value}"], "--algo-option"))
     return list(entries.values()), rest
+
+
+# A pass option's other name: `--smoothquant ALPHA` writes alpha, algorithms.md's YAML says
+# migration_strength (AMCT's word); either from --algo-option replaces the flag's.
+_SAME_SETTING = {"migration_strength": "alpha", "alpha": "migration_strength"}
 
 
 def _where(path: tuple[str, ...]) -> tuple[str, ...]:
