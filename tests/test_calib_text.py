@@ -219,6 +219,8 @@ BAD = {
               "empty.txt is empty; give a plain text file"),
     "missing": (lambda f, t, r: [str(f), "--calib-text", str(r / "nowhere.txt")],
                 "calibration text not found"),
+    "a directory": (lambda f, t, r: [str(f), "--calib-text", str(t.parent)],
+                    "is a directory; pass one plain text file"),
     "not a decoder": (lambda f, t, r: [str(ROOT / "models" / "digits_cnn.onnx"), "--calib-text", str(t)],
                       "which digits_cnn.onnx is not; pass --calib-data instead"),
     "both": (lambda f, t, r: [str(f), "--calib-text", str(t), "--calib-data", str(r / "w.npz")],

@@ -79,6 +79,9 @@ def text_windows(model: Any, calibration: CalibrationConfig, data: Any) -> TextW
 
 def _read_text(path: Path) -> str:
     """The text of `path`, which must be a non-empty UTF-8 file."""
+    if path.is_dir():
+        raise CalibrationDataError(f"calibration text {path} is a directory; pass one plain text file (join the "
+                                   "texts into one)")
     if not path.is_file():
         raise CalibrationDataError(f"calibration text not found: {path}; pass a plain text file")
     try:
