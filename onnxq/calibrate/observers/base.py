@@ -67,7 +67,8 @@ class Observer(abc.ABC):
         """The statistics as arrays; `set_state` restores them exactly (stats files).
         Observers registered without them calibrate in one run only."""
         raise ConfigError(f"calib_method {self.name!r} cannot save its statistics for calibration shards "
-                          "(its observer has no state()/set_state()); calibrate without --shard")
+                          "(its observer has no state()/set_state()); calibrate in one run, without --shard or "
+                          "--shards, or give the observer those two methods")
 
     def set_state(self, arrays: dict[str, np.ndarray]) -> None:
         """Replace the statistics with those `state` returned."""
