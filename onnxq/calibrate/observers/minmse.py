@@ -43,7 +43,6 @@ class MinMseObserver(HistogramObserver):
     """
 
     def _range(self) -> tuple[float, float]:
-        model = HistogramErrorModel(self.hist)
         spec = self.spec
         args = (spec.dtype, spec.symmetric, spec.scale_type)
         pow2 = spec.scale_type == "power_of_two"
@@ -52,6 +51,7 @@ class MinMseObserver(HistogramObserver):
             amax = self.hist.max
             if amax == 0.0:
                 return 0.0, 0.0
+            model = HistogramErrorModel(self.hist)  # after the all-zero case: its bins are 2^-1000 wide
             if pow2:
                 d = qmath.symmetric_divisor(self.info)
                 k = pow2_cover(amax, d)
@@ -63,6 +63,7 @@ class MinMseObserver(HistogramObserver):
         lo, hi = min(self.hist.min, 0.0), max(self.hist.max, 0.0)
         if lo == hi:
             return 0.0, 0.0
+        model = HistogramErrorModel(self.hist)
         if pow2:
             cand_lo, cand_hi = pow2_asymmetric_candidates(lo, hi, self.info.qmin, self.info.qmax)
             best_lo, best_hi, _ = best_range(model, cand_lo, cand_hi, *args)
