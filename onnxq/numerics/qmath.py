@@ -125,8 +125,7 @@ def qdq_opset(dtype: DType | str) -> int:
 # quantizer 21 dB; now 21.2; a Conv chain at 1e-30 keeps its 33 dB). Where an int8 kernel's
 # s_in * s_w underflows float32, both are tiny and the products it drops lie far under the
 # output's resolution; a bias that would pass int32 stays float (`weights.quantize_bias`),
-# though onnxruntime's basic level quantizes a float bias itself and overflows there too
-# (a Conv with an ordinary bias on inputs of 1e-8 loses its output, as under 2^-40).
+# its node guarded against onnxruntime's own int32 rewrite of it (`emit/float_kernels.py`).
 MIN_SCALE = 2.0**-126
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import onnx_ir as ir
 
+from onnxq.calibrate.access import FIXES, data_access
 from onnxq.calibrate.executors import run_shards, write_all
 from onnxq.calibrate.runner import observe
 from onnxq.calibrate.shards import (
@@ -140,10 +141,11 @@ def calibrate_sharded(
     if calibration_data is None:
         raise CalibrationDataError("calibration needs data; pass calibration_data, or calibration.text for an "
                                    "LLM folder's model")
-    if not CalibrationSource(calibration_data).replayable:  # every shard reads it from its start
+    access = data_access(CalibrationSource(calibration_data))
+    if not access.rereadable:  # every shard reads it from its start
         raise CalibrationDataError("sharded calibration reads the data more than once (to prepare, then in each "
-                                   f"shard), but a {type(calibration_data).__name__} can be read only once; pass a "
-                                   "path, a dict of arrays, a list of feeds or a reader with rewind()")
+                                   f"shard), but a {type(calibration_data).__name__} can be read only once; "
+                                   f"{FIXES[access]}")
     model, calibration_data = _absolute(model), _absolute(calibration_data)
     ready = prepare(model, config, calibration_data, progress, deferrable=False)
     tensors, statistics = _calibration_requests(ready)
