@@ -98,7 +98,7 @@ def reconstruct(
         refused[layer.name] = "its bias is neither an input nor an Add after it in the emitted graph"
         layers.remove(layer)
     nearest = {layer.name: emitted_nearest(model, plan, ranges, ctx, layer) for layer in layers}
-    split = _Split(options.validation_every)
+    split = _Split(options.validation_every, options.hold_out)
     batches = split.training(_batches(ctx, model, name))
     float_proto = ir.to_proto(model)
     replay = Replay(float_proto, ir.to_proto(qmodel), batches, ctx.settings.calibration.providers,
@@ -177,10 +177,11 @@ def _batches(ctx: AlgorithmContext, model: ir.Model, name: str) -> Iterator[Mapp
 
 
 class _Split:
-    """Every n-th calibration batch held out from the statistics, to check the model on."""
+    """Every n-th calibration batch checks the model; held out from the statistics when
+    `hold_out`."""
 
-    def __init__(self, every: int) -> None:
-        self.every = every
+    def __init__(self, every: int, hold_out: bool) -> None:
+        self.every, self.hold_out = every, hold_out
         self.held_out = 0
         self.held_out_samples = 0
 
@@ -191,9 +192,10 @@ class _Split:
         for i, batch in enumerate(batches):
             if self._validation(i):
                 self.held_out += 1
-                self.held_out_samples += len(next(iter(batch.values()))) if batch else 0
-            else:
-                yield batch
+                if self.hold_out:
+                    self.held_out_samples += len(next(iter(batch.values()))) if batch else 0
+                    continue
+            yield batch
 
     def validation(self, batches: Iterable[Mapping[str, np.ndarray]]) -> Iterator[Mapping[str, np.ndarray]]:
         return (batch for i, batch in enumerate(batches) if self._validation(i))
@@ -210,7 +212,7 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
     keep, learned_db, near_db = keep_learned(
         emitted(original, WeightCache()), emitted(model, ctx.weights), float_proto,
         split.validation(_batches(ctx, model, name)), ctx.settings.calibration.providers)
-    where = f"{split.held_out} held-out calibration batches"
+    where = f"{split.held_out} {'held-out ' if split.hold_out else ''}calibration batches"
     if keep:
         return f"; model output SQNR on {where} {learned_db:.1f} dB (nearest rounding {near_db:.1f} dB)"
     for layer, _ in report.pinned.values():

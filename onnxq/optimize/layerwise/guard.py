@@ -6,9 +6,10 @@ Each layer's own error always drops (a layer that does not improve keeps nearest
 rounding), but the errors of many layers can still add up worse than nearest rounding's
 where the quantized model is far from the float one: MobileNet with per-tensor weights,
 whose depthwise layers lose whole channels, is such a case (its output SQNR falls when
-every layer's own error falls). The check runs on calibration batches the statistics
-never saw (`validation_every`), so a model that fits its calibration samples rather than
-the data fails it; it costs one pass of three models over those batches.
+every layer's own error falls). The check runs on every `validation_every`-th
+calibration batch; with `hold_out` the statistics never saw them, so a model that fits
+its calibration samples rather than the data fails it too. It costs one pass of three
+models over those batches.
 """
 
 from __future__ import annotations
