@@ -11,9 +11,10 @@ import pytest
 from helpers import run
 from onnx import TensorProto, helper, numpy_helper
 
+import onnxq
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.config.spec import CalibrationConfig
-from onnxq.errors import ConfigError
+from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.graph.fold import constant_array
 from onnxq.graph.load import load_model
 from onnxq.optimize import RunSettings, parse_passes, run_passes
@@ -161,6 +162,17 @@ def test_clip_pairs_keep_the_clip_exact_on_the_data():
     assert "kept unscaled" in notes[-1]
     assert sum(n.op_type == "Clip" for n in after_model.graph) == 1
     assert_same_outputs(model, after_model, data)
+
+
+def test_clip_pairs_on_empty_data_are_the_one_line_error(tmp_path):
+    """Clip bounds read from data that holds no sample raised a KeyError (per-tensor
+    AdaQuant brings CLE first)."""
+    model = conv_relu_conv(act="Clip")
+    empty = {k: v[:0] for k, v in feeds(model).items()}
+    config = {"global_quant_config": {"weight": {"qscheme": "per_tensor"}}, "pre_quant_opt_config": [{"name": "cle"}]}
+    with pytest.raises(CalibrationDataError, match="calibration data is empty"):
+        onnxq.quantize(model, tmp_path / "q.onnx", config, empty, progress=False)
+    assert not (tmp_path / "q.onnx").exists()
 
 
 def test_relu6_to_relu_replaces_the_clip():

@@ -132,10 +132,14 @@ def collect(
     model: ir.Model, stats: Collection[Statistic], data: Any, options: CalibrationConfig,
     progress: bool | None = None, purpose: str = "collecting statistics",
 ) -> dict[Statistic, np.ndarray | None]:
-    """Answer statistics requests in one streaming pass over the data."""
+    """Answer statistics requests in one streaming pass over the data (`empty_data` where
+    it gives no sample: a pass reading the statistics would find none)."""
     found = StatisticsSet(stats)
+    batches = 0
     for _ in stream_tensors(model, [], data, options, progress, purpose, statistics=found):
-        pass
+        batches += 1
+    if not batches:
+        raise empty_data(data)
     return found.results()
 
 
