@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from helpers import GraphBuilder, conv_relu_chain, random_feeds, run, stack_feeds
+from helpers import GraphBuilder, conv_relu_chain, random_feeds, run, sqnr_db, stack_feeds
 
 import onnxq
 from onnxq.cli import main
@@ -229,6 +229,24 @@ def test_bundled_model_in_qoperator_format(tmp_path):
                  str(ROOT / "models" / "digits_calib.npz"), "--format", "qoperator", "--quiet"]) == 0
     ops = _ops(onnx.load(str(out)))
     assert ops.count("QLinearConv") == 3 and "QGemm" in ops and "DequantizeLinear" not in ops
+
+
+def test_int8_activations_with_uint8_weights_keep_their_q_dq(tmp_path):
+    """onnxruntime has no QLinearConv/QGemm for int8 activations with uint8 weights: those
+    stay Q/DQ (quantized, named in the note) where every node had gone float on loading."""
+    digits = ROOT / "models" / "digits_cnn.onnx"
+    with np.load(ROOT / "models" / "digits_calib.npz") as f:
+        data = {"input": f["input"]}
+    config = {"global_quant_config": {"input_tensors": {"dtype": "int8"}, "output_tensors": {"dtype": "int8"},
+                                      "weight": {"dtype": "uint8"}}, "quant_format": "qoperator"}
+    result = onnxq.quantize(str(digits), tmp_path / "q.onnx", config, data, progress=False)
+    note = next(n for n in result.summary.note_texts if n.startswith("qoperator format"))
+    assert "no QLinearConv kernel for int8 inputs with uint8 weights x3" in note, note
+    ops = _ops(onnx.load(str(tmp_path / "q.onnx")))
+    assert "QLinearConv" not in ops and ops.count("Conv") == 3 and "QLinearAdd" in ops
+    assert sum(result.summary.quantized_by_op.values()) == 11
+    ref = run(onnx.load(str(digits)), {"input": data["input"][:32]})
+    assert sqnr_db(ref, run(tmp_path / "q.onnx", {"input": data["input"][:32]})) > 20
 
 
 @pytest.mark.parametrize("case", ["corrupt", "unknown_to", "wrong_data"])

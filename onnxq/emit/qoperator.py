@@ -131,11 +131,34 @@ def _refusal(qop: QOp, node: ir.Node) -> tuple[str | None, list[_Dq], ir.Node | 
             if want is None or have is None or not same_scales(have, want) or np.any(zp != 0):
                 return "its int32 bias is not scaled by input scale x weight scale", [], None
     q = _q_after(node.outputs[0])
+    mismatch = _type_mismatch(qop, positions, dqs, q)
+    if mismatch:
+        return mismatch, [], None
     if q is None and qop.output == "required":
         return "its output is not quantized", [], None
     if q is not None and qop.output == "float":
         return "its output is quantized", [], None
     return None, dqs, q
+
+
+def _type_mismatch(qop: QOp, positions: list[int], dqs: list[_Dq], q: ir.Node | None) -> str | None:
+    """Why onnxruntime has no `qop` kernel for these 8-bit types, if it has none: its CPU
+    kernels take one type for the activations and the output, and int8 or that type for a
+    weight (uint8 activations with int8 or uint8 weights, int8 with int8); QLinearConv of
+    int8 activations and uint8 weights failed to load, and every node went float."""
+    first = dqs[0].data.dtype
+    for i, dq in zip(positions[1:], dqs[1:], strict=True):
+        dtype = dq.data.dtype
+        if dtype != first and not (i in qop.per_channel and dtype == ir.DataType.INT8):
+            what = "weights" if i in qop.per_channel else f"input {i}"
+            return f"onnxruntime has no {qop.qop} kernel for {_name(first)} inputs with {_name(dtype)} {what}"
+    if q is not None and q.outputs[0].dtype != first:
+        return f"onnxruntime has no {qop.qop} kernel for {_name(first)} inputs with a {_name(q.outputs[0].dtype)} output"
+    return None
+
+
+def _name(dtype: ir.DataType | None) -> str:
+    return dtype.name.lower() if dtype is not None else "unknown"
 
 
 def _axis(axis: int, value: ir.Value) -> int | None:
