@@ -260,6 +260,10 @@ def test_cli_argparse_conflict(flags, ws, capsys):
     (["--preset", "W4A8", "--depthwise-weight-type", "int9"], ("invalid --depthwise-weight-type 'int9'",)),
     # float16 weights beside uint8 activations: no kernel computes that mix
     (["--weight-type", "float16"], ("weight dtype float16 with uint8 input_tensors", "float32 to keep the weights")),
+    # and float16 activations beside integer weights: the weights were stored float16, unsaid
+    (["--activation-type", "float16", "--weight-type", "int4"],
+     ("weight dtype int4 with float16 input_tensors", "--weight-type float16", "W4_GROUP128")),
+    (["--activation-type", "bfloat16"], ("weight dtype int8 with bfloat16 input_tensors",)),
     (["--preset", "FP16", "--weight-bits", "4"], ("--weight-bits 4 with dtype float16", "remove --weight-bits")),
 ])
 def test_cli_config_errors_name_the_flag_given(flags, words, ws, capsys):

@@ -108,10 +108,21 @@ _WHOLE_OP_FLOATS = ("float16", "bfloat16")
 
 
 def _check_float_weight(merged: dict[str, Any], where: str) -> None:
-    """float16/bfloat16 weights beside integer activations: no kernel computes that mix.
+    """float16/bfloat16 weights beside integer activations, or float16/bfloat16
+    activations beside integer or float8 weights: no kernel computes that mix (the float
+    type runs the whole op, and the weights were stored in it whatever their dtype said).
     Judged per node as resolved (node > op type > global): a level alone cannot tell."""
     weight, inputs = merged.get("weight"), merged.get("input_tensors")
-    if weight is None or inputs is None or _plain(weight.dtype) not in _WHOLE_OP_FLOATS:
+    if weight is None or inputs is None:
+        return
+    if _plain(inputs.dtype) in _WHOLE_OP_FLOATS and _plain(weight.dtype) not in (_plain(inputs.dtype), "float32"):
+        raise ConfigError(
+            f"weight dtype {_plain(weight.dtype)} with {_plain(inputs.dtype)} input_tensors in {where}; "
+            f"{_plain(inputs.dtype)} runs a whole op in that type, weights included: give the weights "
+            f"{_plain(inputs.dtype)} too (--weight-type {_plain(inputs.dtype)}, as the FP16 and BF16 presets do), "
+            f"or integer input_tensors for {_plain(weight.dtype)} weights (U8S8, W4A8), or a weight-only recipe "
+            "(W8_DYNAMIC, W4_GROUP128)")
+    if _plain(weight.dtype) not in _WHOLE_OP_FLOATS:
         return
     if _plain(inputs.dtype) not in (*_WHOLE_OP_FLOATS, "float32", None):
         raise ConfigError(
