@@ -27,6 +27,7 @@ from helpers import (
     softmax_head,
     sqnr_db,
 )
+from onnx import TensorProto, helper, numpy_helper
 
 import onnxq
 from onnxq.config import QScheme, get_preset
@@ -289,6 +290,24 @@ def test_shape_ops_reuse_input_qparams(quantized):
         checked += 1
     if name == "pooling":
         assert checked == 4
+
+
+def test_an_activation_after_a_float_writing_kernel_is_named_float():
+    """MatMul -> Relu -> ReduceSum: the MatMul's integer kernel writes float, so the Relu
+    runs in float; it was in neither the quantized count nor the float list."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"), helper.make_node("Relu", ["m"], ["r"], name="relu"),
+             helper.make_node("ReduceSum", ["r"], ["y"], name="sum", keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    result = onnxq.quantize(model, None, None, {"x": rng.standard_normal((32, 16)).astype(np.float32)},
+                            progress=False)
+    summary = result.summary
+    assert dict(summary.quantized_by_op) == {"MatMul": 1}
+    assert set(summary.float_nodes) == {"relu", "sum"}
+    assert "integer MatMul before it" in summary.float_nodes["relu"][1]
 
 
 def test_softmax_stays_float():

@@ -125,6 +125,8 @@ def prune_float_tail(draft: Draft, node: ir.Node) -> None:
     elif act is not None:  # the integer kernel writes float; the activation runs after it in float
         del draft.fused_activations[act]
         draft.quantized_nodes.pop(act, None)
+        draft.float_node(draft.nodes[act], f"runs in float after the integer {node.op_type} before it, which "
+                                           "writes float: its output feeds only float ops")
 
 
 def prune_shared_tail(draft: Draft, node: ir.Node) -> None:
