@@ -637,3 +637,21 @@ def test_algo_option_splits_between_a_pass_and_an_algorithm(capsys):
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown["pre_quant_opt_config"] == [{"name": "cle", "steps": 2}]
     assert shown["algo_config"][0]["name"] == "adaround" and shown["algo_config"][0]["num_iteration"] == 20
+
+
+@pytest.mark.parametrize("argv", [["--preset", "W4A8"], ["--preset", "FP8_E4M3"]])
+def test_a_bare_algo_option_goes_to_the_presets_algorithm(capsys, argv):
+    """`--preset W4A8 --algo-option num_iteration=50` said to name the algorithm, 'e.g.
+    adaquant.num_iteration', and following that replaced the preset's AdaRound (trial)."""
+    assert main(["config", "show", *argv, "--algo-option", "num_iteration=50"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    entries = {e["name"]: e for e in shown["algo_config"]}
+    assert "adaquant" not in entries and entries["adaround"]["num_iteration"] == 50
+
+
+def test_a_bare_algo_option_goes_to_the_config_files_algorithm(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("algo_config:\n  - name: adaquant\n")
+    assert main(["config", "show", "--config", str(config), "--algo-option", "num_iteration=7"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["algo_config"] == [{"name": "adaquant", "num_iteration": 7}]

@@ -14,7 +14,8 @@ from typing import Any
 
 from onnxq.cli.arguments import key_values
 from onnxq.config.io import read_config_dict
-from onnxq.errors import OnnxqError
+from onnxq.config.presets import get_preset
+from onnxq.errors import ConfigError, OnnxqError
 from onnxq.optimize.registry import CONTRACTS, block_rounding_algorithms, flagged_algorithms
 
 # `--algorithm` without an algorithm entry: round to nearest with the per-block clipping search.
@@ -41,7 +42,24 @@ def algorithm_entries(args: argparse.Namespace) -> list[dict[str, Any]]:
         targets = _reconstructing(algorithms)
         _check_file_learner(args, targets, in_file)
         options += [f"{name}.reconstruct={reconstruct}" for name in targets]
-    return _algorithm_options(algorithms, options) + _nearest(args, algorithms, in_file)
+    configured = _configured(args) if not algorithms and options else []
+    return _algorithm_options(algorithms, options, configured) + _nearest(args, algorithms, in_file)
+
+
+def _configured(args: argparse.Namespace) -> list[str]:
+    """The algorithms the config file and the preset run (a preset's unknown name is said
+    where the config is composed)."""
+    names = [e["name"] for e in _file_algorithms(args)]
+    config = getattr(args, "config", None)
+    preset = getattr(args, "preset", None) or (read_config_dict(config).get("preset") if config else None)
+    if isinstance(preset, str):
+        try:
+            entries = get_preset(preset).algo_config
+        except ConfigError:
+            entries = []
+        names += [name for e in entries if (name := e.get("name") if isinstance(e, dict) else getattr(e, "name", None))
+                  in CONTRACTS and (e.get("enabled", True) if isinstance(e, dict) else True)]
+    return list(dict.fromkeys(names))
 
 
 def _file_algorithms(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -85,18 +103,21 @@ def _reconstructing(flagged: list[str]) -> list[str]:
     return [name for name in flagged if name in learners] or learners[:1]
 
 
-def _algorithm_options(flagged: list[str], options: list[str]) -> list[dict[str, Any]]:
+def _algorithm_options(flagged: list[str], options: list[str], configured: list[str]) -> list[dict[str, Any]]:
     """`algo_config` entries for the algorithm flags, with `--algo-option [ALGO.]KEY=VALUE`
-    merged in (a bare KEY goes to the one algorithm a flag switched on)."""
+    merged in (a bare KEY goes to the one algorithm a flag switched on; without a flag, to
+    the one algorithm of the config file and preset (`configured`) that has the option)."""
     entries = {name: {"name": name} for name in flagged}
     for key, value in key_values(options, "--algo-option").items():
         name, dot, option = key.rpartition(".")
         if not dot:
-            if len(flagged) != 1:
-                owner = _algorithm_with_option(key, flagged)
+            owners = [n for n in configured if _has_option(n, key)] if not flagged else []
+            if len(flagged) != 1 and len(owners) != 1:
+                owner = _algorithm_with_option(key, flagged or owners)
                 raise OnnxqError(f"--algo-option {key}: name its algorithm, e.g. {owner}.{key}=..., "
-                                 f"since {'no' if not flagged else 'more than one'} algorithm flag is given")
-            name = flagged[0]
+                                 f"since {'no' if not flagged else 'more than one'} algorithm flag is given"
+                                 + (f" and the config runs {' and '.join(owners)}" if len(owners) > 1 else ""))
+            name = flagged[0] if flagged else owners[0]
         entries.setdefault(name, {"name": name})[option] = value
     return list(entries.values())
 
@@ -104,7 +125,12 @@ def _algorithm_options(flagged: list[str], options: list[str]) -> list[dict[str,
 def _algorithm_with_option(key: str, flagged: list[str]) -> str:
     """The first algorithm with an option `key` (for an example), those the flags switched
     on first, else the first with a flag."""
-    for name, contract in [(n, CONTRACTS[n]) for n in flagged] + sorted(CONTRACTS.items()):
-        if dataclasses.is_dataclass(contract.options) and key in {f.name for f in dataclasses.fields(contract.options)}:
+    for name in [*flagged, *sorted(CONTRACTS)]:
+        if _has_option(name, key):
             return name
     return flagged_algorithms()[0]
+
+
+def _has_option(name: str, key: str) -> bool:
+    options = CONTRACTS[name].options
+    return dataclasses.is_dataclass(options) and key in {f.name for f in dataclasses.fields(options)}

@@ -285,7 +285,8 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
                         "switches AdaRound on where no rounding learner is")
     q.add_argument("--algo-option", action="append", metavar="[ALGO.]KEY=VALUE",
                    help="option of an algorithm or pass, e.g. num_iteration=500, adaround.reg_param=0.02 or "
-                        "cle.steps=5 (repeatable; a bare KEY goes to the one algorithm or pass flag given)")
+                        "cle.steps=5 (repeatable; a bare KEY goes to the one algorithm or pass flag given, "
+                        "else to the preset's or config file's one algorithm with that option)")
     q.add_argument("--max-calib-memory", type=int, metavar="MIB",
                    help="bound on activations held per batch; calibrates in groups above it")
     q.add_argument("--save-ranges", metavar="FILE.json", help="write calibrated ranges to a file")
