@@ -17,7 +17,7 @@ from onnxq.calibrate.text import text_windows
 from onnxq.config import Config, as_config
 from onnxq.config.compose import DEFAULT_PRESET, ConfigLike, ConfigSources
 from onnxq.config.defaults import config_for, default_note
-from onnxq.config.spec import DEFAULT_LADDER, OptimizeFor
+from onnxq.config.spec import DEFAULT_LABELS, DEFAULT_LADDER, OptimizeFor
 from onnxq.errors import ConfigError, ModelError
 from onnxq.graph.folder import (
     GENAI_CONFIG,
@@ -119,12 +119,7 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
         result = run_pipeline(model, output, config, calibration_data, progress, keep_state=keep)
     if text is not None:
         _insert_note(result.summary.notes, Note(Topic.CALIBRATION, text.describe()))
-    if config.mixed_precision.ladder != list(DEFAULT_LADDER) and config.mixed_precision.target is None:
-        result.summary.notes.append(Note(Topic.SEARCH, "the ladder was not used: it is what the accuracy-target "
-                                         "search tries (--accuracy-target)"))
-    if config.mixed_precision.eval_data is not None and config.mixed_precision.target is None and report is None:
-        result.summary.notes.append(Note(Topic.CALIBRATION, "the eval data was not read: it scores an accuracy "
-                                         "target (--accuracy-target) and the HTML report (--report)"))
+    result.summary.notes.extend(_unused_settings(config, report is not None))
     copied: list[str] = []
     if folder is None and output is not None and isinstance(model, str | os.PathLike) \
             and (Path(model).parent / GENAI_CONFIG).is_file():
@@ -163,6 +158,28 @@ def read_paths(model: ModelSource, given: ConfigLike, config: Config, data: Any)
             "the evaluation data": config.mixed_precision.eval_data, "the calibration text": config.calibration.text,
             "the ranges file to load (load_ranges)": config.calibration.load_ranges,
             **{f"the statistics file {path}": path for path in config.calibration.stats or ()}}
+
+
+def _unused_settings(config: Config, reporting: bool) -> list[Note]:
+    """A note for each setting given that nothing of this run read (a flag for another feature)."""
+    search, calibration = config.mixed_precision, config.calibration
+    scored = search.target is not None or reporting
+    unused = (
+        (search.ladder != list(DEFAULT_LADDER) and search.target is None, Topic.SEARCH,
+         "the ladder was not used: it is what the accuracy-target search tries (--accuracy-target)"),
+        (search.rung_min_gain is not None and search.target is None, Topic.SEARCH,
+         "the rung minimum gain was not used: it judges the accuracy-target search's algorithm rungs "
+         "(--accuracy-target)"),
+        (search.eval_data is not None and not scored, Topic.CALIBRATION,
+         "the eval data was not read: it scores an accuracy target (--accuracy-target) and the HTML report "
+         "(--report)"),
+        (search.labels != DEFAULT_LABELS and not scored, Topic.CALIBRATION,
+         f"the labels ({search.labels}) were not read: they score top-1 for an accuracy target "
+         "(--accuracy-target) and the HTML report (--report)"),
+        (calibration.sequence_length is not None and calibration.text is None, Topic.CALIBRATION,
+         "the sequence length was not used: it cuts calibration text (--calib-text) into windows"),
+    )
+    return [Note(topic, text) for given, topic, text in unused if given]
 
 
 def _insert_note(found: list[Note], note: Note) -> None:

@@ -374,6 +374,20 @@ def test_a_ladder_without_a_target_is_said(capsys):
     assert any(n.startswith("the ladder was not used") for n in result.summary.note_texts)
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--labels", "y"], "the labels (y) were not read"),
+    (["--rung-min-gain", "5"], "the rung minimum gain was not used"),
+    (["--sequence-length", "7"], "the sequence length was not used"),
+])
+def test_a_flag_for_another_feature_is_said(tmp_path, capsys, flags, says):
+    """--labels, --rung-min-gain and --sequence-length without the feature that reads them
+    were taken in silence, where --ladder and --eval-data said so (new-user trial)."""
+    models = Path(__file__).resolve().parents[1] / "models"
+    assert main(["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "q.onnx"), "--calib-data",
+                 str(models / "digits_calib.npz"), *flags]) == 0
+    assert says in capsys.readouterr().out
+
+
 def test_a_search_result_slower_than_float_is_a_warning():
     """The model a target needed, timed slower than float, gets a warning naming the int16
     promotions (no CPU int16 kernels) and the ladder that avoids them; faster or within the
