@@ -291,3 +291,32 @@ def test_long_names_print_whole_up_to_a_width():
                                     [LayerReport(**fields)] if f.name == "layers" else 1 if f.name == "samples"
                                     else "x") for f in dataclasses.fields(Analysis)})
     assert long in format_analysis(analysis)
+
+
+def _two_matmuls() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    nodes = [onnx.helper.make_node("MatMul", ["x", "w1"], ["a"], name="fc1"),
+             onnx.helper.make_node("Relu", ["a"], ["r"], name="act"),
+             onnx.helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2")]
+    weights = [onnx.numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float32), n)
+               for n, s in (("w1", (256, 256)), ("w2", (256, 64)))]
+    graph = onnx.helper.make_graph(nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 256])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 64])], weights)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    return model, {"x": rng.standard_normal((32, 256)).astype(np.float32)}
+
+
+def test_weight_only_layers_are_measured_and_dynamic_ones_said():
+    """MatMulNBits layers (W4_GROUP128) are measured alone like Q/DQ layers; dynamic ones
+    (W8_DYNAMIC) are named in a note. Both gave empty tables with no word (trial)."""
+    model, data = _two_matmuls()
+    q4 = quantize(model, None, "W4_GROUP128", data, progress=False).model
+    a = analyze_models(model, q4, data)
+    assert {r.op_type for r in a.layers} == {"MatMulNBits"} and len(a.layers) == 2
+    whole = a.outputs[0].sqnr_db
+    # each alone loses less than both together, and the second one's prefix is the whole model
+    assert all(whole < r.own_sqnr_db < whole + 10 for r in a.layers), ([r.own_sqnr_db for r in a.layers], whole)
+    assert any("weight-only kernels" in n for n in a.notes)
+    q8 = quantize(model, None, "W8_DYNAMIC", data, progress=False).model
+    notes = analyze_models(model, q8, data).notes
+    assert any(n.startswith("2 dynamically quantized layers (MatMulInteger") for n in notes), notes

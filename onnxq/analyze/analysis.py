@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -36,7 +37,13 @@ from onnxq.analyze.impact import (
     layers_to_measure,
 )
 from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers, with_only
-from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
+from onnxq.analyze.qgraph import (
+    QuantizedActivation,
+    bounded,
+    layers,
+    quantized_activations,
+    weight_kernel,
+)
 from onnxq.analyze.rescaled import rescaled_layers
 from onnxq.calibrate.data import CalibrationSource, feed_rows, iter_batches
 from onnxq.calibrate.decoder import decoder_feeds, result_outputs
@@ -198,6 +205,13 @@ def analyze_models(
     if skipped:
         notes.append(f"{len(skipped)} layers not isolated (their inputs or output have no counterpart in the "
                      f"float model): {', '.join(skipped[:6])}" + (", ..." if len(skipped) > 6 else ""))
+    dynamic = Counter(n.op_type for n in quant.graph if n.op_type in DYNAMIC_KERNELS)
+    if dynamic:
+        notes.append(f"{sum(dynamic.values())} dynamically quantized layers ({', '.join(sorted(dynamic))}: the "
+                     "activations quantized at run time) are not measured one by one; the output figures include "
+                     "them")
+    if found and not quantized and all(weight_kernel(n) for n in quant.graph if n.name in {f.name for f in found}):
+        notes.append("no activation is quantized (weight-only kernels): the tensor table is empty by design")
     if not found and any(integer_kernel(n) for n in quant.graph):
         notes.append("the quantized model holds integer kernels (QOperator format), whose layers and tensors "
                      "are not measured: analyze the Q/DQ model (quantize without --format qoperator)")
@@ -285,6 +299,10 @@ def analyze_models(
                          "they follow by ch noise; analyze against the float model the quantizer emitted from "
                          "(quantize --report) to rank them")
     return Analysis(samples, tensor_reports, layer_reports, outputs, notes)
+
+
+# Kernels that quantize their activations at run time: several nodes each, not isolated.
+DYNAMIC_KERNELS = ("MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM")
 
 
 def _noise_order(r: LayerReport) -> tuple[float, str]:
