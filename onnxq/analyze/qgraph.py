@@ -221,20 +221,11 @@ def bias_add(node: ir.Node) -> ir.Node | None:
     return add if len(other) == 1 and other[0] is not None and constant_array(other[0]) is not None else None
 
 
-# Weight-only kernels: one node reads float activations and its own packed weights, so a
-# copy of it fed from the float model's tensors is the layer alone, as a Q/DQ layer's is.
-WEIGHT_KERNELS = frozenset({("com.microsoft", "MatMulNBits"), ("com.microsoft", "GatherBlockQuantized")})
-
-
-def weight_kernel(node: ir.Node) -> bool:
-    return (node.domain, node.op_type) in WEIGHT_KERNELS
-
-
 def layers(model: ir.Model) -> list[Layer]:
-    """The nodes that compute on dequantized inputs, and the weight-only kernels (`WEIGHT_KERNELS`), in graph order."""
+    """The nodes that compute on dequantized inputs, in graph order."""
     found = []
     for node in model.graph:
-        if is_glue(node) or not node.outputs or not (_reads_dequantized(node) or weight_kernel(node)):
+        if is_glue(node) or not node.outputs or not _reads_dequantized(node):
             continue
         add = bias_add(node)
         out = (add or node).outputs[0]
