@@ -37,12 +37,7 @@ from onnxq.analyze.impact import (
     layers_to_measure,
 )
 from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers, with_only
-from onnxq.analyze.qgraph import (
-    QuantizedActivation,
-    bounded,
-    layers,
-    quantized_activations,
-)
+from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
 from onnxq.analyze.rescaled import rescaled_layers
 from onnxq.calibrate.data import CalibrationSource, feed_rows, iter_batches
 from onnxq.calibrate.decoder import decoder_feeds, result_outputs
@@ -302,9 +297,9 @@ def analyze_models(
 # MatMulNBits in one pass took SmolLM2-135M's analysis from 2.8 to 6.2 GB, 8 GB ranked by
 # output: they need passes over groups of layers first), and those that quantize their
 # activations at run time (several nodes each).
-UNMEASURED = {"MatMulNBits": "weight-only", "GatherBlockQuantized": "weight-only", "MatMulInteger": "dynamically "
-              "quantized", "ConvInteger": "dynamically quantized", "DynamicQuantizeMatMul": "dynamically quantized",
-              "DynamicQuantizeLSTM": "dynamically quantized"}
+UNMEASURED = {**dict.fromkeys(("MatMulNBits", "GatherBlockQuantized"), "weight-only"),
+              **dict.fromkeys(("MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM"),
+                              "dynamically quantized")}
 
 
 def _noise_order(r: LayerReport) -> tuple[float, str]:
