@@ -9,6 +9,8 @@ model byte-identical and write no output. Through the Python API the same mistak
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -485,6 +487,26 @@ def test_unwritable_side_output_is_refused_before_the_run(ws, capsys, flag):
     assert rc == 2
     assert_one_error_line(capsys.readouterr().err, ("file.txt is a file, not a directory",))
     assert not ws.out.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_an_output_that_is_no_file_is_refused_and_kept(ws, capsys):
+    """The atomic write renamed its file over a device or pipe given as the output (a
+    device node became a 16 KB file; as root, /dev/null would have)."""
+    pipe = ws.root / "pipe"
+    os.mkfifo(pipe)
+    assert main(["quantize", str(ws.model), str(pipe), "--calib-data", str(ws.good_data)]) == 2
+    assert_one_error_line(capsys.readouterr().err, ("is a pipe, not a file",))
+    assert stat.S_ISFIFO(pipe.stat().st_mode)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc here")
+def test_an_output_whose_folder_cannot_be_made_is_refused_before_the_run(ws, capsys):
+    """A missing folder under a file system that takes no files (/proc; a read-only mount):
+    quantized first, then a PermissionError traceback at the save (new-user trial)."""
+    out = Path("/proc/onnxq-no-such-folder/q.onnx")
+    assert main(["quantize", str(ws.model), str(out), "--calib-data", str(ws.good_data)]) == 2
+    assert_one_error_line(capsys.readouterr().err, (f"cannot write {out}",))
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -48,15 +49,26 @@ def _check_writable(out: Path, source: str | os.PathLike | None, what: str) -> N
             raise OnnxqError(f"output {out} is a directory; to get an onnxruntime-genai folder out, pass the model's "
                              f"folder {Path(source).parent} as the input, else give a file name such as {out / name}")
         raise OnnxqError(f"output {out} is a directory; give a file name such as {out / name}")
+    if out.exists() and not out.is_file():  # the atomic rename would put a file in place of a device or pipe
+        raise OnnxqError(f"output {out} is {_kind(out)}, not a file; give a file path (onnxq writes a new file "
+                         "in its place)")
     parent = next((p for p in out.parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise OnnxqError(f"cannot write {out}: {parent} is a file, not a directory; choose another output path")
     if parent is not None and not os.access(parent, os.W_OK):
         raise OnnxqError(f"cannot write {out}: {parent} is not writable; choose another output path")
-    if parent is not None and parent == out.parent:  # try it
-        probe = _temporary(out)
+    if parent is not None:  # try it where the file, or the folders to make for it, will go
+        probe = _temporary(parent / out.name)
         probe.touch()
         probe.unlink()
+
+
+def _kind(path: Path) -> str:
+    """What a path that is neither a file nor a directory is."""
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a pipe"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((text for test, text in kinds if test(mode)), "not a regular file")
 
 
 def _check_not_input_data(out: Path, source: Path, what: str) -> None:
@@ -161,7 +173,11 @@ def weight_bytes(model: ir.Model) -> int:
 def save_model(model: ir.Model, output: str | os.PathLike) -> Path:
     """Write `model` to `output` atomically; large models get `<name>.data` beside them."""
     out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # checked before the work (`check_output_path`); changed since
+        raise OnnxqError(f"cannot make the folder {out.parent}: {exc.strerror or exc}; choose another output "
+                         "path") from None
     if weight_bytes(model) > EXTERNAL_DATA_LIMIT:
         return _save_with_data(model, out)
     return _write_atomic(out, lambda tmp: write_model(model, tmp))
