@@ -388,6 +388,17 @@ def test_a_flag_for_another_feature_is_said(tmp_path, capsys, flags, says):
     assert says in capsys.readouterr().out
 
 
+def test_a_dynamic_recipe_searches_past_the_int16_rung(tmp_path, capsys):
+    """W8_DYNAMIC with the default ladder: its int16 rung has no 16-bit form for activations
+    quantized at run time; the search refused its own override ('dtype int16 with dynamic
+    activations in layer_quant_config...', exit 2) instead of going on to float (trial)."""
+    models = Path(__file__).resolve().parents[1] / "models"
+    assert main(["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "q.onnx"), "--preset", "W8_DYNAMIC",
+                 "--eval-data", str(models / "digits_eval.npz"), "--accuracy-target", "sqnr>=60"]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy target sqnr>=60: met" in out and "promoted: 1 to float: fc" in out, out
+
+
 def test_a_search_result_slower_than_float_is_a_warning():
     """The model a target needed, timed slower than float, gets a warning naming the int16
     promotions (no CPU int16 kernels) and the ladder that avoids them; faster or within the

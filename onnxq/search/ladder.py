@@ -51,13 +51,21 @@ def effective(promotions: Mapping[str, str], plan: QuantPlan) -> dict[str, str]:
     """`promotions` less those that would not raise the node: int8 for a node without
     narrow weights (its weights are 8-bit already, or it has none), and int16 for a node
     that reads float inputs already (`plan.float_inputs`: a MatMul whose per-group weight
-    no integer kernel pairs with int8 inputs), where 16-bit inputs would lower them, or that
-    reads only constants (`constant_only_nodes`)."""
+    no integer kernel pairs with int8 inputs), where 16-bit inputs would lower them, that
+    reads only constants (`constant_only_nodes`) or that quantizes its inputs at run time
+    (`dynamic_nodes`)."""
     narrow = narrow_weight_nodes(plan)
-    tables = constant_only_nodes(plan)
+    fixed = constant_only_nodes(plan) | dynamic_nodes(plan)
     return {node: rung for node, rung in promotions.items()
             if (rung != "int8" or node in narrow)
-            and (rung != "int16" or (node not in plan.float_inputs and node not in tables))}
+            and (rung != "int16" or (node not in plan.float_inputs and node not in fixed))}
+
+
+def dynamic_nodes(plan: QuantPlan) -> set[str]:
+    """The nodes lowered to dynamic kernels (activations quantized at run time): onnxruntime
+    quantizes them to uint8, so the int16 rung has no 16-bit form to give them (its config
+    is refused)."""
+    return {name for name, low in plan.lowered.items() if low.strategy == "dynamic"}
 
 
 def constant_only_nodes(plan: QuantPlan) -> set[str]:
