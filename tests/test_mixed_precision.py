@@ -352,6 +352,9 @@ def test_the_search_raises_no_data_movement_op_alone():
     ("cosine>=2", "a cosine is at most 1"),
     ("top1>=float+5", "asks for 104% top-1 (float scores 99%)"),
     ("float-1", "names no metric: write one in it (top1>=float-1) or give --metric"),
+    # '<=' on a higher-is-better score: raised layers toward float, away from the goal (trial)
+    ("top1<=90", "higher top1 is better, so '<=' asks for a model no better"),
+    ("cosine<=2", "write 'cosine>=...'"),
 ])
 def test_a_target_no_model_can_meet_is_one_line(tmp_path, capsys, target, says):
     """Targets beyond any model (a cosine above 1, top-1 above 100% relative to float) and

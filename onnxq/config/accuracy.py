@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from onnxq.errors import ConfigError
 
 METRICS = ("top1", "cosine", "sqnr", "custom")
+BUILT_IN = ("top1", "cosine", "sqnr")  # scored by onnxq, higher is better
 _TARGET = re.compile(
     r"^\s*(?:(?!float\b)(?P<metric>[A-Za-z_][A-Za-z_0-9]*)\s*)?(?P<op>>=|<=)?\s*"
     r"(?P<rhs>float\s*(?:[-+]\s*[0-9.eE+-]+)?|[-+]?[0-9.]+(?:[eE][-+]?[0-9]+)?)\s*$"
@@ -73,6 +74,10 @@ def parse_target(text: str, metric: str | None = None) -> AccuracyTarget:
                           f"{'a target any model meets' if value <= 1 else 'more than every sample right'}; "
                           "write e.g. 'top1>=75' or 'top1>=float-1'")
     op = m.group("op") or ">="
+    if op == "<=" and name in BUILT_IN:  # higher is better for each: a '<=' asks for a worse model
+        raise ConfigError(f"accuracy target {text!r}: higher {name} is better, so '<=' asks for a model no better "
+                          f"than that; write '{name}>=...' (a lower-is-better score, an error or a loss, is a "
+                          "custom metric: --metric custom with your evaluate)")
     if name == "cosine" and op == ">=" and (value > 1 if not relative else value > 0):
         raise ConfigError(f"accuracy target {text!r}: a cosine is at most 1 (float's own), so no model meets it; "
                           "write e.g. 'cosine>=0.999'")
