@@ -173,8 +173,8 @@ def _precision_rung_lines(m: MixedPrecisionSummary) -> list[str]:
 def format_mixed_precision(m: MixedPrecisionSummary) -> list[str]:
     verdict = "met" if m.met else "NOT met"
     lines = [f"  accuracy target {m.target}: {verdict} on {m.scored_on} (float {m.float_score:.4g}, all quantized "
-             f"{m.base_score:.4g}, final {m.final_score:.4g}); {m.evaluations} models scored for "
-             f"{m.ranked_layers} ranked layers in {m.seconds:.1f}s"]
+             f"{m.base_score:.4g}, final {m.final_score:.4g}); {_count(m.evaluations, 'model')} scored for "
+             f"{_count(m.ranked_layers, 'ranked layer')} in {m.seconds:.1f}s"]
     for t in m.rungs:
         if t["score"] is None:
             lines.append(f"  rung {t['rung']}: not tried: {t['why']}")
@@ -189,3 +189,8 @@ def format_mixed_precision(m: MixedPrecisionSummary) -> list[str]:
         lines.append(f"  promotion cost: weights {_mb(m.size_before)} -> {_mb(m.size_after)}, latency (batch 1) "
                      f"{m.latency_ms_before:.2f} -> {m.latency_ms_after:.2f} ms")
     return lines
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 model', '3 models'."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")

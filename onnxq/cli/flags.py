@@ -375,7 +375,7 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
     q.add_argument("--ladder", nargs="+", metavar="RUNG",
                    help="what the search tries, cheapest first: algorithm rungs for every layer "
                         "(bias_correction, cle, smoothquant, per_channel, adaround, adaquant), then what a "
-                        "sensitive layer may be raised to (int16, fp16, bf16, float); default: "
+                        "sensitive layer may be raised to (int8 for 4-bit weights, int16, fp16, bf16, float); default: "
                         + " ".join(DEFAULT_LADDER))
     q.add_argument("--rung-min-gain", type=float, metavar="X",
                    help="the least score gain that keeps an algorithm rung, in the metric's units (0: any gain), "

@@ -293,7 +293,8 @@ def quantize_to_target(
         scored_on=("the eval data" if mp.eval_data is not None else
                    "the custom evaluate" if evaluate is not None else "the calibration data"),
         best_score=None if choice is None else choice.best.scored.value,
-        written="the model with the layers the search raised" if choice is None else choice.written.what,
+        written=("the model with the layers the search raised" if outcome.promotions else
+                 "the model with no layer raised") if choice is None else choice.written.what,
     )
     result.config = final_config  # what ran: the report's settings, --save-config
     result.summary.notes.extend(notes(Topic.SEARCH, said))
@@ -303,7 +304,7 @@ def quantize_to_target(
     if not result.summary.mixed_precision.met:
         if rungs and not order:
             how = ("and no layer could be raised: none computes in a quantized type (the loss is in what the "
-                   "search does not rank, such as weights stored in float16)")
+                   "search does not rank, such as weights stored in a float type)")
         elif rungs:
             how = f"even with every ranked layer raised to {rungs[-1]}"
         else:
