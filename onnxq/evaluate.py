@@ -370,9 +370,16 @@ def _quantized_ops(proto: onnx.ModelProto | None) -> str | None:
 def run_model(model: str | os.PathLike, data: Any, max_samples: int | None = None,
               providers: list[str] | None = None, batch_size: int = 32) -> dict[str, np.ndarray]:
     """Every output of `model` over `data`, concatenated, in a default session (onnxq's
-    extended ops registered for a qdq-ext model; `onnxq run`)."""
-    session = deployed_session(model, check_providers(providers or ["CPUExecutionProvider"]))
+    extended ops registered for a qdq-ext model; `onnxq run`); token windows for a KV-cache
+    decoder get its mask and empty cache built, as `compare` does (the present cache is
+    left out of the outputs)."""
+    providers = check_providers(providers or ["CPUExecutionProvider"])
+    session = deployed_session(model, providers)
     names = [o.name for o in session.get_outputs()]
+    inputs = [i.name for i in session.get_inputs()]
+    if is_decoder(inputs):
+        data = decoder_feeds(model, data, providers, decode_steps=0)
+        names = result_outputs(names, inputs)
     outputs: dict[str, list[np.ndarray]] = {n: [] for n in names}
     for feed in iter_batches(data, session_inputs(session), batch_size, max_samples, kind="model"):
         for n, y in zip(names, run_on_data(session, names, feed, "input")):

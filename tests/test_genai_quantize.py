@@ -134,6 +134,10 @@ def test_token_windows_evaluate_as_they_calibrate(folder, windows, tmp_path, cap
     assert main(["compare", str(folder), str(out), "--data", str(windows)]) == 0
     shown = capsys.readouterr().out
     assert "logits: SQNR" in shown and "present." not in shown and "next-token perplexity on 90 tokens" in shown
+    # run too (it stopped on 'missing input attention_mask'; second new-user trial)
+    assert main(["run", str(out), "--data", str(windows)]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("logits: float32 [6, 16,") and "present." not in shown, shown
     from onnxq.evaluate import compare_models
 
     same = compare_models(str(folder / "model.onnx"), str(folder / "model.onnx"), str(windows))
