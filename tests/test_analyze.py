@@ -306,13 +306,36 @@ def _two_matmuls() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     return model, {"x": rng.standard_normal((32, 256)).astype(np.float32)}
 
 
-def test_weight_only_and_dynamic_layers_are_said():
-    """Weight-only (W4_GROUP128: MatMulNBits) and dynamic (W8_DYNAMIC: MatMulInteger) layers
-    are not isolated: a note says so, where both gave empty tables with no word (trial)."""
+def test_weight_only_layers_are_measured_and_dynamic_ones_said():
+    """MatMulNBits layers (W4_GROUP128) are measured alone and with their prefix like Q/DQ
+    layers; dynamic ones (W8_DYNAMIC) are named in a note. Both gave empty tables with no
+    word (new-user trial)."""
     model, data = _two_matmuls()
-    for preset, says in (("W4_GROUP128", "2 weight-only layers (MatMulNBits)"),
-                         ("W8_DYNAMIC", "2 dynamically quantized layers (MatMulInteger)")):
-        quant = quantize(model, None, preset, data, progress=False).model
-        a = analyze_models(model, quant, data)
-        assert any(n.startswith(says) for n in a.notes), a.notes
-        assert a.outputs[0].sqnr_db > 10
+    q4 = quantize(model, None, "W4_GROUP128", data, progress=False).model
+    a = analyze_models(model, q4, data)
+    assert sorted((r.name, r.op_type) for r in a.layers) == [("fc1_MatMulNBits", "MatMulNBits"),
+                                                            ("fc2_MatMulNBits", "MatMulNBits")]
+    whole = a.outputs[0].sqnr_db
+    by_name = {r.name: r for r in a.layers}
+    assert all(whole < r.own_sqnr_db < whole + 10 for r in a.layers), ([r.own_sqnr_db for r in a.layers], whole)
+    assert by_name["fc2_MatMulNBits"].prefix_sqnr_db == pytest.approx(whole, abs=0.05)  # the last: the whole model
+    assert any("weight-only kernels" in n for n in a.notes)
+    q8 = quantize(model, None, "W8_DYNAMIC", data, progress=False).model
+    notes = analyze_models(model, q8, data).notes
+    assert any(n.startswith("2 dynamically quantized layers (MatMulInteger") for n in notes), notes
+
+
+def test_weight_only_layers_in_groups_give_the_same_figures():
+    """One pass per layer (the smallest budget) or one for all: the same errors."""
+    from onnxq.analyze.grouped import kernel_layers, measure_in_groups
+    from onnxq.graph.load import read_model
+
+    model, data = _two_matmuls()
+    quant = read_model(quantize(model, None, "W4_GROUP128", data, progress=False).model)
+    float_model = read_model(model)
+    found = kernel_layers(quant)
+    one, each = (measure_in_groups(float_model, quant, found, data, ["CPUExecutionProvider"], 8, None, budget)
+                 for budget in (1 << 30, 1))
+    assert (one.passes, each.passes) == (1, 2)
+    assert {n: s.sqnr_db for n, s in one.own.items()} == {n: s.sqnr_db for n, s in each.own.items()}
+    assert {n: s.sqnr_db for n, s in one.prefix.items()} == {n: s.sqnr_db for n, s in each.prefix.items()}

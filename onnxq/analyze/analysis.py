@@ -9,6 +9,9 @@ running sums (memory does not grow with the number of samples):
   with everything before it quantized too (exposing a tensor keeps onnxruntime from
   fusing the Q/DQ around it, so these figures use reference arithmetic there);
 - the quantized model in a default session, as it deploys: the error of the outputs.
+
+Weight-only kernels (MatMulNBits) are isolated the same way, in passes over groups of them
+(`grouped.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from onnxq.analyze.accumulate import AgreementStats, ErrorStats, RangeStats
+from onnxq.analyze.grouped import kernel_layers, measure_in_groups
 from onnxq.analyze.impact import (
     IMPACT_OUTPUT_BYTES,
     IMPACT_SAMPLES,
@@ -192,6 +196,8 @@ def analyze_models(
     quantized = [] if layers_only else quantized_activations(quant)
     activations = [a for a in quantized if a.name in float_values]
     found = layers(quant)
+    kernels = kernel_layers(quant)
+    clean = reference.clone() if kernels else None  # before the Q/DQ layers' copies are added to it
     graph_outputs = [] if layers_only else result_outputs((v.name for v in reference.graph.outputs),
                                                           (v.name for v in reference.graph.inputs))
     isolated, skipped = add_isolated_layers(reference, quant, found)
@@ -266,9 +272,26 @@ def analyze_models(
                     out_err[n].update(ref[n], out[n])
                     agreement[n].update(ref[n], out[n])
             samples += feed_rows(feed)
+        del ref_session, test_session, deployed  # their weights' copies, before any other pass
 
     tensor_reports = [_tensor_report(a, tensor_err[a.name], ranges[a.name]) for a in activations]
     layer_reports = [_layer_report(i, own[i.layer.name], prefix[i.layer.name]) for i in isolated]
+    if clean is not None:
+        if _rereadable(data):
+            grouped = measure_in_groups(clean, quant, kernels, data, providers, batch_size, max_samples)
+            layer_reports += [_layer_report(i, grouped.own[i.layer.name], grouped.prefix[i.layer.name])
+                              for i in grouped.isolated]
+            if grouped.skipped:
+                notes.append(f"{len(grouped.skipped)} weight-only layers not isolated (their input or output has no "
+                             f"counterpart in the float model): {', '.join(grouped.skipped[:3])}"
+                             + (", ..." if len(grouped.skipped) > 3 else ""))
+            if not quantized:
+                notes.append("no activation is quantized (weight-only kernels): the tensor table is empty")
+        else:
+            notes.append(f"{len(kernels)} weight-only layers not measured one by one: they take passes over groups "
+                         "of them, and the data can be read only once (pass a path, a dict of arrays or a list of "
+                         "feeds)")
+        del clean
     tensor_reports.sort(key=lambda t: (t.sqnr_db, t.name))
     layer_reports.sort(key=_noise_order)
     if pristine is not None and layer_reports:
@@ -293,13 +316,10 @@ def analyze_models(
     return Analysis(samples, tensor_reports, layer_reports, outputs, notes)
 
 
-# Kernels `layers` does not isolate, by kind: weight-only ones (isolating each of an LLM's
-# MatMulNBits in one pass took SmolLM2-135M's analysis from 2.8 to 6.2 GB, 8 GB ranked by
-# output: they need passes over groups of layers first), and those that quantize their
-# activations at run time (several nodes each).
-UNMEASURED = {**dict.fromkeys(("MatMulNBits", "GatherBlockQuantized"), "weight-only"),
-              **dict.fromkeys(("MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM"),
-                              "dynamically quantized")}
+# Kernels not isolated, by kind: those that quantize their activations at run time
+# (several nodes each). Weight-only ones are measured in groups (`grouped.py`).
+UNMEASURED = dict.fromkeys(("MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM"),
+                          "dynamically quantized")
 
 
 def _noise_order(r: LayerReport) -> tuple[float, str]:
@@ -340,7 +360,7 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
     with only that layer quantized, `isolate.with_only`, on the first IMPACT_SAMPLES
     samples in a default session), with each measured layer's `output_sqnr_db` set."""
     by_name = {r.name: r for r in reports}
-    found = {layer.name: layer for layer in layers(quant)}
+    found = {layer.name: layer for layer in [*layers(quant), *kernel_layers(quant)]}
     samples = min(max_samples or IMPACT_SAMPLES, IMPACT_SAMPLES)
     names = [r.name for r in reports]
     limit = layers_to_measure(weight_bytes(float_model))

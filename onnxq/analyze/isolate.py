@@ -62,6 +62,15 @@ class _Copier:
             self.copied[key] = out
         return out
 
+    def resolvable(self, v: ir.Value) -> bool:
+        """Whether `value(v)` finds a counterpart, without copying anything."""
+        producer = v.producer()
+        if id(v) in self.copied or (v.const_value is not None and producer is None):
+            return True
+        if is_glue(producer):
+            return all(i is None or self.resolvable(i) for i in producer.inputs)
+        return v.name in self.float_values
+
     def node(self, node: ir.Node, wanted: ir.Value | None = None, inputs: list | None = None,
              shared: bool = False) -> ir.Value | None:
         """Copy `node` with its inputs mapped (or `inputs`); return the copy of `wanted`
@@ -69,6 +78,9 @@ class _Copier:
         read (glue fed from float tensors); a layer's own copy and its output Q/DQ are not
         shared: the next layer reads the float tensor instead."""
         if inputs is None:
+            if not all(v is None or self.resolvable(v) for v in node.inputs):
+                return None  # before copying any of its constants: an unread copy is an initializer
+                # onnxruntime drops, and then fails to find when it is handed over as an array
             inputs = [None if v is None else self.value(v) for v in node.inputs]
             if any(v is None for v, orig in zip(inputs, node.inputs) if orig is not None):
                 return None
