@@ -57,9 +57,11 @@ def measure_in_groups(float_model: ir.Model, quant: ir.Model, layers: list[Layer
                       batch_size: int, max_samples: int | None, budget: int = GROUP_BYTES) -> Measured:
     """`layers` measured alone and with their prefix, a group of them per pass over `data`
     (`float_model` is left as it is)."""
-    feeds = lambda inputs: iter_batches(data, inputs, batch_size, max_samples, kind="evaluation")  # noqa: E731
-    first = next(iter(feeds(model_inputs(float_model))), None)
-    sizes = _batch_bytes(quant, layers, first or {})
+    def feeds(inputs: list) -> Iterator[Mapping[str, np.ndarray]]:
+        return iter(iter_batches(data, inputs, batch_size, max_samples, kind="evaluation"))
+
+    sizes = _batch_bytes(quant, layers, next(feeds(model_inputs(float_model)), {}))
+    quant_values = values_by_name(quant.graph)
     result = Measured([], {}, {}, [], 0)
     for group in _groups(layers, sizes, budget):
         model = float_model.clone()
@@ -69,7 +71,6 @@ def measure_in_groups(float_model: ir.Model, quant: ir.Model, layers: list[Layer
             continue
         result.passes += 1
         references = list(dict.fromkeys(n for i in isolated for n in (i.reference, i.output)))
-        quant_values = values_by_name(quant.graph)
         mine = [i.layer.output for i in isolated if i.layer.output in quant_values]
         with contextlib.ExitStack() as stack:
             ref_session = stack.enter_context(exposed_session(model, references, providers,
@@ -85,9 +86,8 @@ def measure_in_groups(float_model: ir.Model, quant: ir.Model, layers: list[Layer
                     got = test.get(i.layer.output)
                     if got is not None and got.shape == ref[i.reference].shape:
                         result.prefix[i.layer.name].update(ref[i.reference], got)
-            del ref_session, test_session  # each holds a copy of the weights: one at a time
+        del ref_session, test_session, model  # each session holds a copy of the weights: one at a time
         result.isolated += isolated
-        del model
     return result
 
 
