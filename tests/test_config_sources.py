@@ -655,3 +655,19 @@ def test_a_bare_algo_option_goes_to_the_config_files_algorithm(tmp_path, capsys)
     assert main(["config", "show", "--config", str(config), "--algo-option", "num_iteration=7"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown["algo_config"] == [{"name": "adaquant", "num_iteration": 7}]
+
+
+def test_quantize_leaves_the_callers_config_as_it_was():
+    """Validation normalises a config in place (typed entries to dicts, 'INT8' to 'int8'):
+    the caller's Config came back changed, its AdaRoundConfig a dict (API trial)."""
+    import copy
+
+    config = onnxq.get_preset("S8S8")
+    config.pre_quant_opt_config.append(onnxq.CLEConfig())
+    config.algo_config.append(onnxq.AdaRoundConfig(num_iteration=20))
+    config.global_quant_config.weight = onnxq.QuantizationSpec(dtype="INT8", qscheme="per_channel")
+    before = copy.deepcopy(config)
+    data = str(ROOT / "models" / "digits_calib.npz")
+    first = onnxq.quantize(str(DIGITS), None, config, data, progress=False).model.SerializeToString()
+    assert config == before and isinstance(config.algo_config[0], onnxq.AdaRoundConfig)
+    assert onnxq.quantize(str(DIGITS), None, config, data, progress=False).model.SerializeToString() == first

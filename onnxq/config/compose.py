@@ -298,7 +298,8 @@ def as_config(config: ConfigLike, default: Default = DEFAULT_PRESET) -> Config:
     `preset:`), a preset name (any case) or a YAML/JSON path; None is `default`."""
     if config is None:
         return get_preset(_name(default))
-    if isinstance(config, Config):
+    if isinstance(config, Config):  # validated on a copy: it normalises in place, and the caller's stays theirs
+        config = copy.deepcopy(config)
         validate_config(config)
         return config
     if isinstance(config, ConfigSources):
