@@ -671,3 +671,24 @@ def test_quantize_leaves_the_callers_config_as_it_was():
     first = onnxq.quantize(str(DIGITS), None, config, data, progress=False).model.SerializeToString()
     assert config == before and isinstance(config.algo_config[0], onnxq.AdaRoundConfig)
     assert onnxq.quantize(str(DIGITS), None, config, data, progress=False).model.SerializeToString() == first
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda: onnxq.AdaRoundConfig(learning_rate="fast"), "adaround: option 'learning_rate' must be float, got 'fast'"),
+    (lambda: onnxq.AdaRoundConfig(op_types="Conv"), "option 'op_types' must be a list of names, got 'Conv'"),
+    (lambda: onnxq.GPTQConfig(block_size="128"), "gptq: option 'block_size' must be int"),
+    (lambda: onnxq.CLEConfig(steps=2.5), "cle: option 'steps' must be int"),
+])
+def test_typed_options_of_the_wrong_type_are_config_errors(make, says):
+    """AdaRoundConfig(learning_rate='fast') raised a TypeError from its range check (API trial)."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        make()
+
+
+def test_an_algo_config_that_is_no_list_is_a_config_error():
+    config = onnxq.get_preset("S8S8")
+    config.algo_config = onnxq.AdaRoundConfig(num_iteration=5)
+    with pytest.raises(ConfigError, match=re.escape("algo_config must be a list of entries, got AdaRoundConfig")):
+        onnxq.quantize(str(DIGITS), None, config, str(ROOT / "models" / "digits_calib.npz"), progress=False)
+    config.algo_config = (onnxq.AdaRoundConfig(num_iteration=5),)  # a tuple reads as the list it holds
+    assert onnxq.quantize(str(DIGITS), None, config, str(ROOT / "models" / "digits_calib.npz"), progress=False)

@@ -43,9 +43,11 @@ def test_enum_settings_in_code_take_any_case(tmp_path):
     config.target = "X86-AVX2"
     config.global_quant_config.weight.dtype = "INT8"
     out = tmp_path / "q.onnx"
-    onnxq.quantize(MODEL, out, config, str(DATA), progress=False)
-    assert config.quant_format is QuantFormat.QOPERATOR and config.target is Target.X86_AVX2
-    assert config.global_quant_config.weight.dtype is DType.INT8
+    result = onnxq.quantize(MODEL, out, config, str(DATA), progress=False)
+    read = result.config  # read on a copy: the caller's config stays as they wrote it
+    assert read.quant_format is QuantFormat.QOPERATOR and read.target is Target.X86_AVX2
+    assert read.global_quant_config.weight.dtype is DType.INT8
+    assert config.quant_format == "QOperator" and config.global_quant_config.weight.dtype == "INT8"
     assert _ops(out)["QLinearConv"] == 3
     onnx.checker.check_model(str(out), full_check=True)
     x = np.load(DATA)[onnx.load(str(MODEL)).graph.input[0].name][:16]

@@ -42,6 +42,13 @@ from onnxq.errors import ConfigError, closest_name
 
 def validate_config(config: Config) -> None:
     """Raise `ConfigError` for wrong value types or invalid combinations in `config`."""
+    for key in ("pre_quant_opt_config", "algo_config"):
+        entries = getattr(config, key)
+        if isinstance(entries, tuple):
+            setattr(config, key, entries := list(entries))
+        if not isinstance(entries, list):
+            raise ConfigError(f"{key} must be a list of entries, got {type(entries).__name__}; write "
+                              f"{key}=[{type(entries).__name__}(...)] (one entry per pass or algorithm)")
     config.pre_quant_opt_config[:] = [entry_dict(e) for e in config.pre_quant_opt_config]
     config.algo_config[:] = [entry_dict(e) for e in config.algo_config]
     _layer_class_specs(config)

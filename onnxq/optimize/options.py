@@ -36,6 +36,22 @@ def _coerce(value: Any, default: Any, key: str, where: str) -> Any:
     return value
 
 
+def check_field_types(options: Any, where: str) -> None:
+    """The fields of a typed options dataclass against their defaults' types, as a dict
+    entry's are (`_coerce`): `AdaRoundConfig(learning_rate="fast")` is a `ConfigError`,
+    not a TypeError from the range check after it; a list is kept as a tuple. Call it
+    first in `__post_init__`."""
+    for f in dataclasses.fields(options):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            continue
+        if default is not None:
+            object.__setattr__(options, f.name, _coerce(getattr(options, f.name), default, f.name, where))
+
+
 def parse_options(cls: type[T], options: Mapping[str, Any], where: str) -> T:
     """Build `cls` (a dataclass whose fields all have defaults) from an entry's options.
 
