@@ -16,7 +16,13 @@ from onnxq.config import (
     load_config,
     save_config,
 )
-from onnxq.errors import OnnxqError
+from onnxq.errors import (
+    CalibrationDataError,
+    ConfigError,
+    ModelError,
+    OnnxqError,
+    UnsupportedModelError,
+)
 from onnxq.optimize.adaquant import AdaQuantConfig
 from onnxq.optimize.adaround import AdaRoundConfig
 from onnxq.optimize.awq import AWQConfig
@@ -37,10 +43,13 @@ __all__ = [
     "AdaRoundConfig",
     "BiasCorrectionConfig",
     "CLEConfig",
+    "CalibrationDataError",
     "Config",
+    "ConfigError",
     "FoldBatchNormConfig",
     "GPTQConfig",
     "HQQConfig",
+    "ModelError",
     "ModelQuantizer",
     "OnnxqError",
     "QuantizationConfig",
@@ -48,6 +57,7 @@ __all__ = [
     "QuantizationSpec",
     "SmoothQuantConfig",
     "Summary",
+    "UnsupportedModelError",
     "as_config",
     "compose_config",
     "format_summary",

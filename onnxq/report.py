@@ -100,7 +100,8 @@ def _mb(n: int) -> str:
 
 
 def format_summary(s: Summary) -> str:
-    """A human-readable multi-line summary."""
+    """A human-readable multi-line summary (of a `QuantizationResult`'s too: its `summary`)."""
+    s = getattr(s, "summary", s)
     lines = [f"onnxq: {s.source} -> {s.output or '(not saved)'}"]
     if s.opset[0] != s.opset[1]:
         lines.append(f"  opset upgraded {s.opset[0]} -> {s.opset[1]}")

@@ -692,3 +692,14 @@ def test_an_algo_config_that_is_no_list_is_a_config_error():
         onnxq.quantize(str(DIGITS), None, config, str(ROOT / "models" / "digits_calib.npz"), progress=False)
     config.algo_config = (onnxq.AdaRoundConfig(num_iteration=5),)  # a tuple reads as the list it holds
     assert onnxq.quantize(str(DIGITS), None, config, str(ROOT / "models" / "digits_calib.npz"), progress=False)
+
+
+def test_api_slips_are_one_line_errors():
+    """compose_config("S8S8", {...}) failed in pathlib; format_summary(result) in an
+    AttributeError; the error classes were not importable from onnxq (API trial)."""
+    with pytest.raises(onnxq.ConfigError, match="second argument is a config file path"):
+        onnxq.compose_config("S8S8", {"quant_format": "qdq"})
+    result = onnxq.quantize(str(DIGITS), None, None, str(ROOT / "models" / "digits_calib.npz"), progress=False)
+    assert onnxq.format_summary(result) == onnxq.format_summary(result.summary)
+    assert issubclass(onnxq.CalibrationDataError, onnxq.OnnxqError) and issubclass(onnxq.ModelError, onnxq.OnnxqError)
+    assert issubclass(onnxq.UnsupportedModelError, onnxq.ModelError) and onnxq.ConfigError is ConfigError

@@ -206,6 +206,10 @@ def compose_config(
     the preset. `label`: what an error in the overrides calls them, as the caller named
     them (`quantize`'s dict is its `config`; the command line's flags are `OVERRIDES_SOURCE`).
     """
+    if isinstance(config_file, Mapping):  # compose_config("S8S8", {...}): overrides in the file's place
+        raise ConfigError("compose_config's second argument is a config file path, and a dict was given; pass "
+                          "the overrides third or by name: compose_config(preset, None, overrides) or "
+                          "compose_config(preset, overrides=...)")
     sources = []
     if config_file is not None:
         sources.append((str(config_file), read_config_dict(config_file)))
