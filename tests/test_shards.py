@@ -168,8 +168,11 @@ def test_cli_shards_files_processes_and_errors(tmp_path, capsys):
     fails(["quantize", str(path), out, "--stats", str(tmp_path / "s1.npz"), *flags], "a shard's file is missing")
     fails(["quantize", str(path), out, "--stats", str(tmp_path / "s1.npz"), str(tmp_path / "s1.npz"), *flags],
           "overlaps another file")
+    # which part differs is named (they all read 'another model, config or batching')
     fails(["quantize", str(path), out, "--stats", str(tmp_path / "s1.npz"), str(tmp_path / "s2.npz"),
-           "--calib-method", "entropy", "--quiet"], "calibrated for another model, config or batching")
+           *flags, "--calib-method", "entropy", "--quiet"], "calibrated for other calibrated tensors or methods")
+    fails(["quantize", str(path), out, "--stats", str(tmp_path / "s1.npz"), str(tmp_path / "s2.npz"),
+           "--per-tensor", "--quiet"], "calibrated for another batching (calibration.batch_size")
     fails(["quantize", str(path), out, "--stats", calib, *flags], "is not an onnxq stats file")
     fails(["quantize", str(path), out, "--stats", str(path), *flags], "is not an onnxq stats file")  # a model
     # a shard half copied from another machine, and one with a byte flipped: one line, not zipfile's traceback
@@ -270,7 +273,7 @@ def test_one_stats_file_serves_other_types_and_an_accuracy_target(tmp_path, meth
     reused = onnxq.quantize(model, None, {**target, "calibration": {"stats": [str(stats)]}}, None, progress=False)
     assert reused.model.SerializeToString() == direct.model.SerializeToString()
     if method != "minmax":  # a histogram of other bins is another state: refused
-        with pytest.raises(CalibrationDataError, match="another model, config"):
+        with pytest.raises(CalibrationDataError, match="other calibrated tensors or methods"):
             onnxq.quantize(model, None, {**other_bins, "calibration": {"stats": [str(stats)]}}, None, progress=False)
 
 

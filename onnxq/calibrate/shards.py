@@ -96,19 +96,35 @@ def observed(spec: ResolvedSpec) -> tuple:
 
 
 def fingerprint(model: ir.Model, tensors: dict[str, ResolvedSpec], statistics: Collection[Statistic],
-                options: CalibrationConfig) -> str:
-    """A digest of what must agree between shards: the model (`model_digest`), the
-    calibrated tensors and specs, the statistics and how the data is batched."""
+                options: CalibrationConfig) -> dict[str, str]:
+    """Digests of what must agree between shards, by part (`PARTS`: the model's
+    `model_digest`, the calibrated tensors and specs, the statistics, how the data is
+    batched), and of all of them ("all"), which decides."""
+    parts = {
+        "model": model_digest(model),
+        "tensors": repr(sorted((n, observed(s)) for n, s in tensors.items())),
+        "statistics": repr(list(statistics)),
+        "batching": repr((calibration_batch(model, options), options.max_samples, options.max_batches)),
+    }
     h = hashlib.sha256()
-    h.update(model_digest(model).encode())
-    h.update(repr(sorted((n, observed(s)) for n, s in tensors.items())).encode())
-    h.update(repr(list(statistics)).encode())
-    h.update(repr((calibration_batch(model, options), options.max_samples, options.max_batches)).encode())
-    return h.hexdigest()
+    for text in parts.values():
+        h.update(text.encode())
+    return {"all": h.hexdigest(), **{k: hashlib.sha256(v.encode()).hexdigest()[:16] for k, v in parts.items()}}
 
 
-def save_stats(path: str | os.PathLike, state: CalibrationState, fingerprint_: str, window: tuple[int, int],
-               total: int) -> Path:
+# What a stats file's part, when it differs from this run's, says was different.
+PARTS = {
+    "model": "another model (or the same one with other passes before calibration: --cle, --smoothquant, the "
+             "preset's)",
+    "tensors": "other calibrated tensors or methods (--preset, --calib-method and its --num-bins or "
+               "--percentile, --activation-type, excludes, overrides)",
+    "statistics": "other algorithms' statistics (--bias-correction, --adaround, the target's algorithms)",
+    "batching": "another batching (calibration.batch_size, max_samples, max_batches)",
+}
+
+
+def save_stats(path: str | os.PathLike, state: CalibrationState, fingerprint_: dict[str, str],
+               window: tuple[int, int], total: int) -> Path:
     """Write a shard's (or a merged) state covering batches `window` of `total`, atomically."""
     tensors = list(state.observers)
     arrays: dict[str, np.ndarray] = {}
@@ -118,7 +134,8 @@ def save_stats(path: str | os.PathLike, state: CalibrationState, fingerprint_: s
     for i, stat in enumerate(found.order if found is not None else []):
         if stat in found.accumulators:  # derived ones (absmax from min and max) are not stored
             arrays.update({f"s{i}.{k}": v for k, v in found.accumulators[stat].state().items()})
-    meta = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint_, "window": list(window),
+    meta = {"format": FORMAT, "version": VERSION, "fingerprint": fingerprint_["all"],
+            "parts": {k: v for k, v in fingerprint_.items() if k != "all"}, "window": list(window),
             "total": total, "tensors": tensors, "num_samples": state.num_samples,
             "num_batches": state.num_batches, "num_passes": state.num_passes}
     return write_npz_atomic(path, {"__header__": np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays})
@@ -157,10 +174,13 @@ def load_stats(paths: Sequence[str | os.PathLike], model: ir.Model, tensors: dic
     parts = []
     for p in map(Path, paths):
         meta, arrays = _read(p)
-        if meta["fingerprint"] != expected:
-            raise CalibrationDataError(
-                f"{p} was calibrated for another model, config or batching (calibration.batch_size, "
-                "max_samples, max_batches): run onnxq calibrate again with the same model and flags as quantize")
+        if meta["fingerprint"] != expected["all"]:
+            parts = meta.get("parts") if isinstance(meta.get("parts"), dict) else {}
+            differ = [PARTS[k] for k in PARTS if k in parts and parts[k] != expected[k]]
+            what = "; ".join(differ) or "another model, config or batching (calibration.batch_size, max_samples, " \
+                                        "max_batches)"
+            raise CalibrationDataError(f"{p} was calibrated for {what}: run onnxq calibrate again with the same "
+                                       "model and flags as quantize")
         parts.append((tuple(meta["window"]), meta, arrays, p))
     parts.sort(key=lambda part: part[0])
     total = parts[0][1]["total"]
