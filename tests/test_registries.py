@@ -124,3 +124,22 @@ def test_registered_pass_runs_from_python_and_dict_configs(toy_pass):
 def test_a_strategy_name_cannot_be_registered_twice(toy_strategy):
     with pytest.raises(ValueError, match="already registered"):
         register_strategy(toy_strategy, order=1)(lambda node, cfg, planner: None)
+
+
+def test_a_name_another_module_registered_takes_replace(monkeypatch):
+    """A plugin's `adaround` silently ran in place of onnxq's (API trial): refused without
+    replace=True, named by where each comes from."""
+    from onnxq.errors import ConfigError
+    from onnxq.optimize import ALGORITHMS, register_algorithm
+    from onnxq.optimize.registry import CONTRACTS
+
+    monkeypatch.setitem(ALGORITHMS, "adaround", ALGORITHMS["adaround"])  # restored after the test
+    monkeypatch.setitem(CONTRACTS, "adaround", CONTRACTS["adaround"])
+
+    def fake(model, plan, ranges, options, ctx):
+        return "fake"
+
+    with pytest.raises(ConfigError, match="registers 'adaround', which onnxq.optimize.adaround registered already"):
+        register_algorithm("adaround", data="none")(fake)
+    register_algorithm("adaround", data="none", replace=True)(fake)
+    assert ALGORITHMS["adaround"] is fake

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -109,13 +110,31 @@ def _named_fields_only(options: Any) -> Any:
     return options
 
 
+def _check_new(name: str, fn: Callable[..., Any], replace: bool) -> None:
+    """A name another module registered already (a built-in, another plugin) is taken only
+    with `replace=True`: a plugin's `adaround` silently ran in place of onnxq's."""
+    held = PASSES.get(name) or ALGORITHMS.get(name)
+    if held is not None and held.__module__ != fn.__module__ and not replace:
+        raise ConfigError(f"{_origin(fn)} registers {name!r}, which {_origin(held)} registered already; give it "
+                          "another name, or pass replace=True to the decorator to run it in place of that one")
+
+
+def _origin(fn: Callable[..., Any]) -> str:
+    """Where `fn` comes from: its module, or a plugin's file (loaded under a made-up name)."""
+    module = sys.modules.get(fn.__module__)
+    file = getattr(module, "__file__", None)
+    return fn.__module__ if file is None or fn.__module__.startswith("onnxq.") else file
+
+
 def register_pass(name: str, options: Any = NoOptions, data: DataUse = "none",
-                  rewrites: tuple[str, ...] = (), *, equalizes: bool = False) -> Callable[[PassFn], PassFn]:
+                  rewrites: tuple[str, ...] = (), *, equalizes: bool = False,
+                  replace: bool = False) -> Callable[[PassFn], PassFn]:
     """Register `fn(model, options, ctx) -> report line | PassResult` as pass `name`
-    (see `Contract`)."""
+    (see `Contract`); `replace`: in place of another module's `name`."""
     contract = Contract(_named_fields_only(options), data, rewrites, equalizes=equalizes)
 
     def decorate(fn: PassFn) -> PassFn:
+        _check_new(name, fn, replace)
         PASSES[name], CONTRACTS[name] = fn, contract
         return fn
 
@@ -125,13 +144,15 @@ def register_pass(name: str, options: Any = NoOptions, data: DataUse = "none",
 def register_algorithm(name: str, options: Any = NoOptions, data: DataUse = "required",
                        rewrites: tuple[str, ...] = (), *, runs_last: bool = False, flag: int | None = None, flag_help: str = "",
                        rounds_blocks: bool = False, target_default: Mapping[str, Any] | None = None,
-                       learns_rounding: bool = False) -> Callable[[AlgoFn], AlgoFn]:
+                       learns_rounding: bool = False, replace: bool = False) -> Callable[[AlgoFn], AlgoFn]:
     """Register `fn(model, plan, ranges, options, ctx) -> report line | (line, plan) |
-    AlgorithmResult` as algorithm `name` (see `Contract`)."""
+    AlgorithmResult` as algorithm `name` (see `Contract`); `replace`: in place of another
+    module's `name`."""
     contract = Contract(_named_fields_only(options), data, rewrites, runs_last, flag, flag_help, rounds_blocks,
                         target_default, learns_rounding=learns_rounding)
 
     def decorate(fn: AlgoFn) -> AlgoFn:
+        _check_new(name, fn, replace)
         ALGORITHMS[name], CONTRACTS[name] = fn, contract
         return fn
 
