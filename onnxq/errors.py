@@ -37,6 +37,15 @@ class UnknownFieldError(ConfigError, TypeError):
     as Python's own error for it would be)."""
 
 
+def renamed(exc: OnnxqError, names: dict[str, str]) -> OnnxqError:
+    """`exc` again (same class) with its message naming the caller's parameters: a wrapper
+    whose arguments have other names than `quantize`'s (`names`: ours -> theirs)."""
+    text = str(exc)
+    for ours, theirs in names.items():
+        text = text.replace(ours, theirs)
+    return type(exc)(text)
+
+
 def closest_name(word: str, choices: list[str], cutoff: float = 0.6) -> str | None:
     """The closest of `choices` to `word`, compared case-insensitively, if any is close."""
     lowered = {c.lower(): c for c in choices}

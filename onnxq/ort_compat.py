@@ -29,7 +29,7 @@ import onnx
 
 from onnxq.config import Config, compose_config
 from onnxq.config.ort_options import NO_EFFECT, OrtArguments, ort_overrides
-from onnxq.errors import ConfigError
+from onnxq.errors import ConfigError, OnnxqError, renamed
 from onnxq.graph.load import graph_structure
 from onnxq.notes import Note, Topic
 from onnxq.quantize import QuantizationResult
@@ -66,7 +66,11 @@ def _config(model_input: ModelInput, dynamic: bool, arguments: Mapping[str, Any]
 def _run(model_input: ModelInput, model_output: str | os.PathLike, config: Config, data: Any,
          no_effect: list[str], use_external_data_format: bool) -> QuantizationResult:
     model = str(model_input) if isinstance(model_input, Path) else model_input
-    result = onnxq_quantize(model, model_output, config, data)
+    try:
+        result = onnxq_quantize(model, model_output, config, data)
+    except OnnxqError as exc:  # its errors name onnxruntime's parameters, as the caller wrote them
+        raise renamed(exc, {"exclude entry": "nodes_to_exclude entry",
+                            "pass calibration_data": "pass calibration_data_reader"}) from None
     for key in no_effect:
         result.summary.notes.append(Note(Topic.CALIBRATION, f"extra_options {key}: no onnxq setting needed "
                                          f"({NO_EFFECT[key]})"))

@@ -18,7 +18,7 @@ from onnxq.config import Config, as_config
 from onnxq.config.compose import DEFAULT_PRESET, ConfigLike, ConfigSources
 from onnxq.config.defaults import config_for, default_note
 from onnxq.config.spec import DEFAULT_LABELS, DEFAULT_LADDER, OptimizeFor
-from onnxq.errors import ConfigError, ModelError
+from onnxq.errors import ConfigError, ModelError, OnnxqError, renamed
 from onnxq.graph.folder import (
     GENAI_CONFIG,
     copy_companions,
@@ -212,4 +212,7 @@ class ModelQuantizer:
         self, model_input: ModelSource, model_output: str | os.PathLike | None = None,
         calibration_data_reader: Any = None,
     ) -> QuantizationResult:
-        return quantize(model_input, model_output, self.config, calibration_data_reader)
+        try:
+            return quantize(model_input, model_output, self.config, calibration_data_reader)
+        except OnnxqError as exc:  # its errors name this method's parameter
+            raise renamed(exc, {"pass calibration_data": "pass calibration_data_reader"}) from None

@@ -266,3 +266,16 @@ def test_a_model_without_node_names(tmp_path):
     assert _quantized_ops(tmp_path / "conv.onnx") == {"Conv"}
     with pytest.raises(ConfigError, match="have no name.*op_types_to_quantize"):
         quantize_static(model, tmp_path / "x.onnx", Reader(), nodes_to_quantize=["conv1"])
+
+
+def test_errors_name_the_callers_parameters(tmp_path):
+    """quantize_static(nodes_to_exclude=[typo]) said 'exclude entry', and
+    ModelQuantizer.quantize_model without data 'pass calibration_data': parameters those
+    callers never used (API trial)."""
+    import onnxq
+    from onnxq.errors import CalibrationDataError
+
+    with pytest.raises(ConfigError, match=r"^nodes_to_exclude entry 'conv_1' matches no node.*did you mean 'conv1'"):
+        quantize_static(MODEL, tmp_path / "q.onnx", Reader(), nodes_to_exclude=["conv_1"])
+    with pytest.raises(CalibrationDataError, match="pass calibration_data_reader"):
+        onnxq.ModelQuantizer(onnxq.get_preset("U8S8")).quantize_model(MODEL, tmp_path / "m.onnx")
