@@ -703,3 +703,38 @@ def test_api_slips_are_one_line_errors():
     assert onnxq.format_summary(result) == onnxq.format_summary(result.summary)
     assert issubclass(onnxq.CalibrationDataError, onnxq.OnnxqError) and issubclass(onnxq.ModelError, onnxq.OnnxqError)
     assert issubclass(onnxq.UnsupportedModelError, onnxq.ModelError) and onnxq.ConfigError is ConfigError
+
+
+def test_float16_activations_of_a_weightless_op_beside_int8_weights():
+    """A Softmax computing in float16 beside int8 MatMul weights is a whole float16 op; the
+    float16-with-integer-weights check refused it (it judged every node; review)."""
+    rng = np.random.default_rng(0)
+    nodes = [onnx.helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             onnx.helper.make_node("Softmax", ["m"], ["y"], name="sm")]
+    graph = onnx.helper.make_graph(
+        nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 16])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 16])],
+        [onnx.numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    data = {"x": rng.standard_normal((16, 16)).astype(np.float32)}
+    half = {"input_tensors": {"dtype": "float16"}, "output_tensors": {"dtype": "float16"}}
+    result = onnxq.quantize(model, None, {"layer_type_quant_config": {"Softmax": half}}, data, progress=False)
+    assert result.summary.quantized_by_op["MatMul"] == 1
+    with pytest.raises(ConfigError, match="weight dtype int8 with float16 input_tensors in node 'mm'"):
+        onnxq.quantize(model, None, {"layer_type_quant_config": {"MatMul": half}}, data, progress=False)
+
+
+def test_options_take_numpy_scalars_and_entries_keep_their_objects():
+    """np.int64 / np.float32 options (read from an array) are ints and floats; an entry
+    holding an object that cannot be copied (a lock) is shared, not copied (review)."""
+    import threading
+
+    options = onnxq.AdaRoundConfig(num_iteration=np.int64(50), learning_rate=np.float32(0.01))
+    assert type(options.num_iteration) is int and type(options.learning_rate) is float
+    from onnxq.config.compose import _own_copy
+
+    config = onnxq.get_preset("U8S8")
+    holder = {"name": "bias_correction", "collector": threading.Lock()}
+    config.algo_config.append(holder)
+    copied = _own_copy(config)
+    assert copied.algo_config[0] is not holder and copied.algo_config[0]["collector"] is holder["collector"]

@@ -196,7 +196,7 @@ def analyze_models(
     quantized = [] if layers_only else quantized_activations(quant)
     activations = [a for a in quantized if a.name in float_values]
     found = layers(quant)
-    kernels = kernel_layers(quant)
+    kernels = [] if layers_only else kernel_layers(quant)  # the search ranks the plan's Q/DQ nodes only
     clean = reference.clone() if kernels else None  # before the Q/DQ layers' copies are added to it
     graph_outputs = [] if layers_only else result_outputs((v.name for v in reference.graph.outputs),
                                                           (v.name for v in reference.graph.inputs))
@@ -285,7 +285,7 @@ def analyze_models(
                 notes.append(f"{len(grouped.skipped)} weight-only layers not isolated (their input or output has no "
                              f"counterpart in the float model): {', '.join(grouped.skipped[:3])}"
                              + (", ..." if len(grouped.skipped) > 3 else ""))
-            if not quantized:
+            if not quantized_activations(quant):
                 notes.append("no activation is quantized (weight-only kernels): the tensor table is empty")
         else:
             notes.append(f"{len(kernels)} weight-only layers not measured one by one: they take passes over groups "

@@ -175,8 +175,8 @@ def load_stats(paths: Sequence[str | os.PathLike], model: ir.Model, tensors: dic
     for p in map(Path, paths):
         meta, arrays = _read(p)
         if meta["fingerprint"] != expected["all"]:
-            parts = meta.get("parts") if isinstance(meta.get("parts"), dict) else {}
-            differ = [PARTS[k] for k in PARTS if k in parts and parts[k] != expected[k]]
+            recorded = meta.get("parts") if isinstance(meta.get("parts"), dict) else {}
+            differ = [PARTS[k] for k in PARTS if k in recorded and recorded[k] != expected[k]]
             what = "; ".join(differ) or "another model, config or batching (calibration.batch_size, max_samples, " \
                                         "max_batches)"
             raise CalibrationDataError(f"{p} was calibrated for {what}: run onnxq calibrate again with the same "

@@ -13,9 +13,9 @@ import dataclasses
 from typing import Any
 
 from onnxq.cli.arguments import key_values
+from onnxq.config.compose import compose_config
 from onnxq.config.io import read_config_dict
-from onnxq.config.presets import get_preset
-from onnxq.errors import ConfigError, OnnxqError
+from onnxq.errors import OnnxqError
 from onnxq.optimize.registry import CONTRACTS, block_rounding_algorithms, flagged_algorithms
 
 # `--algorithm` without an algorithm entry: round to nearest with the per-block clipping search.
@@ -47,19 +47,16 @@ def algorithm_entries(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _configured(args: argparse.Namespace) -> list[str]:
-    """The algorithms the config file and the preset run (a preset's unknown name is said
-    where the config is composed)."""
-    names = [e["name"] for e in _file_algorithms(args)]
-    config = getattr(args, "config", None)
-    preset = getattr(args, "preset", None) or (read_config_dict(config).get("preset") if config else None)
-    if isinstance(preset, str):
-        try:
-            entries = get_preset(preset).algo_config
-        except ConfigError:
-            entries = []
-        names += [name for e in entries if (name := e.get("name") if isinstance(e, dict) else getattr(e, "name", None))
-                  in CONTRACTS and (e.get("enabled", True) if isinstance(e, dict) else True)]
-    return list(dict.fromkeys(names))
+    """The algorithms the preset and the config file run together, as they compose (a
+    file's learner replaces the preset's, `enabled: false` drops one); none where they do
+    not compose (their error is said where the whole config is)."""
+    try:
+        composed = compose_config(getattr(args, "preset", None), getattr(args, "config", None))
+    except OnnxqError:
+        return []
+    names = [e.get("name") if isinstance(e, dict) else getattr(e, "name", None) for e in composed.algo_config
+             if (e.get("enabled", True) if isinstance(e, dict) else True)]
+    return [name for name in dict.fromkeys(names) if name in CONTRACTS]
 
 
 def _file_algorithms(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -296,6 +296,18 @@ class ConfigSources:
 ConfigLike = Config | ConfigSources | Mapping[str, Any] | str | os.PathLike | None
 
 
+def _own_copy(config: Config) -> Config:
+    """A copy of `config` that validation may normalise: specs and levels copied deep, the
+    pass and algorithm entry lists and dict entries one level deep, their values shared (a
+    plugin's option may hold a callback, a lock or the caller's own collector)."""
+    memo: dict[int, Any] = {}
+    for key in NAMED_LISTS:
+        entries = getattr(config, key)
+        if isinstance(entries, list | tuple):
+            memo[id(entries)] = [dict(e) if isinstance(e, dict) else e for e in entries]
+    return copy.deepcopy(config, memo)
+
+
 def as_config(config: ConfigLike, default: Default = DEFAULT_PRESET) -> Config:
     """What the Python API accepts as a config, read by the module's rule: a `Config`
     (complete as given), `ConfigSources`, a dict (overrides on `default`, or on its
@@ -303,7 +315,7 @@ def as_config(config: ConfigLike, default: Default = DEFAULT_PRESET) -> Config:
     if config is None:
         return get_preset(_name(default))
     if isinstance(config, Config):  # validated on a copy: it normalises in place, and the caller's stays theirs
-        config = copy.deepcopy(config)
+        config = _own_copy(config)
         validate_config(config)
         return config
     if isinstance(config, ConfigSources):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import fields
 from enum import Enum
 from typing import Any
@@ -44,11 +44,13 @@ def validate_config(config: Config) -> None:
     """Raise `ConfigError` for wrong value types or invalid combinations in `config`."""
     for key in ("pre_quant_opt_config", "algo_config"):
         entries = getattr(config, key)
-        if isinstance(entries, tuple):
-            setattr(config, key, entries := list(entries))
+        if entries is None or isinstance(entries, tuple):
+            setattr(config, key, entries := list(entries or ()))
         if not isinstance(entries, list):
-            raise ConfigError(f"{key} must be a list of entries, got {type(entries).__name__}; write "
-                              f"{key}=[{type(entries).__name__}(...)] (one entry per pass or algorithm)")
+            entry = "{'name': ...}" if isinstance(entries, Mapping) else f"{type(entries).__name__}(...)" \
+                if hasattr(entries, "ALGORITHM") else "{'name': ...}"
+            raise ConfigError(f"{key} must be a list of entries, got {type(entries).__name__}; write {key}=[{entry}] "
+                              "(one entry per pass or algorithm)")
     config.pre_quant_opt_config[:] = [entry_dict(e) for e in config.pre_quant_opt_config]
     config.algo_config[:] = [entry_dict(e) for e in config.algo_config]
     _layer_class_specs(config)
@@ -114,15 +116,18 @@ def _layer_class_specs(config: Config) -> None:
 _WHOLE_OP_FLOATS = ("float16", "bfloat16")
 
 
-def _check_float_weight(merged: dict[str, Any], where: str) -> None:
+def _check_float_weight(merged: dict[str, Any], where: str, weighted: bool = True) -> None:
     """float16/bfloat16 weights beside integer activations, or float16/bfloat16
     activations beside integer or float8 weights: no kernel computes that mix (the float
     type runs the whole op, and the weights were stored in it whatever their dtype said).
-    Judged per node as resolved (node > op type > global): a level alone cannot tell."""
+    Judged per node as resolved (node > op type > global): a level alone cannot tell; the
+    second only where the node has a constant weight (`weighted`: a Softmax in float16
+    beside int8 Conv weights is a whole float16 op)."""
     weight, inputs = merged.get("weight"), merged.get("input_tensors")
     if weight is None or inputs is None:
         return
-    if _plain(inputs.dtype) in _WHOLE_OP_FLOATS and _plain(weight.dtype) not in (_plain(inputs.dtype), "float32"):
+    if weighted and _plain(inputs.dtype) in _WHOLE_OP_FLOATS \
+            and _plain(weight.dtype) not in (_plain(inputs.dtype), "float32"):
         raise ConfigError(
             f"weight dtype {_plain(weight.dtype)} with {_plain(inputs.dtype)} input_tensors in {where}; "
             f"{_plain(inputs.dtype)} runs a whole op in that type, weights included: give the weights "
@@ -139,7 +144,8 @@ def _check_float_weight(merged: dict[str, Any], where: str) -> None:
             "the weights float")
 
 
-def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> None:
+def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]],
+                          weighted: Collection[str] | None = None) -> None:
     """Check the config against a model's `(node name, op type)`s: each exclude entry and
     node override must name a node (a typo would silently quantize the node), and each
     node's resolved config must be valid (a node override can conflict with its op
@@ -166,18 +172,20 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]]) -> N
             raise ConfigError(f"{where} names op type {op!r}, which is no ONNX op type nor one "
                               f"of the model's" + (f"; did you mean '{hint}'?" if hint else
                                                    f" ({', '.join(sorted(op_types))})"))
-    check_resolved(config, nodes)
+    check_resolved(config, nodes, weighted)
 
 
-def check_resolved(config: Config, nodes: Iterable[tuple[str, str]]) -> None:
+def check_resolved(config: Config, nodes: Iterable[tuple[str, str]], weighted: Collection[str] | None = None) -> None:
     """Each node's resolved config must be valid (its levels can combine into a spec no
     level alone states). Nodes without their own override resolve as their op type does:
-    one of each is checked (ResNet-20's 112 nodes: 15 ms -> 2 ms)."""
-    checked: set[tuple[str, str]] = set()
+    one of each is checked (ResNet-20's 112 nodes: 15 ms -> 2 ms). `weighted`: the nodes
+    with a constant weight (None: all)."""
+    checked: set[tuple[str, str, bool]] = set()
     for name, op_type in nodes:
         if is_excluded(config, name):
             continue
-        key = (name if name in config.layer_quant_config else "", op_type)  # names may repeat
+        has_weight = weighted is None or name in weighted
+        key = (name if name in config.layer_quant_config else "", op_type, has_weight)  # names may repeat
         if key in checked:
             continue
         checked.add(key)
@@ -194,7 +202,8 @@ def check_resolved(config: Config, nodes: Iterable[tuple[str, str]]) -> None:
             if spec is not None and written is not None:  # its fields, with the method this node inherits
                 values = {**_plain_values(written, _extended(config)), INHERITED: (spec.calib_method,)}
                 check_spec(values, tensor_class, f"layer_quant_config[{name!r}].{tensor_class} ({op_type})")
-        _check_float_weight({tc: getattr(resolved, tc) for tc in TENSOR_CLASSES}, f"node {name!r} ({op_type}) as resolved")
+        _check_float_weight({tc: getattr(resolved, tc) for tc in TENSOR_CLASSES}, f"node {name!r} ({op_type}) as resolved",
+                            has_weight)
 
 
 @functools.cache

@@ -152,7 +152,7 @@ def _type_mismatch(qop: QOp, positions: list[int], dqs: list[_Dq], q: ir.Node | 
         if dtype != first and not (i in qop.per_channel and dtype == ir.DataType.INT8):
             what = "weights" if i in qop.per_channel else f"input {i}"
             return f"onnxruntime has no {qop.qop} kernel for {_name(first)} inputs with {_name(dtype)} {what}"
-    if q is not None and q.outputs[0].dtype != first:
+    if q is not None and qop.output != "float" and q.outputs[0].dtype != first:
         return f"onnxruntime has no {qop.qop} kernel for {_name(first)} inputs with a {_name(q.outputs[0].dtype)} output"
     return None
 

@@ -59,8 +59,11 @@ def _check_writable(out: Path, source: str | os.PathLike | None, what: str) -> N
         raise OnnxqError(f"cannot write {out}: {parent} is not writable; choose another output path")
     if parent is not None:  # try it where the file, or the folders to make for it, will go
         probe = _temporary(parent / out.name)
-        probe.touch()
-        probe.unlink()
+        try:
+            probe.touch()
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink(missing_ok=True)
 
 
 def _kind(path: Path) -> str:

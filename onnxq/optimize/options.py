@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 from collections.abc import Mapping
 from typing import Any, TypeVar
+
+import numpy as np
 
 from onnxq.config.spec import enum_text
 from onnxq.errors import ConfigError
@@ -16,11 +19,13 @@ T = TypeVar("T")
 def _coerce(value: Any, default: Any, key: str, where: str) -> Any:
     """Check `value` against the type of the field's default; lists become tuples."""
     if isinstance(default, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
+        ok = isinstance(value, bool | np.bool_)
+        value = bool(value) if ok else value
+    elif isinstance(default, int):  # numpy's integers too (a value read from an array)
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
+        value = int(value) if ok else value
     elif isinstance(default, float):
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
         value = float(value) if ok else value
     elif isinstance(default, tuple):
         ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)

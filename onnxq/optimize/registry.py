@@ -114,16 +114,19 @@ def _check_new(name: str, fn: Callable[..., Any], replace: bool) -> None:
     """A name another module registered already (a built-in, another plugin) is taken only
     with `replace=True`: a plugin's `adaround` silently ran in place of onnxq's."""
     held = PASSES.get(name) or ALGORITHMS.get(name)
-    if held is not None and held.__module__ != fn.__module__ and not replace:
+    if held is not None and not replace and _origin(held) != _origin(fn):
         raise ConfigError(f"{_origin(fn)} registers {name!r}, which {_origin(held)} registered already; give it "
                           "another name, or pass replace=True to the decorator to run it in place of that one")
 
 
 def _origin(fn: Callable[..., Any]) -> str:
-    """Where `fn` comes from: its module, or a plugin's file (loaded under a made-up name)."""
-    module = sys.modules.get(fn.__module__)
-    file = getattr(module, "__file__", None)
-    return fn.__module__ if file is None or fn.__module__.startswith("onnxq.") else file
+    """Where `fn` comes from: onnxq's module, else its source file (a plugin file loaded
+    under a made-up module name, or imported as well: the same origin), else its module."""
+    if fn.__module__.startswith("onnxq."):
+        return fn.__module__
+    code = getattr(fn, "__code__", None)
+    file = code.co_filename if code is not None else getattr(sys.modules.get(fn.__module__), "__file__", None)
+    return file if file and not file.startswith("<") else fn.__module__
 
 
 def register_pass(name: str, options: Any = NoOptions, data: DataUse = "none",

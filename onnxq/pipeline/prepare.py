@@ -223,7 +223,9 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
         ops = describe(Counter(kept.values()))
         summary.notes.append(Note(Topic.FLOAT, f"already quantized: {ops}; left as they are, the rest quantized",
                                   tuple(kept)))
-    validate_node_configs(config, [(n.name, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)])
+    nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
+    weighted = {n.name for n in nodes if any(v is not None and v.const_value is not None for v in n.inputs[1:])}
+    validate_node_configs(config, [(n.name, n.op_type) for n in nodes], weighted)
     config, edges, said = apply_edges(config, model)
     summary.notes.extend(Note(Topic.CONFIG, text, layers) for text, layers in said)
 

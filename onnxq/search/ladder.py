@@ -65,7 +65,7 @@ def dynamic_nodes(plan: QuantPlan) -> set[str]:
     """The nodes lowered to dynamic kernels (activations quantized at run time): onnxruntime
     quantizes them to uint8, so the int16 rung has no 16-bit form to give them (its config
     is refused)."""
-    return {name for name, low in plan.lowered.items() if low.strategy == "dynamic"}
+    return set(plan.nodes_for("dynamic"))
 
 
 def constant_only_nodes(plan: QuantPlan) -> set[str]:
