@@ -154,11 +154,11 @@ def reconstruct(
         line += block_line(len(found), outcomes, not_blocked)
     del qmodel
     if original is not None and report.pinned:
-        if split.held_out:
+        if split.checked:
             line += _guard(name, model, original, float_proto, plan, ranges, ctx, split, report, fitted)
         else:
             line += (f"; no model-level check: fewer than {options.validation_every} calibration batches "
-                     "to hold one out")
+                     f"to {'hold one out' if options.hold_out else 'check on'}")
     return AlgorithmResult(line, fitted_biases=fitted, warnings=warnings)
 
 
@@ -182,7 +182,7 @@ class _Split:
 
     def __init__(self, every: int, hold_out: bool) -> None:
         self.every, self.hold_out = every, hold_out
-        self.held_out = 0
+        self.checked = 0  # the batches the model-level check reads
         self.held_out_samples = 0
 
     def _validation(self, index: int) -> bool:
@@ -191,7 +191,7 @@ class _Split:
     def training(self, batches: Iterable[Mapping[str, np.ndarray]]) -> Iterator[Mapping[str, np.ndarray]]:
         for i, batch in enumerate(batches):
             if self._validation(i):
-                self.held_out += 1
+                self.checked += 1
                 if self.hold_out:
                     self.held_out_samples += len(next(iter(batch.values()))) if batch else 0
                     continue
@@ -212,7 +212,7 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
     keep, learned_db, near_db = keep_learned(
         emitted(original, WeightCache()), emitted(model, ctx.weights), float_proto,
         split.validation(_batches(ctx, model, name)), ctx.settings.calibration.providers)
-    where = f"{split.held_out} {'held-out ' if split.hold_out else ''}calibration batches"
+    where = f"{split.checked} {'held-out ' if split.hold_out else ''}calibration batches"
     if keep:
         return f"; model output SQNR on {where} {learned_db:.1f} dB (nearest rounding {near_db:.1f} dB)"
     for layer, _ in report.pinned.values():
