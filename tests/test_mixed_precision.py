@@ -402,6 +402,18 @@ def test_a_dynamic_recipe_searches_past_the_int16_rung(tmp_path, capsys):
     assert "accuracy target sqnr>=60: met" in out and "promoted: 1 to float: fc" in out, out
 
 
+def test_a_precision_rung_that_raises_nothing_is_said_and_not_scored(tmp_path, capsys):
+    """On A16W8 the int16 rung scored the same model again ('rung int16: 6 layers raised'
+    at the all-quantized score; second new-user trial): it is not tried, and says why."""
+    models = Path(__file__).resolve().parents[1] / "models"
+    assert main(["quantize", str(models / "digits_cnn.onnx"), str(tmp_path / "q.onnx"), "--preset", "A16W8",
+                 "--calib-data", str(models / "digits_calib.npz"), "--eval-data", str(models / "digits_eval.npz"),
+                 "--accuracy-target", "sqnr>=70"]) == 0
+    out = capsys.readouterr().out
+    assert "rung int16: not tried: no ranked layer has 8-bit activations to widen" in out, out
+    assert "rung int16: 6 layers raised" not in out
+
+
 def test_a_search_result_slower_than_float_is_a_warning():
     """The model a target needed, timed slower than float, gets a warning naming the int16
     promotions (no CPU int16 kernels) and the ladder that avoids them; faster or within the

@@ -45,7 +45,7 @@ from onnxq.plan.rules import OP_RULES, OutputMode
 from onnxq.report import MixedPrecisionSummary, Promotion
 from onnxq.search.base import search_base_config, with_calibration
 from onnxq.search.bisect import Trial, bisect_promotions
-from onnxq.search.climb import Climb, climb_algorithms
+from onnxq.search.climb import Climb, RungTrial, climb_algorithms
 from onnxq.search.ladder import applicable, effective, with_promotions
 from onnxq.search.rungs import algorithm_rungs, precision_rungs
 from onnxq.search.sensitivity import impact_order
@@ -167,6 +167,15 @@ def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:
     return {k: v[:fixed.get(k, 1)] for k, v in feed.items()}
 
 
+# Why a precision rung of the ladder raised none of the ranked layers (`ladder.effective`).
+IDLE_RUNG = {
+    "int8": "no ranked layer has weights under 8 bits",
+    "int16": "no ranked layer has 8-bit activations to widen (16-bit already, quantized at run time, or "
+             "constants only)",
+    "": "it changes none of the ranked layers",
+}
+
+
 def quantize_to_target(
     model: Any, output: str | os.PathLike | None, config: Config, calibration_data: Any,
     progress: bool | None, evaluate: Any, keep_state: bool = False,
@@ -223,6 +232,9 @@ def quantize_to_target(
         order = sensitivity_order(base, base_config, evalset, float_session, rungs[-1], progress)
         if order:  # the rungs that raise one of them (int16 leaves float-input MatMuls as they are)
             rungs = [r for r in rungs if effective({n: r for n, _ in order}, base.plan)]
+    if order:  # the ladder's precision rungs that raise none of the ranked layers, said as algorithm rungs are
+        climb.trials.extend(RungTrial(r, None, False, False, 0.0, IDLE_RUNG.get(r, IDLE_RUNG[""]))
+                            for r in precision_rungs(mp.ladder) if r not in rungs)
 
     bar = _progress_bar(progress, len(order))
     trial_scores: list[Scored] = []  # each trial's, in the order `bisect_promotions` records them

@@ -52,13 +52,24 @@ def effective(promotions: Mapping[str, str], plan: QuantPlan) -> dict[str, str]:
     narrow weights (its weights are 8-bit already, or it has none), and int16 for a node
     that reads float inputs already (`plan.float_inputs`: a MatMul whose per-group weight
     no integer kernel pairs with int8 inputs), where 16-bit inputs would lower them, that
-    reads only constants (`constant_only_nodes`) or that quantizes its inputs at run time
-    (`dynamic_nodes`)."""
+    reads only constants (`constant_only_nodes`), that quantizes its inputs at run time
+    (`dynamic_nodes`) or whose inputs are 16-bit already (`sixteen_bit_nodes`)."""
     narrow = narrow_weight_nodes(plan)
-    fixed = constant_only_nodes(plan) | dynamic_nodes(plan)
+    fixed = constant_only_nodes(plan) | dynamic_nodes(plan) | sixteen_bit_nodes(plan)
     return {node: rung for node, rung in promotions.items()
             if (rung != "int8" or node in narrow)
             and (rung != "int16" or (node not in plan.float_inputs and node not in fixed))}
+
+
+def sixteen_bit_nodes(plan: QuantPlan) -> set[str]:
+    """The nodes whose quantized activation inputs are all 16-bit already (A16W8): the
+    int16 rung would score the same model again."""
+    widths: dict[str, set[bool]] = {}
+    for t in plan.tensors.values():
+        if t.kind is Kind.ACTIVATION:
+            for node, _ in t.consumers:
+                widths.setdefault(node, set()).add(t.spec.dtype in (DType.INT16, DType.UINT16))
+    return {node for node, wide in widths.items() if wide == {True}}
 
 
 def dynamic_nodes(plan: QuantPlan) -> set[str]:
