@@ -4,6 +4,7 @@ reproduces the model."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -412,6 +413,21 @@ def test_a_precision_rung_that_raises_nothing_is_said_and_not_scored(tmp_path, c
     out = capsys.readouterr().out
     assert "rung int16: not tried: no ranked layer has 8-bit activations to widen" in out, out
     assert "rung int16: 6 layers raised" not in out
+
+
+def test_pass_rungs_calibrate_on_the_data_beside_a_ranges_file(tmp_path, capsys):
+    """With --load-ranges and --calib-data, the CLE and SmoothQuant rungs said 'not tried:
+    failed: ... recalibrate with --save-ranges' where --stats recalibrates on the data
+    (second new-user trial): they calibrate on the data, and a kept one is said."""
+    models = Path(__file__).resolve().parents[1] / "models"
+    base = [str(models / "digits_cnn.onnx"), "--calib-data", str(models / "digits_calib.npz")]
+    ranges = tmp_path / "r.json"
+    assert main(["quantize", base[0], str(tmp_path / "a.onnx"), *base[1:], "--save-ranges", str(ranges), "--quiet"]) == 0
+    assert main(["quantize", base[0], str(tmp_path / "b.onnx"), *base[1:], "--load-ranges", str(ranges),
+                 "--eval-data", str(models / "digits_eval.npz"), "--accuracy-target", "sqnr>=55"]) == 0
+    out = capsys.readouterr().out
+    assert "rung cle: not tried" not in out and "failed" not in out, out
+    assert re.search(r"rung cle: [0-9.]+, (kept|dropped)", out), out
 
 
 def test_a_search_result_slower_than_float_is_a_warning():

@@ -50,12 +50,14 @@ class Climb:
     def score(self) -> float:
         return self.scored.value
 
-    def notes(self, stats: bool) -> list[str]:
+    def notes(self, stats: bool, ranges: bool = False) -> list[str]:
         """What the summary must say beyond the rungs' lines: a kept rung calibrated on the
-        data instead of the statistics files the recipe named."""
-        if stats and any(t.kept for t in self.trials):
+        data instead of the statistics files (or, after a pass, the ranges file) the recipe named."""
+        files = ("the statistics files" if stats else
+                 "the ranges file" if ranges and not self.config.calibration.load_ranges else None)
+        if files and any(t.kept for t in self.trials):
             return ["accuracy target: the algorithm rungs kept change the weights the ranges come from, so the "
-                    "model is calibrated on the calibration data, not on the statistics files"]
+                    f"model is calibrated on the calibration data, not on {files}"]
         return []
 
 
@@ -78,6 +80,9 @@ def climb_algorithms(model: Any, config: Config, data: Any, progress: bool | Non
         candidate = with_rung(climb.config, rung)
         if candidate.calibration.stats:  # the files hold the first recipe's ranges: calibrate on the data
             candidate = with_calibration(candidate, stats=None)
+        if candidate.calibration.load_ranges and candidate.pre_quant_opt_config != climb.config.pre_quant_opt_config:
+            # a pass before calibration (CLE, SmoothQuant) rewrites what the ranges file measured
+            candidate = with_calibration(candidate, load_ranges=None)
         began = time.perf_counter()
         try:
             result = run_pipeline(model, None, candidate, data, progress, keep_state=True)

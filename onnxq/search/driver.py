@@ -224,7 +224,7 @@ def quantize_to_target(
     if climb.result is not base:  # promotions are priced against the recipe the rungs left
         base_session = deployed_session(climb.result.ir_model, providers)
     base, base_config, climbed_score = climb.result, climb.config, climb.score
-    said.extend(climb.notes(bool(config.calibration.stats)))
+    said.extend(climb.notes(bool(config.calibration.stats), bool(config.calibration.load_ranges)))
     state = base.state
     rungs = applicable(precision_rungs(mp.ladder), base.plan)
     order: list[tuple[str, float]] = []
