@@ -337,5 +337,5 @@ def test_weight_only_layers_in_groups_give_the_same_figures():
     one, each = (measure_in_groups(float_model, quant, found, data, ["CPUExecutionProvider"], 8, None, budget)
                  for budget in (1 << 30, 1))
     assert (one.passes, each.passes) == (1, 2)
-    assert {n: s.sqnr_db for n, s in one.own.items()} == {n: s.sqnr_db for n, s in each.own.items()}
-    assert {n: s.sqnr_db for n, s in one.prefix.items()} == {n: s.sqnr_db for n, s in each.prefix.items()}
+    for a, b in ((one.own, each.own), (one.prefix, each.prefix)):  # equal up to the kernels' summation order
+        assert a.keys() == b.keys() and all(a[n].sqnr_db == pytest.approx(b[n].sqnr_db, abs=1e-3) for n in a)
