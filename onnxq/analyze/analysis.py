@@ -205,11 +205,10 @@ def analyze_models(
     if skipped:
         notes.append(f"{len(skipped)} layers not isolated (their inputs or output have no counterpart in the "
                      f"float model): {', '.join(skipped[:6])}" + (", ..." if len(skipped) > 6 else ""))
-    kinds = Counter(UNMEASURED[n.op_type] for n in quant.graph if n.op_type in UNMEASURED)
-    for kind, count in sorted(kinds.items()):
-        ops = sorted({n.op_type for n in quant.graph if UNMEASURED.get(n.op_type) == kind})
-        notes.append(f"{count} {kind} layers ({', '.join(ops)}) are not measured one by one (only Q/DQ layers are); "
-                     "the output figures include them")
+    dynamic = Counter(n.op_type for n in quant.graph if n.op_type in DYNAMIC_KERNELS)
+    if dynamic:
+        notes.append(f"{dynamic.total()} dynamically quantized layers ({', '.join(sorted(dynamic))}) are not measured "
+                     "one by one (only Q/DQ and weight-only layers are); the output figures include them")
     if not found and any(integer_kernel(n) for n in quant.graph):
         notes.append("the quantized model holds integer kernels (QOperator format), whose layers and tensors "
                      "are not measured: analyze the Q/DQ model (quantize without --format qoperator)")
@@ -316,10 +315,9 @@ def analyze_models(
     return Analysis(samples, tensor_reports, layer_reports, outputs, notes)
 
 
-# Kernels not isolated, by kind: those that quantize their activations at run time
-# (several nodes each). Weight-only ones are measured in groups (`grouped.py`).
-UNMEASURED = dict.fromkeys(("MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM"),
-                          "dynamically quantized")
+# Kernels not isolated: those that quantize their activations at run time (several nodes
+# each). Weight-only ones are measured in groups (`grouped.py`).
+DYNAMIC_KERNELS = ("MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM")
 
 
 def _noise_order(r: LayerReport) -> tuple[float, str]:

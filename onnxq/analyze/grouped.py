@@ -60,8 +60,8 @@ def measure_in_groups(float_model: ir.Model, quant: ir.Model, layers: list[Layer
     def feeds(inputs: list) -> Iterator[Mapping[str, np.ndarray]]:
         return iter(iter_batches(data, inputs, batch_size, max_samples, kind="evaluation"))
 
-    sizes = _batch_bytes(quant, layers, next(feeds(model_inputs(float_model)), {}))
     quant_values = values_by_name(quant.graph)
+    sizes = _batch_bytes(quant, quant_values, layers, next(feeds(model_inputs(float_model)), {}))
     result = Measured([], {}, {}, [], 0)
     for group in _groups(layers, sizes, budget):
         model = float_model.clone()
@@ -91,7 +91,8 @@ def measure_in_groups(float_model: ir.Model, quant: ir.Model, layers: list[Layer
     return result
 
 
-def _batch_bytes(quant: ir.Model, layers: list[Layer], feed: Mapping[str, np.ndarray]) -> dict[str, int | None]:
+def _batch_bytes(quant: ir.Model, values: Mapping[str, ir.Value], layers: list[Layer],
+                 feed: Mapping[str, np.ndarray]) -> dict[str, int | None]:
     """Each layer's output bytes at one batch of `feed`: its shape with the model inputs'
     symbolic dimensions bound to the feed's (batch, sequence length); None where a
     dimension stays unknown."""
@@ -103,7 +104,6 @@ def _batch_bytes(quant: ir.Model, layers: list[Layer], feed: Mapping[str, np.nda
         for dim, size in zip(value.shape.dims, np.shape(array)):
             if not isinstance(dim, int) and getattr(dim, "value", None):
                 bound.setdefault(str(dim.value), int(size))
-    values = values_by_name(quant.graph)
     sizes: dict[str, int | None] = {}
     for layer in layers:
         value = values.get(layer.output)

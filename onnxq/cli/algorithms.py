@@ -54,9 +54,8 @@ def _configured(args: argparse.Namespace) -> list[str]:
         composed = compose_config(getattr(args, "preset", None), getattr(args, "config", None))
     except OnnxqError:
         return []
-    names = [e.get("name") if isinstance(e, dict) else getattr(e, "name", None) for e in composed.algo_config
-             if (e.get("enabled", True) if isinstance(e, dict) else True)]
-    return [name for name in dict.fromkeys(names) if name in CONTRACTS]
+    # a composed config's entries are dicts (`validate_config`)
+    return [e["name"] for e in composed.algo_config if e.get("enabled", True) and e["name"] in CONTRACTS]
 
 
 def _file_algorithms(args: argparse.Namespace) -> list[dict[str, Any]]:

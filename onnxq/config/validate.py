@@ -47,8 +47,7 @@ def validate_config(config: Config) -> None:
         if entries is None or isinstance(entries, tuple):
             setattr(config, key, entries := list(entries or ()))
         if not isinstance(entries, list):
-            entry = "{'name': ...}" if isinstance(entries, Mapping) else f"{type(entries).__name__}(...)" \
-                if hasattr(entries, "ALGORITHM") else "{'name': ...}"
+            entry = f"{type(entries).__name__}(...)" if hasattr(entries, "ALGORITHM") else "{'name': ...}"
             raise ConfigError(f"{key} must be a list of entries, got {type(entries).__name__}; write {key}=[{entry}] "
                               "(one entry per pass or algorithm)")
     config.pre_quant_opt_config[:] = [entry_dict(e) for e in config.pre_quant_opt_config]

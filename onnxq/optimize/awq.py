@@ -50,7 +50,6 @@ from onnxq.numerics.blocks import (
 from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.gptq import NO_LAYERS, Layer, hessian_requests, walk_groups
 from onnxq.optimize.norm_fold import fold_input_scale
-from onnxq.optimize.options import check_field_types
 from onnxq.optimize.registry import register_algorithm, statistics_of
 from onnxq.parallel import ordered_map
 from onnxq.plan import QuantPlan
@@ -82,7 +81,6 @@ class AWQConfig:
     cache_budget_mb: int = 256
 
     def __post_init__(self) -> None:
-        check_field_types(self, "awq")
         if self.grid < 1:
             raise ConfigError(f"awq: grid must be at least 1, got {self.grid}")
         if self.scaling not in SCALINGS:

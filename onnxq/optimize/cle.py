@@ -37,7 +37,6 @@ from onnxq.graph import layout
 from onnxq.graph.edit import set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.optimize.context import PassContext
-from onnxq.optimize.options import check_field_types
 from onnxq.optimize.registry import register_pass
 
 LAYERS = {"Conv", "Gemm"}
@@ -74,7 +73,6 @@ class CLEConfig:
     skip_layers: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        check_field_types(self, "cle")
         if self.steps < 1:
             raise ConfigError(f"cle: steps must be >= 1, got {self.steps}")
 

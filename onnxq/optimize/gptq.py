@@ -44,7 +44,6 @@ from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import cast_scale, search_clip_scales, searchable, weight_qparams
 from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.layerwise.replay import Replay
-from onnxq.optimize.options import check_field_types
 from onnxq.optimize.registry import register_algorithm, statistics_of
 from onnxq.parallel import cpu_count, in_background, ordered_map, serial_blas
 from onnxq.plan import QuantPlan
@@ -84,7 +83,6 @@ class GPTQConfig:
     hessian_shrink: float = 0.5
 
     def __post_init__(self) -> None:
-        check_field_types(self, "gptq")
         if not 0 < self.damp_percent < 1:
             raise ConfigError(f"gptq: damp_percent must be in (0, 1), got {self.damp_percent}")
         if self.block_size < 1:

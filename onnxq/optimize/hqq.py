@@ -23,7 +23,6 @@ from onnxq.numerics.blocks import quantize_blockwise
 from onnxq.numerics.hqq import HqqOptions
 from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.gptq import NO_LAYERS, matmul_nbits_layers
-from onnxq.optimize.options import check_field_types
 from onnxq.optimize.registry import register_algorithm
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
@@ -35,10 +34,6 @@ class HQQConfig(HqqOptions):
     """Options of `hqq`: the solver's (`numerics.hqq.HqqOptions`)."""
 
     ALGORITHM: ClassVar[str] = "hqq"
-
-    def __post_init__(self) -> None:
-        check_field_types(self, "hqq")
-        super().__post_init__()
 
 
 @register_algorithm("hqq", options=HQQConfig, data="none", rewrites=("weights",), rounds_blocks=True)

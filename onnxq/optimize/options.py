@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import numbers
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -44,8 +45,8 @@ def _coerce(value: Any, default: Any, key: str, where: str) -> Any:
 def check_field_types(options: Any, where: str) -> None:
     """The fields of a typed options dataclass against their defaults' types, as a dict
     entry's are (`_coerce`): `AdaRoundConfig(learning_rate="fast")` is a `ConfigError`,
-    not a TypeError from the range check after it; a list is kept as a tuple. Call it
-    first in `__post_init__`."""
+    not a TypeError from the range check after it; a list is kept as a tuple. Every
+    registered options class runs it (`checks_types_first`)."""
     for f in dataclasses.fields(options):
         if f.default is not dataclasses.MISSING:
             default = f.default
@@ -55,6 +56,27 @@ def check_field_types(options: Any, where: str) -> None:
             continue
         if default is not None:
             object.__setattr__(options, f.name, _coerce(getattr(options, f.name), default, f.name, where))
+
+
+def checks_types_first(cls: type, where: str) -> None:
+    """Make the options dataclass `cls` run `check_field_types` on each instance: first in
+    its `__post_init__` (before the range checks there), else after its `__init__`."""
+    own = getattr(cls, "__post_init__", None)
+    if own is not None:
+        def post_init(self: Any) -> None:
+            check_field_types(self, where)
+            own(self)
+
+        cls.__post_init__ = post_init
+        return
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        check_field_types(self, where)
+
+    cls.__init__ = checked
 
 
 def parse_options(cls: type[T], options: Mapping[str, Any], where: str) -> T:

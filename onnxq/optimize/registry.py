@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from onnxq.calibrate.statistics import Statistic
 from onnxq.errors import ConfigError, named_fields_only
-from onnxq.optimize.options import parse_options
+from onnxq.optimize.options import checks_types_first, parse_options
 
 PassFn = Callable[..., Any]
 AlgoFn = Callable[..., Any]
@@ -102,10 +102,12 @@ REQUESTS: dict[str, Callable[..., list[Statistic]]] = {}
 DEFAULT_PASSES = ("fold_batchnorm",)
 
 
-def _named_fields_only(options: Any) -> Any:
-    """An options dataclass whose unknown keywords name the nearest field (`errors`)."""
+def _named_fields_only(options: Any, name: str) -> Any:
+    """An options dataclass whose unknown keywords name the nearest field (`errors`) and
+    whose fields' types are checked as a dict entry's are (`options.checks_types_first`)."""
     if dataclasses.is_dataclass(options) and isinstance(options, type) and not options.__dict__.get("_named"):
         named_fields_only(options)
+        checks_types_first(options, name)
         options._named = True
     return options
 
@@ -134,7 +136,7 @@ def register_pass(name: str, options: Any = NoOptions, data: DataUse = "none",
                   replace: bool = False) -> Callable[[PassFn], PassFn]:
     """Register `fn(model, options, ctx) -> report line | PassResult` as pass `name`
     (see `Contract`); `replace`: in place of another module's `name`."""
-    contract = Contract(_named_fields_only(options), data, rewrites, equalizes=equalizes)
+    contract = Contract(_named_fields_only(options, name), data, rewrites, equalizes=equalizes)
 
     def decorate(fn: PassFn) -> PassFn:
         _check_new(name, fn, replace)
@@ -151,7 +153,7 @@ def register_algorithm(name: str, options: Any = NoOptions, data: DataUse = "req
     """Register `fn(model, plan, ranges, options, ctx) -> report line | (line, plan) |
     AlgorithmResult` as algorithm `name` (see `Contract`); `replace`: in place of another
     module's `name`."""
-    contract = Contract(_named_fields_only(options), data, rewrites, runs_last, flag, flag_help, rounds_blocks,
+    contract = Contract(_named_fields_only(options, name), data, rewrites, runs_last, flag, flag_help, rounds_blocks,
                         target_default, learns_rounding=learns_rounding)
 
     def decorate(fn: AlgoFn) -> AlgoFn:

@@ -32,7 +32,7 @@ from onnxq.graph import layout
 from onnxq.graph.edit import GraphEditor, set_constant
 from onnxq.graph.fold import constant_array
 from onnxq.optimize.context import Deferred, PassContext, PassResult, Rescale
-from onnxq.optimize.options import check_field_types, parse_options
+from onnxq.optimize.options import parse_options
 from onnxq.optimize.registry import register_pass
 
 SMOOTHABLE = {"MatMul", "Gemm", "Conv"}
@@ -60,7 +60,6 @@ class SmoothQuantConfig:
     skip_layers: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        check_field_types(self, "smoothquant")
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"smoothquant: alpha must be in [0, 1], got {self.alpha}")
         unknown = sorted(set(self.op_types) - SMOOTHABLE)

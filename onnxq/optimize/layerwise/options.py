@@ -7,7 +7,6 @@ from typing import ClassVar
 
 from onnxq.errors import ConfigError
 from onnxq.optimize.layerwise.layers import OP_TYPES
-from onnxq.optimize.options import check_field_types
 
 INPUTS = ("quantized", "weights", "float")
 RECONSTRUCT = ("layer", "block")
@@ -94,7 +93,6 @@ class LayerwiseConfig:
 
     def __post_init__(self) -> None:
         name = self.ALGORITHM
-        check_field_types(self, name)
         check(self.num_iteration >= 1, f"{name}: num_iteration must be at least 1")
         check(self.learning_rate > 0, f"{name}: learning_rate must be > 0")
         check(self.damping >= 0, f"{name}: damping must be >= 0")
