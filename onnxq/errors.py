@@ -40,10 +40,14 @@ class UnknownFieldError(ConfigError, TypeError):
 def renamed(exc: OnnxqError, names: dict[str, str]) -> OnnxqError:
     """`exc` again (same class) with its message naming the caller's parameters: a wrapper
     whose arguments have other names than `quantize`'s (`names`: ours -> theirs)."""
-    text = str(exc)
+    return type(exc)(reworded(str(exc), names))
+
+
+def reworded(text: str, names: dict[str, str]) -> str:
+    """`text` with each of `names`' keys replaced by its value (`renamed`)."""
     for ours, theirs in names.items():
         text = text.replace(ours, theirs)
-    return type(exc)(text)
+    return text
 
 
 def closest_name(word: str, choices: list[str], cutoff: float = 0.6) -> str | None:

@@ -6,8 +6,10 @@ test) reads the topic and nodes instead of matching prose."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
+
+from onnxq.errors import reworded
 
 
 class Topic(Enum):
@@ -50,3 +52,9 @@ def notes(topic: Topic, texts: Iterable[str], source: str | None = None) -> list
 def of(found: Iterable[Note], topic: Topic, source: str | None = None) -> list[Note]:
     """The notes of `topic` (and `source`, when given)."""
     return [n for n in found if n.topic is topic and (source is None or n.source == source)]
+
+
+def renamed_notes(found: Iterable[Note], names: dict[str, str]) -> list[Note]:
+    """The notes with the caller's parameter names (`errors.renamed`, for what the summary
+    tells a wrapper's caller to pass)."""
+    return [replace(n, text=reworded(n.text, names)) for n in found]

@@ -31,8 +31,8 @@ from onnxq.config import Config, compose_config
 from onnxq.config.ort_options import NO_EFFECT, OrtArguments, ort_overrides
 from onnxq.errors import ConfigError, OnnxqError, renamed
 from onnxq.graph.load import graph_structure
-from onnxq.notes import Note, Topic
-from onnxq.quantize import QuantizationResult
+from onnxq.notes import Note, Topic, renamed_notes
+from onnxq.quantize import READER_NAMES, QuantizationResult
 from onnxq.quantize import quantize as onnxq_quantize
 
 ModelInput = str | os.PathLike | onnx.ModelProto
@@ -69,8 +69,8 @@ def _run(model_input: ModelInput, model_output: str | os.PathLike, config: Confi
     try:
         result = onnxq_quantize(model, model_output, config, data)
     except OnnxqError as exc:  # its errors name onnxruntime's parameters, as the caller wrote them
-        raise renamed(exc, {"exclude entry": "nodes_to_exclude entry",
-                            "pass calibration_data": "pass calibration_data_reader"}) from None
+        raise renamed(exc, {"exclude entry": "nodes_to_exclude entry", **READER_NAMES}) from None
+    result.summary.notes[:] = renamed_notes(result.summary.notes, READER_NAMES)
     for key in no_effect:
         result.summary.notes.append(Note(Topic.CALIBRATION, f"extra_options {key}: no onnxq setting needed "
                                          f"({NO_EFFECT[key]})"))

@@ -29,7 +29,7 @@ from onnxq.graph.folder import (
 )
 from onnxq.graph.save import check_apart, check_output_paths
 from onnxq.heap import settled_heap
-from onnxq.notes import Note, Topic
+from onnxq.notes import Note, Topic, renamed_notes
 from onnxq.optimize.registry import parse_algorithms, parse_passes
 from onnxq.pipeline.prepare import WINDOWS_NOTE, ModelSource, required_opset
 from onnxq.pipeline.result import PipelineState, QuantizationResult
@@ -202,6 +202,10 @@ def _data_use(result: QuantizationResult, calibration_data: Any) -> str | None:
     return "check" if summary.fidelity is not None else "nothing"
 
 
+# What errors and notes call the data, in the words of a wrapper that takes a reader.
+READER_NAMES = {"pass calibration_data": "pass calibration_data_reader"}
+
+
 class ModelQuantizer:
     """Quark-style entry point: `ModelQuantizer(config).quantize_model(in, out, reader)`."""
 
@@ -213,6 +217,8 @@ class ModelQuantizer:
         calibration_data_reader: Any = None,
     ) -> QuantizationResult:
         try:
-            return quantize(model_input, model_output, self.config, calibration_data_reader)
-        except OnnxqError as exc:  # its errors name this method's parameter
-            raise renamed(exc, {"pass calibration_data": "pass calibration_data_reader"}) from None
+            result = quantize(model_input, model_output, self.config, calibration_data_reader)
+        except OnnxqError as exc:  # its errors and notes name this method's parameter
+            raise renamed(exc, READER_NAMES) from None
+        result.summary.notes[:] = renamed_notes(result.summary.notes, READER_NAMES)
+        return result

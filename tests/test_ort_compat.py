@@ -279,3 +279,16 @@ def test_errors_name_the_callers_parameters(tmp_path):
         quantize_static(MODEL, tmp_path / "q.onnx", Reader(), nodes_to_exclude=["conv_1"])
     with pytest.raises(CalibrationDataError, match="pass calibration_data_reader"):
         onnxq.ModelQuantizer(onnxq.get_preset("U8S8")).quantize_model(MODEL, tmp_path / "m.onnx")
+
+
+def test_summary_notes_name_the_callers_parameters(tmp_path):
+    """A note that says what to pass names the caller's parameter too: ModelQuantizer's
+    `calibration_data_reader`, where the output check asked for had no samples to run."""
+    import onnxq
+
+    config = onnxq.get_preset("W8_DYNAMIC")
+    config.calibration.check_samples = 8
+    result = onnxq.ModelQuantizer(config).quantize_model(MODEL, tmp_path / "m.onnx")
+    texts = [text for text in result.summary.note_texts if "output check skipped" in text]
+    assert texts and all("pass calibration_data_reader" in text for text in texts), result.summary.note_texts
+    assert "pass calibration_data_reader" in onnxq.format_summary(result.summary)
