@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from helpers import GraphBuilder, conv_bn_relu, random_feeds, stack_feeds
 from onnx import TensorProto, helper, numpy_helper
 
@@ -152,3 +153,66 @@ def test_a_relu6_of_tiny_values_survives_onnxruntimes_clip_fusion():
         assert any("Clip outputs' ranges widened to keep their Clip" in n for n in result.summary.note_texts)
     at_unit = onnxq.quantize(model, None, "S8S8", {"x": feeds["x"] * np.float32(1e8)}, progress=False)
     assert not any("widened" in n for n in at_unit.summary.note_texts)
+
+
+def _odd_rank_matmuls(seed: int = 13) -> onnx.ModelProto:
+    """x [N, 16] -> MatMul with a vector weight [16] (-> [N]) and, from x reshaped to
+    [N, 2, 4, 2] ... a batched weight [2, 4, 6]: y = concat of both, as float."""
+    rng = np.random.default_rng(seed)
+    w = {"vec": (rng.standard_normal(16) / 4).astype(np.float32),
+         "batched": (rng.standard_normal((2, 4, 6)) / 2).astype(np.float32),
+         "shape": np.array([-1, 2, 2, 4], np.int64)}
+    nodes = [helper.make_node("MatMul", ["x", "vec"], ["v"], name="mm_vec"),
+             helper.make_node("Unsqueeze", ["v", "one"], ["v1"]),
+             helper.make_node("Reshape", ["x", "shape"], ["x4"]),
+             helper.make_node("MatMul", ["x4", "batched"], ["b"], name="mm_batched"),  # [N, 2, 2, 6]
+             helper.make_node("Flatten", ["b"], ["bf"]),
+             helper.make_node("Concat", ["v1", "bf"], ["y"], axis=1)]
+    inits = [numpy_helper.from_array(a, n) for n, a in w.items()] + [numpy_helper.from_array(np.array([1], np.int64), "one")]
+    graph = helper.make_graph(nodes, "odd_rank", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 25])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("recipe", [{}, {"global_quant_config": {"weight": {"dtype": "int8", "qscheme": "per_group",
+                                                                            "group_size": 4}}},
+                                    {"target": "x86-avx2"}, {"quant_format": "qoperator"}, "W4_GROUP128"])
+def test_matmul_weights_of_rank_other_than_2_run_per_tensor(recipe):
+    """A MatMul weight that is a vector or a batch of matrices, scaled per channel (the
+    default) or in blocks: onnxruntime loaded the model and then refused to run it (its
+    integer MatMul takes per-column zero points of a rank-2 weight only; the blocks of a
+    vector were written with one scale), the avx2 target raised, and each exited 0. Such
+    weights are quantized per tensor, and the summary says so (new-user trial)."""
+    model = _odd_rank_matmuls()
+    feeds = [{"x": np.random.default_rng(i).standard_normal((8, 16)).astype(np.float32)} for i in range(4)]
+    config = recipe if isinstance(recipe, str) else onnxq.compose_config(None, None, recipe)
+    result = onnxq.quantize(model, None, config, feeds)
+    onnx.checker.check_model(result.model, full_check=True)
+    assert set(result.plan.coarser_weights) == {"mm_vec", "mm_batched"}
+    assert any("coarser than the config asks" in t and "rank 1" in t for t in result.summary.note_texts)
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    deployed = ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feed = {"x": np.random.default_rng(9).standard_normal((16, 16)).astype(np.float32)}
+    want, got = reference.run(None, feed)[0], deployed.run(None, feed)[0]
+    assert 10 * np.log10(np.sum(want ** 2) / np.sum((want - got) ** 2)) > 18
+
+
+def test_blocks_of_a_one_input_channel_conv_are_per_channel():
+    """int4 blocks of a Conv with one input channel per group (a depthwise layer, a
+    grayscale first layer) held one weight each, with a float scale per weight: the layer
+    larger than float, counted as quantized. They are per channel now, named in a note."""
+    from helpers import depthwise
+    model = depthwise()
+    feeds = random_feeds(model, 8, 1)
+    config = onnxq.compose_config(None, None, {"global_quant_config": {
+        "weight": {"dtype": "int4", "qscheme": "per_group", "group_size": 4}}})
+    result = onnxq.quantize(model, None, config, feeds)
+    onnx.checker.check_model(result.model, full_check=True)
+    depthwise_conv = next(n for n in result.model.graph.node if n.op_type == "Conv" and any(
+        a.name == "group" and a.i == 8 for a in n.attribute))
+    scales = {i.name: list(i.dims) for i in result.model.graph.initializer}
+    weight_dq = next(n for n in result.model.graph.node if n.output[0] == depthwise_conv.input[1])
+    assert scales[weight_dq.input[1]] == [8], scales[weight_dq.input[1]]
+    assert set(result.plan.coarser_weights) == {depthwise_conv.name}
+    assert any("one input channel" in t for t in result.summary.note_texts)
+    ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds[0])

@@ -27,6 +27,7 @@ from onnxq.plan import provider_notes
 from onnxq.plan.kept_clips import clip_safe_ranges
 from onnxq.plan.kernel_pairs import float_inputs_note
 from onnxq.plan.strategies.matmul_nbits import refused_note
+from onnxq.plan.strategies.static import coarser_note
 from onnxq.plan.unused_overrides import unused_override_notes
 from onnxq.report import Summary
 
@@ -77,6 +78,8 @@ def run_pipeline(
     summary.notes.extend(notes(Topic.PROVIDER, provider_notes(config.calibration.providers, plan)))
     if (refused := refused_note(plan, config)) is not None:
         summary.notes.append(refused)
+    if (coarser := coarser_note(plan)) is not None:
+        summary.notes.append(coarser)
 
     state = None
     if keep_state:

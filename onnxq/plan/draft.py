@@ -16,7 +16,7 @@ from onnxq.target.profile import TargetProfile
 
 # The tables of a `QuantPlan` that the planner fills, in its field order.
 TABLES = ("tensors", "quantized_nodes", "float_nodes", "fused_activations", "lowered", "tied", "float_weights", "nbits_refused",
-          "float_inputs")
+          "float_inputs", "coarser_weights")
 
 
 @dataclasses.dataclass
@@ -35,6 +35,7 @@ class Draft:
     float_weights: dict[str, str] = dataclasses.field(default_factory=dict)
     nbits_refused: dict[str, str] = dataclasses.field(default_factory=dict)
     float_inputs: dict[str, str] = dataclasses.field(default_factory=dict)
+    coarser_weights: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def update(self, name: str, **changes: object) -> TensorPlan:
         """Replace the planned tensor `name` by a copy with `changes`."""

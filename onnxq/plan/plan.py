@@ -98,6 +98,8 @@ class QuantPlan:
     # nodes whose inputs the config quantizes but that read float ones (weight-only), because
     # onnxruntime cannot run the pair (`plan/kernel_pairs`) -> why
     float_inputs: Mapping[str, str] = field(default_factory=lambda: EMPTY)
+    # weights quantized coarser than the config asks (per tensor, per channel) -> to what and why
+    coarser_weights: Mapping[str, str] = field(default_factory=lambda: EMPTY)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

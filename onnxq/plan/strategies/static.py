@@ -9,6 +9,8 @@ scales) and its output, into which a lone Relu/Clip reader is fused. A data-move
 
 from __future__ import annotations
 
+from collections import Counter
+
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedConfig, resolve_node_config
@@ -16,8 +18,9 @@ from onnxq.config.spec import TENSOR_CLASSES, Config, DType, QScheme
 from onnxq.errors import ConfigError
 from onnxq.graph import layout
 from onnxq.graph.fold import constant_array
+from onnxq.notes import Note, Topic
 from onnxq.plan.draft import Draft
-from onnxq.plan.plan import Kind, TensorPlan
+from onnxq.plan.plan import Kind, QuantPlan, TensorPlan
 from onnxq.plan.rules import FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
 from onnxq.plan.strategies.registry import Decision, Planned, Refuse, register_strategy
 from onnxq.target.narrowing import kernel_class
@@ -228,11 +231,7 @@ def plan_weight(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) 
     array = constant_array(value)
     if array is None or not _is_float(value):
         return None
-    axis, block = None, None
-    if cfg.weight.qscheme == QScheme.PER_GROUP.value:
-        axis, block = rule.weight_in_axis(node, array.ndim), cfg.weight.group_size
-    elif cfg.weight.qscheme == QScheme.PER_CHANNEL.value:
-        axis = _output_axis(node, rule, cfg.weight.ch_axis, array.ndim)
+    axis, block = _granularity(draft, node, rule, cfg, array)
     if axis is not None:
         axis %= max(array.ndim, 1)
     spec = draft.target_weight_spec(cfg.weight, kernel_class(node, array), cfg.input_tensors,
@@ -240,6 +239,33 @@ def plan_weight(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) 
     draft.add_use(value, Kind.WEIGHT, spec, node, i, axis=axis)
     draft.update(value.name, block_size=block)
     return i
+
+
+def _granularity(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig,
+                 array: object) -> tuple[int | None, int | None]:
+    """(axis, block size) of the weight's scales as the config asks for them, or coarser
+    where onnxruntime cannot run them (the plan's `coarser_weights` says why): a MatMul
+    weight of another rank than 2 per tensor (a vector, or a batch of matrices: its integer
+    MatMul refused the per-column zero points of a [2, 4, 6] weight at run time, while the
+    session loaded), the blocks of a Conv with one input channel per group (a depthwise or
+    a grayscale first layer) per channel (each block would be one weight, with a float scale
+    of its own: the layer larger than float)."""
+    spec = cfg.weight
+    scheme, ndim = spec.qscheme, array.ndim
+    if scheme == QScheme.PER_TENSOR.value:
+        return None, None
+    if node.op_type == "MatMul" and ndim != 2:
+        draft.coarser_weights[node.name] = (f"per tensor: its weight has rank {ndim}, and per-column or block "
+                                            "scales are for a rank-2 MatMul weight")
+        return None, None
+    if scheme == QScheme.PER_GROUP.value:
+        axis = rule.weight_in_axis(node, ndim)
+        if array.shape[axis] > 1:
+            return axis, spec.group_size
+        draft.coarser_weights[node.name] = ("per channel: its weight has one input channel (per group), so each "
+                                            "block would hold one weight")
+        return rule.weight_axis(node, ndim), None
+    return _output_axis(node, rule, spec.ch_axis, ndim), None
 
 
 def _output_axis(node: ir.Node, rule: OpRule, ch_axis: int | None, ndim: int) -> int:
@@ -275,3 +301,14 @@ def plan_bias(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig, we
     draft.tensors[key] = TensorPlan(key, Kind.BIAS, cfg.bias, axis=0 if array.size > 1 else None,
                                     source=bias.name, consumers=((node.name, i),),
                                     bias_inputs=(act.name, weight.name))
+
+
+def coarser_note(plan: QuantPlan) -> Note | None:
+    """The summary's word on weights quantized coarser than asked (`_granularity`)."""
+    if not plan.coarser_weights:
+        return None
+    (why, count), *_ = Counter(plan.coarser_weights.values()).most_common()
+    names = tuple(plan.coarser_weights)
+    return Note(Topic.EMISSION, f"{len(names)} weight{'s' * (len(names) > 1)} quantized coarser than the config "
+                f"asks ({count} {why}): "
+                f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}", names)
