@@ -117,3 +117,13 @@ def test_sixteen_bit_activations_beat_eight_bit():
 def test_int32_activations_are_a_clear_error():
     with pytest.raises(onnxq.OnnxqError, match="32-bit integers are only for bias"):
         onnxq.quantize(residual(), None, {"global_quant_config": {"input_tensors": {"dtype": DType.INT32.value}}})
+
+
+@pytest.mark.parametrize("dtype", ["int4", "uint4"])
+@pytest.mark.parametrize("fmt", ["qdq", "qdq-ext"])
+def test_4bit_activations_are_a_clear_error(dtype, fmt):
+    """4-bit activations had every Conv kept float (no onnxruntime kernel takes them), the
+    model larger than float, exit 0 (new-user trial)."""
+    with pytest.raises(onnxq.OnnxqError, match=f"dtype {dtype} in global_quant_config.input_tensors; 4-bit integers "
+                                               "are a weight type"):
+        onnxq.quantize(residual(), None, {"quant_format": fmt, "global_quant_config": {"input_tensors": {"dtype": dtype}}})

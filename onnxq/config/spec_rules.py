@@ -109,6 +109,17 @@ def _int32_only_for_bias(v: dict[str, Any], tc: str, resolved: bool) -> tuple[st
     return None
 
 
+def _no_4bit_activations(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
+    """4-bit activations: no onnxruntime kernel computes on them (its integer Conv, MatMul
+    and Gemm take 8- or 16-bit inputs), so every Conv stayed float and the model came out
+    larger than float, exit 0 (new-user trial)."""
+    if tc in ACTIVATIONS and v["dtype"] in ("int4", "uint4"):
+        return f"dtype {v['dtype']}", ("4-bit integers are a weight type (onnxruntime's integer kernels take 8- or "
+                                       "16-bit activations): use int8/uint8 or int16/uint16 activations, with int4 "
+                                       "weights (the W4A8 preset)")
+    return None
+
+
 def _bias_dtype(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
     if tc == "bias" and v["dtype"] not in (None, "int32", "float32"):
         return (
@@ -272,6 +283,7 @@ SPEC_RULES: tuple[Rule, ...] = (
     _method_reads_its_fields,
     _calib_options_known,
     _int32_only_for_bias,
+    _no_4bit_activations,
     _bias_dtype,
     _group_size_positive,
     _group_size_needs_per_group,
