@@ -506,6 +506,31 @@ def test_load_yaml_file(tmp_path):
     assert config.exclude == ["fc_out"]
 
 
+def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
+    """PyYAML reads `1e-2` (no dot) as a string, and a number option refused it: "must be a
+    number, got '1e-2'" (new-user trial). YAML 1.2 and JSON read a number; so do onnxq's
+    files and KEY=VALUE flags."""
+    config = load_text(tmp_path, """
+        global_quant_config:
+          input_tensors: {calib_method: ifmr, calib_options: {search_step: 1e-2, search_range_end: 13E-1}}
+        """)
+    assert config.global_quant_config.input_tensors.calib_options == {"search_step": 0.01, "search_range_end": 1.3}
+    from onnxq.cli.arguments import key_values
+    assert key_values(["search_step=1e-2", "name=e5", "n=10"]) == {"search_step": 0.01, "name": "e5", "n": 10}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_calib_options_are_config_errors(value):
+    """`search_step: .nan` passed every range check and raised ValueError in the observer
+    after calibration, exit 1 (new-user trial)."""
+    from helpers import random_feeds, residual
+    model = residual()
+    config = {"global_quant_config": {"input_tensors": {"calib_method": "ifmr",
+                                                        "calib_options": {"search_step": value}}}}
+    with pytest.raises(ConfigError, match="'search_step' for method 'ifmr' must be a finite number"):
+        onnxq_quantize(model, None, config, random_feeds(model, 4, 0))
+
+
 def test_missing_file(tmp_path):
     path = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match=r"^config file .*nope\.yaml not found$"):

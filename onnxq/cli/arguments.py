@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import yaml
-
+from onnxq.config.io import yaml_value
 from onnxq.errors import OnnxqError
 from onnxq.graph.folder import open_folder
 from onnxq.graph.load import check_readable
@@ -20,7 +19,7 @@ def key_values(items: list[str], flag: str = "--calib-option") -> dict[str, Any]
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise OnnxqError(f"{flag} expects KEY=VALUE, got {item!r}")
-        out[key] = yaml.safe_load(value)
+        out[key] = yaml_value(value)
     return out
 
 

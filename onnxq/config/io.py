@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,15 @@ class _StrictYamlLoader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 (PyYAML) reads a number in exponent form without a dot ("1e-2", "5E3") as a
+# string, which a number option then refuses (`search_step: 1e-2`: "must be a number, got
+# '1e-2'"). YAML 1.2 and JSON read it as a number; so does onnxq.
+_STRICT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
+_StrictYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _STRICT_FLOAT, list("-+0123456789"))
+
+
+def yaml_value(text: str) -> Any:
+    """A YAML scalar or document as the config files read it (`--calib-option k=1e-2`)."""
+    return yaml.load(text, Loader=_StrictYamlLoader)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import fields
 from typing import Any
 
@@ -39,9 +40,12 @@ def check_bool_or_none(method: str, key: str, value: Any) -> None:
 
 
 def check_number(method: str, key: str, value: Any) -> float:
-    """`value` as a float; ConfigError if it is not a real number."""
+    """`value` as a float; ConfigError if it is not a finite real number (a NaN passed
+    every range check below and raised a ValueError in the observer, after calibration)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(
             f"calib option '{key}' for method '{method}' must be a number, got {value!r}"
         )
+    if not math.isfinite(value):
+        raise ConfigError(f"calib option '{key}' for method '{method}' must be a finite number, got {value!r}")
     return float(value)
