@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.calibrate.decoder import LOGITS, DecoderFeeds, decoder_feeds, is_decoder, result_outputs
-from onnxq.calibrate.session import check_providers, open_session, run_on_data
+from onnxq.calibrate.session import check_providers, open_session, run_on_data, run_quantized
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
 from onnxq.graph.quantized import describe, quantized_ops
 from onnxq.graph.wire import read_structure
@@ -318,7 +318,8 @@ def compare_models(
     for feed in _progress(iter_batches(source, session_inputs(ref), batch_size, max_samples, kind="evaluation"), progress):
         got = {}
         for kind, session in (("float", ref), *sessions.items()):
-            run = run_on_data(session, names, feed, "evaluation") if kind == "float" else session.run(names, feed)
+            run = run_on_data(session, names, feed, "evaluation") if kind == "float" else \
+                run_quantized(session, names, feed)
             got[kind] = dict(zip(names, run))
         for n in names:
             check_same_shape(n, got["float"][n], [got[k][n] for k in sessions])

@@ -216,3 +216,45 @@ def test_blocks_of_a_one_input_channel_conv_are_per_channel():
     assert set(result.plan.coarser_weights) == {depthwise_conv.name}
     assert any("one input channel" in t for t in result.summary.note_texts)
     ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds[0])
+
+
+def _loads_but_fails() -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """A float MatMul with a vector weight, and its Q/DQ form with the vector scaled per
+    element (what onnxq wrote before): onnxruntime loads the latter and refuses to run it
+    (its fused integer MatMul takes no such zero point)."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal(16) / 4).astype(np.float32)
+    io = ([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])])
+    opset = [helper.make_opsetid("", 17)]
+    float_model = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "f",
+                                                      *io, [numpy_helper.from_array(w, "w")]), opset_imports=opset)
+    scale = np.abs(w) / 127 + 1e-6
+    inits = [numpy_helper.from_array(np.rint(w / scale).astype(np.int8), "wq"),
+             numpy_helper.from_array(scale.astype(np.float32), "ws"), numpy_helper.from_array(np.zeros(16, np.int8), "wz"),
+             numpy_helper.from_array(np.float32(0.05), "xs"), numpy_helper.from_array(np.uint8(128), "xz")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
+             helper.make_node("MatMul", ["xd", "wd"], ["y"], name="mm")]
+    quant = helper.make_model(helper.make_graph(nodes, "q", *io, inits), opset_imports=opset)
+    return float_model, quant
+
+
+def test_compare_and_analyze_name_a_quantized_model_that_fails_to_run(tmp_path, capsys):
+    """A quantized model that loads but fails in a kernel at run time gave `compare` and
+    `analyze` a raw onnxruntime traceback, exit 1 (format trial): one line, exit 2, naming
+    the node, and not blaming the data."""
+    from onnxq.cli import main
+    float_model, quant = _loads_but_fails()
+    onnx.save(float_model, tmp_path / "f.onnx")
+    onnx.save(quant, tmp_path / "q.onnx")
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32))
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail):  # the premise: it loads, then fails
+        ort.InferenceSession(quant.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": np.ones((2, 16), np.float32)})
+    for command in (["compare"], ["analyze", "--quiet"]):
+        code = main([*command, str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), "--data", str(tmp_path / "d.npz")])
+        assert code == 2, command
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and "quantized model fails in onnxruntime" in error and "'mm'" in error, error

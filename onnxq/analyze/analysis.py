@@ -40,12 +40,12 @@ from onnxq.analyze.impact import (
     impact_order,
     layers_to_measure,
 )
-from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers, with_only
+from onnxq.analyze.isolate import PREFIX, IsolatedLayer, add_isolated_layers, with_only
 from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
 from onnxq.analyze.rescaled import rescaled_layers
 from onnxq.calibrate.data import CalibrationSource, feed_rows, iter_batches
 from onnxq.calibrate.decoder import decoder_feeds, result_outputs
-from onnxq.calibrate.session import check_providers, exposed_session, run_on_data
+from onnxq.calibrate.session import check_providers, exposed_session, run_quantized
 from onnxq.errors import ModelError
 from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
 from onnxq.graph.edit import values_by_name
@@ -252,9 +252,9 @@ def analyze_models(
         out_names = [] if deployed is None else [o.name for o in deployed.get_outputs()]
         for feed in _progress(iter_batches(data, session_inputs(ref_session), batch_size, max_samples,
                                                  kind="evaluation"), progress):
-            ref = dict(zip(ref_names, run_on_data(ref_session, ref_names, feed, "evaluation")))
-            test = dict(zip(test_names, test_session.run(test_names, feed))) if test_session else {}
-            out = dict(zip(out_names, deployed.run(out_names, feed))) if deployed is not None else {}
+            ref = dict(zip(ref_names, run_quantized(ref_session, ref_names, feed, PREFIX)))
+            test = dict(zip(test_names, run_quantized(test_session, test_names, feed))) if test_session else {}
+            out = dict(zip(out_names, run_quantized(deployed, out_names, feed))) if deployed is not None else {}
             for a in activations:
                 seen = bounded(ref[a.name], a.bounds)
                 tensor_err[a.name].update(seen, bounded(test[a.dequantized], a.bounds))

@@ -113,6 +113,24 @@ def run_on_data(session: ort.InferenceSession, names: list[str], feed: Mapping[s
             "has the others' length and values the model takes (token ids within its vocabulary)") from None
 
 
+def run_quantized(session: ort.InferenceSession, names: list[str], feed: Mapping[str, np.ndarray],
+                  isolated: str | None = None) -> list[np.ndarray]:
+    """`session.run` of a quantized model on data the float model has just run on, or
+    `run_on_data` of the float model with copies of the quantized layers (node names
+    starting `isolated`): onnxruntime's failure in the quantized model or a copy is a
+    one-line `ModelError` (a model that loads but whose kernel refuses its parameters at
+    run time), not a traceback or the data's fault."""
+    try:
+        return session.run(names, feed) if isolated is None else run_on_data(session, names, feed, "evaluation")
+    except DATA_FAILURES as exc:
+        text = str(exc).strip()
+        if isolated is not None and isolated not in text:
+            raise
+        raise ModelError(f"the quantized model fails in onnxruntime on data the float model runs on: "
+                         f"{refusal(text).replace(isolated or chr(0), '')}; quantize the float model again (onnxq "
+                         "checks that its output runs), or leave that node float") from None
+
+
 def lower_bound(value: ir.Value) -> float | None:
     """The bound b >= 0 below which `value` cannot go, when a Relu, a Clip with a
     constant non-negative minimum, a Sigmoid or a Softmax produces it; None otherwise."""
