@@ -52,6 +52,26 @@ def test_without_edge_weight_every_layer_is_alike():
     assert weight_types(onnxq.quantize(MODEL, None, config, CALIB).model) == [INT4] * 4
 
 
+def test_a_global_weight_width_leaves_the_edge_layers_alone():
+    """`--weight-bits 3` narrows the global int4 weights; W4A8's int8 edge and depthwise
+    layers had come out 3-bit too (their codes in -4..3), where the docs promise a global
+    flag leaves them alone (configuration trial). bits belongs to the dtype it narrows; a
+    level with the same dtype still inherits it."""
+    from onnxq.config.resolve import resolve_node_config
+    config = onnxq.compose_config("W4A8", None, {"global_quant_config": {"weight": {"bits": 3}},
+                                                 "algo_config": []})
+    result = onnxq.quantize(MODEL, None, config, CALIB)
+    assert weight_types(result.model) == [INT8, INT8, INT4, INT8]
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in result.model.graph.initializer}
+    producer = {o: n for n in result.model.graph.node for o in n.output}
+    spans = [int(inits[producer[n.input[1]].input[0]].max()) - int(inits[producer[n.input[1]].input[0]].min())
+             for n in result.model.graph.node if n.op_type in ("Conv", "Gemm")]
+    assert spans[2] <= 7 and min(spans[0], spans[1], spans[3]) > 7, spans  # 3-bit int4, full int8 edges
+    same = onnxq.compose_config(None, None, {"global_quant_config": {"weight": {"dtype": "int8", "bits": 7}},
+                                             "layer_type_quant_config": {"Conv": {"weight": {"dtype": "int8"}}}})
+    assert resolve_node_config(same, "any", "Conv").weight.bits == 7
+
+
 def test_a_node_override_wins_over_the_edge_spec():
     """The user's own node-level weight field is kept; edge_weight fills what it leaves unset."""
     config = onnxq.get_preset("W4A8")

@@ -76,6 +76,7 @@ def merge_specs(
         values[f.name] = defaults[f.name] if chosen is None else chosen
     if values["exponent_bits"] is not None or values["mantissa_bits"] is not None:
         values["dtype"] = _dtype_from_bits(values["exponent_bits"], values["mantissa_bits"])
+    values["bits"] = _bits_of(present, DType(values["dtype"]), DType(defaults["dtype"]))
     if DType(values["dtype"]) is DType.FLOAT32:
         return None
     values["dtype"] = DType(values["dtype"])
@@ -83,6 +84,20 @@ def merge_specs(
         values[name] = str(values[name])
     values["calib_options"] = tuple(sorted((values["calib_options"] or {}).items()))
     return ResolvedSpec(**values)
+
+
+def _bits_of(present: list[QuantizationSpec], dtype: DType, default: DType) -> int | None:
+    """The narrowed width of `dtype`: `bits` from the highest level that sets it for that
+    dtype (its own, or the one it inherits). `bits` narrows the type it was given with: W4A8's
+    int8 edge layers under a global `--weight-bits 3` (int4 narrowed) came out 3-bit, and
+    the docs promise a global flag leaves them alone."""
+    for i, spec in enumerate(present):
+        if spec.bits is None:
+            continue
+        own = next((DType(s.dtype) for s in present[i:] if s.dtype is not None), default)
+        if own is dtype:
+            return spec.bits
+    return None
 
 
 def written_dtype(spec: QuantizationSpec) -> DType | None:
