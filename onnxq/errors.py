@@ -75,3 +75,8 @@ def named_fields_only(cls: type) -> type:
 
     cls.__init__ = checked
     return cls
+
+
+def duplicate_entry(key: str, name: str) -> str:
+    """The error for a pass or algorithm listed twice in one source's `key` list."""
+    return f"{key} lists {name} twice; give one entry for it, with all its options"

@@ -40,7 +40,7 @@ from onnxq.config.io import NO_PRESET, bare_layer_class_dtypes, config_from_dict
 from onnxq.config.presets import PRESETS, get_preset
 from onnxq.config.spec import ACTIVATION_CLASSES, SPEC_DEFAULTS, Config, DType
 from onnxq.config.validate import validate_config
-from onnxq.errors import ConfigError, closest_name
+from onnxq.errors import ConfigError, closest_name, duplicate_entry
 
 NAMED_LISTS = ("pre_quant_opt_config", "algo_config")
 OVERRIDE_LEVELS = ("layer_type_quant_config", "layer_quant_config")
@@ -57,9 +57,14 @@ def _name(default: Default) -> str:
     return default if isinstance(default, str) else default()
 
 
-def _merge_by_name(base: list[Any], override: list[Any]) -> list[Any]:
+def _merge_by_name(base: list[Any], override: list[Any], key: str = "algo_config") -> list[Any]:
     """Entries of `override` merge into same-named entries of `base` (their keys win, in
-    place) or append."""
+    place) or append. Two entries of one name in `override` are refused: merged, the second
+    had silently replaced the first's options, where the Python API refused them."""
+    once = [e.get("name") for e in override if isinstance(e, Mapping) and e.get("name") is not None]
+    twice = next((name for i, name in enumerate(once) if name in once[:i]), None)
+    if twice is not None:
+        raise ConfigError(duplicate_entry(key, twice))
     merged = list(base)
     names = [e.get("name") if isinstance(e, Mapping) else None for e in merged]
     for entry in override:
@@ -84,7 +89,7 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str
         if key == "exclude" and isinstance(merged.get(key), list) and isinstance(value, list):
             merged[key] = merged[key] + [v for v in value if v not in merged[key]]
         elif key in NAMED_LISTS and isinstance(merged.get(key), list) and isinstance(value, list):
-            merged[key] = _merge_by_name(merged[key], value)
+            merged[key] = _merge_by_name(merged[key], value, key)
         elif isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
             merged[key] = deep_merge(merged[key], value)
         else:
@@ -230,7 +235,10 @@ def compose_config(
     stack = [config_to_dict(Config() if base.lower() == NO_PRESET else get_preset(base))]
     for where, source in sources:
         _no_activations_created(stack[-1], source, base, where)
-        stack.append(overlay(stack[-1], source))
+        try:
+            stack.append(overlay(stack[-1], source))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
     try:
         return config_from_dict(stack[-1])
     except ConfigError as exc:

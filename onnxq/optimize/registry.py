@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from onnxq.calibrate.statistics import Statistic
-from onnxq.errors import ConfigError, named_fields_only
+from onnxq.errors import ConfigError, duplicate_entry, named_fields_only
 from onnxq.optimize.options import checks_types_first, parse_options
 
 PassFn = Callable[..., Any]
@@ -270,7 +270,10 @@ def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping
     """Fail early (before loading the model) on unknown pass or algorithm names, on options
     their contracts reject, on two enabled algorithms of one exclusive kind (`EXCLUSIVE`)
     and, given `matmul_nbits`, on block rounding in a recipe without MatMulNBits."""
-    parse_passes(pre_quant)
+    for key, parsed in (("pre_quant_opt_config", parse_passes(pre_quant)), ("algo_config", parse_algorithms(algos))):
+        names = [entry.name for entry in parsed]
+        if len(set(names)) < len(names):
+            raise ConfigError(duplicate_entry(key, next(n for i, n in enumerate(names) if n in names[:i])))
     entries = [entry for entry in parse_algorithms(algos) if entry.enabled]
     for kind, what in EXCLUSIVE:
         named = [entry.name for entry in entries if getattr(entry.contract, kind)]
