@@ -673,6 +673,22 @@ def test_quantize_leaves_the_callers_config_as_it_was():
     assert onnxq.quantize(str(DIGITS), None, config, data, progress=False).model.SerializeToString() == first
 
 
+def test_a_spec_given_as_a_mapping_in_code_reads_as_a_spec():
+    """`config.global_quant_config.weight = {...}` raised a raw TypeError (configuration
+    trial), where a mapping for a whole level already worked: the same bytes as the typed
+    spec, and a typo in it a ConfigError naming its place."""
+    data = str(ROOT / "models" / "digits_calib.npz")
+    typed, mapped = onnxq.get_preset("U8S8"), onnxq.get_preset("U8S8")
+    typed.global_quant_config.weight = onnxq.QuantizationSpec(dtype="int8", qscheme="per_tensor")
+    mapped.global_quant_config.weight = {"dtype": "int8", "qscheme": "per_tensor"}
+    assert (onnxq.quantize(str(DIGITS), None, mapped, data, progress=False).model.SerializeToString()
+            == onnxq.quantize(str(DIGITS), None, typed, data, progress=False).model.SerializeToString())
+    mapped.layer_quant_config["conv1"] = onnxq.QuantizationConfig(weight={"qschem": "per_tensor"})
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'qschem' in layer_quant_config['conv1'].weight; "
+                                                    "did you mean 'qscheme'?")):
+        onnxq.quantize(str(DIGITS), None, mapped, data, progress=False)
+
+
 @pytest.mark.parametrize("make, says", [
     (lambda: onnxq.AdaRoundConfig(learning_rate="fast"), "adaround: option 'learning_rate' must be float, got 'fast'"),
     (lambda: onnxq.AdaRoundConfig(op_types="Conv"), "option 'op_types' must be a list of names, got 'Conv'"),

@@ -93,8 +93,8 @@ def _check_entries(config: Config) -> None:
 
 def _layer_class_specs(config: Config) -> None:
     """Layer-class keys set in code as a file writes them (a dtype name, `none`, a
-    mapping) made specs, and override levels given as mappings made `QuantizationConfig`s,
-    in place."""
+    mapping) made specs, and override levels and their specs given as mappings made
+    `QuantizationConfig`s and `QuantizationSpec`s, in place."""
     if isinstance(config.global_quant_config, Mapping):
         config.global_quant_config = convert(dict(config.global_quant_config), QuantizationConfig, "",
                                              "global_quant_config")
@@ -103,6 +103,14 @@ def _layer_class_specs(config: Config) -> None:
         if isinstance(levels, Mapping):
             setattr(config, attr, {key: convert(dict(level), QuantizationConfig, attr, f"[{key!r}]")
                                    if isinstance(level, Mapping) else level for key, level in levels.items()})
+    levels = [("global_quant_config", config.global_quant_config)]
+    levels += [(f"{attr}[{key!r}]", level) for attr in ("layer_type_quant_config", "layer_quant_config")
+               for key, level in (getattr(config, attr) or {}).items()]
+    for where, level in levels:  # a spec given as a mapping (`c.global_quant_config.weight = {...}`)
+        for tensor_class in TENSOR_CLASSES:
+            spec = getattr(level, tensor_class, None) if isinstance(level, QuantizationConfig) else None
+            if isinstance(spec, Mapping):
+                setattr(level, tensor_class, convert(dict(spec), QuantizationSpec, where, tensor_class))
     for key in LAYER_CLASS_FIELDS:
         value = bare_dtype(getattr(config, key))
         if isinstance(value, Mapping):
