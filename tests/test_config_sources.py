@@ -673,6 +673,31 @@ def test_quantize_leaves_the_callers_config_as_it_was():
     assert onnxq.quantize(str(DIGITS), None, config, data, progress=False).model.SerializeToString() == first
 
 
+def test_float_op_types_add_to_the_presets(tmp_path):
+    """A file's `float_op_types: [Erf]` replaced the preset's list and put Softmax and the
+    normalizations back into quantization (configuration trial); it adds to it, as
+    `exclude` does, from a file, a dict and `--float-op-types`."""
+    path = tmp_path / "f.yaml"
+    path.write_text("float_op_types: [Erf]\n")
+    preset = onnxq.get_preset("U8S8").float_op_types
+    assert compose_config("U8S8", str(path)).float_op_types == [*preset, "Erf"]
+    assert compose_config("U8S8", None, {"float_op_types": ["Erf", "Softmax"]}).float_op_types == [*preset, "Erf"]
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", str(DIGITS), str(out), "--calib-data", str(ROOT / "models" / "digits_calib.npz"),
+                 "--float-op-types", "Conv", "--quiet"]) == 0
+    graph = onnx.load(out).graph
+    assert all(n.op_type != "QLinearConv" for n in graph.node)
+    producers = {o: n.op_type for n in graph.node for o in n.output}
+    assert all(producers.get(n.input[1]) != "DequantizeLinear" for n in graph.node if n.op_type == "Conv")
+
+
+def test_an_op_type_given_to_exclude_names_float_op_types():
+    with pytest.raises(ConfigError, match=r"exclude entry 'Conv' matches no node of the model but is one of its op "
+                                          r"types; keep every Conv float with float_op_types: \[Conv\]"):
+        onnxq.quantize(str(DIGITS), None, {"exclude": ["Conv"]}, str(ROOT / "models" / "digits_calib.npz"),
+                       progress=False)
+
+
 def test_a_spec_given_as_a_mapping_in_code_reads_as_a_spec():
     """`config.global_quant_config.weight = {...}` raised a raw TypeError (configuration
     trial), where a mapping for a whole level already worked: the same bytes as the typed

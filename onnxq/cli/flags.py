@@ -29,6 +29,7 @@ FLAG_PATHS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("weight_bits", ("weight", "bits")),
     ("scale_type", ("weight", "scale_type")),
     ("exclude", ("exclude",)),
+    ("float_op_types", ("float_op_types",)),
     ("qdq_domain", ("qdq_domain",)),
     ("format", ("quant_format",)),
     ("target", ("target",)),
@@ -343,6 +344,9 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
                    help="let the target add bias correction to Conv/Gemm (every CPU target does: it removes "
                         "the rounded weights' mean error per channel; default on)")
     q.add_argument("--exclude", nargs="+", metavar="NAME", help="node names or regexes to keep in float")
+    q.add_argument("--float-op-types", nargs="+", metavar="OP",
+                   help="op types to keep in float, besides the preset's (float_op_types: Softmax and the "
+                        "normalizations)")
     q.add_argument("--max-samples", type=int, help="use at most N calibration samples")
     q.add_argument("--calib-text", metavar="FILE.txt",
                    help="calibrate an LLM folder on plain text instead of --calib-data: tokenized with the folder's "

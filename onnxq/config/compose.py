@@ -3,8 +3,9 @@ flags or arguments; within each source, node > op type > global.
 
 All three are dicts of the config-file shape, so a CLI flag, a YAML key and a Python
 dict mean exactly the same thing. Nested mappings merge key by key; other values
-(lists included) replace, except `exclude`, which accumulates, and the pass lists
-(`pre_quant_opt_config`, `algo_config`), whose entries merge by `name` (key by key); an
+(lists included) replace, except `exclude` and `float_op_types`, which accumulate, and
+the pass lists (`pre_quant_opt_config`, `algo_config`), whose entries merge by `name`
+(key by key); an
 algorithm a higher source enables replaces those of its exclusive kind below it
 (`registry.EXCLUSIVE`: AdaQuant over W4A8's AdaRound), and two of one kind in one source
 are refused.
@@ -43,6 +44,11 @@ from onnxq.config.validate import validate_config
 from onnxq.errors import ConfigError, closest_name, duplicate_entry
 
 NAMED_LISTS = ("pre_quant_opt_config", "algo_config")
+# Lists a higher source adds to: a file's `float_op_types: [Erf]` had replaced the preset's
+# list, putting Softmax and LayerNormalization back into quantization without a word (an
+# op-type override is what brings one of them back). A whole config (`preset: none`, as
+# --save-config writes) gives its own list.
+UNION_LISTS = ("exclude", "float_op_types")
 OVERRIDE_LEVELS = ("layer_type_quant_config", "layer_quant_config")
 METHOD_FIELDS = ("percentile", "num_bins")  # spec fields only some calibration methods read
 DEFAULT_PRESET = "U8S8"  # where no source names a preset and the model's kind picks none (`defaults.py`)
@@ -86,7 +92,7 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str
     """A new dict: `override` merged into `base` recursively."""
     merged = dict(base)
     for key, value in override.items():
-        if key == "exclude" and isinstance(merged.get(key), list) and isinstance(value, list):
+        if key in UNION_LISTS and isinstance(merged.get(key), list) and isinstance(value, list):
             merged[key] = merged[key] + [v for v in value if v not in merged[key]]
         elif key in NAMED_LISTS and isinstance(merged.get(key), list) and isinstance(value, list):
             merged[key] = _merge_by_name(merged[key], value, key)
@@ -233,6 +239,8 @@ def compose_config(
     if not isinstance(base, str):
         raise ConfigError(f"preset must be a preset name such as {DEFAULT_PRESET}, got {base!r}")
     stack = [config_to_dict(Config() if base.lower() == NO_PRESET else get_preset(base))]
+    if base.lower() == NO_PRESET and any("float_op_types" in source for _, source in sources):
+        stack[0]["float_op_types"] = []  # a whole config's list is the list (`UNION_LISTS` add to a preset's)
     for where, source in sources:
         _no_activations_created(stack[-1], source, base, where)
         try:

@@ -160,10 +160,14 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]],
     """
     nodes = list(nodes)
     names = [name for name, _ in nodes]
+    op_types = {op for _, op in nodes}
     for entry in config.exclude:
         if not any(is_excluded(Config(exclude=[entry]), name) for name in names):
+            if entry in op_types:  # an op type where node names go (`--exclude Conv`)
+                raise ConfigError(f"exclude entry {entry!r} matches no node of the model but is one of its op types; "
+                                  f"keep every {entry} float with float_op_types: [{entry}] (--float-op-types "
+                                  f"{entry}), or give a node-name pattern to exclude")
             raise ConfigError(f"exclude entry {entry!r} matches no node of the model{_nearest(entry, names)}")
-    op_types = {op for _, op in nodes}
     for name in config.layer_quant_config:
         if name in op_types and name not in names:  # an op type where node names go
             raise ConfigError(f"layer_quant_config names {name!r}, which is no node of the model but one of its op "
