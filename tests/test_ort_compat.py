@@ -292,3 +292,33 @@ def test_summary_notes_name_the_callers_parameters(tmp_path):
     texts = [text for text in result.summary.note_texts if "output check skipped" in text]
     assert texts and all("pass calibration_data_reader" in text for text in texts), result.summary.note_texts
     assert "pass calibration_data_reader" in onnxq.format_summary(result.summary)
+
+
+def test_op_types_and_switches_are_checked_as_onnxq_checks_its_own(tmp_path):
+    """op_types_to_quantize=['Convv'] left every node float; ActivationSymmetric='false'
+    read as true (configuration trial). A real op type the model lacks stays accepted."""
+    with pytest.raises(ConfigError, match="op_types_to_quantize names 'Convv'.*did you mean 'Conv'"):
+        quantize_static(MODEL, tmp_path / "q.onnx", Reader(), op_types_to_quantize=["Convv"])
+    with pytest.raises(ConfigError, match="extra_options ActivationSymmetric must be True or False, got 'false'"):
+        quantize_static(MODEL, tmp_path / "q.onnx", Reader(), extra_options={"ActivationSymmetric": "false"})
+    quantize_static(MODEL, tmp_path / "q.onnx", Reader(), op_types_to_quantize=["Conv", "Attention", "LSTM"])
+    assert _quantized_ops(tmp_path / "q.onnx") == {"Conv"}
+
+
+def test_op_types_to_quantize_brings_a_default_float_op_type_in():
+    """onnxq keeps Softmax float by default; listed in op_types_to_quantize, it is
+    quantized, as onnxruntime does."""
+    config = ort_config(_softmax_model(), op_types_to_quantize=["MatMul", "Softmax"])
+    from onnxq.config.resolve import resolve_node_config
+    assert resolve_node_config(config, "sm", "Softmax") is not None
+    assert resolve_node_config(ort_config(_softmax_model(), op_types_to_quantize=["MatMul"]), "sm", "Softmax") is None
+
+
+def _softmax_model() -> onnx.ModelProto:
+    from onnx import TensorProto, helper
+    w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+                               helper.make_node("Softmax", ["h"], ["y"], name="sm")], "s",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -31,7 +31,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from onnxq.config.spec import ACTIVATION_CLASSES
+import onnx
+
+from onnxq.config.spec import ACTIVATION_CLASSES, Config
 from onnxq.errors import ConfigError, closest_name, named_fields_only
 
 # onnxruntime's QuantType -> onnxq dtype
@@ -118,6 +120,10 @@ EXTRA_OPTIONS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "MatMulConstBOnly": _const_b_only,
     "QuantizeBias": _float_bias,
 }
+# extra_options that are switches: a value of another type is refused.
+SWITCHES = ("ActivationSymmetric", "CalibTensorRangeSymmetric", "WeightSymmetric", "SmoothQuant", "UseQDQContribOps",
+            "QDQKeepRemovableActivations", "MatMulConstBOnly", "QuantizeBias", "EnableSubgraph",
+            "ForceQuantizeNoInputCheck", "DedicatedQDQPair", "CalibMovingAverage", "AddQDQPairToWeight")
 # extra_options whose effect onnxq has anyway, or that change only how onnxruntime's
 # quantizer works (memory, layout of the graph): accepted, and named in the summary.
 NO_EFFECT = {
@@ -174,6 +180,28 @@ def _names(value: Any, what: str) -> list[str]:
     if isinstance(value, str) or not isinstance(value, Iterable):
         raise ConfigError(f"{what} must be a list of names, got {value!r}")
     return [str(v) for v in value]
+
+
+def _op_types(value: Any, model_ops: Iterable[tuple[str, str]]) -> list[str]:
+    """op_types_to_quantize as names; one that is no op type of the model, of onnx or of
+    onnxruntime's quantization registries is a typo, refused with the nearest name (it had
+    left every node float, `Convv`); a real op type the model lacks is accepted, as scripts
+    pass one list to many models."""
+    names = _names(value, "op_types_to_quantize")
+    from onnxruntime.quantization.registry import (
+        IntegerOpsRegistry,
+        QDQRegistry,
+        QLinearOpsRegistry,
+    )
+
+    known = {op for _, op in model_ops} | {s.name for s in onnx.defs.get_all_schemas_with_history()}
+    known |= set(IntegerOpsRegistry) | set(QDQRegistry) | set(QLinearOpsRegistry)
+    for name in names:
+        if name not in known:
+            hint = closest_name(name, sorted({op for _, op in model_ops})) or closest_name(name, sorted(known))
+            raise ConfigError(f"op_types_to_quantize names {name!r}, which is no op type of the model, of onnx or of "
+                              "onnxruntime's quantizer" + (f"; did you mean {hint!r}?" if hint else ""))
+    return names
 
 
 @named_fields_only
@@ -244,16 +272,21 @@ def ort_overrides(arguments: OrtArguments, *, dynamic: bool, model_ops: list[tup
     if "SmoothQuantAlpha" in extra:
         spec["_smoothquant_alpha"] = extra["SmoothQuantAlpha"]
     for key, value in extra.items():
+        if key in SWITCHES and value is not None and not isinstance(value, bool):
+            raise ConfigError(f"extra_options {key} must be True or False, got {value!r} (a string such as 'false' "
+                              "would read as true)")
         if key in EXTRA_OPTIONS:
             EXTRA_OPTIONS[key](value, spec)
     spec.pop("_smoothquant_alpha", None)
     for tensors in gqc.values():
         tensors.pop("_symmetric_set", None)
-    wanted_types = _names(a.op_types_to_quantize, "op_types_to_quantize") if a.op_types_to_quantize else (
+    wanted_types = _op_types(a.op_types_to_quantize, model_ops) if a.op_types_to_quantize else (
         list(DYNAMIC_DEFAULT_TYPES) if dynamic else None)
     if wanted_types is not None:
         others = sorted({t for _, t in model_ops if t not in wanted_types})
         spec["float_op_types"] = others
+        for op_type in set(wanted_types) & set(Config().float_op_types):  # asked for: out of the preset's float list
+            spec["layer_type_quant_config"].setdefault(op_type, {})
         if dynamic and "Conv" in wanted_types:
             spec["layer_type_quant_config"]["Conv"] = {"input_tensors": {"dtype": "uint8", "is_dynamic": True},
                                                        "weight": {"dtype": weight}}
