@@ -552,6 +552,23 @@ def test_an_algorithm_appended_twice_in_python_is_refused_in_plain_words():
         onnxq_quantize(models / "digits_cnn.onnx", None, config, models / "digits_calib.npz", progress=False)
 
 
+def test_a_json_file_with_a_byte_order_mark_reads(tmp_path):
+    """A JSON file saved with a UTF-8 byte-order mark (Windows editors) failed to parse,
+    where YAML with one read (configuration trial)."""
+    path = tmp_path / "c.json"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"exclude": ["fc"]}')
+    assert load_config(path).exclude == ["fc"]
+
+
+def test_an_empty_amct_file_is_refused_like_an_empty_yaml(tmp_path):
+    """An empty or comment-only .cfg was read as AMCT's defaults (IFMR activations) without a
+    word, where an empty YAML file is an error (configuration trial)."""
+    path = tmp_path / "e.cfg"
+    path.write_text("# nothing here\n\n")
+    with pytest.raises(ConfigError, match="the config file is empty"):
+        load_config(path)
+
+
 def test_missing_file(tmp_path):
     path = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError, match=r"^config file .*nope\.yaml not found$"):

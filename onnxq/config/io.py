@@ -97,6 +97,9 @@ def read_config_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     text = _read_text(p)
     if _format_of(p, text) == "amct":
+        if not any(line.strip() and not line.lstrip().startswith("#") for line in text.splitlines()):
+            raise ConfigError(f"{p}: the config file is empty (only comments); give AMCT's fields, or leave --config "
+                              "out")  # read, it would switch the activations to AMCT's default IFMR
         return read_amct(text, p)
     data = _parse(text, p)
     if data is None:
@@ -143,7 +146,7 @@ def _read_text(p: Path) -> str:
     if not p.exists():
         raise ConfigError(f"config file {p} not found")
     try:
-        return p.read_text(encoding="utf-8")
+        return p.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not JSON
     except UnicodeDecodeError as e:
         raise ConfigError(f"cannot read config file {p}: not UTF-8 text ({e.reason})") from None
     except OSError as e:
