@@ -148,8 +148,22 @@ def test_kept_patterns_are_named(tmp_path):
     config = onnxq.as_config({"preset": "A16W8", "quant_format": "qoperator"})
     result = onnxq.quantize(model, None, config, data, progress=False)
     note = next(n for n in result.summary.note_texts if n.startswith("qoperator format"))
-    assert "kept as Q/DQ" in note and "not 8-bit" in note
+    assert "kept as Q/DQ" in note and "not an 8-bit integer" in note
     onnx.checker.check_model(result.model)
+
+
+@pytest.mark.parametrize("settings", [{"preset": "FP8_E4M3", "algo_config": [], "target_algorithms": False},
+                                      {"global_quant_config": {"weight": {"dtype": "int4", "qscheme": "per_group",
+                                                                          "group_size": 8}}}])
+def test_layers_whose_weights_qoperator_cannot_take_are_named(settings):
+    """float8 and int4 block weights: the note said only "qoperator format: nothing", or
+    left the int4 Gemm out of both lists (format trial)."""
+    model = _matmul()
+    data = stack_feeds(random_feeds(model, 16, seed=3))
+    result = onnxq.quantize(model, None, onnxq.as_config({**settings, "quant_format": "qoperator"}), data,
+                            progress=False)
+    note = next(n for n in result.summary.note_texts if n.startswith("qoperator format"))
+    assert "kept as Q/DQ: MatMul: an input is not an 8-bit integer DequantizeLinear" in note, note
 
 
 def test_convert_round_trip_and_float(tmp_path, capsys):

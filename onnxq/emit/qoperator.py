@@ -82,6 +82,21 @@ def _pad_inputs(node: ir.Node, dq: ir.Node) -> list[ir.Value | None] | None:
     return [rest[0], zero_point, *rest[2:]] if zero_point is not None or len(rest) > 2 else rest[:1]
 
 
+def _quantized_in_qdq(node: ir.Node) -> bool:
+    """Whether `node` reads a quantized constant weight or has its output quantized, in any
+    type (float8, 16- and 4-bit, blocks: QOperator's kernels take none of them, and a run
+    of FP8_E4M3 had said only "qoperator format: nothing")."""
+    def is_op(value: ir.Value | None, op: str) -> ir.Node | None:
+        found = value.producer() if value is not None and op == "DequantizeLinear" else None
+        if op == "QuantizeLinear" and value is not None and len(uses := list(value.uses())) == 1:
+            found = uses[0].node
+        return found if found is not None and found.op_type == op and found.domain in DOMAINS else None
+
+    weight = any((dq := is_op(v, "DequantizeLinear")) is not None and constant_size(dq.inputs[0])
+                 for v in node.inputs)
+    return weight or is_op(node.outputs[0], "QuantizeLinear") is not None
+
+
 def _q_after(value: ir.Value) -> ir.Node | None:
     """The QuantizeLinear that is the only reader of `value`, if any (8-bit, per tensor)."""
     uses = list(value.uses())
@@ -112,7 +127,7 @@ def _refusal(qop: QOp, node: ir.Node) -> tuple[str | None, list[_Dq], ir.Node | 
         positions = list(range(len(node.inputs)))
     dqs = [_dq_of(node.inputs[i]) if i < len(node.inputs) else None for i in positions]
     if any(dq is None for dq in dqs):
-        return "an input is not 8-bit DequantizeLinear", [], None
+        return "an input is not an 8-bit integer DequantizeLinear (QOperator kernels take int8/uint8)", [], None
     for i, dq in zip(positions, dqs, strict=True):
         if dq.per_tensor():
             continue
@@ -247,8 +262,7 @@ def to_qoperator(model: ir.Model) -> FormatReport:
         if not fits:
             # a node quantized in QDQ form (its output quantized again, or a quantized constant weight);
             # a float node that merely reads quantized neighbours' outputs stays out of the note
-            weights = [dq for v in node.inputs if (dq := _dq_of(v)) is not None and constant_size(dq.data)]
-            if weights or _q_after(node.outputs[0]) is not None:
+            if _quantized_in_qdq(node):
                 report.kept[node.name] = f"{node.op_type}: {tried[0][1]}"
             continue
         qop, _, dqs, q = fits[0]
