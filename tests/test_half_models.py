@@ -335,3 +335,16 @@ def test_a_subgraphs_float16_weight_left_float_is_stored_half_again(tmp_path):
         _, f_out = _run(str(path), feed)
         _, q_out = _run(str(tmp_path / "q.onnx"), feed)
         assert q_out.dtype == np.float16 and sqnr_db(f_out.astype(np.float32), q_out.astype(np.float32)) > 25
+
+
+@pytest.mark.parametrize("preset", ["FP16", "BF16"])
+def test_a_float_cast_of_a_half_model_says_there_is_nothing_to_convert(preset):
+    """FP16/BF16 on a float16 model printed 'quantized nodes: 0', a float-cast line of zeros
+    and 'nothing was quantized (see 'left in float'); pick U8S8', with no such section
+    (format trial): the note and the warning say the model has no float32 op to cast."""
+    model = to_half(residual())
+    result = onnxq.quantize(model, None, preset, None, progress=False)
+    texts = result.summary.note_texts
+    assert any(t.startswith("float cast: nothing to convert") for t in texts), texts
+    assert "warning: nothing was converted: no op of the model computes in float32 (see the float cast note)" in texts
+    assert not any("left in float" in t or "U8S8" in t for t in texts), texts

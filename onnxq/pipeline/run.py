@@ -128,10 +128,14 @@ def run_pipeline(
         summary.notes.append(Note(Topic.WARNING, f"warning: nothing more was quantized: the model is already "
                                   f"quantized ({already} quantized kernels left as they are); quantize the float "
                                   "model instead"))
+    elif unchanged and plan.nodes_for("float_target"):  # a float cast (FP16, BF16) of a model without float32 ops
+        summary.notes.append(Note(Topic.WARNING, "warning: nothing was converted: no op of the model computes in "
+                                  "float32 (see the float cast note)"))
     elif unchanged:
-        summary.notes.append(Note(Topic.WARNING, "warning: nothing was quantized: every node stayed float (see 'left "
-                                  "in float'); pick a recipe that covers this model's ops (U8S8, the default, for "
-                                  "convolutions; W8_DYNAMIC quantizes MatMul, Gemm and LSTM only)"))
+        see = " (see 'left in float')" if summary.float_nodes else ""
+        summary.notes.append(Note(Topic.WARNING, f"warning: nothing was quantized: every node stayed float{see}; pick "
+                                  "a recipe that covers this model's ops (U8S8, the default, for convolutions; "
+                                  "W8_DYNAMIC quantizes MatMul, Gemm and LSTM only)"))
     return QuantizationResult(model, summary, calibration.ranges, plan, state)
 
 

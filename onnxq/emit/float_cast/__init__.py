@@ -86,6 +86,10 @@ class FloatCastReport:
         for dtype in self.compute_dtypes.values():
             by_type[dtype] = by_type.get(dtype, 0) + 1
         computed = ", ".join(f"{n} in {t}" for t, n in sorted(by_type.items())) or "none"
+        if not self.converted and not self.kept_float32 and self.no_float:
+            return (f"float cast: nothing to convert: none of the {len(self.no_float)} nodes it covers has a float32 "
+                    "tensor (the model is already in a half type; the cast converts float32 ops: export the model "
+                    "in float32 for another type)")
         return (
             f"float cast: nodes computing {computed}; {len(self.kept_float32)} kept in float32 "
             f"({len(self.storage_only)} with weights stored in the target type); "
