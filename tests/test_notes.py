@@ -98,3 +98,22 @@ def test_an_override_the_plan_cannot_use_is_said():
         result = onnxq.quantize(model, None, config, data, progress=False)
         assert any(n.topic is Topic.CONFIG and n.text.startswith(says) for n in result.summary.notes), says
     assert not any("has no effect" in n for n in quantize_digits().summary.note_texts)
+
+
+def test_overrides_that_cannot_apply_are_said():
+    """A weight spec on a Relu or a MaxPool, an op-type override for an op type the model
+    lacks, a node override on an excluded node: each was accepted in silence
+    (configuration trial)."""
+    data = {k: v[:32] for k, v in np.load(MODELS / "digits_calib.npz").items()}
+    model = str(MODELS / "digits_cnn.onnx")
+    for config, says in (({"layer_quant_config": {"relu1": {"weight": {"dtype": "int4"}}}},
+                          "layer_quant_config: relu1 weight has no effect: a Relu has no weight"),
+                         ({"layer_type_quant_config": {"MaxPool": {"weight": {"dtype": "int4"}}}},
+                          "layer_type_quant_config: MaxPool weight has no effect on maxpool: a MaxPool has no weight"),
+                         ({"layer_type_quant_config": {"LSTM": {"weight": {"dtype": "int4"}}}},
+                          "layer_type_quant_config: LSTM has no effect: the model has no LSTM node"),
+                         ({"exclude": ["conv3"], "layer_quant_config": {"conv3": {"weight": {"qscheme": "per_tensor"}}}},
+                          "layer_quant_config: conv3 has no effect: the node is excluded")):
+        result = onnxq.quantize(model, None, config, data, progress=False)
+        assert any(n.topic is Topic.CONFIG and n.text.startswith(says) for n in result.summary.notes), \
+            (says, result.summary.note_texts)

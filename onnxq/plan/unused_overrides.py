@@ -1,15 +1,25 @@
 """Overrides the plan had no use for, said in the summary rather than dropped in silence:
-an absorbed Relu/Clip's own specs (it runs inside the op before it, one kernel) and an
-output spec on a data-movement op (its output reuses its input's parameters)."""
+an absorbed Relu/Clip's own specs (it runs inside the op before it, one kernel), an
+output spec on a data-movement op (its output reuses its input's parameters), a weight
+spec on an op without a weight, a node override on an excluded node, and an op-type
+override for an op type the model lacks."""
 
 from __future__ import annotations
 
+import functools
+
 import onnx_ir as ir
 
+from onnxq.config.presets import PRESETS, get_preset
+from onnxq.config.resolve import is_excluded
 from onnxq.config.spec import ACTIVATION_CLASSES, Config
 from onnxq.notes import Note, Topic
 from onnxq.plan.plan import QuantPlan
-from onnxq.plan.rules import OP_RULES, OutputMode
+from onnxq.plan.rules import DYNAMIC_OPS, OP_RULES, OutputMode
+
+# Op types a weight spec applies to: those with a weight input in the rules table, and the
+# dynamic kernels' (LSTM).
+WEIGHTED_OPS = frozenset({op for op, rule in OP_RULES.items() if rule.weight_input is not None} | DYNAMIC_OPS)
 
 
 def _override(config: Config, node: ir.Node) -> tuple[str, object] | None:
@@ -30,7 +40,12 @@ def unused_override_notes(model: ir.Model, plan: QuantPlan, config: Config) -> l
             continue
         where, level = found
         given = [tc for tc in ACTIVATION_CLASSES if getattr(level, tc) is not None]
-        if node.name in plan.fused_activations and given:
+        if where.startswith("layer_quant_config") and is_excluded(config, node.name):
+            why = "the node is excluded (exclude wins over every override)"
+        elif level.weight is not None and node.op_type not in WEIGHTED_OPS:
+            where += " weight"
+            why = f"a {node.op_type} has no weight (weight specs are for {', '.join(sorted(WEIGHTED_OPS))})"
+        elif node.name in plan.fused_activations and given:
             why = "it runs inside the op before it (one kernel): set that op's output_tensors"
         elif (rule := OP_RULES.get(node.op_type)) is not None and rule.output is OutputMode.SHARED \
                 and level.output_tensors is not None and node.name in plan.quantized_nodes:
@@ -38,6 +53,19 @@ def unused_override_notes(model: ir.Model, plan: QuantPlan, config: Config) -> l
         else:
             continue
         unused.setdefault(where, (why, []))[1].append(node.name)
-    return [Note(Topic.CONFIG, f"{where} has no effect" + ("" if where.startswith("layer_quant_config") else
-                 f" on {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}") + f": {why}", tuple(names))
-            for where, (why, names) in unused.items()]
+    found = [Note(Topic.CONFIG, f"{where} has no effect" + ("" if where.startswith("layer_quant_config") else
+                  f" on {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}") + f": {why}", tuple(names))
+             for where, (why, names) in unused.items()]
+    present = {node.op_type for node in model.graph}
+    absent = [op for op in config.layer_type_quant_config if op not in present and op not in _preset_op_types()]
+    if absent:
+        found.append(Note(Topic.CONFIG, f"layer_type_quant_config: {', '.join(absent)} has no effect: the model has "
+                          f"no {' or '.join(absent)} node"))
+    return found
+
+
+@functools.cache
+def _preset_op_types() -> frozenset[str]:
+    """Op types some preset overrides (W8_DYNAMIC's Conv, the weight-only presets' Gemm and
+    Gather): written for every model, so a model without them is no news."""
+    return frozenset(op for name in PRESETS for op in get_preset(name).layer_type_quant_config)
