@@ -127,3 +127,13 @@ def test_4bit_activations_are_a_clear_error(dtype, fmt):
     with pytest.raises(onnxq.OnnxqError, match=f"dtype {dtype} in global_quant_config.input_tensors; 4-bit integers "
                                                "are a weight type"):
         onnxq.quantize(residual(), None, {"quant_format": fmt, "global_quant_config": {"input_tensors": {"dtype": dtype}}})
+
+
+def test_an_opset_raised_past_the_one_asked_is_said():
+    """--opset 13 with 16-bit activations gave opset 21 with only 'opset upgraded' (format
+    trial): the note says which opset was asked, why it was raised and how to keep it."""
+    config = onnxq.compose_config("A16W8", None, {"opset": 13})
+    result = onnxq.quantize(residual(), None, config, [random_feeds(residual(), 1, i)[0] for i in range(4)])
+    assert any(t.startswith("opset 21, not the 13 asked") and "com.microsoft" in t for t in result.summary.note_texts)
+    plain = onnxq.quantize(residual(), None, "A16W8", [random_feeds(residual(), 1, i)[0] for i in range(4)])
+    assert not any("not the" in t and "asked" in t for t in plain.summary.note_texts)

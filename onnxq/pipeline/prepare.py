@@ -209,6 +209,11 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
         model, loaded, kept = _load(source, config, target)
     summary.source, summary.opset = loaded.source, (loaded.original_opset, loaded.opset)
     summary.notes.extend(notes(Topic.LOAD, loaded.notes))
+    if config.opset is not None and loaded.opset > max(config.opset, loaded.original_opset):
+        summary.notes.append(Note(Topic.LOAD, f"opset {loaded.opset}, not the {config.opset} asked (opset is the "
+                                  f"lowest): the quantized types need it (int16, int4 and blocks need 21, float8 19); "
+                                  "qdq_domain com.microsoft keeps an older opset where onnxruntime's contrib Q/DQ take "
+                                  "the types"))
     if isinstance(data, DecoderFeeds):
         steps = (f"a prefill and {data.decode_steps} decode steps with the KV cache the float model computes"
                  if data.decode_steps else "a prefill (weight-only: decode steps would add time, not accuracy)")
