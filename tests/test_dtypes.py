@@ -137,3 +137,10 @@ def test_an_opset_raised_past_the_one_asked_is_said():
     assert any(t.startswith("opset 21, not the 13 asked") and "com.microsoft" in t for t in result.summary.note_texts)
     plain = onnxq.quantize(residual(), None, "A16W8", [random_feeds(residual(), 1, i)[0] for i in range(4)])
     assert not any("not the" in t and "asked" in t for t in plain.summary.note_texts)
+
+
+def test_bits_on_a_float32_tensor_is_refused():
+    """--weight-type float32 --weight-bits 7 did nothing without a word, where bits on
+    float16 weights is refused (configuration trial)."""
+    with pytest.raises(onnxq.OnnxqError, match="bits 7 with dtype float32 in global_quant_config.weight; float32 keeps"):
+        onnxq.quantize(residual(), None, {"global_quant_config": {"weight": {"dtype": "float32", "bits": 7}}})

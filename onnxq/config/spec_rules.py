@@ -182,6 +182,8 @@ def _bits_range(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] |
     top = 8 if tc == "weight" else 32
     if not 2 <= bits <= top:
         return f"invalid bits {bits}", f"use a bit width from 2 to {top}"
+    if v["dtype"] in ("float32", "fp32"):  # a tensor kept float: resolved, it is no spec to check
+        return f"bits {bits} with dtype float32", "float32 keeps the tensor float, so bits would do nothing: remove one"
     if resolved and v["dtype"] not in INTEGER_DTYPES:
         integer = "int8" if bits <= 8 else "int16"
         return f"bits {bits} with dtype {v['dtype']}", f"bits narrows integer dtypes only: use dtype {integer}, or remove bits"
