@@ -281,6 +281,19 @@ def test_cli_missing_positional(capsys):
     assert "required" in capsys.readouterr().err
 
 
+def test_cli_paths_taken_by_a_many_valued_flag_are_pointed_out(capsys):
+    """`onnxq quantize --exclude conv1 in.onnx out.onnx`: --exclude took the paths as node
+    names and the error said only that input and output were missing (configuration trial)."""
+    with pytest.raises(SystemExit) as info:
+        main(["quantize", "--exclude", "conv1", "in.onnx", "out.onnx"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "(--exclude takes every value after it: put the paths before --exclude)" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        main(["quantize", "only_input.onnx"])
+    assert "takes every value" not in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------
 # Python API
 

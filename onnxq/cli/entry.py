@@ -29,7 +29,11 @@ class _Parser(argparse.ArgumentParser):
     """Usage mistakes (a bad flag value, a missing argument) as one line and exit 2, like
     every other user mistake, instead of the whole usage block; subcommands inherit it."""
 
+    argv: list[str] = []  # the command line being parsed (`main`), for the hints of `error`
+
     def error(self, message: str) -> NoReturn:
+        if "arguments are required" in message:
+            message += _swallowed(self, self.argv)
         print(f"onnxq: error: {message}; see {self.prog} --help", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 
@@ -41,6 +45,16 @@ class _Parser(argparse.ArgumentParser):
             print(f"onnxq: error: unrecognized arguments: {' '.join(extras)}; see {where} --help", file=sys.stderr)
             raise SystemExit(EXIT_USAGE)
         return parsed
+
+
+def _swallowed(parser: argparse.ArgumentParser, argv: list[str]) -> str:
+    """A hint where a flag that takes several values came before the paths and took them
+    (`onnxq quantize --exclude conv1 in.onnx out.onnx` read three node names)."""
+    many = {opt for action in parser._actions if action.nargs in ("+", "*") for opt in action.option_strings}
+    flag = next((arg for arg in argv if arg in many), None)
+    if flag is None:
+        return ""
+    return f" ({flag} takes every value after it: put the paths before {flag})"
 
 
 def _command_prog(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> str:
@@ -92,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except OnnxqError as exc:
         print(f"onnxq: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    _Parser.argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     main_thread = threading.current_thread() is threading.main_thread()
     # SIGTERM (kill, a scheduler's timeout) unwinds like Ctrl-C: temporary files go
