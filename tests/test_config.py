@@ -185,6 +185,14 @@ def test_a_float_node_names_the_config_level_that_kept_it():
     assert result.summary.float_nodes["fc"] == ("Gemm", "excluded by the config (exclude: fc)")
 
 
+def test_a_regex_is_shown_as_written():
+    """The summary showed exclude patterns through repr, backslashes doubled
+    ('/body\\\\.9\\\\d/.*'), so what the user wrote was not what they read (configuration trial)."""
+    from onnxq.config.resolve import float_reason
+    config = Config(exclude=[r"body\.9\d/.*"])
+    assert float_reason(config, "body.91/conv", "Conv") == r"excluded by the config (exclude: pattern 'body\.9\d/.*')"
+
+
 def test_exclude_beats_node_override():
     config = three_level_config()
     config.exclude = ["conv1"]

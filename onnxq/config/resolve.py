@@ -142,7 +142,7 @@ def float_reason(config: Config, node_name: str, op_type: str) -> str:
     """Why `resolve_node_config` keeps the node float, naming the config level that does."""
     pattern = _exclusion(config, node_name)
     if pattern is not None:
-        return "excluded by the config (exclude: " + (node_name if pattern == node_name else f"pattern {pattern!r}") + ")"
+        return "excluded by the config (exclude: " + (node_name if pattern == node_name else f"pattern '{pattern}'") + ")"
     return f"kept float by the config's float_op_types ({op_type})"
 
 

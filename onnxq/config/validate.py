@@ -167,7 +167,7 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]],
                 raise ConfigError(f"exclude entry {entry!r} matches no node of the model but is one of its op types; "
                                   f"keep every {entry} float with float_op_types: [{entry}] (--float-op-types "
                                   f"{entry}), or give a node-name pattern to exclude")
-            raise ConfigError(f"exclude entry {entry!r} matches no node of the model{_nearest(entry, names)}")
+            raise ConfigError(f"exclude entry '{entry}' matches no node of the model{_nearest(entry, names)}")
     for name in config.layer_quant_config:
         if name in op_types and name not in names:  # an op type where node names go
             raise ConfigError(f"layer_quant_config names {name!r}, which is no node of the model but one of its op "
@@ -339,7 +339,7 @@ def _check_top_level(config: Config) -> None:
             re.compile(entry)
         except re.error as exc:
             raise ConfigError(
-                f"exclude entry {entry!r} is neither a node name nor a valid regex ({exc}); "
+                f"exclude entry '{entry}' is neither a node name nor a valid regex ({exc}); "
                 "escape special characters, e.g. with re.escape"
             ) from None
     _check_mixed_precision(config)
