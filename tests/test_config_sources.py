@@ -305,6 +305,8 @@ def test_amct_config_on_a_shared_model(tmp_path):
     ("common_config { nuq_quantize { num_steps: 32 } }", ("line 1", "nuq_quantize", "non-uniform")),
     ("enable_auto_nuq: true", ("enable_auto_nuq", "NUQ")),
     ("joint_quant: true", ("joint_quant", "no onnxq counterpart")),
+    ("fakequant_precision_mode: DEFALT", ("line 1", "fakequant_precision_mode DEFALT; did you mean DEFAULT?")),
+    ("fakequant_precision_mode: FORCE_FP16_QUANT", ("FORCE_FP16_QUANT has no onnxq counterpart",)),
     ("common_config {\n  arq_quantize { chanel_wise: true }\n}", ("line 2", "chanel_wise", "did you mean 'channel_wise'")),
     ("common_config { ifmr_quantize { search_step: fast } }", ("search_step must be a number",)),
     ("common_config {\n  arq_quantize { channel_wise: true }\n", ("never closed",)),

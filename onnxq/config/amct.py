@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from onnxq.config.prototext import OPAQUE, Field, Message, parse_prototext
-from onnxq.errors import ConfigError
+from onnxq.errors import ConfigError, closest_name
 
 AMCT_SUFFIXES = (".cfg", ".prototxt", ".pbtxt")
 _CALIBRATION = "CalibrationConfig"
@@ -167,6 +167,9 @@ class _Translation:
                               "remove it to quantize uniformly (ARQ)")
         mode = root.get("fakequant_precision_mode")
         if mode is not None and str(mode).upper() != "DEFAULT":
+            if closest_name(str(mode), ["DEFAULT"]):  # a typo of the one mode onnxq has
+                raise self.refuse(self.line_of("fakequant_precision_mode"), f"fakequant_precision_mode {mode}; "
+                                  "did you mean DEFAULT? (onnxq computes fake quantization in float32)")
             raise self.refuse(self.line_of("fakequant_precision_mode"), f"fakequant_precision_mode {mode} has "
                               "no onnxq counterpart; remove it (onnxq computes fake quantization in float32)")
 
