@@ -329,6 +329,21 @@ def test_amct_config_errors_are_one_line_with_exit_2(tmp_path, text, words):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(("text", "says"), [
+    ('skip_layers : "conv9"\n', "bad.cfg: skip_layers entry 'conv9' matches no node of the model; did you mean 'conv3'?"),
+    ('override_layer_configs {\n layer_name : "conv9"\n calibration_config { arq_quantize { channel_wise : true } }\n}\n',
+     "bad.cfg: layer_name 'conv9' is no node of the model; did you mean 'conv3'?"),
+])
+def test_amct_node_names_are_refused_in_the_files_words(tmp_path, capsys, text, says):
+    """A node the AMCT file names that the model lacks was refused in onnxq's words
+    ("exclude entry 'conv9'", "layer_quant_config names 'conv9'"), which the file never
+    says (configuration trial)."""
+    cfg = _write(tmp_path, "bad.cfg", text)
+    assert main(["quantize", str(DIGITS), str(tmp_path / "o.onnx"), "--config", str(cfg), "--calib-data",
+                 str(ROOT / "models" / "digits_calib.npz")]) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_amct_algorithms_map_to_onnxq_entries(tmp_path):
     text = """
     do_fusion: false

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 from typing import Any
 
 from onnxq.cli.algorithms import algorithm_entries, weight_only_choices
 from onnxq.cli.arguments import key_values
 from onnxq.config import PRESETS
 from onnxq.config.accuracy import parse_target
+from onnxq.config.amct import AMCT_SUFFIXES
 from onnxq.config.compose import OVERRIDES_SOURCE
 from onnxq.config.spec import DEFAULT_LADDER, LAYER_CLASS_FIELDS, enum_text
 from onnxq.errors import OnnxqError
@@ -183,6 +185,24 @@ def in_cli_words(text: str) -> str:
     return text
 
 
+# An AMCT file's settings in the words of the errors onnxq raises once the model is read
+# (after the file's translation): onnxq's field -> the AMCT field it came from.
+AMCT_WORDS = ((r"^exclude entry", "skip_layers entry"),
+              (r"^layer_quant_config names ('[^']*'), which is", r"layer_name \1 is"))
+
+
+def in_amct_words(message: str, args: argparse.Namespace) -> str:
+    """An error about a setting an AMCT `--config` file made, in the file's words
+    (`skip_layers "conv9"` had read back as "exclude entry 'conv9' matches no node")."""
+    config = getattr(args, "config", None)
+    if not config or Path(str(config)).suffix.lower() not in AMCT_SUFFIXES:
+        return message
+    for ours, theirs in AMCT_WORDS:
+        if re.search(ours, message):
+            return f"{config}: {re.sub(ours, theirs, message)}"
+    return message
+
+
 def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     """A config error the flags caused, in the flags' words: `invalid batch_size 0 in
     calibration` for `--batch-size 0` reads `invalid --batch-size 0 in calibration`. In the
@@ -192,7 +212,7 @@ def in_flag_terms(message: str, args: argparse.Namespace) -> str:
     "remove FIELD" of a renamed field and "use FIELD VALUE" of a field a flag sets there.
     The layer's "options: " prefix goes (on the command line the overrides are the flags);
     an error of another source passes unchanged."""
-    message = in_cli_words(message)
+    message = in_amct_words(in_cli_words(message), args)
     prefix = OVERRIDES_SOURCE + ": "
     if not message.startswith(prefix):
         return message
