@@ -14,7 +14,15 @@ from helpers import GraphBuilder
 
 import onnxq
 from onnxq.cli import main
-from onnxq.emit.latency import Latency, Timing, causes, model_format, slower_on_gpu, timed_on
+from onnxq.emit.latency import (
+    Latency,
+    Timing,
+    causes,
+    model_format,
+    slower_on_cpu,
+    slower_on_gpu,
+    timed_on,
+)
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -87,6 +95,17 @@ def test_on_a_gpu_provider_the_causes_and_the_label_are_the_providers():
     line = slower.lines()[0]
     assert line.startswith("latency, default onnxruntime session on CUDAExecutionProvider, float -> quantized: "
                            "batch 1 1 -> 0.9 ms (1.11x), batch 8 1 -> 2 ms (0.50x)")
+
+
+def test_a_float16_model_on_the_cpu_is_said_to_save_memory_not_time():
+    """FP16 timed on the CPU read "no single op type explains it" (format trial)."""
+    b = GraphBuilder(2)
+    x = b.input("x", ["N", 3, 8, 8])
+    conv = ir.from_proto(b.build([b.conv(x, 3, 4, k=3)], name="conv"))
+    half = onnxq.quantize(conv.clone(), None, "FP16", None, progress=False).ir_model
+    found = slower_on_cpu({"Conv": 1.0}, {"Conv": 1.0, "Cast": 0.2}, "x86-vnni", half)
+    assert found[0].startswith("float16 saves memory on the CPU, not time")
+    assert not any("float16" in c for c in slower_on_cpu({"Conv": 1.0}, {"Conv": 1.0}, "x86-vnni", conv))
 
 
 def test_no_data_is_said_not_measured(tmp_path):

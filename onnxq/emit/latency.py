@@ -225,6 +225,19 @@ def slower_on_gpu(latency: Latency, model: ir.Model) -> list[str]:
     return gpu_causes(latency.where, model_format(model))
 
 
+# A float16 model timed on the CPU (FP16 had read "no single op type explains it").
+HALF_ON_CPU = ("float16 saves memory on the CPU, not time: onnxruntime's CPU has few float16 kernels and computes "
+               "most ops in float32 around Casts; float16 is a GPU format (CUDA, ROCm: --preset FP16 there)")
+
+
+def slower_on_cpu(float_ms: dict[str, float], quantized_ms: dict[str, float], isa: str,
+                  quantized: ir.Model) -> list[str]:
+    """`causes` of a slow CPU timing, a float16 model's first (its kernel-level figures
+    cannot say it)."""
+    found = causes(float_ms, quantized_ms, isa, wrapped_kinds(quantized))
+    return [HALF_ON_CPU, *found] if model_format(quantized) == "float16" else found
+
+
 def causes(float_ms: dict[str, float], quantized_ms: dict[str, float], isa: str,
            wrapped: Collection[str] = tuple(KERNELS)) -> list[str]:
     """Why the quantized model is not faster, from the kernel time per op type of both
@@ -251,7 +264,7 @@ def causes(float_ms: dict[str, float], quantized_ms: dict[str, float], isa: str,
         if not after and still_float and boundary and kind in wrapped:
             found.append(f"every {kind} still runs in float ({still_float:.2f} ms against {before:.2f} ms) between "
                          "its DequantizeLinear and QuantizeLinear: onnxruntime's CPU has no integer kernel for "
-                         "these types (int16 or float8 activations, for one), so the Q/DQ pairs are pure "
+                         "these types (int16 or float8 activations, int4 or block weights), so the Q/DQ pairs are pure "
                          "overhead; U8S8 int8 runs fused kernels (or fp16 on a GPU)")
             continue
         if after and after + still_float >= before > 0:
@@ -293,8 +306,8 @@ def measure_latency(source: str | os.PathLike | bytes | ir.Model, quantized: ir.
             result.causes = slower_on_gpu(result, quantized)
         elif slow:
             feed = feeds[slow[-1].batch]
-            result.causes = causes(kernel_ms(source, feed, providers), kernel_ms(quantized, feed, providers),
-                                   result.where, wrapped_kinds(quantized))
+            result.causes = slower_on_cpu(kernel_ms(source, feed, providers), kernel_ms(quantized, feed, providers),
+                                          result.where, quantized)
     except StopIteration:
         return "latency not measured: the calibration data is empty"
     except Exception as error:  # noqa: BLE001  a check never stops a run; onnxruntime raises several types
