@@ -478,3 +478,28 @@ def test_rejects_non_float_targets_and_ignores_unknown_nodes() -> None:
         convert_float_nodes(model, {"conv1": DType.INT8})
     report = convert_float_nodes(model, {"nope": DType.FLOAT16})
     assert report.converted == [] and report.notes and report.casts_inserted == 0
+
+
+def test_the_summary_accounts_for_every_node_of_a_float_cast() -> None:
+    """A model with integer shape arithmetic (Shape -> Gather -> Concat -> Reshape): its
+    integer nodes were in neither list of the BF16 summary, so a transformer's counts did
+    not add up to its nodes (format trial). Every node is quantized or left in float now."""
+    import onnxq
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("Shape", ["h"], ["s"], name="shape"),
+             helper.make_node("Gather", ["s", "zero"], ["n"], name="batch", axis=0),
+             helper.make_node("Unsqueeze", ["n", "zero1"], ["n1"], name="unsq"),
+             helper.make_node("Concat", ["n1", "minus1"], ["shape2"], name="cat", axis=0),
+             helper.make_node("Reshape", ["h", "shape2"], ["y"], name="reshape")]
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.array(0, np.int64), "zero"),
+             numpy_helper.from_array(np.array([0], np.int64), "zero1"),
+             numpy_helper.from_array(np.array([-1], np.int64), "minus1")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result = onnxq.quantize(model, None, "BF16", None, progress=False)
+    listed = set(result.plan.quantized_nodes) | set(result.summary.float_nodes)
+    assert {node.name for node in nodes} <= listed, listed
+    assert result.summary.float_nodes["cat"][1].startswith("no float32 tensor to convert")

@@ -226,4 +226,10 @@ def _fill_report(report: FloatCastReport, nodes: list[ir.Node], plan: CastPlan, 
 def _lower(model: ir.Model, nodes: Mapping[str, DType], config: Config, weights: object = None) -> LoweringReport:
     keep = (*DEFAULT_KEEP_FLOAT32, *config.float_op_types)
     report = convert_float_nodes(model, nodes, keep, config.calibration.providers)
-    return LoweringReport(dict(report.kept_float32), list(report.converted), [report.summary_line(), *report.notes])
+    # every node in the summary: those with no float32 tensor too (shape and index arithmetic
+    # had been in no list, so a transformer's counts did not add up)
+    skipped = {**dict(report.kept_float32), **{name: NO_FLOAT32 for name in report.no_float}}
+    return LoweringReport(skipped, list(report.converted), [report.summary_line(), *report.notes])
+
+
+NO_FLOAT32 = "no float32 tensor to convert (integer shape or index arithmetic, or already a half type)"
