@@ -281,6 +281,16 @@ def _levels(config: Config) -> list[tuple[str, QuantizationConfig]]:
     return levels
 
 
+def _eight_bit_weights(config: Config) -> bool:
+    """Whether some level resolves a weight to int8/uint8 (what reduce_range narrows)."""
+    specs = [merge_specs([level.weight] + ([] if level is config.global_quant_config
+                                            else [config.global_quant_config.weight]), "weight")
+             for _, level in _levels(config)]
+    specs += [merge_specs([getattr(config, key), config.global_quant_config.weight], "weight")
+              for key in ("edge_weight", "depthwise_weight") if getattr(config, key) is not None]
+    return any(s is not None and s.dtype in (DType.INT8, DType.UINT8) for s in specs)
+
+
 def _merged_levels(config: Config) -> list[tuple[str, list[QuantizationConfig]]]:
     """The global config alone, and each override over it, highest priority first."""
     base = config.global_quant_config
@@ -321,6 +331,9 @@ def _check_top_level(config: Config) -> None:
         raise ConfigError(
             f"invalid max_memory_mb {calibration.max_memory_mb} in calibration; use 0 or more MiB"
         )
+    if config.reduce_range is True and not _eight_bit_weights(config):
+        raise ConfigError("reduce_range true narrows int8 weights to 7 bits, and this recipe has no int8 weight (its "
+                          "weights are float8, float16 or 4-bit); remove reduce_range")
     if config.accuracy_level not in (0, 1, 2, 3, 4):
         raise ConfigError(f"invalid accuracy_level {config.accuracy_level}; MatMulNBits takes 0 (unset), 1 (fp32), "
                           "2 (fp16), 3 (bf16) or 4 (int8)")

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from onnxq.config.compose import deep_merge
 from onnxq.config.io import config_from_dict, config_to_dict
 from onnxq.config.spec import Config, DType
+from onnxq.config.spec_rules import GRID_FIELDS
 from onnxq.numerics.qmath import qdq_opset
 from onnxq.plan import Kind, QuantPlan
 
@@ -26,8 +27,10 @@ def _rung_override(rung: str) -> dict[str, dict[str, str]]:
         return {"input_tensors": {"dtype": "int16"}, "output_tensors": {"dtype": "int16"}}
     dtype = {"fp16": "float16", "bf16": "bfloat16", "float": "float32"}[rung]
     # The bias stays float32 (a bias spec takes int32 or float32): the float-type lowering
-    # casts it with the node, as the FP16/BF16 presets do with no bias spec at all.
-    return {**{tc: {"dtype": dtype} for tc in ("input_tensors", "output_tensors", "weight")},
+    # casts it with the node, as the FP16/BF16 presets do with no bias spec at all. A float
+    # type has no grid: the node's own integer settings (bits, qscheme, ...) are cleared.
+    spec = {"dtype": dtype, **dict.fromkeys(("bits", *GRID_FIELDS))}
+    return {**{tc: dict(spec) for tc in ("input_tensors", "output_tensors", "weight")},
             "bias": {"dtype": "float32"}}
 
 
