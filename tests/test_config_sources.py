@@ -715,6 +715,16 @@ def test_an_op_type_given_to_exclude_names_float_op_types():
                        progress=False)
 
 
+@pytest.mark.parametrize("entries", [{"pre_quant_opt_config": [{"name": "fold_batchnorm", "skip_fusion_layers": ["conv9"]}]},
+                                     {"pre_quant_opt_config": [{"name": "cle", "skip_layers": ["conv9"]}]},
+                                     {"algo_config": [{"name": "adaround", "layers": ["conv9"]}]}])
+def test_node_names_in_pass_and_algorithm_options_must_name_nodes(entries):
+    """skip_fusion_layers, skip_layers and layers naming no node changed nothing without a
+    word, where a misspelt exclude entry is an error (configuration trial)."""
+    with pytest.raises(ConfigError, match="names 'conv9', which is no node of the model; did you mean 'conv3'"):
+        onnxq.quantize(str(DIGITS), None, entries, str(ROOT / "models" / "digits_calib.npz"), progress=False)
+
+
 def test_a_spec_given_as_a_mapping_in_code_reads_as_a_spec():
     """`config.global_quant_config.weight = {...}` raised a raw TypeError (configuration
     trial), where a mapping for a whole level already worked: the same bytes as the typed

@@ -151,6 +151,11 @@ def _check_float_weight(merged: dict[str, Any], where: str, weighted: bool = Tru
             "the weights float")
 
 
+# Options of passes and algorithms that list node names (exact names): one the model lacks
+# would change nothing, as a misspelt exclude entry would.
+NODE_NAME_OPTIONS = ("skip_layers", "skip_fusion_layers", "layers")
+
+
 def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]],
                           weighted: Collection[str] | None = None) -> None:
     """Check the config against a model's `(node name, op type)`s: each exclude entry and
@@ -175,6 +180,14 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]],
         if name not in names:
             raise ConfigError(f"layer_quant_config names {name!r}, which is no node of the model"
                               f"{_nearest(name, names)}")
+    for key in ("pre_quant_opt_config", "algo_config"):  # node names in pass and algorithm options
+        for entry in getattr(config, key):
+            for option in NODE_NAME_OPTIONS:
+                listed = entry.get(option) if isinstance(entry, Mapping) else None
+                for name in listed if isinstance(listed, list | tuple) else ():
+                    if name not in names:
+                        raise ConfigError(f"{entry.get('name')}: {option} names {name!r}, which is no node of the "
+                                          f"model{_nearest(str(name), names)}")
     named = [("layer_type_quant_config", op) for op in config.layer_type_quant_config]
     named += [("float_op_types", op) for op in config.float_op_types]
     for where, op in named:
