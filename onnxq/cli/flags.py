@@ -361,8 +361,8 @@ def add_config_flags(q: argparse.ArgumentParser, stats: bool = True) -> None:
                         "pair-safe 8-bit scales where the target's int8 kernels saturate, uint8 "
                         "per-tensor weights there)")
     q.add_argument("--target-algorithms", action=argparse.BooleanOptionalAction, default=None,
-                   help="let the target add bias correction to Conv/Gemm (every CPU target does: it removes "
-                        "the rounded weights' mean error per channel; default on)")
+                   help="let the target add bias correction to Conv/Gemm, static or weight-only with data (every "
+                        "CPU target does: it removes the rounded weights' mean error per channel; default on)")
     q.add_argument("--exclude", nargs="+", metavar="NAME", help="node names or regexes to keep in float")
     q.add_argument("--float-op-types", nargs="+", metavar="OP",
                    help="op types to keep in float, besides the preset's (float_op_types: Softmax and the "

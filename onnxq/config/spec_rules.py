@@ -279,24 +279,12 @@ def _block_formats_where_they_run(v: dict[str, Any], tc: str, resolved: bool) ->
 
 
 # Spec fields that shape a quantization grid: a tensor cast to float16 or bfloat16 has none
-# (`--preset FP16 --per-tensor --scale-type power_of_two` wrote FP16's model byte for byte).
+# (`--preset FP16 --per-tensor --scale-type power_of_two` wrote FP16's model byte for byte;
+# `config.compose` refuses a source that sets them where its result casts).
 GRID_FIELDS = ("qscheme", "scale_type", "ch_axis", "group_size", "round_method")
 
 
-def _no_grid_for_a_float_cast(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] | None:
-    """Grid settings beside a float16/bfloat16 dtype at one level (as written: a level that
-    only names the type inherits the others' grid settings for nothing)."""
-    if resolved or v["dtype"] not in ("float16", "bfloat16"):
-        return None
-    given = [f"{key} {v[key]}" for key in GRID_FIELDS if v.get(key) is not None]
-    if not given:
-        return None
-    return (f"{', '.join(given)} with dtype {v['dtype']}",
-            f"{v['dtype']} is a cast, with no scales or grid: remove {given[0].split()[0]}")
-
-
 SPEC_RULES: tuple[Rule, ...] = (
-    _no_grid_for_a_float_cast,
     _block_formats_where_they_run,
     _weight_method,
     _calib_method_registered,
