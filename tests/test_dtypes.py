@@ -139,21 +139,10 @@ def test_an_opset_raised_past_the_one_asked_is_said():
     assert not any("not the" in t and "asked" in t for t in plain.summary.note_texts)
 
 
-def test_bits_on_a_float32_tensor_is_refused():
-    """--weight-type float32 --weight-bits 7 did nothing without a word, where bits on
-    float16 weights is refused (configuration trial)."""
-    with pytest.raises(onnxq.OnnxqError, match="bits 7 with dtype float32 in global_quant_config.weight; float32 keeps"):
-        onnxq.quantize(residual(), None, {"global_quant_config": {"weight": {"dtype": "float32", "bits": 7}}})
-
-
 @pytest.mark.parametrize("settings, refused", [({"preset": "FP8_E4M3", "reduce_range": True}, "reduce_range true"),
-                                               ({"preset": "FP16", "global_quant_config": {"weight": {"qscheme": "per_tensor"}}},
-                                                "qscheme per_tensor with dtype float16"),
-                                               ({"preset": "BF16", "global_quant_config": {"input_tensors": {
-                                                   "scale_type": "power_of_two"}}}, "scale_type power_of_two with dtype bfloat16")])
-def test_integer_grid_settings_on_float_types_are_refused(settings, refused):
-    """FP8 with --reduce-range, FP16 with --per-tensor or --scale-type power_of_two wrote the
-    plain preset's model byte for byte, the summary claiming 7-bit weights (configuration
-    trial)."""
+                                               ({"preset": "BF16", "reduce_range": True}, "reduce_range true")])
+def test_reduce_range_without_int8_weights_is_refused(settings, refused):
+    """FP8 with --reduce-range wrote the plain preset's model byte for byte, the summary
+    claiming 7-bit weights (configuration trial)."""
     with pytest.raises(onnxq.OnnxqError, match=refused):
         onnxq.quantize(residual(), None, settings, [random_feeds(residual(), 1, 0)[0]])

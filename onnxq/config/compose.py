@@ -39,9 +39,7 @@ from onnxq.calibrate.observers import OBSERVERS
 from onnxq.config.convert import config_to_dict, entry_dict
 from onnxq.config.io import NO_PRESET, bare_layer_class_dtypes, config_from_dict, read_config_dict
 from onnxq.config.presets import PRESETS, get_preset
-from onnxq.config.resolve import merge_specs
 from onnxq.config.spec import ACTIVATION_CLASSES, SPEC_DEFAULTS, Config, DType
-from onnxq.config.spec_rules import GRID_FIELDS
 from onnxq.config.validate import validate_config
 from onnxq.errors import ConfigError, closest_name, duplicate_entry
 
@@ -250,42 +248,9 @@ def compose_config(
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     try:
-        composed = config_from_dict(stack[-1])
+        return config_from_dict(stack[-1])
     except ConfigError as exc:
         raise ConfigError(f"{_blame(stack, sources)}: {exc}") from None
-    _no_grid_on_casts(composed, sources)
-    return composed
-
-
-def _no_grid_on_casts(config: Config, sources: list[tuple[str, dict[str, Any]]]) -> None:
-    """Refuse a source that sets grid fields (`spec_rules.GRID_FIELDS`: qscheme, scale_type,
-    ...) on a tensor class that the composed config casts to float16 or bfloat16, which has
-    no grid: `--preset FP16 --per-tensor` wrote FP16's model byte for byte. Judged per
-    source, so a preset's own grid fields under a source's float16 dtype are no error."""
-    def levels(config_or_source: Any) -> list[tuple[str, Any]]:
-        get = config_or_source.get if isinstance(config_or_source, Mapping) else \
-            lambda key: getattr(config_or_source, key, None)
-        found = [("global_quant_config", get("global_quant_config"))]
-        for key in ("layer_type_quant_config", "layer_quant_config"):
-            found += [(f"{key}[{name!r}]", level) for name, level in (get(key) or {}).items()]
-        return found
-
-    final = dict(levels(config))
-    for where, source in sources:
-        for path, level in levels(source):
-            if not isinstance(level, Mapping) or final.get(path) is None:
-                continue
-            for tc, spec in level.items():
-                given = [k for k in GRID_FIELDS if isinstance(spec, Mapping) and spec.get(k) is not None]
-                if not given or tc not in ("input_tensors", "output_tensors", "weight"):
-                    continue
-                stack = [getattr(final[path], tc)] + ([] if path == "global_quant_config"
-                                                       else [getattr(config.global_quant_config, tc)])
-                resolved = merge_specs(stack, tc)
-                if resolved is not None and resolved.dtype in (DType.FLOAT16, DType.BFLOAT16):
-                    name = resolved.dtype.value
-                    raise ConfigError(f"{where}: {given[0]} {spec[given[0]]} with dtype {name} in {path}.{tc}; "
-                                      f"{name} is a cast, with no scales or grid: remove {given[0]}")
 
 
 def _no_activations_created(base: Mapping[str, Any], source: dict[str, Any], preset: str, where: str) -> None:

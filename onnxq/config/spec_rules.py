@@ -182,8 +182,6 @@ def _bits_range(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str] |
     top = 8 if tc == "weight" else 32
     if not 2 <= bits <= top:
         return f"invalid bits {bits}", f"use a bit width from 2 to {top}"
-    if v["dtype"] in ("float32", "fp32"):  # a tensor kept float: resolved, it is no spec to check
-        return f"bits {bits} with dtype float32", "float32 keeps the tensor float, so bits would do nothing: remove one"
     if resolved and v["dtype"] not in INTEGER_DTYPES:
         integer = "int8" if bits <= 8 else "int16"
         return f"bits {bits} with dtype {v['dtype']}", f"bits narrows integer dtypes only: use dtype {integer}, or remove bits"
@@ -278,9 +276,8 @@ def _block_formats_where_they_run(v: dict[str, Any], tc: str, resolved: bool) ->
     return None
 
 
-# Spec fields that shape a quantization grid: a tensor cast to float16 or bfloat16 has none
-# (`--preset FP16 --per-tensor --scale-type power_of_two` wrote FP16's model byte for byte;
-# `config.compose` refuses a source that sets them where its result casts).
+# Spec fields that shape an integer quantization grid: a tensor cast to a float type has none
+# (the accuracy search's float rungs clear them with `bits`, `search/ladder.py`).
 GRID_FIELDS = ("qscheme", "scale_type", "ch_axis", "group_size", "round_method")
 
 

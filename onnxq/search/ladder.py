@@ -28,7 +28,8 @@ def _rung_override(rung: str) -> dict[str, dict[str, str]]:
     dtype = {"fp16": "float16", "bf16": "bfloat16", "float": "float32"}[rung]
     # The bias stays float32 (a bias spec takes int32 or float32): the float-type lowering
     # casts it with the node, as the FP16/BF16 presets do with no bias spec at all. A float
-    # type has no grid: the node's own integer settings (bits, qscheme, ...) are cleared.
+    # type has no grid: the node's own integer settings (bits, qscheme, ...) are cleared, so
+    # that none is judged against the float type.
     spec = {"dtype": dtype, **dict.fromkeys(("bits", *GRID_FIELDS))}
     return {**{tc: dict(spec) for tc in ("input_tensors", "output_tensors", "weight")},
             "bias": {"dtype": "float32"}}
