@@ -708,6 +708,21 @@ def test_float_op_types_add_to_the_presets(tmp_path):
     assert all(producers.get(n.input[1]) != "DequantizeLinear" for n in graph.node if n.op_type == "Conv")
 
 
+def test_float_op_types_of_a_whole_config_and_an_empty_list(tmp_path):
+    """A whole config without float_op_types under --float-op-types Erf kept only Erf
+    (review); a whole config's own list is its list; [] over a preset, which once meant
+    'quantize Softmax too', now adds nothing and says how to quantize one."""
+    whole = tmp_path / "w.yaml"
+    whole.write_text("preset: none\n")
+    assert compose_config(None, str(whole), {"float_op_types": ["Erf"]}).float_op_types == [
+        *onnxq.Config().float_op_types, "Erf"]
+    whole.write_text("preset: none\nfloat_op_types: [Softmax]\n")
+    assert compose_config(None, str(whole)).float_op_types == ["Softmax"]
+    with pytest.raises(ConfigError, match=r"float_op_types \[\] adds nothing to the preset's list .*"
+                                          r"layer_type_quant_config: \{Softmax: \{\}\}"):
+        compose_config("U8S8", None, {"float_op_types": []})
+
+
 def test_an_op_type_given_to_exclude_names_float_op_types():
     with pytest.raises(ConfigError, match=r"exclude entry 'Conv' matches no node of the model but is one of its op "
                                           r"types; keep every Conv float with float_op_types: \[Conv\]"):

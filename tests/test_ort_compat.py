@@ -301,8 +301,12 @@ def test_op_types_and_switches_are_checked_as_onnxq_checks_its_own(tmp_path):
         quantize_static(MODEL, tmp_path / "q.onnx", Reader(), op_types_to_quantize=["Convv"])
     with pytest.raises(ConfigError, match="extra_options ActivationSymmetric must be True or False, got 'false'"):
         quantize_static(MODEL, tmp_path / "q.onnx", Reader(), extra_options={"ActivationSymmetric": "false"})
-    quantize_static(MODEL, tmp_path / "q.onnx", Reader(), op_types_to_quantize=["Conv", "Attention", "LSTM"])
+    result = quantize_static(MODEL, tmp_path / "q.onnx", Reader(), op_types_to_quantize=["Conv", "Attention", "LSTM",
+                                                                                          "Softmax"],
+                             extra_options={"ActivationSymmetric": np.True_, "WeightSymmetric": 1,
+                                            "OpTypesToExcludeOutputQuantization": ["LSTM"]})
     assert _quantized_ops(tmp_path / "q.onnx") == {"Conv"}
+    assert not any("has no effect" in t for t in result.summary.note_texts), result.summary.note_texts
 
 
 def test_op_types_to_quantize_brings_a_default_float_op_type_in():

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import onnx
 
 from onnxq.config.spec import ACTIVATION_CLASSES, Config
@@ -182,6 +183,13 @@ def _names(value: Any, what: str) -> list[str]:
     return [str(v) for v in value]
 
 
+def _switch(value: Any) -> bool:
+    """Whether `value` reads as a switch as onnxruntime reads it: None, a bool (numpy's too)
+    or 0/1; a string or anything else is refused."""
+    return value is None or isinstance(value, bool | np.bool_) or (isinstance(value, int | np.integer)
+                                                                   and value in (0, 1))
+
+
 def _op_types(value: Any, model_ops: Iterable[tuple[str, str]]) -> list[str]:
     """op_types_to_quantize as names; one that is no op type of the model, of onnx or of
     onnxruntime's quantization registries is a typo, refused with the nearest name (it had
@@ -272,7 +280,7 @@ def ort_overrides(arguments: OrtArguments, *, dynamic: bool, model_ops: list[tup
     if "SmoothQuantAlpha" in extra:
         spec["_smoothquant_alpha"] = extra["SmoothQuantAlpha"]
     for key, value in extra.items():
-        if key in SWITCHES and value is not None and not isinstance(value, bool):
+        if key in SWITCHES and not _switch(value):
             raise ConfigError(f"extra_options {key} must be True or False, got {value!r} (a string such as 'false' "
                               "would read as true)")
         if key in EXTRA_OPTIONS:
@@ -284,8 +292,10 @@ def ort_overrides(arguments: OrtArguments, *, dynamic: bool, model_ops: list[tup
         list(DYNAMIC_DEFAULT_TYPES) if dynamic else None)
     if wanted_types is not None:
         others = sorted({t for _, t in model_ops if t not in wanted_types})
-        spec["float_op_types"] = others
-        for op_type in set(wanted_types) & set(Config().float_op_types):  # asked for: out of the preset's float list
+        if others:
+            spec["float_op_types"] = others
+        present = {t for _, t in model_ops}
+        for op_type in set(wanted_types) & set(Config().float_op_types) & present:  # out of the preset's float list
             spec["layer_type_quant_config"].setdefault(op_type, {})
         if dynamic and "Conv" in wanted_types:
             spec["layer_type_quant_config"]["Conv"] = {"input_tensors": {"dtype": "uint8", "is_dynamic": True},
@@ -311,6 +321,13 @@ def ort_overrides(arguments: OrtArguments, *, dynamic: bool, model_ops: list[tup
     spec["exclude"] = sorted(excluded)
     if a.calibration_providers:
         spec["calibration"] = {"providers": list(a.calibration_providers)}
+    # the caller's op-type lists name op types the model may lack (one script, many models):
+    # their settings would only be said to have no effect, in words the caller never wrote
+    present = {op for _, op in model_ops}
+    listed = set(extra.get("OpTypesToExcludeOutputQuantization") or ()) | set(
+        extra.get("QDQOpTypePerChannelSupportToAxis") or ())
+    for op in listed - present:
+        spec["layer_type_quant_config"].pop(op, None)
     return spec, [key for key in extra if key in NO_EFFECT]
 
 
