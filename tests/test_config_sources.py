@@ -342,6 +342,12 @@ def test_amct_node_names_are_refused_in_the_files_words(tmp_path, capsys, text, 
     assert main(["quantize", str(DIGITS), str(tmp_path / "o.onnx"), "--config", str(cfg), "--calib-data",
                  str(ROOT / "models" / "digits_calib.npz")]) == 2
     assert says in capsys.readouterr().err
+    # a name the command line gave keeps onnxq's words (the file did not say it)
+    good = _write(tmp_path, "good.cfg", 'skip_layers : "conv1"\n')
+    assert main(["quantize", str(DIGITS), str(tmp_path / "o.onnx"), "--config", str(good), "--calib-data",
+                 str(ROOT / "models" / "digits_calib.npz"), "--exclude", "conv8"]) == 2
+    err = capsys.readouterr().err
+    assert "exclude entry 'conv8'" in err and "good.cfg" not in err, err
 
 
 def test_amct_algorithms_map_to_onnxq_entries(tmp_path):

@@ -197,6 +197,13 @@ def in_amct_words(message: str, args: argparse.Namespace) -> str:
     config = getattr(args, "config", None)
     if not config or Path(str(config)).suffix.lower() not in AMCT_SUFFIXES:
         return message
+    named = re.search(r"'([^']*)'", message)
+    try:  # a name the file does not hold came from a flag (--exclude): onnxq's words stand
+        name = re.sub(r"\\(.)", r"\1", named.group(1)) if named else None  # skip_layers are escaped to patterns
+        if name is None or name not in Path(str(config)).read_text(encoding="utf-8", errors="replace"):
+            return message
+    except OSError:
+        return message
     for ours, theirs in AMCT_WORDS:
         if re.search(ours, message):
             return f"{config}: {re.sub(ours, theirs, message)}"
