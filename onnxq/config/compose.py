@@ -65,11 +65,11 @@ def _name(default: Default) -> str:
 
 def _merge_by_name(base: list[Any], override: list[Any], key: str = "algo_config") -> list[Any]:
     """Entries of `override` merge into same-named entries of `base` (their keys win, in
-    place) or append. Two entries of one name in `override` are refused: merged, the second
-    had silently replaced the first's options, where the Python API refused them."""
+    place) or append. Two algorithms of one name in `override` are refused: merged, the
+    second had silently replaced the first's options, where the Python API refused them."""
     once = [e.get("name") for e in override if isinstance(e, Mapping) and e.get("name") is not None]
     twice = next((name for i, name in enumerate(once) if name in once[:i]), None)
-    if twice is not None:
+    if twice is not None and key == "algo_config":  # a pass may run twice (Python lists run as given)
         raise ConfigError(duplicate_entry(key, twice))
     merged = list(base)
     names = [e.get("name") if isinstance(e, Mapping) else None for e in merged]

@@ -270,11 +270,12 @@ def check_config_entries(pre_quant: list[Mapping[str, Any]], algos: list[Mapping
     """Fail early (before loading the model) on unknown pass or algorithm names, on options
     their contracts reject, on two enabled algorithms of one exclusive kind (`EXCLUSIVE`)
     and, given `matmul_nbits`, on block rounding in a recipe without MatMulNBits."""
-    for key, parsed in (("pre_quant_opt_config", parse_passes(pre_quant)), ("algo_config", parse_algorithms(algos))):
-        names = [entry.name for entry in parsed]
-        if len(set(names)) < len(names):
-            raise ConfigError(duplicate_entry(key, next(n for i, n in enumerate(names) if n in names[:i])))
-    entries = [entry for entry in parse_algorithms(algos) if entry.enabled]
+    parse_passes(pre_quant)  # a pass may be listed twice: each entry runs
+    parsed = parse_algorithms(algos)
+    names = [entry.name for entry in parsed]
+    if len(set(names)) < len(names):  # one run of each algorithm: two entries would be one choice left to make
+        raise ConfigError(duplicate_entry("algo_config", next(n for i, n in enumerate(names) if n in names[:i])))
+    entries = [entry for entry in parsed if entry.enabled]
     for kind, what in EXCLUSIVE:
         named = [entry.name for entry in entries if getattr(entry.contract, kind)]
         if len(named) > 1:
