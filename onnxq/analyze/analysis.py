@@ -368,7 +368,7 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
     def first_output(session: Any) -> np.ndarray:
         name, got = session.get_outputs()[0].name, []
         for feed in iter_batches(data, session_inputs(session), batch_size, samples, kind="evaluation"):
-            got.append(session.run([name], feed)[0])
+            got.append(run_quantized(session, [name], feed)[0])
             if sum(g.nbytes for g in got) >= IMPACT_OUTPUT_BYTES:  # an LLM's logits: 50 MB a window
                 break
         return np.concatenate(got)

@@ -22,11 +22,11 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.analyze.accumulate import ErrorStats
-from onnxq.analyze.isolate import IsolatedLayer, add_isolated_layers
+from onnxq.analyze.isolate import PREFIX, IsolatedLayer, add_isolated_layers
 from onnxq.analyze.qgraph import Layer
 from onnxq.calibrate.data import iter_batches
 from onnxq.calibrate.inputs import model_inputs
-from onnxq.calibrate.session import exposed_session, run_on_data
+from onnxq.calibrate.session import exposed_session, run_quantized
 from onnxq.evaluate import deployed_options, session_inputs
 from onnxq.graph.edit import values_by_name
 
@@ -79,8 +79,8 @@ def measure_in_groups(float_model: ir.Model, quant: ir.Model, layers: list[Layer
             for i in isolated:
                 result.own[i.layer.name], result.prefix[i.layer.name] = ErrorStats(), ErrorStats()
             for feed in feeds(session_inputs(ref_session)):
-                ref = dict(zip(references, run_on_data(ref_session, references, feed, "evaluation")))
-                test = dict(zip(mine, test_session.run(mine, feed)))
+                ref = dict(zip(references, run_quantized(ref_session, references, feed, PREFIX)))
+                test = dict(zip(mine, run_quantized(test_session, mine, feed)))
                 for i in isolated:
                     result.own[i.layer.name].update(ref[i.reference], ref[i.output])
                     got = test.get(i.layer.output)

@@ -104,13 +104,20 @@ def run_on_data(session: ort.InferenceSession, names: list[str], feed: Mapping[s
         text = str(exc).strip()
         if "onnxq_" in text:
             raise
+        _out_of_memory(text, kind, feed)
         shapes = ", ".join(f"{name} {list(np.shape(value))}" for name, value in feed.items())
-        if "Failed to allocate memory" in text:
-            raise OnnxqError(f"onnxruntime ran out of memory on a {kind} batch ({shapes}); lower --batch-size "
-                             "(calibration.batch_size) or bound the exposed tensors with --max-calib-memory") from None
         raise CalibrationDataError(
             f"the model cannot run on this {kind} data ({shapes}): {refusal(text)}; check that every input of a sample "
             "has the others' length and values the model takes (token ids within its vocabulary)") from None
+
+
+def _out_of_memory(text: str, kind: str, feed: Mapping[str, np.ndarray]) -> None:
+    """Raise the one-line out-of-memory error where onnxruntime's `text` says so: the batch
+    is too big, whichever model ran it."""
+    if "Failed to allocate memory" in text:
+        shapes = ", ".join(f"{name} {list(np.shape(value))}" for name, value in feed.items())
+        raise OnnxqError(f"onnxruntime ran out of memory on a {kind} batch ({shapes}); lower --batch-size "
+                         "(calibration.batch_size) or bound the exposed tensors with --max-calib-memory") from None
 
 
 def run_quantized(session: ort.InferenceSession, names: list[str], feed: Mapping[str, np.ndarray],
@@ -124,6 +131,7 @@ def run_quantized(session: ort.InferenceSession, names: list[str], feed: Mapping
         return session.run(names, feed) if isolated is None else run_on_data(session, names, feed, "evaluation")
     except DATA_FAILURES as exc:
         text = str(exc).strip()
+        _out_of_memory(text, "evaluation", feed)
         if isolated is not None and isolated not in text:
             raise
         raise ModelError(f"the quantized model fails in onnxruntime on data the float model runs on: "
