@@ -4,6 +4,7 @@ a user mistake as one line on stderr and exit status 2 (`--debug`: its traceback
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import signal
 import sys
@@ -51,10 +52,13 @@ def _swallowed(parser: argparse.ArgumentParser, argv: list[str]) -> str:
     """A hint where a flag that takes several values came before the paths and took them
     (`onnxq quantize --exclude conv1 in.onnx out.onnx` read three node names)."""
     many = {opt for action in parser._actions if action.nargs in ("+", "*") for opt in action.option_strings}
-    flag = next((arg for arg in argv if arg in many), None)
-    if flag is None:
-        return ""
-    return f" ({flag} takes every value after it: put the paths before {flag})"
+    for i, arg in enumerate(argv):
+        if arg not in many:
+            continue
+        values = list(itertools.takewhile(lambda a: not a.startswith("-"), argv[i + 1:]))
+        if any(v.lower().endswith(".onnx") or os.path.sep in v for v in values):  # it took what looks like a path
+            return f" ({arg} takes every value after it: put the paths before {arg})"
+    return ""
 
 
 def _command_prog(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> str:
