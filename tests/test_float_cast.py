@@ -483,7 +483,8 @@ def test_rejects_non_float_targets_and_ignores_unknown_nodes() -> None:
 def test_the_summary_accounts_for_every_node_of_a_float_cast() -> None:
     """A model with integer shape arithmetic (Shape -> Gather -> Concat -> Reshape): its
     integer nodes were in neither list of the BF16 summary, so a transformer's counts did
-    not add up to its nodes (format trial). Every node is quantized or left in float now."""
+    not add up to its nodes (format trial). The float-cast line counts them (a list of
+    them all, MiniLM's 130, drowned the summary: review)."""
     import onnxq
     rng = np.random.default_rng(0)
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
@@ -501,5 +502,7 @@ def test_the_summary_accounts_for_every_node_of_a_float_cast() -> None:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     result = onnxq.quantize(model, None, "BF16", None, progress=False)
     listed = set(result.plan.quantized_nodes) | set(result.summary.float_nodes)
-    assert {node.name for node in nodes} <= listed, listed
-    assert result.summary.float_nodes["cat"][1].startswith("no float32 tensor to convert")
+    line = next(t for t in result.summary.note_texts if t.startswith("float cast:"))
+    counted = int(line.rsplit("; ", 1)[1].split()[0])
+    assert "without a float32 tensor (integer shape and index arithmetic) left as they are" in line, line
+    assert len(listed) + counted == len(nodes), (listed, line)

@@ -106,6 +106,8 @@ def test_a_float16_model_on_the_cpu_is_said_to_save_memory_not_time():
     found = slower_on_cpu({"Conv": 1.0}, {"Conv": 1.0, "Cast": 0.2}, "x86-vnni", half)
     assert found[0].startswith("float16 saves memory on the CPU, not time")
     assert not any("float16" in c for c in slower_on_cpu({"Conv": 1.0}, {"Conv": 1.0}, "x86-vnni", conv))
+    bf16 = onnxq.quantize(conv.clone(), None, "BF16", None, progress=False).ir_model
+    assert slower_on_cpu({"Conv": 1.0}, {"Conv": 1.0}, "x86-vnni", bf16)[0].startswith("bfloat16 saves memory")
 
 
 def test_no_data_is_said_not_measured(tmp_path):

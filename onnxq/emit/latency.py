@@ -225,17 +225,21 @@ def slower_on_gpu(latency: Latency, model: ir.Model) -> list[str]:
     return gpu_causes(latency.where, model_format(model))
 
 
-# A float16 model timed on the CPU (FP16 had read "no single op type explains it").
-HALF_ON_CPU = ("float16 saves memory on the CPU, not time: onnxruntime's CPU has few float16 kernels and computes "
+# A float16 or bfloat16 model timed on the CPU (FP16 had read "no single op type explains it").
+HALF_ON_CPU = ("{type} saves memory on the CPU, not time: onnxruntime's CPU has few {type} kernels and computes "
                "most ops in float32 around Casts; float16 is a GPU format (CUDA, ROCm: --preset FP16 there)")
 
 
 def slower_on_cpu(float_ms: dict[str, float], quantized_ms: dict[str, float], isa: str,
                   quantized: ir.Model) -> list[str]:
-    """`causes` of a slow CPU timing, a float16 model's first (its kernel-level figures
-    cannot say it)."""
+    """`causes` of a slow CPU timing, a float16 or bfloat16 model's first (its kernel-level
+    figures cannot say it)."""
     found = causes(float_ms, quantized_ms, isa, wrapped_kinds(quantized))
-    return [HALF_ON_CPU, *found] if model_format(quantized) == "float16" else found
+    half = {v.const_value.dtype for v in quantized.graph.initializers.values() if v.const_value is not None} & {
+        ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+    if not half or any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in quantized.graph):
+        return found
+    return [HALF_ON_CPU.format(type="float16" if ir.DataType.FLOAT16 in half else "bfloat16"), *found]
 
 
 def causes(float_ms: dict[str, float], quantized_ms: dict[str, float], isa: str,

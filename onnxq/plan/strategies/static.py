@@ -241,29 +241,35 @@ def plan_weight(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) 
     return i
 
 
+# Input channels (per group) a weight needs for blocks along them: a block is at most that
+# many weights with a float scale of its own, per output channel and tap (a depthwise
+# layer's 1 or an RGB first layer's 3 would make the layer larger than float).
+MIN_BLOCK_CHANNELS = 8
+
+
 def _granularity(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig,
                  array: object) -> tuple[int | None, int | None]:
     """(axis, block size) of the weight's scales as the config asks for them, or coarser
     where onnxruntime cannot run them (the plan's `coarser_weights` says why): a MatMul
     weight of another rank than 2 per tensor (a vector, or a batch of matrices: its integer
     MatMul refused the per-column zero points of a [2, 4, 6] weight at run time, while the
-    session loaded), the blocks of a Conv with one input channel per group (a depthwise or
-    a grayscale first layer) per channel (each block would be one weight, with a float scale
-    of its own: the layer larger than float)."""
+    session loaded), the blocks of a Conv with fewer than MIN_BLOCK_CHANNELS input channels
+    per group (a depthwise, a grayscale or an RGB first layer) per channel."""
     spec = cfg.weight
     scheme, ndim = spec.qscheme, array.ndim
     if scheme == QScheme.PER_TENSOR.value:
         return None, None
     if node.op_type == "MatMul" and ndim != 2:
-        draft.coarser_weights[node.name] = (f"per tensor: its weight has rank {ndim}, and per-column or block "
-                                            "scales are for a rank-2 MatMul weight")
+        draft.coarser_weights[node.name] = ("per tensor: its weight is no matrix (a vector or a batch of them), and "
+                                            "per-column or block scales are for a rank-2 MatMul weight")
         return None, None
     if scheme == QScheme.PER_GROUP.value:
         axis = rule.weight_in_axis(node, ndim)
-        if array.shape[axis] > 1:
+        if array.shape[axis] >= MIN_BLOCK_CHANNELS:
             return axis, spec.group_size
-        draft.coarser_weights[node.name] = ("per channel: its weight has one input channel (per group), so each "
-                                            "block would hold one weight")
+        draft.coarser_weights[node.name] = (f"per channel: its weight has fewer than {MIN_BLOCK_CHANNELS} input "
+                                            "channels (per group), so each block would hold a few weights and a "
+                                            "float scale")
         return rule.weight_axis(node, ndim), None
     return _output_axis(node, rule, spec.ch_axis, ndim), None
 
@@ -307,8 +313,7 @@ def coarser_note(plan: QuantPlan) -> Note | None:
     """The summary's word on weights quantized coarser than asked (`_granularity`)."""
     if not plan.coarser_weights:
         return None
-    (why, count), *_ = Counter(plan.coarser_weights.values()).most_common()
+    reasons = "; ".join(f"{count} {why}" for why, count in Counter(plan.coarser_weights.values()).most_common())
     names = tuple(plan.coarser_weights)
     return Note(Topic.EMISSION, f"{len(names)} weight{'s' * (len(names) > 1)} quantized coarser than the config "
-                f"asks ({count} {why}): "
-                f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}", names)
+                f"asks ({reasons}): {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}", names)
