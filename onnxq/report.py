@@ -128,8 +128,11 @@ def format_summary(s: Summary) -> str:
         lines.append(f"  bias kept in float: {bias}")
     passes = f" in {s.calibration_passes} passes" if s.calibration_passes > 1 else ""
     n = s.calibration_samples
-    if n or s.calibrated_tensors:
+    if s.calibrated_tensors:
         lines.append(f"  calibration: {n} sample{'' if n == 1 else 's'}, {s.calibrated_tensors} tensors{passes}")
+    elif n:  # weight-only layers' statistics (the target's bias correction): no activation range
+        lines.append(f"  calibration: {n} sample{'' if n == 1 else 's'} for the algorithms' statistics{passes} (no "
+                     "activation is quantized statically)")
     else:  # weight-only: an algorithm that reads data says how much in its own note
         lines.append("  calibration: none (no activation is quantized statically)")
     if 0 < n < FEW_SAMPLES and s.calibrated_tensors:
