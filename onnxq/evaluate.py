@@ -233,10 +233,13 @@ def class_labels(labels: Any, samples: int, classes: int | None = None) -> np.nd
 
 
 def _metrics(
-    refs: dict[str, np.ndarray], tests: dict[str, np.ndarray], labels: np.ndarray | None, kernels: str
+    refs: dict[str, np.ndarray], tests: dict[str, np.ndarray], labels: np.ndarray | None, kernels: str,
+    samples: int | None = None,
 ) -> Comparison:
+    """`samples`: the samples compared, where outputs of different lengths were joined as
+    rows (`joined`) and their length is no longer the count."""
     names = list(refs)
-    result = Comparison(samples=len(refs[names[0]]), kernels=kernels)
+    result = Comparison(samples=len(refs[names[0]]) if samples is None else samples, kernels=kernels)
     for n in names:
         r, t = refs[n], tests[n]
         metrics = OutputMetrics(n, sqnr_db(r, t), cosine(r, t), top1_agreement(r, t))
@@ -340,7 +343,7 @@ def compare_models(
         results = {k: Comparison(samples, [sums[k][n].metrics(n) for n in names], kernels=k) for k in sessions}
     else:
         arrays = {k: {n: joined(v) for n, v in per.items()} for k, per in outputs.items()}
-        results = {k: _metrics(arrays["float"], arrays[k], labels, k) for k in sessions}
+        results = {k: _metrics(arrays["float"], arrays[k], labels, k, samples) for k in sessions}
     result = results.get("deployed") or results["reference"]
     result.reference = results.get("reference") if "deployed" in results else None
     result.ignored = sorted(source.ignored)
@@ -352,8 +355,18 @@ def compare_models(
 
 
 def joined(batches: list[np.ndarray]) -> np.ndarray:
-    """An output's batches end to end; a scalar output (a loss, a count) one value a batch."""
-    return np.concatenate(batches) if batches[0].ndim else np.stack(batches)
+    """An output's batches end to end; a scalar output (a loss, a count) one value a batch.
+    Batches of different lengths (token sequences of another length per file) are joined
+    as rows of their last axis, or flat where that differs too: figures summed over
+    elements are the same, and the float and quantized outputs are joined alike (their
+    batches' shapes match). They had raised numpy's concatenation error."""
+    if not batches[0].ndim:
+        return np.stack(batches)
+    if len({b.shape[1:] for b in batches}) == 1:
+        return np.concatenate(batches)
+    if batches[0].ndim > 1 and len({b.shape[-1] for b in batches}) == 1:
+        return np.concatenate([b.reshape(-1, b.shape[-1]) for b in batches])
+    return np.concatenate([b.ravel() for b in batches])
 
 
 def _quantized_ops(proto: onnx.ModelProto | None) -> str | None:

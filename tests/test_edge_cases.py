@@ -261,3 +261,38 @@ def test_compare_and_analyze_name_a_quantized_model_that_fails_to_run(tmp_path, 
         assert code == 2, command
         error = capsys.readouterr().err
         assert error.count("\n") == 1 and "quantized model fails in onnxruntime" in error and "'mm'" in error, error
+
+
+def test_compare_analyze_and_search_take_batches_of_different_lengths(tmp_path):
+    """Token data in files of different sequence lengths calibrates, but compare, analyze's
+    output ranking and the accuracy search raised numpy's concatenation error (trust trial):
+    their outputs are joined as rows, and the samples counted are the samples."""
+    from onnxq.evaluate import compare_models
+    model = _attention()
+    folder = tmp_path / "varlen"
+    folder.mkdir()
+    np.savez(folder / "a.npz", **_tokens(6, 5, 1))
+    np.savez(folder / "b.npz", **_tokens(6, 9, 2))
+    onnx.save(model, tmp_path / "f.onnx")
+    result = onnxq.quantize(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), "U8S8", str(folder), progress=False)
+    compared = compare_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), str(folder))
+    assert compared.samples == 12 and compared.outputs[0].sqnr_db > 15
+    analysis = analyze_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), str(folder), progress=False)
+    assert analysis.layers and analysis.samples == 12
+    searched = onnxq.quantize(str(tmp_path / "f.onnx"), None, onnxq.compose_config(
+        "U8S8", None, {"mixed_precision": {"target": "sqnr>=15", "eval_data": str(folder)}}), str(folder),
+        progress=False)
+    assert searched.summary.mixed_precision is not None and result.model is not None
+
+
+def test_empty_evaluation_data_is_one_line(tmp_path):
+    """Data of 0 samples: compare raised an IndexError, analyze numpy's ValueError (trust trial)."""
+    from onnxq.errors import CalibrationDataError
+    from onnxq.evaluate import compare_models
+    model = _attention()
+    onnx.save(model, tmp_path / "f.onnx")
+    onnxq.quantize(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), "U8S8", [_tokens(4, 5, 1)], progress=False)
+    np.savez(tmp_path / "none.npz", **_tokens(0, 5, 1))
+    for run_it in (compare_models, analyze_models):
+        with pytest.raises(CalibrationDataError, match="the evaluation data holds no sample; give at least one"):
+            run_it(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), str(tmp_path / "none.npz"))

@@ -47,7 +47,13 @@ from onnxq.calibrate.data import CalibrationSource, feed_rows, iter_batches
 from onnxq.calibrate.decoder import decoder_feeds, result_outputs
 from onnxq.calibrate.session import check_providers, exposed_session, run_quantized
 from onnxq.errors import ModelError
-from onnxq.evaluate import check_same_shape, deployed_options, deployed_session, session_inputs
+from onnxq.evaluate import (
+    check_same_shape,
+    deployed_options,
+    deployed_session,
+    joined,
+    session_inputs,
+)
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
 from onnxq.graph.quantized import describe, extended_ops, integer_kernel, quantized_ops
@@ -371,7 +377,7 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
             got.append(run_quantized(session, [name], feed)[0])
             if sum(g.nbytes for g in got) >= IMPACT_OUTPUT_BYTES:  # an LLM's logits: 50 MB a window
                 break
-        return np.concatenate(got)
+        return joined(got)
 
     def session_with_only(name: str) -> Any:
         bar.update(1)

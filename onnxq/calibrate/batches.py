@@ -77,12 +77,17 @@ def iter_batches(
     data that fills none at all is an error naming the input and the shape it needs.
     `kind`: what the data is to the user, as errors call it ("calibration", "evaluation").
     """
+    yielded = False
     try:
-        yield from _batches(source, inputs, batch_size, max_samples, purpose, max_batches)
+        for feed in _batches(source, inputs, batch_size, max_samples, purpose, max_batches):
+            yielded = True
+            yield feed
     except CalibrationDataError as exc:
         if kind == "calibration":
             raise
         raise CalibrationDataError(re.sub(r"\bcalibration (input|sample|arrays|data)", rf"{kind} \1", str(exc))) from None
+    if not yielded and kind != "calibration":  # calibration says it its own way (`sources.empty_data`)
+        raise CalibrationDataError(f"the {kind} data holds no sample; give at least one")
 
 
 def _batches(

@@ -25,7 +25,14 @@ from onnxq.calibrate.session import run_on_data
 from onnxq.config.accuracy import AccuracyTarget, parse_target  # noqa: F401 (parse_target: its old home, for importers)
 from onnxq.config.spec import DEFAULT_LABELS
 from onnxq.errors import CalibrationDataError, ConfigError, closest_name
-from onnxq.evaluate import class_labels, kept_positions, row_cosines, session_inputs, sqnr_db
+from onnxq.evaluate import (
+    class_labels,
+    joined,
+    kept_positions,
+    row_cosines,
+    session_inputs,
+    sqnr_db,
+)
 
 # The score of the float model against itself, for metrics measured against it.
 SELF_SCORE = {"cosine": 1.0, "sqnr": math.inf}
@@ -72,8 +79,8 @@ class EvalSet:
         """The first output over the data; with `user_model` (the float model), a batch
         it cannot run on is the data's fault (`run_on_data`), else onnxq's."""
         name = session.get_outputs()[0].name
-        return np.concatenate([(run_on_data(session, [name], feed, "evaluation") if user_model
-                                else session.run([name], feed))[0] for feed in self.batches(session)])
+        return joined([(run_on_data(session, [name], feed, "evaluation") if user_model
+                        else session.run([name], feed))[0] for feed in self.batches(session)])
 
 
 def load_eval_set(source: Any, labels_key: str, max_samples: int | None = None, model: Any = None,
