@@ -143,9 +143,10 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
     if use == "nothing":  # the windows were not read: a note describing them would say they were
         result.summary.notes = [n for n in result.summary.notes if n.source != WINDOWS_NOTE]
     if report is not None:
-        data = config.mixed_precision.eval_data or calibration_data
+        held_out = config.mixed_precision.eval_data is not None
+        data = config.mixed_precision.eval_data if held_out else calibration_data
         with result.summary.stage("report"):  # often most of the run: the time line says so
-            report_quantization(report, result, result.config, data, progress)
+            report_quantization(report, result, result.config, data, progress, held_out)
     return result
 
 

@@ -235,3 +235,20 @@ def test_labelled_eval_data_puts_top1_in_the_report(tmp_path):
     assert f"on {same.samples} samples: float {same.float_accuracy:.2%}, quantized {same.quant_accuracy:.2%}" in line
     assert line.removeprefix("report: ") in html.unescape((tmp_path / "r.html").read_text())
     assert "report" in result.summary.stage_seconds  # its time in the time line
+
+
+def test_a_report_on_the_calibration_data_says_so(tmp_path):
+    """Without evaluation data the report measured the calibration data and said only
+    "Measured on 128 samples" (trust trial); its note says which data, and with evaluation
+    data given it says nothing of the kind."""
+    import onnxq
+
+    data = str(MODELS / "digits_calib.npz")
+    result = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), None, "U8S8", data, progress=False,
+                            report=tmp_path / "r.html")
+    assert any(t.startswith("report: measured on the calibration data") for t in result.summary.note_texts)
+    assert "measured on the calibration data" in (tmp_path / "r.html").read_text()
+    config = onnxq.compose_config("U8S8", None, {"mixed_precision": {"eval_data": str(MODELS / "digits_eval.npz")}})
+    held = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), None, config, data, progress=False,
+                          report=tmp_path / "h.html")
+    assert not any("calibration data" in t for t in held.summary.note_texts if t.startswith("report:"))

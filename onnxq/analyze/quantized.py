@@ -18,8 +18,10 @@ REPORT_SAMPLES = 256
 
 
 def report_quantization(path: str | os.PathLike, result: Any, config: Config, data: Any,
-                        progress: bool | None = None) -> None:
-    """Analyse `result` (a `QuantizationResult` with its state kept) on `data`; write the report."""
+                        progress: bool | None = None, held_out: bool = True) -> None:
+    """Analyse `result` (a `QuantizationResult` with its state kept) on `data`; write the
+    report. `held_out` False: `data` is the calibration data, and the report says so (its
+    figures read better than on data the quantizer did not fit to)."""
     state = result.state
     evalset = load_eval_set(data, config.mixed_precision.labels, model=result.summary.source,
                             providers=config.calibration.providers)
@@ -32,6 +34,9 @@ def report_quantization(path: str | os.PathLike, result: Any, config: Config, da
         if scored.float_accuracy is not None:
             analysis.notes.insert(0, f"top-1 against the labels on {scored.samples} samples: float "
                                      f"{scored.float_accuracy:.2%}, quantized {scored.quant_accuracy:.2%}")
+    if not held_out:
+        analysis.notes.insert(0, "measured on the calibration data (no evaluation data given: --eval-data, "
+                                 "mixed_precision.eval_data): the quantizer fitted to it, so held-out figures read lower")
     result.summary.notes.extend(notes(Topic.REPORT, [f"report: {n}" for n in analysis.notes]))
     write_html_report(path, analysis=analysis, summary=result.summary, config=config,
                       title=f"onnxq report: {result.summary.source}")
