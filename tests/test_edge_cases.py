@@ -317,3 +317,17 @@ def test_analyze_lists_the_quantized_layers_only():
     assert "div" in result.summary.float_nodes
     analysis = analyze_models(model, result.model, feeds, progress=False, rank="noise")
     assert {layer.name for layer in analysis.layers} == set(result.plan.quantized_nodes) == {"mm1", "mm2"}
+
+
+def test_analyze_refuses_a_quantized_model_without_the_float_models_outputs():
+    """compare refused models whose outputs differ; analyze ranked the layers by an output
+    the quantized model lacked (trust trial)."""
+    from onnxq.errors import ModelError
+    model = _attention()
+    feeds = [_tokens(4, 5, i) for i in range(2)]
+    quant = onnxq.quantize(model, None, "U8S8", feeds, progress=False).model
+    wider = onnx.ModelProto()
+    wider.CopyFrom(model)
+    wider.graph.output.append(helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["B", "S", "S"]))
+    with pytest.raises(ModelError, match="the quantized model has no output 'scores'"):
+        analyze_models(wider, quant, feeds, progress=False)

@@ -198,6 +198,7 @@ def analyze_models(
                          "the second model has no QuantizeLinear/DequantizeLinear or integer kernel, so no layer or "
                          "tensor to analyze; give the quantized model onnxq wrote (for output figures alone: onnxq "
                          "compare)")
+    _same_outputs(reference, quant)
     float_values = values_by_name(reference.graph)
     quantized = [] if layers_only else quantized_activations(quant)
     activations = [a for a in quantized if a.name in float_values]
@@ -324,6 +325,16 @@ def analyze_models(
 # Kernels not isolated: those that quantize their activations at run time (several nodes
 # each). Weight-only ones are measured in groups (`grouped.py`).
 DYNAMIC_KERNELS = ("MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM")
+
+
+def _same_outputs(reference: ir.Model, quant: ir.Model) -> None:
+    """The quantized model must give the float model's outputs, as `compare` requires (a
+    model of other outputs ranked its layers by an output the quantized one lacked)."""
+    have = {v.name for v in quant.graph.outputs}
+    missing = [v.name for v in reference.graph.outputs if v.name not in have]
+    if missing:
+        raise ModelError(f"the quantized model has no output {missing[0]!r} (its outputs: {', '.join(sorted(have))}); "
+                         "analyze a quantized model with the float model it came from")
 
 
 def _noise_order(r: LayerReport) -> tuple[float, str]:
