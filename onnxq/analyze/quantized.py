@@ -35,8 +35,8 @@ def report_quantization(path: str | os.PathLike, result: Any, config: Config, da
             analysis.notes.insert(0, f"top-1 against the labels on {scored.samples} samples: float "
                                      f"{scored.float_accuracy:.2%}, quantized {scored.quant_accuracy:.2%}")
     if not held_out:
-        analysis.notes.insert(0, "measured on the calibration data (no evaluation data given: --eval-data, "
-                                 "mixed_precision.eval_data): the quantizer fitted to it, so held-out figures read lower")
+        analysis.notes.insert(0, "measured on the calibration data, which the quantizer fitted to, so held-out "
+                                 "figures read lower; pass mixed_precision.eval_data for a held-out set")
     result.summary.notes.extend(notes(Topic.REPORT, [f"report: {n}" for n in analysis.notes]))
     write_html_report(path, analysis=analysis, summary=result.summary, config=config,
                       title=f"onnxq report: {result.summary.source}")

@@ -263,6 +263,9 @@ def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSourc
         if ranges_from and asked is None and access is Access.NONE:
             return 0, (f"output check skipped: the activations' ranges came from {ranges_from}, with no samples "
                        "to run; pass calibration_data as well to check the output against float")
+        if access is Access.NONE and asked is None:  # a data-free recipe (W8_DYNAMIC, weight-only) said nothing
+            return 0, (f"output not checked: no data given; pass calibration_data to check it against float on "
+                       f"{CHECK_SAMPLES} samples")
         return 0, None
     if asked is not None:
         return asked, None
