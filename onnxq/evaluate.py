@@ -60,6 +60,7 @@ class Comparison:
     extended: bool = False  # the quantized model holds onnxq's extended ops (qdq-ext): no default session loads it
     # An LLM decoder on token windows: next-token perplexity of float and quantized, and agreement
     next_token: tuple[NextToken, NextToken] | None = None
+    labels_unused: bool = False  # labels were given and no output is class scores to score them
 
     def kernel_gap(self) -> str | None:
         """A warning when this CPU's int8 kernels lose much more than the QDQ arithmetic."""
@@ -346,6 +347,7 @@ def compare_models(
         results = {k: _metrics(arrays["float"], arrays[k], labels, k, samples) for k in sessions}
     result = results.get("deployed") or results["reference"]
     result.reference = results.get("reference") if "deployed" in results else None
+    result.labels_unused = labels is not None and result.float_accuracy is None
     result.ignored = sorted(source.ignored)
     result.float_quantized = _quantized_ops(float_proto)
     result.extended = extended
@@ -478,6 +480,9 @@ def format_comparison(c: Comparison) -> str:
     if c.ignored:
         lines.append(f"  note: left out {', '.join(c.ignored)} from the data (no model input; --labels KEY "
                      "scores top-1 accuracy against one)")
+    if c.labels_unused:
+        lines.append("  note: labels given, but the first output is no class scores ([samples, classes]): top-1 "
+                     "accuracy not scored; the figures above compare the outputs")
     if c.float_quantized:
         lines.append(f"  note: the first model, taken as the float one, is quantized ({c.float_quantized}): "
                      "give the float model first, then the quantized one")

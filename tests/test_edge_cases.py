@@ -331,3 +331,15 @@ def test_analyze_refuses_a_quantized_model_without_the_float_models_outputs():
     wider.graph.output.append(helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["B", "S", "S"]))
     with pytest.raises(ModelError, match="the quantized model has no output 'scores'"):
         analyze_models(wider, quant, feeds, progress=False)
+
+
+def test_labels_no_output_can_score_are_said_unused(tmp_path):
+    """compare --labels on a model whose output is no class scores printed no accuracy and
+    no word (trust trial)."""
+    from onnxq.evaluate import compare_models, format_comparison
+    model = _attention()
+    onnx.save(model, tmp_path / "f.onnx")
+    onnxq.quantize(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), "U8S8", [_tokens(4, 5, 1)], progress=False)
+    compared = compare_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), _tokens(6, 5, 2), np.zeros(6, int))
+    assert compared.labels_unused and "labels given, but the first output is no class scores" in \
+        format_comparison(compared)
