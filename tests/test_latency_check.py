@@ -97,6 +97,14 @@ def test_on_a_gpu_provider_the_causes_and_the_label_are_the_providers():
                            "batch 1 1 -> 0.9 ms (1.11x), batch 8 1 -> 2 ms (0.50x)")
 
 
+def test_layers_left_float_among_integer_ones_are_named():
+    """W4A8 MobileNet: int8 edge layers in QLinearConv, the int4 body in float Conv between
+    Q/DQ; the cause read 'no single op type explains it' (trust trial)."""
+    found = causes({"Conv": 10.0}, {"Conv": 19.9, "QLinearConv": 6.6, "QuantizeLinear": 2.0,
+                                    "DequantizeLinear": 2.0}, "x86-vnni", {"Conv"})
+    assert any(c.startswith("most Conv time is still float (19.90 ms, against 6.60 ms") for c in found), found
+
+
 def test_a_float16_model_on_the_cpu_is_said_to_save_memory_not_time():
     """FP16 timed on the CPU read "no single op type explains it" (format trial)."""
     b = GraphBuilder(2)

@@ -271,6 +271,11 @@ def causes(float_ms: dict[str, float], quantized_ms: dict[str, float], isa: str,
                          "these types (int16 or float8 activations, int4 or block weights), so the Q/DQ pairs are pure "
                          "overhead; U8S8 int8 runs fused kernels (or fp16 on a GPU)")
             continue
+        if after and still_float > after and boundary and kind in wrapped:  # W4A8: int8 edges, int4 body
+            found.append(f"most {kind} time is still float ({still_float:.2f} ms, against {after:.2f} ms in integer "
+                         "kernels) between DequantizeLinear and QuantizeLinear: those layers' types (int4 or block "
+                         "weights, int16 or float8 activations) have no integer kernel on onnxruntime's CPU")
+            continue
         if after and after + still_float >= before > 0:
             used = "/".join(op for op in ints if quantized_ms.get(op))
             left = f" and float {kind} left {still_float:.2f} ms" if still_float else ""
