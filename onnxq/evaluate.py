@@ -43,6 +43,9 @@ class OutputMetrics:
     sqnr_db: float
     cosine: float
     top1_agreement: float | None = None
+    # an integer or boolean output (class indices, a mask): the share of elements equal, which
+    # is what it means; SQNR and cosine of indices are no signal figures
+    equal: float | None = None
 
 
 @dataclass
@@ -243,6 +246,9 @@ def _metrics(
     result = Comparison(samples=len(refs[names[0]]) if samples is None else samples, kernels=kernels)
     for n in names:
         r, t = refs[n], tests[n]
+        if r.dtype.kind in "biu":
+            result.outputs.append(OutputMetrics(n, float("nan"), float("nan"), equal=float(np.mean(r == t))))
+            continue
         metrics = OutputMetrics(n, sqnr_db(r, t), cosine(r, t), top1_agreement(r, t))
         if metrics.top1_agreement is not None and labels is not None and n == names[0]:
             y = class_labels(labels, len(r), r.shape[1] if r.ndim == 2 else None)
@@ -442,6 +448,9 @@ def check_same_shape(name: str, ref: np.ndarray, tests: list[np.ndarray]) -> Non
 def _format_figures(c: Comparison, label: str) -> list[str]:
     lines = []
     for m in c.outputs:
+        if m.equal is not None:
+            lines.append(f"  {m.name}{label}: {m.equal:.2%} of its elements equal (an integer output)")
+            continue
         extra = f", top-1 agreement {m.top1_agreement:.2%}" if m.top1_agreement is not None else ""
         lines.append(f"  {m.name}{label}: SQNR {m.sqnr_db:.1f} dB, cosine {m.cosine:.5f}{extra}")
     if c.float_accuracy is not None:

@@ -343,3 +343,13 @@ def test_labels_no_output_can_score_are_said_unused(tmp_path):
     compared = compare_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), _tokens(6, 5, 2), np.zeros(6, int))
     assert compared.labels_unused and "labels given, but the first output is no class scores" in \
         format_comparison(compared)
+
+
+def test_compare_scores_an_integer_output_by_equality():
+    """An int64 class-index output got SQNR and cosine, figures of a signal (trust trial)."""
+    from onnxq.evaluate import _metrics, format_comparison
+    ref = {"pred": np.array([1, 2, 3, 4], np.int64), "y": np.ones((4, 3), np.float32)}
+    test = {"pred": np.array([1, 2, 0, 4], np.int64), "y": np.ones((4, 3), np.float32)}
+    compared = _metrics(ref, test, None, "deployed")
+    assert compared.outputs[0].equal == 0.75
+    assert "pred: 75.00% of its elements equal (an integer output)" in format_comparison(compared)
