@@ -64,6 +64,8 @@ class Comparison:
     # An LLM decoder on token windows: next-token perplexity of float and quantized, and agreement
     next_token: tuple[NextToken, NextToken] | None = None
     labels_unused: bool = False  # labels were given and no output is class scores to score them
+    # integer kernels (QOperator: QLinearConv, QGemm, ...) whose reference run is the same kernels
+    integer_kernels: bool = False
 
     def kernel_gap(self) -> str | None:
         """A warning when this CPU's int8 kernels lose much more than the QDQ arithmetic."""
@@ -354,6 +356,11 @@ def compare_models(
     result = results.get("deployed") or results["reference"]
     result.reference = results.get("reference") if "deployed" in results else None
     result.labels_unused = labels is not None and result.float_accuracy is None
+    if runs["reference"] and isinstance(quant_model, str | os.PathLike | bytes):  # what a reference run cannot unfuse
+        proto = _structure(quant_model)
+        result.integer_kernels = proto is not None and any(
+            n.domain in ("", "com.microsoft") and (n.op_type.startswith("QLinear") or n.op_type == "QGemm")
+            for n in proto.graph.node)
     result.ignored = sorted(source.ignored)
     result.float_quantized = _quantized_ops(float_proto)
     result.extended = extended
@@ -489,6 +496,9 @@ def format_comparison(c: Comparison) -> str:
     if c.ignored:
         lines.append(f"  note: left out {', '.join(c.ignored)} from the data (no model input; --labels KEY "
                      "scores top-1 accuracy against one)")
+    if c.integer_kernels:
+        lines.append("  note: the quantized model holds integer kernels (QOperator format), which have no reference "
+                     "form: its reference figures run the same kernels")
     if c.labels_unused:
         lines.append("  note: labels given, but the first output is no class scores ([samples, classes]): top-1 "
                      "accuracy not scored; the figures above compare the outputs")

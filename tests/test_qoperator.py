@@ -349,3 +349,16 @@ def test_a_pad_runs_on_the_8_bit_tensor(tmp_path, mode):
     onnx.save(qop, tmp_path / "qop.onnx")
     assert main(["convert", str(tmp_path / "qop.onnx"), str(tmp_path / "back.onnx"), "--to", "qdq"]) == 0
     np.testing.assert_array_equal(np.concatenate(run(str(tmp_path / "back.onnx"), test)), got)
+
+
+def test_compare_says_integer_kernels_have_no_reference_form(tmp_path):
+    """compare --kernels both on a QOperator model printed reference lines identical to the
+    deployed ones without a word (trust trial)."""
+    from onnxq.evaluate import compare_models, format_comparison
+    model = _matmul()
+    data = stack_feeds(random_feeds(model, 16, seed=3))
+    result = onnxq.quantize(model, None, onnxq.as_config({"quant_format": "qoperator"}), data, progress=False)
+    onnx.save(model, tmp_path / "f.onnx")
+    onnx.save(result.model, tmp_path / "q.onnx")
+    both = compare_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), data, kernels="both")
+    assert both.integer_kernels and "which have no reference form" in format_comparison(both)
