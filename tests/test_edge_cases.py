@@ -353,3 +353,19 @@ def test_compare_scores_an_integer_output_by_equality():
     compared = _metrics(ref, test, None, "deployed")
     assert compared.outputs[0].equal == 0.75
     assert "pred: 75.00% of its elements equal (an integer output)" in format_comparison(compared)
+
+
+def test_inspect_says_its_node_count_is_the_normalised_graphs(tmp_path, capsys):
+    """inspect printed MiniLM's 365 nodes where the file holds 530 (its Constant nodes are
+    folded on load) without saying so (trust trial)."""
+    from onnxq.cli import main
+    model = _attention()
+    const = helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.array(1.0, np.float32)))
+    model.graph.node.insert(0, const)
+    model.graph.node.append(helper.make_node("Mul", ["y", "one"], ["y2"]))
+    model.graph.output[0].name = "y2"
+    onnx.save(model, tmp_path / "m.onnx")
+    assert main(["inspect", str(tmp_path / "m.onnx")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("nodes:"))
+    assert line.startswith(f"nodes: {len(model.graph.node) - 1} as onnxq reads the graph (the file's "
+                           f"{len(model.graph.node)}: constants folded)"), line

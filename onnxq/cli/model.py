@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+from pathlib import Path
 
 from onnxq.calibrate.decoder import PAST, PRESENT
 from onnxq.cli.arguments import check_model_files
@@ -15,6 +16,7 @@ from onnxq.evaluate import run_model
 from onnxq.graph.load import load_model
 from onnxq.graph.quantized import describe, quantized_ops
 from onnxq.graph.save import check_apart, check_output_paths, write_npz_atomic
+from onnxq.graph.wire import read_structure
 from onnxq.optimize import RunSettings, parse_passes, run_passes
 from onnxq.plan import plan_quantization
 from onnxq.target import resolve_target
@@ -90,7 +92,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if cache:  # an LLM's KV cache: one line, not one per layer and kind
             print(f"  {cache[0].name} ... {cache[-1].name}: {len(cache)} KV-cache {label}, {_typed(cache[0])}")
     ops = Counter(n.op_type for n in graph)
-    print(f"nodes: {sum(ops.values())} (" + ", ".join(f"{op} {n}" for op, n in ops.most_common()) + ")")
+    in_file = len(read_structure(report.source).graph.node) if Path(report.source).is_file() else None
+    normalised = f" as onnxq reads the graph (the file's {in_file}: constants folded)" \
+        if in_file is not None and in_file != sum(ops.values()) else ""
+    print(f"nodes: {sum(ops.values())}{normalised} (" + ", ".join(f"{op} {n}" for op, n in ops.most_common()) + ")")
     already = quantized_ops(model)
     if already:
         print(f"already quantized: {describe(already, limit=8)}; onnxq quantize takes the float model")
