@@ -298,27 +298,6 @@ def test_empty_evaluation_data_is_one_line(tmp_path):
             run_it(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), str(tmp_path / "none.npz"))
 
 
-def test_analyze_lists_the_quantized_layers_only():
-    """A float node reading a quantized neighbour's output (MiniLM's GELU Divs, an Add the
-    plan leaves float) was listed and ranked as a layer, and keeping it float changed
-    nothing (trust trial): analyze's layers are the plan's quantized nodes."""
-    rng = np.random.default_rng(4)
-    inits = [numpy_helper.from_array((rng.standard_normal((8, 8)) / 3).astype(np.float32), n) for n in ("w1", "w2")]
-    inits.append(numpy_helper.from_array(np.array(1.41, np.float32), "c"))
-    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
-             helper.make_node("MatMul", ["h", "w2"], ["y1"], name="mm2"),
-             helper.make_node("Div", ["h", "c"], ["y2"], name="div")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 8]) for n in ("y1", "y2")],
-                              inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    feeds = [{"x": np.random.default_rng(i).standard_normal((8, 8)).astype(np.float32)} for i in range(4)]
-    result = onnxq.quantize(model, None, "U8S8", feeds, progress=False)
-    assert "div" in result.summary.float_nodes
-    analysis = analyze_models(model, result.model, feeds, progress=False, rank="noise")
-    assert {layer.name for layer in analysis.layers} == set(result.plan.quantized_nodes) == {"mm1", "mm2"}
-
-
 def test_analyze_refuses_a_quantized_model_without_the_float_models_outputs():
     """compare refused models whose outputs differ; analyze ranked the layers by an output
     the quantized model lacked (trust trial)."""

@@ -190,33 +190,6 @@ def _reads_dequantized(node: ir.Node) -> bool:
         for v in node.inputs)
 
 
-def _reads_quantized_constant(node: ir.Node) -> bool:
-    """Whether `node` reads a stored quantized tensor (a weight, a table) through a
-    DequantizeLinear or an extended op: a weight-only layer, or an integer kernel whose
-    output stays float (MatMulIntegerToFloat)."""
-    for v in node.inputs:
-        producer = v.producer() if v is not None else None
-        if producer is not None and (producer.op_type == "DequantizeLinear" or is_extended(producer)) \
-                and producer.inputs and producer.inputs[0] is not None \
-                and (producer.inputs[0].const_value is not None or producer.inputs[0].is_initializer()):
-            return True
-    return False
-
-
-# Ops whose integer kernel may write a float output (onnxruntime fuses MatMul with
-# dequantized inputs into MatMulIntegerToFloat, Gemm into QGemm): quantized without a
-# QuantizeLinear after them where every input they compute on is dequantized.
-FLOAT_WRITING = ("MatMul", "Gemm")
-
-
-def _float_writing_kernel(node: ir.Node) -> bool:
-    """Whether `node` is a MatMul/Gemm on dequantized inputs only (its bias aside)."""
-    computed = node.inputs[:2]
-    return node.op_type in FLOAT_WRITING and len(computed) == 2 and all(
-        v is not None and v.producer() is not None and (v.producer().op_type == "DequantizeLinear"
-                                                        or is_extended(v.producer())) for v in computed)
-
-
 def _dequantized_output(value: ir.Value) -> ir.Value | None:
     """The DQ output consumers read when `value` is quantized right after it is computed."""
     for use in value.uses():
@@ -249,12 +222,7 @@ def bias_add(node: ir.Node) -> ir.Node | None:
 
 
 def layers(model: ir.Model) -> list[Layer]:
-    """The nodes that compute on dequantized inputs and are quantized themselves (their
-    output quantized, or a stored quantized tensor read), in graph order: a float node
-    that only reads its neighbours' dequantized outputs was listed and ranked, and keeping
-    it float changed nothing (MiniLM's GELU Divs). onnxq's extended ops quantize a layer's
-    inputs alone (block formats store the weight rounded, and write a float output): a node
-    reading one is a layer."""
+    """The nodes that compute on dequantized inputs, in graph order."""
     found = []
     for node in model.graph:
         if is_glue(node) or not node.outputs or not _reads_dequantized(node):
@@ -264,9 +232,6 @@ def layers(model: ir.Model) -> list[Layer]:
         if not out.name:
             continue
         dq = _dequantized_output(out)
-        if dq is None and not _reads_quantized_constant(node) and not _float_writing_kernel(node) \
-                and not any(is_extended(v.producer()) for v in node.inputs if v is not None):
-            continue  # a float node that only reads its quantized neighbours' outputs (a GELU's Div)
         found.append(Layer(node.name, node.op_type, out.name, dq.name if dq is not None else None,
                            _bounds(dq) if dq is not None else None))
     return found
