@@ -410,7 +410,7 @@ def run_model(model: str | os.PathLike, data: Any, max_samples: int | None = Non
         data = decoder_feeds(model, data, providers, decode_steps=0)
         names = result_outputs(names, inputs)
     outputs: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    for feed in iter_batches(data, session_inputs(session), batch_size, max_samples, kind="model"):
+    for feed in iter_batches(data, session_inputs(session), batch_size, max_samples, kind="input"):
         for n, y in zip(names, run_on_data(session, names, feed, "input")):
             outputs[n].append(y)
     if not outputs[names[0]]:

@@ -252,3 +252,26 @@ def test_a_report_on_the_calibration_data_says_so(tmp_path):
     held = onnxq.quantize(str(MODELS / "digits_cnn.onnx"), None, config, data, progress=False,
                           report=tmp_path / "h.html")
     assert not any("calibration data" in t for t in held.summary.note_texts if t.startswith("report:"))
+
+
+def test_a_report_on_data_read_once_is_written(tmp_path):
+    """A reader without rewind() is read to its end by calibration; the report then ran on
+    nothing and must say so, not raise 'the evaluation data holds no sample' after the
+    model was saved (review)."""
+    import onnxq
+
+    x = np.load(MODELS / "digits_calib.npz")["input"]
+
+    class Reader:
+        def __init__(self) -> None:
+            self.i = 0
+
+        def get_next(self):
+            if self.i >= 4:
+                return None
+            self.i += 1
+            return {"input": x[(self.i - 1) * 8:self.i * 8]}
+
+    onnxq.quantize(str(MODELS / "digits_cnn.onnx"), tmp_path / "q.onnx", None, Reader(), progress=False,
+                   report=tmp_path / "r.html")
+    assert (tmp_path / "q.onnx").exists() and (tmp_path / "r.html").exists()

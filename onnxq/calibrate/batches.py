@@ -77,6 +77,9 @@ def iter_batches(
     data that fills none at all is an error naming the input and the shape it needs.
     `kind`: what the data is to the user, as errors call it ("calibration", "evaluation").
     """
+    if not isinstance(source, CalibrationSource):
+        source = CalibrationSource(source)
+    replayable = source.replayable  # before the read: a reader read to its end is no empty data
     yielded = False
     try:
         for feed in _batches(source, inputs, batch_size, max_samples, purpose, max_batches):
@@ -86,7 +89,7 @@ def iter_batches(
         if kind == "calibration":
             raise
         raise CalibrationDataError(re.sub(r"\bcalibration (input|sample|arrays|data)", rf"{kind} \1", str(exc))) from None
-    if not yielded and kind != "calibration":  # calibration says it its own way (`sources.empty_data`)
+    if not yielded and kind != "calibration" and replayable:  # calibration says it its own way (`sources.empty_data`)
         raise CalibrationDataError(f"the {kind} data holds no sample; give at least one")
 
 
