@@ -12,7 +12,7 @@ the arithmetic stays float), which isolates what the int8 kernels of this CPU ad
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +72,8 @@ class Comparison:
         ref = self.reference
         if ref is None:
             return None
-        worst_db = max(r.sqnr_db - d.sqnr_db for r, d in zip(ref.outputs, self.outputs))
+        worst_db = max((r.sqnr_db - d.sqnr_db for r, d in zip(ref.outputs, self.outputs) if d.equal is None),
+                       default=0.0)  # an integer output has no SQNR
         top1 = [(r.top1_agreement or 0) - (d.top1_agreement or 0) for r, d in zip(ref.outputs, self.outputs)]
         if self.quant_accuracy is not None and ref.quant_accuracy is not None:
             top1.append(ref.quant_accuracy - self.quant_accuracy)
@@ -240,10 +241,11 @@ def class_labels(labels: Any, samples: int, classes: int | None = None) -> np.nd
 
 def _metrics(
     refs: dict[str, np.ndarray], tests: dict[str, np.ndarray], labels: np.ndarray | None, kernels: str,
-    samples: int | None = None,
+    samples: int | None = None, rows: Collection[str] = (),
 ) -> Comparison:
     """`samples`: the samples compared, where outputs of different lengths were joined as
-    rows (`joined`) and their length is no longer the count."""
+    rows (`joined`: the outputs named in `rows`) and their length is no longer the count;
+    those get no top-1 agreement or accuracy (a row is no sample's class scores)."""
     names = list(refs)
     result = Comparison(samples=len(refs[names[0]]) if samples is None else samples, kernels=kernels)
     for n in names:
@@ -251,7 +253,7 @@ def _metrics(
         if r.dtype.kind in "biu":
             result.outputs.append(OutputMetrics(n, float("nan"), float("nan"), equal=float(np.mean(r == t))))
             continue
-        metrics = OutputMetrics(n, sqnr_db(r, t), cosine(r, t), top1_agreement(r, t))
+        metrics = OutputMetrics(n, sqnr_db(r, t), cosine(r, t), None if n in rows else top1_agreement(r, t))
         if metrics.top1_agreement is not None and labels is not None and n == names[0]:
             y = class_labels(labels, len(r), r.shape[1] if r.ndim == 2 else None)
             result.float_accuracy = float(np.mean(r.argmax(1) == y))
@@ -352,7 +354,8 @@ def compare_models(
         results = {k: Comparison(samples, [sums[k][n].metrics(n) for n in names], kernels=k) for k in sessions}
     else:
         arrays = {k: {n: joined(v) for n, v in per.items()} for k, per in outputs.items()}
-        results = {k: _metrics(arrays["float"], arrays[k], labels, k, samples) for k in sessions}
+        rows = {n for n, v in outputs["float"].items() if ragged(v)}  # joined as rows: no class scores per sample
+        results = {k: _metrics(arrays["float"], arrays[k], labels, k, samples, rows) for k in sessions}
     result = results.get("deployed") or results["reference"]
     result.reference = results.get("reference") if "deployed" in results else None
     result.labels_unused = labels is not None and result.float_accuracy is None
@@ -367,6 +370,12 @@ def compare_models(
     if tokens is not None and tokens["float"].tokens:
         result.next_token = (tokens["float"], tokens["deployed" if "deployed" in tokens else "reference"])
     return result
+
+
+def ragged(batches: list[np.ndarray]) -> bool:
+    """Whether an output's batches differ beyond their first axis (token files of other
+    lengths): `joined` then makes rows of them, which are no samples."""
+    return len({b.shape[1:] for b in batches}) > 1
 
 
 def joined(batches: list[np.ndarray]) -> np.ndarray:

@@ -266,7 +266,8 @@ def test_compare_and_analyze_name_a_quantized_model_that_fails_to_run(tmp_path, 
 def test_compare_analyze_and_search_take_batches_of_different_lengths(tmp_path):
     """Token data in files of different sequence lengths calibrates, but compare, analyze's
     output ranking and the accuracy search raised numpy's concatenation error (trust trial):
-    their outputs are joined as rows, and the samples counted are the samples."""
+    compare and analyze join the outputs as rows and count samples as samples (no top-1 of
+    rows); the search, whose figures are per sample, says it needs one shape (review)."""
     from onnxq.evaluate import compare_models
     model = _attention()
     folder = tmp_path / "varlen"
@@ -279,10 +280,13 @@ def test_compare_analyze_and_search_take_batches_of_different_lengths(tmp_path):
     assert compared.samples == 12 and compared.outputs[0].sqnr_db > 15
     analysis = analyze_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), str(folder), progress=False)
     assert analysis.layers and analysis.samples == 12
-    searched = onnxq.quantize(str(tmp_path / "f.onnx"), None, onnxq.compose_config(
-        "U8S8", None, {"mixed_precision": {"target": "sqnr>=15", "eval_data": str(folder)}}), str(folder),
-        progress=False)
-    assert searched.summary.mixed_precision is not None and result.model is not None
+    assert compared.outputs[0].top1_agreement is None  # rows of tokens are no sample's class scores
+    from onnxq.errors import OnnxqError
+    with pytest.raises(OnnxqError, match="the accuracy target scores each sample, and output 'y' differs in shape"):
+        onnxq.quantize(str(tmp_path / "f.onnx"), None, onnxq.compose_config(
+            "U8S8", None, {"mixed_precision": {"target": "sqnr>=15", "eval_data": str(folder)}}), str(folder),
+            progress=False)
+    assert result.model is not None
 
 
 def test_empty_evaluation_data_is_one_line(tmp_path):
@@ -348,3 +352,30 @@ def test_inspect_says_its_node_count_is_the_normalised_graphs(tmp_path, capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("nodes:"))
     assert line.startswith(f"nodes: {len(model.graph.node) - 1} as onnxq reads the graph (the file's "
                            f"{len(model.graph.node)}: constants folded)"), line
+
+
+def test_review_fixes_of_the_second_round():
+    """An integer output kept the kernel-gap warning on (NaN SQNR); QuantizeBias 0 was
+    accepted and ignored; --preset none with --float-op-types Erf added the defaults; a
+    MatMul with K = 4 lost its blocks to the convolutions' 8-channel rule (review)."""
+    from onnxq.config.ort_options import OrtArguments, ort_overrides
+    from onnxq.evaluate import _metrics
+    ints = {"pred": np.array([1, 2, 3], np.int64), "p": np.eye(3, dtype=np.float32)}
+    near = {"pred": np.array([1, 2, 0], np.int64), "p": np.eye(3, dtype=np.float32) + 0.01}
+    deployed, reference = _metrics(ints, near, None, "deployed"), _metrics(ints, near, None, "reference")
+    deployed.reference = reference
+    assert deployed.kernel_gap() is None
+    spec, _ = ort_overrides(OrtArguments(extra_options={"QuantizeBias": 0}), dynamic=False, model_ops=[("c", "Conv")])
+    assert spec["global_quant_config"]["bias"] == {"dtype": "float32"}
+    assert onnxq.compose_config("none", None, {"float_op_types": ["Erf"]}).float_op_types == ["Erf"]
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 6])],
+                              [numpy_helper.from_array(rng.standard_normal((4, 6)).astype(np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    config = onnxq.compose_config(None, None, {"global_quant_config": {"weight": {
+        "dtype": "int4", "qscheme": "per_group", "group_size": 4}}})
+    result = onnxq.quantize(model, None, config, [{"x": rng.standard_normal((8, 4)).astype(np.float32)}],
+                            progress=False)
+    assert not result.plan.coarser_weights

@@ -304,10 +304,6 @@ def analyze_models(
         if _rereadable(data):
             layer_reports = _by_output(layer_reports, pristine, quant, data, providers, batch_size,
                                        max_samples, progress)
-            ranked_on = min(IMPACT_SAMPLES, max_samples or IMPACT_SAMPLES, samples)
-            if ranked_on < samples:  # the table's other figures are on every sample
-                notes.append(f"output dB (the ranking) is measured on the first {ranked_on} samples, with each layer "
-                             "alone quantized; the other figures on all of them")
         else:
             notes.append("layers ranked by their channels' noise, not by the output: the data can be read only "
                          "once (pass a path, a dict of arrays or a list of feeds)")

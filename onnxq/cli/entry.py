@@ -56,7 +56,7 @@ def _swallowed(parser: argparse.ArgumentParser, argv: list[str]) -> str:
         if arg not in many:
             continue
         values = list(itertools.takewhile(lambda a: not a.startswith("-"), argv[i + 1:]))
-        if any(v.lower().endswith(".onnx") or os.path.sep in v for v in values):  # it took what looks like a path
+        if any(v.lower().endswith(".onnx") or os.path.exists(v) for v in values):  # it took a model or a path
             return f" ({arg} takes every value after it: put the paths before {arg})"
     return ""
 

@@ -239,13 +239,15 @@ def compose_config(
     if not isinstance(base, str):
         raise ConfigError(f"preset must be a preset name such as {DEFAULT_PRESET}, got {base!r}")
     stack = [config_to_dict(Config() if base.lower() == NO_PRESET else get_preset(base))]
-    if any(where in whole and "float_op_types" in source for where, source in sources):
+    no_preset = base.lower() == NO_PRESET and preset is not None  # `--preset none`: no list to add to
+    if any((where in whole or no_preset) and "float_op_types" in source for where, source in sources):
         stack[0]["float_op_types"] = []  # a whole config's list is the list (`UNION_LISTS` add to a preset's)
     for where, source in sources:
-        if source.get("float_op_types") == [] and where not in whole:
-            raise ConfigError(f"{where}: float_op_types [] adds nothing to the preset's list "
-                              f"({', '.join(stack[0]['float_op_types'])}): to quantize one of them, give it an "
-                              "op-type override (layer_type_quant_config: {Softmax: {}})")
+        if source.get("float_op_types") == [] and where not in whole and not no_preset and stack[0]["float_op_types"]:
+            kept = stack[0]["float_op_types"]
+            raise ConfigError(f"{where}: float_op_types [] adds nothing to the preset's list ({', '.join(kept)}): "
+                              f"to quantize one of them, give it an op-type override (layer_type_quant_config: "
+                              f"{{{kept[0]}: {{}}}})")
         _no_activations_created(stack[-1], source, base, where)
         try:
             stack.append(overlay(stack[-1], source))

@@ -67,7 +67,7 @@ def _weight_symmetric(value: Any, spec: dict[str, Any]) -> None:
 
 
 def _float_bias(value: Any, spec: dict[str, Any]) -> None:
-    if value is False:
+    if value is not None and not value:  # False, 0 or numpy's False (`_switch`)
         spec["global_quant_config"]["bias"] = {"dtype": "float32"}
 
 

@@ -273,8 +273,9 @@ def causes(float_ms: dict[str, float], quantized_ms: dict[str, float], isa: str,
             continue
         if after and still_float > after and boundary and kind in wrapped:  # W4A8: int8 edges, int4 body
             found.append(f"most {kind} time is still float ({still_float:.2f} ms, against {after:.2f} ms in integer "
-                         "kernels) between DequantizeLinear and QuantizeLinear: those layers' types (int4 or block "
-                         "weights, int16 or float8 activations) have no integer kernel on onnxruntime's CPU")
+                         "kernels) between DequantizeLinear and QuantizeLinear: layers whose types have no integer "
+                         "kernel on onnxruntime's CPU (int4 or block weights, int16 or float8 activations), or that "
+                         "the config or the accuracy search kept float")
             continue
         if after and after + still_float >= before > 0:
             used = "/".join(op for op in ints if quantized_ms.get(op))

@@ -24,11 +24,12 @@ from onnxq.calibrate.decoder import decoder_feeds
 from onnxq.calibrate.session import run_on_data
 from onnxq.config.accuracy import AccuracyTarget, parse_target  # noqa: F401 (parse_target: its old home, for importers)
 from onnxq.config.spec import DEFAULT_LABELS
-from onnxq.errors import CalibrationDataError, ConfigError, closest_name
+from onnxq.errors import CalibrationDataError, ConfigError, OnnxqError, closest_name
 from onnxq.evaluate import (
     class_labels,
     joined,
     kept_positions,
+    ragged,
     row_cosines,
     session_inputs,
     sqnr_db,
@@ -79,8 +80,12 @@ class EvalSet:
         """The first output over the data; with `user_model` (the float model), a batch
         it cannot run on is the data's fault (`run_on_data`), else onnxq's."""
         name = session.get_outputs()[0].name
-        return joined([(run_on_data(session, [name], feed, "evaluation") if user_model
-                        else session.run([name], feed))[0] for feed in self.batches(session)])
+        got = [(run_on_data(session, [name], feed, "evaluation") if user_model else session.run([name], feed))[0]
+               for feed in self.batches(session)]
+        if ragged(got):  # its figures are per sample (cosine, top-1, their standard error)
+            raise OnnxqError(f"the accuracy target scores each sample, and output {name!r} differs in shape between "
+                             "evaluation batches (sequences of other lengths); give evaluation data of one shape")
+        return joined(got)
 
 
 def load_eval_set(source: Any, labels_key: str, max_samples: int | None = None, model: Any = None,

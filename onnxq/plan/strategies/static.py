@@ -241,9 +241,10 @@ def plan_weight(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig) 
     return i
 
 
-# Input channels (per group) a weight needs for blocks along them: a block is at most that
-# many weights with a float scale of its own, per output channel and tap (a depthwise
-# layer's 1 or an RGB first layer's 3 would make the layer larger than float).
+# Input channels (per group) a convolution's weight needs for blocks along them: a block is
+# at most that many weights with a float scale of its own, per output channel and tap (a
+# depthwise layer's 1 or an RGB first layer's 3 would make the layer larger than float). A
+# MatMul's blocks run along K, one scale per block of its whole column.
 MIN_BLOCK_CHANNELS = 8
 
 
@@ -265,7 +266,7 @@ def _granularity(draft: Draft, node: ir.Node, rule: OpRule, cfg: ResolvedConfig,
         return None, None
     if scheme == QScheme.PER_GROUP.value:
         axis = rule.weight_in_axis(node, ndim)
-        if array.shape[axis] >= MIN_BLOCK_CHANNELS:
+        if node.op_type not in layout.CONVS or array.shape[axis] >= MIN_BLOCK_CHANNELS:
             return axis, spec.group_size
         draft.coarser_weights[node.name] = (f"per channel: its weight has fewer than {MIN_BLOCK_CHANNELS} input "
                                             "channels (per group), so each block would hold a few weights and a "
