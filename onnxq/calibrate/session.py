@@ -105,18 +105,21 @@ def run_on_data(session: ort.InferenceSession, names: list[str], feed: Mapping[s
         if "onnxq_" in text:
             raise
         _out_of_memory(text, kind, feed)
-        shapes = ", ".join(f"{name} {list(np.shape(value))}" for name, value in feed.items())
         raise CalibrationDataError(
-            f"the model cannot run on this {kind} data ({shapes}): {refusal(text)}; check that every input of a sample "
+            f"the model cannot run on this {kind} data ({_shapes(feed)}): {refusal(text)}; check that every input of a sample "
             "has the others' length and values the model takes (token ids within its vocabulary)") from None
+
+
+def _shapes(feed: Mapping[str, np.ndarray]) -> str:
+    """A batch's inputs and their shapes, for an error about the batch."""
+    return ", ".join(f"{name} {list(np.shape(value))}" for name, value in feed.items())
 
 
 def _out_of_memory(text: str, kind: str, feed: Mapping[str, np.ndarray]) -> None:
     """Raise the one-line out-of-memory error where onnxruntime's `text` says so: the batch
     is too big, whichever model ran it."""
     if "Failed to allocate memory" in text:
-        shapes = ", ".join(f"{name} {list(np.shape(value))}" for name, value in feed.items())
-        raise OnnxqError(f"onnxruntime ran out of memory on a {kind} batch ({shapes}); lower --batch-size "
+        raise OnnxqError(f"onnxruntime ran out of memory on a {kind} batch ({_shapes(feed)}); lower --batch-size "
                          "(calibration.batch_size) or bound the exposed tensors with --max-calib-memory") from None
 
 

@@ -239,6 +239,7 @@ def ort_overrides(arguments: OrtArguments, *, dynamic: bool, model_ops: list[tup
     (MatMulConstBOnly)."""
     a = arguments
     extra = dict(a.extra_options or {})
+    present = {op for _, op in model_ops}
     for key in extra:
         if key not in KNOWN:
             near = closest_name(key, KNOWN)
@@ -294,7 +295,6 @@ def ort_overrides(arguments: OrtArguments, *, dynamic: bool, model_ops: list[tup
         others = sorted({t for _, t in model_ops if t not in wanted_types})
         if others:
             spec["float_op_types"] = others
-        present = {t for _, t in model_ops}
         for op_type in set(wanted_types) & set(Config().float_op_types) & present:  # out of the preset's float list
             spec["layer_type_quant_config"].setdefault(op_type, {})
         if dynamic and "Conv" in wanted_types:
@@ -323,7 +323,6 @@ def ort_overrides(arguments: OrtArguments, *, dynamic: bool, model_ops: list[tup
         spec["calibration"] = {"providers": list(a.calibration_providers)}
     # the caller's op-type lists name op types the model may lack (one script, many models):
     # their settings would only be said to have no effect, in words the caller never wrote
-    present = {op for _, op in model_ops}
     listed = set(extra.get("OpTypesToExcludeOutputQuantization") or ()) | set(
         extra.get("QDQOpTypePerChannelSupportToAxis") or ())
     for op in listed - present:
