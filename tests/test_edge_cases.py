@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from helpers import GraphBuilder, conv_bn_relu, random_feeds, stack_feeds
@@ -12,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxq
 from onnxq.analyze import analyze_models
+from onnxq.analyze.qgraph import layers
 from onnxq.calibrate.runner import collect
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.spec import CalibrationConfig
@@ -379,3 +381,48 @@ def test_review_fixes_of_the_second_round():
     result = onnxq.quantize(model, None, config, [{"x": rng.standard_normal((8, 4)).astype(np.float32)}],
                             progress=False)
     assert not result.plan.coarser_weights
+
+
+@pytest.mark.parametrize("preset", ["U8S8", "S8S8", "A16W8", "XINT8", "FP8_E4M3"])
+def test_analyze_lists_the_quantized_layers_only(preset):
+    """A float node that only reads a quantized neighbour's output (MiniLM's GELU Divs) was
+    listed and ranked, and keeping it float changed nothing (trust trial); a first filter
+    dropped the residual Adds S8S8 quantizes through the Relu after them (review). The
+    layers are the plan's quantized nodes, less the activations that run inside them."""
+    from helpers import every_kernel, residual
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 8)) / 3).astype(np.float32), n) for n in ("w1", "w2")]
+    inits.append(numpy_helper.from_array(np.array(1.41, np.float32), "c"))
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("MatMul", ["h", "w2"], ["y1"], name="mm2"),
+             helper.make_node("Div", ["h", "c"], ["y2"], name="div")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", 8]) for n in ("y1", "y2")],
+                              inits)
+    divided = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    for model in (divided, residual(), every_kernel(3)):
+        feeds = random_feeds(model, 16, 1)
+        config = onnxq.compose_config(preset, None, {"algo_config": []})
+        result = onnxq.quantize(model, None, config, feeds, progress=False)
+        listed = {layer.name for layer in layers(ir.from_proto(result.model))}
+        plan = set(result.plan.quantized_nodes) | set(result.plan.lowered)
+        assert listed <= plan, (preset, listed - plan)  # no float node
+        assert plan - listed <= {n.name for n in model.graph.node if n.op_type in ("Relu", "Clip")}, plan - listed
+
+
+def test_analyze_reads_another_tools_qdq_weights():
+    """A Conv whose float weight goes through QuantizeLinear and DequantizeLinear in the
+    graph and whose output stays float is a layer (review)."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.float32(0.02), "s"), numpy_helper.from_array(np.int8(0), "z"),
+             numpy_helper.from_array(np.float32(0.05), "xs"), numpy_helper.from_array(np.uint8(128), "xz")]
+    nodes = [helper.make_node("QuantizeLinear", ["w", "s", "z"], ["wq"]),
+             helper.make_node("DequantizeLinear", ["wq", "s", "z"], ["wd"]),
+             helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("Conv", ["xd", "wd"], ["y"], name="conv")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])], inits)
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert [layer.name for layer in layers(model)] == ["conv"]

@@ -190,6 +190,46 @@ def _reads_dequantized(node: ir.Node) -> bool:
         for v in node.inputs)
 
 
+def _quantized_after_activation(value: ir.Value) -> bool:
+    """Whether `value`'s lone reader is a Relu/Clip whose output is quantized: a residual Add
+    before its Relu under S8S8, A16W8 or XINT8 (no Relu absorbed there)."""
+    uses = list(value.uses())
+    return len(uses) == 1 and uses[0].node.op_type in ("Relu", "Clip") and bool(uses[0].node.outputs) \
+        and _dequantized_output(uses[0].node.outputs[0]) is not None
+
+
+def _reads_stored(node: ir.Node) -> bool:
+    """Whether `node` reads a stored quantized tensor (a weight, a table) through a
+    DequantizeLinear of a constant, or of a QuantizeLinear of one (another tool's QDQ
+    weights): a weight-only layer, or an integer kernel whose output stays float."""
+    def constant(value: ir.Value | None) -> bool:
+        return value is not None and (value.const_value is not None or value.is_initializer())
+
+    for v in node.inputs:
+        dq = v.producer() if v is not None else None
+        if dq is None or not (dq.op_type == "DequantizeLinear" or is_extended(dq)) or not dq.inputs:
+            continue
+        source = dq.inputs[0]
+        q = source.producer() if source is not None else None
+        if constant(source) or (q is not None and q.op_type == "QuantizeLinear" and constant(q.inputs[0])):
+            return True
+    return False
+
+
+# Ops whose integer kernel may write a float output (onnxruntime fuses MatMul with
+# dequantized inputs into MatMulIntegerToFloat, Gemm into QGemm): quantized without a
+# QuantizeLinear after them where every input they compute on is dequantized.
+FLOAT_WRITING = ("MatMul", "Gemm")
+
+
+def _float_writing_kernel(node: ir.Node) -> bool:
+    """Whether `node` is a MatMul/Gemm on dequantized inputs only (its bias aside)."""
+    computed = node.inputs[:2]
+    return node.op_type in FLOAT_WRITING and len(computed) == 2 and all(
+        v is not None and v.producer() is not None and (v.producer().op_type == "DequantizeLinear"
+                                                        or is_extended(v.producer())) for v in computed)
+
+
 def _dequantized_output(value: ir.Value) -> ir.Value | None:
     """The DQ output consumers read when `value` is quantized right after it is computed."""
     for use in value.uses():
@@ -222,7 +262,13 @@ def bias_add(node: ir.Node) -> ir.Node | None:
 
 
 def layers(model: ir.Model) -> list[Layer]:
-    """The nodes that compute on dequantized inputs, in graph order."""
+    """The nodes that compute on dequantized inputs and are quantized themselves, in graph
+    order: their output quantized (directly, or through the lone Relu/Clip after them), a
+    stored quantized tensor read, a MatMul/Gemm on dequantized inputs (an integer kernel
+    writing float), or onnxq's extended ops read (block formats store the weight rounded
+    and write a float output). A float node that only reads its neighbours' dequantized
+    outputs was listed and ranked, and keeping it float changed nothing (MiniLM's GELU
+    Divs, trust trial)."""
     found = []
     for node in model.graph:
         if is_glue(node) or not node.outputs or not _reads_dequantized(node):
@@ -232,6 +278,10 @@ def layers(model: ir.Model) -> list[Layer]:
         if not out.name:
             continue
         dq = _dequantized_output(out)
+        if dq is None and not _quantized_after_activation(out) and not _reads_stored(node) \
+                and not _float_writing_kernel(node) and not any(is_extended(v.producer()) for v in node.inputs
+                                                                 if v is not None):
+            continue  # a float node that only reads its quantized neighbours' outputs (a GELU's Div)
         found.append(Layer(node.name, node.op_type, out.name, dq.name if dq is not None else None,
                            _bounds(dq) if dq is not None else None))
     return found
