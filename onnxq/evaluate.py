@@ -26,7 +26,7 @@ from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
 from onnxq.calibrate.decoder import LOGITS, DecoderFeeds, decoder_feeds, is_decoder, result_outputs
 from onnxq.calibrate.session import check_providers, open_session, run_on_data, run_quantized
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
-from onnxq.graph.quantized import describe, quantized_ops
+from onnxq.graph.quantized import describe, integer_kernel, quantized_ops
 from onnxq.graph.wire import read_structure
 from onnxq.perplexity import NextToken, scores_tokens
 from onnxq.runtime import DOMAIN, session_options
@@ -361,9 +361,7 @@ def compare_models(
     result.labels_unused = labels is not None and result.float_accuracy is None
     if runs["reference"] and isinstance(quant_model, str | os.PathLike | bytes):  # what a reference run cannot unfuse
         proto = _structure(quant_model)
-        result.integer_kernels = proto is not None and any(
-            n.domain in ("", "com.microsoft") and (n.op_type.startswith("QLinear") or n.op_type == "QGemm")
-            for n in proto.graph.node)
+        result.integer_kernels = proto is not None and any(integer_kernel(n) for n in proto.graph.node)
     result.ignored = sorted(source.ignored)
     result.float_quantized = _quantized_ops(float_proto)
     result.extended = extended
@@ -386,7 +384,7 @@ def joined(batches: list[np.ndarray]) -> np.ndarray:
     batches' shapes match). They had raised numpy's concatenation error."""
     if not batches[0].ndim:
         return np.stack(batches)
-    if len({b.shape[1:] for b in batches}) == 1:
+    if not ragged(batches):
         return np.concatenate(batches)
     if batches[0].ndim > 1 and len({b.shape[-1] for b in batches}) == 1:
         return np.concatenate([b.reshape(-1, b.shape[-1]) for b in batches])

@@ -291,7 +291,7 @@ def analyze_models(
                 notes.append(f"{len(grouped.skipped)} weight-only layers not isolated (their input or output has no "
                              f"counterpart in the float model): {', '.join(grouped.skipped[:3])}"
                              + (", ..." if len(grouped.skipped) > 3 else ""))
-            if not quantized_activations(quant):
+            if not quantized:  # computed above: `clean` exists only where `layers_only` is off
                 notes.append("no activation is quantized (weight-only kernels): the tensor table is empty")
         else:
             notes.append(f"{len(kernels)} weight-only layers not measured one by one: they take passes over groups "

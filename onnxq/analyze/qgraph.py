@@ -190,6 +190,12 @@ def _reads_dequantized(node: ir.Node) -> bool:
         for v in node.inputs)
 
 
+def _dequantizer(value: ir.Value | None) -> ir.Node | None:
+    """The DequantizeLinear or extended Q/DQ op that produces `value`, if one does."""
+    node = value.producer() if value is not None else None
+    return node if node is not None and (node.op_type == "DequantizeLinear" or is_extended(node)) else None
+
+
 def _quantized_after_activation(value: ir.Value) -> bool:
     """Whether `value`'s lone reader is a Relu/Clip whose output is quantized: a residual Add
     before its Relu under S8S8, A16W8 or XINT8 (no Relu absorbed there)."""
@@ -206,8 +212,8 @@ def _reads_stored(node: ir.Node) -> bool:
         return value is not None and (value.const_value is not None or value.is_initializer())
 
     for v in node.inputs:
-        dq = v.producer() if v is not None else None
-        if dq is None or not (dq.op_type == "DequantizeLinear" or is_extended(dq)) or not dq.inputs:
+        dq = _dequantizer(v)
+        if dq is None or not dq.inputs:
             continue
         source = dq.inputs[0]
         q = source.producer() if source is not None else None
@@ -225,9 +231,7 @@ FLOAT_WRITING = ("MatMul", "Gemm")
 def _float_writing_kernel(node: ir.Node) -> bool:
     """Whether `node` is a MatMul/Gemm on dequantized inputs only (its bias aside)."""
     computed = node.inputs[:2]
-    return node.op_type in FLOAT_WRITING and len(computed) == 2 and all(
-        v is not None and v.producer() is not None and (v.producer().op_type == "DequantizeLinear"
-                                                        or is_extended(v.producer())) for v in computed)
+    return node.op_type in FLOAT_WRITING and len(computed) == 2 and all(_dequantizer(v) is not None for v in computed)
 
 
 def _dequantized_output(value: ir.Value) -> ir.Value | None:
@@ -279,8 +283,7 @@ def layers(model: ir.Model) -> list[Layer]:
             continue
         dq = _dequantized_output(out)
         if dq is None and not _quantized_after_activation(out) and not _reads_stored(node) \
-                and not _float_writing_kernel(node) and not any(is_extended(v.producer()) for v in node.inputs
-                                                                 if v is not None):
+                and not _float_writing_kernel(node) and not any(is_extended(_dequantizer(v)) for v in node.inputs):
             continue  # a float node that only reads its quantized neighbours' outputs (a GELU's Div)
         found.append(Layer(node.name, node.op_type, out.name, dq.name if dq is not None else None,
                            _bounds(dq) if dq is not None else None))

@@ -137,9 +137,10 @@ def run_quantized(session: ort.InferenceSession, names: list[str], feed: Mapping
         _out_of_memory(text, "evaluation", feed)
         if isolated is not None and isolated not in text:
             raise
-        raise ModelError(f"the quantized model fails in onnxruntime on data the float model runs on: "
-                         f"{refusal(text).replace(isolated or chr(0), '')}; quantize the float model again (onnxq "
-                         "checks that its output runs), or leave that node float") from None
+        shown = refusal(text).replace(isolated, "") if isolated else refusal(text)  # the copy's node as the user's
+        raise ModelError(f"the quantized model fails in onnxruntime on data the float model runs on: {shown}; "
+                         "quantize the float model again (onnxq checks that its output runs), or leave that node "
+                         "float") from None
 
 
 def lower_bound(value: ir.Value) -> float | None:

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import onnx
 
 from onnxq.config.spec import ACTIVATION_CLASSES, Config
 from onnxq.errors import ConfigError, closest_name, named_fields_only
+from onnxq.graph.schema_types import onnx_op_types
 
 # onnxruntime's QuantType -> onnxq dtype
 QUANT_TYPES = {"qint8": "int8", "quint8": "uint8", "qint16": "int16", "quint16": "uint16", "qint4": "int4",
@@ -202,7 +202,7 @@ def _op_types(value: Any, model_ops: Iterable[tuple[str, str]]) -> list[str]:
         QLinearOpsRegistry,
     )
 
-    known = {op for _, op in model_ops} | {s.name for s in onnx.defs.get_all_schemas_with_history()}
+    known = {op for _, op in model_ops} | onnx_op_types()
     known |= set(IntegerOpsRegistry) | set(QDQRegistry) | set(QLinearOpsRegistry)
     for name in names:
         if name not in known:

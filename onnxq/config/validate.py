@@ -11,15 +11,12 @@ known with the model, so `validate_node_configs` checks those combinations per n
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import fields
 from enum import Enum
 from typing import Any
-
-import onnx
 
 from onnxq.config.accuracy import parse_target
 from onnxq.config.convert import bare_dtype, check_types, convert, entry_dict
@@ -38,6 +35,7 @@ from onnxq.config.spec import (
 )
 from onnxq.config.spec_rules import EXTENDED, INHERITED, check_spec
 from onnxq.errors import ConfigError, closest_name
+from onnxq.graph.schema_types import onnx_op_types
 
 
 def validate_config(config: Config) -> None:
@@ -103,10 +101,7 @@ def _layer_class_specs(config: Config) -> None:
         if isinstance(levels, Mapping):
             setattr(config, attr, {key: convert(dict(level), QuantizationConfig, attr, f"[{key!r}]")
                                    if isinstance(level, Mapping) else level for key, level in levels.items()})
-    levels = [("global_quant_config", config.global_quant_config)]
-    levels += [(f"{attr}[{key!r}]", level) for attr in ("layer_type_quant_config", "layer_quant_config")
-               for key, level in (getattr(config, attr) or {}).items()]
-    for where, level in levels:  # a spec given as a mapping (`c.global_quant_config.weight = {...}`)
+    for where, level in _levels(config):  # a spec given as a mapping (`c.global_quant_config.weight = {...}`)
         for tensor_class in TENSOR_CLASSES:
             spec = getattr(level, tensor_class, None) if isinstance(level, QuantizationConfig) else None
             if isinstance(spec, Mapping):
@@ -191,8 +186,8 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]],
     named = [("layer_type_quant_config", op) for op in config.layer_type_quant_config]
     named += [("float_op_types", op) for op in config.float_op_types]
     for where, op in named:
-        if op not in op_types and op not in _onnx_op_types():  # an op type of no model: a typo
-            hint = closest_name(op, sorted(op_types)) or closest_name(op, sorted(_onnx_op_types()))
+        if op not in op_types and op not in onnx_op_types():  # an op type of no model: a typo
+            hint = closest_name(op, sorted(op_types)) or closest_name(op, sorted(onnx_op_types()))
             raise ConfigError(f"{where} names op type {op!r}, which is no ONNX op type nor one "
                               f"of the model's" + (f"; did you mean '{hint}'?" if hint else
                                                    f" ({', '.join(sorted(op_types))})"))
@@ -228,12 +223,6 @@ def check_resolved(config: Config, nodes: Iterable[tuple[str, str]], weighted: C
                 check_spec(values, tensor_class, f"layer_quant_config[{name!r}].{tensor_class} ({op_type})")
         _check_float_weight({tc: getattr(resolved, tc) for tc in TENSOR_CLASSES}, f"node {name!r} ({op_type}) as resolved",
                             has_weight)
-
-
-@functools.cache
-def _onnx_op_types() -> frozenset[str]:
-    """Every op type of onnx's registered schemas (standard and other domains)."""
-    return frozenset(schema.name for schema in onnx.defs.get_all_schemas_with_history())
 
 
 def _nearest(word: str, names: list[str]) -> str:
@@ -296,9 +285,7 @@ def _levels(config: Config) -> list[tuple[str, QuantizationConfig]]:
 
 def _eight_bit_weights(config: Config) -> bool:
     """Whether some level resolves a weight to int8/uint8 (what reduce_range narrows)."""
-    specs = [merge_specs([level.weight] + ([] if level is config.global_quant_config
-                                            else [config.global_quant_config.weight]), "weight")
-             for _, level in _levels(config)]
+    specs = [merge_specs([level.weight for level in stack], "weight") for _, stack in _merged_levels(config)]
     specs += [merge_specs([getattr(config, key), config.global_quant_config.weight], "weight")
               for key in ("edge_weight", "depthwise_weight") if getattr(config, key) is not None]
     return any(s is not None and s.dtype in (DType.INT8, DType.UINT8) for s in specs)

@@ -86,15 +86,12 @@ def _quantized_in_qdq(node: ir.Node) -> bool:
     """Whether `node` reads a quantized constant weight or has its output quantized, in any
     type (float8, 16- and 4-bit, blocks: QOperator's kernels take none of them, and a run
     of FP8_E4M3 had said only "qoperator format: nothing")."""
-    def is_op(value: ir.Value | None, op: str) -> ir.Node | None:
-        found = value.producer() if value is not None and op == "DequantizeLinear" else None
-        if op == "QuantizeLinear" and value is not None and len(uses := list(value.uses())) == 1:
-            found = uses[0].node
-        return found if found is not None and found.op_type == op and found.domain in DOMAINS else None
-
-    weight = any((dq := is_op(v, "DequantizeLinear")) is not None and constant_size(dq.inputs[0])
-                 for v in node.inputs)
-    return weight or is_op(node.outputs[0], "QuantizeLinear") is not None
+    for v in node.inputs:
+        dq = v.producer() if v is not None else None
+        if dq is not None and dq.op_type == "DequantizeLinear" and dq.domain in DOMAINS and constant_size(dq.inputs[0]):
+            return True
+    uses = list(node.outputs[0].uses())
+    return len(uses) == 1 and uses[0].node.op_type == "QuantizeLinear" and uses[0].node.domain in DOMAINS
 
 
 def _q_after(value: ir.Value) -> ir.Node | None:

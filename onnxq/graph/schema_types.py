@@ -22,6 +22,13 @@ _STANDARD = ("", "ai.onnx")
 
 
 @functools.cache
+def onnx_op_types() -> frozenset[str]:
+    """Every op type of onnx's registered schemas (standard and other domains): what a
+    config may name as an op type the model lacks."""
+    return frozenset(schema.name for schema in onnx.defs.get_all_schemas_with_history())
+
+
+@functools.cache
 def _ort_schemas() -> dict[tuple[str, str], list[object]]:
     """onnxruntime's registered schemas by (domain, op), every version."""
     try:
