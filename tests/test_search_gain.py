@@ -123,3 +123,24 @@ def test_a_cosine_sample_that_overflows_or_goes_silent_scores_no_agreement():
     ref = np.array([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0], [1.0, 1.0]], np.float32)
     out = np.array([[1.0, 2.0], [np.nan, 4.0], [0.0, 0.0], [0.0, 0.0]], np.float32)
     np.testing.assert_allclose(_cosine(ref, out).samples, [1.0, 0.0, 1.0, 0.0])
+
+
+def test_a_systematic_but_tiny_sqnr_or_cosine_gain_is_not_worth_a_rung():
+    """Every sample a little less noisy: beyond the noise by far, but 0.01 dB (the trust
+    trial's SmoothQuant rung) is under the least gain worth a rung; 0.2 dB is kept."""
+    rng = np.random.default_rng(1)
+    ref = rng.standard_normal((400, 32))
+    noise = 0.05 * rng.standard_normal((400, 32))
+    start = _sqnr(ref, ref + noise, None)
+    for shrink, kept in ((10 ** (-0.01 / 20), False), (10 ** (-0.2 / 20), True)):
+        better = _sqnr(ref, ref + shrink * noise, None)
+        why = rung_gain(better, start, True, False, None)
+        assert (why is None) == kept, why
+        if not kept:
+            assert "the least worth a rung on sqnr" in why and "--rung-min-gain 0" in why
+            assert rung_gain(better, start, True, False, 0.0) is None  # the user's minimum decides alone
+    cos_start = _cosine(ref, ref + noise)
+    tiny = _cosine(ref, ref + 10 ** (-0.01 / 20) * noise)
+    clear = _cosine(ref, ref + 10 ** (-0.2 / 20) * noise)
+    assert "least worth a rung on cosine" in rung_gain(tiny, cos_start, True, False, None)
+    assert rung_gain(clear, cos_start, True, False, None) is None

@@ -46,10 +46,12 @@ class Scored:
     """A model's score and each evaluation sample's part in it, in the score's direction
     (top1: 100 where the label is matched; cosine: the sample's cosine; sqnr: minus the
     sample's noise energy), so two models' paired differences say whether one is better
-    beyond the eval set's noise (`gain.py`); None where the metric is the caller's."""
+    beyond the eval set's noise (`gain.py`); None where the metric is the caller's. `metric`
+    names the built-in metric, which sets the least gain worth a rung (`gain.least_gain`)."""
 
     value: float
     samples: np.ndarray | None = None
+    metric: str | None = None
 
 
 @dataclass
@@ -126,7 +128,7 @@ def _top1(out: np.ndarray, labels: np.ndarray) -> float:
 
 def _top1_scored(out: np.ndarray, labels: np.ndarray) -> Scored:
     matched = _matched(out, labels)
-    return Scored(100.0 * float(np.mean(matched)), 100.0 * matched)
+    return Scored(100.0 * float(np.mean(matched)), 100.0 * matched, "top1")
 
 
 def _kept_only(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -143,7 +145,7 @@ def _cosine(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None = None) ->
     given ([samples, positions], True where the attention mask keeps a token)."""
     ref, out = _kept_only(ref, out, kept)
     cos = row_cosines(ref.reshape(len(ref), -1), out.reshape(len(out), -1))
-    return Scored(float(np.mean(cos)), cos)
+    return Scored(float(np.mean(cos)), cos, "cosine")
 
 
 def _checked(evaluate: Evaluate) -> Evaluate:
@@ -203,7 +205,7 @@ def _sqnr(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None) -> Scored:
     value = sqnr_db(ref, out) if kept is None else sqnr_db(ref[kept], out[kept])
     ref, out = _kept_only(ref, out, kept)
     noise = ((ref.astype(np.float64) - out) ** 2).reshape(len(ref), -1).sum(axis=1)
-    return Scored(value, -noise)
+    return Scored(value, -noise, "sqnr")
 
 
 def float_score(target: AccuracyTarget, score: Evaluate, float_session: ort.InferenceSession,
