@@ -117,3 +117,23 @@ def test_overrides_that_cannot_apply_are_said():
         result = onnxq.quantize(model, None, config, data, progress=False)
         assert any(n.topic is Topic.CONFIG and n.text.startswith(says) for n in result.summary.notes), \
             (says, result.summary.note_texts)
+
+
+def test_grid_settings_on_a_float_cast_are_said_where_no_weight_took_them():
+    """FP16 with --per-tensor changed nothing and said nothing (configuration trial): the
+    summary now says so; where an integer override puts some weight on a grid, the setting
+    may reach it and nothing is said; the FP16 preset alone says nothing."""
+    model = str(MODELS / "digits_cnn.onnx")
+    per_tensor = {"preset": "FP16", "global_quant_config": {"weight": {"qscheme": "per_tensor"}}}
+    result = onnxq.quantize(model, None, per_tensor, None, progress=False)
+    said = [n.text for n in result.summary.notes if "has no effect" in n.text]
+    assert said == ["global_quant_config weight qscheme per_tensor has no effect: float16 weights are cast, not put "
+                    "on a grid of scales (--per-tensor, --per-channel, --per-group and the other grid settings are "
+                    "for integer and float8 weights)"], result.summary.note_texts
+    plain = onnxq.quantize(model, None, "FP16", None, progress=False)
+    assert not any("has no effect" in n for n in plain.summary.note_texts)
+    data = {k: v[:16] for k, v in np.load(MODELS / "digits_calib.npz").items()}
+    mixed = onnxq.quantize(model, None, {**per_tensor, "layer_type_quant_config": {"Conv": {
+        "input_tensors": {"dtype": "uint8"}, "output_tensors": {"dtype": "uint8"},
+        "weight": {"dtype": "int8", "symmetric": True}}}}, data, progress=False)
+    assert not any("has no effect" in n for n in mixed.summary.note_texts), mixed.summary.note_texts

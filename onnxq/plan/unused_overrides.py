@@ -1,8 +1,9 @@
 """Overrides the plan had no use for, said in the summary rather than dropped in silence:
 an absorbed Relu/Clip's own specs (it runs inside the op before it, one kernel), an
 output spec on a data-movement op (its output reuses its input's parameters), a weight
-spec on an op without a weight, a node override on an excluded node, and an op-type
-override for an op type the model lacks."""
+spec on an op without a weight, a node override on an excluded node, an op-type
+override for an op type the model lacks, and integer grid settings (`--per-tensor`,
+`--per-group`, `bits`) on float16/bfloat16 weights where no weight was put on a grid."""
 
 from __future__ import annotations
 
@@ -14,12 +15,17 @@ from onnxq.config.presets import PRESETS, get_preset
 from onnxq.config.resolve import is_excluded
 from onnxq.config.spec import ACTIVATION_CLASSES, Config
 from onnxq.notes import Note, Topic
-from onnxq.plan.plan import QuantPlan
+from onnxq.plan.plan import Kind, QuantPlan
 from onnxq.plan.rules import DYNAMIC_OPS, OP_RULES, OutputMode
 
 # Op types a weight spec applies to: those with a weight input in the rules table, and the
 # dynamic kernels' (LSTM).
 WEIGHTED_OPS = frozenset({op for op, rule in OP_RULES.items() if rule.weight_input is not None} | DYNAMIC_OPS)
+
+# A weight spec's settings for a grid (integer or float8 scales), which a float16/bfloat16
+# cast of the weights has no use for (`bits` there is refused: `config/validate.py`).
+GRID_FIELDS = ("qscheme", "group_size", "ch_axis", "symmetric", "scale_type")
+CAST_DTYPES = frozenset({"float16", "bfloat16"})
 
 
 def _override(config: Config, node: ir.Node) -> tuple[str, object] | None:
@@ -56,12 +62,37 @@ def unused_override_notes(model: ir.Model, plan: QuantPlan, config: Config) -> l
     found = [Note(Topic.CONFIG, f"{where} has no effect" + ("" if where.startswith("layer_quant_config") else
                   f" on {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}") + f": {why}", tuple(names))
              for where, (why, names) in unused.items()]
+    found.extend(_grid_on_cast(plan, config))
     present = {node.op_type for node in model.graph}
     absent = [op for op in config.layer_type_quant_config if op not in present and op not in _preset_op_types()]
     if absent:
         found.append(Note(Topic.CONFIG, f"layer_type_quant_config: {', '.join(absent)} has no effect: the model has "
                           f"no {' or '.join(absent)} node"))
     return found
+
+
+def _grid_on_cast(plan: QuantPlan, config: Config) -> list[Note]:
+    """A note per level whose float16/bfloat16 weight spec sets grid fields, where no weight
+    of the plan was put on a grid (FP16 with `--per-tensor` had done nothing, silently).
+    With some weight on a grid the fields may reach it through inheritance: nothing said."""
+    if any(tensor.kind is Kind.WEIGHT for tensor in plan.tensors.values()):
+        return []
+    levels = [("global_quant_config", config.global_quant_config),
+              *((f"layer_type_quant_config: {op}", level) for op, level in config.layer_type_quant_config.items()),
+              *((f"layer_quant_config: {name}", level) for name, level in config.layer_quant_config.items())]
+    notes = []
+    for where, level in levels:
+        spec = level.weight if level is not None else None
+        dtype = getattr(getattr(spec, "dtype", None), "value", None)
+        if dtype not in CAST_DTYPES:
+            continue
+        given = [f"{name} {getattr(getattr(spec, name), 'value', getattr(spec, name))}" for name in GRID_FIELDS
+                 if getattr(spec, name) is not None]
+        if given:
+            notes.append(Note(Topic.CONFIG, f"{where} weight {', '.join(given)} has no effect: {dtype} weights are "
+                              "cast, not put on a grid of scales (--per-tensor, --per-channel, --per-group and the "
+                              "other grid settings are for integer and float8 weights)"))
+    return notes
 
 
 @functools.cache
