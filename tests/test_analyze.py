@@ -339,3 +339,30 @@ def test_weight_only_layers_in_groups_give_the_same_figures():
     assert (one.passes, each.passes) == (1, 2)
     for a, b in ((one.own, each.own), (one.prefix, each.prefix)):  # equal up to the kernels' summation order
         assert a.keys() == b.keys() and all(a[n].sqnr_db == pytest.approx(b[n].sqnr_db, abs=1e-3) for n in a)
+
+
+def test_cli_analyze_with_labels_gives_top1_as_compare_does_and_says_what_the_ranking_ran_on(tmp_path, capsys):
+    """`--labels` had only left the array out of the inputs (trust trial): analyze now gives
+    both models' top-1 against the labels, the figures `onnxq compare` gives on the same
+    samples, and the layer table says how many samples its ranking ran on."""
+    from pathlib import Path
+
+    models = Path(__file__).resolve().parent.parent / "models"
+    quant = tmp_path / "q.onnx"
+    quantize(str(models / "digits_cnn.onnx"), str(quant), None, str(models / "digits_calib.npz"), progress=False)
+    args = [str(models / "digits_cnn.onnx"), str(quant), "--data", str(models / "digits_eval.npz"), "--labels",
+            "labels", "--max-samples", "64", "--quiet"]
+    assert main(["compare", *args]) == 0
+    compared = capsys.readouterr().out
+    assert main(["analyze", *args, "--top", "2"]) == 0
+    analysed = capsys.readouterr().out
+    line = next(x for x in analysed.splitlines() if "top-1 against the labels" in x)
+    assert "on 64 samples: float" in line
+    float_acc, quant_acc = (x.split("%")[0] for x in line.split("float ")[1].split("quantized "))
+    assert f"{float_acc}%" in compared and f"{quant_acc}%" in compared, (line, compared)
+    assert "first output on the first 32 samples with only that layer quantized" in analysed
+    np.savez(tmp_path / "e.npz", input=np.load(models / "digits_eval.npz")["input"][:8],
+             labels=np.zeros(8, np.int64))
+    assert main(["analyze", str(models / "digits_cnn.onnx"), str(quant), "--data", str(tmp_path / "e.npz"),
+                 "--labels", "labels", "--quiet", "--top", "1"]) == 0
+    assert "top-1 against the labels on 8 samples" in capsys.readouterr().out

@@ -121,6 +121,7 @@ class Analysis:
     notes: list[str] = field(default_factory=list)
     method: str = ("layers alone: integer kernels as deployed; tensors with prefix: tensors exposed, "
                    "their Q/DQ unfused (reference arithmetic); outputs: default onnxruntime session")
+    ranked_samples: int | None = None  # the samples the output ranking ran on (its first ones)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data; an infinite SQNR (no error at all) becomes null."""
@@ -300,10 +301,11 @@ def analyze_models(
         del clean
     tensor_reports.sort(key=lambda t: (t.sqnr_db, t.name))
     layer_reports.sort(key=_noise_order)
+    ranked_samples = None
     if pristine is not None and layer_reports:
         if _rereadable(data):
-            layer_reports = _by_output(layer_reports, pristine, quant, data, providers, batch_size,
-                                       max_samples, progress)
+            layer_reports, ranked_samples = _by_output(layer_reports, pristine, quant, data, providers, batch_size,
+                                                       max_samples, progress)
         else:
             notes.append("layers ranked by their channels' noise, not by the output: the data can be read only "
                          "once (pass a path, a dict of arrays or a list of feeds)")
@@ -319,7 +321,7 @@ def analyze_models(
                          "SmoothQuant or AWQ) and the model with only them quantized measures the rescaling, so "
                          "they follow by ch noise; analyze against the float model the quantizer emitted from "
                          "(quantize --report) to rank them")
-    return Analysis(samples, tensor_reports, layer_reports, outputs, notes)
+    return Analysis(samples, tensor_reports, layer_reports, outputs, notes, ranked_samples=ranked_samples)
 
 
 # Kernels not isolated: those that quantize their activations at run time (several nodes
@@ -374,11 +376,12 @@ def _rereadable(data: Any) -> bool:
 
 def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Model, data: Any,
                providers: list[str], batch_size: int, max_samples: int | None,
-               progress: bool | None) -> list[LayerReport]:
+               progress: bool | None) -> tuple[list[LayerReport], int]:
     """`reports` (in their channels' noise order) ranked by what each layer alone does to
     the first output (`impact.impact_order`, as the accuracy search ranks them: the model
     with only that layer quantized, `isolate.with_only`, on the first IMPACT_SAMPLES
-    samples in a default session), with each measured layer's `output_sqnr_db` set."""
+    samples in a default session), with each measured layer's `output_sqnr_db` set, and the
+    number of samples that ranking ran on."""
     by_name = {r.name: r for r in reports}
     found = {layer.name: layer for layer in [*layers(quant), *kernel_layers(quant)]}
     samples = min(max_samples or IMPACT_SAMPLES, IMPACT_SAMPLES)
@@ -387,10 +390,14 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
     bar = tqdm(total=min(limit, len(names)), desc="rank layers", unit="layer", leave=False,
                disable=True if progress is False else None)
 
+    fed: list[int] = []  # samples per run of the first output (the same on every model)
+
     def first_output(session: Any) -> np.ndarray:
         name, got = session.get_outputs()[0].name, []
+        fed.append(0)
         for feed in iter_batches(data, session_inputs(session), batch_size, samples, kind="evaluation"):
             got.append(run_quantized(session, [name], feed)[0])
+            fed[-1] += len(got[-1])
             if sum(g.nbytes for g in got) >= IMPACT_OUTPUT_BYTES:  # an LLM's logits: 50 MB a window
                 break
         return joined(got)
@@ -407,7 +414,7 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
     for name, noise in order:
         if not math.isnan(noise):
             by_name[name].output_sqnr_db = -10.0 * math.log10(noise) if noise > 0 else math.inf
-    return [by_name[name] for name, _ in order]
+    return [by_name[name] for name, _ in order], (fed[0] if fed else 0)
 
 
 def _tensor_report(a: QuantizedActivation, err: ErrorStats, rng: RangeStats) -> TensorReport:
@@ -459,8 +466,9 @@ def _layer_order(a: Analysis) -> str:
     if not measured:
         return "by ch noise, the mean over output channels of noise/signal with the layer alone quantized"
     rest = "" if measured == len(a.layers) else f" ({measured} measured; the rest by ch noise)"
-    return ("by output dB, the SQNR of the model's first output with only that layer quantized, as the accuracy "
-            f"search ranks them{rest}")
+    on = f" on the first {a.ranked_samples} samples" if a.ranked_samples else ""
+    return (f"by output dB, the SQNR of the model's first output{on} with only that layer quantized, as the "
+            f"accuracy search ranks them{rest}")
 
 
 def format_analysis(a: Analysis, top: int = 15) -> str:

@@ -8,8 +8,8 @@ from typing import Any
 
 from onnxq.analyze.analysis import analyze_models
 from onnxq.analyze.html import write_html_report
+from onnxq.analyze.labelled import accuracy_note
 from onnxq.config.spec import Config
-from onnxq.evaluate import compare_models
 from onnxq.notes import Topic, notes
 from onnxq.search.target import load_eval_set
 
@@ -29,11 +29,8 @@ def report_quantization(path: str | os.PathLike, result: Any, config: Config, da
                               max_samples=REPORT_SAMPLES, providers=config.calibration.providers,
                               progress=progress)
     if evalset.labels is not None:  # labelled data: the accuracy users judge a model by, beside agreement
-        scored = compare_models(state.float_model, result.ir_model, evalset.data, evalset.labels,
-                                max_samples=REPORT_SAMPLES, providers=config.calibration.providers, progress=False)
-        if scored.float_accuracy is not None:
-            analysis.notes.insert(0, f"top-1 against the labels on {scored.samples} samples: float "
-                                     f"{scored.float_accuracy:.2%}, quantized {scored.quant_accuracy:.2%}")
+        analysis.notes.insert(0, accuracy_note(state.float_model, result.ir_model, evalset.data, evalset.labels,
+                                               max_samples=REPORT_SAMPLES, providers=config.calibration.providers))
     if not held_out:
         analysis.notes.insert(0, "measured on the calibration data, which the quantizer fitted to, so held-out "
                                  "figures read lower; pass mixed_precision.eval_data for a held-out set")

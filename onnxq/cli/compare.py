@@ -11,6 +11,7 @@ import numpy as np
 from onnxq.analyze import analyze_models, format_analysis
 from onnxq.analyze.analysis import RANKS
 from onnxq.analyze.html import write_html_report
+from onnxq.analyze.labelled import accuracy_note
 from onnxq.cli.arguments import check_counts, check_model_files
 from onnxq.errors import CalibrationDataError, ModelError
 from onnxq.evaluate import compare_models, format_comparison
@@ -28,7 +29,7 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
 
 def add_analyze(sub: argparse._SubParsersAction) -> None:
     a = _model_pair_parser(sub, "analyze", "per-layer and per-tensor error of a quantized model",
-                           "an array in the --data .npz to leave out (labels)")
+                           "an array in the --data .npz holding class labels: top-1 of both models against them, and left out of the inputs")
     a.add_argument("--json", metavar="FILE.json", help="write every figure as JSON")
     a.add_argument("--report", metavar="FILE.html", help="write an HTML report")
     a.add_argument("--top", type=int, default=15, help="rows of each table on the terminal (default 15)")
@@ -85,10 +86,13 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     check_output_paths(args.quant_model, args.json, args.report)
     check_apart({"--json": args.json, "--report": args.report},
                 {"the float model": args.float_model, "the quantized model": args.quant_model, "the data": args.data})
-    data, _ = _data_and_labels(args.data, args.labels)
+    data, labels = _data_and_labels(args.data, args.labels)
     analysis = analyze_models(args.float_model, args.quant_model, data, max_samples=args.max_samples,
                               providers=args.providers, progress=False if args.quiet else None,
                               rank=args.rank, **_batch_size(args))
+    if labels is not None:
+        analysis.notes.insert(0, accuracy_note(args.float_model, args.quant_model, data, labels,
+                                               max_samples=args.max_samples, providers=args.providers))
     if args.json:
         analysis.to_json(args.json)
     if args.report:
