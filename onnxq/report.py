@@ -14,9 +14,14 @@ from onnxq.notes import Note
 
 @dataclass(frozen=True)
 class Promotion:
+    """A layer the search raised, and how it ranked: the noise / signal of the model's first
+    output with only that layer quantized (`analyze/impact.py`; NaN where the ranking's
+    budget left it unmeasured), and the same as an SQNR (`output dB` in `onnxq analyze`)."""
+
     node: str
     rung: str
-    relative_noise: float  # the error the layer added alone, as noise / signal
+    relative_noise: float
+    output_db: float | None = None
 
 
 @dataclass

@@ -103,6 +103,11 @@ def test_search_meets_a_cosine_target_with_few_promotions(coarse_chain, tmp_path
                                           abs=1e-4)
     # The two 2-bit layers rank first; the rest of the target takes a few uint8 layers more.
     assert {p.node for p in mp.promotions[:2]} == set(coarse) and len(mp.promotions) <= 8
+    # each raise carries its ranking figure, as `onnxq analyze`'s output dB (the report's column)
+    measured = [p for p in mp.promotions if p.output_db is not None]
+    assert measured and all(p.output_db == pytest.approx(-10 * np.log10(p.relative_noise)) for p in measured)
+    ranked = [p.output_db for p in measured]
+    assert max(ranked[:2]) < min(ranked[2:], default=float("inf"))  # the 2-bit layers hurt most
     assert mp.evaluations < mp.ranked_layers  # fewer models scored than there are layers
     onnx.checker.check_model(str(tmp_path / "mp.onnx"), full_check=True)
     assert _cosine(float_out, _run(tmp_path / "mp.onnx", held_out)) > 0.995  # held-out data too

@@ -284,7 +284,7 @@ def _mixed_precision_section(data: dict[str, Any]) -> str:
         ("rung", "rung"), ("score", "score"), ("met", "met"), ("kept", "kept"), ("seconds", "seconds"),
         ("what", "why")])
     body += "<h3>Promotions</h3>" + _table(data, "mixed_precision.promotions", [
-        ("node", "node"), ("rung", "rung"), ("relative noise", "relative_noise")])
+        ("node", "node"), ("rung", "rung"), ("output dB with only it quantized (the ranking)", "output_db")])
     body += "<h3>Trials</h3>" + _trials_chart(data["mixed_precision"]) + _table(
         data, "mixed_precision.trials",
         [("promoted", "promoted"), ("rung", "rung"), ("score", "score"), ("met", "met")])

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Callable
@@ -288,7 +289,7 @@ def quantize_to_target(
         float_score=reference_score,
         base_score=base_score,
         final_score=final_score,
-        promotions=[Promotion(n, r, ranks.get(n, 0.0)) for n, r in outcome.promotions.items()],
+        promotions=[_promotion(n, r, ranks.get(n, math.nan)) for n, r in outcome.promotions.items()],
         ranked_layers=len(order),
         evaluations=((target.metric not in SELF_SCORE) + 1 + sum(t.score is not None for t in climb.trials)
                      + len(outcome.trials) + bool(outcome.promotions)),
@@ -362,3 +363,9 @@ def _written_words(choice: Choice, final_score: float, min_gain: float | None) -
     within = "the eval set's noise" if min_gain is None else f"rung_min_gain {min_gain:g}"
     return (f"the best score reached is {choice.best.scored.value:.4g}, by {choice.best.what}; written: "
             f"{choice.written.what}, {final_score:.4g}, as good within {within} and cheaper")
+
+
+def _promotion(node: str, rung: str, noise: float) -> Promotion:
+    """A raised layer with its ranking noise, also in dB (None where unmeasured)."""
+    measured = math.isfinite(noise) and noise >= 0
+    return Promotion(node, rung, noise, (math.inf if noise == 0 else -10.0 * math.log10(noise)) if measured else None)
