@@ -66,6 +66,29 @@ def _read_proto(source: str | os.PathLike | onnx.ModelProto, split: bool = False
     return _parsed(path, lambda: onnx.load(str(path), load_external_data=False)), str(path.parent), str(path), {}
 
 
+# Mapped weights up to this size go back into the proto for the opset converter: its
+# adapters read constant inputs such as shapes and axes, never a layer's weights.
+CONVERTER_INLINE_BYTES = 1 << 16
+
+
+def _restore_small(proto: onnx.ModelProto, mapped: dict[str, np.ndarray]) -> None:
+    """Put the mapped weights up to `CONVERTER_INLINE_BYTES` back into `proto` (and out of
+    `mapped`), so an inline model past 2 GB is upgraded without reading its weights (it
+    was read whole: 6.3x the file in memory at a 1.5 GB model, big-model trial)."""
+    for tensor in proto.graph.initializer:
+        array = mapped.get(tensor.name)
+        if array is not None and array.nbytes <= CONVERTER_INLINE_BYTES:
+            tensor.raw_data = np.ascontiguousarray(array).tobytes()
+            del mapped[tensor.name]
+
+
+def _kept_initializers(proto: onnx.ModelProto, mapped: dict[str, np.ndarray]) -> bool:
+    """Whether every mapped weight is still an initializer of `proto` without data (what
+    the split left), after the converter."""
+    empty = {t.name for t in proto.graph.initializer if not t.raw_data}
+    return set(mapped) <= empty
+
+
 def _model_file(source: str | os.PathLike) -> Path:
     path = Path(source)
     if not path.exists():
@@ -138,8 +161,9 @@ def load_model(
     if isinstance(source, ir.Model):
         source = ir.to_proto(source)
     proto, base_dir, name, mapped = _read_proto(source, split=True)
-    if mapped and default_opset(proto) < min_opset:  # the opset converter needs the weights
-        proto, base_dir, name, mapped = _read_proto(source)
+    upgrading = bool(mapped) and default_opset(proto) < min_opset
+    if upgrading:  # the opset converter reads small constants (shapes, axes), never a weight
+        _restore_small(proto, mapped)
     refuse_training(proto, name)
     checked = check_proto(proto, None if isinstance(source, onnx.ModelProto) else str(source), set(mapped))
     original, proto_ir_version = default_opset(proto), proto.ir_version
@@ -147,6 +171,10 @@ def load_model(
         proto = onnx.ModelProto.FromString(proto.SerializeToString())  # never mutate the caller's
     drop_map_types(proto, name)
     proto = upgrade_opset(proto, original, min_opset)
+    if upgrading and not _kept_initializers(proto, mapped):  # an adapter rewrote a mapped weight: read it all
+        proto, base_dir, name, mapped = _read_proto(source)
+        drop_map_types(proto, name)
+        proto = upgrade_opset(proto, original, min_opset)
     model = ir.serde.deserialize_model(proto)
     for name_, array in mapped.items():
         value = model.graph.initializers[name_]
