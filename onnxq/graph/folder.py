@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,8 @@ from onnxq.graph.save import copy_atomic
 @dataclass(frozen=True)
 class ModelFolder:
     """A folder with one model: its `.onnx` file, the external data files that model names
-    (relative to the folder), and everything else it holds (`companions`)."""
+    (relative to the folder), and every other file it holds, sub-folders' included
+    (`companions`, relative paths)."""
 
     folder: Path
     model: Path
@@ -73,8 +73,17 @@ def open_folder(path: str | os.PathLike) -> ModelFolder | None:
                              f"or an onnxruntime-genai folder with {GENAI_CONFIG})")
         model = models[0]
     data = model_data_files(model)
-    others = tuple(sorted(p.name for p in folder.iterdir() if p.name != model.name and p.name not in data))
-    return ModelFolder(folder, model, data, others)
+    return ModelFolder(folder, model, data, _companions(folder, model, data))
+
+
+def _companions(folder: Path, model: Path, data: tuple[str, ...]) -> tuple[str, ...]:
+    """Every file under `folder` but the model and the data files it names, as paths
+    relative to the folder: a sub-folder of the float model's weights ("weights/w0.bin")
+    stays behind, where it had been copied whole (2.3 GB beside a 324 MB int4 model,
+    big-model trial); the tokenizer and anything else beside them goes along."""
+    skip = {model.resolve(), *((folder / name).resolve() for name in data)}
+    found = (path for path in folder.rglob("*") if path.is_file() or path.is_symlink() and not path.is_dir())
+    return tuple(sorted(path.relative_to(folder).as_posix() for path in found if path.resolve() not in skip))
 
 
 def output_model(source: ModelFolder, output: str | os.PathLike) -> Path:
@@ -93,14 +102,12 @@ def output_model(source: ModelFolder, output: str | os.PathLike) -> Path:
 
 def copy_companions(source: ModelFolder, out_folder: Path) -> list[str]:
     """Copy every file of the input folder but the model and its data into `out_folder`
-    (sub-folders too); the names copied."""
+    (in their sub-folders); the paths copied."""
     out_folder.mkdir(parents=True, exist_ok=True)
     for name in source.companions:
-        src, dst = source.folder / name, out_folder / name
-        if src.is_dir():
-            shutil.copytree(src, dst, dirs_exist_ok=True)
-        else:
-            copy_atomic(src, dst)
+        dst = out_folder / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        copy_atomic(source.folder / name, dst)
     return list(source.companions)
 
 
