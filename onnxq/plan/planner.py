@@ -6,7 +6,7 @@ into the op before them, and the nodes left in float with the reason why. Each n
 offered to the registered strategies (`plan/strategies`), which record their decisions
 in a `Draft`; an int4 embedding and the LM head it is tied to are paired to share one
 stored weight (`plan/tied`), and the link ops that gain nothing quantized are pruned
-(`plan/prune`).
+(`plan/prune`). A GELU written out as elementwise nodes stays float inside (`graph/gelu.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from collections.abc import Mapping
 import onnx_ir as ir
 
 from onnxq.config.resolve import float_reason, resolve_node_config
-from onnxq.config.spec import Config
+from onnxq.config.spec import Config, DType
+from onnxq.graph.gelu import decomposed_gelus
 from onnxq.plan import strategies
 from onnxq.plan.draft import Draft
 from onnxq.plan.kernel_pairs import runnable
@@ -24,6 +25,26 @@ from onnxq.plan.plan import QuantPlan
 from onnxq.plan.prune import prune
 from onnxq.plan.tied import tie_tables
 from onnxq.target.profile import TargetProfile
+
+# Why a decomposed GELU's nodes stay float (`graph/gelu.py`).
+INSIDE_GELU = ("inside a GELU written out as elementwise nodes: onnxruntime fuses it into one float kernel, which "
+               "Q/DQ inside would stop, each rounding inside the function (its input and output are quantized "
+               "where their readers need it)")
+# Activation types that convert the op instead of quantizing it: the float cast keeps a GELU's nodes.
+_CAST_TYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32})
+
+
+def inside_gelus(model: ir.Model, config: Config) -> dict[str, str]:
+    """The nodes of each decomposed GELU that a quantized recipe would quantize, with the
+    reason they stay float; a node override in `layer_quant_config` keeps its say."""
+    kept = {}
+    for gelu in decomposed_gelus(model.graph):
+        for node in gelu:
+            cfg = resolve_node_config(config, node.name, node.op_type)
+            spec = cfg.output_tensors or cfg.input_tensors if cfg is not None else None
+            if node.name not in config.layer_quant_config and spec is not None and spec.dtype not in _CAST_TYPES:
+                kept[node.name] = INSIDE_GELU
+    return kept
 
 
 def plan_node(draft: Draft, node: ir.Node, keep_float: Mapping[str, str]) -> None:
@@ -60,7 +81,7 @@ def plan_quantization(
     `keep_float` names nodes (with the reason) that earlier passes require to stay float.
     `target` narrows int8 weights where its kernels saturate (None: leave them 8-bit).
     """
-    keep_float = keep_float or {}
+    keep_float = {**inside_gelus(model, config), **(keep_float or {})}
     draft = Draft({node.name: node for node in model.graph}, config, target)
     for node in model.graph:
         if node.name in draft.fused_activations:

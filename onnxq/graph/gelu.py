@@ -1,0 +1,104 @@
+"""Find the GELUs an exporter wrote out as elementwise nodes, x * 0.5 * (1 + erf(x / sqrt 2)).
+
+torch's `nn.GELU()` exports as Div (or Mul by 1/sqrt 2) -> Erf -> Add 1 -> Mul x -> Mul 0.5,
+or with the 0.5 taken first (Mul(x, 0.5) * (1 + erf)). onnxruntime fuses either form into
+one float Gelu kernel (its GeluFusion), and no integer kernel computes it. The planner keeps
+such a GELU's inner nodes float (`plan/planner.py`): quantized, each inner tensor (1 + erf,
+the products) is rounded once more inside one activation function, and the Q/DQ pairs stop
+that fusion, so the model runs five elementwise kernels instead of one.
+
+The tanh approximation (FastGelu) is not matched: no model at hand exports it to measure.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxq.graph.fold import constant_array
+
+INV_SQRT2 = 1.0 / math.sqrt(2.0)
+# How close a matched constant must be to the formula's (float16 exports round 1/sqrt 2).
+TOLERANCE = 1e-3
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    """The value of a constant one-element input, else None."""
+    array = constant_array(value) if value is not None else None
+    if array is None or array.size != 1 or not np.issubdtype(array.dtype, np.floating):
+        return None
+    return float(array.reshape(()))
+
+
+def _near(got: float | None, want: float) -> bool:
+    return got is not None and abs(got - want) <= TOLERANCE * abs(want)
+
+
+def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
+    """The input of a two-input node that is not `value`."""
+    if len(node.inputs) != 2:
+        return None
+    first, second = node.inputs
+    return second if first is value else first if second is value else None
+
+
+def _only_reader(value: ir.Value, op_type: str) -> ir.Node | None:
+    """The one node that reads `value`, if it is an `op_type` and `value` is no graph output."""
+    readers = [use.node for use in value.uses()]
+    if len(readers) != 1 or value.is_graph_output() or readers[0].op_type != op_type:
+        return None
+    return readers[0]
+
+
+def _scaled_input(erf: ir.Node) -> tuple[ir.Node, ir.Value] | None:
+    """The Div(x, sqrt 2) or Mul(x, 1/sqrt 2) before `erf`, and x."""
+    source = erf.inputs[0].producer() if erf.inputs and erf.inputs[0] is not None else None
+    if source is None or len(source.inputs) != 2 or len(source.outputs[0].uses()) != 1:
+        return None
+    x, c = source.inputs
+    if source.op_type == "Div" and _near(_scalar(c), math.sqrt(2.0)):
+        return source, x
+    if source.op_type == "Mul":
+        for x, c in ((source.inputs[0], source.inputs[1]), (source.inputs[1], source.inputs[0])):
+            if _near(_scalar(c), INV_SQRT2):
+                return source, x
+    return None
+
+
+def _gelu_at(erf: ir.Node) -> list[ir.Node] | None:
+    """The nodes of the GELU around `erf`, in graph order, or None where it is not one."""
+    scaled = _scaled_input(erf)
+    if scaled is None:
+        return None
+    scale, x = scaled
+    add = _only_reader(erf.outputs[0], "Add")
+    if add is None or not _near(_scalar(_other(add, erf.outputs[0])), 1.0):
+        return None
+    product = _only_reader(add.outputs[0], "Mul")
+    if product is None:
+        return None
+    other = _other(product, add.outputs[0])
+    if other is x:  # x * (1 + erf), then * 0.5
+        half = _only_reader(product.outputs[0], "Mul")
+        if half is None or not _near(_scalar(_other(half, product.outputs[0])), 0.5):
+            return None
+        return [scale, erf, add, product, half]
+    halved = other.producer() if other is not None else None  # (x * 0.5) * (1 + erf)
+    if halved is None or halved.op_type != "Mul" or len(other.uses()) != 1 or x not in halved.inputs \
+            or not _near(_scalar(_other(halved, x)), 0.5):
+        return None
+    return [scale, erf, halved, add, product]
+
+
+def decomposed_gelus(graph: ir.Graph) -> list[list[ir.Node]]:
+    """Every GELU written out as elementwise nodes (module doc), each as its nodes; a node
+    is in at most one."""
+    found: list[list[ir.Node]] = []
+    for node in graph:
+        if node.op_type == "Erf" and node.domain in ("", "ai.onnx"):
+            nodes = _gelu_at(node)
+            if nodes is not None:
+                found.append(nodes)
+    return found

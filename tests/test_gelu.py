@@ -1,0 +1,87 @@
+"""A GELU written out as elementwise nodes (torch's nn.GELU exported) stays float inside
+(`graph/gelu.py`, `plan/planner.py`): its inner tensors are not rounded, and onnxruntime
+fuses it into one float kernel in the deployed model."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from helpers import GraphBuilder, sqnr_db
+
+import onnxq
+from onnxq.graph.gelu import decomposed_gelus
+from onnxq.graph.load import load_model
+from onnxq.plan.planner import INSIDE_GELU
+
+HIDDEN = 32
+
+
+def _gelu(b: GraphBuilder, x: str, half_first: bool, scale_op: str = "Div") -> str:
+    """torch's erf GELU, in either order of the 0.5."""
+    c = np.float32(np.sqrt(2.0)) if scale_op == "Div" else np.float32(1 / np.sqrt(2.0))
+    erf = b.node("Erf", [b.node(scale_op, [x, b.const("c", np.array(c))])])
+    one_plus = b.node("Add", [erf, b.const("one", np.array(1.0, np.float32))])
+    if half_first:
+        return b.node("Mul", [b.node("Mul", [x, b.const("half", np.array(0.5, np.float32))]), one_plus])
+    return b.node("Mul", [b.node("Mul", [x, one_plus]), b.const("half", np.array(0.5, np.float32))])
+
+
+def _mlp(half_first: bool = False, scale_op: str = "Div", seed: int = 0) -> onnx.ModelProto:
+    """MatMul + bias -> GELU -> MatMul, as a transformer's feed-forward block."""
+    b = GraphBuilder(seed)
+    x = b.input("x", ["batch", 8, HIDDEN])
+    h = b.node("Add", [b.matmul(x, HIDDEN, 4 * HIDDEN), b.const("bias", b.small((4 * HIDDEN,), 0.5))])
+    return b.build([b.matmul(_gelu(b, h, half_first, scale_op), 4 * HIDDEN, HIDDEN)], name="gelu_mlp")
+
+
+def _data(n: int, seed: int) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(seed).standard_normal((n, 8, HIDDEN)).astype(np.float32)}
+
+
+@pytest.mark.parametrize(("half_first", "scale_op"), [(False, "Div"), (True, "Div"), (False, "Mul")])
+def test_both_orders_are_found_and_nothing_else(tmp_path, half_first, scale_op):
+    path = tmp_path / "m.onnx"
+    onnx.save(_mlp(half_first, scale_op), path)
+    found = decomposed_gelus(load_model(str(path))[0].graph)
+    assert [sorted(n.op_type for n in gelu) for gelu in found] == [sorted([scale_op, "Erf", "Add", "Mul", "Mul"])]
+    # the same nodes with another constant (not 1 + erf) are no GELU
+    model = _mlp(half_first, scale_op)
+    for init in model.graph.initializer:
+        if init.name.startswith("one"):
+            init.CopyFrom(onnx.numpy_helper.from_array(np.array(2.0, np.float32), init.name))
+    onnx.save(model, path)
+    assert decomposed_gelus(load_model(str(path))[0].graph) == []
+
+
+def test_a_quantized_gelu_stays_float_inside_and_fuses_in_the_deployed_session(tmp_path):
+    src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    onnx.save(_mlp(), src)
+    result = onnxq.quantize(str(src), str(out), None, _data(64, 1), progress=False)
+    inside = {name for name, (_, why) in result.plan.float_nodes.items() if why == INSIDE_GELU}
+    assert len(inside) == 5 and not inside & set(result.plan.quantized_nodes)
+    assert {"MatMul"} <= set(result.plan.quantized_nodes.values())
+    onnx.checker.check_model(str(out), full_check=True)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    session = ort.InferenceSession(str(out), options, providers=["CPUExecutionProvider"])
+    ops = {n.op_type for n in onnx.load(tmp_path / "opt.onnx").graph.node}
+    assert ops & {"Gelu", "BiasGelu", "FastGelu"} and "Erf" not in ops, ops  # one fused float kernel
+    held_out = _data(32, 2)
+    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, held_out)[0]
+    assert sqnr_db(ref, session.run(None, held_out)[0]) > 30.0
+
+
+def test_an_override_on_an_inner_node_and_a_float_cast_keep_their_say(tmp_path):
+    src = tmp_path / "m.onnx"
+    onnx.save(_mlp(), src)
+    gelu = decomposed_gelus(load_model(str(src))[0].graph)[0]
+    last = gelu[-1].name
+    config = {"layer_quant_config": {last: {"input_tensors": {"dtype": "uint8"}, "output_tensors": {"dtype": "uint8"}}}}
+    result = onnxq.quantize(str(src), None, config, _data(32, 1), progress=False)
+    # the user's node override is weighed by the usual rules (here: a float head), not this one
+    assert result.plan.float_nodes.get(last, ("", ""))[1] != INSIDE_GELU
+    assert sum(why == INSIDE_GELU for _, why in result.plan.float_nodes.values()) == 4
+    half = onnxq.quantize(str(src), None, "FP16", None, progress=False)
+    assert not any(why == INSIDE_GELU for _, why in half.plan.float_nodes.values())
