@@ -5,6 +5,7 @@ calibrate, emit, save); `onnxq/search/` runs several to meet an accuracy target.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,7 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
     if text is not None:
         _insert_note(result.summary.notes, Note(Topic.CALIBRATION, text.describe()))
     result.summary.notes.extend(_unused_settings(config, report is not None))
+    result.summary.notes.extend(_off_main_thread(result.summary.notes))
     copied: list[str] = []
     if folder is None and output is not None and isinstance(model, str | os.PathLike) \
             and (Path(model).parent / GENAI_CONFIG).is_file():
@@ -181,6 +183,23 @@ def _unused_settings(config: Config, reporting: bool) -> list[Note]:
          "the sequence length was not used: it cuts calibration text (--calib-text) into windows"),
     )
     return [Note(topic, text) for given, topic, text in unused if given]
+
+
+# Algorithms whose codes hold the same on any core count only where BLAS runs on one thread
+# (`parallel.serial_blas`), a limit OpenBLAS takes from the main thread alone.
+ONE_BLAS_THREAD = frozenset({"adaround", "adaquant", "gptq"})
+
+
+def _off_main_thread(found: list[Note]) -> list[Note]:
+    """A note where such an algorithm ran outside the main thread: from another thread
+    numpy's OpenBLAS 0.3.31 ignores the limit, and GPTQ's codes differed from a main-thread
+    run's (65 of 343 MiniLM tensors, in their last bits: determinism trial)."""
+    ran = sorted({n.source for n in found if n.topic is Topic.ALGORITHM} & ONE_BLAS_THREAD)
+    if not ran or threading.current_thread() is threading.main_thread():
+        return []
+    return [Note(Topic.ALGORITHM, f"{', '.join(ran)} ran outside the main thread, where the BLAS library takes no "
+                 "thread limit: its rounding can differ in the last bits from a run on the main thread; call "
+                 "quantize() from the main thread or a process pool where outputs must be byte-identical")]
 
 
 def _insert_note(found: list[Note], note: Note) -> None:

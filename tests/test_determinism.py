@@ -176,3 +176,25 @@ def test_layerwise_algorithms_give_the_same_bytes_on_one_blas_thread_or_all(tmp_
     everywhere = quantized()
     with threadpool_limits(limits=1, user_api="blas"):
         assert quantized() == everywhere
+
+
+def test_a_layerwise_algorithm_off_the_main_thread_says_its_bytes_may_differ():
+    """From another thread OpenBLAS ignores the one-thread limit the fit runs under, so the
+    codes can differ from a main-thread run's (determinism trial): the summary says so."""
+    import threading
+
+    models = Path(__file__).resolve().parent.parent / "models"
+    config = {"algo_config": [{"name": "adaround", "num_iteration": 20}]}
+    found = {}
+
+    def run_it() -> None:
+        found["r"] = onnxq.quantize(str(models / "digits_cnn.onnx"), None, config,
+                                    str(models / "digits_calib.npz"), progress=False)
+
+    thread = threading.Thread(target=run_it)
+    thread.start()
+    thread.join()
+    assert any("adaround ran outside the main thread" in n for n in found["r"].summary.note_texts)
+    main = onnxq.quantize(str(models / "digits_cnn.onnx"), None, config, str(models / "digits_calib.npz"),
+                          progress=False)
+    assert not any("outside the main thread" in n for n in main.summary.note_texts)
