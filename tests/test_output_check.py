@@ -177,6 +177,11 @@ def test_large_models_skip_the_check_unless_asked(monkeypatch):
     assert any(n.startswith("output check skipped") and "--check-samples 8" in n for n in auto.summary.note_texts)
     asked = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 4}}), calib)
     assert asked.summary.fidelity.samples == 4
+    # without data, the note names both things a big model needs (data alone had been said
+    # to run it, and then did not: big-model trial)
+    no_data = onnxq.quantize(model, None, "W8_DYNAMIC", None)
+    (said,) = [n for n in no_data.summary.note_texts if n.startswith("output not checked")]
+    assert "pass calibration_data and --check-samples 8" in said
 
 
 def test_outputs_whose_length_depends_on_the_data_are_left_out():

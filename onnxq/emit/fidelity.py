@@ -257,15 +257,19 @@ def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSourc
             return 0, (f"output check skipped: the activations' ranges came from {ranges_from}, with no samples "
                        "to run; pass calibration_data as well to check the output against float")
         if access is Access.NONE and asked is None:  # a data-free recipe (W8_DYNAMIC, weight-only) said nothing
-            return 0, (f"output not checked: no data given; pass calibration_data to check it against float on "
-                       f"{CHECK_SAMPLES} samples")
+            bigger = model_bytes > CHECK_AUTO_BYTES  # data alone would not run it (big-model trial)
+            return 0, ("output not checked: no data given; pass calibration_data"
+                       + (f" and --check-samples {CHECK_SAMPLES} (calibration.check_samples: on a model past "
+                          f"{CHECK_AUTO_BYTES >> 20} MB of weights the check is asked for)" if bigger else "")
+                       + f" to check it against float on {CHECK_SAMPLES} samples")
         return 0, None
     if asked is not None:
         return asked, None
     if model_bytes <= CHECK_AUTO_BYTES:
         return CHECK_SAMPLES, None
-    return 0, (f"output check skipped: the float model ({model_bytes / 1e6:.0f} MB of weights in memory) would be "
-               f"opened again to check against; --check-samples {CHECK_SAMPLES} (calibration.check_samples) runs it")
+    return 0, (f"output check skipped: the float model ({model_bytes / 1e6:.0f} MB of weights) would be opened in a "
+               f"second session to check against, about its size again in memory; --check-samples {CHECK_SAMPLES} "
+               "(calibration.check_samples) runs it")
 
 
 def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs: list[InputSpec],
