@@ -198,3 +198,23 @@ def test_a_layerwise_algorithm_off_the_main_thread_says_its_bytes_may_differ():
     main = onnxq.quantize(str(models / "digits_cnn.onnx"), None, config, str(models / "digits_calib.npz"),
                           progress=False)
     assert not any("outside the main thread" in n for n in main.summary.note_texts)
+
+
+def test_a_killed_runs_temporary_files_are_cleared_by_the_next_write(inputs, tmp_path):
+    """SIGKILL (or the out-of-memory killer) skips the cleanup: its temporary file stayed
+    beside the output through later runs (big-model trial). A dead process's are removed,
+    a live one's kept."""
+    import subprocess
+
+    model, calib = inputs
+    out = tmp_path / "out" / "q.onnx"
+    out.parent.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has exited
+    (out.parent / f".q.onnx.tmp{pid}").write_bytes(b"half a model")
+    (out.parent / f".q.onnx.tmp{pid}.d").mkdir()
+    (out.parent / f".q.onnx.tmp{pid}.d" / "q.onnx.data").write_bytes(b"weights")
+    live = out.parent / f".q.onnx.tmp{os.getppid()}"  # the test runner's parent: alive
+    live.write_bytes(b"another run")
+    assert main(["quantize", str(model), str(out), "--calib-data", str(calib), "--quiet"]) == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(["q.onnx", live.name])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import shutil
 import stat
 from collections.abc import Callable, Iterator, Mapping
@@ -147,8 +149,41 @@ def _write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Pat
 
 
 def _temporary(out: Path) -> Path:
-    """The file an atomic write of `out` goes through (renamed over `out` when complete)."""
+    """The file an atomic write of `out` goes through (renamed over `out` when complete);
+    the ones a killed run left beside `out` go first (`clear_stale`)."""
+    clear_stale(out)
     return out.with_name(f".{out.name}.tmp{os.getpid()}")
+
+
+def clear_stale(out: Path) -> list[str]:
+    """Remove the temporary files and folders of earlier writes of `out` whose process is
+    gone: SIGKILL or the out-of-memory killer skips the cleanup, and a rerun had left a
+    20 MB `.q.onnx.tmp31602` beside the new model (big-model trial). A live process's are
+    kept (another run writing the same path). The names removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for path in out.parent.glob(f".{glob.escape(out.name)}.tmp*"):
+            pid = re.fullmatch(rf"\.{re.escape(out.name)}\.tmp(\d+)(\.d)?", path.name)
+            if pid is None or int(pid.group(1)) == os.getpid() or _alive(int(pid.group(1))):
+                continue
+            with contextlib.suppress(OSError):
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+                removed.append(path.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user's counts; off POSIX, where
+    os.kill would end it, every one counts as alive)."""
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True
+    return True
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -191,6 +226,7 @@ def _save_with_data(model: ir.Model, out: Path) -> Path:
     into place: the old model file goes first, then the weights, then the new model file,
     so an interrupted run leaves the old pair, no model file, or the new pair, never a
     model reading another run's weights (they were written straight to their final name)."""
+    clear_stale(out)
     folder = out.with_name(f".{out.name}.tmp{os.getpid()}.d")
     folder.mkdir(exist_ok=True)
     try:
