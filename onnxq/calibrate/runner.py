@@ -143,14 +143,22 @@ def collect(
     return found.results()
 
 
-def tensor_groups(model: ir.Model, names: list[str], data: Any, options: CalibrationConfig) -> list[list[str]]:
+def tensor_groups(model: ir.Model, names: list[str], data: Any, options: CalibrationConfig,
+                  reduced: Collection[str] = ()) -> list[list[str]]:
     """Split `names` so one batch of each group's tensors fits `options.max_memory_mb`.
 
     Sizes are measured on one probe sample, so symbolic dimensions (sequence lengths) are
-    real. Without a bound, everything is calibrated in one pass.
+    real. The `reduced` tensors (min/max reduced inside the session) return two numbers
+    each and cost nothing here: they all go in the first group (counted at full size, a
+    2.4 GB encoder's bound of 64 MB made more than 100 passes where one held everything,
+    big-model trial). Without a bound, everything is calibrated in one pass.
     """
     if options.max_memory_mb is None or not names:
         return [names]
+    free = [n for n in names if n in reduced]
+    names = [n for n in names if n not in reduced]
+    if not names:
+        return [free]
     limit = options.max_memory_mb * 2**20
     probe = replace(options, max_samples=1, batch_size=1)
     batches = stream_tensors(model, names, data, probe, progress=False, purpose="sizing calibration")
@@ -160,7 +168,7 @@ def tensor_groups(model: ir.Model, names: list[str], data: Any, options: Calibra
         raise empty_data(data) from None
     finally:
         batches.close()
-    groups: list[list[str]] = [[]]
+    groups: list[list[str]] = [free]
     used = 0
     batch = calibration_batch(model, options)
     for name in names:
@@ -231,7 +239,8 @@ def observe(
     if not tensors and not statistics:
         return state
     captured = CapturedOutputs(*capture) if capture is not None and capture[0] and capture[1] > 0 else None
-    groups = tensor_groups(model, list(state.observers), data, options)
+    groups = tensor_groups(model, list(state.observers), data, options,
+                           {n for n, observer in state.observers.items() if observer.min_max_only})
     inputs = model_inputs(model)
     rows_per_sample = sample_rows(inputs)[inputs[0].name] if inputs else 1
     for index, group in enumerate(groups):

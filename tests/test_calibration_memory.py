@@ -1,0 +1,53 @@
+"""`--max-calib-memory` (`calibration.max_memory_mb`) bounds the activations a calibration
+batch returns: tensors whose min/max are reduced inside the session return two numbers
+and cost nothing, so a min/max recipe calibrates in one pass whatever the bound; tensors
+an observer reads whole (histograms) are split into passes (`calibrate/runner.py`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from helpers import sqnr_db
+
+import onnxq
+from onnxq.config.compose import compose_config
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+MODEL, CALIB = str(MODELS / "digits_cnn.onnx"), str(MODELS / "digits_calib.npz")
+
+
+def _quantized(preset: str, bound: int | None) -> onnxq.QuantizationResult:
+    overrides = {"calibration": {"max_memory_mb": bound}} if bound is not None else {}
+    return onnxq.quantize(MODEL, None, compose_config(preset, None, overrides), CALIB, progress=False)
+
+
+def test_a_min_max_recipe_calibrates_in_one_pass_under_any_bound(monkeypatch):
+    """A 2.4 GB encoder under --max-calib-memory 64 had been split into over a hundred
+    passes, counted at the full size of tensors the session reduces to two numbers
+    (big-model trial): the bound now costs nothing, and the bytes are the unbounded run's."""
+    import onnxq.calibrate.runner as runner
+
+    free = _quantized("U8S8", None)
+    monkeypatch.setattr(runner, "calibration_batch", lambda model, options: 4096)  # every tensor past 1 MB a batch
+    bounded = _quantized("U8S8", 1)
+    assert bounded.summary.calibration_passes == 1
+    assert bounded.model.SerializeToString() == free.model.SerializeToString()
+
+
+def test_tensors_read_whole_are_split_into_passes_and_still_calibrate(monkeypatch):
+    """Histogram observers read their tensors whole: under a bound those are calibrated in
+    several passes, and the model still tracks float."""
+    import onnxq.calibrate.runner as runner
+
+    monkeypatch.setattr(runner, "calibration_batch", lambda model, options: 4096)  # every tensor past 1 MB a batch
+    entropy = {"calib_method": "entropy"}
+    config = compose_config("U8S8", None, {"global_quant_config": {"input_tensors": entropy, "output_tensors": entropy},
+                                           "calibration": {"max_memory_mb": 1}})
+    split = onnxq.quantize(MODEL, None, config, CALIB, progress=False)
+    assert split.summary.calibration_passes > 1
+    x = {"input": np.load(MODELS / "digits_eval.npz")["input"][:64]}
+    ref = ort.InferenceSession(MODEL, providers=["CPUExecutionProvider"]).run(None, x)[0]
+    got = ort.InferenceSession(split.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]
+    assert sqnr_db(ref, got) > 25
