@@ -51,3 +51,21 @@ def test_tensors_read_whole_are_split_into_passes_and_still_calibrate(monkeypatc
     ref = ort.InferenceSession(MODEL, providers=["CPUExecutionProvider"]).run(None, x)[0]
     got = ort.InferenceSession(split.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)[0]
     assert sqnr_db(ref, got) > 25
+
+
+def test_a_pass_that_reads_the_data_with_statistics_files_alone_says_what_to_pass(tmp_path, capsys):
+    """calibrate --smoothquant, then quantize --stats --smoothquant: SmoothQuant had been
+    skipped for want of data and the files refused as made "for another model"
+    (determinism trial); now one line says to pass the data beside them."""
+    from onnxq.cli import main
+
+    stats = tmp_path / "s.npz"
+    assert main(["calibrate", MODEL, "--calib-data", CALIB, "--stats", str(stats), "--smoothquant", "0.5",
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["quantize", MODEL, str(tmp_path / "q.onnx"), "--stats", str(stats), "--smoothquant", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "smoothquant picks its scales from the calibration data" in err and "--calib-data PATH beside" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "q.onnx").exists()
+    assert main(["quantize", MODEL, str(tmp_path / "q.onnx"), "--stats", str(stats), "--smoothquant", "0.5",
+                 "--calib-data", CALIB, "--quiet"]) == 0

@@ -14,10 +14,11 @@ from onnxq.config.spec import Config
 from onnxq.emit.fidelity import check_outputs, samples_to_check
 from onnxq.emit.latency import measure_latency
 from onnxq.emit.loadcheck import prepacks
+from onnxq.errors import ConfigError
 from onnxq.evaluate import imports_extended
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.notes import Note, Topic, notes
-from onnxq.optimize.registry import fits_data
+from onnxq.optimize.registry import fits_data, parse_passes
 from onnxq.optimize.runner import run_algorithms
 from onnxq.pipeline.calibration import calibrate_or_load, constant_inputs_note, drop_unquantizable
 from onnxq.pipeline.emission import emit_loadable, layer_biases, trial_emitter
@@ -49,6 +50,7 @@ def run_pipeline(
     if output is not None:
         check_output_path(output, source if isinstance(source, str | os.PathLike) else None)
     options = config.calibration
+    _passes_read_data(config, calibration_data)
     ready = prepare(source, config, calibration_data, progress,
                     deferrable=not options.load_ranges and not options.stats)
     config, model, plan, settings, summary = ready.config, ready.model, ready.plan, ready.settings, ready.summary
@@ -137,6 +139,18 @@ def run_pipeline(
                                   "a recipe that covers this model's ops (U8S8, the default, for convolutions; "
                                   "W8_DYNAMIC quantizes MatMul, Gemm and LSTM only)"))
     return QuantizationResult(model, summary, calibration.ranges, plan, state)
+
+
+def _passes_read_data(config: Config, calibration_data: Any) -> None:
+    """A pass that picks its scales from the data (SmoothQuant) with statistics files and
+    no data: refused with the fix, where the pass had been skipped and the files then
+    refused as "calibrated for another model" (determinism trial)."""
+    if not config.calibration.stats or calibration_data is not None:
+        return
+    reading = [e.name for e in parse_passes(config.pre_quant_opt_config) if e.enabled and e.contract.data == "required"]
+    if reading:
+        raise ConfigError(f"{', '.join(reading)} picks its scales from the calibration data, which the statistics "
+                          "files do not hold: pass calibration_data beside the statistics files")
 
 
 def write_output(summary: Summary, source: ModelSource, model: Any, output: str | os.PathLike | None, *,
