@@ -6,34 +6,43 @@
     print(onnxq.format_summary(result.summary))
 """
 
-from onnxq.config import (
-    Config,
-    QuantizationConfig,
-    QuantizationSpec,
-    as_config,
-    compose_config,
-    get_preset,
-    load_config,
-    save_config,
-)
-from onnxq.errors import (
-    CalibrationDataError,
-    ConfigError,
-    ModelError,
-    OnnxqError,
-    UnsupportedModelError,
-)
-from onnxq.optimize.adaquant import AdaQuantConfig
-from onnxq.optimize.adaround import AdaRoundConfig
-from onnxq.optimize.awq import AWQConfig
-from onnxq.optimize.bias_correction import BiasCorrectionConfig
-from onnxq.optimize.cle import CLEConfig
-from onnxq.optimize.fold_batchnorm import FoldBatchNormConfig
-from onnxq.optimize.gptq import GPTQConfig
-from onnxq.optimize.hqq import HQQConfig
-from onnxq.optimize.smoothquant import SmoothQuantConfig
-from onnxq.quantize import ModelQuantizer, QuantizationResult, quantize
-from onnxq.report import Summary, format_summary
+import sys as _sys
+from pathlib import Path as _Path
+
+try:
+    from onnxq.config import (
+        Config,
+        QuantizationConfig,
+        QuantizationSpec,
+        as_config,
+        compose_config,
+        get_preset,
+        load_config,
+        save_config,
+    )
+    from onnxq.errors import (
+        CalibrationDataError,
+        ConfigError,
+        ModelError,
+        OnnxqError,
+        UnsupportedModelError,
+    )
+    from onnxq.optimize.adaquant import AdaQuantConfig
+    from onnxq.optimize.adaround import AdaRoundConfig
+    from onnxq.optimize.awq import AWQConfig
+    from onnxq.optimize.bias_correction import BiasCorrectionConfig
+    from onnxq.optimize.cle import CLEConfig
+    from onnxq.optimize.fold_batchnorm import FoldBatchNormConfig
+    from onnxq.optimize.gptq import GPTQConfig
+    from onnxq.optimize.hqq import HQQConfig
+    from onnxq.optimize.smoothquant import SmoothQuantConfig
+    from onnxq.quantize import ModelQuantizer, QuantizationResult, quantize
+    from onnxq.report import Summary, format_summary
+except KeyboardInterrupt:  # Ctrl-C while the command line starts (a second or more on a busy machine)
+    if _Path(_sys.argv[0]).stem != "onnxq":  # a program importing onnxq gets its KeyboardInterrupt
+        raise
+    print("onnxq: interrupted", file=_sys.stderr)  # as after start-up, not a 30-line import traceback
+    raise SystemExit(130) from None
 
 __version__ = "0.1.0"
 

@@ -857,3 +857,27 @@ def test_a_checker_failure_keeps_the_node_it_names(tmp_path, capsys):
     assert main(["inspect", str(path)]) == 2
     assert_one_error_line(capsys.readouterr().err, ("input 'nope' of node: name: r OpType: Relu is not output",
                                                    "fix or re-export the model"))
+
+
+@pytest.mark.parametrize(("argv0", "says"), [("/usr/bin/onnxq", True), ("my_pipeline.py", False)])
+def test_ctrl_c_while_the_command_line_starts_is_one_line(argv0, says):
+    """Ctrl-C during `onnxq`'s imports (a second or more on a busy machine) printed a
+    30-line import traceback (big-model trial): the command line says one line and exits
+    130; a program importing onnxq gets its KeyboardInterrupt."""
+    import subprocess
+    import sys
+
+    code = ("import builtins, sys\n"
+            f"sys.argv[0] = {argv0!r}\n"
+            "real = builtins.__import__\n"
+            "def interrupted(name, *args, **kwargs):\n"
+            "    if name == 'onnxq.report':\n"
+            "        raise KeyboardInterrupt\n"
+            "    return real(name, *args, **kwargs)\n"
+            "builtins.__import__ = interrupted\n"
+            "import onnxq\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if says:
+        assert done.returncode == 130 and done.stderr.strip() == "onnxq: interrupted", done.stderr[-500:]
+    else:
+        assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr
