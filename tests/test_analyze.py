@@ -361,6 +361,9 @@ def test_cli_analyze_with_labels_gives_top1_as_compare_does_and_says_what_the_ra
     float_acc, quant_acc = (x.split("%")[0] for x in line.split("float ")[1].split("quantized "))
     assert f"{float_acc}%" in compared and f"{quant_acc}%" in compared, (line, compared)
     assert "first output on the first 32 samples with only that layer quantized" in analysed
+    lines = analysed.splitlines()
+    header = next(i for i, x in enumerate(lines) if x.lstrip().startswith("layer "))
+    assert len({len(x) for x in lines[header:header + 3]}) == 1  # GlobalAveragePool's row in line with the rest
     np.savez(tmp_path / "e.npz", input=np.load(models / "digits_eval.npz")["input"][:8],
              labels=np.zeros(8, np.int64))
     assert main(["analyze", str(models / "digits_cnn.onnx"), str(quant), "--data", str(tmp_path / "e.npz"),

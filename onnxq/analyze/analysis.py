@@ -480,10 +480,11 @@ def format_analysis(a: Analysis, top: int = 15) -> str:
         lines.append(f"output {o.name}: SQNR {_fmt_db(o.sqnr_db)} dB, cosine {o.cosine:.5f}{extra}")
     lines.append(f"layers, most sensitive first ({min(top, len(a.layers))} of {len(a.layers)}): {_layer_order(a)}")
     w = _name_width([r.name for r in a.layers[:top]])
-    lines.append(f"  {'layer':<{w}} {'op':<14} {'output dB':>9} {'alone dB':>9} {'w/ prefix dB':>13} {'ch noise':>9} "
+    ow = max([14, *(len(r.op_type) for r in a.layers[:top])])  # GatherBlockQuantized had pushed the columns out
+    lines.append(f"  {'layer':<{w}} {'op':<{ow}} {'output dB':>9} {'alone dB':>9} {'w/ prefix dB':>13} {'ch noise':>9} "
                  f"{'cosine':>9}")
     for r in a.layers[:top]:
-        lines.append(f"  {tail_name(r.name, w):<{w}} {r.op_type:<14} {_fmt_db(r.output_sqnr_db):>9} "
+        lines.append(f"  {tail_name(r.name, w):<{w}} {r.op_type:<{ow}} {_fmt_db(r.output_sqnr_db):>9} "
                      f"{_fmt_db(r.own_sqnr_db):>9} {_fmt_db(r.prefix_sqnr_db):>13} {r.channel_noise:>9.3g} "
                      f"{r.own_cosine:>9.5f}")
     lines.append(f"tensors, worst first ({min(top, len(a.tensors))} of {len(a.tensors)}):")
