@@ -12,6 +12,7 @@ import onnxruntime as ort
 
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
 from onnxq.graph.edit import values_by_name
+from onnxq.graph.external_data import drop_pages
 from onnxq.graph.layout import clip_bounds
 from onnxq.graph.save import tensors_replaced
 from onnxq.runtime import options_for
@@ -242,6 +243,9 @@ def open_session(model: ir.Model, options: ort.SessionOptions, providers: list[s
     arrays = add_arrays(options, weights)
     session = ort.InferenceSession(message, options, providers=check_providers(providers))
     session._onnxq_weights = arrays  # onnxruntime may read them in place: they live as long as the session
+    for tensor in weights.values():  # copied into onnxruntime's buffers: a mapped weight's pages may go
+        if injected(tensor):
+            drop_pages(tensor)
     return session
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
+from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.qmath import compute_qparams, int_type
 from onnxq.numerics.weights import QuantizedTensor, bias_safe_weight_scale, quantize_weight
@@ -139,6 +140,7 @@ class WeightCache:
             entry = source, quantize_weight(constant_array(value), tensor.spec, tensor.axis, 0.0, tensor.block_size)
             if source is not None:
                 self._entries[key] = entry
+                drop_pages(source)  # read once: a mapped weight's pages may go (read again from the file if need be)
         return entry[1]
 
     def copy(self) -> WeightCache:
