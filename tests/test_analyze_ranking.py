@@ -190,3 +190,17 @@ def test_a_rescaled_layer_worse_alone_than_its_output_is_not_ranked():
     reports = [layer("body.36", 5.6, -41.2), layer("body.22", 9.0, 20.0), layer("wiped", 7.0, -3.0)]
     kept, dropped = _consistent(reports, 10.8, {"body.36", "body.22"})
     assert dropped == ["body.36"] and [r.name for r in kept][:2] == ["body.22", "wiped"]
+
+
+def test_a_scalar_first_output_is_ranked_and_its_samples_counted(tmp_path):
+    """The ranking's sample count read the first output's length, which a scalar output
+    has none of (review): counted from the inputs fed."""
+    b = GraphBuilder(0)
+    x = b.input("x", ["N", 16])
+    h = b.matmul(b.node("Relu", [b.matmul(x, 16, 32)]), 32, 16)
+    path = tmp_path / "m.onnx"
+    onnx.save(b.build([b.node("ReduceSum", [h], keepdims=0), h]), path)
+    data = {"x": np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)}
+    quantize(str(path), str(tmp_path / "q.onnx"), None, data, progress=False)
+    analysis = analyze_models(str(path), str(tmp_path / "q.onnx"), data, progress=False)
+    assert analysis.ranked_samples == 32 and all(r.output_sqnr_db is not None for r in analysis.layers)

@@ -390,14 +390,14 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
     bar = tqdm(total=min(limit, len(names)), desc="rank layers", unit="layer", leave=False,
                disable=True if progress is False else None)
 
-    fed: list[int] = []  # samples per run of the first output (the same on every model)
+    fed: list[int] = []  # rows fed per run of the first output (the same on every model)
 
     def first_output(session: Any) -> np.ndarray:
         name, got = session.get_outputs()[0].name, []
         fed.append(0)
         for feed in iter_batches(data, session_inputs(session), batch_size, samples, kind="evaluation"):
             got.append(run_quantized(session, [name], feed)[0])
-            fed[-1] += len(got[-1])
+            fed[-1] += feed_rows(feed)  # of the inputs: an output may be a scalar or [seq, N, ...]
             if sum(g.nbytes for g in got) >= IMPACT_OUTPUT_BYTES:  # an LLM's logits: 50 MB a window
                 break
         return joined(got)
