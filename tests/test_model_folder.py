@@ -125,6 +125,28 @@ def test_weights_in_a_sub_folder_stay_behind_and_its_other_files_go_along(tmp_pa
     assert sqnr_db(run(str(folder / "net.onnx"), EVAL), run(str(out / "net.onnx"), EVAL)) > 15
 
 
+def test_linked_folders_go_along_and_hidden_folders_and_dangling_links_stay(tmp_path):
+    """A tokenizer folder linked from elsewhere is copied (review: the file walk had
+    dropped it); .git (its LFS objects are the float weights again) and a link to nothing
+    are left out, where the link failed the copy after the model was written."""
+    shared = tmp_path / "shared_tok"
+    shared.mkdir()
+    (shared / "tokenizer.json").write_text("{}")
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    onnx.save(decoder_block(), folder / "net.onnx")
+    (folder / "tokenizer").symlink_to(shared, target_is_directory=True)
+    (folder / ".git" / "lfs").mkdir(parents=True)
+    (folder / ".git" / "lfs" / "weights").write_bytes(b"float weights")
+    (folder / "gone.txt").symlink_to(tmp_path / "nothing")
+    (folder / "loop").symlink_to(folder, target_is_directory=True)
+    out = tmp_path / "q"
+    result = onnxq.quantize(str(folder), str(out), "W4_GROUP128", progress=False)
+    (copied,) = of(result.summary.notes, Topic.OUTPUT)
+    assert copied.nodes == ("tokenizer/tokenizer.json",)
+    assert (out / "tokenizer" / "tokenizer.json").read_text() == "{}" and not (out / ".git").exists()
+
+
 def test_a_replaced_models_external_data_is_removed_never_the_inputs(tmp_path):
     """Writing over a folder that holds another model removes that model's external data
     file the new model does not use (it would sit there stale), and says so; the input's

@@ -80,10 +80,20 @@ def _companions(folder: Path, model: Path, data: tuple[str, ...]) -> tuple[str, 
     """Every file under `folder` but the model and the data files it names, as paths
     relative to the folder: a sub-folder of the float model's weights ("weights/w0.bin")
     stays behind, where it had been copied whole (2.3 GB beside a 324 MB int4 model,
-    big-model trial); the tokenizer and anything else beside them goes along."""
+    big-model trial); the tokenizer and anything else beside them goes along, through
+    linked folders too. Hidden folders (.git, whose LFS objects are the float weights
+    again; .cache) and links to nothing are left out."""
     skip = {model.resolve(), *((folder / name).resolve() for name in data)}
-    found = (path for path in folder.rglob("*") if path.is_file() or path.is_symlink() and not path.is_dir())
-    return tuple(sorted(path.relative_to(folder).as_posix() for path in found if path.resolve() not in skip))
+    found, seen = [], set()
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        here = Path(root)
+        if here.resolve() in seen:  # a link back up the tree
+            dirs.clear()
+            continue
+        seen.add(here.resolve())
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [here / name for name in files if (here / name).is_file() and (here / name).resolve() not in skip]
+    return tuple(sorted(path.relative_to(folder).as_posix() for path in found))
 
 
 def output_model(source: ModelFolder, output: str | os.PathLike) -> Path:
