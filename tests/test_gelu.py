@@ -85,3 +85,16 @@ def test_an_override_on_an_inner_node_and_a_float_cast_keep_their_say(tmp_path):
     assert sum(why == INSIDE_GELU for _, why in result.plan.float_nodes.values()) == 4
     half = onnxq.quantize(str(src), None, "FP16", None, progress=False)
     assert not any(why == INSIDE_GELU for _, why in half.plan.float_nodes.values())
+
+
+def test_dynamic_and_power_of_two_recipes_and_op_type_overrides_keep_the_usual_rules(tmp_path):
+    """No Q/DQ to stop a fusion in a dynamic recipe, integer-only hardware under XINT8, and
+    an op-type override the user wrote: none of them gets the GELU's reason (review)."""
+    src = tmp_path / "m.onnx"
+    onnx.save(_mlp(), src)
+    data = _data(32, 1)
+    for config in ("W8_DYNAMIC", "XINT8", {"layer_type_quant_config": {"Mul": {
+            "input_tensors": {"dtype": "uint8"}, "output_tensors": {"dtype": "uint8"}}}}):
+        result = onnxq.quantize(str(src), None, config, data, progress=False)
+        ruled = {op for op, why in result.plan.float_nodes.values() if why == INSIDE_GELU}
+        assert not ruled if isinstance(config, str) else "Mul" not in ruled and "Erf" in ruled, (config, ruled)

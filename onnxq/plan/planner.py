@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import onnx_ir as ir
 
 from onnxq.config.resolve import float_reason, resolve_node_config
-from onnxq.config.spec import Config, DType
+from onnxq.config.spec import Config, DType, ScaleType
 from onnxq.graph.gelu import decomposed_gelus
 from onnxq.plan import strategies
 from onnxq.plan.draft import Draft
@@ -27,22 +27,26 @@ from onnxq.plan.tied import tie_tables
 from onnxq.target.profile import TargetProfile
 
 # Why a decomposed GELU's nodes stay float (`graph/gelu.py`).
-INSIDE_GELU = ("inside a GELU written out as elementwise nodes: onnxruntime fuses it into one float kernel, which "
-               "Q/DQ inside would stop, each rounding inside the function (its input and output are quantized "
-               "where their readers need it)")
+INSIDE_GELU = "inside a GELU written out as elementwise nodes, which onnxruntime fuses into one float kernel"
 # Activation types that convert the op instead of quantizing it: the float cast keeps a GELU's nodes.
 _CAST_TYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32})
 
 
 def inside_gelus(model: ir.Model, config: Config) -> dict[str, str]:
-    """The nodes of each decomposed GELU that a quantized recipe would quantize, with the
-    reason they stay float; a node override in `layer_quant_config` keeps its say."""
+    """The nodes of each decomposed GELU a static recipe would quantize, with the reason
+    they stay float. Left to the usual rules: a node or its op type named by an override
+    (`layer_quant_config`, `layer_type_quant_config`), dynamic recipes (no Q/DQ to stop
+    the fusion), and power-of-two recipes (XINT8: integer-only hardware, where a float
+    GELU would leave the accelerator)."""
     kept = {}
     for gelu in decomposed_gelus(model.graph):
         for node in gelu:
+            if node.name in config.layer_quant_config or node.op_type in config.layer_type_quant_config:
+                continue
             cfg = resolve_node_config(config, node.name, node.op_type)
             spec = cfg.output_tensors or cfg.input_tensors if cfg is not None else None
-            if node.name not in config.layer_quant_config and spec is not None and spec.dtype not in _CAST_TYPES:
+            if spec is not None and spec.dtype not in _CAST_TYPES and not spec.is_dynamic \
+                    and spec.scale_type != ScaleType.POWER_OF_TWO:
                 kept[node.name] = INSIDE_GELU
     return kept
 
