@@ -144,3 +144,18 @@ def test_a_systematic_but_tiny_sqnr_or_cosine_gain_is_not_worth_a_rung():
     clear = _cosine(ref, ref + 10 ** (-0.2 / 20) * noise)
     assert "least worth a rung on cosine" in rung_gain(tiny, cos_start, True, False, None)
     assert rung_gain(clear, cos_start, True, False, None) is None
+
+
+def test_a_search_that_misses_writes_the_cheaper_model_within_the_least_gain():
+    """The model an unmet search writes follows the same rule: a costlier candidate 0.08 dB
+    better, beyond the noise but under the least gain worth a rung, does not win (review)."""
+    from onnxq.search.unmet import Candidate, choose_unmet
+
+    rng = np.random.default_rng(1)
+    ref = rng.standard_normal((400, 32))
+    noise = 0.05 * rng.standard_normal((400, 32))
+    cheap, best = _sqnr(ref, ref + noise, None), _sqnr(ref, ref + 10 ** (-0.08 / 20) * noise, None)
+    choice = choose_unmet([Candidate("cheap", {}, cheap), Candidate("best", {"a": "int8"}, best)], True, None)
+    assert choice.best.what == "best" and choice.written.what == "cheap"
+    assert choose_unmet([Candidate("cheap", {}, cheap), Candidate("best", {"a": "int8"}, best)], True,
+                        0.0).written.what == "best"  # --rung-min-gain 0: any gain counts

@@ -360,7 +360,8 @@ def _written_words(choice: Choice, final_score: float, min_gain: float | None) -
         best = choice.best.scored.value
         again = "" if final_score == best else f" (it scores {final_score:.4g} as written: calibrated again)"
         return f"the best score reached is {best:.4g}, by {choice.best.what}, and that model is written{again}"
-    within = "the eval set's noise" if min_gain is None else f"rung_min_gain {min_gain:g}"
+    within = ("the eval set's noise or the least gain worth a rung (0.1 dB on SQNR)" if min_gain is None
+              else f"rung_min_gain {min_gain:g}")
     return (f"the best score reached is {choice.best.scored.value:.4g}, by {choice.best.what}; written: "
             f"{choice.written.what}, {final_score:.4g}, as good within {within} and cheaper")
 

@@ -5,8 +5,8 @@ precision-rung trial (`bisect.py`: every ranked layer raised to one rung), in th
 they cost the deployed model, cheapest first (nothing raised, then the ladder's order,
 which is cheapest first). The best-scoring one is found; the model written is the
 cheapest candidate the best does not beat beyond the eval set's noise, by the rule that
-keeps an algorithm rung (`gain.py`: the per-sample change's standard error, or
-`rung_min_gain` where set). Measured on ResNet-20 with int4 weights and `top1>=float+5`
+keeps an algorithm rung (`gain.py`: the per-sample change's standard error and, on
+SQNR and cosine, the least gain worth a rung; or `rung_min_gain` where set). Measured on ResNet-20 with int4 weights and `top1>=float+5`
 (1800 CIFAR-10 images): the all-int4 model (80.28) was written where its int8 trial scored
 82.61 with every layer still quantized; that trial is now. With per-tensor int4 weights
 the float trial (82.28, every layer float) beats the int8 one (82.17) by two images, within
