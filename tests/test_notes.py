@@ -132,6 +132,10 @@ def test_grid_settings_on_a_float_cast_are_said_where_no_weight_took_them():
                     "for integer and float8 weights)"], result.summary.note_texts
     plain = onnxq.quantize(model, None, "FP16", None, progress=False)
     assert not any("has no effect" in n for n in plain.summary.note_texts)
+    inherited = onnxq.quantize(model, None, {"preset": "FP16", "layer_type_quant_config": {
+        "Conv": {"weight": {"qscheme": "per_tensor"}}}}, None, progress=False)  # float16 from the level below
+    assert any(n.startswith("layer_type_quant_config: Conv weight qscheme per_tensor has no effect")
+               for n in inherited.summary.note_texts), inherited.summary.note_texts
     data = {k: v[:16] for k, v in np.load(MODELS / "digits_calib.npz").items()}
     mixed = onnxq.quantize(model, None, {**per_tensor, "layer_type_quant_config": {"Conv": {
         "input_tensors": {"dtype": "uint8"}, "output_tensors": {"dtype": "uint8"},

@@ -3,7 +3,7 @@ an absorbed Relu/Clip's own specs (it runs inside the op before it, one kernel),
 output spec on a data-movement op (its output reuses its input's parameters), a weight
 spec on an op without a weight, a node override on an excluded node, an op-type
 override for an op type the model lacks, and integer grid settings (`--per-tensor`,
-`--per-group`, `bits`) on float16/bfloat16 weights where no weight was put on a grid."""
+`--per-group`) on float16/bfloat16 weights where no weight was put on a grid."""
 
 from __future__ import annotations
 
@@ -81,9 +81,10 @@ def _grid_on_cast(plan: QuantPlan, config: Config) -> list[Note]:
               *((f"layer_type_quant_config: {op}", level) for op, level in config.layer_type_quant_config.items()),
               *((f"layer_quant_config: {name}", level) for name, level in config.layer_quant_config.items())]
     notes = []
+    below = getattr(config.global_quant_config.weight, "dtype", None)  # what a level without a dtype inherits
     for where, level in levels:
         spec = level.weight if level is not None else None
-        dtype = getattr(getattr(spec, "dtype", None), "value", None)
+        dtype = getattr(getattr(spec, "dtype", None) or below, "value", None)
         if dtype not in CAST_DTYPES:
             continue
         given = [f"{name} {getattr(getattr(spec, name), 'value', getattr(spec, name))}" for name in GRID_FIELDS
