@@ -202,8 +202,8 @@ def test_a_layerwise_algorithm_off_the_main_thread_says_its_bytes_may_differ():
 
 def test_a_killed_runs_temporary_files_are_cleared_by_the_next_write(inputs, tmp_path):
     """SIGKILL (or the out-of-memory killer) skips the cleanup: its temporary file stayed
-    beside the output through later runs (big-model trial). A dead process's are removed,
-    a live one's kept."""
+    beside the output through later runs (big-model trial). A dead process's untouched for
+    10 minutes are removed; a live one's, or a recent one (another host's), kept."""
     import subprocess
 
     model, calib = inputs
@@ -216,5 +216,10 @@ def test_a_killed_runs_temporary_files_are_cleared_by_the_next_write(inputs, tmp
     (out.parent / f".q.onnx.tmp{pid}.d" / "q.onnx.data").write_bytes(b"weights")
     live = out.parent / f".q.onnx.tmp{os.getppid()}"  # the test runner's parent: alive
     live.write_bytes(b"another run")
+    young = out.parent / f".q.onnx.tmp{pid + 1_000_000}"  # no such process here: another host's, perhaps
+    young.write_bytes(b"another host's run")
+    old = __import__("time").time() - 3600
+    for path in [*out.parent.glob(f".q.onnx.tmp{pid}*"), out.parent / f".q.onnx.tmp{pid}.d" / "q.onnx.data"]:
+        os.utime(path, (old, old))  # untouched for an hour
     assert main(["quantize", str(model), str(out), "--calib-data", str(calib), "--quiet"]) == 0
-    assert sorted(p.name for p in out.parent.iterdir()) == sorted(["q.onnx", live.name])
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(["q.onnx", live.name, young.name])

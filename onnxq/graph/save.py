@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import stat
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -149,27 +150,39 @@ def _write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Pat
 
 
 def _temporary(out: Path) -> Path:
-    """The file an atomic write of `out` goes through (renamed over `out` when complete);
-    the ones a killed run left beside `out` go first (`clear_stale`)."""
-    clear_stale(out)
+    """The file an atomic write of `out` goes through (renamed over `out` when complete)."""
     return out.with_name(f".{out.name}.tmp{os.getpid()}")
 
 
+# A temporary file or folder untouched this long may be a dead run's (a live write
+# touches it continuously); younger ones may be another host's or container's, whose
+# process this one cannot see.
+STALE_SECONDS = 600
+
+
 def clear_stale(out: Path) -> list[str]:
-    """Remove the temporary files and folders of earlier writes of `out` whose process is
-    gone: SIGKILL or the out-of-memory killer skips the cleanup, and a rerun had left a
-    20 MB `.q.onnx.tmp31602` beside the new model (big-model trial). A live process's are
-    kept (another run writing the same path). The names removed."""
+    """Remove the temporary files and folders of earlier writes of the model `out` whose
+    process is gone and which nothing touched for `STALE_SECONDS`: SIGKILL or the
+    out-of-memory killer skips the cleanup, and a rerun had left a 20 MB
+    `.q.onnx.tmp31602` beside the new model (big-model trial). Run once per model write
+    (not per companion file: a glob each). The names removed."""
     removed = []
     with contextlib.suppress(OSError):
         for path in out.parent.glob(f".{glob.escape(out.name)}.tmp*"):
             pid = re.fullmatch(rf"\.{re.escape(out.name)}\.tmp(\d+)(\.d)?", path.name)
-            if pid is None or int(pid.group(1)) == os.getpid() or _alive(int(pid.group(1))):
+            if pid is None or int(pid.group(1)) == os.getpid() or _alive(int(pid.group(1))) or _recent(path):
                 continue
             with contextlib.suppress(OSError):
                 shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
                 removed.append(path.name)
     return removed
+
+
+def _recent(path: Path) -> bool:
+    """Whether `path`, or a file in it, changed within `STALE_SECONDS`."""
+    newest = max([path.lstat().st_mtime, *(p.lstat().st_mtime for p in path.iterdir())] if path.is_dir()
+                 and not path.is_symlink() else [path.lstat().st_mtime])
+    return time.time() - newest < STALE_SECONDS
 
 
 def _alive(pid: int) -> bool:
@@ -216,6 +229,7 @@ def save_model(model: ir.Model, output: str | os.PathLike) -> Path:
     except OSError as exc:  # checked before the work (`check_output_path`); changed since
         raise OnnxqError(f"cannot make the folder {out.parent}: {exc.strerror or exc}; choose another output "
                          "path") from None
+    clear_stale(out)
     if weight_bytes(model) > EXTERNAL_DATA_LIMIT:
         return _save_with_data(model, out)
     return _write_atomic(out, lambda tmp: write_model(model, tmp))
@@ -226,7 +240,6 @@ def _save_with_data(model: ir.Model, out: Path) -> Path:
     into place: the old model file goes first, then the weights, then the new model file,
     so an interrupted run leaves the old pair, no model file, or the new pair, never a
     model reading another run's weights (they were written straight to their final name)."""
-    clear_stale(out)
     folder = out.with_name(f".{out.name}.tmp{os.getpid()}.d")
     folder.mkdir(exist_ok=True)
     try:
