@@ -92,7 +92,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
                               rank=args.rank, **_batch_size(args))
     if labels is not None:
         analysis.notes.insert(0, accuracy_note(args.float_model, args.quant_model, data, labels,
-                                               max_samples=args.max_samples, providers=args.providers))
+                                               max_samples=args.max_samples, providers=args.providers,
+                                               **_batch_size(args)))
     if args.json:
         analysis.to_json(args.json)
     if args.report:

@@ -253,15 +253,16 @@ def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSourc
         if asked and access is Access.NONE:  # asked for, with no data to run: say so
             return 0, (f"output check skipped: --check-samples {asked} (calibration.check_samples) runs on "
                        "calibration samples, and none were given; pass calibration_data")
+        # on a model past CHECK_AUTO_BYTES data alone would not run it (big-model trial)
+        also = (f" and --check-samples {CHECK_SAMPLES} (calibration.check_samples: on a model past "
+                f"{CHECK_AUTO_BYTES >> 20} MB of weights the check is asked for)" if model_bytes > CHECK_AUTO_BYTES
+                else "")
         if ranges_from and asked is None and access is Access.NONE:
             return 0, (f"output check skipped: the activations' ranges came from {ranges_from}, with no samples "
-                       "to run; pass calibration_data as well to check the output against float")
+                       f"to run; pass calibration_data as well{also} to check the output against float")
         if access is Access.NONE and asked is None:  # a data-free recipe (W8_DYNAMIC, weight-only) said nothing
-            bigger = model_bytes > CHECK_AUTO_BYTES  # data alone would not run it (big-model trial)
-            return 0, ("output not checked: no data given; pass calibration_data"
-                       + (f" and --check-samples {CHECK_SAMPLES} (calibration.check_samples: on a model past "
-                          f"{CHECK_AUTO_BYTES >> 20} MB of weights the check is asked for)" if bigger else "")
-                       + f" to check it against float on {CHECK_SAMPLES} samples")
+            return 0, (f"output not checked: no data given; pass calibration_data{also} to check it against float "
+                       f"on {CHECK_SAMPLES} samples")
         return 0, None
     if asked is not None:
         return asked, None
