@@ -262,3 +262,29 @@ def test_an_inline_model_upgraded_to_a_newer_opset_keeps_its_weights_mapped(tmp_
     assert isinstance(w0, np.ndarray) and not w0.flags.writeable  # a map of the file, not a copy
     assert onnxq.quantize(str(path), None, "W4_GROUP128", data, progress=False).model.SerializeToString() \
         == reference
+
+
+def test_a_converter_that_rewrites_a_mapped_weight_gets_the_full_read(tmp_path, monkeypatch):
+    """Where onnx's converter rewrote a mapped weight (no upward adapter does today), the
+    file is read whole and the rewrite kept, never the stale map (review)."""
+    import onnx.numpy_helper
+
+    b = GraphBuilder(5)
+    x = b.input("x", ["N", 4, K])
+    model = b.build([b.node("MatMul", [x, b.const("w0", b.he((K, K), K))])], opset=17, name="rewrite")
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    monkeypatch.setattr(external_data_module, "SPILL_LIMIT", 0)
+    monkeypatch.setattr(external_data_module, "_SPILL_MIN_BYTES", 1024)
+    upgrade = load_module.upgrade_opset
+
+    def rewriting(proto, opset, target):
+        proto = upgrade(proto, opset, target)
+        weight = next(t for t in proto.graph.initializer if t.name.startswith("w0"))
+        weight.CopyFrom(onnx.numpy_helper.from_array(np.full((K, K), 0.5, np.float32), weight.name))
+        return proto
+
+    monkeypatch.setattr(load_module, "upgrade_opset", rewriting)
+    loaded, _ = load_module.load_model(str(path), min_opset=21)
+    w0 = next(v for name, v in loaded.graph.initializers.items() if name.startswith("w0")).const_value.numpy()
+    assert np.all(w0 == 0.5)

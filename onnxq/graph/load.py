@@ -83,10 +83,12 @@ def _restore_small(proto: onnx.ModelProto, mapped: dict[str, np.ndarray]) -> Non
 
 
 def _kept_initializers(proto: onnx.ModelProto, mapped: dict[str, np.ndarray]) -> bool:
-    """Whether every mapped weight is still an initializer of `proto` without data (what
-    the split left), after the converter."""
-    empty = {t.name for t in proto.graph.initializer if not t.raw_data}
-    return set(mapped) <= empty
+    """Whether every mapped weight is still an initializer of `proto` as the split left it
+    after the converter: no data of any kind, and the map's shape."""
+    typed = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+    left = {t.name: tuple(t.dims) for t in proto.graph.initializer
+            if not t.raw_data and not any(len(getattr(t, field)) for field in typed)}
+    return all(left.get(name) == tuple(array.shape) for name, array in mapped.items())
 
 
 def _model_file(source: str | os.PathLike) -> Path:
