@@ -39,7 +39,8 @@ try:
     from onnxq.quantize import ModelQuantizer, QuantizationResult, quantize
     from onnxq.report import Summary, format_summary
 except KeyboardInterrupt:  # Ctrl-C while the command line starts (a second or more on a busy machine)
-    if _Path(_sys.argv[0]).stem != "onnxq":  # a program importing onnxq gets its KeyboardInterrupt
+    _cli = _Path(_sys.argv[0]).stem == "onnxq" or _sys.orig_argv[-len(_sys.argv) - 1:][:2] == ["-m", "onnxq"]
+    if not _cli:  # a program importing onnxq gets its KeyboardInterrupt
         raise
     print("onnxq: interrupted", file=_sys.stderr)  # as after start-up, not a 30-line import traceback
     raise SystemExit(130) from None

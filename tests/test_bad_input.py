@@ -881,3 +881,20 @@ def test_ctrl_c_while_the_command_line_starts_is_one_line(argv0, says):
         assert done.returncode == 130 and done.stderr.strip() == "onnxq: interrupted", done.stderr[-500:]
     else:
         assert done.returncode != 0 and "KeyboardInterrupt" in done.stderr
+
+
+def test_ctrl_c_while_python_m_onnxq_starts_is_one_line_too(tmp_path):
+    """`python -m onnxq` imports the package with sys.argv[0] set to '-m' (review)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import builtins\nreal = builtins.__import__\n"
+        "def interrupted(name, *args, **kwargs):\n"
+        "    if name == 'onnxq.report':\n        raise KeyboardInterrupt\n"
+        "    return real(name, *args, **kwargs)\n"
+        "builtins.__import__ = interrupted\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "onnxq", "presets"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 130 and done.stderr.strip() == "onnxq: interrupted", done.stderr[-500:]
