@@ -239,12 +239,12 @@ def _one_layer(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Ma
     kernel = tuple(w.shape[2:]) if node.op_type == "Conv" else ()
     activation = following(model.graph, node, (g, m), len(kernel)) if options.activation else None
     sample_cap = min(options.sample_positions, SAMPLE_BYTES // (4 * g * (k + 1 + m))) if activation else 0
-    with serial_blas():  # the gram's products between the replay's onnxruntime runs (`serial_blas`)
-        gram = layer_statistics(layer, replay, wbar, kernel, *names, options.max_positions, sample_cap)
-    # One BLAS thread for the fit too: BLAS splits its sums by the thread count, and the codes
-    # AdaRound and AdaQuant learn moved with the last bits (ResNet-20 AdaRound: 38 of 200
-    # tensors differed between 1 and 2 threads, determinism trial).
+    # One BLAS thread: for the gram's products between the replay's onnxruntime runs, and for
+    # the fit, since BLAS splits its sums by the thread count and the codes AdaRound and
+    # AdaQuant learn moved with the last bits (ResNet-20 AdaRound: 38 of 200 tensors differed
+    # between 1 and 2 threads, determinism trial).
     with serial_blas():
+        gram = layer_statistics(layer, replay, wbar, kernel, *names, options.max_positions, sample_cap)
         return _fit_layer(optimise, model, plan, ranges, options, layer, qt, gram, wbar, activation, replay.samples,
                           report)
 
