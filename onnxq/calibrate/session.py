@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Collection, Iterator, Mapping
 
@@ -209,15 +210,37 @@ def injected(tensor: ir.TensorProtocol) -> bool:
     return tensor.nbytes >= INJECT_MIN_BYTES and tensor.dtype in _NUMPY_TYPES
 
 
-def stand_in(tensor: ir.TensorProtocol) -> ir.TensorProtocol | None:
-    """An external-data stub for a weight onnxruntime will take as an array; the data
-    itself, inline, for a small weight kept in an external file (whose relative location
+def stand_in(tensor: ir.TensorProtocol, folder: str | None = None) -> ir.TensorProtocol | None:
+    """An external-data stub for a weight onnxruntime will take as an array, or read from
+    its own file where that file is under `folder` (`read_by_session`); the data itself,
+    inline, for a small weight kept in an external file (whose relative location
     onnxruntime would resolve against the working directory)."""
+    if injected(tensor) and folder is not None and _file_folder(tensor) == folder:
+        return ir.ExternalTensor(tensor.location, tensor.offset, tensor.length, tensor.dtype, shape=tensor.shape,
+                                 name=tensor.name)
     if injected(tensor):
         return ir.ExternalTensor(_IN_MEMORY, None, None, tensor.dtype, shape=tensor.shape, name=tensor.name)
     if isinstance(tensor, ir.ExternalTensor):
         return ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=tensor.name)
     return None
+
+
+def _file_folder(tensor: ir.TensorProtocol) -> str | None:
+    """The folder an external-data weight's location is relative to, None for others."""
+    if isinstance(tensor, ir.ExternalTensor) and tensor.base_dir:
+        return os.path.abspath(tensor.base_dir)
+    return None
+
+
+def read_by_session(graph: ir.Graph) -> str | None:
+    """The folder whose external data files onnxruntime reads itself, where the model's
+    big weights all sit in one (`session.model_external_initializers_file_folder_path`):
+    handed over as arrays, a weight's pages were touched as onnxruntime copied them, the
+    model's size twice over at the session's start."""
+    folders = {_file_folder(v.const_value) for v in graph.initializers.values()
+               if v.const_value is not None and injected(v.const_value)}
+    folders.discard(None)
+    return folders.pop() if len(folders) == 1 else None
 
 
 def add_arrays(options: ort.SessionOptions, weights: Mapping[str, ir.TensorProtocol]) -> list[ort.OrtValue]:
@@ -238,8 +261,12 @@ def open_session(model: ir.Model, options: ort.SessionOptions, providers: list[s
     and kernels as the model written to a file (SmolLM2 int4 load check: 1.5 s -> 0.5 s).
     onnxruntime (1.32) still copies them into its own buffers: a 256 MB float32 MatMul
     weight adds 265 MB, with graph optimisations and prepacking off too."""
-    with tensors_replaced(model.graph, stand_in) as weights:
+    folder = read_by_session(model.graph)
+    with tensors_replaced(model.graph, lambda tensor: stand_in(tensor, folder)) as weights:
         message = ir.to_proto(model).SerializeToString()
+    if folder is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
+        weights = {name: t for name, t in weights.items() if _file_folder(t) != folder}
     arrays = add_arrays(options, weights)
     session = ort.InferenceSession(message, options, providers=check_providers(providers))
     session._onnxq_weights = arrays  # onnxruntime may read them in place: they live as long as the session
