@@ -1,13 +1,13 @@
-"""Find the GELUs an exporter wrote out as elementwise nodes, x * 0.5 * (1 + erf(x / sqrt 2)).
+"""Find the GELUs an exporter wrote out as elementwise nodes, x * 0.5 * (1 + erf(x / sqrt 2))
+or its tanh approximation, x * 0.5 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 
 torch's `nn.GELU()` exports as Div (or Mul by 1/sqrt 2) -> Erf -> Add 1 -> Mul x -> Mul 0.5,
 or with the 0.5 taken first (Mul(x, 0.5) * (1 + erf)). onnxruntime fuses either form into
-one float Gelu kernel (its GeluFusion), and no integer kernel computes it. The planner keeps
+one float Gelu kernel (its GeluFusion; FastGelu for the tanh form: GPT-2's and HF's
+`gelu_new`), and no integer kernel computes it. The planner keeps
 such a GELU's inner nodes float (`plan/planner.py`): quantized, each inner tensor (1 + erf,
 the products) is rounded once more inside one activation function, and the Q/DQ pairs stop
 that fusion, so the model runs five elementwise kernels instead of one.
-
-The tanh approximation (FastGelu) is not matched: no model at hand exports it to measure.
 """
 
 from __future__ import annotations
@@ -52,29 +52,78 @@ def _only_reader(value: ir.Value, op_type: str) -> ir.Node | None:
     return readers[0]
 
 
-def _scaled_input(erf: ir.Node) -> tuple[ir.Node, ir.Value] | None:
+def _scaled_input(erf: ir.Node) -> tuple[list[ir.Node], ir.Value] | None:
     """The Div(x, sqrt 2) or Mul(x, 1/sqrt 2) before `erf`, and x."""
     source = erf.inputs[0].producer() if erf.inputs and erf.inputs[0] is not None else None
     if source is None or len(source.inputs) != 2 or len(source.outputs[0].uses()) != 1:
         return None
     x, c = source.inputs
     if source.op_type == "Div" and _near(_scalar(c), math.sqrt(2.0)):
-        return source, x
+        return [source], x
     if source.op_type == "Mul":
         for x, c in ((source.inputs[0], source.inputs[1]), (source.inputs[1], source.inputs[0])):
             if _near(_scalar(c), INV_SQRT2):
-                return source, x
+                return [source], x
     return None
 
 
-def _gelu_at(erf: ir.Node) -> list[ir.Node] | None:
-    """The nodes of the GELU around `erf`, in graph order, or None where it is not one."""
-    scaled = _scaled_input(erf)
+def _scaled_by(value: ir.Value | None, op_type: str, constant: float) -> tuple[ir.Node, ir.Value] | None:
+    """The `op_type` node making `value` from one other input and a scalar near
+    `constant` (its only reader being the chain), and that other input."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != op_type or len(node.inputs) != 2 or len(value.uses()) != 1:
+        return None
+    for other, c in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+        if _near(_scalar(c), constant):
+            return node, other
+    return None
+
+
+def _cubed(value: ir.Value | None, x: ir.Value) -> list[ir.Node] | None:
+    """The nodes making x^3 as `value`: Pow(x, 3), or x * x * x in either grouping."""
+    node = value.producer() if value is not None else None
+    if node is None or len(value.uses()) != 1:
+        return None
+    if node.op_type == "Pow" and node.inputs[0] is x and _near(_scalar(node.inputs[1]), 3.0):
+        return [node]
+    if node.op_type == "Mul" and x in node.inputs:
+        square = _other(node, x).producer() if _other(node, x) is not None else None
+        if square is not None and square.op_type == "Mul" and list(square.inputs) == [x, x] \
+                and len(square.outputs[0].uses()) == 1:
+            return [square, node]
+    return None
+
+
+def _polynomial_input(tanh: ir.Node) -> tuple[list[ir.Node], ir.Value] | None:
+    """The tanh approximation's argument, sqrt(2/pi) (x + 0.044715 x^3), before `tanh`:
+    its nodes in graph order, and x."""
+    outer = _scaled_by(tanh.inputs[0] if tanh.inputs else None, "Mul", SQRT_2_OVER_PI)
+    total = outer[1].producer() if outer is not None else None
+    if total is None or total.op_type != "Add" or len(total.inputs) != 2 or len(outer[1].uses()) != 1:
+        return None
+    for x, term in ((total.inputs[0], total.inputs[1]), (total.inputs[1], total.inputs[0])):
+        scaled = _scaled_by(term, "Mul", CUBIC)
+        cube = _cubed(scaled[1], x) if scaled is not None else None
+        if cube is not None:
+            return [*cube, scaled[0], total, outer[0]], x
+    return None
+
+
+# Where the GELU's x is scaled before the nonlinearity: erf(x / sqrt 2), or the tanh
+# approximation's tanh(sqrt(2/pi) (x + 0.044715 x^3)) (FastGelu in onnxruntime).
+SQRT_2_OVER_PI, CUBIC = math.sqrt(2.0 / math.pi), 0.044715
+ARGUMENTS = {"Erf": _scaled_input, "Tanh": _polynomial_input}
+
+
+def _gelu_at(seed: ir.Node) -> list[ir.Node] | None:
+    """The nodes of the GELU around `seed` (its Erf or Tanh), in graph order, or None
+    where it is not one."""
+    scaled = ARGUMENTS[seed.op_type](seed)
     if scaled is None:
         return None
-    scale, x = scaled
-    add = _only_reader(erf.outputs[0], "Add")
-    if add is None or not _near(_scalar(_other(add, erf.outputs[0])), 1.0):
+    before, x = scaled
+    add = _only_reader(seed.outputs[0], "Add")
+    if add is None or not _near(_scalar(_other(add, seed.outputs[0])), 1.0):
         return None
     product = _only_reader(add.outputs[0], "Mul")
     if product is None:
@@ -84,12 +133,12 @@ def _gelu_at(erf: ir.Node) -> list[ir.Node] | None:
         half = _only_reader(product.outputs[0], "Mul")
         if half is None or not _near(_scalar(_other(half, product.outputs[0])), 0.5):
             return None
-        return [scale, erf, add, product, half]
+        return [*before, seed, add, product, half]
     halved = other.producer() if other is not None else None  # (x * 0.5) * (1 + erf)
     if halved is None or halved.op_type != "Mul" or len(other.uses()) != 1 or x not in halved.inputs \
             or not _near(_scalar(_other(halved, x)), 0.5):
         return None
-    return [scale, erf, halved, add, product]
+    return [*before, seed, halved, add, product]
 
 
 def decomposed_gelus(graph: ir.Graph) -> list[list[ir.Node]]:
@@ -97,7 +146,7 @@ def decomposed_gelus(graph: ir.Graph) -> list[list[ir.Node]]:
     is in at most one."""
     found: list[list[ir.Node]] = []
     for node in graph:
-        if node.op_type == "Erf" and node.domain in ("", "ai.onnx"):
+        if node.op_type in ARGUMENTS and node.domain in ("", "ai.onnx"):
             nodes = _gelu_at(node)
             if nodes is not None:
                 found.append(nodes)
