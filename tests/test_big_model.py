@@ -46,7 +46,8 @@ def big_paths(monkeypatch):
     ["--per-channel"],
     ["--preset", "W4_GROUP128", "--per-group", "32", "--algorithm", "gptq"],
     ["--preset", "W4_GROUP128", "--per-group", "32", "--algorithm", "hqq"],
-], ids=["static", "gptq", "hqq"])
+    ["--per-channel", "--adaround"],
+], ids=["static", "gptq", "hqq", "adaround"])
 def test_external_weights_from_another_directory(tmp_path, monkeypatch, big_paths, flags):
     model_dir, work, out_dir = tmp_path / "model", tmp_path / "work", tmp_path / "out"
     for d in (model_dir, work, out_dir):

@@ -232,6 +232,16 @@ def _file_folder(tensor: ir.TensorProtocol) -> str | None:
     return None
 
 
+def external_folder(graph: ir.Graph) -> str | None:
+    """The one folder every external-data weight of `graph` is relative to, None where
+    there are none or several: a session over a proto that still names those files
+    resolves them there (`model_external_initializers_file_folder_path`), not against the
+    working directory."""
+    folders = {_file_folder(v.const_value) for v in graph.initializers.values() if v.const_value is not None}
+    folders.discard(None)
+    return folders.pop() if len(folders) == 1 else None
+
+
 def read_by_session(graph: ir.Graph) -> str | None:
     """The folder whose external data files onnxruntime reads itself, where the model's
     big weights all sit in one (`session.model_external_initializers_file_folder_path`):
@@ -255,11 +265,12 @@ def add_arrays(options: ort.SessionOptions, weights: Mapping[str, ir.TensorProto
 
 def open_session(model: ir.Model, options: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
     """A session over `model` as it is in memory, with `options` (used up: give each
-    session its own). The graph is serialized without its large weights, which
-    onnxruntime takes from their arrays (`add_external_initializers`): no serialized copy
+    session its own). The graph is serialized without its large weights: those in one
+    folder's external data files onnxruntime reads from there (`read_by_session`), the
+    others it takes from their arrays (`add_external_initializers`): no serialized copy
     of the weights, no temporary file, no 2 GB protobuf limit, and the same graph, options
     and kernels as the model written to a file (SmolLM2 int4 load check: 1.5 s -> 0.5 s).
-    onnxruntime (1.32) still copies them into its own buffers: a 256 MB float32 MatMul
+    onnxruntime (1.32) still copies arrays into its own buffers: a 256 MB float32 MatMul
     weight adds 265 MB, with graph optimisations and prepacking off too."""
     folder = read_by_session(model.graph)
     with tensors_replaced(model.graph, lambda tensor: stand_in(tensor, folder)) as weights:

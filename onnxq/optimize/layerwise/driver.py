@@ -16,6 +16,7 @@ import onnx_ir as ir
 
 from onnxq.calibrate.access import refusal
 from onnxq.calibrate.data import iter_batches, model_inputs
+from onnxq.calibrate.session import external_folder
 from onnxq.errors import CalibrationDataError
 from onnxq.graph.edit import set_constant
 from onnxq.numerics.weights import QuantizedTensor
@@ -102,7 +103,7 @@ def reconstruct(
     batches = split.training(_batches(ctx, model, name))
     float_proto = ir.to_proto(model)
     replay = Replay(float_proto, ir.to_proto(qmodel), batches, ctx.settings.calibration.providers,
-                    int(options.cache_budget_mb) << 20)
+                    int(options.cache_budget_mb) << 20, folder=external_folder(model.graph))
     for layer in layers:
         qt = nearest[layer.name]
         replay.set_initializer(WEIGHT_PREFIX + layer.name, dequantized(qt))

@@ -140,11 +140,14 @@ class Replay:
 
     def __init__(self, float_model: onnx.ModelProto | None, quant_model: onnx.ModelProto,
                  batches: Iterable[Mapping[str, np.ndarray]], providers: list[str], budget: int,
-                 weights: Mapping[str, ir.Value] | None = None) -> None:
+                 weights: Mapping[str, ir.Value] | None = None, folder: str | None = None) -> None:
         """`float_model` None: replay `quant_model` alone (its weights changed as layers
         are processed: GPTQ's true-sequential inputs). `weights`: initializers not in the
         protos, serialized only while a segment that reads them is built (a big model's
-        weights are then never copied whole)."""
+        weights are then never copied whole). `folder`: where the protos' external data
+        references are relative to (`calibrate.session.external_folder`; they had been
+        resolved against the working directory, and AdaRound failed from another one)."""
+        self.folder = folder
         fgraph = prefixed(float_model.graph, FLOAT_PREFIX) if float_model is not None else onnx.GraphProto()
         self.float_inputs = {v.name for v in float_model.graph.input} if float_model is not None else set()
         qgraph = quant_model.graph
@@ -230,6 +233,8 @@ class Replay:
         # from it: SmolLM2 GPTQ's Hessian products 18.0 s with spinning, 12.8 s without.
         # AdaRound's replay (W4A8 on MobileNet-v1 and ResNet-20) took the same time either way.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if self.folder is not None:
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path", self.folder)
         values = add_arrays(options, arrays)
         session = ort.InferenceSession(model.SerializeToString(), options, providers=self.providers,
                                        disabled_optimizers=REPLAY_DISABLED)
