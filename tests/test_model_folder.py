@@ -140,10 +140,15 @@ def test_linked_folders_go_along_and_hidden_folders_and_dangling_links_stay(tmp_
     (folder / ".git" / "lfs" / "weights").write_bytes(b"float weights")
     (folder / "gone.txt").symlink_to(tmp_path / "nothing")
     (folder / "loop").symlink_to(folder, target_is_directory=True)
+    (folder / "up").symlink_to("..", target_is_directory=True)  # the folder's parent: never walked
+    (folder / "vocab").mkdir()
+    (folder / "vocab" / "merges.txt").write_text("a b")
+    (folder / "another").symlink_to("vocab", target_is_directory=True)  # sorts first: both go along
+    (folder / ".net.onnx.tmp12345").write_bytes(b"a killed run's leftover")
     out = tmp_path / "q"
     result = onnxq.quantize(str(folder), str(out), "W4_GROUP128", progress=False)
     (copied,) = of(result.summary.notes, Topic.OUTPUT)
-    assert copied.nodes == ("tokenizer/tokenizer.json",)
+    assert copied.nodes == ("another/merges.txt", "tokenizer/tokenizer.json", "vocab/merges.txt")
     assert (out / "tokenizer" / "tokenizer.json").read_text() == "{}" and not (out / ".git").exists()
 
 

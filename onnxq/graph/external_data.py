@@ -20,8 +20,9 @@ import onnx_ir as ir
 from onnxq.graph.wire import WireError, read_split
 
 # Up to this many bytes of external weights are read into memory at load. Bigger models
-# keep them in their files, memory-mapped when read; sessions take them as arrays either
-# way (`calibrate.session.open_session`), from any working directory.
+# keep them in their files, memory-mapped when read; sessions read those from their files
+# themselves, and take the others as arrays (`calibrate.session.open_session`), from any
+# working directory.
 INLINE_LIMIT = 1 << 30
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,19 +82,30 @@ def _companions(folder: Path, model: Path, data: tuple[str, ...]) -> tuple[str, 
     relative to the folder: a sub-folder of the float model's weights ("weights/w0.bin")
     stays behind, where it had been copied whole (2.3 GB beside a 324 MB int4 model,
     big-model trial); the tokenizer and anything else beside them goes along, through
-    linked folders too. Hidden folders (.git, whose LFS objects are the float weights
-    again; .cache) and links to nothing are left out."""
+    linked folders too. Left out: hidden folders (.git, whose LFS objects are the float
+    weights again; .cache), links to nothing, an atomic write's leftovers (`.name.tmpPID`),
+    and linked folders that lead back up the path (the folder itself, its parents, a
+    folder the walk is already inside)."""
     skip = {model.resolve(), *((folder / name).resolve() for name in data)}
-    found, seen = [], set()
-    for root, dirs, files in os.walk(folder, followlinks=True):
-        here = Path(root)
-        if here.resolve() in seen:  # a link back up the tree
-            dirs.clear()
-            continue
-        seen.add(here.resolve())
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [here / name for name in files if (here / name).is_file() and (here / name).resolve() not in skip]
-    return tuple(sorted(path.relative_to(folder).as_posix() for path in found))
+    found: list[str] = []
+
+    def walk(here: Path, relative: str, inside: frozenset[Path]) -> None:
+        for entry in sorted(os.scandir(here), key=lambda e: e.name):
+            path, name = Path(entry.path), f"{relative}{entry.name}"
+            if entry.is_dir():
+                real = path.resolve()
+                if not entry.name.startswith(".") and real not in inside:
+                    walk(path, f"{name}/", inside | {real})
+            elif entry.is_file() and path.resolve() not in skip and not TEMPORARY.fullmatch(entry.name):
+                found.append(name)
+
+    root = folder.resolve()
+    walk(folder, "", frozenset({root, *root.parents}))
+    return tuple(sorted(found))
+
+
+# An atomic write's temporary file or folder (`graph.save`), left by a killed run.
+TEMPORARY = re.compile(r"\..+\.tmp\d+(\.d)?")
 
 
 def output_model(source: ModelFolder, output: str | os.PathLike) -> Path:

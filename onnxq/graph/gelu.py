@@ -79,12 +79,19 @@ def _scaled_by(value: ir.Value | None, op_type: str, constant: float) -> tuple[i
     return None
 
 
+def _exponent(value: ir.Value | None) -> float | None:
+    """A Pow's constant one-element exponent, integer (opset 12 on) or float."""
+    array = constant_array(value) if value is not None else None
+    return float(array.reshape(())) if array is not None and array.size == 1 \
+        and np.issubdtype(array.dtype, np.number) else None
+
+
 def _cubed(value: ir.Value | None, x: ir.Value) -> list[ir.Node] | None:
     """The nodes making x^3 as `value`: Pow(x, 3), or x * x * x in either grouping."""
     node = value.producer() if value is not None else None
     if node is None or len(value.uses()) != 1:
         return None
-    if node.op_type == "Pow" and node.inputs[0] is x and _near(_scalar(node.inputs[1]), 3.0):
+    if node.op_type == "Pow" and node.inputs[0] is x and _exponent(node.inputs[1]) == 3.0:
         return [node]
     if node.op_type == "Mul" and x in node.inputs:
         square = _other(node, x).producer() if _other(node, x) is not None else None

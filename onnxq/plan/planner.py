@@ -27,7 +27,8 @@ from onnxq.plan.tied import tie_tables
 from onnxq.target.profile import TargetProfile
 
 # Why a decomposed GELU's nodes stay float (`graph/gelu.py`).
-INSIDE_GELU = "inside a GELU written out as elementwise nodes, which onnxruntime fuses into one float kernel"
+INSIDE_GELU = ("inside a GELU written out as elementwise nodes: one activation function, which onnxruntime can "
+               "fuse into one float kernel")
 # Activation types that convert the op instead of quantizing it: the float cast keeps a GELU's nodes.
 _CAST_TYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32})
 
