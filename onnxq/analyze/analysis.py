@@ -39,6 +39,7 @@ from onnxq.analyze.impact import (
     IMPACT_SAMPLES,
     impact_order,
     layers_to_measure,
+    noise_db,
 )
 from onnxq.analyze.isolate import PREFIX, IsolatedLayer, add_isolated_layers, with_only
 from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
@@ -412,8 +413,7 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
     finally:
         bar.close()
     for name, noise in order:
-        if not math.isnan(noise):
-            by_name[name].output_sqnr_db = -10.0 * math.log10(noise) if noise > 0 else math.inf
+        by_name[name].output_sqnr_db = noise_db(noise)
     return [by_name[name] for name, _ in order], (fed[0] if fed else 0)
 
 

@@ -21,6 +21,7 @@ measured ones.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +38,14 @@ IMPACT_MIN_LAYERS = 16
 # `onnxq analyze` reads fewer samples where their first output passes this many bytes (a
 # 135M-parameter LLM's logits: 50 MB a 256-token window), to keep its memory bounded.
 IMPACT_OUTPUT_BYTES = 1 << 27
+
+
+def noise_db(noise: float) -> float | None:
+    """A ranking noise (noise / signal of the first output) as an SQNR in dB: inf for no
+    noise, None where the layer was not measured (NaN)."""
+    if not math.isfinite(noise) or noise < 0:
+        return None
+    return math.inf if noise == 0 else -10.0 * math.log10(noise)
 
 FirstOutput = Callable[[Any], np.ndarray]  # a session -> its first output on the ranking's samples
 

@@ -232,25 +232,28 @@ def _file_folder(tensor: ir.TensorProtocol) -> str | None:
     return None
 
 
-def external_folder(graph: ir.Graph) -> str | None:
-    """The one folder every external-data weight of `graph` is relative to, None where
-    there are none or several: a session over a proto that still names those files
-    resolves them there (`model_external_initializers_file_folder_path`), not against the
+def external_folder(graph: ir.Graph, big_only: bool = False) -> str | None:
+    """The one folder every external-data weight of `graph` (`big_only`: every `injected`
+    one) is relative to, None where there are none or several: a session over a proto that
+    still names those files resolves them there (`read_files_in`), not against the
     working directory."""
-    folders = {_file_folder(v.const_value) for v in graph.initializers.values() if v.const_value is not None}
+    folders = {_file_folder(v.const_value) for v in graph.initializers.values()
+               if v.const_value is not None and (not big_only or injected(v.const_value))}
     folders.discard(None)
     return folders.pop() if len(folders) == 1 else None
 
 
 def read_by_session(graph: ir.Graph) -> str | None:
     """The folder whose external data files onnxruntime reads itself, where the model's
-    big weights all sit in one (`session.model_external_initializers_file_folder_path`):
-    handed over as arrays, a weight's pages were touched as onnxruntime copied them, the
-    model's size twice over at the session's start."""
-    folders = {_file_folder(v.const_value) for v in graph.initializers.values()
-               if v.const_value is not None and injected(v.const_value)}
-    folders.discard(None)
-    return folders.pop() if len(folders) == 1 else None
+    big weights all sit in one: handed over as arrays, a weight's pages were touched as
+    onnxruntime copied them, the model's size twice over at the session's start."""
+    return external_folder(graph, big_only=True)
+
+
+def read_files_in(options: ort.SessionOptions, folder: str | None) -> None:
+    """Have the session `options` open resolve external data locations in `folder`."""
+    if folder is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
 
 
 def add_arrays(options: ort.SessionOptions, weights: Mapping[str, ir.TensorProtocol]) -> list[ort.OrtValue]:
@@ -275,8 +278,8 @@ def open_session(model: ir.Model, options: ort.SessionOptions, providers: list[s
     folder = read_by_session(model.graph)
     with tensors_replaced(model.graph, lambda tensor: stand_in(tensor, folder)) as weights:
         message = ir.to_proto(model).SerializeToString()
+    read_files_in(options, folder)
     if folder is not None:
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
         weights = {name: t for name, t in weights.items() if _file_folder(t) != folder}
     arrays = add_arrays(options, weights)
     session = ort.InferenceSession(message, options, providers=check_providers(providers))

@@ -56,17 +56,13 @@ def _only_reader(value: ir.Value, op_type: str) -> ir.Node | None:
 
 def _scaled_input(erf: ir.Node) -> tuple[list[ir.Node], ir.Value] | None:
     """The Div(x, sqrt 2) or Mul(x, 1/sqrt 2) before `erf`, and x."""
-    source = erf.inputs[0].producer() if erf.inputs and erf.inputs[0] is not None else None
-    if source is None or len(source.inputs) != 2 or len(source.outputs[0].uses()) != 1:
-        return None
-    x, c = source.inputs
-    if source.op_type == "Div" and _near(_scalar(c), math.sqrt(2.0)):
-        return [source], x
-    if source.op_type == "Mul":
-        for x, c in ((source.inputs[0], source.inputs[1]), (source.inputs[1], source.inputs[0])):
-            if _near(_scalar(c), INV_SQRT2):
-                return [source], x
-    return None
+    value = erf.inputs[0] if erf.inputs else None
+    source = value.producer() if value is not None else None
+    if source is not None and source.op_type == "Div" and len(source.inputs) == 2 and len(value.uses()) == 1 \
+            and _near(_scalar(source.inputs[1]), math.sqrt(2.0)):
+        return [source], source.inputs[0]
+    found = _scaled_by(value, "Mul", INV_SQRT2)
+    return ([found[0]], found[1]) if found is not None else None
 
 
 def _scaled_by(value: ir.Value | None, op_type: str, constant: float) -> tuple[ir.Node, ir.Value] | None:

@@ -18,6 +18,7 @@ import onnx_ir as ir
 from onnxq.config.resolve import float_reason, resolve_node_config
 from onnxq.config.spec import Config, DType, ScaleType
 from onnxq.graph.gelu import decomposed_gelus
+from onnxq.numerics.qmath import FLOAT_TARGETS
 from onnxq.plan import strategies
 from onnxq.plan.draft import Draft
 from onnxq.plan.kernel_pairs import runnable
@@ -30,7 +31,7 @@ from onnxq.target.profile import TargetProfile
 INSIDE_GELU = ("inside a GELU written out as elementwise nodes: one activation function, which onnxruntime can "
                "fuse into one float kernel")
 # Activation types that convert the op instead of quantizing it: the float cast keeps a GELU's nodes.
-_CAST_TYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32})
+_CAST_TYPES = frozenset({*FLOAT_TARGETS, DType.FLOAT32})
 
 
 def inside_gelus(model: ir.Model, config: Config) -> dict[str, str]:

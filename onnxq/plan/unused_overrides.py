@@ -15,6 +15,7 @@ from onnxq.config.presets import PRESETS, get_preset
 from onnxq.config.resolve import is_excluded
 from onnxq.config.spec import ACTIVATION_CLASSES, Config
 from onnxq.notes import Note, Topic
+from onnxq.numerics.qmath import FLOAT_TARGETS
 from onnxq.plan.plan import Kind, QuantPlan
 from onnxq.plan.rules import DYNAMIC_OPS, OP_RULES, OutputMode
 
@@ -25,7 +26,6 @@ WEIGHTED_OPS = frozenset({op for op, rule in OP_RULES.items() if rule.weight_inp
 # A weight spec's settings for a grid (integer or float8 scales), which a float16/bfloat16
 # cast of the weights has no use for (`bits` there is refused: `config/validate.py`).
 GRID_FIELDS = ("qscheme", "group_size", "ch_axis", "symmetric", "scale_type")
-CAST_DTYPES = frozenset({"float16", "bfloat16"})
 
 
 def _override(config: Config, node: ir.Node) -> tuple[str, object] | None:
@@ -84,13 +84,13 @@ def _grid_on_cast(plan: QuantPlan, config: Config) -> list[Note]:
     below = getattr(config.global_quant_config.weight, "dtype", None)  # what a level without a dtype inherits
     for where, level in levels:
         spec = level.weight if level is not None else None
-        dtype = getattr(getattr(spec, "dtype", None) or below, "value", None)
-        if dtype not in CAST_DTYPES:
+        dtype = getattr(spec, "dtype", None) or below
+        if dtype not in FLOAT_TARGETS:
             continue
         given = [f"{name} {getattr(getattr(spec, name), 'value', getattr(spec, name))}" for name in GRID_FIELDS
                  if getattr(spec, name) is not None]
         if given:
-            notes.append(Note(Topic.CONFIG, f"{where} weight {', '.join(given)} has no effect: {dtype} weights are "
+            notes.append(Note(Topic.CONFIG, f"{where} weight {', '.join(given)} has no effect: {dtype.value} weights are "
                               "cast, not put on a grid of scales (--per-tensor, --per-channel, --per-group and the "
                               "other grid settings are for integer and float8 weights)"))
     return notes

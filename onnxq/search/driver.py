@@ -31,7 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from onnxq.analyze import analyze_models
-from onnxq.analyze.impact import layers_to_measure
+from onnxq.analyze.impact import layers_to_measure, noise_db
 from onnxq.calibrate.access import FIXES, data_access
 from onnxq.calibrate.data import CalibrationSource
 from onnxq.config.spec import Config, MixedPrecisionConfig
@@ -289,7 +289,8 @@ def quantize_to_target(
         float_score=reference_score,
         base_score=base_score,
         final_score=final_score,
-        promotions=[_promotion(n, r, ranks.get(n, math.nan)) for n, r in outcome.promotions.items()],
+        promotions=[Promotion(n, r, ranks.get(n, math.nan), noise_db(ranks.get(n, math.nan)))
+                    for n, r in outcome.promotions.items()],
         ranked_layers=len(order),
         evaluations=((target.metric not in SELF_SCORE) + 1 + sum(t.score is not None for t in climb.trials)
                      + len(outcome.trials) + bool(outcome.promotions)),
@@ -364,9 +365,3 @@ def _written_words(choice: Choice, final_score: float, min_gain: float | None) -
               else f"rung_min_gain {min_gain:g}")
     return (f"the best score reached is {choice.best.scored.value:.4g}, by {choice.best.what}; written: "
             f"{choice.written.what}, {final_score:.4g}, as good within {within} and cheaper")
-
-
-def _promotion(node: str, rung: str, noise: float) -> Promotion:
-    """A raised layer with its ranking noise, also in dB (None where unmeasured)."""
-    measured = math.isfinite(noise) and noise >= 0
-    return Promotion(node, rung, noise, (math.inf if noise == 0 else -10.0 * math.log10(noise)) if measured else None)

@@ -27,6 +27,7 @@ from onnxq.calibrate.session import (
     add_arrays,
     check_providers,
     injected,
+    read_files_in,
     run_on_data,
     session_options,
     stand_in,
@@ -233,8 +234,7 @@ class Replay:
         # from it: SmolLM2 GPTQ's Hessian products 18.0 s with spinning, 12.8 s without.
         # AdaRound's replay (W4A8 on MobileNet-v1 and ResNet-20) took the same time either way.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        if self.folder is not None:
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path", self.folder)
+        read_files_in(options, self.folder)
         values = add_arrays(options, arrays)
         session = ort.InferenceSession(model.SerializeToString(), options, providers=self.providers,
                                        disabled_optimizers=REPLAY_DISABLED)
