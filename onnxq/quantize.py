@@ -31,7 +31,7 @@ from onnxq.graph.folder import (
 from onnxq.graph.save import check_apart, check_output_paths
 from onnxq.heap import settled_heap
 from onnxq.notes import Note, Topic, renamed_notes
-from onnxq.optimize.registry import parse_algorithms, parse_passes
+from onnxq.optimize.registry import CONTRACTS, parse_algorithms, parse_passes
 from onnxq.pipeline.prepare import WINDOWS_NOTE, ModelSource, required_opset
 from onnxq.pipeline.result import PipelineState, QuantizationResult
 from onnxq.pipeline.run import run_pipeline
@@ -185,16 +185,12 @@ def _unused_settings(config: Config, reporting: bool) -> list[Note]:
     return [Note(topic, text) for given, topic, text in unused if given]
 
 
-# Algorithms whose codes hold the same on any core count only where BLAS runs on one thread
-# (`parallel.serial_blas`), a limit OpenBLAS takes from the main thread alone.
-ONE_BLAS_THREAD = frozenset({"adaround", "adaquant", "gptq"})
-
-
 def _off_main_thread(found: list[Note]) -> list[Note]:
     """A note where such an algorithm ran outside the main thread: from another thread
     numpy's OpenBLAS 0.3.31 ignores the limit, and GPTQ's codes differed from a main-thread
     run's (65 of 343 MiniLM tensors, in their last bits: determinism trial)."""
-    ran = sorted({n.source for n in found if n.topic is Topic.ALGORITHM} & ONE_BLAS_THREAD)
+    ran = sorted({n.source for n in found if n.topic is Topic.ALGORITHM and n.source in CONTRACTS
+                  and CONTRACTS[n.source].serial_blas})
     if not ran or threading.current_thread() is threading.main_thread():
         return []
     return [Note(Topic.ALGORITHM, f"{', '.join(ran)} ran outside the main thread, where the BLAS library takes no "

@@ -99,7 +99,7 @@ def tune_weights(problem: Problem, options: AdaQuantConfig) -> Solution:
 
 
 @register_algorithm("adaquant", options=AdaQuantConfig, data="required", rewrites=("weights", "biases"), flag=2,
-                    learns_rounding=True,
+                    learns_rounding=True, serial_blas=True,
                     flag_help="optimise weights and biases layer by layer through the rounding (AdaQuant)")
 def adaquant(model, plan, ranges, opts: AdaQuantConfig, ctx) -> str | AlgorithmResult:
     """Optimise every quantized Conv/Gemm/MatMul weight and bias (module doc)."""

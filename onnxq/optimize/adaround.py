@@ -118,7 +118,7 @@ def learn_rounding(problem: Problem, options: AdaRoundConfig) -> Solution:
 
 
 @register_algorithm("adaround", options=AdaRoundConfig, data="required", rewrites=("weights", "biases"), flag=1,
-                    learns_rounding=True,
+                    learns_rounding=True, serial_blas=True,
                     flag_help="learn each weight's rounding, layer by layer, against the float model (AdaRound)")
 def adaround(model, plan, ranges, opts: AdaRoundConfig, ctx) -> str | AlgorithmResult:
     """Learn the rounding of every quantized Conv/Gemm/MatMul weight (module doc)."""

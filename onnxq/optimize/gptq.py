@@ -361,7 +361,7 @@ def walk_groups(model: ir.Model, plan: QuantPlan, ctx: AlgorithmContext, name: s
 
 
 @register_algorithm("gptq", options=GPTQConfig, data="required", rewrites=("weights",), flag=3,
-                    rounds_blocks=True,
+                    rounds_blocks=True, serial_blas=True,
                     flag_help="GPTQ for int4 MatMul weights lowered to MatMulNBits (e.g. --preset W4_GROUP128): "
                               "rounding errors compensated through the calibration inputs' Hessian")
 def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: GPTQConfig,

@@ -54,6 +54,9 @@ class Contract:
       option adds before calibration.
     learns_rounding: it learns the rounding of the quantized Conv/Gemm/MatMul weights
       (AdaRound, AdaQuant); one such per run, since each re-solves what the other learned.
+    serial_blas: its codes hold the same on any core count only where BLAS runs on one
+      thread (`parallel.serial_blas`), a limit OpenBLAS takes from the main thread alone:
+      the summary says so where it ran off the main thread.
     """
 
     options: Any = NoOptions
@@ -66,6 +69,7 @@ class Contract:
     target_default: Mapping[str, Any] | None = None
     equalizes: bool = False
     learns_rounding: bool = False
+    serial_blas: bool = False
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.rewrites) - set(REWRITES))
@@ -149,12 +153,13 @@ def register_pass(name: str, options: Any = NoOptions, data: DataUse = "none",
 def register_algorithm(name: str, options: Any = NoOptions, data: DataUse = "required",
                        rewrites: tuple[str, ...] = (), *, runs_last: bool = False, flag: int | None = None, flag_help: str = "",
                        rounds_blocks: bool = False, target_default: Mapping[str, Any] | None = None,
-                       learns_rounding: bool = False, replace: bool = False) -> Callable[[AlgoFn], AlgoFn]:
+                       learns_rounding: bool = False, serial_blas: bool = False,
+                       replace: bool = False) -> Callable[[AlgoFn], AlgoFn]:
     """Register `fn(model, plan, ranges, options, ctx) -> report line | (line, plan) |
     AlgorithmResult` as algorithm `name` (see `Contract`); `replace`: in place of another
     module's `name`."""
     contract = Contract(_named_fields_only(options, name), data, rewrites, runs_last, flag, flag_help, rounds_blocks,
-                        target_default, learns_rounding=learns_rounding)
+                        target_default, learns_rounding=learns_rounding, serial_blas=serial_blas)
 
     def decorate(fn: AlgoFn) -> AlgoFn:
         _check_new(name, fn, replace)
