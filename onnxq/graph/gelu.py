@@ -1,5 +1,6 @@
 """Find the GELUs an exporter wrote out as elementwise nodes, x * 0.5 * (1 + erf(x / sqrt 2))
-or its tanh approximation, x * 0.5 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+or its tanh approximation, x * 0.5 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (or with
+the argument factored, sqrt(2/pi) x (1 + 0.044715 x x), as Megatron and BLOOM write it).
 
 torch's `nn.GELU()` exports as Div (or Mul by 1/sqrt 2) -> Erf -> Add 1 -> Mul x -> Mul 0.5,
 or with the 0.5 taken first (Mul(x, 0.5) * (1 + erf)). onnxruntime fuses either form into
@@ -100,9 +101,17 @@ def _cubed(value: ir.Value | None, x: ir.Value) -> list[ir.Node] | None:
 
 
 def _polynomial_input(tanh: ir.Node) -> tuple[list[ir.Node], ir.Value] | None:
-    """The tanh approximation's argument, sqrt(2/pi) (x + 0.044715 x^3), before `tanh`:
-    its nodes in graph order, and x."""
-    outer = _scaled_by(tanh.inputs[0] if tanh.inputs else None, "Mul", SQRT_2_OVER_PI)
+    """The tanh approximation's argument before `tanh`, as its nodes in graph order and x:
+    sqrt(2/pi) (x + 0.044715 x^3) (GPT-2's, HF's `gelu_new`), or its factored form
+    sqrt(2/pi) x (1 + 0.044715 x x) (Megatron's and BLOOM's `bias_gelu`; onnxruntime's
+    FastGeluFusion takes both)."""
+    value = tanh.inputs[0] if tanh.inputs else None
+    return _expanded(value) or _factored(value)
+
+
+def _expanded(value: ir.Value | None) -> tuple[list[ir.Node], ir.Value] | None:
+    """sqrt(2/pi) (x + 0.044715 x^3) as `value`."""
+    outer = _scaled_by(value, "Mul", SQRT_2_OVER_PI)
     total = outer[1].producer() if outer is not None else None
     if total is None or total.op_type != "Add" or len(total.inputs) != 2 or len(outer[1].uses()) != 1:
         return None
@@ -111,6 +120,51 @@ def _polynomial_input(tanh: ir.Node) -> tuple[list[ir.Node], ir.Value] | None:
         cube = _cubed(scaled[1], x) if scaled is not None else None
         if cube is not None:
             return [*cube, scaled[0], total, outer[0]], x
+    return None
+
+
+def _factored(value: ir.Value | None) -> tuple[list[ir.Node], ir.Value] | None:
+    """sqrt(2/pi) x (1 + 0.044715 x x) as `value`, grouped (sqrt(2/pi) x) (...) or
+    sqrt(2/pi) (x (...))."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "Mul" or len(node.inputs) != 2 or len(value.uses()) != 1:
+        return None
+    for first, second in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
+        scaled = _scaled_by(first, "Mul", SQRT_2_OVER_PI)  # (sqrt(2/pi) x) * (1 + ...)
+        if scaled is not None:
+            bracket = _one_plus_square(second, scaled[1])
+            if bracket is not None:
+                return [*bracket, scaled[0], node], scaled[1]
+    inner = _scaled_by(value, "Mul", SQRT_2_OVER_PI)  # sqrt(2/pi) * (x * (1 + ...))
+    product = inner[1].producer() if inner is not None else None
+    if product is None or product.op_type != "Mul" or len(product.inputs) != 2 or len(inner[1].uses()) != 1:
+        return None
+    for x, rest in ((product.inputs[0], product.inputs[1]), (product.inputs[1], product.inputs[0])):
+        bracket = _one_plus_square(rest, x)
+        if bracket is not None:
+            return [*bracket, product, node], x
+    return None
+
+
+def _one_plus_square(value: ir.Value | None, x: ir.Value) -> list[ir.Node] | None:
+    """The nodes making 1 + 0.044715 x x as `value` (the constant times x first, or x x
+    first), in graph order."""
+    total = value.producer() if value is not None else None
+    if total is None or total.op_type != "Add" or len(total.inputs) != 2 or len(value.uses()) != 1:
+        return None
+    for one, term in ((total.inputs[0], total.inputs[1]), (total.inputs[1], total.inputs[0])):
+        if not _near(_scalar(one), 1.0):
+            continue
+        scaled = _scaled_by(term, "Mul", CUBIC)  # 0.044715 * (x * x)
+        square = scaled[1].producer() if scaled is not None else None
+        if square is not None and square.op_type == "Mul" and list(square.inputs) == [x, x] \
+                and len(scaled[1].uses()) == 1:
+            return [square, scaled[0], total]
+        product = term.producer() if term is not None else None  # (0.044715 * x) * x
+        if product is not None and product.op_type == "Mul" and len(term.uses()) == 1 and x in product.inputs:
+            first = _scaled_by(_other(product, x), "Mul", CUBIC)
+            if first is not None and first[1] is x:
+                return [first[0], product, total]
     return None
 
 
