@@ -295,3 +295,49 @@ def test_w8_stores_the_tied_table_once_in_8_bits(tmp_path):
     assert sqnr_db(prefill_logits(folder / "model.onnx", hidden), logits) > 20
     generated = genai_generate(tmp_path / "out", PROMPT, 8)
     assert len(generated) == 8 and all(0 <= t < VOCAB for t in generated)
+
+
+def _float16_tied_model(hidden: int = 64, vocab: int = 512) -> onnx.ModelProto:
+    """An fp16 decoder's ends as the genai builder writes them at `-p fp16`: the embedding
+    gathers from the float16 LM head's weight transposed, one MatMul between, the LM head;
+    a KV cache passed through (a decoder under a weight-only recipe stays half inside)."""
+    rng = np.random.default_rng(5)
+    head = (rng.standard_normal((hidden, vocab)) * 0.1).astype(np.float16)
+    middle = (rng.standard_normal((hidden, hidden)) / np.sqrt(hidden)).astype(np.float16)
+    nodes = [helper.make_node("Transpose", ["lm_head.MatMul.weight"], ["table"], name="/model/embed_tokens/Transpose"),
+             helper.make_node("Gather", ["table", "input_ids"], ["embedded"], name="/model/embed_tokens/Gather"),
+             helper.make_node("MatMul", ["embedded", "middle"], ["hidden"], name="/model/middle/MatMul"),
+             helper.make_node("MatMul", ["hidden", "lm_head.MatMul.weight"], ["logits"], name="/lm_head/MatMul"),
+             helper.make_node("Identity", ["past_key_values.0.key"], ["present.0.key"], name="/model/cache")]
+    cache = ["batch", 1, "past", hidden]
+    graph = helper.make_graph(
+        nodes, "fp16_tied", [helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["batch", "sequence"]),
+                             helper.make_tensor_value_info("past_key_values.0.key", onnx.TensorProto.FLOAT16, cache)],
+        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT16, ["batch", "sequence", vocab]),
+         helper.make_tensor_value_info("present.0.key", onnx.TensorProto.FLOAT16, cache)],
+        [numpy_helper.from_array(head, "lm_head.MatMul.weight"), numpy_helper.from_array(middle, "middle")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@pytest.mark.parametrize("preset", ["W4_GROUP128", "W8_GROUP128"])
+def test_a_float16_tied_table_is_stored_once_with_float16_scales(tmp_path, preset):
+    """An fp16 genai folder (the builder's `-p fp16`): the embedding's float16 table was
+    refused by GatherBlockQuantized's float32-only check, tried as DequantizeLinear (float32
+    out), failed the load check and stayed float beside the int4 LM head: the output was
+    larger than the input (13.3 -> 16.1 MB on a 2-layer model). onnxruntime's kernel takes
+    float16 scales and gives float16 rows: one stored table, as in float32."""
+    src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    onnx.save(_float16_tied_model(), src)
+    result = onnxq.quantize(str(src), str(out), preset, progress=False)
+    model = onnx.load(str(out))
+    nbits, gbq, inits = kernels(model)
+    assert reshape_source(model, gbq.input[0]) == nbits.input[1] and list(gbq.input[2:]) == list(nbits.input[2:])
+    assert numpy_helper.to_array(inits[gbq.input[2]]).dtype == np.float16
+    assert not result.plan.float_nodes.get("/model/embed_tokens/Gather")
+    assert out.stat().st_size < src.stat().st_size * (0.5 if preset == "W4_GROUP128" else 0.75)  # two tables: > 1
+    ids = {"input_ids": np.random.default_rng(1).integers(0, 512, (2, 8)),
+           "past_key_values.0.key": np.zeros((2, 1, 0, 64), np.float16)}
+    reference = session(str(src), threads=1).run(None, ids)[0].astype(np.float32)
+    got = session(str(out), threads=1).run(None, ids)[0]
+    assert got.dtype == np.float16
+    assert sqnr_db(reference, got.astype(np.float32)) > (12 if preset == "W4_GROUP128" else 30)

@@ -55,13 +55,14 @@ def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpe
     ready, skipped = claimed_nodes(graph, nodes, can_use_gather_block_quantized)
     for node, spec in ready:
         table = node.inputs[0]
-        qt = _quantize_table(table_array(table), spec, clip_search)
+        array = table_array(table)
+        qt = _quantize_table(array, spec, clip_search)
         data, zero_point = qt.data, None if spec.symmetric else qt.zero_point
         bits = BITS[spec.dtype]
         if bits == 8:  # the kernel reads 8-bit codes unsigned, as MatMulNBits stores them (default zero point 128)
-            data, zero_point = packed_codes(data, spec), stored_zero_points(qt.zero_point, np.float32, spec)
-        stored = [edit.initializer(f"{table.name}_quantized", data),
-                  edit.initializer(f"{table.name}_scale", qt.scale.astype(np.float32)),
+            data, zero_point = packed_codes(data, spec), stored_zero_points(qt.zero_point, array.dtype, spec)
+        stored = [edit.initializer(f"{table.name}_quantized", data),  # scales in the table's type, the output's
+                  edit.initializer(f"{table.name}_scale", qt.scale.astype(array.dtype)),
                   None if zero_point is None else edit.initializer(f"{table.name}_zero_point", zero_point)]
         replace_with_gather_block_quantized(model, edit, node, stored, spec.group_size, bits)
     return skipped

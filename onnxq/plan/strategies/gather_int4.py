@@ -14,6 +14,9 @@ from onnxq.plan.draft import Draft
 from onnxq.plan.strategies.registry import Decision, Lower, register_strategy, weights_only
 
 TYPES = ("int4", "uint4", "int8", "uint8")
+# The tables onnxruntime's CPU kernel dequantizes (its scales and output in the table's type;
+# an fp16 genai folder's tied table is the LM head's float16 weight).
+TABLE_TYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 def transposed_constant(value: ir.Value) -> ir.Value | None:
@@ -51,8 +54,8 @@ def can_use_gather_block_quantized(node: ir.Node, spec: ResolvedSpec) -> str | N
     if attr is not None and attr.as_int() != 0:
         return "only lookups along axis 0"
     table = table_array(node.inputs[0])
-    if table is None or table.ndim != 2 or table.dtype != np.float32:
-        return "needs a constant float32 rank-2 table"
+    if table is None or table.ndim != 2 or table.dtype not in TABLE_TYPES:
+        return "needs a constant float32 or float16 rank-2 table"
     return None
 
 
