@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxq
 from onnxq.config.resolve import ResolvedSpec, merge_specs
-from onnxq.config.spec import QuantizationSpec
+from onnxq.config.spec import DType, QuantizationSpec
 from onnxq.emit.matmul_nbits import emit_matmul_nbits
 from onnxq.graph.load import load_model
 from onnxq.numerics import weights
@@ -380,3 +380,46 @@ def test_w4_group128_gather_gemm_accept_signed_scales():
                               reference_dequantized(w_gemm, 1))
     floor = sqnr_db(ref, same_arithmetic) - 0.01  # data-free default: onnxruntime's RTN
     assert sqnr_db(ref, out) >= floor, (sqnr_db(ref, out), floor)
+
+
+@pytest.mark.parametrize(("dtype", "symmetric"), [(DType.INT4, False), (DType.INT4, True), (DType.INT8, True)])
+def test_a_block_past_the_row_is_the_row_without_its_padding(dtype, symmetric):
+    """A block wider than the blocked axis pads nothing that matters (zeros change no range
+    and no error): the same codes and scales as a block of the axis' length, without the
+    padded temporary (a mistyped group size of 100000 had asked for 18 GB; LLM trial)."""
+    w = np.random.default_rng(0).standard_normal((40, 24)).astype(np.float32)
+    spec = ResolvedSpec(dtype, symmetric, "per_group", None, 100000, "minmax", 99.99, 2048, (), None, None,
+                        "float32", "half_even", False)
+    importance = np.random.default_rng(1).random(24).astype(np.float32) + 0.5
+    for extra in ({}, {"importance": importance}):
+        wide = quantize_weight(w, spec, 1, block_size=100000, **extra)
+        exact = quantize_weight(w, spec, 1, block_size=24, **extra)
+        np.testing.assert_array_equal(wide.data, exact.data)
+        np.testing.assert_array_equal(wide.scale, exact.scale)
+        np.testing.assert_array_equal(wide.zero_point, exact.zero_point)
+        assert wide.scale.shape == (40, 1) and wide.block_size == 100000
+
+
+def _grouped(group: int) -> onnxq.Config:
+    return onnxq.compose_config("W4_GROUP128", None, {"global_quant_config": {"weight": {
+        "dtype": "int4", "symmetric": False, "qscheme": "per_group", "group_size": group}}})
+
+
+def test_blocks_wider_than_the_rows_are_refused_before_any_weight_is_quantized(tmp_path):
+    """MatMulNBits pads each row to whole blocks: SmolLM2 in blocks of 4096 came out at 340
+    MB (82 MB at 128, 540 MB float; LLM trial). One line naming a size that fits; a block
+    that is no MatMulNBits block (100000: not a power of two) stays a blocked
+    DequantizeLinear, which pads nothing (it had asked for an 18 GB temporary)."""
+    b = GraphBuilder(0)
+    x = b.input("x", ["batch", 96])
+    src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    onnx.save(b.build([b.matmul(b.matmul(x, 96, 192), 192, 96)], name="mlp"), src)
+    with pytest.raises(onnxq.ConfigError, match=r"group_size 256 is wider than the rows of 2 weights .*: 96\).*"
+                                                r"up to 96 \(32 divides it"):
+        onnxq.quantize(str(src), str(out), _grouped(256), progress=False)
+    assert not out.exists()
+    result = onnxq.quantize(str(src), str(out), _grouped(100000), progress=False)
+    assert any("not a power of two" in n for n in result.summary.note_texts)
+    feed = {"x": np.random.default_rng(2).standard_normal((4, 96)).astype(np.float32)}
+    reference = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    assert sqnr_db(reference, ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feed)[0]) > 8

@@ -164,13 +164,16 @@ def _quantize_weight_blocks(
     moved = np.moveaxis(np.asarray(w, dtype=np.float32), axis, -1)
     length, lead = moved.shape[-1], moved.shape[:-1]
     count = -(-length // block)
-    if count * block != length:
-        moved = np.concatenate([moved, np.zeros((*lead, count * block - length), np.float32)], axis=-1)
+    # A block past the row's end is the row: its padding would be zeros alone, which change
+    # no range or error (a mistyped 100000 had asked for an 18 GB temporary).
+    width = min(block, length)
+    if count * width != length:
+        moved = np.concatenate([moved, np.zeros((*lead, count * width - length), np.float32)], axis=-1)
     if importance is not None:
-        importance = block_importance(importance, block)
-    q, scale, zp = quantize_blocks(moved.reshape(-1, block), spec, min_scale=min_scale,
+        importance = block_importance(importance, width)
+    q, scale, zp = quantize_blocks(moved.reshape(-1, width), spec, min_scale=min_scale,
                                    clip_search=clip_search, importance=importance)
-    q = np.moveaxis(q.reshape(*lead, count * block)[..., :length], -1, axis)
+    q = np.moveaxis(q.reshape(*lead, count * width)[..., :length], -1, axis)
     scale, zp = (np.moveaxis(p.reshape(*lead, count), -1, axis) for p in (scale, zp))
     return QuantizedTensor(q, scale, zp, axis, block)
 
