@@ -17,6 +17,7 @@ from typing import ClassVar
 import numpy as np
 import onnx_ir as ir
 
+from onnxq.errors import ConfigError
 from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.blocks import quantize_blockwise
@@ -25,7 +26,7 @@ from onnxq.optimize.context import AlgorithmContext
 from onnxq.optimize.gptq import NO_LAYERS, matmul_nbits_layers
 from onnxq.optimize.registry import register_algorithm
 from onnxq.plan import QuantPlan
-from onnxq.plan.strategies.matmul_nbits import FLOAT_TYPES, weight_dtype
+from onnxq.plan.strategies.matmul_nbits import BITS, FLOAT_TYPES, weight_dtype
 from onnxq.progress import bar as progress_bar
 
 
@@ -43,6 +44,11 @@ def hqq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
     layers = matmul_nbits_layers(model, plan)
     if not layers:
         return NO_LAYERS
+    wide = [node.name for node, spec in layers if BITS[spec.dtype] != 4]
+    if wide:  # onnxruntime refuses them at load: "!(nbits_ == 8 && has_unquantized_zero_point_)"
+        raise ConfigError(f"hqq gives float zero points, which onnxruntime's MatMulNBits takes in 4-bit blocks only, "
+                          f"and {len(wide)} MatMul weights are 8-bit ({wide[0]}); use a 4-bit recipe (W4_GROUP128), "
+                          "or round-to-nearest for 8 bits (no --algorithm)")
     solver = tuple(sorted(dataclasses.asdict(options).items()))
     for node, spec in progress_bar(layers, "hqq", "layer", ctx.settings.progress):
         hqq_spec = dataclasses.replace(spec, symmetric=False, calib_method="hqq", calib_options=solver)
