@@ -7,6 +7,7 @@ steps too."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -242,3 +243,39 @@ def test_a_folder_without_its_genai_config_says_so(folder, windows, tmp_path):
               "layer_type_quant_config": {"MatMul": {"weight": {"group_size": 32}}}}
     with pytest.raises(onnxq.OnnxqError, match="symbolic head_size, and no genai_config.json beside the model"):
         onnxq.quantize(str(bare), str(tmp_path / "out"), config, str(windows), progress=False)
+
+
+def test_token_windows_in_every_form_the_data_flags_take(folder, windows, tmp_path, capsys):
+    """`--calib-data` takes .npz, .npy or a folder of them: token windows in each form (and
+    an .npz holding a tokenizer's all-ones attention_mask beside them) give the model one
+    .npz of input_ids gives; a mask with padding and windows of two lengths are one-line
+    errors naming the fix (LLM trial: each had asked for the KV cache as an input)."""
+    from onnxq.cli import main
+
+    ids = np.load(windows)["input_ids"]
+    forms = tmp_path / "forms"
+    (forms / "folder").mkdir(parents=True)
+    np.savez(forms / "folder" / "a.npz", input_ids=ids[:3])
+    np.save(forms / "folder" / "b.npy", ids[3:])
+    np.save(forms / "ids.npy", ids)
+    np.savez(forms / "masked.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    config = {"preset": "W4_GROUP128", "algo_config": [{"name": "gptq"}]}
+    onnxq.quantize(str(folder), str(tmp_path / "ref"), config, str(windows), progress=False)
+    expected = (tmp_path / "ref" / "model.onnx").read_bytes()
+    for data in ("folder", "ids.npy", "masked.npz"):
+        onnxq.quantize(str(folder), str(tmp_path / data), config, str(forms / data), progress=False)
+        assert (tmp_path / data / "model.onnx").read_bytes() == expected, data
+    padded, uneven = forms / "padded.npz", forms / "uneven"
+    mask = np.ones_like(ids)
+    mask[0, -3:] = 0
+    np.savez(padded, input_ids=ids, attention_mask=mask)
+    uneven.mkdir()
+    np.save(uneven / "a.npy", ids)
+    np.save(uneven / "b.npy", ids[:, :8])
+    for data, words in ((padded, "attention_mask marks padding"), (uneven, "different lengths \\(8, 16 tokens\\)")):
+        capsys.readouterr()
+        assert main(["quantize", str(folder), str(tmp_path / "x"), "--preset", "W4_GROUP128", "--gptq",
+                     "--calib-data", str(data)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and re.search(words, err), err
+    assert main(["compare", str(folder), str(tmp_path / "ref"), "--data", str(forms / "ids.npy")]) == 0

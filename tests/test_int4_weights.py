@@ -414,9 +414,9 @@ def test_blocks_wider_than_the_rows_are_refused_before_any_weight_is_quantized(t
     x = b.input("x", ["batch", 96])
     src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
     onnx.save(b.build([b.matmul(b.matmul(x, 96, 192), 192, 96)], name="mlp"), src)
-    with pytest.raises(onnxq.ConfigError, match=r"group_size 256 is wider than the rows of 2 weights .*: 96\).*"
+    with pytest.raises(onnxq.ConfigError, match=r"group_size 512 is more than twice the rows of 2 weights .*: 96\).*"
                                                 r"up to 96 \(32 divides it"):
-        onnxq.quantize(str(src), str(out), _grouped(256), progress=False)
+        onnxq.quantize(str(src), str(out), _grouped(512), progress=False)
     assert not out.exists()
     result = onnxq.quantize(str(src), str(out), _grouped(100000), progress=False)
     assert any("not a power of two" in n for n in result.summary.note_texts)

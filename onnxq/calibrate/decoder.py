@@ -210,8 +210,8 @@ class DecoderFeeds:
 
 
 def decoder_inputs(model: str | Path) -> DecoderInputs | None:
-    """The decoder inputs of the model at path `model`."""
-    return DecoderInputs.of(onnx.load(str(model), load_external_data=False), genai_head_size(Path(model)))
+    """The decoder inputs of the model at path `model` (its weights are not read)."""
+    return DecoderInputs.of(read_structure(model), genai_head_size(Path(model)))
 
 
 def genai_head_size(model: Path) -> int | None:
@@ -256,11 +256,12 @@ def _check_token_ids(windows: np.ndarray, model: Path) -> None:
     low, high, size = int(windows.min()), int(windows.max()), vocabulary_size(model)
     if low < 0:  # padding or an ignored label (-100), not a token
         raise CalibrationDataError(f"token windows hold id {low}, below 0: padding or ignored labels are not tokens; "
-                                   "give windows of real token ids only (all of one length), or pass --calib-text FILE")
+                                   "give windows of real token ids only (all of one length; quantize also takes plain text: "
+                                   "--calib-text FILE)")
     if size is not None and high >= size:
         raise CalibrationDataError(f"token windows hold id {high}, beyond the vocabulary of {size}: they were not made "
-                                   f"with {model.name}'s tokenizer; tokenize with the model's own tokenizer, or pass "
-                                   "--calib-text FILE")
+                                   f"with {model.name}'s tokenizer; tokenize with the model's own tokenizer (quantize "
+                                   "also takes plain text: --calib-text FILE)")
 
 
 def _check_context(windows: np.ndarray, model: Path) -> None:
@@ -272,24 +273,85 @@ def _check_context(windows: np.ndarray, model: Path) -> None:
                                    f"{context} ({GENAI_CONFIG}); cut them to at most {context} tokens")
 
 
+# What a file of token windows may hold: the ids, and the all-ones mask a tokenizer returns
+# beside them (onnxq builds the mask, position ids and cache itself).
+TOKEN_KEYS = frozenset({"input_ids", "attention_mask"})
+Parts = list[tuple[str, dict[str, Any]]]  # (where, arrays or loaders) per file, in order
+
+
+def _npz_part(path: Path) -> dict[str, Any] | None:
+    """The token arrays of an .npz holding only them (read when called), else None."""
+    try:
+        with np.load(path) as arrays:
+            keys = set(arrays.files)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+        return None  # read as usual: a broken file gets the usual error
+    if "input_ids" not in keys or not keys <= TOKEN_KEYS:
+        return None
+    return {key: (lambda key=key: np.load(path)[key]) for key in keys}
+
+
+def _npy_part(path: Path) -> dict[str, Any] | None:
+    """A .npy of integer windows [windows, tokens] as input_ids, else None."""
+    try:
+        array = np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError):
+        return None
+    if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
+        return None
+    return {"input_ids": lambda: np.load(path)}
+
+
+def _window_parts(data: Any) -> Parts | None:
+    """`data` as token-window parts, where its form can be windows: an .npz of input_ids
+    (and an attention mask), a .npy of integer windows, a folder of them, or a dict of
+    those arrays; None for any other form (read as feeds of every input)."""
+    if isinstance(data, dict):
+        return [("the data", dict(data))] if "input_ids" in data and set(data) <= TOKEN_KEYS else None
+    if not isinstance(data, str | Path):
+        return None
+    path = Path(data)
+    readers = {".npz": _npz_part, ".npy": _npy_part}
+    if path.is_file():
+        part = readers[path.suffix](path) if path.suffix in readers else None
+        return [(path.name, part)] if part is not None else None
+    if not path.is_dir():
+        return None
+    files = sorted(p for p in path.iterdir() if p.suffix in readers)  # the order the arrays reader takes
+    parts = [(f.name, readers[f.suffix](f)) for f in files]
+    return parts if parts and all(part is not None for _, part in parts) else None
+
+
+def _windows(parts: Parts) -> np.ndarray:
+    """The windows of `parts`, one array; a mask with padding, or windows of different
+    lengths, refused (each window is cut from running text, all of one length)."""
+    found = []
+    for where, part in parts:
+        read = {key: np.asarray(value() if callable(value) else value) for key, value in part.items()}
+        ids = read["input_ids"]
+        mask = read.get("attention_mask")
+        if mask is not None and (mask.shape != ids.shape or not np.all(mask == 1)):
+            raise CalibrationDataError(f"{where}: attention_mask marks padding (zeros) or has another shape than "
+                                       "input_ids; give full windows of input_ids alone, all of one length (onnxq "
+                                       "builds the attention mask and the KV cache itself)")
+        found.append((where, ids))
+    lengths = {ids.shape[-1] for _, ids in found if ids.ndim == 2}
+    if len(lengths) > 1:
+        raise CalibrationDataError(f"token windows of different lengths ({', '.join(map(str, sorted(lengths)))} "
+                                   "tokens) across the files; cut them all to one length")
+    return found[0][1] if len(found) == 1 else np.concatenate([ids for _, ids in found])
+
+
 def decoder_feeds(model: Any, data: Any, providers: list[str] | None = None, decode_steps: int = DECODE_STEPS) -> Any:
-    """`data` as decoder feeds when it is token windows (an .npz or dict holding only
-    `input_ids`) for a KV-cache decoder at path `model`; else `data` unchanged."""
+    """`data` as decoder feeds when it is token windows (`_window_parts`: input_ids in an
+    .npz, a .npy, a folder of them or a dict) for a KV-cache decoder at path `model`; else
+    `data` unchanged."""
     if not isinstance(model, str | Path) or not str(model).endswith(".onnx"):
         return data
-    windows = None
-    if isinstance(data, str | Path) and str(data).endswith(".npz") and Path(data).is_file():
-        try:
-            with np.load(data) as arrays:
-                if set(arrays.files) == {"input_ids"}:
-                    windows = arrays["input_ids"]
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile):
-            return data  # read as usual: a broken file gets the usual error
-    elif isinstance(data, dict) and set(data) == {"input_ids"}:
-        windows = np.asarray(data["input_ids"])
-    if windows is None:
+    parts = _window_parts(data)
+    if parts is None:
         return data
     inputs = decoder_inputs(model)
     if inputs is None:
         return data
-    return DecoderFeeds(model, windows, decode_steps, providers, inputs)
+    return DecoderFeeds(model, _windows(parts), decode_steps, providers, inputs)
