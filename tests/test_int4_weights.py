@@ -405,21 +405,30 @@ def _grouped(group: int) -> onnxq.Config:
         "dtype": "int4", "symmetric": False, "qscheme": "per_group", "group_size": group}}})
 
 
-def test_blocks_wider_than_the_rows_are_refused_before_any_weight_is_quantized(tmp_path):
+def test_blocks_wider_than_the_rows_are_narrowed_to_the_row(tmp_path):
     """MatMulNBits pads each row to whole blocks: SmolLM2 in blocks of 4096 came out at 340
-    MB (82 MB at 128, 540 MB float; LLM trial). One line naming a size that fits; a block
-    that is no MatMulNBits block (100000: not a power of two) stays a blocked
-    DequantizeLinear, which pads nothing (it had asked for an 18 GB temporary)."""
+    MB (82 MB at 128, 540 MB float; LLM trial). A block past the row's end is the whole row
+    either way, so it is stored in the next power of two that holds the row: the same
+    codes and scales, less padding. A block that is no MatMulNBits block (100000: not a
+    power of two) stays a blocked DequantizeLinear, which pads nothing (it had asked for an
+    18 GB temporary)."""
     b = GraphBuilder(0)
     x = b.input("x", ["batch", 96])
-    src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    src = tmp_path / "m.onnx"
     onnx.save(b.build([b.matmul(b.matmul(x, 96, 192), 192, 96)], name="mlp"), src)
-    with pytest.raises(onnxq.ConfigError, match=r"group_size 512 is more than twice the rows of 2 weights .*: 96\).*"
-                                                r"up to 96 \(32 divides it"):
-        onnxq.quantize(str(src), str(out), _grouped(512), progress=False)
-    assert not out.exists()
-    result = onnxq.quantize(str(src), str(out), _grouped(100000), progress=False)
-    assert any("not a power of two" in n for n in result.summary.note_texts)
     feed = {"x": np.random.default_rng(2).standard_normal((4, 96)).astype(np.float32)}
     reference = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, feed)[0]
-    assert sqnr_db(reference, ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feed)[0]) > 8
+    outputs = {}
+    for group in (4096, 256, 100000):
+        out = tmp_path / f"q{group}.onnx"
+        result = onnxq.quantize(str(src), str(out), _grouped(group), progress=False)
+        outputs[group] = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+        blocks = [next(a.i for a in n.attribute if a.name == "block_size")
+                  for n in onnx.load(str(out)).graph.node if n.op_type == "MatMulNBits"]
+        if group == 100000:
+            assert not blocks and any("not a power of two" in n for n in result.summary.note_texts)
+        else:
+            assert blocks == [128, 256], blocks  # K = 96 and 192: the next powers of two
+    np.testing.assert_array_equal(outputs[4096], outputs[256])  # one block per row either way
+    assert (tmp_path / "q4096.onnx").stat().st_size == (tmp_path / "q256.onnx").stat().st_size
+    assert sqnr_db(reference, outputs[100000]) > 8

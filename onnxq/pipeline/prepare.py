@@ -40,7 +40,6 @@ from onnxq.optimize.registry import Entry, parse_algorithms, parse_passes
 from onnxq.optimize.runner import run_passes
 from onnxq.pipeline.algorithms import configured_algorithms, with_equalization
 from onnxq.plan import QuantPlan, plan_quantization
-from onnxq.plan.block_width import oversized_blocks
 from onnxq.plan.edges import apply_edges, with_edges
 from onnxq.report import Summary
 from onnxq.target import TargetProfile, resolve_target
@@ -243,9 +242,6 @@ def prepare(source: ModelSource, config: Config, calibration_data: Any, progress
         keep_float = {**{name: f"{ALREADY_QUANTIZED} ({op}): left as it is" for name, op in kept.items()},
                       **(loaded.upcast.keep_float() if loaded.upcast is not None else {}), **done.keep_float}
         plan = plan_quantization(model, config, keep_float, target)
-        refused = oversized_blocks(model.graph, plan)
-        if refused:
-            raise ConfigError(refused)
         algorithms, decided = configured_algorithms(config, configured, target, plan, settings.access)
         summary.notes.extend(decided)
     return Prepared(model, plan, algorithms, target, settings, keep_float, done.deferred, summary, config, edges,

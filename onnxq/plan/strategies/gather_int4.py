@@ -11,6 +11,7 @@ import onnx_ir as ir
 from onnxq.config.resolve import ResolvedConfig, ResolvedSpec
 from onnxq.graph.fold import constant_array
 from onnxq.plan.draft import Draft
+from onnxq.plan.strategies.matmul_nbits import row_block
 from onnxq.plan.strategies.registry import Decision, Lower, register_strategy, weights_only
 
 TYPES = ("int4", "uint4", "int8", "uint8")
@@ -63,5 +64,5 @@ def can_use_gather_block_quantized(node: ir.Node, spec: ResolvedSpec) -> str | N
 def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
     if node.op_type == "Gather" and weights_only(cfg) and cfg.weight is not None \
             and can_use_gather_block_quantized(node, cfg.weight) is None:
-        return Lower(cfg.weight)
+        return Lower(row_block(cfg.weight, table_array(node.inputs[0]).shape[1]))
     return None
