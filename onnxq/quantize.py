@@ -144,6 +144,8 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
         result.summary.notes.insert(0, note)  # the recipe: before what the run says of it
     if use == "nothing":  # the windows were not read: a note describing them would say they were
         result.summary.notes = [n for n in result.summary.notes if n.source != WINDOWS_NOTE]
+        if default_kind is None and report is None:  # the default's own note says so
+            result.summary.notes.append(Note(Topic.CALIBRATION, UNREAD_DATA))
     if report is not None:
         held_out = config.mixed_precision.eval_data is not None
         data = config.mixed_precision.eval_data if held_out else calibration_data
@@ -202,6 +204,13 @@ def _insert_note(found: list[Note], note: Note) -> None:
     """`note` before the first note of its topic (the calibration text before its windows)."""
     at = next((i for i, n in enumerate(found) if n.topic is note.topic), len(found))
     found.insert(at, note)
+
+
+# Data given to a run that nothing read (LLM trial: W4 round-to-nearest with --calib-text
+# said how the text was cut, and the output came out byte-identical to a run without it).
+UNREAD_DATA = ("the calibration data was not read: nothing in this recipe calibrates or fits to data (weights rounded "
+               "alone), and the output check did not run; an algorithm that reads data (GPTQ, AWQ) uses it, and "
+               "calibration.check_samples 8 checks the output on it")
 
 
 def _data_use(result: QuantizationResult, calibration_data: Any) -> str | None:

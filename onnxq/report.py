@@ -138,8 +138,8 @@ def format_summary(s: Summary) -> str:
     elif n:  # weight-only layers' statistics (the target's bias correction): no activation range
         lines.append(f"  calibration: {n} sample{'' if n == 1 else 's'} for the algorithms' statistics{passes} (no "
                      "activation is quantized statically)")
-    else:  # weight-only: an algorithm that reads data says how much in its own note
-        lines.append("  calibration: none (no activation is quantized statically)")
+    else:  # weight-only: an algorithm that reads data says how much in its own note ("none" read as no data read)
+        lines.append("  calibration: no activation ranges (no activation is quantized statically)")
     if 0 < n < FEW_SAMPLES and s.calibrated_tensors:
         lines.append(f"  warning: activation ranges from {n} calibration sample{'' if n == 1 else 's'} rarely cover "
                      "what the model sees; pass about 100 or more representative samples, stacked along axis 0 "

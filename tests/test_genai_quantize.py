@@ -279,3 +279,35 @@ def test_token_windows_in_every_form_the_data_flags_take(folder, windows, tmp_pa
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and re.search(words, err), err
     assert main(["compare", str(folder), str(tmp_path / "ref"), "--data", str(forms / "ids.npy")]) == 0
+
+
+def test_the_summary_says_what_read_the_data_and_what_fitted(folder, windows, tmp_path, monkeypatch):
+    """LLM trial: round-to-nearest with data said how the windows were cut and nothing of
+    their not being read (the output came out byte-identical); a check cut short by the
+    float outputs' memory cap said "2 samples" for 4 asked; an algorithm with nothing to
+    do (an already-int4 folder) was said to have fitted the model; the report called
+    round-to-nearest's data "fitted to"; "calibration: none" read as no data."""
+    import onnxq.emit.fidelity as fidelity
+
+    rtn = onnxq.quantize(str(folder), str(tmp_path / "rtn"), {"preset": "W4_GROUP128",
+                                                              "calibration": {"check_samples": 0}},
+                         str(windows), progress=False)
+    assert any(n.startswith("the calibration data was not read") for n in rtn.summary.note_texts)
+    assert "calibration: no activation ranges" in onnxq.format_summary(rtn)
+    gptq = {"preset": "W4_GROUP128", "algo_config": [{"name": "gptq"}]}
+    fitted = onnxq.quantize(str(folder), str(tmp_path / "gptq"), gptq, str(windows), progress=False)
+    assert not any(n.startswith("the calibration data was not read") for n in fitted.summary.note_texts)
+    assert fitted.summary.fidelity.fitted_by == ("gptq",)
+    again = onnxq.quantize(str(tmp_path / "gptq"), str(tmp_path / "again"), gptq, str(windows), progress=False)
+    assert any("no MatMul lowered" in n for n in again.summary.note_texts)
+    assert again.summary.fidelity.fitted_by == () and "fitted" not in again.summary.fidelity.line()
+    monkeypatch.setattr(fidelity, "REFERENCE_BYTES", 1)  # every sample's outputs past the cap: one is held
+    capped = onnxq.quantize(str(folder), str(tmp_path / "capped"), {"preset": "W4_GROUP128",
+                                                                     "calibration": {"check_samples": 4}},
+                            str(windows), progress=False)
+    assert capped.summary.fidelity.samples == 1
+    assert "check on 1 calibration samples of the 4 asked: the float outputs" in capped.summary.fidelity.line()
+    monkeypatch.undo()
+    reported = onnxq.quantize(str(folder), str(tmp_path / "reported"), "W4_GROUP128", str(windows), progress=False,
+                              report=str(tmp_path / "r.html"))
+    assert any("nothing in this recipe was fitted to it" in n for n in reported.summary.note_texts)

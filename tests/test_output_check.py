@@ -72,7 +72,7 @@ def test_no_check_without_replayable_data_or_samples():
     assert few.summary.fidelity.samples == 3
     dataless = onnxq.quantize(model, None, compose_config("W8_DYNAMIC", None, {"calibration": {"check_samples": 3}}))
     assert dataless.summary.fidelity is None and any(  # asked for with no data: said
-        "--check-samples 3 (calibration.check_samples) runs on calibration samples, and none were given" in n
+        "calibration.check_samples 3 runs on calibration samples, and none were given" in n
         for n in dataless.summary.note_texts), dataless.summary.note_texts
 
 
@@ -174,14 +174,18 @@ def test_large_models_skip_the_check_unless_asked(monkeypatch):
     calib = random_feeds(model, 12, seed=1)
     auto = onnxq.quantize(model, None, "U8S8", calib)
     assert auto.summary.fidelity is None
-    assert any(n.startswith("output check skipped") and "--check-samples 8" in n for n in auto.summary.note_texts)
+    assert any(n.startswith("output check skipped") and "calibration.check_samples 8 runs it" in n
+               for n in auto.summary.note_texts)
     asked = onnxq.quantize(model, None, compose_config("U8S8", None, {"calibration": {"check_samples": 4}}), calib)
     assert asked.summary.fidelity.samples == 4
     # without data, the note names both things a big model needs (data alone had been said
     # to run it, and then did not: big-model trial)
     no_data = onnxq.quantize(model, None, "W8_DYNAMIC", None)
     (said,) = [n for n in no_data.summary.note_texts if n.startswith("output not checked")]
-    assert "pass calibration_data and --check-samples 8" in said
+    assert "pass calibration_data and calibration.check_samples 8" in said and "--" not in said  # the API's words
+    from onnxq.cli.flags import in_cli_words
+
+    assert "pass --calib-data PATH and --check-samples 8 (on a model past" in in_cli_words(said)  # the CLI's
 
 
 def test_outputs_whose_length_depends_on_the_data_are_left_out():

@@ -11,6 +11,7 @@ from onnxq.analyze.html import write_html_report
 from onnxq.analyze.labelled import accuracy_note
 from onnxq.config.spec import Config
 from onnxq.notes import Topic, notes
+from onnxq.optimize.registry import fits_data, parse_algorithms
 from onnxq.search.target import load_eval_set
 
 # The per-layer analysis of a report runs on at most this many samples.
@@ -32,8 +33,22 @@ def report_quantization(path: str | os.PathLike, result: Any, config: Config, da
         analysis.notes.insert(0, accuracy_note(state.float_model, result.ir_model, evalset.data, evalset.labels,
                                                max_samples=REPORT_SAMPLES, providers=config.calibration.providers))
     if not held_out:
-        analysis.notes.insert(0, "measured on the calibration data, which the quantizer fitted to, so held-out "
-                                 "figures read lower; pass mixed_precision.eval_data for a held-out set")
+        analysis.notes.insert(0, _calibration_data_note(result, config))
     result.summary.notes.extend(notes(Topic.REPORT, [f"report: {n}" for n in analysis.notes]))
     write_html_report(path, analysis=analysis, summary=result.summary, config=config,
                       title=f"onnxq report: {result.summary.source}")
+
+
+def _calibration_data_note(result: Any, config: Config) -> str:
+    """What measuring on the calibration data means for this recipe: a fit (an algorithm
+    chose weights on it), calibrated ranges, or nothing fitted at all (round-to-nearest
+    weights; LLM trial: the note had said the quantizer fitted to it)."""
+    fitted = [e.name for e in parse_algorithms(config.algo_config) if e.enabled and fits_data(e.name)]
+    if fitted:
+        return (f"measured on the calibration data, which {', '.join(fitted)} fitted the weights to, so held-out "
+                "figures read lower; pass mixed_precision.eval_data for a held-out set")
+    if result.summary.calibrated_tensors:
+        return ("measured on the calibration data, which the activation ranges were calibrated on, so held-out "
+                "figures can read lower; pass mixed_precision.eval_data for a held-out set")
+    return ("measured on the calibration data; nothing in this recipe was fitted to it (mixed_precision.eval_data "
+            "gives a held-out set)")

@@ -182,7 +182,7 @@ def in_cli_words(text: str) -> str:
     library says what a Python caller passes, the command line what its user types."""
     for python, flag in ARGUMENT_FLAGS:
         text = re.sub(rf"\b(pass|or) {re.escape(python)}(?: \((?!or )[^)]*\))?", rf"\1 {flag}", text)
-    return text
+    return re.sub(r"\bcalibration\.check_samples (\d+)", r"--check-samples \1", text)
 
 
 # An AMCT file's settings in the words of the errors onnxq raises once the model is read

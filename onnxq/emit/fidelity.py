@@ -72,6 +72,7 @@ class Fidelity:
     # then read that fit (per-tensor MobileNet after AdaRound: 21.5 dB here, 12 dB on
     # held-out images), and the line says so
     fitted_by: tuple[str, ...] = ()
+    asked: int = 0  # the samples asked for, where the float outputs' memory cap held fewer
 
     def line(self) -> str:
         which = f"worst of {self.outputs} outputs, '{self.output}'" if self.outputs > 1 else f"output '{self.output}'"
@@ -79,7 +80,9 @@ class Fidelity:
         session = f"extended ops registered: {EXTENDED_SESSION}" if self.extended else "default onnxruntime session"
         fitted = (f"; {', '.join(self.fitted_by)} fitted the model to these samples, so this reads the fit: held-out "
                   "data (`onnxq compare FLOAT QUANT --data HELD_OUT`) gives the deployed figure") if self.fitted_by else ""
-        return (f"check on {self.samples} calibration samples ({session}): {which}: "
+        capped = (f" of the {self.asked} asked: the float outputs held for it stop at {REFERENCE_BYTES >> 20} MB"
+                  if self.samples < self.asked else "")
+        return (f"check on {self.samples} calibration samples{capped} ({session}): {which}: "
                 f"SQNR {self.sqnr_db:.1f} dB, cosine {self.cosine:.4f}{top1}{fitted}")
 
     def warning(self) -> str | None:
@@ -242,20 +245,22 @@ CHECK_SAMPLES, CHECK_AUTO_BYTES = 8, 256 << 20
 
 
 def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSource,
-                     ranges_from: str | None = None) -> tuple[int, str | None]:
+                     ranges_from: str | None = None, file_bytes: int = 0) -> tuple[int, str | None]:
     """Samples the check runs on (0: none), with a note when the data cannot be read again,
     the model's size alone skips it, or activations calibrated from `ranges_from` (statistics
-    or ranges files) left no samples to run (none when the user turned the check off)."""
+    or ranges files) left no samples to run (none when the user turned the check off).
+    `file_bytes`: the float model's size as the summary gives it, said in the note (the
+    weights in memory can be more: a tied table's folded transpose; LLM trial)."""
     access = data_access(data)
     if not access.rereadable:
         if access is Access.ONCE and asked != 0:  # unless the user turned the check off
             return 0, f"output check skipped: {refusal(access)} (the data is a {type(data.source).__name__})"
         if asked and access is Access.NONE:  # asked for, with no data to run: say so
-            return 0, (f"output check skipped: --check-samples {asked} (calibration.check_samples) runs on "
-                       "calibration samples, and none were given; pass calibration_data")
+            return 0, (f"output check skipped: calibration.check_samples {asked} runs on calibration samples, and "
+                       "none were given; pass calibration_data")
         # on a model past CHECK_AUTO_BYTES data alone would not run it (big-model trial)
-        also = (f" and --check-samples {CHECK_SAMPLES} (calibration.check_samples: on a model past "
-                f"{CHECK_AUTO_BYTES >> 20} MB of weights the check is asked for)" if model_bytes > CHECK_AUTO_BYTES
+        also = (f" and calibration.check_samples {CHECK_SAMPLES} (on a model past {CHECK_AUTO_BYTES >> 20} MB of "
+                "weights the check is asked for)" if model_bytes > CHECK_AUTO_BYTES
                 else "")
         if ranges_from and asked is None and access is Access.NONE:
             return 0, (f"output check skipped: the activations' ranges came from {ranges_from}, with no samples "
@@ -268,9 +273,9 @@ def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSourc
         return asked, None
     if model_bytes <= CHECK_AUTO_BYTES:
         return CHECK_SAMPLES, None
-    return 0, (f"output check skipped: the float model ({model_bytes / 1e6:.0f} MB of weights) would be opened in a "
-               f"second session to check against, about its size again in memory; --check-samples {CHECK_SAMPLES} "
-               "(calibration.check_samples) runs it")
+    return 0, (f"output check skipped: the float model ({(file_bytes or model_bytes) / 1e6:.0f} MB) would be opened in a "
+               f"second session to check against, about its size again in memory; calibration.check_samples "
+               f"{CHECK_SAMPLES} runs it")
 
 
 def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs: list[InputSpec],
@@ -297,4 +302,13 @@ def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs
             return f"output check skipped: the float model failed on a calibration sample ({found})"
         reference = found
     checked = None if reference is None else measure(session, reference)
-    return dataclasses.replace(checked, extended=extended) if isinstance(checked, Fidelity) else checked
+    capped = samples if reference is not None and reference.samples < samples and not getattr(
+        captured, "complete", False) and _capped(reference) else 0
+    return dataclasses.replace(checked, extended=extended, asked=capped) if isinstance(checked, Fidelity) else checked
+
+
+def _capped(reference: Reference) -> bool:
+    """Whether `reference` stopped at the memory cap (`REFERENCE_BYTES`), not at the data's end."""
+    held = sum(a.nbytes for outs in reference.outputs for a in outs)
+    held += sum(np.asarray(a).nbytes for feed in reference.feeds for a in feed.values())
+    return held >= REFERENCE_BYTES

@@ -47,7 +47,7 @@ from onnxq.numerics.blocks import (
     quantize_blockwise,
     rounded_blockwise,
 )
-from onnxq.optimize.context import AlgorithmContext
+from onnxq.optimize.context import AlgorithmContext, AlgorithmResult
 from onnxq.optimize.gptq import NO_LAYERS, Layer, hessian_requests, walk_groups
 from onnxq.optimize.norm_fold import fold_input_scale
 from onnxq.optimize.registry import register_algorithm, statistics_of
@@ -242,7 +242,7 @@ def _scaled_initializer(edit: GraphEditor, weight: ir.Value, s: np.ndarray) -> i
                     flag_help="AWQ for int4 MatMul weights lowered to MatMulNBits: input channels with large "
                               "activations get finer steps (per-layer alpha search on the calibration data)")
 def awq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: AWQConfig,
-        ctx: AlgorithmContext) -> str:
+        ctx: AlgorithmContext) -> str | AlgorithmResult:
     """Scale the input rows of every MatMul lowered to MatMulNBits (module doc)."""
     edit = GraphEditor(model.graph)
     alphas: list[float] = []

@@ -153,3 +153,4 @@ class AlgorithmResult:
     plan: QuantPlan | None = None
     fitted_biases: Mapping[str, str] = field(default_factory=lambda: EMPTY)
     warnings: tuple[str, ...] = ()
+    idle: bool = False  # it found nothing to change (the output check then reads no fit of its)

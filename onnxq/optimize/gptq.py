@@ -42,7 +42,7 @@ from onnxq.numerics.blocks import BlockQuantized, dequantize_codes, packed
 from onnxq.numerics.linalg import inverse_cholesky_upper
 from onnxq.numerics.qmath import int_type
 from onnxq.numerics.weights import cast_scale, search_clip_scales, searchable, weight_qparams
-from onnxq.optimize.context import AlgorithmContext
+from onnxq.optimize.context import AlgorithmContext, AlgorithmResult
 from onnxq.optimize.layerwise.replay import Replay
 from onnxq.optimize.registry import register_algorithm, statistics_of
 from onnxq.parallel import cpu_count, in_background, ordered_map, serial_blas
@@ -264,7 +264,7 @@ def to_block_quantized(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
     return packed(padded.reshape(n, k_blocks, block), scales.astype(scale_dtype), zeros.astype(np.int16), spec, k)
 
 
-NO_LAYERS = "no MatMul lowered to MatMulNBits (weight-only int4 blocks, e.g. W4_GROUP128)"
+NO_LAYERS = AlgorithmResult("no MatMul lowered to MatMulNBits (weight-only int4 blocks, e.g. W4_GROUP128)", idle=True)
 
 
 @statistics_of("gptq")
@@ -365,7 +365,7 @@ def walk_groups(model: ir.Model, plan: QuantPlan, ctx: AlgorithmContext, name: s
                     flag_help="GPTQ for int4 MatMul weights lowered to MatMulNBits (e.g. --preset W4_GROUP128): "
                               "rounding errors compensated through the calibration inputs' Hessian")
 def gptq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: GPTQConfig,
-         ctx: AlgorithmContext) -> str:
+         ctx: AlgorithmContext) -> str | AlgorithmResult:
     """Quantize every MatMul lowered to MatMulNBits with GPTQ; pin the result for emission."""
     def quantize(layers: list[Layer], hessian: np.ndarray) -> list[np.ndarray | None]:
         """Layers of one spec and scale type in one `gptq_quantize`: their rows stacked

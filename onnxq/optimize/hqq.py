@@ -22,7 +22,7 @@ from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.blocks import quantize_blockwise
 from onnxq.numerics.hqq import HqqOptions
-from onnxq.optimize.context import AlgorithmContext
+from onnxq.optimize.context import AlgorithmContext, AlgorithmResult
 from onnxq.optimize.gptq import NO_LAYERS, matmul_nbits_layers
 from onnxq.optimize.registry import register_algorithm
 from onnxq.plan import QuantPlan
@@ -39,7 +39,7 @@ class HQQConfig(HqqOptions):
 
 @register_algorithm("hqq", options=HQQConfig, data="none", rewrites=("weights",), rounds_blocks=True)
 def hqq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]], options: HQQConfig,
-        ctx: AlgorithmContext) -> str:
+        ctx: AlgorithmContext) -> str | AlgorithmResult:
     """Quantize every MatMulNBits weight with HQQ zero points; pin it for emission."""
     layers = matmul_nbits_layers(model, plan)
     if not layers:

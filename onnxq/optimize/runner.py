@@ -113,6 +113,7 @@ class AlgorithmsOutcome:
     plan: QuantPlan
     notes: list[Note]
     weights: WeightCache
+    idle: frozenset[str] = frozenset()  # those that found nothing to change
 
 
 def run_algorithms(
@@ -125,17 +126,20 @@ def run_algorithms(
     notes: list[Note] = []
     weights = WeightCache()
     fitted: dict[str, str] = {}
+    idle: set[str] = set()
     for entry in (e for e in entries if e.enabled):
         ctx = AlgorithmContext(settings, emit_trial, weights.copy(), MappingProxyType(dict(statistics)),
                                MappingProxyType(dict(fitted)))
         result = _algorithm_result(entry.name, ALGORITHMS[entry.name](model, plan, ranges, entry.options, ctx))
         weights = ctx.weights  # the algorithm's copy, with what it pinned
         fitted.update(result.fitted_biases)
+        if result.idle:
+            idle.add(entry.name)
         plan = result.plan if result.plan is not None else plan
         notes.append(Note(Topic.ALGORITHM, f"{entry.name}: {result.note}", source=entry.name))
         notes.extend(Note(Topic.ALGORITHM, f"warning: {entry.name}: {w}", source=entry.name) for w in result.warnings)
         statistics = {}  # collected on the model before this algorithm changed it
-    return AlgorithmsOutcome(plan, notes, weights)
+    return AlgorithmsOutcome(plan, notes, weights, frozenset(idle))
 
 
 def algorithm_requests(model: ir.Model, plan: QuantPlan, entries: tuple[Entry, ...]) -> list[Statistic]:

@@ -56,7 +56,7 @@ def run_pipeline(
     config, model, plan, settings, summary = ready.config, ready.model, ready.plan, ready.settings, ready.summary
     float_bytes = max(weight_bytes(model), summary.size_before)  # external data included
     files = "statistics files" if options.stats else "a ranges file" if options.load_ranges else None
-    samples, note = samples_to_check(options.check_samples, float_bytes, settings.data, files)
+    samples, note = samples_to_check(options.check_samples, float_bytes, settings.data, files, summary.size_before)
 
     with summary.stage("calibrate"):
         capture = samples if ready.same_function else 0  # else the check opens the user's model
@@ -105,7 +105,7 @@ def run_pipeline(
         if isinstance(checked, str):
             summary.notes.append(Note(Topic.CHECK, checked))
         elif checked is not None:
-            fitted = tuple(e.name for e in ready.algorithms if e.enabled and fits_data(e.name))
+            fitted = tuple(e.name for e in ready.algorithms if e.enabled and fits_data(e.name) and e.name not in done.idle)
             summary.fidelity = dataclasses.replace(checked, fitted_by=fitted)
     del session
     plan = emitted.plan
