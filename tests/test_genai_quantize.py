@@ -245,6 +245,18 @@ def test_a_folder_without_its_genai_config_says_so(folder, windows, tmp_path):
         onnxq.quantize(str(bare), str(tmp_path / "out"), config, str(windows), progress=False)
 
 
+def test_a_genai_config_that_is_not_json_is_said_so(folder, tmp_path):
+    """A truncated genai_config.json had been said to "name no model file" (LLM trial)."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    (broken / "genai_config.json").write_text('{"model": {"decoder": ')
+    with pytest.raises(onnxq.ModelError, match=r"genai_config.json is not valid JSON \(Expecting value: line 1"):
+        onnxq.quantize(str(broken), str(tmp_path / "out"), "W4_GROUP128", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_token_windows_in_every_form_the_data_flags_take(folder, windows, tmp_path, capsys):
     """`--calib-data` takes .npz, .npy or a folder of them: token windows in each form (and
     an .npz holding a tokenizer's all-ones attention_mask beside them) give the model one

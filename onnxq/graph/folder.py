@@ -48,6 +48,13 @@ def genai_settings(folder: Path) -> dict:
 
 def _genai_model_name(folder: Path) -> str:
     """The decoder's file name in an onnxruntime-genai folder (`model.decoder.filename`)."""
+    try:
+        json.loads((folder / GENAI_CONFIG).read_text(encoding="utf-8"))
+    except ValueError as exc:  # said as what it is (LLM trial: "names no model file")
+        raise ModelError(f"{folder / GENAI_CONFIG} is not valid JSON ({exc}); fix the file or pass the .onnx model "
+                         "itself") from None
+    except OSError:
+        pass  # unreadable: said below
     decoder = genai_settings(folder).get("decoder")
     name = decoder.get("filename") if isinstance(decoder, dict) else None
     if not isinstance(name, str):
