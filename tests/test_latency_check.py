@@ -183,3 +183,21 @@ def test_the_cli_report_names_flags_where_the_library_names_arguments(tmp_path):
     text = report.read_text(encoding="utf-8")
     assert "pass --eval-data PATH for a held-out set" in text
     assert "mixed_precision.eval_data" not in text
+
+
+def test_a_decoder_is_timed_on_its_prefill_and_a_decode_step(tmp_path):
+    """An LLM folder's first sample is a prefill of a whole window; said as "batch 1" (and
+    repeated at batch 8) it read 1.19x where decoding, what users wait on, ran 4.5x (LLM
+    trial). Timed as what deploys: the prefill and one decode step on a cache of its length."""
+    from genai_model import build_genai_folder
+
+    folder = build_genai_folder(tmp_path / "float", layers=2, kv_heads=2)
+    windows = tmp_path / "windows.npz"
+    np.savez(windows, input_ids=np.random.default_rng(0).integers(0, 256, (2, 24)))
+    config = onnxq.compose_config("W4_GROUP128", None, {"calibration": {"measure_latency": True}})
+    result = onnxq.quantize(str(folder), str(tmp_path / "out"), config, str(windows), progress=False)
+    timings = result.summary.latency.timings
+    assert [t.label for t in timings] == ["prefill of 24 tokens", "decode step after 24 tokens"]
+    assert all(t.float_ms > 0 and t.quantized_ms > 0 for t in timings)
+    (line,) = [s for s in result.summary.latency.lines() if s.startswith("latency,")]
+    assert "prefill of 24 tokens" in line and "decode step after 24 tokens" in line and "batch" not in line
