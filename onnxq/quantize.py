@@ -25,6 +25,7 @@ from onnxq.graph.folder import (
     copy_companions,
     data_files,
     open_folder,
+    output_folder_before,
     output_model,
     remove_replaced_data,
 )
@@ -92,9 +93,12 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
     folder = open_folder(model) if isinstance(model, str | os.PathLike) else None
     given = config  # its file, if it names one, is read: never written over
     config, default_kind = config_for(folder or model, config)
+    before: tuple[list[str], list[str]] = ([], [])
     if folder is not None:
         model = str(folder.model)
+        named = output
         output = None if output is None else output_model(folder, output)
+        before = ([], []) if output is None else output_folder_before(folder, Path(output).parent)
     check_output_paths(model if isinstance(model, str | os.PathLike) else None, report,
                        config.calibration.save_ranges)
     check_apart({"the output model": output, "the report": report,
@@ -134,6 +138,7 @@ def _quantize(model: ModelSource, output: str | os.PathLike | None, config: Conf
         result.summary.notes.append(Note(Topic.OUTPUT, f"model folder: {len(copied)} other "
                                          f"file{'' if len(copied) == 1 else 's'} copied beside the model ({shown})" if copied else "model folder: no other file to copy",
                                          tuple(copied)))
+        result.summary.notes.extend(_output_folder_notes(Path(named), Path(output), *before))
     if output is not None and (removed := remove_replaced_data(output, replaced, copied, model)):
         result.summary.notes.append(Note(Topic.OUTPUT, f"removed {', '.join(removed)}: external data of the "
                                          f"{Path(output).name} this run wrote over, which the new model does not use",
@@ -163,6 +168,22 @@ def read_paths(model: ModelSource, given: ConfigLike, config: Config, data: Any)
             "the evaluation data": config.mixed_precision.eval_data, "the calibration text": config.calibration.text,
             "the ranges file to load (load_ranges)": config.calibration.load_ranges,
             **{f"the statistics file {path}": path for path in config.calibration.stats or ()}}
+
+
+def _output_folder_notes(named: Path, output: Path, changed: list[str], others: list[str]) -> list[Note]:
+    """What a folder run did to the output folder beyond writing the model (LLM trial): an
+    output named like a model file became a folder; files there replaced or left."""
+    said = []
+    if named.suffix.lower() == ".onnx":
+        said.append(f"the input is a model folder, so the output {named} is a folder too: its model is {output}")
+    if changed:
+        said.append(f"replaced {len(changed)} file{'' if len(changed) == 1 else 's'} the output folder held with the "
+                    f"input folder's: {', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}")
+    if others:
+        said.append(f"the output folder also holds {len(others)} file{'' if len(others) == 1 else 's'} the input "
+                    f"folder does not, left as {'it was' if len(others) == 1 else 'they were'}: "
+                    f"{', '.join(others[:6])}{', ...' if len(others) > 6 else ''}")
+    return [Note(Topic.OUTPUT, text) for text in said]
 
 
 def _unused_settings(config: Config, reporting: bool) -> list[Note]:

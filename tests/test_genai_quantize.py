@@ -323,3 +323,24 @@ def test_the_summary_says_what_read_the_data_and_what_fitted(folder, windows, tm
     reported = onnxq.quantize(str(folder), str(tmp_path / "reported"), "W4_GROUP128", str(windows), progress=False,
                               report=str(tmp_path / "r.html"))
     assert any("nothing in this recipe was fitted to it" in n for n in reported.summary.note_texts)
+
+
+def test_what_the_output_folder_held_is_said(folder, tmp_path):
+    """LLM trial: a user's own genai_config.json in the output folder was replaced, and an
+    output named like a model file became a folder, both without a word. A rerun into the
+    same folder replaces nothing new, and says nothing of it."""
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "genai_config.json").write_text("{}")
+    (busy / "notes.txt").write_text("keep me")
+    said = onnxq.quantize(str(folder), str(busy), "W4_GROUP128", progress=False).summary.note_texts
+    assert "replaced 1 file the output folder held with the input folder's: genai_config.json" in said
+    assert any(n.startswith("the output folder also holds 1 file") and "notes.txt" in n for n in said)
+    assert (busy / "notes.txt").read_text() == "keep me"
+    again = onnxq.quantize(str(folder), str(busy), "W4_GROUP128", progress=False).summary.note_texts
+    assert not any(n.startswith("replaced") for n in again)
+    named = tmp_path / "int4.onnx"
+    said = onnxq.quantize(str(folder), str(named), "W4_GROUP128", progress=False).summary.note_texts
+    assert f"the input is a model folder, so the output {named} is a folder too: its model is " \
+           f"{named / 'model.onnx'}" in said
+    assert (named / "model.onnx").is_file()

@@ -129,6 +129,27 @@ def output_model(source: ModelFolder, output: str | os.PathLike) -> Path:
     return out / source.model.name
 
 
+def output_folder_before(source: ModelFolder, out_folder: Path) -> tuple[list[str], list[str]]:
+    """What `out_folder` held before a run writes `source`'s folder into it: the companions
+    whose content the copy will change (a user's own genai_config.json; a rerun's identical
+    copies are not listed), and the entries of its top level the input folder does not
+    have, left as they are (LLM trial: both had happened without a word)."""
+    if not out_folder.is_dir():
+        return [], []
+    changed = [name for name in source.companions if (out_folder / name).is_file()
+               and not _same_file(source.folder / name, out_folder / name)]
+    ours = {Path(name).parts[0] for name in (*source.companions, source.model.name, *source.data_files)}
+    others = sorted(p.name for p in out_folder.iterdir() if p.name not in ours and not p.name.startswith("."))
+    return changed, others
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
+    except OSError:
+        return False
+
+
 def copy_companions(source: ModelFolder, out_folder: Path) -> list[str]:
     """Copy every file of the input folder but the model and its data into `out_folder`
     (in their sub-folders); the paths copied."""
