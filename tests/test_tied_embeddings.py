@@ -341,3 +341,17 @@ def test_a_float16_tied_table_is_stored_once_with_float16_scales(tmp_path, prese
     got = session(str(out), threads=1).run(None, ids)[0]
     assert got.dtype == np.float16
     assert sqnr_db(reference, got.astype(np.float32)) > (12 if preset == "W4_GROUP128" else 30)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_static_recipe_says_it_stores_a_tied_table_twice(tmp_path, windows, tied):
+    """Static int8 quantizes the embedding's table as a constant and the LM head's weight
+    as a weight: two 8-bit copies of one table, which the summary had not said (families
+    trial: Qwen2, Gemma2, Granite and SmolLM3 in U8S8)."""
+    folder = build_genai_folder(tmp_path / "float", layers=LAYERS, hidden=64, heads=HEADS, kv_heads=KV_HEADS,
+                                tie_embeddings=tied)
+    result = onnxq.quantize(str(folder), str(tmp_path / "out"), "U8S8", str(windows), progress=False)
+    said = [n for n in result.summary.note_texts if n.startswith("tied embedding")]
+    assert said == ([("tied embedding /model/embed_tokens/Gather and LM head /lm_head/MatMul: each stores its own "
+                      "8-bit copy under a static recipe; the weight-only recipes store one (W8_GROUP128, W4_GROUP128)")]
+                    if tied else [])

@@ -34,7 +34,7 @@ from onnxq.emit.lowering import ordered
 from onnxq.emit.qdq import EmitReport
 from onnxq.emit.qdq_layout import lay_out_qdq
 from onnxq.emit.qoperator import to_qoperator
-from onnxq.emit.tied import lower_tied
+from onnxq.emit.tied import copied_notes, lower_tied
 from onnxq.graph.edit import drop_unused_initializers
 from onnxq.plan import QuantPlan
 from onnxq.plan.params import WeightCache
@@ -57,6 +57,7 @@ def emit_model(
     `cpu`: the target runs onnxruntime's CPU provider, see `cpu_layout`; `statistics`: the
     calibration's, whose channel means centre float8 activations, `float8_center.py`)."""
     extended = config.quant_format == QuantFormat.QDQ_EXT
+    copied = copied_notes(model, plan)
     laid = lay_out_qdq(model, plan, ranges, config.qdq_domain, weights, extended, statistics or {})
     result = EmitResult(laid.qdq, plan)
     if result.qdq.extended:
@@ -71,7 +72,7 @@ def emit_model(
     ops = {n.name: n.op_type for n in model.graph}  # of the claimed nodes, before any rewrite
     tied = lower_tied(model, plan, config, weights)
     result.plan = result.plan.with_quantized_nodes(tied.converted, ops)
-    result.notes.extend(tied.notes)
+    result.notes.extend([*copied, *tied.notes])
     for lowering in ordered():
         nodes = {name: spec for name, spec in plan.nodes_for(lowering.strategy).items() if name not in tied.converted}
         if not nodes:

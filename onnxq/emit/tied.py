@@ -26,7 +26,7 @@ from onnxq.graph.edit import GraphEditor
 from onnxq.plan import QuantPlan
 from onnxq.plan.strategies.gather_int4 import can_use_gather_block_quantized
 from onnxq.plan.strategies.matmul_nbits import can_use_matmul_nbits
-from onnxq.plan.tied import GATHER, MATMUL
+from onnxq.plan.tied import GATHER, MATMUL, copied_pairs
 
 
 @dataclass(frozen=True)
@@ -91,3 +91,10 @@ def lower_tied(model: ir.Model, plan: QuantPlan, config: Config, weights: object
         report.notes.append(f"{pair}: one {'int4' if head.bits == 4 else '8-bit'} copy, MatMulNBits' weight read by "
                             f"GatherBlockQuantized, {blocks}")
     return report
+
+
+def copied_notes(model: ir.Model, plan: QuantPlan) -> list[str]:
+    """A note per tied pair the plan stores twice (`plan.tied.copied_pairs`; read before
+    the Q/DQ lowering rewires the weights)."""
+    return [f"tied embedding {gather} and LM head {head}: each stores its own 8-bit copy under a static recipe; the "
+            "weight-only recipes store one (W8_GROUP128, W4_GROUP128)" for gather, head in copied_pairs(model.graph, plan)]

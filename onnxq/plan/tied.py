@@ -29,7 +29,7 @@ import onnx_ir as ir
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.graph.fold import constant_array
 from onnxq.plan.draft import Draft
-from onnxq.plan.plan import Lowered, Tie
+from onnxq.plan.plan import Kind, Lowered, QuantPlan, Tie
 from onnxq.plan.strategies.gather_int4 import can_use_gather_block_quantized, transposed_constant
 from onnxq.plan.strategies.matmul_nbits import BITS
 
@@ -109,3 +109,21 @@ def tie_tables(draft: Draft, graph: ir.Graph) -> None:
         draft.tied[gather.name] = Tie(head.name, block, reason)
         draft.lowered[gather.name] = Lowered(GATHER, shared)
         draft.lowered[head.name] = Lowered(MATMUL, shared)
+
+
+def copied_pairs(graph: ir.Graph, plan: QuantPlan) -> list[tuple[str, str]]:
+    """(embedding Gather, LM head MatMul) pairs tied in the float model that the plan
+    quantizes as two copies: a static recipe's 8-bit table (an activation's codes) beside
+    the MatMul's 8-bit weight (families trial: Qwen2 U8S8 stored both, without a word)."""
+    weights = {name for name, t in plan.tensors.items() if t.kind is Kind.WEIGHT}
+    heads = [(node, None) for node in graph if node.op_type == "MatMul" and len(node.inputs) > 1
+             and node.inputs[1] is not None and node.inputs[1].name in weights]
+    pairs = []
+    for gather in graph:
+        if gather.op_type != "Gather" or gather.name in plan.tied or not gather.inputs \
+                or gather.inputs[0] is None or gather.inputs[0].name not in plan.tensors:
+            continue
+        found = _head_of(gather, heads)
+        if found is not None:
+            pairs.append((gather.name, found[0].name))
+    return pairs
