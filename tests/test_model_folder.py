@@ -234,7 +234,7 @@ def test_inspect_run_and_compare_take_model_folders(tmp_path, capsys):
     assert main(["inspect", str(source)]) == 0  # the folder's default preset, as quantize picks it: a decoder's
     printed = capsys.readouterr().out
     assert "preset: W8_GROUP128 (this model's default" in printed and "would quantize: 2 nodes (MatMul 2)" in printed
-    assert "MatMul x2: matmul_nbits (int8, blocks of 128)" in printed  # how the weights would be stored
+    assert "MatMul x2: matmul_nbits (int8, blocks of 64)" in printed  # how stored: K = 64, one block per row
     data = tmp_path / "eval.npz"
     np.savez(data, **EVAL)
     assert main(["run", str(out), "--data", str(data)]) == 0

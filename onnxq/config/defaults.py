@@ -44,7 +44,7 @@ DEFAULTS: dict[str, KindDefault] = {
     "decoder": KindDefault(
         "W8_GROUP128",
         "decoder default: weight-only int8 (W8_GROUP128: no preset named; --preset U8S8 for static int8); "
-        "4-bit, 1.8x smaller again: --preset W4_GROUP128 --algorithm gptq --calib-data windows.npz",
+        "4-bit, up to half the size again: --preset W4_GROUP128 --algorithm gptq --calib-data windows.npz",
         "calibration data (--calib-data, --calib-text) not needed: weight-only int8 calibrates nothing"),
     "model": KindDefault(DEFAULT_PRESET),
 }
