@@ -344,3 +344,21 @@ def test_what_the_output_folder_held_is_said(folder, tmp_path):
     assert f"the input is a model folder, so the output {named} is a folder too: its model is " \
            f"{named / 'model.onnx'}" in said
     assert (named / "model.onnx").is_file()
+
+
+def test_inspect_shows_each_kv_cache_shape(folder, tmp_path, capsys):
+    """Gemma2's sliding-window layers take a cache of another length (past_sliding_length):
+    inspect had shown every layer with the first one's shape (families trial)."""
+    from onnxq.cli import main
+
+    model = onnx.load(str(folder / "model.onnx"))
+    for value in [*model.graph.input, *model.graph.output]:
+        if value.name.startswith(("past_key_values.0.", "present.0.")):
+            value.type.tensor_type.shape.dim[2].dim_param = "sliding_length"
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="m.onnx.data")
+    assert main(["inspect", str(path)]) == 0
+    cache = [line for line in capsys.readouterr().out.splitlines() if "KV-cache" in line]
+    assert len(cache) == 4, cache  # inputs and outputs: a line per shape
+    assert "past_key_values.0.key ... past_key_values.0.value: 2 KV-cache inputs" in cache[0]
+    assert "sliding_length" in cache[0] and "sliding_length" not in cache[1]

@@ -89,8 +89,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         for v in values:
             if v not in cache:
                 print(f"  {v.name}: {_typed(v)}")
-        if cache:  # an LLM's KV cache: one line, not one per layer and kind
-            print(f"  {cache[0].name} ... {cache[-1].name}: {len(cache)} KV-cache {label}, {_typed(cache[0])}")
+        if cache:  # an LLM's KV cache: a line per shape, not one per layer and kind (Gemma2's sliding layers differ)
+            shapes = Counter(_typed(v) for v in cache)
+            for typed, count in shapes.items():
+                named = [v.name for v in cache if _typed(v) == typed]
+                span = f"{named[0]} ... {named[-1]}" if count > 1 else named[0]
+                print(f"  {span}: {count} KV-cache {label}, {typed}")
     ops = Counter(n.op_type for n in graph)
     in_file = len(read_structure(report.source).graph.node) if Path(report.source).is_file() else None
     normalised = f" as onnxq reads the graph (the file's {in_file}: constants folded)" \
