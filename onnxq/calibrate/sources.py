@@ -73,12 +73,13 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec]) -> It
 def _read_file(path: Path, inputs: list[InputSpec]) -> dict[str, np.ndarray]:
     """Arrays of one .npz (keyed by input name) or .npy (single-input models) file."""
     if path.suffix == ".npy" and len(inputs) != 1:
+        names = [s.name for s in inputs]
         raise CalibrationDataError(
             f"{path.name}: .npy files only work for single-input models; use .npz keyed by input name "
-            f"({', '.join(s.name for s in inputs)})"
+            f"({', '.join(names[:6])}{f', ... {len(names)} in all' if len(names) > 6 else ''})"
         )
-    if path.suffix not in (".npy", ".npz"):
-        raise CalibrationDataError(f"unsupported calibration file {path.name}; use .npz, .npy or a directory of them")
+    if path.suffix not in (".npy", ".npz"):  # calibration and evaluation data alike
+        raise CalibrationDataError(f"unsupported data file {path.name}; use .npz, .npy or a directory of them")
     magic = {".npy": b"\x93NUMPY", ".npz": b"PK"}[path.suffix]
     try:
         with open(path, "rb") as f:
