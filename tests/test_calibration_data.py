@@ -269,3 +269,20 @@ def test_run_on_data_tells_the_data_from_onnxq_and_memory():
     with pytest.raises(OnnxqError, match="out of memory.*--batch-size") as caught:
         run_on_data(Failing(memory), ["y"], feed)
     assert not isinstance(caught.value, CalibrationDataError)
+
+
+def test_file_errors_fit_evaluation_data_and_long_input_lists(tmp_path):
+    """`compare --data notes.txt` was told of an "unsupported calibration file", and a .npy
+    for an LLM listed its 120 inputs (LLM trial)."""
+    from onnxq.calibrate.inputs import InputSpec
+    from onnxq.calibrate.sources import _read_file
+
+    text = tmp_path / "notes.txt"
+    text.write_text("not arrays")
+    with pytest.raises(CalibrationDataError, match=r"^unsupported data file notes.txt; use .npz, .npy"):
+        _read_file(text, [InputSpec("x", np.dtype(np.float32), None)])
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.zeros((2, 4), np.int64))
+    many = [InputSpec(f"in{i}", np.dtype(np.float32), None) for i in range(40)]
+    with pytest.raises(CalibrationDataError, match=r"\(in0, in1, in2, in3, in4, in5, \.\.\. 40 in all\)$"):
+        _read_file(ids, many)
