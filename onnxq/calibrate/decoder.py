@@ -317,9 +317,13 @@ def _window_parts(data: Any) -> Parts | None:
         return [(path.name, part)] if part is not None else None
     if not path.is_dir():
         return None
-    files = sorted(p for p in path.iterdir() if p.suffix in readers)  # the order the arrays reader takes
-    parts = [(f.name, readers[f.suffix](f)) for f in files]
-    return parts if parts and all(part is not None for _, part in parts) else None
+    parts: Parts = []
+    for file in sorted(p for p in path.iterdir() if p.suffix in readers):  # the order the arrays reader takes
+        part = readers[file.suffix](file)
+        if part is None:  # a folder of images stops at its first file
+            return None
+        parts.append((file.name, part))
+    return parts or None
 
 
 def _windows(parts: Parts) -> np.ndarray:
