@@ -78,8 +78,6 @@ def test_hqq_qdq_rounds_zero_points_onto_the_grid():
     ({"calib_method": "hqq", "symmetric": True, "qscheme": "per_group", "group_size": 32}, "symmetric weights"),
     ({"calib_method": "hqq", "symmetric": False, "qscheme": "per_channel"}, "qscheme per_channel"),
     ({"calib_method": "percentile"}, "weights are quantized with minmax or hqq"),
-    ({"calib_method": "hqq", "dtype": "int8", "symmetric": False, "qscheme": "per_group", "group_size": 32},
-     "hqq with dtype int8.*4-bit blocks only"),
 ])
 def test_hqq_settings_are_checked(weight, words):
     with pytest.raises(ConfigError, match=words):
@@ -143,17 +141,19 @@ def test_accuracy_level_without_matmul_nbits_is_refused(tmp_path, capsys):
     assert onnxq.as_config({"preset": "W4_GROUP128"}).accuracy_level == 4
 
 
-def test_hqq_on_8_bit_blocks_is_refused_before_any_weight_is_rounded(tmp_path, capsys):
+def test_hqq_on_8_bit_blocks_rounds_its_zero_points_onto_the_grid(tmp_path):
     """onnxruntime's MatMulNBits takes float zero points in 4-bit blocks only: W8_GROUP128
-    with --algorithm hqq ran HQQ on every weight (5 minutes on SmolLM2), then every node
-    failed to load (LLM trial). One line, exit 2, nothing written."""
-    from onnxq.cli import main
-
-    path, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
-    onnx.save(_matmul_model(), str(path))
-    capsys.readouterr()
-    assert main(["quantize", str(path), str(out), "--preset", "W8_GROUP128", "--per-group", "32",
-                 "--algorithm", "hqq"]) == 2
-    err = capsys.readouterr().err
-    assert "4-bit blocks only" in err and "W4_GROUP128" in err and len(err.strip().splitlines()) == 1
-    assert not out.exists()
+    with --algorithm hqq ran HQQ on every SmolLM2 weight for 5 minutes, then every node
+    failed to load (LLM trial). 8-bit blocks now keep HQQ's zero points rounded onto the
+    grid (uint8), which loads, runs and stays near float."""
+    model = _matmul_model()
+    feeds = random_feeds(model, 16, seed=5)
+    config = {"preset": "W8_GROUP128", "layer_type_quant_config": {"MatMul": {"weight": {"group_size": 32}}},
+              "algo_config": [{"name": "hqq"}]}
+    result = onnxq.quantize(model, None, onnxq.as_config(config), None, progress=False)
+    q = result.model
+    onnx.checker.check_model(q)
+    (node,) = [n for n in q.graph.node if n.op_type == "MatMulNBits"]
+    zp = next(i for i in q.graph.initializer if i.name == node.input[3])
+    assert zp.data_type == onnx.TensorProto.UINT8 and "rounded onto the grid" in " ".join(result.summary.note_texts)
+    assert sqnr_db(run(model, feeds), run(q, feeds)) > 35

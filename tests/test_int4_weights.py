@@ -432,3 +432,22 @@ def test_blocks_wider_than_the_rows_are_narrowed_to_the_row(tmp_path):
     np.testing.assert_array_equal(outputs[4096], outputs[256])  # one block per row either way
     assert (tmp_path / "q4096.onnx").stat().st_size == (tmp_path / "q256.onnx").stat().st_size
     assert sqnr_db(reference, outputs[100000]) > 8
+
+
+@pytest.mark.parametrize(("method", "dtype"), [("minmax", DType.INT4), ("hqq", DType.INT4), ("hqq", DType.INT8)])
+def test_a_narrowed_block_rounds_as_the_wide_one(method, dtype):
+    """A row shorter than its block is stored in a block of the next power of two
+    (`matmul_nbits.row_block`): the codes, scales and zero points must be those of the
+    wide block, the clipping search and HQQ included, whose sums the zero padding had
+    moved (review: HQQ zero points differed between blocks of 128 and 32 on K = 24)."""
+    from onnxq.numerics.blocks import dequantize_blockwise, quantize_blockwise
+
+    w = (np.random.default_rng(0).standard_t(3, (24, 40)) * 0.05).astype(np.float32)
+    found = []
+    for block in (32, 128):
+        spec = ResolvedSpec(dtype, False, "per_group", None, block, method, 99.99, 2048, (), None, None,
+                            "float32", "half_even", False)
+        bq = quantize_blockwise(w, spec, clip_search=True)
+        found.append((dequantize_blockwise(bq), bq.scales, bq.zero_points))
+    for narrow, wide in zip(*found):
+        np.testing.assert_array_equal(narrow, wide)

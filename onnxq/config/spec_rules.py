@@ -207,10 +207,6 @@ def _weight_method(v: dict[str, Any], tc: str, resolved: bool) -> tuple[str, str
     if method == "hqq" and resolved and (v["symmetric"] or v["qscheme"] != "per_group"):
         return ("weight calib_method hqq with " + ("symmetric weights" if v["symmetric"] else f"qscheme {v['qscheme']}"),
                 "hqq optimises each block's zero point: set symmetric: false and qscheme: per_group")
-    if method == "hqq" and resolved and str(v["dtype"]) in ("int8", "uint8"):
-        return (f"weight calib_method hqq with dtype {v['dtype']}",
-                "hqq's float zero points run in onnxruntime's MatMulNBits with 4-bit blocks only: use dtype int4 or "
-                "uint4, or calib_method minmax for 8 bits")
     return None
 
 

@@ -84,9 +84,14 @@ def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np
     block = int(spec.group_size)
     k, n = w.shape
     k_blocks = -(-k // block)
+    # One block past the row's end is the row: its padding would move HQQ's zero point and
+    # the clipping search's sums, and a block narrowed to the row must round the same (review).
+    width = min(block, k)
     if importance is not None:
-        importance = block_importance(importance, block)
-    float_zp = spec.calib_method == "hqq"  # optimised float zero points, which MatMulNBits takes
+        importance = block_importance(importance, width)
+    # optimised float zero points, which MatMulNBits takes in 4-bit blocks; 8-bit ones are
+    # rounded onto the grid (onnxruntime refuses float zero points with 8 bits)
+    float_zp = spec.calib_method == "hqq" and BITS[spec.dtype] == 4
     columns = max(1, min(CHUNK_ELEMENTS // (k_blocks * block), -(-n // cpu_count())))  # a chunk per core at least
     plain = plain_rounding(spec, clip_search, importance)
 
@@ -96,10 +101,13 @@ def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np
             q, scale, zp = round_blocks(_blocked(part, block), spec, scale_dtype)
             q, scale, zp = q.transpose(2, 0, 1), scale.T, zp.T
         else:
-            padded = np.zeros((part.shape[1], k_blocks * block), dtype=np.float32)
+            padded = np.zeros((part.shape[1], k_blocks * width), dtype=np.float32)
             padded[:, :k] = part.T
-            q, scale, zp = quantize_blocks(padded.reshape(-1, block), spec, scale_dtype, clip_search=clip_search,
+            q, scale, zp = quantize_blocks(padded.reshape(-1, width), spec, scale_dtype, clip_search=clip_search,
                                            importance=importance, float_zero_point=float_zp)
+            if width < block:  # the stored block's tail: the code of 0.0, as quantizing its zero padding gives
+                tail = np.broadcast_to(zero_code(zp, spec)[:, None], (len(q), block - width)).astype(q.dtype)
+                q = np.concatenate([q, tail], axis=1)
         return packed_codes(q.reshape(-1, k_blocks, block), spec), scale.reshape(-1, k_blocks), zp.reshape(-1, k_blocks)
 
     # Chunks on every core (each column's result is its own): AWQ's final clipping of
@@ -108,6 +116,12 @@ def quantize_blockwise(w: np.ndarray, spec: ResolvedSpec, scale_dtype: type = np
     scale, zp = np.concatenate(scales), np.concatenate(zeros)
     bits = BITS[spec.dtype]
     return BlockQuantized(np.concatenate(codes), scale, stored_zero_points(zp, scale.dtype, spec), k, n, bits, block)
+
+
+def zero_code(zp: np.ndarray, spec: ResolvedSpec) -> np.ndarray:
+    """The code 0.0 rounds to in blocks of zero points `zp` (integer or float)."""
+    info = int_type(spec.dtype, spec.bits)
+    return np.clip(np.rint(np.asarray(zp, np.float64)), info.qmin, info.qmax)
 
 
 def _blocked(w: np.ndarray, block: int) -> np.ndarray:

@@ -17,7 +17,6 @@ from typing import ClassVar
 import numpy as np
 import onnx_ir as ir
 
-from onnxq.errors import ConfigError
 from onnxq.graph.external_data import drop_pages
 from onnxq.graph.fold import constant_array
 from onnxq.numerics.blocks import quantize_blockwise
@@ -44,11 +43,6 @@ def hqq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
     layers = matmul_nbits_layers(model, plan)
     if not layers:
         return NO_LAYERS
-    wide = [node.name for node, spec in layers if BITS[spec.dtype] != 4]
-    if wide:  # onnxruntime refuses them at load: "!(nbits_ == 8 && has_unquantized_zero_point_)"
-        raise ConfigError(f"hqq gives float zero points, which onnxruntime's MatMulNBits takes in 4-bit blocks only, "
-                          f"and {len(wide)} MatMul weights are 8-bit ({wide[0]}); use a 4-bit recipe (W4_GROUP128), "
-                          "or round-to-nearest for 8 bits (no --algorithm)")
     solver = tuple(sorted(dataclasses.asdict(options).items()))
     for node, spec in progress_bar(layers, "hqq", "layer", ctx.settings.progress):
         hqq_spec = dataclasses.replace(spec, symmetric=False, calib_method="hqq", calib_options=solver)
@@ -56,6 +50,9 @@ def hqq(model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, floa
         ctx.weights.pin_node(node.name, node.inputs[1],
                              quantize_blockwise(w, hqq_spec, FLOAT_TYPES[weight_dtype(node)]))
         drop_pages(node.inputs[1].const_value)  # read once; a mapped weight's pages may go
+    if not any(BITS[spec.dtype] == 4 for _, spec in layers):  # 8-bit zero points are rounded onto the grid
+        return (f"{len(layers)} MatMul weights quantized with HQQ (asymmetric 8-bit blocks, zero points rounded onto "
+                "the grid: onnxruntime takes float ones in 4 bits only)")
     return (f"{len(layers)} MatMul weights quantized with HQQ (asymmetric blocks, float zero points); warning: "
             "onnxruntime's CPU MatMulNBits runs float zero points on a slow path (SmolLM2-135M decode: 4.5 "
             "tokens/s against RTN's and GPTQ's 90-160): where speed counts, use --algorithm gptq or rtn")
