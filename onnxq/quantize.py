@@ -237,7 +237,7 @@ UNREAD_DATA = ("the calibration data was not read: nothing in this recipe calibr
 def _data_use(result: QuantizationResult, calibration_data: Any) -> str | None:
     """What read the calibration data of a run: `calibration` (its pass, a pass or an
     algorithm that reads data, or an accuracy target's search), `check` (the output check
-    alone) or `nothing`; None where none was given."""
+    or the latency's timing alone) or `nothing`; None where none was given."""
     if calibration_data is None:
         return None
     summary, config = result.summary, result.config
@@ -245,7 +245,7 @@ def _data_use(result: QuantizationResult, calibration_data: Any) -> str | None:
     if summary.calibration_samples or summary.calibrated_tensors or summary.mixed_precision is not None or any(
             e.enabled and e.contract.data != "none" for e in entries):
         return "calibration"
-    return "check" if summary.fidelity is not None else "nothing"
+    return "check" if summary.fidelity is not None or summary.latency is not None else "nothing"
 
 
 # What errors and notes call the data, in the words of a wrapper that takes a reader.

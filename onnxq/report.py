@@ -77,6 +77,9 @@ class Summary:
     mixed_precision: MixedPrecisionSummary | None = None
     fidelity: Any = None  # emit.fidelity.Fidelity: the output check, when it ran
     latency: Any = None  # emit.latency.Latency: float against quantized, when measured
+    # the algorithms that chose weights on the calibration data (`registry.fits_data`), those
+    # that found nothing to change left out: what the check and the report say was fitted
+    fitted_by: tuple[str, ...] = ()
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:

@@ -149,7 +149,7 @@ def test_the_tanh_approximation_is_found_and_stays_float_inside(tmp_path, cube):
     src = tmp_path / "m.onnx"
     onnx.save(_tanh_mlp(cube), src)
     (gelu,) = decomposed_gelus(load_model(str(src))[0].graph)
-    assert len(gelu) == 8 if cube.startswith("pow") else 9
+    assert len(gelu) == (8 if cube.startswith("pow") else 9)
     onnx.save(_tanh_mlp(cube, cubic=0.05), src)  # another polynomial: no GELU
     assert decomposed_gelus(load_model(str(src))[0].graph) == []
     onnx.save(_tanh_mlp(cube), src)

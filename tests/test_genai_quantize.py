@@ -284,7 +284,12 @@ def test_token_windows_in_every_form_the_data_flags_take(folder, windows, tmp_pa
     uneven.mkdir()
     np.save(uneven / "a.npy", ids)
     np.save(uneven / "b.npy", ids[:, :8])
-    for data, words in ((padded, "attention_mask marks padding"), (uneven, "different lengths \\(8, 16 tokens\\)")):
+    mixed = forms / "mixed"
+    mixed.mkdir()
+    np.savez(mixed / "a.npz", input_ids=ids)
+    np.savez(mixed / "b.npz", input_ids=ids[0])  # one window without its axis: a traceback had followed (review)
+    for data, words in ((padded, "attention_mask marks padding"), (uneven, "different lengths \\(8, 16 tokens\\)"),
+                        (mixed, "b.npz: token windows must be integers of shape \\[windows, tokens\\]")):
         capsys.readouterr()
         assert main(["quantize", str(folder), str(tmp_path / "x"), "--preset", "W4_GROUP128", "--gptq",
                      "--calib-data", str(data)]) == 2
@@ -310,9 +315,15 @@ def test_the_summary_says_what_read_the_data_and_what_fitted(folder, windows, tm
     fitted = onnxq.quantize(str(folder), str(tmp_path / "gptq"), gptq, str(windows), progress=False)
     assert not any(n.startswith("the calibration data was not read") for n in fitted.summary.note_texts)
     assert fitted.summary.fidelity.fitted_by == ("gptq",)
-    again = onnxq.quantize(str(tmp_path / "gptq"), str(tmp_path / "again"), gptq, str(windows), progress=False)
+    again = onnxq.quantize(str(tmp_path / "gptq"), str(tmp_path / "again"), gptq, str(windows), progress=False,
+                           report=str(tmp_path / "again.html"))
     assert any("no MatMul lowered" in n for n in again.summary.note_texts)
     assert again.summary.fidelity.fitted_by == () and "fitted" not in again.summary.fidelity.line()
+    assert any("nothing in this recipe was fitted to it" in n for n in again.summary.note_texts)  # the report's too
+    timed = onnxq.quantize(str(folder), str(tmp_path / "timed"), {"preset": "W4_GROUP128", "calibration": {
+        "check_samples": 0, "measure_latency": True}}, str(windows), progress=False)
+    assert timed.summary.latency is not None  # the latency read the data (review)
+    assert not any(n.startswith("the calibration data was not read") for n in timed.summary.note_texts)
     monkeypatch.setattr(fidelity, "REFERENCE_BYTES", 1)  # every sample's outputs past the cap: one is held
     capped = onnxq.quantize(str(folder), str(tmp_path / "capped"), {"preset": "W4_GROUP128",
                                                                      "calibration": {"check_samples": 4}},

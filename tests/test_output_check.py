@@ -510,3 +510,53 @@ def test_a_capture_its_bytes_ended_serves_the_check_without_a_float_session(monk
     result = onnxq.quantize(model, None, "U8S8", calib, progress=False)
     assert not opened and 3 <= result.summary.fidelity.samples < 8
     assert result.summary.fidelity.sqnr_db > 20
+
+
+def test_a_check_cut_short_by_the_memory_cap_says_so(monkeypatch):
+    """Fewer samples checked than asked, because the float outputs held for the check
+    reached their cap, is said on the check's line, whether the outputs came from the
+    calibration pass's capture or from a float session of the check's own (LLM trial:
+    "check on 2 calibration samples" for 4 asked; review: the capture's path)."""
+    import onnxq.calibrate.capture as capture
+    import onnxq.emit.fidelity as fidelity
+
+    model = residual()
+    feeds = random_feeds(model, 12, seed=1)
+    config = compose_config("U8S8", None, {"calibration": {"check_samples": 6}})
+    full = onnxq.quantize(model, None, config, feeds)
+    assert full.summary.fidelity.samples == 6 and "asked" not in full.summary.fidelity.line()
+    from helpers import run
+
+    sample = sum(np.asarray(v).nbytes for v in feeds[0].values()) + sum(o.nbytes for o in run(model, feeds[0], None))
+    cap = int(4.5 * sample)  # four samples are held, under the cap: the capture's last batch is cut to fit
+    monkeypatch.setattr(capture, "CAPTURE_BYTES", cap)
+    monkeypatch.setattr(fidelity, "REFERENCE_BYTES", cap)
+    cut = onnxq.quantize(model, None, config, feeds)
+    assert cut.summary.fidelity.samples < 6
+    assert f"check on {cut.summary.fidelity.samples} calibration samples of the 6 asked" in cut.summary.fidelity.line()
+
+
+def test_a_capture_cut_under_its_cap_still_says_how_many_were_asked():
+    """The calibration pass's capture cuts its last batch to fit under its byte cap, so it
+    can stop just under it: the check's line must read the capture's own word that the
+    budget ended it (review), not the bytes it holds."""
+    import onnxruntime as ort
+
+    from onnxq.calibrate.capture import CapturedOutputs
+    from onnxq.calibrate.data import CalibrationSource
+    from onnxq.calibrate.inputs import model_inputs
+    from onnxq.emit.fidelity import check_outputs
+    from onnxq.graph.load import load_model
+
+    model = residual()
+    feeds = random_feeds(model, 8, seed=2)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    captured = CapturedOutputs(names, wanted=8)
+    for feed in feeds[:3]:
+        captured.feeds.append(feed)
+        captured.outputs.append(session.run(names, feed))
+    captured.samples, captured.held, captured.spent = 3, 1, True  # far under any cap, ended by the budget
+    checked = check_outputs(model, model_inputs(load_model(model)[0]), session, CalibrationSource(feeds), 8,
+                            ["CPUExecutionProvider"], captured=captured)
+    assert checked.samples == 3 and "check on 3 calibration samples of the 8 asked" in checked.line()

@@ -353,5 +353,6 @@ def test_a_static_recipe_says_it_stores_a_tied_table_twice(tmp_path, windows, ti
     result = onnxq.quantize(str(folder), str(tmp_path / "out"), "U8S8", str(windows), progress=False)
     said = [n for n in result.summary.note_texts if n.startswith("tied embedding")]
     assert said == ([("tied embedding /model/embed_tokens/Gather and LM head /lm_head/MatMul: each stores its own "
-                      "8-bit copy under a static recipe; the weight-only recipes store one (W8_GROUP128, W4_GROUP128)")]
+                      "quantized copy under a static recipe; the weight-only recipes store one (W8_GROUP128, "
+                      "W4_GROUP128)")]
                     if tied else [])

@@ -11,7 +11,6 @@ from onnxq.analyze.html import write_html_report
 from onnxq.analyze.labelled import accuracy_note
 from onnxq.config.spec import Config
 from onnxq.notes import Topic, notes
-from onnxq.optimize.registry import fits_data, parse_algorithms
 from onnxq.search.target import load_eval_set
 
 # The per-layer analysis of a report runs on at most this many samples.
@@ -33,17 +32,17 @@ def report_quantization(path: str | os.PathLike, result: Any, config: Config, da
         analysis.notes.insert(0, accuracy_note(state.float_model, result.ir_model, evalset.data, evalset.labels,
                                                max_samples=REPORT_SAMPLES, providers=config.calibration.providers))
     if not held_out:
-        analysis.notes.insert(0, _calibration_data_note(result, config))
+        analysis.notes.insert(0, _calibration_data_note(result))
     result.summary.notes.extend(notes(Topic.REPORT, [f"report: {n}" for n in analysis.notes]))
     write_html_report(path, analysis=analysis, summary=result.summary, config=config,
                       title=f"onnxq report: {result.summary.source}")
 
 
-def _calibration_data_note(result: Any, config: Config) -> str:
+def _calibration_data_note(result: Any) -> str:
     """What measuring on the calibration data means for this recipe: a fit (an algorithm
     chose weights on it), calibrated ranges, or nothing fitted at all (round-to-nearest
     weights; LLM trial: the note had said the quantizer fitted to it)."""
-    fitted = [e.name for e in parse_algorithms(config.algo_config) if e.enabled and fits_data(e.name)]
+    fitted = result.summary.fitted_by  # not those that found nothing to change
     if fitted:
         return (f"measured on the calibration data, which {', '.join(fitted)} fitted the weights to, so held-out "
                 "figures read lower; pass mixed_precision.eval_data for a held-out set")

@@ -288,7 +288,11 @@ def _npz_part(path: Path) -> dict[str, Any] | None:
         return None  # read as usual: a broken file gets the usual error
     if "input_ids" not in keys or not keys <= TOKEN_KEYS:
         return None
-    return {key: (lambda key=key: np.load(path)[key]) for key in keys}
+    def read(key: str) -> np.ndarray:
+        with np.load(path) as arrays:
+            return arrays[key]
+
+    return {key: (lambda key=key: read(key)) for key in keys}
 
 
 def _npy_part(path: Path) -> dict[str, Any] | None:
@@ -333,13 +337,16 @@ def _windows(parts: Parts) -> np.ndarray:
     for where, part in parts:
         read = {key: np.asarray(value() if callable(value) else value) for key, value in part.items()}
         ids = read["input_ids"]
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise CalibrationDataError(f"{where}: token windows must be integers of shape [windows, tokens], got "
+                                       f"{ids.dtype} {list(ids.shape)}")
         mask = read.get("attention_mask")
         if mask is not None and (mask.shape != ids.shape or not np.all(mask == 1)):
             raise CalibrationDataError(f"{where}: attention_mask marks padding (zeros) or has another shape than "
                                        "input_ids; give full windows of input_ids alone, all of one length (onnxq "
                                        "builds the attention mask and the KV cache itself)")
         found.append((where, ids))
-    lengths = {ids.shape[-1] for _, ids in found if ids.ndim == 2}
+    lengths = {ids.shape[-1] for _, ids in found}
     if len(lengths) > 1:
         raise CalibrationDataError(f"token windows of different lengths ({', '.join(map(str, sorted(lengths)))} "
                                    "tokens) across the files; cut them all to one length")

@@ -302,8 +302,12 @@ def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs
             return f"output check skipped: the float model failed on a calibration sample ({found})"
         reference = found
     checked = None if reference is None else measure(session, reference)
-    capped = samples if reference is not None and reference.samples < samples and not getattr(
-        captured, "complete", False) and _capped(reference) else 0
+    if reference is None or reference.samples >= samples:
+        capped = 0
+    elif reference.feeds is getattr(captured, "feeds", None):  # calibration's capture: stopped by its own cap
+        capped = samples if captured.spent and not captured.complete else 0
+    else:
+        capped = samples if _capped(reference) else 0
     return dataclasses.replace(checked, extended=extended, asked=capped) if isinstance(checked, Fidelity) else checked
 
 

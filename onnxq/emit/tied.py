@@ -96,5 +96,5 @@ def lower_tied(model: ir.Model, plan: QuantPlan, config: Config, weights: object
 def copied_notes(model: ir.Model, plan: QuantPlan) -> list[str]:
     """A note per tied pair the plan stores twice (`plan.tied.copied_pairs`; read before
     the Q/DQ lowering rewires the weights)."""
-    return [f"tied embedding {gather} and LM head {head}: each stores its own 8-bit copy under a static recipe; the "
-            "weight-only recipes store one (W8_GROUP128, W4_GROUP128)" for gather, head in copied_pairs(model.graph, plan)]
+    return [f"tied embedding {gather} and LM head {head}: each stores its own quantized copy under a static recipe; "
+            "the weight-only recipes store one (W8_GROUP128, W4_GROUP128)" for gather, head in copied_pairs(model.graph, plan)]

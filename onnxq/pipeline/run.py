@@ -92,6 +92,8 @@ def run_pipeline(
         done = run_algorithms(model, plan, calibration.ranges, ready.algorithms, settings,
                               trial_emitter(settings, calibration.statistics), calibration.statistics)
     summary.notes.extend(done.notes)
+    summary.fitted_by = tuple(e.name for e in ready.algorithms if e.enabled and fits_data(e.name)
+                              and e.name not in done.idle)
 
     with summary.stage("emit"):
         model, emitted, session, kept = emit_loadable(model, done.plan, calibration.ranges, config, done.weights,
@@ -105,8 +107,7 @@ def run_pipeline(
         if isinstance(checked, str):
             summary.notes.append(Note(Topic.CHECK, checked))
         elif checked is not None:
-            fitted = tuple(e.name for e in ready.algorithms if e.enabled and fits_data(e.name) and e.name not in done.idle)
-            summary.fidelity = dataclasses.replace(checked, fitted_by=fitted)
+            summary.fidelity = dataclasses.replace(checked, fitted_by=summary.fitted_by)
     del session
     plan = emitted.plan
     summary.quantized_by_op = dict(sorted(Counter(plan.integer_nodes().values()).items()))
