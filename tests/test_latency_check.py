@@ -201,3 +201,29 @@ def test_a_decoder_is_timed_on_its_prefill_and_a_decode_step(tmp_path):
     assert all(t.float_ms > 0 and t.quantized_ms > 0 for t in timings)
     (line,) = [s for s in result.summary.latency.lines() if s.startswith("latency,")]
     assert "prefill of 24 tokens" in line and "decode step after 24 tokens" in line and "batch" not in line
+
+
+def test_a_decode_step_a_session_refuses_leaves_the_prefill_timed(tmp_path, monkeypatch):
+    """Where the decode step's feed does not fit the model (a cache layout it does not
+    build), the prefill is still timed and the step is said not measured (review: the
+    whole latency had been lost)."""
+    from genai_model import build_genai_folder
+
+    import onnxq.emit.latency as latency
+
+    folder = build_genai_folder(tmp_path / "float", layers=2, kv_heads=2)
+    windows = tmp_path / "windows.npz"
+    np.savez(windows, input_ids=np.random.default_rng(0).integers(0, 256, (2, 24)))
+    built = latency.decoder_steps
+
+    def broken(sample):
+        steps = built(sample)
+        step = next(k for k in steps if k.startswith("decode step"))
+        steps[step] = {**steps[step], "attention_mask": steps[step]["attention_mask"].astype(np.float32)}
+        return steps
+
+    monkeypatch.setattr(latency, "decoder_steps", broken)
+    config = onnxq.compose_config("W4_GROUP128", None, {"calibration": {"measure_latency": True}})
+    result = onnxq.quantize(str(folder), str(tmp_path / "out"), config, str(windows), progress=False)
+    assert [t.label for t in result.summary.latency.timings] == ["prefill of 24 tokens"]
+    assert any(s.startswith("decode step after 24 tokens not measured") for s in result.summary.latency.skipped)

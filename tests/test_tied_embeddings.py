@@ -356,3 +356,41 @@ def test_a_static_recipe_says_it_stores_a_tied_table_twice(tmp_path, windows, ti
                       "quantized copy under a static recipe; the weight-only recipes store one (W8_GROUP128, "
                       "W4_GROUP128)")]
                     if tied else [])
+
+
+def test_an_untied_float16_table_rounds_with_the_scales_the_kernel_reads(tmp_path):
+    """A float16 table's scales are stored in float16 (GatherBlockQuantized's output type):
+    the codes must be rounded with those scales, not with float32 ones cast afterwards
+    (review), so each looked-up value is within half a step of the table's."""
+    rng = np.random.default_rng(7)
+    table = (rng.standard_normal((300, 64)) * 0.7).astype(np.float16)
+    cache = ["batch", 1, "past", 64]  # a decoder's KV cache: a weight-only decoder stays float16 inside
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["rows"], name="/embed/Gather"),
+         helper.make_node("Identity", ["past_key_values.0.key"], ["present.0.key"], name="/cache")], "table16",
+        [helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["n"]),
+         helper.make_tensor_value_info("past_key_values.0.key", onnx.TensorProto.FLOAT16, cache)],
+        [helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT16, ["n", 64]),
+         helper.make_tensor_value_info("present.0.key", onnx.TensorProto.FLOAT16, cache)],
+        [numpy_helper.from_array(table, "table")])
+    src, out = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), src)
+    onnxq.quantize(str(src), str(out), onnxq.compose_config("W4_GROUP128", None, {"layer_type_quant_config": {
+        "Gather": {"weight": {"dtype": "int4", "symmetric": False, "qscheme": "per_group", "group_size": 32}}}}),
+        progress=False)
+    model = onnx.load(str(out))
+    (gbq,) = [n for n in model.graph.node if n.op_type == "GatherBlockQuantized"]
+    scales = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == gbq.input[2]))
+    assert scales.dtype == np.float16
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    data, zeros = inits[gbq.input[0]], inits[gbq.input[3]]
+    codes = data.astype(np.float64).reshape(300, 64)  # 4-bit tensors, read back one code an element
+    zero = np.repeat(zeros.astype(np.float64).reshape(300, 2), 32, axis=1)
+    step = np.repeat(scales.astype(np.float64), 32, axis=1)
+    signed = next(t for t in model.graph.initializer if t.name == gbq.input[0]).data_type == onnx.TensorProto.INT4
+    low, high = (-8, 7) if signed else (0, 15)
+    rounded = np.clip(np.rint(table.astype(np.float64) / step) + zero, low, high)  # with the stored float16 scales
+    assert np.count_nonzero(codes != rounded) <= 2, np.count_nonzero(codes != rounded)  # ties aside: the nearest codes
+    feed = {"input_ids": np.arange(300), "past_key_values.0.key": np.zeros((1, 1, 0, 64), np.float16)}
+    rows = session(str(out), threads=1).run(None, feed)[0].astype(np.float64)
+    np.testing.assert_allclose(rows, (codes - zero) * step, rtol=2e-3, atol=1e-6)  # what the kernel computes

@@ -56,7 +56,7 @@ def emit_gather_block_quantized(model: ir.Model, nodes: Mapping[str, ResolvedSpe
     for node, spec in ready:
         table = node.inputs[0]
         array = table_array(table)
-        qt = _quantize_table(array, spec, clip_search)
+        qt = _quantize_table(array, spec, clip_search)  # scales in the table's type: the codes round with them
         data, zero_point = qt.data, None if spec.symmetric else qt.zero_point
         bits = BITS[spec.dtype]
         if bits == 8:  # the kernel reads 8-bit codes unsigned, as MatMulNBits stores them (default zero point 128)
@@ -75,12 +75,14 @@ TABLE_CHUNK_VALUES = 1 << 22
 
 
 def _quantize_table(table: np.ndarray, spec: ResolvedSpec, clip_search: bool) -> QuantizedTensor:
-    """`quantize_weight` of a [rows, dim] table in blocks along dim, a chunk of rows at a time."""
+    """`quantize_weight` of a [rows, dim] table in blocks along dim, a chunk of rows at a
+    time, with scales in the table's type (float16 for a float16 table: the kernel's)."""
     step = max(1, TABLE_CHUNK_VALUES // max(1, table.shape[1]))
     parts = []
     for start in range(0, table.shape[0], step):
         rows = table[start:start + step]
-        parts.append(quantize_weight(rows, spec, 1, block_size=spec.group_size, clip_search=clip_search))
+        parts.append(quantize_weight(rows, spec, 1, block_size=spec.group_size, clip_search=clip_search,
+                                     scale_dtype=table.dtype.type))
         drop_array_pages(rows)
     if len(parts) == 1:
         return parts[0]

@@ -5,6 +5,7 @@ file the folder holds, so the output deploys as the input did."""
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 import re
@@ -137,15 +138,17 @@ def output_folder_before(source: ModelFolder, out_folder: Path) -> tuple[list[st
     if not out_folder.is_dir():
         return [], []
     changed = [name for name in source.companions if (out_folder / name).is_file()
-               and not _same_file(source.folder / name, out_folder / name)]
-    ours = {Path(name).parts[0] for name in (*source.companions, source.model.name, *source.data_files)}
+               and not _same_content(source.folder / name, out_folder / name)]
+    written = (source.model.name, f"{source.model.name}.data")  # the model and the data file a save may write
+    ours = {Path(name).parts[0] for name in (*source.companions, *written, *source.data_files)}
     others = sorted(p.name for p in out_folder.iterdir() if p.name not in ours and not p.name.startswith("."))
     return changed, others
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def _same_content(a: Path, b: Path) -> bool:
+    """Whether files `a` and `b` hold the same bytes (compared in chunks, not read whole)."""
     try:
-        return a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
+        return filecmp.cmp(a, b, shallow=False)
     except OSError:
         return False
 

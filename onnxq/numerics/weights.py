@@ -134,15 +134,16 @@ def quantize_weight(
     block_size: int | None = None,
     clip_search: bool | None = None,
     importance: np.ndarray | None = None,
+    scale_dtype: type = np.float32,
 ) -> QuantizedTensor:
     """Quantize a weight with its min/max range: per tensor (axis None), per channel along
     `axis`, or per block of `block_size` along `axis` (per-group: see `quantize_blocks` for
-    `clip_search` and `importance`, here one weight per entry of `axis`).
+    `clip_search`, `importance` and `scale_dtype`, here one weight per entry of `axis`).
 
     `min_scale` (per channel or scalar) floors the scale; see `bias_safe_weight_scale`.
     """
     if block_size:
-        return _quantize_weight_blocks(w, spec, axis, block_size, min_scale, clip_search, importance)
+        return _quantize_weight_blocks(w, spec, axis, block_size, min_scale, clip_search, importance, scale_dtype)
     rmin, rmax = channel_range(w, axis)
     if spec.pairs is not None:  # symmetric int8 that a saturating kernel must hold exactly
         rmax = np.maximum(np.maximum(-rmin, rmax), pair_extent(w, axis, spec.pairs))
@@ -158,7 +159,7 @@ def quantize_weight(
 
 def _quantize_weight_blocks(
     w: np.ndarray, spec: ResolvedSpec, axis: int, block: int, min_scale: np.ndarray | float,
-    clip_search: bool | None, importance: np.ndarray | None,
+    clip_search: bool | None, importance: np.ndarray | None, scale_dtype: type = np.float32,
 ) -> QuantizedTensor:
     """`quantize_weight` per block: blocks laid out as rows, quantized, laid back."""
     moved = np.moveaxis(np.asarray(w, dtype=np.float32), axis, -1)
@@ -171,7 +172,7 @@ def _quantize_weight_blocks(
         moved = np.concatenate([moved, np.zeros((*lead, count * width - length), np.float32)], axis=-1)
     if importance is not None:
         importance = block_importance(importance, width)
-    q, scale, zp = quantize_blocks(moved.reshape(-1, width), spec, min_scale=min_scale,
+    q, scale, zp = quantize_blocks(moved.reshape(-1, width), spec, scale_dtype, min_scale=min_scale,
                                    clip_search=clip_search, importance=importance)
     q = np.moveaxis(q.reshape(*lead, count * width)[..., :length], -1, axis)
     scale, zp = (np.moveaxis(p.reshape(*lead, count), -1, axis) for p in (scale, zp))
