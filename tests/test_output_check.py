@@ -560,3 +560,16 @@ def test_a_capture_cut_under_its_cap_still_says_how_many_were_asked():
     checked = check_outputs(model, model_inputs(load_model(model)[0]), session, CalibrationSource(feeds), 8,
                             ["CPUExecutionProvider"], captured=captured)
     assert checked.samples == 3 and "check on 3 calibration samples of the 8 asked" in checked.line()
+
+
+def test_an_algorithm_with_no_layer_is_not_said_to_have_fitted_the_check():
+    """FP8_E4M3's AdaRound takes Conv layers; on a transformer it finds none, and the check
+    had still said AdaRound fitted the model to its samples (encoder trial)."""
+    from helpers import GraphBuilder
+
+    b = GraphBuilder(0)
+    x = b.input("x", ["batch", 32])
+    model = b.build([b.matmul(b.node("Relu", [b.matmul(x, 32, 64)]), 64, 16)], name="mlp")
+    result = onnxq.quantize(model, None, "FP8_E4M3", random_feeds(model, 16, seed=1))
+    assert any("adaround: no quantized" in n for n in result.summary.note_texts)
+    assert result.summary.fidelity.fitted_by == () and "fitted" not in result.summary.fidelity.line()

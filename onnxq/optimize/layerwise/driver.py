@@ -82,12 +82,13 @@ def reconstruct(
     then, with `blocks`, each block's rounding again against its output (`block_driver.py`)."""
     layers, refused = find_layers(model.graph, plan, options.op_types, options.skip_layers, options.layers)
     if not layers:
-        return f"no quantized {'/'.join(options.op_types) or 'named'} layer to optimise" + _listed("skipped", refused)
+        return AlgorithmResult(f"no quantized {'/'.join(options.op_types) or 'named'} layer to optimise"
+                               + _listed("skipped", refused), idle=True)
     access = ctx.settings.access
     if not access.readable:
         raise CalibrationDataError(f"{name} needs calibration data; pass calibration_data")
     if not access.rereadable:
-        return f"skipped: {refusal(access)}"
+        return AlgorithmResult(f"skipped: {refusal(access)}", idle=True)
     original = model.clone() if options.validation_every else None
     qmodel = _quantized_graph(model, plan, ranges, ctx, options.inputs)
     qnodes = {n.name: n for n in qmodel.graph}
