@@ -227,3 +227,15 @@ def test_a_decode_step_a_session_refuses_leaves_the_prefill_timed(tmp_path, monk
     result = onnxq.quantize(str(folder), str(tmp_path / "out"), config, str(windows), progress=False)
     assert [t.label for t in result.summary.latency.timings] == ["prefill of 24 tokens"]
     assert any(s.startswith("decode step after 24 tokens not measured") for s in result.summary.latency.skipped)
+
+
+def test_a_weight_only_kernel_fused_between_q_dq_is_said_to_run_in_float():
+    """onnxruntime fuses A16W8's MatMul and its weight's DequantizeLinear into MatMulNBits,
+    which computes on the float activations between the int16 Q/DQ pairs: the cause had
+    read "as fast as its int8 ones ... int8 pays on wider layers" (encoder trial)."""
+    found = causes({"MatMul": 22.79}, {"MatMulNBits": 23.30, "MatMul": 1.27, "QuantizeLinear": 4.0,
+                                        "DequantizeLinear": 4.0}, "x86-vnni", {"MatMul/Gemm"})
+    assert any(c.startswith("every MatMul/Gemm still runs in float (24.57 ms against 22.79 ms)") for c in found), found
+    assert not any("int8 pays on wider layers" in c for c in found)
+    weight_only = causes({"MatMul": 10.0}, {"MatMulNBits": 12.0}, "x86-vnni", {"MatMul/Gemm"})  # no Q/DQ: W4 LLMs
+    assert any(c.startswith("MatMulNBits 12.00 ms") for c in weight_only), weight_only
