@@ -340,20 +340,25 @@ def test_compare_scores_an_integer_output_by_equality():
     assert "pred: 75.00% of its elements equal (an integer output)" in format_comparison(compared)
 
 
-def test_inspect_says_its_node_count_is_the_normalised_graphs(tmp_path, capsys):
+def test_inspect_counts_the_files_nodes_then_what_onnxq_reads(tmp_path, capsys):
     """inspect printed MiniLM's 365 nodes where the file holds 530 (its Constant nodes are
-    folded on load) without saying so (trust trial)."""
+    folded on load) without saying so (trust trial), and a quantized model's Sum nodes as
+    the Add onnxq reads them (encoder trial): the file's ops first, then what changed."""
     from onnxq.cli import main
     model = _attention()
     const = helper.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.array(1.0, np.float32)))
     model.graph.node.insert(0, const)
     model.graph.node.append(helper.make_node("Mul", ["y", "one"], ["y2"]))
-    model.graph.output[0].name = "y2"
+    model.graph.node.append(helper.make_node("Sum", ["y2", "y2"], ["y3"]))
+    model.graph.output[0].name = "y3"
     onnx.save(model, tmp_path / "m.onnx")
     assert main(["inspect", str(tmp_path / "m.onnx")]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("nodes:"))
-    assert line.startswith(f"nodes: {len(model.graph.node) - 1} as onnxq reads the graph (the file's "
-                           f"{len(model.graph.node)}: constants folded)"), line
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("nodes:"))
+    assert lines[at].startswith(f"nodes: {len(model.graph.node)} (") and "Sum 1" in lines[at] and "Constant 1" in lines[at]
+    assert lines[at + 1].startswith(f"  as onnxq reads the graph: {len(model.graph.node) - 1} nodes (constants folded, "
+                                    "ops normalised: ") and "Constant 1 -> 0" in lines[at + 1], lines[at + 1]
+    assert "Sum 1 -> 0" in lines[at + 1]
 
 
 def test_review_fixes_of_the_second_round():

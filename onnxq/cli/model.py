@@ -96,10 +96,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                 span = f"{named[0]} ... {named[-1]}" if count > 1 else named[0]
                 print(f"  {span}: {count} KV-cache {label}, {typed}")
     ops = Counter(n.op_type for n in graph)
-    in_file = len(read_structure(report.source).graph.node) if Path(report.source).is_file() else None
-    normalised = f" as onnxq reads the graph (the file's {in_file}: constants folded)" \
-        if in_file is not None and in_file != sum(ops.values()) else ""
-    print(f"nodes: {sum(ops.values())}{normalised} (" + ", ".join(f"{op} {n}" for op, n in ops.most_common()) + ")")
+    # the file as it is first (encoder trial: a quantized model's Sum nodes were listed as the Add onnxq reads)
+    in_file = Counter(n.op_type for n in read_structure(report.source).graph.node) \
+        if Path(report.source).is_file() else ops
+    print(f"nodes: {in_file.total()} (" + ", ".join(f"{op} {n}" for op, n in in_file.most_common()) + ")")
+    if in_file != ops:
+        changed = sorted(set(in_file) | set(ops), key=lambda op: (-abs(ops[op] - in_file[op]), op))
+        delta = ", ".join(f"{op} {in_file[op]} -> {ops[op]}" for op in changed if ops[op] != in_file[op])
+        print(f"  as onnxq reads the graph: {ops.total()} nodes (constants folded, ops normalised: {delta})")
     already = quantized_ops(model)
     if already:
         print(f"already quantized: {describe(already, limit=8)}; onnxq quantize takes the float model")
