@@ -94,7 +94,8 @@ def test_an_override_the_plan_cannot_use_is_said():
                          ({"layer_type_quant_config": {"Relu": {"output_tensors": {"dtype": "uint16"}}}},
                           "layer_type_quant_config: Relu has no effect on relu1, relu2, relu3"),
                          ({"layer_quant_config": {"maxpool": {"output_tensors": {"dtype": "int16"}}}},
-                          "layer_quant_config: maxpool has no effect: a data-movement op's output reuses")):
+                          "layer_quant_config: maxpool output_tensors has no effect: a data-movement op's output "
+                          "reuses")):
         result = onnxq.quantize(model, None, config, data, progress=False)
         assert any(n.topic is Topic.CONFIG and n.text.startswith(says) for n in result.summary.notes), says
     assert not any("has no effect" in n for n in quantize_digits().summary.note_texts)
@@ -141,3 +142,24 @@ def test_grid_settings_on_a_float_cast_are_said_where_no_weight_took_them():
         "input_tensors": {"dtype": "uint8"}, "output_tensors": {"dtype": "uint8"},
         "weight": {"dtype": "int8", "symmetric": True}}}}, data, progress=False)
     assert not any("has no effect" in n for n in mixed.summary.note_texts), mixed.summary.note_texts
+
+
+def test_a_weight_spec_on_a_static_gathers_table_is_said_and_the_fix_works(tmp_path):
+    """A static recipe quantizes an embedding Gather's table as its input (the activation it
+    passes on), so `Gather: {weight: {dtype: float32}}` changed nothing, without a word
+    (encoder trial). The note names what does apply, and following it keeps the table float."""
+    from helpers import GraphBuilder
+
+    b = GraphBuilder(0)
+    ids = b.input("ids", ["batch", 6], dtype=onnx.TensorProto.INT64)
+    table = b.const("table", b.small((50, 16), 1.0))
+    model = b.build([b.matmul(b.node("Gather", [table, ids]), 16, 8)], name="embed_mlp")
+    embed = next(n.name for n in model.graph.node if n.op_type == "Gather")
+    data = {"ids": np.random.default_rng(0).integers(0, 50, (16, 6))}
+    said = onnxq.quantize(model, None, {"layer_type_quant_config": {"Gather": {"weight": {"dtype": "float32"}}}},
+                          data, progress=False).summary.note_texts
+    assert any(n.startswith(f"layer_type_quant_config: Gather weight has no effect on {embed}: a static recipe "
+                            "quantizes a Gather's table as its input") for n in said), said
+    followed = onnxq.quantize(model, None, {"layer_type_quant_config": {"Gather": {
+        "weight": {"dtype": "float32"}, "input_tensors": {"dtype": "float32"}}}}, data, progress=False)
+    assert embed in followed.plan.float_nodes and not any("has no effect" in n for n in followed.summary.note_texts)

@@ -51,10 +51,16 @@ def unused_override_notes(model: ir.Model, plan: QuantPlan, config: Config) -> l
         elif level.weight is not None and node.op_type not in WEIGHTED_OPS:
             where += " weight"
             why = f"a {node.op_type} has no weight (weight specs are for {', '.join(sorted(WEIGHTED_OPS))})"
+        elif level.weight is not None and _table_as_input(node, plan):
+            where += " weight"
+            why = ("a static recipe quantizes a Gather's table as its input (input_tensors), the values it "
+                   "passes on: set input_tensors float32 for the weight spec to apply, or float_op_types: [Gather] to "
+                   "keep it float")
         elif node.name in plan.fused_activations and given:
             why = "it runs inside the op before it (one kernel): set that op's output_tensors"
         elif (rule := OP_RULES.get(node.op_type)) is not None and rule.output is OutputMode.SHARED \
                 and level.output_tensors is not None and node.name in plan.quantized_nodes:
+            where += " output_tensors"
             why = "a data-movement op's output reuses its input's parameters: set the producer's output_tensors"
         else:
             continue
@@ -69,6 +75,15 @@ def unused_override_notes(model: ir.Model, plan: QuantPlan, config: Config) -> l
         found.append(Note(Topic.CONFIG, f"layer_type_quant_config: {', '.join(absent)} has no effect: the model has "
                           f"no {' or '.join(absent)} node"))
     return found
+
+
+def _table_as_input(node: ir.Node, plan: QuantPlan) -> bool:
+    """Whether `node` is a Gather whose constant table the plan quantizes with the input's
+    activation spec (static recipes), where a weight spec does not reach it (encoder
+    trial: `Gather: {weight: {dtype: float32}}` had been ignored without a word)."""
+    table = node.inputs[0] if node.op_type == "Gather" and node.inputs else None
+    planned = plan.tensors.get(table.name) if table is not None else None
+    return planned is not None and planned.kind is not Kind.WEIGHT
 
 
 def _grid_on_cast(plan: QuantPlan, config: Config) -> list[Note]:
