@@ -106,7 +106,7 @@ def test_an_unmet_target_writes_the_best_model_scored(two_bit_chain, tmp_path):
     assert scores["int8"] > max(scores["int16"], mp.base_score) + 6  # a real gain, not noise
     assert mp.final_score == pytest.approx(scores["int8"], abs=1e-3) and mp.best_score == scores["int8"]
     assert {p.rung for p in mp.promotions} == {"int8"} and len(mp.promotions) == 2  # the two 2-bit layers
-    assert mp.written == "every ranked layer raised to int8 (2 layers)"
+    assert mp.written == "every ranked layer raised to int8 (2 layers of 16 changed by it)"
     note = next(n for n in result.summary.note_texts if "not met" in n)
     assert f"the best score reached is {mp.final_score:.4g}, by every ranked layer raised to int8" in note
     assert "that model is written" in note
@@ -166,7 +166,8 @@ def test_the_report_says_what_an_unmet_search_wrote(two_bit_chain, tmp_path):
     text = (tmp_path / "r.html").read_text()
     data = json.loads(re.search(r'id="onnxq-data">(.*?)</script>', text, re.S).group(1))
     mp = result.summary.mixed_precision
-    assert data["mixed_precision"]["written"] == mp.written == "every ranked layer raised to int8 (2 layers)"
+    assert data["mixed_precision"]["written"] == mp.written == ("every ranked layer raised to int8 (2 layers of 16 "
+                                                                "changed by it)")
     assert data["mixed_precision"]["best_score"] == pytest.approx(mp.final_score)
     assert "written (target not met)" in text and "output dB" in text
     ranked = [r["output_sqnr_db"] for r in data["layers"] if r["output_sqnr_db"] is not None]

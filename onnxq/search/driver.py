@@ -72,8 +72,8 @@ def _eval_set(mp: MixedPrecisionConfig, calibration_data: Any, custom: bool, mod
               providers: list[str]) -> tuple[EvalSet, list[str]]:
     """The evaluation data with its labels split off; the calibration data if none is given."""
     if mp.eval_data is None:
-        what = "ranked" if custom else "ranked and scored"
-        note = (f"no eval_data given: layers were {what} on the calibration data "
+        what = "ranks layers" if custom else "ranks layers and scores models"
+        note = (f"no eval_data given: the search {what} on the calibration data "
                 "(pass mixed_precision.eval_data for a held-out set)")
         return load_eval_set(calibration_data, mp.labels, mp.max_samples, model, providers), [note]
     return load_eval_set(mp.eval_data, mp.labels, mp.max_samples, model, providers), []

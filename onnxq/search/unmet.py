@@ -69,4 +69,7 @@ def raised_words(rung: str, layers: int, ranked: int, promoted: int) -> str:
     """A trial in words: `promoted` of the `ranked` layers raised to `rung`, `layers` of
     them changed by it (int8 raises only the 4-bit weights)."""
     which = "every ranked layer" if promoted >= ranked else f"the {promoted} most sensitive layers"
-    return f"{which} raised to {rung} ({layers} layer{'' if layers == 1 else 's'})"
+    count = f"{layers} layer{'' if layers == 1 else 's'}"
+    if layers < min(promoted, ranked):  # the rest are there already or cannot be (encoder trial: "69 ranked ... (66)")
+        count += f" of {min(promoted, ranked)} changed by it"
+    return f"{which} raised to {rung} ({count})"
