@@ -362,3 +362,19 @@ def test_compare_says_integer_kernels_have_no_reference_form(tmp_path):
     onnx.save(result.model, tmp_path / "q.onnx")
     both = compare_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), data, kernels="both")
     assert both.integer_kernels and "which have no reference form" in format_comparison(both)
+
+
+def test_a_float_op_feeding_a_quantized_one_is_not_listed_as_kept_q_dq():
+    """Softmax stays float (float_op_types) and its output is quantized for the MatMul after
+    it: the qoperator note had listed it as "kept as Q/DQ" while the float list said it was
+    kept float (encoder trial)."""
+    from helpers import GraphBuilder, random_feeds
+
+    b = GraphBuilder(0)
+    x = b.input("x", ["batch", 16])
+    model = b.build([b.matmul(b.node("Softmax", [b.matmul(x, 16, 16)], axis=-1), 16, 8)], name="softmax_mlp")
+    config = onnxq.compose_config("U8S8", None, {"quant_format": "qoperator"})
+    result = onnxq.quantize(model, None, config, random_feeds(model, 16, seed=1), progress=False)
+    (note,) = [n for n in result.summary.note_texts if n.startswith("qoperator format")]
+    assert "Softmax" not in note and "kept as Q/DQ" not in note and "MatMulIntegerToFloat 2" in note, note
+    assert any(name.startswith("softmax") for name in result.plan.float_nodes)

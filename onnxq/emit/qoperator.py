@@ -83,15 +83,17 @@ def _pad_inputs(node: ir.Node, dq: ir.Node) -> list[ir.Value | None] | None:
 
 
 def _quantized_in_qdq(node: ir.Node) -> bool:
-    """Whether `node` reads a quantized constant weight or has its output quantized, in any
-    type (float8, 16- and 4-bit, blocks: QOperator's kernels take none of them, and a run
-    of FP8_E4M3 had said only "qoperator format: nothing")."""
+    """Whether `node` reads a quantized constant weight, or reads dequantized inputs and has
+    its output quantized, in any type (float8, 16- and 4-bit, blocks: QOperator's kernels
+    take none of them, and a run of FP8_E4M3 had said only "qoperator format: nothing")."""
     for v in node.inputs:
         dq = v.producer() if v is not None else None
         if dq is not None and dq.op_type == "DequantizeLinear" and dq.domain in DOMAINS and constant_size(dq.inputs[0]):
             return True
     uses = list(node.outputs[0].uses())
-    return len(uses) == 1 and uses[0].node.op_type == "QuantizeLinear" and uses[0].node.domain in DOMAINS
+    reads_dq = any(v is not None and v.producer() is not None and v.producer().op_type == "DequantizeLinear"
+                   for v in node.inputs)  # a float op (Softmax) whose output feeds a quantized one is no Q/DQ node
+    return reads_dq and len(uses) == 1 and uses[0].node.op_type == "QuantizeLinear" and uses[0].node.domain in DOMAINS
 
 
 def _q_after(value: ir.Value) -> ir.Node | None:
