@@ -356,8 +356,8 @@ def test_inspect_counts_the_files_nodes_then_what_onnxq_reads(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     at = next(i for i, x in enumerate(lines) if x.startswith("nodes:"))
     assert lines[at].startswith(f"nodes: {len(model.graph.node)} (") and "Sum 1" in lines[at] and "Constant 1" in lines[at]
-    assert lines[at + 1].startswith(f"  as onnxq reads the graph: {len(model.graph.node) - 1} nodes (constants folded, "
-                                    "ops normalised: ") and "Constant 1 -> 0" in lines[at + 1], lines[at + 1]
+    assert lines[at + 1].startswith(f"  as onnxq reads the graph: {len(model.graph.node) - 1} nodes (") \
+        and "Constant 1 -> 0" in lines[at + 1], lines[at + 1]
     assert "Sum 1 -> 0" in lines[at + 1]
 
 

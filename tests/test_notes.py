@@ -163,3 +163,12 @@ def test_a_weight_spec_on_a_static_gathers_table_is_said_and_the_fix_works(tmp_p
     followed = onnxq.quantize(model, None, {"layer_type_quant_config": {"Gather": {
         "weight": {"dtype": "float32"}, "input_tensors": {"dtype": "float32"}}}}, data, progress=False)
     assert embed in followed.plan.float_nodes and not any("has no effect" in n for n in followed.summary.note_texts)
+    # a Gather of an activation (CLS pooling) has no table: not told to set input_tensors (review)
+    b = GraphBuilder(1)
+    x = b.input("x", ["batch", 4, 16])
+    pooled = b.node("Gather", [b.matmul(x, 16, 16), b.const("first", np.array(0, np.int64))], axis=1)
+    pooling = b.build([b.matmul(pooled, 16, 8)], name="cls_pool")
+    said = onnxq.quantize(pooling, None, {"layer_type_quant_config": {"Gather": {"weight": {"dtype": "float32"}}}},
+                          {"x": np.random.default_rng(1).standard_normal((16, 4, 16)).astype(np.float32)},
+                          progress=False).summary.note_texts
+    assert not any("quantizes a Gather's table" in n for n in said), said

@@ -186,3 +186,26 @@ def test_the_note_gives_the_best_score_the_search_found_and_the_written_models_o
     again = _written_words(Choice(best, best), 77.0, None)
     assert again.startswith("the best score reached is 80, by every ranked layer raised to int8")
     assert "(it scores 77 as written: calibrated again)" in again
+
+
+def test_raised_words_count_what_a_rung_changed():
+    """A rung that changes fewer layers than it raises says how many of them (encoder trial:
+    "every ranked layer raised to int16 (66 layers)" beside 69 ranked read as a miscount)."""
+    from onnxq.search.unmet import raised_words
+
+    assert raised_words("int16", 66, 69, 69) == "every ranked layer raised to int16 (66 layers of 69 changed by it)"
+    assert raised_words("int16", 5, 69, 5) == "the 5 most sensitive layers raised to int16 (5 layers)"
+    assert raised_words("int16", 4, 69, 5) == "the 5 most sensitive layers raised to int16 (4 layers of 5 changed by it)"
+
+
+def test_the_search_says_it_used_the_calibration_data(tmp_path):
+    """With no eval_data and a custom evaluate met before any layer was ranked, the note had
+    said layers were ranked on the calibration data (encoder trial)."""
+    from onnxq.config.spec import MixedPrecisionConfig
+    from onnxq.search.driver import _eval_set
+
+    data = {"input": np.zeros((4, 1, 8, 8), np.float32)}
+    for custom, words in ((True, "the search ranks layers on the calibration data"),
+                          (False, "the search ranks layers and scores models on the calibration data")):
+        _, notes = _eval_set(MixedPrecisionConfig(), data, custom, None, ["CPUExecutionProvider"])
+        assert notes == [f"no eval_data given: {words} (pass mixed_precision.eval_data for a held-out set)"]

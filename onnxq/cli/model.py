@@ -103,7 +103,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if in_file != ops:
         changed = sorted(set(in_file) | set(ops), key=lambda op: (-abs(ops[op] - in_file[op]), op))
         delta = ", ".join(f"{op} {in_file[op]} -> {ops[op]}" for op in changed if ops[op] != in_file[op])
-        print(f"  as onnxq reads the graph: {ops.total()} nodes (constants folded, ops normalised: {delta})")
+        print(f"  as onnxq reads the graph: {ops.total()} nodes ({delta})")
     already = quantized_ops(model)
     if already:
         print(f"already quantized: {describe(already, limit=8)}; onnxq quantize takes the float model")

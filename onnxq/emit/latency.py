@@ -64,8 +64,9 @@ KERNELS = {
 }
 BOUNDARIES = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearAdd", "QLinearMul")
 # Kernels onnxruntime's optimiser makes from a float MatMul and its weight's DequantizeLinear:
-# weight-only, so in a static model they compute on float activations (encoder trial: A16W8's
-# MatMuls ran as MatMulNBits and were explained as int8 kernels no faster than float).
+# weight-only, so in a static model the activations' Q/DQ pairs around them go unused
+# (encoder trial: A16W8's MatMuls ran as MatMulNBits and were explained as int8 kernels no
+# faster than float).
 FUSED_WEIGHT_ONLY = ("MatMulNBits",)
 
 
@@ -269,7 +270,8 @@ def slower_on_cpu(float_ms: dict[str, float], quantized_ms: dict[str, float], is
                   quantized: ir.Model) -> list[str]:
     """`causes` of a slow CPU timing, a float16 or bfloat16 model's first (its kernel-level
     figures cannot say it)."""
-    found = causes(float_ms, quantized_ms, isa, wrapped_kinds(quantized))
+    fused = not any(n.op_type in FUSED_WEIGHT_ONLY for n in quantized.graph)  # any there: onnxruntime made them
+    found = causes(float_ms, quantized_ms, isa, wrapped_kinds(quantized), fused_weight_only=fused)
     half = {v.const_value.dtype for v in quantized.graph.initializers.values() if v.const_value is not None} & {
         ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
     if not half or any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in quantized.graph):
@@ -278,28 +280,35 @@ def slower_on_cpu(float_ms: dict[str, float], quantized_ms: dict[str, float], is
 
 
 def causes(float_ms: dict[str, float], quantized_ms: dict[str, float], isa: str,
-           wrapped: Collection[str] = tuple(KERNELS)) -> list[str]:
+           wrapped: Collection[str] = tuple(KERNELS), fused_weight_only: bool = False) -> list[str]:
     """Why the quantized model is not faster, from the kernel time per op type of both
     (`kernel_ms`) on the CPU, each cause with what would be faster (a GPU provider's are
     `slower_on_gpu`'s). `isa`: this CPU's (`cpu_isa`). `wrapped`: the op kinds of
     `KERNELS` that read a DequantizeLinear output in the quantized graph (a kind left out
-    of the plan runs in float for that reason, not for want of a kernel)."""
+    of the plan runs in float for that reason, not for want of a kernel). `fused_weight_only`:
+    the quantized graph holds no `FUSED_WEIGHT_ONLY` kernel, so those timed are onnxruntime's
+    own fusion of a float MatMul with its weight's DequantizeLinear."""
     found = []
     if sum(float_ms.values()) < TINY_MS:
         found.append(f"the float model's kernels take {sum(float_ms.values()):.3f} ms: at this size each run's "
                      "fixed cost (session.run, allocations) outweighs any kernel's gain; batch more samples per run")
     total = sum(quantized_ms.values()) or 1.0
     boundary = sum(quantized_ms.get(op, 0.0) for op in BOUNDARIES)
-    integer = sum(quantized_ms.get(op, 0.0) for _, ints in KERNELS.values() for op in ints)
+    fused = FUSED_WEIGHT_ONLY if fused_weight_only and boundary else ()  # weight-only kernels between Q/DQ pairs
+    integer = sum(quantized_ms.get(op, 0.0) for _, ints in KERNELS.values() for op in ints if op not in fused)
     if boundary / total >= BOUNDARY_SHARE:
         why = ("int8 regions are short, broken by ops kept float; fewer float ops between quantized ones (or "
                "keeping a short int8 stretch float) removes them" if integer else "no integer kernel runs (below)")
         found.append(f"Q/DQ take {boundary / total:.0%} of the quantized model's kernel time ({boundary:.2f} ms): "
                      + why)
     for kind, (floats, ints) in KERNELS.items():
-        if boundary:  # static activations: a MatMulNBits onnxruntime fused from a weight's DequantizeLinear
-            # computes on the float activations between the Q/DQ pairs (A16W8: int16 ones), not in int8
-            floats, ints = (*floats, *FUSED_WEIGHT_ONLY), tuple(op for op in ints if op not in FUSED_WEIGHT_ONLY)
+        made = sum(quantized_ms.get(op, 0.0) for op in fused) if kind == "MatMul/Gemm" else 0.0
+        if made:  # a MatMul onnxruntime made weight-only: the activations' Q/DQ pairs around it are unused
+            found.append(f"onnxruntime runs the MatMuls as weight-only {'/'.join(fused)} made from each weight's "
+                         f"DequantizeLinear ({made:.2f} ms against {sum(float_ms.get(op, 0.0) for op in floats):.2f} "
+                         "ms in float): the activations' types have no integer kernel (int16 or float8), so their "
+                         "Q/DQ pairs are overhead around it; U8S8 int8 runs fused integer kernels (or fp16 on a GPU)")
+            continue
         before = sum(float_ms.get(op, 0.0) for op in floats)
         after = sum(quantized_ms.get(op, 0.0) for op in ints)
         still_float = sum(quantized_ms.get(op, 0.0) for op in floats)

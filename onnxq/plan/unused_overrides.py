@@ -18,6 +18,7 @@ from onnxq.notes import Note, Topic
 from onnxq.numerics.qmath import FLOAT_TARGETS
 from onnxq.plan.plan import Kind, QuantPlan
 from onnxq.plan.rules import DYNAMIC_OPS, OP_RULES, OutputMode
+from onnxq.plan.strategies.gather_int4 import table_array
 
 # Op types a weight spec applies to: those with a weight input in the rules table, and the
 # dynamic kernels' (LSTM).
@@ -82,7 +83,9 @@ def _table_as_input(node: ir.Node, plan: QuantPlan) -> bool:
     activation spec (static recipes), where a weight spec does not reach it (encoder
     trial: `Gather: {weight: {dtype: float32}}` had been ignored without a word)."""
     table = node.inputs[0] if node.op_type == "Gather" and node.inputs else None
-    planned = plan.tensors.get(table.name) if table is not None else None
+    if table is None or table_array(table) is None:  # a Gather of an activation (CLS pooling): no table (review)
+        return False
+    planned = plan.tensors.get(table.name)
     return planned is not None and planned.kind is not Kind.WEIGHT
 
 

@@ -161,7 +161,7 @@ def reconstruct(
         else:
             line += (f"; no model-level check: fewer than {options.validation_every} calibration batches "
                      f"to {'hold one out' if options.hold_out else 'check on'}")
-    return AlgorithmResult(line, fitted_biases=fitted, warnings=warnings)
+    return AlgorithmResult(line, fitted_biases=fitted, warnings=warnings, idle=not report.pinned)
 
 
 def _units(layers: list[Layer], blocks: list[Block]) -> list[Layer | Block]:
