@@ -58,3 +58,8 @@ def renamed_notes(found: Iterable[Note], names: dict[str, str]) -> list[Note]:
     """The notes with the caller's parameter names (`errors.renamed`, for what the summary
     tells a wrapper's caller to pass)."""
     return [replace(n, text=reworded(n.text, names)) for n in found]
+
+
+def counted(n: int, noun: str) -> str:
+    """'1 model', '3 models'."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")

@@ -31,7 +31,7 @@ from onnxq.graph.folder import (
 )
 from onnxq.graph.save import check_apart, check_output_paths
 from onnxq.heap import settled_heap
-from onnxq.notes import Note, Topic, renamed_notes
+from onnxq.notes import Note, Topic, counted, renamed_notes
 from onnxq.optimize.registry import CONTRACTS, parse_algorithms, parse_passes
 from onnxq.pipeline.prepare import WINDOWS_NOTE, ModelSource, required_opset
 from onnxq.pipeline.result import PipelineState, QuantizationResult
@@ -177,12 +177,12 @@ def _output_folder_notes(named: Path, output: Path, changed: list[str], others: 
     if named.suffix.lower() == ".onnx":
         said.append(f"the input is a model folder, so the output {named} is a folder too: its model is {output}")
     if changed:
-        said.append(f"replaced {len(changed)} file{'' if len(changed) == 1 else 's'} the output folder held with the "
-                    f"input folder's: {', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}")
+        said.append(f"replaced {counted(len(changed), 'file')} the output folder held with the input folder's: "
+                    f"{', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}")
     if others:
-        said.append(f"the output folder also holds {len(others)} file{'' if len(others) == 1 else 's'} the input "
-                    f"folder does not, left as {'it was' if len(others) == 1 else 'they were'}: "
-                    f"{', '.join(others[:6])}{', ...' if len(others) > 6 else ''}")
+        said.append(f"the output folder also holds {counted(len(others), 'file')} the input folder does not, left as "
+                    f"{'it was' if len(others) == 1 else 'they were'}: {', '.join(others[:6])}"
+                    f"{', ...' if len(others) > 6 else ''}")
     return [Note(Topic.OUTPUT, text) for text in said]
 
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from onnxq.notes import Note
+from onnxq.notes import Note, counted
 
 
 @dataclass(frozen=True)
@@ -185,8 +185,8 @@ def _precision_rung_lines(m: MixedPrecisionSummary) -> list[str]:
 def format_mixed_precision(m: MixedPrecisionSummary) -> list[str]:
     verdict = "met" if m.met else "NOT met"
     lines = [f"  accuracy target {m.target}: {verdict} on {m.scored_on} (float {m.float_score:.4g}, all quantized "
-             f"{m.base_score:.4g}, final {m.final_score:.4g}); {_count(m.evaluations, 'model')} scored for "
-             f"{_count(m.ranked_layers, 'ranked layer')} in {m.seconds:.1f}s"]
+             f"{m.base_score:.4g}, final {m.final_score:.4g}); {counted(m.evaluations, 'model')} scored for "
+             f"{counted(m.ranked_layers, 'ranked layer')} in {m.seconds:.1f}s"]
     for t in m.rungs:
         if t["score"] is None:
             lines.append(f"  rung {t['rung']}: not tried: {t['why']}")
@@ -203,6 +203,3 @@ def format_mixed_precision(m: MixedPrecisionSummary) -> list[str]:
     return lines
 
 
-def _count(n: int, noun: str) -> str:
-    """'1 model', '3 models'."""
-    return f"{n} {noun}" + ("" if n == 1 else "s")

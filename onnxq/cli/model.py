@@ -90,11 +90,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             if v not in cache:
                 print(f"  {v.name}: {_typed(v)}")
         if cache:  # an LLM's KV cache: a line per shape, not one per layer and kind (Gemma2's sliding layers differ)
-            shapes = Counter(_typed(v) for v in cache)
-            for typed, count in shapes.items():
-                named = [v.name for v in cache if _typed(v) == typed]
-                span = f"{named[0]} ... {named[-1]}" if count > 1 else named[0]
-                print(f"  {span}: {count} KV-cache {label}, {typed}")
+            shapes: dict[str, list[str]] = {}
+            for v in cache:
+                shapes.setdefault(_typed(v), []).append(v.name)
+            for typed, named in shapes.items():
+                span = f"{named[0]} ... {named[-1]}" if len(named) > 1 else named[0]
+                print(f"  {span}: {len(named)} KV-cache {label}, {typed}")
     ops = Counter(n.op_type for n in graph)
     # the file as it is first (encoder trial: a quantized model's Sum nodes were listed as the Add onnxq reads)
     in_file = Counter(n.op_type for n in read_structure(report.source).graph.node) \

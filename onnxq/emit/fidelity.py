@@ -55,6 +55,7 @@ class Reference:
     outputs: list[list[np.ndarray]]
     names: list[str]
     samples: int = 0
+    capped: bool = False  # the memory cap, not the data or the samples asked, ended it
 
 
 @dataclass
@@ -128,6 +129,7 @@ def _reference(model: str | os.PathLike | bytes | ir.Model, inputs: list[InputSp
         reference.outputs.append(outputs)
         held += sum(a.nbytes for a in outputs) + sum(np.asarray(a).nbytes for a in feed.values())
         if held >= REFERENCE_BYTES:
+            reference.capped = True
             break
     reference.samples = len(reference.feeds)
     return reference if reference.feeds else None
@@ -289,7 +291,8 @@ def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs
     quantized model, not two copies); `extended`: the emitted model holds onnxq's extended
     ops (the figures say how it ran)."""
     if captured is not None and samples > 0 and (captured.samples >= samples or captured.complete or captured.spent):
-        reference: Reference | None = Reference(captured.feeds, captured.outputs, captured.names, captured.samples)
+        reference: Reference | None = Reference(captured.feeds, captured.outputs, captured.names, captured.samples,
+                                                capped=captured.spent and not captured.complete)
     else:
         float_model = source.SerializeToString() if isinstance(source, onnx.ModelProto) else source
         found = reference_or_failure(float_model, inputs, data, samples, providers)
@@ -302,17 +305,5 @@ def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs
             return f"output check skipped: the float model failed on a calibration sample ({found})"
         reference = found
     checked = None if reference is None else measure(session, reference)
-    if reference is None or reference.samples >= samples:
-        capped = 0
-    elif reference.feeds is getattr(captured, "feeds", None):  # calibration's capture: stopped by its own cap
-        capped = samples if captured.spent and not captured.complete else 0
-    else:
-        capped = samples if _capped(reference) else 0
-    return dataclasses.replace(checked, extended=extended, asked=capped) if isinstance(checked, Fidelity) else checked
-
-
-def _capped(reference: Reference) -> bool:
-    """Whether `reference` stopped at the memory cap (`REFERENCE_BYTES`), not at the data's end."""
-    held = sum(a.nbytes for outs in reference.outputs for a in outs)
-    held += sum(np.asarray(a).nbytes for feed in reference.feeds for a in feed.values())
-    return held >= REFERENCE_BYTES
+    asked = samples if reference is not None and reference.capped and reference.samples < samples else 0
+    return dataclasses.replace(checked, extended=extended, asked=asked) if isinstance(checked, Fidelity) else checked

@@ -19,6 +19,7 @@ from onnxq.calibrate.data import iter_batches, model_inputs
 from onnxq.calibrate.session import external_folder
 from onnxq.errors import CalibrationDataError
 from onnxq.graph.edit import set_constant
+from onnxq.notes import counted
 from onnxq.numerics.weights import QuantizedTensor
 from onnxq.optimize.context import AlgorithmContext, AlgorithmResult
 from onnxq.optimize.layerwise.activation import following
@@ -327,7 +328,7 @@ class _Report:
     def line(self, total: int, refused: Mapping[str, str]) -> str:
         """The report."""
         improved = [(n, b, a) for n, b, a in self.losses if a < b]
-        text = f"{len(improved)} of {_count(total, 'layer')} improved on nearest rounding"
+        text = f"{len(improved)} of {counted(total, 'layer')} improved on nearest rounding"
         fitted = sum(n in self.short for n, _, _ in improved)
         if fitted:
             text += f" ({fitted} of them by their scale and bias alone)"
@@ -338,7 +339,7 @@ class _Report:
             text += f" (median relative output error {before:.3g} -> {after:.3g})"
         if self.through:
             text += "; error measured after the activation on " + ", ".join(
-                f"{_count(n, 'layer')} ({op})" for op, n in self.through.items())
+                f"{counted(n, 'layer')} ({op})" for op, n in self.through.items())
         return text + _listed("kept nearest", self.kept) + _listed("not optimised", refused)
 
     def warnings(self, samples: int, supplied: int) -> tuple[str, ...]:
@@ -350,14 +351,12 @@ class _Report:
         need = math.ceil(max(self.short.values()) * supplied / max(samples, 1))
         layers = ", ".join(list(self.short)[:3]) + (" ..." if len(self.short) > 3 else "")
         one = len(self.short) == 1
-        return (f"{_count(len(self.short), 'layer')} ({layers}) {'has' if one else 'have'} too few calibration rows "
+        return (f"{counted(len(self.short), 'layer')} ({layers}) {'has' if one else 'have'} too few calibration rows "
                 f"for {'its' if one else 'their'} weights and kept nearest rounding ({'its' if one else 'their'} "
                 f"scale and bias fitted): calibrate on at least {need} samples (now {supplied}) to optimise "
                 f"{'it' if one else 'them'}",)
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _listed(what: str, reasons: Mapping[str, str]) -> str:
