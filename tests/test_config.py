@@ -1106,6 +1106,8 @@ def test_a_misspelt_op_type_override_is_refused():
         with pytest.raises(ConfigError, match=f"op type '{typo}'.*did you mean 'Conv'"):
             onnxq.quantize(conv_relu_chain(), None, {"layer_type_quant_config": {typo: int4}}, data)
     onnxq.quantize(conv_relu_chain(), None, {"layer_type_quant_config": {"MatMul": int4}}, data)
+    # an op type of onnx's other domains (ai.onnx.ml) is an op type too
+    onnxq.quantize(conv_relu_chain(), None, {"float_op_types": ["LinearClassifier", "Softmax"]}, data)
     with pytest.raises(ConfigError, match="float_op_types names op type 'Softmaxx'.*did you mean 'Softmax'"):
         onnxq.quantize(conv_relu_chain(), None, {"float_op_types": ["Softmaxx"]}, data)
 

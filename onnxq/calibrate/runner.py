@@ -6,6 +6,7 @@ tensor and is then dropped, so memory does not grow with the number of samples.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
@@ -105,8 +106,10 @@ def stream_tensors(
     outputs += [n for n in whole if n not in returned]
     # BLAS on one thread: the statistics' small products run between onnxruntime's runs,
     # and OpenBLAS threads left spinning after them slowed its kernels 2x (MobileNet-v1).
+    # Only where they run: finding the BLAS libraries costs 4 ms a process (ResNet-20).
+    blas = serial_blas() if statistics is not None and statistics.uses_blas else contextlib.nullcontext()
     with exposed_session(model, exposed, options.providers, reduced, (extra_nodes, extra_outputs),
-                         also_whole=extra_whole, options=calibration_options()) as session, bar, serial_blas():
+                         also_whole=extra_whole, options=calibration_options()) as session, bar, blas:
         for index, feed in enumerate(iter_batches(data, inputs, batch, options.max_samples, purpose,
                                                   options.max_batches)):
             if window is not None and index >= window[1]:

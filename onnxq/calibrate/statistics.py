@@ -255,6 +255,14 @@ class StatisticsSet:
             self.in_session[stat] = [v.name for v in built[1]]
         return nodes, outputs, sorted(set(self.whole.values()))
 
+    @property
+    def uses_blas(self) -> bool:
+        """Whether folding a batch in runs BLAS products (grams; window means not reduced
+        to taps in the session, `attach`), which calibration keeps on one thread
+        (`parallel.serial_blas`)."""
+        return any(stat.reduce == "gram" or (stat.reduce == "windows" and stat not in self.taps)
+                   for stat in self.accumulators)
+
     def update(self, got: Mapping[str, np.ndarray], index: int = 0) -> None:
         """Fold in batch number `index` (its global position in the calibration data)."""
         for stat, names in self.in_session.items():

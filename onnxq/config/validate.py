@@ -35,7 +35,7 @@ from onnxq.config.spec import (
 )
 from onnxq.config.spec_rules import EXTENDED, INHERITED, check_spec
 from onnxq.errors import ConfigError, closest_name
-from onnxq.graph.schema_types import onnx_op_types
+from onnxq.graph.schema_types import is_onnx_op_type, onnx_op_types
 
 
 def validate_config(config: Config) -> None:
@@ -186,7 +186,7 @@ def validate_node_configs(config: Config, nodes: Iterable[tuple[str, str]],
     named = [("layer_type_quant_config", op) for op in config.layer_type_quant_config]
     named += [("float_op_types", op) for op in config.float_op_types]
     for where, op in named:
-        if op not in op_types and op not in onnx_op_types():  # an op type of no model: a typo
+        if op not in op_types and not is_onnx_op_type(op):  # an op type of no model: a typo
             hint = closest_name(op, sorted(op_types)) or closest_name(op, sorted(onnx_op_types()))
             raise ConfigError(f"{where} names op type {op!r}, which is no ONNX op type nor one "
                               f"of the model's" + (f"; did you mean '{hint}'?" if hint else

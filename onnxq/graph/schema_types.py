@@ -28,6 +28,14 @@ def onnx_op_types() -> frozenset[str]:
     return frozenset(schema.name for schema in onnx.defs.get_all_schemas_with_history())
 
 
+def is_onnx_op_type(name: str) -> bool:
+    """Whether `name` is an op type of onnx's registered schemas (`onnx_op_types`), asked of
+    the default domain's registry first: the whole set takes 15 ms to build, a tenth of
+    ResNet-20's default quantize, for a config naming op types the model lacks (the
+    default's float_op_types: Softmax, LayerNormalization ...)."""
+    return onnx.defs.has(name) or name in onnx_op_types()
+
+
 @functools.cache
 def _ort_schemas() -> dict[tuple[str, str], list[object]]:
     """onnxruntime's registered schemas by (domain, op), every version."""
