@@ -104,7 +104,7 @@ def _batches(
     target = Fraction(1 if fixed else max(batch_size, 1))
     seen, batches, pending, pending_samples = Fraction(0), 0, [], Fraction(0)
     names = {spec.name for spec in inputs}
-    for raw in source.feeds(inputs, purpose):
+    for raw in source.feeds(inputs, purpose, 1 if fixed else max(batch_size, 1)):
         feed = check_feed(raw, inputs)
         source.ignored.update(set(raw) - names)
         if max_samples is not None:
