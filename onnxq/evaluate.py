@@ -22,8 +22,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 from tqdm import tqdm
 
-from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
+from onnxq.calibrate.data import CalibrationSource, InputSpec, axes_of, feed_rows, iter_batches
 from onnxq.calibrate.decoder import LOGITS, DecoderFeeds, decoder_feeds, is_decoder, result_outputs
+from onnxq.calibrate.inputs import batch_axes
 from onnxq.calibrate.session import check_providers, open_session, run_on_data, run_quantized
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
 from onnxq.graph.quantized import describe, integer_kernel, quantized_ops
@@ -117,10 +118,13 @@ def session_inputs(session: ort.InferenceSession) -> list[InputSpec]:
     kinds = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
              "tensor(float16)": np.float16, "tensor(double)": np.float64, "tensor(uint8)": np.uint8,
              "tensor(bool)": np.bool_, "tensor(int8)": np.int8}
+    named = lambda shape: [d if isinstance(d, int | str) else None for d in shape or []]  # noqa: E731
+    axes = batch_axes({i.name: named(i.shape) for i in session.get_inputs()},
+                      [named(o.shape) for o in session.get_outputs()])
     specs = []
     for i in session.get_inputs():
         shape = tuple(d if isinstance(d, int) else None for d in i.shape)
-        specs.append(InputSpec(i.name, np.dtype(kinds.get(i.type, np.float32)), shape))
+        specs.append(InputSpec(i.name, np.dtype(kinds.get(i.type, np.float32)), shape, batch_axis=axes.get(i.name, 0)))
     return specs
 
 
@@ -329,7 +333,8 @@ def compare_models(
     tokens = {k: NextToken() for k in ("float", *sessions)} if streamed else None
     sums = {k: {n: StreamedOutput() for n in names} for k in sessions}
     samples = 0
-    for feed in _progress(iter_batches(source, session_inputs(ref), batch_size, max_samples, kind="evaluation"), progress):
+    specs = session_inputs(ref)
+    for feed in _progress(iter_batches(source, specs, batch_size, max_samples, kind="evaluation"), progress):
         got = {}
         for kind, session in (("float", ref), *sessions.items()):
             run = run_on_data(session, names, feed, "evaluation") if kind == "float" else \
@@ -337,7 +342,7 @@ def compare_models(
             got[kind] = dict(zip(names, run))
         for n in names:
             check_same_shape(n, got["float"][n], [got[k][n] for k in sessions])
-        samples += len(got["float"][names[0]])
+        samples += feed_rows(feed, axes_of(specs))  # of the inputs: an output may be [seq, N, ...] or unbatched
         if not streamed:
             for kind, values in got.items():
                 for n, y in values.items():

@@ -44,7 +44,7 @@ from onnxq.analyze.impact import (
 from onnxq.analyze.isolate import PREFIX, IsolatedLayer, add_isolated_layers, with_only
 from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
 from onnxq.analyze.rescaled import rescaled_layers
-from onnxq.calibrate.data import CalibrationSource, feed_rows, iter_batches
+from onnxq.calibrate.data import CalibrationSource, axes_of, feed_rows, iter_batches
 from onnxq.calibrate.decoder import decoder_feeds, result_outputs
 from onnxq.calibrate.session import check_providers, exposed_session, run_quantized
 from onnxq.errors import ModelError
@@ -259,8 +259,8 @@ def analyze_models(
         if not layers_only:
             deployed = deployed_session(quant, providers)
         out_names = [] if deployed is None else [o.name for o in deployed.get_outputs()]
-        for feed in _progress(iter_batches(data, session_inputs(ref_session), batch_size, max_samples,
-                                                 kind="evaluation"), progress):
+        specs = session_inputs(ref_session)
+        for feed in _progress(iter_batches(data, specs, batch_size, max_samples, kind="evaluation"), progress):
             ref = dict(zip(ref_names, run_quantized(ref_session, ref_names, feed, PREFIX)))
             test = dict(zip(test_names, run_quantized(test_session, test_names, feed))) if test_session else {}
             out = dict(zip(out_names, run_quantized(deployed, out_names, feed))) if deployed is not None else {}
@@ -279,7 +279,7 @@ def analyze_models(
                     check_same_shape(n, ref[n], [out[n]])
                     out_err[n].update(ref[n], out[n])
                     agreement[n].update(ref[n], out[n])
-            samples += feed_rows(feed)
+            samples += feed_rows(feed, axes_of(specs))
         del ref_session, test_session, deployed  # their weights' copies, before any other pass
 
     tensor_reports = [_tensor_report(a, tensor_err[a.name], ranges[a.name]) for a in activations]
@@ -396,9 +396,10 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
     def first_output(session: Any) -> np.ndarray:
         name, got = session.get_outputs()[0].name, []
         fed.append(0)
-        for feed in iter_batches(data, session_inputs(session), batch_size, samples, kind="evaluation"):
+        specs = session_inputs(session)
+        for feed in iter_batches(data, specs, batch_size, samples, kind="evaluation"):
             got.append(run_quantized(session, [name], feed)[0])
-            fed[-1] += feed_rows(feed)  # of the inputs: an output may be a scalar or [seq, N, ...]
+            fed[-1] += feed_rows(feed, axes_of(specs))  # of the inputs: an output may be a scalar or [seq, N, ...]
             if sum(g.nbytes for g in got) >= IMPACT_OUTPUT_BYTES:  # an LLM's logits: 50 MB a window
                 break
         return joined(got)

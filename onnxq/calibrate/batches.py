@@ -11,34 +11,45 @@ from typing import Any
 
 import numpy as np
 
-from onnxq.calibrate.inputs import Feed, InputSpec, check_feed, sample_rows
+from onnxq.calibrate.inputs import (
+    Feed,
+    InputSpec,
+    axes_of,
+    check_feed,
+    rows_of,
+    sample_rows,
+    take_rows,
+)
 from onnxq.calibrate.sources import CalibrationSource
 from onnxq.errors import CalibrationDataError
 
 
-def _concat(feeds: list[Feed]) -> Feed:
-    return {k: np.concatenate([f[k] for f in feeds]) if len(feeds) > 1 else feeds[0][k] for k in feeds[0]}
+def _concat(feeds: list[Feed], axes: dict[str, int]) -> Feed:
+    return {k: np.concatenate([f[k] for f in feeds], axis=axes.get(k, 0)) if len(feeds) > 1 else feeds[0][k]
+            for k in feeds[0]}
 
 
-def _shape_key(feed: Feed) -> tuple:
-    return tuple((k, v.shape[1:], v.dtype.str) for k, v in feed.items())
+def _shape_key(feed: Feed, axes: dict[str, int]) -> tuple:
+    """What must match for feeds to merge: every shape but its batch axis, and the types."""
+    return tuple((k, v.shape[:axes.get(k, 0)] + v.shape[axes.get(k, 0) + 1:], v.dtype.str) for k, v in feed.items())
 
 
 def _has_fixed_batch(inputs: list[InputSpec]) -> bool:
     """A fixed batch, or a scalar input (a Loop's trip count), which no batch can stack:
     each sample then runs on its own."""
-    return any((s.shape and s.shape[0] is not None) or s.shape == () for s in inputs)
+    return any((s.shape and len(s.shape) > s.batch_axis and s.shape[s.batch_axis] is not None) or s.shape == ()
+               for s in inputs)
 
 
-def _samples(feed: Feed, units: Mapping[str, int], fixed: bool) -> Fraction:
+def _samples(feed: Feed, units: Mapping[str, int], fixed: bool, axes: Mapping[str, int]) -> Fraction:
     """Samples in a checked feed: rows of its first input over rows per sample.
 
     With a fixed batch every input must hold the same number of samples (rows may then
     arrive a part of a sample at a time); dynamic inputs may differ, as before.
     """
-    counts = {name: Fraction(len(v), units[name]) for name, v in feed.items() if np.ndim(v)}
+    counts = {name: Fraction(rows_of(v, axes.get(name, 0)), units[name]) for name, v in feed.items() if np.ndim(v)}
     if fixed and len(set(counts.values())) > 1:
-        rows = {name: len(v) for name, v in feed.items() if np.ndim(v)}
+        rows = {name: rows_of(v, axes.get(name, 0)) for name, v in feed.items() if np.ndim(v)}
         raise CalibrationDataError(
             f"calibration sample has inputs with different sample counts (rows {rows}, rows per sample "
             f"{dict(units)}); give every input the same number of samples"
@@ -46,16 +57,17 @@ def _samples(feed: Feed, units: Mapping[str, int], fixed: bool) -> Fraction:
     return next(iter(counts.values()), Fraction(1))
 
 
-def _take(feed: Feed, units: Mapping[str, int], samples: Fraction, start: Fraction = Fraction(0)) -> Feed:
+def _take(feed: Feed, units: Mapping[str, int], samples: Fraction, axes: Mapping[str, int],
+          start: Fraction = Fraction(0)) -> Feed:
     """Samples [start, start + samples) of every input of a checked feed."""
-    return {k: v[int(start * units[k]) : int((start + samples) * units[k])] if np.ndim(v) else v
-            for k, v in feed.items()}
+    return {k: take_rows(v, axes.get(k, 0), int(start * units[k]), int((start + samples) * units[k]))
+            if np.ndim(v) else v for k, v in feed.items()}
 
 
 def _short_of_one_sample(inputs: list[InputSpec], feed: Feed, units: Mapping[str, int]) -> CalibrationDataError:
     """The error for data that never fills one whole input of a fixed batch."""
-    spec = next(s for s in inputs if s.shape and len(feed[s.name]) < units[s.name])
-    rows = len(feed[spec.name])
+    spec = next(s for s in inputs if s.shape and rows_of(feed[s.name], s.batch_axis) < units[s.name])
+    rows = rows_of(feed[spec.name], spec.batch_axis)
     given = "[" + ",".join(str(d) for d in (1, *feed[spec.name].shape[1:])) + "]"
     whole = "[" + ",".join("?" if d is None else str(d) for d in spec.shape) + "]"
     return CalibrationDataError(
@@ -100,6 +112,7 @@ def _batches(
     if not isinstance(source, CalibrationSource):
         source = CalibrationSource(source)
     units = sample_rows(inputs)
+    axes = axes_of(inputs)
     fixed = _has_fixed_batch(inputs)
     target = Fraction(1 if fixed else max(batch_size, 1))
     seen, batches, pending, pending_samples = Fraction(0), 0, [], Fraction(0)
@@ -110,14 +123,14 @@ def _batches(
         if max_samples is not None:
             if max_samples - seen <= 0:
                 break
-            feed = _take(feed, units, min(_samples(feed, units, fixed), max_samples - seen))
-        samples = _samples(feed, units, fixed)
+            feed = _take(feed, units, min(_samples(feed, units, fixed, axes), max_samples - seen), axes)
+        samples = _samples(feed, units, fixed, axes)
         if samples == 0:  # a feed of no rows (a reader's empty batch) adds nothing, and runs nothing
             continue
         seen += samples
-        if pending and _shape_key(pending[0]) != _shape_key(feed):
+        if pending and _shape_key(pending[0], axes) != _shape_key(feed, axes):
             if not fixed:  # a fixed-batch model cannot run a partial input: drop it
-                yield _concat(pending)
+                yield _concat(pending, axes)
                 batches += 1
                 if batches == max_batches:
                     return
@@ -125,16 +138,16 @@ def _batches(
         pending.append(feed)
         pending_samples += samples
         while pending_samples >= target:
-            merged = _concat(pending)
-            yield _take(merged, units, target)
+            merged = _concat(pending, axes)
+            yield _take(merged, units, target, axes)
             batches += 1
             if batches == max_batches:
                 return
             pending_samples -= target
-            pending = [_take(merged, units, pending_samples, target)] if pending_samples else []
+            pending = [_take(merged, units, pending_samples, axes, target)] if pending_samples else []
         if max_samples is not None and seen >= max_samples:
             break
     if pending and not fixed:
-        yield _concat(pending)
+        yield _concat(pending, axes)
     elif pending and not batches:
-        raise _short_of_one_sample(inputs, _concat(pending), units)
+        raise _short_of_one_sample(inputs, _concat(pending, axes), units)

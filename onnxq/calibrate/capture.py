@@ -40,17 +40,19 @@ class CapturedOutputs:
     def wanting(self) -> bool:
         return not self.full and self.samples < self.wanted and self.held < CAPTURE_BYTES
 
-    def add(self, feed: dict[str, np.ndarray], outputs: list[np.ndarray], samples: int, rows: int) -> None:
+    def add(self, feed: dict[str, np.ndarray], outputs: list[np.ndarray], samples: int, rows: int,
+            cuttable: bool = True) -> None:
         """Keep one batch of `samples` samples (`rows` rows). Where every feed and output is
         batched on axis 0, it is cut to the samples still wanted and to the bytes left (at
         least one sample), and the cut is copied: a view would hold the whole batch. A batch
-        that cannot be cut (an array not batched on axis 0) is kept whole only as the first
-        one, and past the bytes left it ends the capture (the check then runs the float model
-        for the samples it lacks)."""
+        that cannot be cut (an array not batched on axis 0; `cuttable` False: inputs batched
+        on another axis, whose axis 0 may hold as many rows by chance) is kept whole only as
+        the first one, and past the bytes left it ends the capture (the check then runs the
+        float model for the samples it lacks)."""
         arrays = [*feed.values(), *outputs]
         size = sum(np.asarray(a).nbytes for a in arrays)
         keep = min(self.wanted - self.samples, max(1, (CAPTURE_BYTES - self.held) * samples // max(size, 1)))
-        cuttable = all(np.ndim(a) and np.shape(a)[0] == rows for a in arrays)
+        cuttable = cuttable and all(np.ndim(a) and np.shape(a)[0] == rows for a in arrays)
         if not cuttable and self.samples and self.held + size > CAPTURE_BYTES:
             self.full = self.spent = True
             return

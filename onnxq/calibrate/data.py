@@ -12,8 +12,16 @@ for an input with a fixed batch: `inputs.py`.
 from __future__ import annotations
 
 from onnxq.calibrate.batches import iter_batches
-from onnxq.calibrate.inputs import Feed, InputSpec, check_feed, feed_rows, model_inputs, sample_rows
+from onnxq.calibrate.inputs import (
+           Feed,
+           InputSpec,
+           axes_of,
+           check_feed,
+           feed_rows,
+           model_inputs,
+           sample_rows,
+)
 from onnxq.calibrate.sources import CalibrationSource, raw_feeds
 
-__all__ = ["CalibrationSource", "Feed", "InputSpec", "check_feed", "feed_rows", "iter_batches", "model_inputs",
-           "raw_feeds", "sample_rows"]
+__all__ = ["CalibrationSource", "Feed", "InputSpec", "axes_of", "check_feed", "feed_rows", "iter_batches",
+           "model_inputs", "raw_feeds", "sample_rows"]

@@ -2,10 +2,13 @@
 make one sample (`sample_rows`), and feeds checked against them (`check_feed`: dtype,
 rank, static dimensions, finite values).
 
-Arrays hold rows on the model's axis 0. For an input with a fixed batch B (such as
-[1,3,32,32], or [3,32,32] whose first axis is not a batch at all) one sample is one whole
-input of B rows: an array of exactly the input's shape is one sample, a stack of N of them
-(shape [N, *input shape]) is N samples, and B rows given one by one make one sample.
+Arrays hold rows on the input's batch axis: axis 0, unless the names of the model's
+dynamic dimensions put it elsewhere (`batch_axes`: a recurrent model's time-major input
+[t, b, 40] and its initial state [layers, b, 64] are batched on axis 1). For an input with
+a fixed batch B (such as [1,3,32,32], or [3,32,32] whose first axis is not a batch at all)
+one sample is one whole input of B rows: an array of exactly the input's shape is one
+sample, a stack of N of them (shape [N, *input shape]) is N samples, and B rows given one
+by one make one sample.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ class InputSpec:
     dtype: np.dtype
     shape: tuple[int | None, ...] | None
     kind: str = "tensor"  # or "sequence", "optional": dtype and shape are then the element's
+    batch_axis: int = 0  # where its samples lie (`batch_axes`)
 
     @property
     def batch_dynamic(self) -> bool:
-        return self.shape is not None and len(self.shape) > 0 and self.shape[0] is None
+        return self.shape is not None and len(self.shape) > self.batch_axis and self.shape[self.batch_axis] is None
 
     def fits(self, shape: tuple[int, ...]) -> bool:
         """Whether `shape` has this input's rank and static dimensions."""
@@ -48,14 +52,104 @@ class InputSpec:
 
 def model_inputs(model: ir.Model) -> list[InputSpec]:
     """The non-initializer graph inputs the calibration data must provide."""
+    graph = model.graph
+    axes = batch_axes({v.name: _dims(v.shape) for v in graph.inputs}, [_dims(v.shape) for v in graph.outputs],
+                      _recurrent_axes(graph))
     specs = []
-    for value in model.graph.inputs:
+    for value in graph.inputs:
         shape = None
         if value.shape is not None:
             shape = tuple(d if isinstance(d, int) else None for d in value.shape)
         dtype = np.dtype(value.dtype.numpy()) if value.dtype is not None else np.dtype(np.float32)
-        specs.append(InputSpec(value.name, dtype, shape, _kind(value.type)))
+        specs.append(InputSpec(value.name, dtype, shape, _kind(value.type), axes.get(value.name, 0)))
     return specs
+
+
+Dims = list[int | str | None]
+
+
+def _dims(shape: ir.Shape | None) -> Dims:
+    """A shape's dimensions: ints, the names of named dynamic ones, None for the others."""
+    if shape is None:
+        return []
+    return [d if isinstance(d, int) else (getattr(d, "value", None) or None) for d in shape]
+
+
+# Recurrent ops and the input slots whose batch axis their layout sets: X (0), initial_h
+# (5), initial_c (6) on axis 1 at layout 0 (time-major) and 0 at layout 1; sequence_lens (4)
+# is [batch].
+_RECURRENT = ("LSTM", "GRU", "RNN")
+
+
+def _recurrent_axes(graph: ir.Graph) -> dict[str, int]:
+    """Batch axes of graph inputs a recurrent node reads directly, from its layout."""
+    inputs = {v.name for v in graph.inputs}
+    found: dict[str, int] = {}
+    for node in graph:
+        if node.op_type not in _RECURRENT or node.domain not in ("", "ai.onnx"):
+            continue
+        layout = node.attributes.get_int("layout", 0)
+        for slot, value in enumerate(node.inputs):
+            if value is not None and value.name in inputs and slot in (0, 4, 5, 6):
+                found[value.name] = 0 if slot == 4 or layout == 1 else 1
+    return found
+
+
+def batch_axes(inputs: Mapping[str, Dims], outputs: list[Dims], recurrent: Mapping[str, int] | None = None,
+               ) -> dict[str, int]:
+    """Each input's batch axis, where the model's shapes say it is not axis 0.
+
+    Axis 0 stays the batch while it can be one: the same name, the same size or an unnamed
+    dimension on every input (a batch-1 export [1, t, 40] with its mask [1, t] keeps it).
+    It moves where a recurrent node reads the input directly as time-major
+    (`_recurrent_axes`); where axis 0 cannot be the batch ([b, t, 40] beside its state
+    [4, b, 64]), to the one name every input has exactly once (b); and where axis 0 is a
+    name and another one every input has is carried by more of the outputs ([t, b, 40]
+    with outputs [t, b, 12] and [1, b, 64]; MiniLM's [batch, sequence] stays, its
+    embeddings being [batch, 384]). Where the shapes do not settle it: axis 0."""
+    named = {name: [d if isinstance(d, str) else None for d in dims] for name, dims in inputs.items() if dims}
+    if not named:
+        return {}
+    firsts = {tuple(dims[:1]) for dims in inputs.values() if dims}
+    consistent = len(firsts) == 1 or any(first == (None,) for first in firsts)
+    candidates = [c for c in dict.fromkeys(d for dims in named.values() for d in dims if d)
+                  if all(dims.count(c) == 1 for dims in named.values())]
+
+    def axes(c: str) -> dict[str, int]:
+        return {name: dims.index(c) for name, dims in named.items()}
+
+    fits = [c for c in candidates if recurrent and all(
+        name not in named or (axis < len(named[name]) and named[name][axis] == c) for name, axis in recurrent.items())]
+    if len(fits) == 1 and any(axes(fits[0]).values()):
+        return axes(fits[0])
+    counts = {c: sum(c in dims for dims in outputs) for c in candidates}
+    if consistent:
+        first = next(iter(named.values()))[0]
+        beyond = [c for c in candidates if c != first and counts[c] > counts.get(first, 0)]
+        if first is None or first not in candidates or not beyond:
+            return {}
+        best = max(counts[c] for c in beyond)
+        winners = [c for c in beyond if counts[c] == best]
+        return axes(winners[0]) if len(winners) == 1 else {}
+    if len(candidates) > 1:
+        best = max(counts.values())
+        candidates = [c for c in candidates if counts[c] == best]
+    return axes(candidates[0]) if len(candidates) == 1 else {}
+
+
+def axes_of(inputs: list[InputSpec]) -> dict[str, int]:
+    """Each input's batch axis, by name."""
+    return {s.name: s.batch_axis for s in inputs}
+
+
+def rows_of(array: np.ndarray, axis: int) -> int:
+    """Rows of `array` on its batch `axis`."""
+    return array.shape[axis] if array.ndim > axis else len(array)
+
+
+def take_rows(array: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of `array` on its batch `axis` (a view)."""
+    return array[(slice(None),) * axis + (slice(start, stop),)]
 
 
 def _kind(value_type: ir.TypeProtocol | None) -> str:
@@ -66,27 +160,31 @@ def _kind(value_type: ir.TypeProtocol | None) -> str:
     return "tensor"
 
 
+def _batch_dim(spec: InputSpec) -> int | None:
+    return spec.shape[spec.batch_axis] if spec.shape and len(spec.shape) > spec.batch_axis else None
+
+
 def _fixed_batch(inputs: list[InputSpec]) -> int | None:
     """The static batch size of the model, or None when the batch axis is dynamic."""
-    sizes = {s.shape[0] for s in inputs if s.shape}
+    sizes = {_batch_dim(s) for s in inputs if s.shape}
     sizes.discard(None)
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def feed_rows(feed: Feed) -> int:
-    """Rows in a batch: of its first input with a batch axis (1 where every input is a
-    scalar, which runs one sample at a time)."""
-    return next((len(v) for v in feed.values() if np.ndim(v)), 1)
+def feed_rows(feed: Feed, axes: Mapping[str, int] | None = None) -> int:
+    """Rows in a batch: of its first input with a batch axis, on that axis (`axes`, default
+    0; 1 where every input is a scalar, which runs one sample at a time)."""
+    return next((rows_of(v, (axes or {}).get(k, 0)) for k, v in feed.items() if np.ndim(v)), 1)
 
 
 def sample_rows(inputs: list[InputSpec]) -> dict[str, int]:
-    """Rows (along axis 0) of each input that make one sample.
+    """Rows (along its batch axis) of each input that make one sample.
 
-    An input's static first dimension, else the model's fixed batch when it has one,
+    An input's static batch dimension, else the model's fixed batch when it has one,
     else 1: a sample of a fixed-shape input is one whole input.
     """
     common = _fixed_batch(inputs) or 1
-    return {s.name: s.shape[0] if s.shape and s.shape[0] is not None else common for s in inputs}
+    return {s.name: d if (d := _batch_dim(s)) is not None else common for s in inputs}
 
 
 def to_rows(spec: InputSpec | None, array: np.ndarray) -> np.ndarray:
@@ -97,6 +195,9 @@ def to_rows(spec: InputSpec | None, array: np.ndarray) -> np.ndarray:
     """
     if spec is None or spec.shape is None or not spec.shape:
         return array
+    axis = spec.batch_axis
+    if axis and array.ndim == len(spec.shape) - 1:  # one sample of an input batched on another axis
+        return np.expand_dims(array, axis)
     if array.ndim == len(spec.shape) - 1 and (
             spec.fits((spec.shape[0] or 1, *array.shape)) or spec.shape[1] in (None, array.shape[0])):
         return array[None]  # one sample (the later check names a wrong size)
@@ -182,7 +283,7 @@ def check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
             f"[{', '.join(['samples', *dims])}]"
         )
     for axis, (want, got) in enumerate(zip(spec.shape, array.shape)):
-        if want is not None and axis > 0 and want != got:
+        if want is not None and axis != spec.batch_axis and want != got:
             raise CalibrationDataError(
                 f"calibration input {spec.name!r} has samples of shape {list(array.shape[1:])}, expected "
                 f"{spec.describe()} "

@@ -16,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.calibrate.capture import CapturedOutputs
-from onnxq.calibrate.data import feed_rows, iter_batches, model_inputs, sample_rows
+from onnxq.calibrate.data import axes_of, feed_rows, iter_batches, model_inputs, sample_rows
 from onnxq.calibrate.observers import Observer, make_observer
 from onnxq.calibrate.session import (
     REDUCED_SUFFIXES,
@@ -28,6 +28,8 @@ from onnxq.calibrate.sources import empty_data
 from onnxq.calibrate.statistics import Statistic, StatisticsSet
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
+from onnxq.errors import CalibrationDataError
+from onnxq.notes import counted
 from onnxq.parallel import serial_blas
 from onnxq.progress import bar as progress_bar
 
@@ -91,6 +93,7 @@ def stream_tensors(
     """
     inputs = model_inputs(model)
     rows_per_sample = max(sample_rows(inputs)[inputs[0].name], 1) if inputs else 1
+    axes = axes_of(inputs)
     batch = calibration_batch(model, options)  # before any node is added: what count_batches sees
     bar = progress_bar(desc=purpose, unit="sample", enabled=progress, total=options.max_samples)
     on_cpu = not options.providers or options.providers[0] == "CPUExecutionProvider"
@@ -116,12 +119,13 @@ def stream_tensors(
                 break
             if window is not None and index < window[0]:
                 continue
-            rows = feed_rows(feed)
+            rows = feed_rows(feed, axes)
             captured = capture.names if capture is not None and capture.wanting else []
             fetched = outputs + [n for n in captured if n not in outputs]
             got = dict(zip(fetched, run_on_data(session, fetched, feed)))
             if captured:
-                capture.add(feed, [got[n] for n in captured], max(rows // rows_per_sample, 1), rows)
+                capture.add(feed, [got[n] for n in captured], max(rows // rows_per_sample, 1), rows,
+                            cuttable=not any(axes.values()))
             if statistics is not None:
                 statistics.update(got, index)
             for n in names:
@@ -212,6 +216,11 @@ class CalibrationState:
             return CalibrationResult()
         if self.num_batches == 0:
             raise empty_data(None)
+        if self.observers and all(o.num_values == 0 for o in self.observers.values()):
+            raise CalibrationDataError(
+                f"calibration ran {counted(self.num_samples, 'sample')} but saw no value in any of the {len(self.observers)} "
+                "tensors it observes: the samples are empty (a zero-length axis, such as a time axis of 0 frames); "
+                "give samples that hold data")
         return CalibrationResult(
             {name: obs.compute_range() for name, obs in self.observers.items()}, self.num_samples,
             self.num_batches, self.num_passes, self.statistics.results() if self.statistics is not None else {},
