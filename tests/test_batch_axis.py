@@ -110,6 +110,18 @@ def test_max_samples_cuts_on_the_batch_axis(tmp_path):
     assert result.summary.calibration_samples == 4
 
 
+def test_latency_repeats_an_utterance_on_the_batch_axis(tmp_path):
+    """--latency had read the states' axis 0 (2 directions) as a fixed batch of 2 and timed
+    nothing else; it times batch 1 and 8, each state [2, N, 16] as the model takes it."""
+    model = tmp_path / "lstm.onnx"
+    onnx.save(time_major_lstm(), model)
+    calib = write_folder(tmp_path / "calib", utterances(1))
+    result = onnxq.quantize(model, tmp_path / "q.onnx", {"calibration": {"measure_latency": True}}, calib,
+                            progress=False)
+    latency = result.summary.latency
+    assert [t.batch for t in latency.timings] == [1, 8] and not latency.skipped
+
+
 def test_samples_without_frames_are_refused(tmp_path):
     """Utterances of 0 frames calibrate nothing: the run had written a model with scale 1.0
     everywhere (0.9 dB on real data) and checked it at 'SQNR inf dB' on the empty samples."""

@@ -28,8 +28,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from onnxq.calibrate.access import Access, data_access, refusal
-from onnxq.calibrate.data import CalibrationSource, InputSpec, iter_batches
+from onnxq.calibrate.data import CalibrationSource, InputSpec, axes_of, iter_batches
 from onnxq.calibrate.decoder import PAST
+from onnxq.calibrate.inputs import take_rows
 from onnxq.evaluate import deployed_options, imports_extended, open_any
 from onnxq.target.profile import GPU_PROVIDERS, cpu_isa, gpu_first
 
@@ -109,9 +110,10 @@ class Latency:
         return out
 
 
-def fixed_batches(session: ort.InferenceSession) -> dict[str, int]:
-    """The session's inputs of a fixed batch (their first dimension a number), and it."""
-    return {i.name: i.shape[0] for i in session.get_inputs() if i.shape and isinstance(i.shape[0], int)}
+def fixed_batches(inputs: list[InputSpec]) -> dict[str, int]:
+    """The inputs of a fixed batch (a number on their batch axis), and it."""
+    return {s.name: s.shape[s.batch_axis] for s in inputs
+            if s.shape and len(s.shape) > s.batch_axis and isinstance(s.shape[s.batch_axis], int)}
 
 
 def decoder_steps(sample: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]] | None:
@@ -147,14 +149,15 @@ def latency_feeds(inputs: list[InputSpec], data: CalibrationSource, session: ort
     steps = decoder_steps(sample)
     if steps is not None:
         return dict(steps), []
-    fixed = fixed_batches(session)
+    fixed, axes = fixed_batches(inputs), axes_of(inputs)
     if fixed:
         name, batch = next(iter(fixed.items()))
         skipped = [f"batch {b} not measured: input {name!r} has a fixed batch of {batch}" for b in BATCHES
                    if b != batch]
-        return {batch: {k: np.asarray(v)[:fixed.get(k, batch)] for k, v in sample.items()}}, skipped
-    return {batch: {k: np.repeat(np.asarray(v)[:1], batch, axis=0) for k, v in sample.items()}
-            for batch in BATCHES}, []
+        return {batch: {k: take_rows(np.asarray(v), axes.get(k, 0), 0, fixed.get(k, batch))
+                        for k, v in sample.items()}}, skipped
+    return {batch: {k: np.repeat(take_rows(np.asarray(v), axes.get(k, 0), 0, 1), batch, axis=axes.get(k, 0))
+                    for k, v in sample.items()} for batch in BATCHES}, []
 
 
 def block_ms(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> list[float]:

@@ -33,11 +33,12 @@ from tqdm import tqdm
 from onnxq.analyze import analyze_models
 from onnxq.analyze.impact import layers_to_measure, noise_db
 from onnxq.calibrate.access import FIXES, data_access
-from onnxq.calibrate.data import CalibrationSource
+from onnxq.calibrate.data import CalibrationSource, axes_of
+from onnxq.calibrate.inputs import take_rows
 from onnxq.config.spec import Config, MixedPrecisionConfig
 from onnxq.emit.latency import fixed_batches, median_ms
 from onnxq.errors import CalibrationDataError
-from onnxq.evaluate import deployed_session
+from onnxq.evaluate import deployed_session, session_inputs
 from onnxq.graph.save import check_output_path, weight_bytes
 from onnxq.notes import Note, Topic, notes
 from onnxq.pipeline.run import run_pipeline, write_output
@@ -164,8 +165,9 @@ def _no_slower(ms: float, than_ms: float) -> bool:
 def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:
     """One sample of the eval data: one row, or an input's fixed batch of them."""
     feed = next(iter(evalset.batches(session)))
-    fixed = fixed_batches(session)
-    return {k: v[:fixed.get(k, 1)] for k, v in feed.items()}
+    specs = session_inputs(session)
+    fixed, axes = fixed_batches(specs), axes_of(specs)
+    return {k: take_rows(v, axes.get(k, 0), 0, fixed.get(k, 1)) for k, v in feed.items()}
 
 
 # Why a precision rung of the ladder raised none of the ranked layers (`ladder.effective`).
