@@ -1,5 +1,5 @@
-"""Models batched on another axis than 0, as a speech user meets them: a time-major LSTM
-([T, N, F], ONNX's and torch's default layout) with its initial states [directions, N, H].
+"""Recurrent models as a speech user meets them: a time-major LSTM ([T, N, F], ONNX's and
+torch's default layout) with its initial states [directions, N, H].
 
 Calibration, the output check and `compare` cut and count samples on each input's batch
 axis (`calibrate/inputs.batch_axes`), so an utterance runs whole: its time axis is never
@@ -120,6 +120,19 @@ def test_latency_repeats_an_utterance_on_the_batch_axis(tmp_path):
                             progress=False)
     latency = result.summary.latency
     assert [t.batch for t in latency.timings] == [1, 8] and not latency.skipped
+
+
+def test_a_static_recipe_says_how_to_quantize_the_lstm(tmp_path):
+    """The LSTM stays float under a static recipe, and the summary names the recipe that
+    quantizes it; following it quantizes the LSTM beside the static MatMul."""
+    model = tmp_path / "lstm.onnx"
+    onnx.save(time_major_lstm(), model)
+    calib = write_folder(tmp_path / "calib", utterances(1))
+    result = onnxq.quantize(model, tmp_path / "q.onnx", None, calib, progress=False)
+    assert "W8_DYNAMIC" in result.summary.float_nodes["lstm"][1]
+    dynamic = {"layer_type_quant_config": {"LSTM": {"input_tensors": {"is_dynamic": True}}}}
+    result = onnxq.quantize(model, tmp_path / "q2.onnx", dynamic, calib, progress=False)
+    assert result.summary.quantized_by_op == {"LSTM": 1, "MatMul": 1}
 
 
 def test_samples_without_frames_are_refused(tmp_path):

@@ -21,7 +21,7 @@ from onnxq.graph.fold import constant_array
 from onnxq.notes import Note, Topic
 from onnxq.plan.draft import Draft
 from onnxq.plan.plan import Kind, QuantPlan, TensorPlan
-from onnxq.plan.rules import FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
+from onnxq.plan.rules import DYNAMIC_OPS, FUSABLE_ACTIVATIONS, OP_RULES, OpRule, OutputMode
 from onnxq.plan.strategies.registry import Decision, Planned, Refuse, register_strategy
 from onnxq.target.narrowing import kernel_class
 
@@ -104,6 +104,10 @@ def claim(node: ir.Node, cfg: ResolvedConfig, draft: Draft) -> Decision:
         counts = ", ".join(f"{op} x{n}" for op, n in sorted(inner.items()))
         return Refuse(f"control flow: the {sum(inner.values())} nodes of its subgraphs ({counts}) run in float "
                       "(onnxq quantizes the main graph)")
+    if rule is None and node.op_type in DYNAMIC_OPS and node.domain in ("", "ai.onnx"):
+        # an LSTM: onnxruntime's integer kernel quantizes its activations at run time
+        return Refuse(f"no static integer kernel for {node.op_type}; dynamic quantization has one "
+                      f"(--preset W8_DYNAMIC, or layer_type_quant_config {node.op_type}: input_tensors: is_dynamic: true)")
     if rule is None:
         return Refuse(f"no quantized kernel rule for {node.domain or 'ai.onnx'}::{node.op_type}")
     if rule.applies is not None and not rule.applies(node):
