@@ -63,6 +63,9 @@ class EvalSet:
     max_samples: int | None
     batch_size: int = 16
     reference: np.ndarray | None = None
+    # Elements of each batch in the joined first output, where batches differ in shape
+    # (sequences of other lengths): each batch is then one sample of the score (`parts`).
+    ragged: list[int] | None = None
 
     def batches(self, session: ort.InferenceSession) -> Iterator[dict[str, np.ndarray]]:
         return iter_batches(self.data, session_inputs(session), self.batch_size, self.max_samples,
@@ -84,9 +87,7 @@ class EvalSet:
         name = session.get_outputs()[0].name
         got = [(run_on_data(session, [name], feed, "evaluation") if user_model else session.run([name], feed))[0]
                for feed in self.batches(session)]
-        if ragged(got):  # its figures are per sample (cosine, top-1, their standard error)
-            raise OnnxqError(f"the accuracy target scores each sample, and output {name!r} differs in shape between "
-                             "evaluation batches (sequences of other lengths); give evaluation data of one shape")
+        self.ragged = [b.size for b in got] if ragged(got) else None
         return joined(got)
 
 
@@ -188,7 +189,7 @@ def measurer(target: AccuracyTarget, evalset: EvalSet,
         if evalset.labels is None:
             raise CalibrationDataError("metric top1 needs labels: an --eval-data .npz holding a "
                                        "'labels' array (or --labels KEY), or use --metric cosine")
-        return lambda session: _top1_scored(evalset.first_output(session), evalset.labels)
+        return lambda session: _top1_scored(_one_shape(evalset, evalset.first_output(session)), evalset.labels)
     compare = _cosine if metric == "cosine" else _sqnr
 
     kept: list[np.ndarray | None] = []  # the eval data's, read on the first call
@@ -196,9 +197,35 @@ def measurer(target: AccuracyTarget, evalset: EvalSet,
     def score(session: ort.InferenceSession) -> Scored:
         if not kept:
             kept.append(evalset.positions(session))
-        return compare(evalset.reference, evalset.first_output(session), kept[0])
+        out = evalset.first_output(session)
+        if evalset.ragged is not None:
+            return _per_batch(metric, evalset.reference, out, evalset.ragged)
+        return compare(evalset.reference, out, kept[0])
 
     return score
+
+
+def _one_shape(evalset: EvalSet, out: np.ndarray) -> np.ndarray:
+    """`out`, where the batches had one shape: top-1 scores each sample's class scores."""
+    if evalset.ragged is not None:
+        raise OnnxqError("metric top1 scores each sample's class scores, and the first output differs in shape "
+                         "between evaluation batches (sequences of other lengths); give evaluation data of one "
+                         "shape, or use --metric sqnr or cosine")
+    return out
+
+
+def _per_batch(metric: str, ref: np.ndarray, out: np.ndarray, sizes: list[int]) -> Scored:
+    """The score of joined outputs from batches of other shapes (a speech set's utterances
+    of other lengths), each batch one sample of it and of its paired test: sqnr over every
+    element, each batch's part minus its noise energy; cosine the mean of each batch's."""
+    cuts = np.cumsum(sizes)[:-1]
+    refs, outs = np.split(ref.ravel(), cuts), np.split(out.ravel(), cuts)
+    if metric == "sqnr":
+        noise = np.array([float(np.sum((r.astype(np.float64) - o) ** 2)) for r, o in zip(refs, outs)])
+        return Scored(sqnr_db(ref, out), -noise, "sqnr")
+    cos = np.array([float(row_cosines(r[None], o[None])[0])
+                    for r, o in zip(refs, outs)])
+    return Scored(float(np.mean(cos)), cos, "cosine")
 
 
 def _sqnr(ref: np.ndarray, out: np.ndarray, kept: np.ndarray | None) -> Scored:
