@@ -152,6 +152,19 @@ def test_accuracy_target_on_utterances_of_other_lengths(tmp_path, metric):
         assert abs(result.summary.mixed_precision.final_score - sqnr_db(refs, outs)) < 0.01
 
 
+def test_a_model_onnxruntime_cannot_run_is_refused_with_its_reason(tmp_path):
+    """A batch-first LSTM (layout 1), which onnxruntime's CPU does not run: the dynamic
+    recipe, which opens no session before the load check, now gives onnxruntime's reason
+    as the static one does."""
+    model = time_major_lstm()
+    lstm = next(n for n in model.graph.node if n.op_type == "LSTM")
+    lstm.attribute.append(helper.make_attribute("layout", 1))
+    path = tmp_path / "lstm.onnx"
+    onnx.save(model, path)
+    with pytest.raises(onnxq.OnnxqError, match="layout == 1"):
+        onnxq.quantize(path, tmp_path / "q.onnx", "W8_DYNAMIC", progress=False)
+
+
 def test_samples_without_frames_are_refused(tmp_path):
     """Utterances of 0 frames calibrate nothing: the run had written a model with scale 1.0
     everywhere (0.9 dB on real data) and checked it at 'SQNR inf dB' on the empty samples."""

@@ -83,10 +83,12 @@ class Trial:
     payload: object = None
 
 
-def find_culprits(candidates: list[Hashable], emit: Callable[[set], Trial]) -> tuple[Trial, list]:
+def find_culprits(candidates: list[Hashable], emit: Callable[[set], Trial],
+                  explain: Callable[[ir.Model], str | None] | None = None) -> tuple[Trial, list]:
     """Smallest set of `candidates` to keep float so that `emit(kept_float)` loads.
 
     Candidates are node names (quantized emission) or (op type, type) pairs (float cast).
+    `explain`: onnxruntime's refusal of a model, said where not even the all-float one loads.
 
     Culprits are found one at a time: the shortest prefix of the remaining candidates
     (in graph order) that fails when quantized alone ends at a culprit. Each culprit
@@ -94,10 +96,13 @@ def find_culprits(candidates: list[Hashable], emit: Callable[[set], Trial]) -> t
     """
     culprits: list[str] = []
     remaining = list(candidates)
-    if not emit(set(remaining)).loads:
+    every = emit(set(remaining))
+    if not every.loads:
+        said = explain(every.model) if explain is not None else None
         raise OnnxqError(
-            "onnxruntime cannot load this model even with every quantized node kept float; "
-            "check that the float model loads in a default onnxruntime session"
+            "onnxruntime cannot load this model even with every quantized node kept float"
+            + (f" (onnxruntime: {said})" if said else "")
+            + "; check that the float model loads in a default onnxruntime session"
         )
     while True:
         trial = emit(set(culprits))

@@ -125,7 +125,7 @@ def emit_loadable(
             restore_half_weights(copy, upcast.weights)
         return Trial(copy, model_loads(copy, providers, prepack=prepack), result)
 
-    final, culprits = find_culprits(order, trial)
+    final, culprits = find_culprits(order, trial, lambda m: load_error(m, providers, prepack=prepack))
     note = Note(Topic.FLOAT, f"{len(culprits)} nodes kept float because onnxruntime could not load them quantized: "
                 + ", ".join(culprits[:5]) + (", ..." if len(culprits) > 5 else "")
                 + (f" (onnxruntime: {said})" if said else ""), tuple(culprits))
