@@ -22,7 +22,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from tqdm import tqdm
 
-from onnxq.calibrate.data import CalibrationSource, InputSpec, axes_of, feed_rows, iter_batches
+from onnxq.calibrate.data import CalibrationSource, InputSpec, feed_samples, iter_batches
 from onnxq.calibrate.decoder import LOGITS, DecoderFeeds, decoder_feeds, is_decoder, result_outputs
 from onnxq.calibrate.inputs import batch_axes
 from onnxq.calibrate.session import check_providers, open_session, run_on_data, run_quantized
@@ -342,7 +342,7 @@ def compare_models(
             got[kind] = dict(zip(names, run))
         for n in names:
             check_same_shape(n, got["float"][n], [got[k][n] for k in sessions])
-        samples += feed_rows(feed, axes_of(specs))  # of the inputs: an output may be [seq, N, ...] or unbatched
+        samples += feed_samples(feed, specs)  # of the inputs: an output may be [seq, N, ...] or unbatched
         if not streamed:
             for kind, values in got.items():
                 for n, y in values.items():

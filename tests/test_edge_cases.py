@@ -432,3 +432,23 @@ def test_analyze_reads_another_tools_qdq_weights():
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])], inits)
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     assert [layer.name for layer in layers(model)] == ["conv"]
+
+
+def test_an_unbatched_input_counts_samples_not_rows(tmp_path):
+    """A torchvision-style detector takes one image [3, H, W], no batch axis: compare and
+    analyze counted its 3 channel rows as 3 samples (detection trial: 4 images, "compared
+    on 12 samples")."""
+    from onnxq.analyze import analyze_models
+    from onnxq.evaluate import compare_models
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((16, 8)) / 4).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"), helper.make_node("Relu", ["y"], ["z"])], "unbatched",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 16])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [3, 8])], [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), tmp_path / "f.onnx")
+    images = {"x": rng.standard_normal((4, 3, 16)).astype(np.float32)}
+    result = onnxq.quantize(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), None, images, progress=False)
+    assert result.summary.calibration_samples == 4
+    assert compare_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), images).samples == 4
+    assert analyze_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), images, progress=False).samples == 4

@@ -44,7 +44,7 @@ from onnxq.analyze.impact import (
 from onnxq.analyze.isolate import PREFIX, IsolatedLayer, add_isolated_layers, with_only
 from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized_activations
 from onnxq.analyze.rescaled import rescaled_layers
-from onnxq.calibrate.data import CalibrationSource, axes_of, feed_rows, iter_batches
+from onnxq.calibrate.data import CalibrationSource, feed_samples, iter_batches
 from onnxq.calibrate.decoder import decoder_feeds, result_outputs
 from onnxq.calibrate.session import check_providers, exposed_session, run_quantized
 from onnxq.errors import ModelError
@@ -279,7 +279,7 @@ def analyze_models(
                     check_same_shape(n, ref[n], [out[n]])
                     out_err[n].update(ref[n], out[n])
                     agreement[n].update(ref[n], out[n])
-            samples += feed_rows(feed, axes_of(specs))
+            samples += feed_samples(feed, specs)
         del ref_session, test_session, deployed  # their weights' copies, before any other pass
 
     tensor_reports = [_tensor_report(a, tensor_err[a.name], ranges[a.name]) for a in activations]
@@ -399,7 +399,7 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
         specs = session_inputs(session)
         for feed in iter_batches(data, specs, batch_size, samples, kind="evaluation"):
             got.append(run_quantized(session, [name], feed)[0])
-            fed[-1] += feed_rows(feed, axes_of(specs))  # of the inputs: an output may be a scalar or [seq, N, ...]
+            fed[-1] += feed_samples(feed, specs)  # of the inputs: an output may be a scalar or [seq, N, ...]
             if sum(g.nbytes for g in got) >= IMPACT_OUTPUT_BYTES:  # an LLM's logits: 50 MB a window
                 break
         return joined(got)

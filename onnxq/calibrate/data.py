@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from onnxq.calibrate.batches import iter_batches
 from onnxq.calibrate.inputs import (
-           Feed,
-           InputSpec,
-           axes_of,
-           check_feed,
-           feed_rows,
-           model_inputs,
-           sample_rows,
+    Feed,
+    InputSpec,
+    axes_of,
+    check_feed,
+    feed_rows,
+    feed_samples,
+    model_inputs,
+    sample_rows,
 )
 from onnxq.calibrate.sources import CalibrationSource, raw_feeds
 
-__all__ = ["CalibrationSource", "Feed", "InputSpec", "axes_of", "check_feed", "feed_rows", "iter_batches",
-           "model_inputs", "raw_feeds", "sample_rows"]
+__all__ = ["CalibrationSource", "Feed", "InputSpec", "axes_of", "check_feed", "feed_rows", "feed_samples",
+           "iter_batches", "model_inputs", "raw_feeds", "sample_rows"]

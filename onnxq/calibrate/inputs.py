@@ -177,6 +177,16 @@ def feed_rows(feed: Feed, axes: Mapping[str, int] | None = None) -> int:
     return next((rows_of(v, (axes or {}).get(k, 0)) for k, v in feed.items() if np.ndim(v)), 1)
 
 
+def feed_samples(feed: Feed, inputs: list[InputSpec]) -> int:
+    """Samples in a batch: its rows on the batch axis over the rows one sample takes (an
+    unbatched [3, H, W] image is one sample of 3 rows)."""
+    units = sample_rows(inputs)
+    first = next((s for s in inputs if s.name in feed and np.ndim(feed[s.name])), None)
+    if first is None:
+        return 1
+    return max(rows_of(np.asarray(feed[first.name]), first.batch_axis) // max(units[first.name], 1), 1)
+
+
 def sample_rows(inputs: list[InputSpec]) -> dict[str, int]:
     """Rows (along its batch axis) of each input that make one sample.
 
