@@ -439,6 +439,7 @@ def test_an_unbatched_input_counts_samples_not_rows(tmp_path):
     analyze counted its 3 channel rows as 3 samples (detection trial: 4 images, "compared
     on 12 samples")."""
     from onnxq.analyze import analyze_models
+    from onnxq.errors import CalibrationDataError
     from onnxq.evaluate import compare_models
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((16, 8)) / 4).astype(np.float32)
@@ -452,3 +453,7 @@ def test_an_unbatched_input_counts_samples_not_rows(tmp_path):
     assert result.summary.calibration_samples == 4
     assert compare_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), images).samples == 4
     assert analyze_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), images, progress=False).samples == 4
+    # a stack of images of another size names the axis, not "1 axis too many" with a shape that drops the channels
+    with pytest.raises(CalibrationDataError, match=r"samples of shape \[3, 12\], expected float32 \[3,16\] "
+                                                   r"\(axis 1 must be 16\)"):
+        onnxq.quantize(str(tmp_path / "f.onnx"), None, None, {"x": images["x"][:, :, :12]}, progress=False)

@@ -283,6 +283,8 @@ def check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
     if spec.shape is None:
         return array
     array = to_rows(spec, array)
+    if array.ndim == len(spec.shape) + 1 and spec.shape[0] is not None:  # a stack of unbatched inputs
+        _check_static_dims(spec, array.shape[1:], range(len(spec.shape)))
     if array.ndim != len(spec.shape):
         dims = ["?" if d is None else str(d) for d in spec.shape[1:]]
         off = len(spec.shape) - array.ndim
@@ -292,11 +294,19 @@ def check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
             f"model's input rank {len(spec.shape)} ({spec.describe()}): {off_by}; give arrays "
             f"[{', '.join(['samples', *dims])}]"
         )
-    for axis, (want, got) in enumerate(zip(spec.shape, array.shape)):
-        if want is not None and axis != spec.batch_axis and want != got:
-            raise CalibrationDataError(
-                f"calibration input {spec.name!r} has samples of shape {list(array.shape[1:])}, expected "
-                f"{spec.describe()} "
-                f"(axis {axis} must be {want})" + _layout_hint(array.shape, spec.shape)
-            )
+    _check_static_dims(spec, array.shape, [a for a in range(len(spec.shape)) if a != spec.batch_axis],
+                       list(array.shape[1:]))
     return array
+
+
+def _check_static_dims(spec: InputSpec, shape: tuple[int, ...], axes: Any, sample: list[int] | None = None) -> None:
+    """Each of `axes` of `shape` as the input's static dimension there; `sample`: the
+    sample's shape the error gives (default `shape`)."""
+    for axis in axes:
+        want = spec.shape[axis]
+        if want is not None and want != shape[axis]:
+            raise CalibrationDataError(
+                f"calibration input {spec.name!r} has samples of shape {sample or list(shape)}, expected "
+                f"{spec.describe()} "
+                f"(axis {axis} must be {want})" + _layout_hint(shape, spec.shape)
+            )
