@@ -12,7 +12,7 @@ the arithmetic stays float), which isolates what the int8 kernels of this CPU ad
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from onnxq.calibrate.inputs import batch_axes
 from onnxq.calibrate.session import check_providers, open_session, run_on_data, run_quantized
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
 from onnxq.graph.quantized import describe, integer_kernel, quantized_ops
+from onnxq.graph.selection import selected_outputs
 from onnxq.graph.wire import read_structure
 from onnxq.perplexity import NextToken, scores_tokens
 from onnxq.runtime import DOMAIN, session_options
@@ -47,6 +48,9 @@ class OutputMetrics:
     # an integer or boolean output (class indices, a mask): the share of elements equal, which
     # is what it means; SQNR and cosine of indices are no signal figures
     equal: float | None = None
+    # the selection op (NonMaxSuppression, TopK ...) whose picked and ordered rows it holds
+    # (`graph/selection.py`): its figures do not measure the picks
+    follows: str | None = None
 
 
 @dataclass
@@ -245,19 +249,24 @@ def class_labels(labels: Any, samples: int, classes: int | None = None) -> np.nd
 
 def _metrics(
     refs: dict[str, np.ndarray], tests: dict[str, np.ndarray], labels: np.ndarray | None, kernels: str,
-    samples: int | None = None, rows: Collection[str] = (),
+    samples: int | None = None, rows: Collection[str] = (), follows: Mapping[str, str] | None = None,
 ) -> Comparison:
     """`samples`: the samples compared, where outputs of different lengths were joined as
     rows (`joined`: the outputs named in `rows`) and their length is no longer the count;
-    those get no top-1 agreement or accuracy (a row is no sample's class scores)."""
+    those get no top-1 agreement or accuracy (a row is no sample's class scores), nor do
+    the outputs a selection op picks (`follows`)."""
+    follows = follows or {}
+    rows = {*rows, *follows}
     names = list(refs)
     result = Comparison(samples=len(refs[names[0]]) if samples is None else samples, kernels=kernels)
     for n in names:
         r, t = refs[n], tests[n]
         if r.dtype.kind in "biu":
-            result.outputs.append(OutputMetrics(n, float("nan"), float("nan"), equal=float(np.mean(r == t))))
+            result.outputs.append(OutputMetrics(n, float("nan"), float("nan"), equal=float(np.mean(r == t)),
+                                                follows=follows.get(n)))
             continue
-        metrics = OutputMetrics(n, sqnr_db(r, t), cosine(r, t), None if n in rows else top1_agreement(r, t))
+        metrics = OutputMetrics(n, sqnr_db(r, t), cosine(r, t), None if n in rows else top1_agreement(r, t),
+                                follows=follows.get(n))
         if metrics.top1_agreement is not None and labels is not None and n == names[0]:
             y = class_labels(labels, len(r), r.shape[1] if r.ndim == 2 else None)
             result.float_accuracy = float(np.mean(r.argmax(1) == y))
@@ -360,7 +369,8 @@ def compare_models(
     else:
         arrays = {k: {n: joined(v) for n, v in per.items()} for k, per in outputs.items()}
         rows = {n for n, v in outputs["float"].items() if ragged(v)}  # joined as rows: no class scores per sample
-        results = {k: _metrics(arrays["float"], arrays[k], labels, k, samples, rows) for k in sessions}
+        follows = selected_outputs(ir.from_proto(float_proto).graph) if float_proto is not None else {}
+        results = {k: _metrics(arrays["float"], arrays[k], labels, k, samples, rows, follows) for k in sessions}
     result = results.get("deployed") or results["reference"]
     result.reference = results.get("reference") if "deployed" in results else None
     result.labels_unused = labels is not None and result.float_accuracy is None
@@ -467,11 +477,13 @@ def check_same_shape(name: str, ref: np.ndarray, tests: list[np.ndarray]) -> Non
 def _format_figures(c: Comparison, label: str) -> list[str]:
     lines = []
     for m in c.outputs:
+        follows = (f" (the rows a {m.follows} picks and orders: near-equal candidates swapped change them with the "
+                   "same picks, so these figures do not measure the picks)") if m.follows else ""
         if m.equal is not None:
-            lines.append(f"  {m.name}{label}: {m.equal:.2%} of its elements equal (an integer output)")
+            lines.append(f"  {m.name}{label}: {m.equal:.2%} of its elements equal (an integer output){follows}")
             continue
         extra = f", top-1 agreement {m.top1_agreement:.2%}" if m.top1_agreement is not None else ""
-        lines.append(f"  {m.name}{label}: SQNR {m.sqnr_db:.1f} dB, cosine {m.cosine:.5f}{extra}")
+        lines.append(f"  {m.name}{label}: SQNR {m.sqnr_db:.1f} dB, cosine {m.cosine:.5f}{extra}{follows}")
     if c.float_accuracy is not None:
         lines.append(f"  top-1 accuracy{label}: float {c.float_accuracy:.2%}, quantized {c.quant_accuracy:.2%}")
     return lines

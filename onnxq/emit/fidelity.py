@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +75,10 @@ class Fidelity:
     # held-out images), and the line says so
     fitted_by: tuple[str, ...] = ()
     asked: int = 0  # the samples asked for, where the float outputs' memory cap held fewer
+    # the selection op (NonMaxSuppression, TopK ...) whose picked and ordered rows the
+    # reported output holds, where every output does (`graph/selection.py`): its figures
+    # are then no measure of it, and no warning is given on them
+    follows: str | None = None
 
     def line(self) -> str:
         which = f"worst of {self.outputs} outputs, '{self.output}'" if self.outputs > 1 else f"output '{self.output}'"
@@ -83,11 +88,14 @@ class Fidelity:
                   "data (`onnxq compare FLOAT QUANT --data HELD_OUT`) gives the deployed figure") if self.fitted_by else ""
         capped = (f" of the {self.asked} asked: the float outputs held for it stop at {REFERENCE_BYTES >> 20} MB"
                   if self.samples < self.asked else "")
+        follows = (f"; '{self.output}' holds the rows a {self.follows} picks and orders: near-equal candidates "
+                   "swapped change it row by row with the same picks, so these figures do not measure it (score "
+                   "the picks your own way, by IoU say)") if self.follows else ""
         return (f"check on {self.samples} calibration samples{capped} ({session}): {which}: "
-                f"SQNR {self.sqnr_db:.1f} dB, cosine {self.cosine:.4f}{top1}{fitted}")
+                f"SQNR {self.sqnr_db:.1f} dB, cosine {self.cosine:.4f}{top1}{fitted}{follows}")
 
     def warning(self) -> str | None:
-        if self.sqnr_db >= WARN_DB:
+        if self.sqnr_db >= WARN_DB or self.follows:
             return None
         return (f"output '{self.output}' is far from the float model's (SQNR {self.sqnr_db:.1f} dB); "
                 "`onnxq analyze FLOAT QUANT --data DATA` names the tensors that lose it, and "
@@ -144,9 +152,11 @@ def _lean_session(model: str | os.PathLike | bytes | ir.Model, providers: list[s
     return open_any(model, options, providers)
 
 
-def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity | str | None:
+def measure(session: ort.InferenceSession, reference: Reference,
+            follows: Mapping[str, str] | None = None) -> Fidelity | str | None:
     """The quantized model (`session`) against `reference`; the output with the lowest
-    SQNR is the one reported (a decoder's KV-cache outputs only where it has no other). A
+    SQNR is the one reported (a decoder's KV-cache outputs only where it has no other;
+    outputs that `follows` a selection op only where every output does). A
     model that loads but fails to run gives a warning instead;
     outputs whose shapes depend on the data (and differ) are not compared, and positions
     where the float output is not finite, or that the feed's attention mask hides, are left
@@ -164,12 +174,14 @@ def measure(session: ort.InferenceSession, reference: Reference) -> Fidelity | s
             return f"warning: the quantized model loads but failed to run on a calibration sample: {first}"
         for i, tally in tallies.items():  # each batch's outputs summed as they come: none are held
             tally.add(feed, np.asarray(outputs[i]), np.asarray(tests[i]))
-    worst = None
-    for i, tally in tallies.items():
-        figures = tally.figures(reference.names[i], len(reported), reference.samples)
-        if figures is not None and (worst is None or figures.sqnr_db < worst.sqnr_db):
-            worst = figures
-    return worst
+    follows = follows or {}
+    measured = [f for i, tally in tallies.items()
+                if (f := tally.figures(reference.names[i], len(reported), reference.samples)) is not None]
+    judged = [f for f in measured if f.output not in follows] or measured
+    worst = min(judged, key=lambda f: f.sqnr_db, default=None)
+    if worst is None or worst.output not in follows:
+        return worst
+    return dataclasses.replace(worst, follows=follows[worst.output], top1_agreement=None)  # rows, not class scores
 
 
 def _unmasked(feed: dict[str, np.ndarray], ref: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -283,13 +295,15 @@ def samples_to_check(asked: int | None, model_bytes: int, data: CalibrationSourc
 def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs: list[InputSpec],
                   session: ort.InferenceSession, data: CalibrationSource, samples: int,
                   providers: list[str], extended: bool = False,
-                  captured: CapturedOutputs | None = None) -> Fidelity | str | None:
+                  captured: CapturedOutputs | None = None,
+                  follows: Mapping[str, str] | None = None) -> Fidelity | str | None:
     """The emitted model (open in `session`) against the float model on the first
     `samples` samples: its outputs as calibration `captured` them where it kept that many
     (no second float session), else the user's model (`source`, opened only now: the float
     weights the pipeline loaded are gone, so the check adds one float session to the
     quantized model, not two copies); `extended`: the emitted model holds onnxq's extended
-    ops (the figures say how it ran)."""
+    ops (the figures say how it ran); `follows`: the outputs a selection op picks
+    (`graph/selection.py`)."""
     if captured is not None and samples > 0 and (captured.samples >= samples or captured.complete or captured.spent):
         reference: Reference | None = Reference(captured.feeds, captured.outputs, captured.names, captured.samples,
                                                 capped=captured.spent and not captured.complete)
@@ -304,6 +318,6 @@ def check_outputs(source: str | os.PathLike | onnx.ModelProto | ir.Model, inputs
                         f"({ort_refusal(str(exc) or type(exc).__name__)}); the quantized model itself loads")
             return f"output check skipped: the float model failed on a calibration sample ({found})"
         reference = found
-    checked = None if reference is None else measure(session, reference)
+    checked = None if reference is None else measure(session, reference, follows)
     asked = samples if reference is not None and reference.capped and reference.samples < samples else 0
     return dataclasses.replace(checked, extended=extended, asked=asked) if isinstance(checked, Fidelity) else checked

@@ -17,6 +17,7 @@ from onnxq.emit.loadcheck import prepacks
 from onnxq.errors import ConfigError
 from onnxq.evaluate import imports_extended
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
+from onnxq.graph.selection import selected_outputs
 from onnxq.notes import Note, Topic, notes
 from onnxq.optimize.registry import fits_data, parse_passes
 from onnxq.optimize.runner import run_algorithms
@@ -103,7 +104,8 @@ def run_pipeline(
     if session is not None and samples:
         with summary.stage("check"):
             checked = check_outputs(source, model_inputs(model), session, settings.data, samples,
-                                    options.providers, imports_extended(model), calibration.outputs)
+                                    options.providers, imports_extended(model), calibration.outputs,
+                                    selected_outputs(model.graph))
         if isinstance(checked, str):
             summary.notes.append(Note(Topic.CHECK, checked))
         elif checked is not None:
