@@ -283,6 +283,10 @@ def test_layers_rank_by_their_effect_on_the_output():
     capped = impact_order(local, local, evalset, _offset_session(0.0), lambda n: _offset_session(effect[n]), 1)
     assert [n for n, _ in capped] == local and np.isnan(capped[1][1])  # the rest in the fallback order
     assert layers_to_measure(10 << 20) > 30 and layers_to_measure(2 << 30) == 16  # set by size, not the clock
+    # after an analysis pass: at most 16 passes' worth of its samples (a 14 MB detector on 32
+    # images had measured all of its 157 layers, 100x its quantize), never under 16 layers
+    assert layers_to_measure(14 << 20, 32, 32) == 16 and layers_to_measure(10 << 20, 200, 32) == 100
+    assert layers_to_measure(10 << 20, 4, 4) == 16
 
 
 @pytest.mark.parametrize("rung, dtype", [("fp16", onnx.TensorProto.FLOAT16), ("bf16", onnx.TensorProto.BFLOAT16)])

@@ -37,6 +37,7 @@ from onnxq.analyze.grouped import kernel_layers, measure_in_groups
 from onnxq.analyze.impact import (
     IMPACT_OUTPUT_BYTES,
     IMPACT_SAMPLES,
+    RANK_PASSES,
     impact_order,
     layers_to_measure,
     noise_db,
@@ -306,7 +307,7 @@ def analyze_models(
     if pristine is not None and layer_reports:
         if _rereadable(data):
             layer_reports, ranked_samples = _by_output(layer_reports, pristine, quant, data, providers, batch_size,
-                                                       max_samples, progress)
+                                                       max_samples, progress, samples)
         else:
             notes.append("layers ranked by their channels' noise, not by the output: the data can be read only "
                          "once (pass a path, a dict of arrays or a list of feeds)")
@@ -377,7 +378,7 @@ def _rereadable(data: Any) -> bool:
 
 def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Model, data: Any,
                providers: list[str], batch_size: int, max_samples: int | None,
-               progress: bool | None) -> tuple[list[LayerReport], int]:
+               progress: bool | None, analysed: int | None = None) -> tuple[list[LayerReport], int]:
     """`reports` (in their channels' noise order) ranked by what each layer alone does to
     the first output (`impact.impact_order`, as the accuracy search ranks them: the model
     with only that layer quantized, `isolate.with_only`, on the first IMPACT_SAMPLES
@@ -387,7 +388,7 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
     found = {layer.name: layer for layer in [*layers(quant), *kernel_layers(quant)]}
     samples = min(max_samples or IMPACT_SAMPLES, IMPACT_SAMPLES)
     names = [r.name for r in reports]
-    limit = layers_to_measure(weight_bytes(float_model))
+    limit = layers_to_measure(weight_bytes(float_model), analysed, samples)
     bar = tqdm(total=min(limit, len(names)), desc="rank layers", unit="layer", leave=False,
                disable=True if progress is False else None)
 
@@ -466,7 +467,8 @@ def _layer_order(a: Analysis) -> str:
     measured = sum(r.output_sqnr_db is not None for r in a.layers)
     if not measured:
         return "by ch noise, the mean over output channels of noise/signal with the layer alone quantized"
-    rest = "" if measured == len(a.layers) else f" ({measured} measured; the rest by ch noise)"
+    rest = "" if measured == len(a.layers) else (f" ({measured} measured, within {RANK_PASSES} passes' worth of the "
+                                                 "data or the model's weight budget; the rest by ch noise)")
     on = f" on the first {a.ranked_samples} samples" if a.ranked_samples else ""
     return (f"by output dB, the SQNR of the model's first output{on} with only that layer quantized, as the "
             f"accuracy search ranks them{rest}")
