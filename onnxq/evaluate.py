@@ -51,6 +51,9 @@ class OutputMetrics:
     # the selection op (NonMaxSuppression, TopK ...) whose picked and ordered rows it holds
     # (`graph/selection.py`): its figures do not measure the picks
     follows: str | None = None
+    # such an output's rows over the samples, float and quantized, where the two models
+    # picked different numbers of rows: no figures then
+    rows_differ: tuple[int, int] | None = None
 
 
 @dataclass
@@ -343,6 +346,8 @@ def compare_models(
     sums = {k: {n: StreamedOutput() for n in names} for k in sessions}
     samples = 0
     specs = session_inputs(ref)
+    follows = selected_outputs(ir.from_proto(float_proto).graph) if float_proto is not None else {}
+    picked = {n: [0, 0, False] for n in names if n in follows}  # rows each model picked; a batch's differed
     for feed in _progress(iter_batches(source, specs, batch_size, max_samples, kind="evaluation"), progress):
         got = {}
         for kind, session in (("float", ref), *sessions.items()):
@@ -350,6 +355,12 @@ def compare_models(
                 run_quantized(session, names, feed)
             got[kind] = dict(zip(names, run))
         for n in names:
+            if n in picked:  # as many rows as each model picked: the counts are the figure where they differ
+                shapes = {np.shape(got[k][n]) for k in ("float", *sessions)}
+                picked[n][0] += len(got["float"][n]) if np.ndim(got["float"][n]) else 1
+                picked[n][1] += max(len(got[k][n]) if np.ndim(got[k][n]) else 1 for k in sessions)
+                picked[n][2] = picked[n][2] or len(shapes) > 1
+                continue
             check_same_shape(n, got["float"][n], [got[k][n] for k in sessions])
         samples += feed_samples(feed, specs)  # of the inputs: an output may be [seq, N, ...] or unbatched
         if not streamed:
@@ -367,10 +378,14 @@ def compare_models(
     if streamed:
         results = {k: Comparison(samples, [sums[k][n].metrics(n) for n in names], kernels=k) for k in sessions}
     else:
-        arrays = {k: {n: joined(v) for n, v in per.items()} for k, per in outputs.items()}
-        rows = {n for n, v in outputs["float"].items() if ragged(v)}  # joined as rows: no class scores per sample
-        follows = selected_outputs(ir.from_proto(float_proto).graph) if float_proto is not None else {}
+        differ = {n: (counts[0], counts[1]) for n, counts in picked.items() if counts[2]}
+        kept = [n for n in names if n not in differ]
+        arrays = {k: {n: joined(per[n]) for n in kept} for k, per in outputs.items()}
+        rows = {n for n in kept if ragged(outputs["float"][n])}  # joined as rows: no class scores per sample
         results = {k: _metrics(arrays["float"], arrays[k], labels, k, samples, rows, follows) for k in sessions}
+        for result in results.values():
+            result.outputs += [OutputMetrics(n, float("nan"), float("nan"), follows=follows[n], rows_differ=counts)
+                               for n, counts in differ.items()]
     result = results.get("deployed") or results["reference"]
     result.reference = results.get("reference") if "deployed" in results else None
     result.labels_unused = labels is not None and result.float_accuracy is None
@@ -479,6 +494,10 @@ def _format_figures(c: Comparison, label: str) -> list[str]:
     for m in c.outputs:
         follows = (f" (the rows a {m.follows} picks and orders: near-equal candidates swapped change them with the "
                    "same picks, so these figures do not measure the picks)") if m.follows else ""
+        if m.rows_differ is not None:
+            lines.append(f"  {m.name}{label}: the {m.follows} picked {m.rows_differ[0]} rows in float and "
+                         f"{m.rows_differ[1]} quantized over the samples: not compared row by row")
+            continue
         if m.equal is not None:
             lines.append(f"  {m.name}{label}: {m.equal:.2%} of its elements equal (an integer output){follows}")
             continue

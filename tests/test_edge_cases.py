@@ -459,15 +459,15 @@ def test_an_unbatched_input_counts_samples_not_rows(tmp_path):
         onnxq.quantize(str(tmp_path / "f.onnx"), None, None, {"x": images["x"][:, :, :12]}, progress=False)
 
 
-def _detector(seed: int = 0) -> onnx.ModelProto:
+def _detector(seed: int = 0, min_score: float = 0.0) -> onnx.ModelProto:
     """x [1, 50, 8] -> boxes and scores by MatMuls -> NonMaxSuppression -> the kept boxes
-    [K, 4] and scores [K]: a detector's head, K set by the data."""
+    [K, 4]: a detector's head, K set by the data (and by `min_score`)."""
     rng = np.random.default_rng(seed)
     inits = [numpy_helper.from_array((rng.standard_normal((8, 4)) / 3).astype(np.float32), "wb"),
              numpy_helper.from_array((rng.standard_normal((8, 1)) / 3).astype(np.float32), "ws"),
-             numpy_helper.from_array(np.array([10], np.int64), "max_boxes"),
+             numpy_helper.from_array(np.array([40 if min_score else 10], np.int64), "max_boxes"),
              numpy_helper.from_array(np.array([0.5], np.float32), "iou"),
-             numpy_helper.from_array(np.array([0.0], np.float32), "min_score"),
+             numpy_helper.from_array(np.array([min_score], np.float32), "min_score"),
              numpy_helper.from_array(np.array([2], np.int64), "box_column"),
              numpy_helper.from_array(np.array([0], np.int64), "batch_axis")]
     nodes = [helper.make_node("MatMul", ["x", "wb"], ["boxes"], name="box_head"),
@@ -501,3 +501,23 @@ def test_outputs_after_non_max_suppression_are_not_judged_element_by_element(tmp
     compared = compare_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), data)
     assert compared.outputs[0].follows == "NonMaxSuppression" and compared.outputs[0].top1_agreement is None
     assert "do not measure the picks" in format_comparison(compared)
+
+
+def test_picks_of_other_counts_are_counted_not_compared(tmp_path):
+    """Where the two models pick different numbers of boxes, compare had said 'compare a
+    quantized model with the float model it came from', and the accuracy search raised
+    numpy's broadcasting error: compare now gives each model's count, and a sqnr target on
+    such an output is refused in one line (score the picks with evaluate=)."""
+    from onnxq.errors import ConfigError
+    from onnxq.evaluate import compare_models, format_comparison
+    onnx.save(_detector(min_score=0.5), tmp_path / "f.onnx")
+    onnx.save(_detector(min_score=0.6), tmp_path / "fewer.onnx")  # fewer picks, as a quantized model may make
+    data = {"x": np.random.default_rng(1).standard_normal((8, 1, 50, 8)).astype(np.float32)}
+    compared = compare_models(str(tmp_path / "f.onnx"), str(tmp_path / "fewer.onnx"), data)
+    floats, fewer = compared.outputs[0].rows_differ
+    assert floats > fewer > 0
+    assert f"picked {floats} rows in float and {fewer} quantized" in format_comparison(compared)
+    with pytest.raises(ConfigError, match="scores the model's first output, 'kept_boxes', whose rows a "
+                                          "NonMaxSuppression picks"):
+        onnxq.quantize(str(tmp_path / "f.onnx"), None, {"mixed_precision": {"target": "sqnr>=30"}}, data,
+                       progress=False)

@@ -37,9 +37,10 @@ from onnxq.calibrate.data import CalibrationSource, axes_of
 from onnxq.calibrate.inputs import take_rows
 from onnxq.config.spec import Config, MixedPrecisionConfig
 from onnxq.emit.latency import fixed_batches, median_ms
-from onnxq.errors import CalibrationDataError
+from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.evaluate import deployed_session, session_inputs
 from onnxq.graph.save import check_output_path, weight_bytes
+from onnxq.graph.selection import selected_outputs
 from onnxq.notes import Note, Topic, notes
 from onnxq.pipeline.run import run_pipeline, write_output
 from onnxq.plan import QuantPlan
@@ -162,6 +163,21 @@ def _no_slower(ms: float, than_ms: float) -> bool:
     return ms <= max(FASTER_THAN_FLOAT * than_ms, than_ms + SAME_TIME_MS)
 
 
+def _scorable(target: Any, float_model: Any) -> None:
+    """Refuse a sqnr or cosine target on a first output whose rows a selection op picks
+    (a detector's boxes after NonMaxSuppression): row-by-row figures do not measure the
+    picks, and the models may pick different numbers of rows (it had raised numpy's
+    broadcasting error)."""
+    first = float_model.graph.outputs[0].name if float_model.graph.outputs else None
+    op = selected_outputs(float_model.graph).get(first)
+    if op is not None and target.metric in ("sqnr", "cosine"):
+        raise ConfigError(
+            f"accuracy target {target.describe()!r} scores the model's first output, {first!r}, whose rows a {op} "
+            "picks and orders: row-by-row figures do not measure the picks, and the quantized model may pick other "
+            "rows; score the picks with your own function (Python: quantize(..., evaluate=fn) with a "
+            "'custom>=VALUE' target, fn(session) -> mAP or mean IoU)")
+
+
 def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:
     """One sample of the eval data: one row, or an input's fixed batch of them."""
     feed = next(iter(evalset.batches(session)))
@@ -205,6 +221,7 @@ def quantize_to_target(
 
     base = run_pipeline(model, None, base_config, calibration_data, progress, keep_state=True)
     state = base.state
+    _scorable(target, state.float_model)
     float_session = deployed_session(state.float_model, providers)
     measure = measurer(target, evalset, evaluate)
 
