@@ -517,6 +517,10 @@ def test_picks_of_other_counts_are_counted_not_compared(tmp_path):
     floats, fewer = compared.outputs[0].rows_differ
     assert floats > fewer > 0
     assert f"picked {floats} rows in float and {fewer} quantized" in format_comparison(compared)
+    onnxq.quantize(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), "W4A8", data, progress=False)
+    analysis = analyze_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), data, progress=False)
+    assert any("'kept_boxes' holds the rows a NonMaxSuppression picks" in note for note in analysis.notes)
+    assert any("ranked by their channels' noise, not by the output" in note for note in analysis.notes)
     with pytest.raises(ConfigError, match="scores the model's first output, 'kept_boxes', whose rows a "
                                           "NonMaxSuppression picks"):
         onnxq.quantize(str(tmp_path / "f.onnx"), None, {"mixed_precision": {"target": "sqnr>=30"}}, data,

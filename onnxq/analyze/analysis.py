@@ -60,6 +60,7 @@ from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
 from onnxq.graph.quantized import describe, extended_ops, integer_kernel, quantized_ops
 from onnxq.graph.save import weight_bytes, write_text_atomic
+from onnxq.graph.selection import selected_outputs
 
 ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model
 # How the layer table is ordered: by each layer's effect on the model's output when it
@@ -210,6 +211,7 @@ def analyze_models(
     clean = reference.clone() if kernels else None  # before the Q/DQ layers' copies are added to it
     graph_outputs = [] if layers_only else result_outputs((v.name for v in reference.graph.outputs),
                                                           (v.name for v in reference.graph.inputs))
+    picked = selected_outputs(reference.graph)  # before the layers' copies are added to it
     isolated, skipped = add_isolated_layers(reference, quant, found)
     notes = []
     if skipped:
@@ -276,6 +278,8 @@ def analyze_models(
                 if name in test and test[name].shape == ref[i.reference].shape:
                     prefix[i.layer.name].update(seen, bounded(test[name], edges))
             for n in graph_outputs:
+                if n in out and n in picked and np.shape(out[n]) != np.shape(ref[n]):
+                    continue  # other numbers of picks: no row-by-row figures
                 if n in out:
                     check_same_shape(n, ref[n], [out[n]])
                     out_err[n].update(ref[n], out[n])
@@ -304,14 +308,24 @@ def analyze_models(
     tensor_reports.sort(key=lambda t: (t.sqnr_db, t.name))
     layer_reports.sort(key=_noise_order)
     ranked_samples = None
+    first_picked = picked.get(reference.graph.outputs[0].name) if reference.graph.outputs else None
+    if graph_picked := [n for n in graph_outputs if n in picked]:
+        several = len(graph_picked) > 1
+        notes.append(f"output{'s' if several else ''} {', '.join(map(repr, graph_picked))} hold{'' if several else 's'} "
+                     f"the rows a {picked[graph_picked[0]]} picks and orders: near-equal candidates swapped change them "
+                     "row by row with the same picks, so their figures do not measure the picks (batches where the "
+                     "models picked other numbers of rows are left out)")
     if pristine is not None and layer_reports:
-        if _rereadable(data):
+        if first_picked is not None:
+            notes.append(f"layers ranked by their channels' noise, not by the output: the first output, "
+                         f"{reference.graph.outputs[0].name!r}, holds the rows a {first_picked} picks and orders")
+        elif _rereadable(data):
             layer_reports, ranked_samples = _by_output(layer_reports, pristine, quant, data, providers, batch_size,
                                                        max_samples, progress, samples)
         else:
             notes.append("layers ranked by their channels' noise, not by the output: the data can be read only "
                          "once (pass a path, a dict of arrays or a list of feeds)")
-    outputs = [OutputReport(n, e.sqnr_db, e.cosine, e.max_abs, agreement[n].rate)
+    outputs = [OutputReport(n, e.sqnr_db, e.cosine, e.max_abs, None if n in picked else agreement[n].rate)
                for n, e in out_err.items() if e.count]
     first = next((o for o in outputs if o.name == graph_outputs[0]), None) if graph_outputs else None
     if first is not None and any(r.output_sqnr_db is not None for r in layer_reports):

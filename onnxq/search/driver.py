@@ -119,7 +119,9 @@ def sensitivity_order(base: Any, config: Config, evalset: EvalSet, float_session
         promoted = effective({n: top for n in local if n != name}, base.plan)  # as the search will raise them
         return deployed_session(base.state.emit(with_promotions(config, promoted)), providers)
 
-    limit = layers_to_measure(weight_bytes(base.state.float_model))
+    graph = base.state.float_model.graph
+    picked = graph.outputs and graph.outputs[0].name in selected_outputs(graph)  # no row-by-row noise to rank by
+    limit = 0 if picked else layers_to_measure(weight_bytes(base.state.float_model))
     return impact_order(local, local, evalset, float_session, session_with_only, limit)
 
 

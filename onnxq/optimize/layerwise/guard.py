@@ -19,9 +19,11 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 
 from onnxq.calibrate.session import check_providers, session_options
+from onnxq.graph.selection import selected_outputs
 
 
 def output_sqnr(reference: onnx.ModelProto, models: list[onnx.ModelProto], batches: Iterable[Mapping[str, Any]],
@@ -40,15 +42,20 @@ def output_sqnr(reference: onnx.ModelProto, models: list[onnx.ModelProto], batch
 
     ref = session(reference)
     others = [session(m) for m in models]
-    names = [o.name for o in ref.get_outputs()]
+    # outputs a selection op picks (a detector's boxes after NonMaxSuppression) only where
+    # there are no others: their rows follow near-equal scores, and their count may differ
+    picked = selected_outputs(ir.from_proto(reference).graph)
+    names = [o.name for o in ref.get_outputs() if o.name not in picked] or [o.name for o in ref.get_outputs()]
     signal = 0.0
     noise = [0.0] * len(models)
     for feed in batches:
         expected = [_centred(e) for e in ref.run(names, feed)]
-        signal += sum(float(np.sum(np.square(e))) for e in expected if e is not None)
-        for i, other in enumerate(others):
-            got = [_centred(g) for g in other.run(names, feed)]
-            noise[i] += sum(float(np.sum(np.square(g - e))) for g, e in zip(got, expected) if e is not None)
+        got = [[_centred(g) for g in other.run(names, feed)] for other in others]
+        # an output whose shape differs between the models in this batch (other numbers of picks) is left out
+        kept = [j for j, e in enumerate(expected) if e is not None and all(g[j].shape == e.shape for g in got)]
+        signal += sum(float(np.sum(np.square(expected[j]))) for j in kept)
+        for i, outputs in enumerate(got):
+            noise[i] += sum(float(np.sum(np.square(outputs[j] - expected[j]))) for j in kept)
     return [float("inf") if n == 0 else 10 * np.log10(max(signal, 1e-30) / n) for n in noise]
 
 
