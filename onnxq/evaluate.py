@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from onnxq.calibrate.data import CalibrationSource, InputSpec, feed_samples, iter_batches
 from onnxq.calibrate.decoder import LOGITS, DecoderFeeds, decoder_feeds, is_decoder, result_outputs
-from onnxq.calibrate.inputs import batch_axes
+from onnxq.calibrate.inputs import batch_axes, recurrent_axes
 from onnxq.calibrate.session import check_providers, open_session, run_on_data, run_quantized
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
 from onnxq.graph.quantized import describe, integer_kernel, quantized_ops
@@ -121,13 +121,15 @@ def cosine(ref: np.ndarray, test: np.ndarray) -> float:
     return cos if np.isfinite(cos) else 0.0
 
 
-def session_inputs(session: ort.InferenceSession) -> list[InputSpec]:
+def session_inputs(session: ort.InferenceSession, recurrent: Mapping[str, int] | None = None) -> list[InputSpec]:
+    """The session's inputs, batched as their names and `recurrent` (`inputs.recurrent_axes`
+    of the model it runs, which a session does not show) say (`inputs.batch_axes`)."""
     kinds = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
              "tensor(float16)": np.float16, "tensor(double)": np.float64, "tensor(uint8)": np.uint8,
              "tensor(bool)": np.bool_, "tensor(int8)": np.int8}
     named = lambda shape: [d if isinstance(d, int | str) else None for d in shape or []]  # noqa: E731
     axes = batch_axes({i.name: named(i.shape) for i in session.get_inputs()},
-                      [named(o.shape) for o in session.get_outputs()])
+                      [named(o.shape) for o in session.get_outputs()], recurrent)
     specs = []
     for i in session.get_inputs():
         shape = tuple(d if isinstance(d, int) else None for d in i.shape)
@@ -345,8 +347,9 @@ def compare_models(
     tokens = {k: NextToken() for k in ("float", *sessions)} if streamed else None
     sums = {k: {n: StreamedOutput() for n in names} for k in sessions}
     samples = 0
-    specs = session_inputs(ref)
-    follows = selected_outputs(ir.from_proto(float_proto).graph) if float_proto is not None else {}
+    float_graph = ir.from_proto(float_proto).graph if float_proto is not None else None
+    specs = session_inputs(ref, recurrent_axes(float_graph) if float_graph is not None else None)
+    follows = selected_outputs(float_graph) if float_graph is not None else {}
     picked = {n: [0, 0, False] for n in names if n in follows}  # rows each model picked; a batch's differed
     for feed in _progress(iter_batches(source, specs, batch_size, max_samples, kind="evaluation"), progress):
         got = {}
@@ -447,7 +450,9 @@ def run_model(model: str | os.PathLike, data: Any, max_samples: int | None = Non
         data = decoder_feeds(model, data, providers, decode_steps=0)
         names = result_outputs(names, inputs)
     outputs: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    for feed in iter_batches(data, session_inputs(session), batch_size, max_samples, kind="input"):
+    proto = _structure(model)
+    recurrent = recurrent_axes(ir.from_proto(proto).graph) if proto is not None else None
+    for feed in iter_batches(data, session_inputs(session, recurrent), batch_size, max_samples, kind="input"):
         for n, y in zip(names, run_on_data(session, names, feed, "input")):
             outputs[n].append(y)
     if not outputs[names[0]]:

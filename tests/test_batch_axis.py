@@ -197,6 +197,12 @@ B, T = "b", "t"
     ({"x": [None, T, 40]}, [[None, T, 12]], {}, {}),  # an unnamed dynamic axis 0
     ({"input": ["batch", 3, "h", "w"]}, [["boxes", 4]], {}, {}),
     ({"ids": ["batch", "seq"], "past": ["batch", 3, "past", 64]}, [["batch", "seq", 100]], {}, {}),
+    # review: an output naming its batch otherwise leaves a batch-first model as it is
+    ({"x": ["batch", "seq", 8], "mask": ["batch", "seq"]}, [["batch_size", "seq", 4]], {}, {}),
+    # review: a batch-1 export beside a per-frame input is no model batched on time
+    ({"x": [1, T, 4], "w": [T]}, [[1, T, 4]], {}, {}),
+    # ... while a one-layer GRU's state [1, b, 64] beside [b, t, 40] is batched on b
+    ({"x": [B, T, 40], "h0": [1, B, 64]}, [[B, T, 10]], {}, {"x": 0, "h0": 1}),
 ])
 def test_batch_axes(inputs, outputs, recurrent, expected):
     assert batch_axes(inputs, outputs, recurrent) == expected

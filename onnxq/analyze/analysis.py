@@ -47,6 +47,7 @@ from onnxq.analyze.qgraph import QuantizedActivation, bounded, layers, quantized
 from onnxq.analyze.rescaled import rescaled_layers
 from onnxq.calibrate.data import CalibrationSource, feed_samples, iter_batches
 from onnxq.calibrate.decoder import decoder_feeds, result_outputs
+from onnxq.calibrate.inputs import recurrent_axes
 from onnxq.calibrate.session import check_providers, exposed_session, run_quantized
 from onnxq.errors import ModelError
 from onnxq.evaluate import (
@@ -212,6 +213,7 @@ def analyze_models(
     graph_outputs = [] if layers_only else result_outputs((v.name for v in reference.graph.outputs),
                                                           (v.name for v in reference.graph.inputs))
     picked = selected_outputs(reference.graph)  # before the layers' copies are added to it
+    recurrent = recurrent_axes(reference.graph)  # how its inputs are batched, which a session does not show
     isolated, skipped = add_isolated_layers(reference, quant, found)
     notes = []
     if skipped:
@@ -262,7 +264,7 @@ def analyze_models(
         if not layers_only:
             deployed = deployed_session(quant, providers)
         out_names = [] if deployed is None else [o.name for o in deployed.get_outputs()]
-        specs = session_inputs(ref_session)
+        specs = session_inputs(ref_session, recurrent)
         for feed in _progress(iter_batches(data, specs, batch_size, max_samples, kind="evaluation"), progress):
             ref = dict(zip(ref_names, run_quantized(ref_session, ref_names, feed, PREFIX)))
             test = dict(zip(test_names, run_quantized(test_session, test_names, feed))) if test_session else {}
@@ -403,6 +405,7 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
     samples = min(max_samples or IMPACT_SAMPLES, IMPACT_SAMPLES)
     names = [r.name for r in reports]
     limit = layers_to_measure(weight_bytes(float_model), analysed, samples)
+    recurrent = recurrent_axes(float_model.graph)
     bar = tqdm(total=min(limit, len(names)), desc="rank layers", unit="layer", leave=False,
                disable=True if progress is False else None)
 
@@ -411,7 +414,7 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
     def first_output(session: Any) -> np.ndarray:
         name, got = session.get_outputs()[0].name, []
         fed.append(0)
-        specs = session_inputs(session)
+        specs = session_inputs(session, recurrent)
         for feed in iter_batches(data, specs, batch_size, samples, kind="evaluation"):
             got.append(run_quantized(session, [name], feed)[0])
             fed[-1] += feed_samples(feed, specs)  # of the inputs: an output may be a scalar or [seq, N, ...]

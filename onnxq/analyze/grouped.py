@@ -25,7 +25,7 @@ from onnxq.analyze.accumulate import ErrorStats
 from onnxq.analyze.isolate import PREFIX, IsolatedLayer, add_isolated_layers
 from onnxq.analyze.qgraph import Layer
 from onnxq.calibrate.data import iter_batches
-from onnxq.calibrate.inputs import model_inputs
+from onnxq.calibrate.inputs import model_inputs, recurrent_axes
 from onnxq.calibrate.session import exposed_session, run_quantized
 from onnxq.evaluate import deployed_options, session_inputs
 from onnxq.graph.edit import values_by_name
@@ -78,7 +78,7 @@ def measure_in_groups(float_model: ir.Model, quant: ir.Model, layers: list[Layer
             test_session = stack.enter_context(exposed_session(quant, mine, providers))
             for i in isolated:
                 result.own[i.layer.name], result.prefix[i.layer.name] = ErrorStats(), ErrorStats()
-            for feed in feeds(session_inputs(ref_session)):
+            for feed in feeds(session_inputs(ref_session, recurrent_axes(float_model.graph))):
                 ref = dict(zip(references, run_quantized(ref_session, references, feed, PREFIX)))
                 test = dict(zip(mine, run_quantized(test_session, mine, feed)))
                 for i in isolated:

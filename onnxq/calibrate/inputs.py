@@ -54,7 +54,7 @@ def model_inputs(model: ir.Model) -> list[InputSpec]:
     """The non-initializer graph inputs the calibration data must provide."""
     graph = model.graph
     axes = batch_axes({v.name: _dims(v.shape) for v in graph.inputs}, [_dims(v.shape) for v in graph.outputs],
-                      _recurrent_axes(graph))
+                      recurrent_axes(graph))
     specs = []
     for value in graph.inputs:
         shape = None
@@ -81,13 +81,14 @@ def _dims(shape: ir.Shape | None) -> Dims:
 _RECURRENT = ("LSTM", "GRU", "RNN")
 
 
-def _recurrent_axes(graph: ir.Graph) -> dict[str, int]:
+def recurrent_axes(graph: ir.Graph) -> dict[str, int]:
     """Batch axes of graph inputs a recurrent node reads directly, from its layout."""
     inputs = {v.name for v in graph.inputs}
     found: dict[str, int] = {}
     for node in graph:
-        if node.op_type not in _RECURRENT or node.domain not in ("", "ai.onnx"):
-            continue
+        recurrent = node.op_type in _RECURRENT and node.domain in ("", "ai.onnx")
+        if not recurrent and (node.domain, node.op_type) != ("com.microsoft", "DynamicQuantizeLSTM"):
+            continue  # (the dynamic recipe's LSTM: the same inputs, time-major)
         layout = node.attributes.get_int("layout", 0)
         for slot, value in enumerate(node.inputs):
             if value is not None and value.name in inputs and slot in (0, 4, 5, 6):
@@ -102,11 +103,14 @@ def batch_axes(inputs: Mapping[str, Dims], outputs: list[Dims], recurrent: Mappi
     Axis 0 stays the batch while it can be one: the same name, the same size or an unnamed
     dimension on every input (a batch-1 export [1, t, 40] with its mask [1, t] keeps it).
     It moves where a recurrent node reads the input directly as time-major
-    (`_recurrent_axes`); where axis 0 cannot be the batch ([b, t, 40] beside its state
-    [4, b, 64]), to the one name every input has exactly once (b); and where axis 0 is a
-    name and another one every input has is carried by more of the outputs ([t, b, 40]
-    with outputs [t, b, 12] and [1, b, 64]; MiniLM's [batch, sequence] stays, its
-    embeddings being [batch, 384]). Where the shapes do not settle it: axis 0."""
+    (`recurrent_axes`); where axis 0 cannot be the batch ([b, t, 40] beside its state
+    [4, b, 64]), to the one name every input has exactly once (b), unless an input's
+    axis 0 is a batch of 1 and that name is no batch's ([1, t, 4] beside [t]: a batch-1
+    export, `BATCH_NAMES`); and where axis 0 is a name the outputs carry and another
+    name every input has is carried by more of them ([t, b, 40] with outputs [t, b, 12]
+    and [1, b, 64]; MiniLM's [batch, sequence] stays, its embeddings being [batch, 384];
+    [batch, seq] with an output [batch_size, seq, 4] stays). Where the shapes do not
+    settle it: axis 0."""
     named = {name: [d if isinstance(d, str) else None for d in dims] for name, dims in inputs.items() if dims}
     if not named:
         return {}
@@ -126,7 +130,7 @@ def batch_axes(inputs: Mapping[str, Dims], outputs: list[Dims], recurrent: Mappi
     if consistent:
         first = next(iter(named.values()))[0]
         beyond = [c for c in candidates if c != first and counts[c] > counts.get(first, 0)]
-        if first is None or first not in candidates or not beyond:
+        if first is None or first not in candidates or not counts[first] or not beyond:
             return {}
         best = max(counts[c] for c in beyond)
         winners = [c for c in beyond if counts[c] == best]
@@ -134,7 +138,16 @@ def batch_axes(inputs: Mapping[str, Dims], outputs: list[Dims], recurrent: Mappi
     if len(candidates) > 1:
         best = max(counts.values())
         candidates = [c for c in candidates if counts[c] == best]
-    return axes(candidates[0]) if len(candidates) == 1 else {}
+    if len(candidates) != 1 or ((1,) in firsts and candidates[0].lower() not in BATCH_NAMES):
+        return {}
+    return axes(candidates[0])
+
+
+# Names exporters give a batch axis: where an input's axis 0 is a batch of 1, only such a
+# name moves the batch elsewhere (a GRU's state [1, b, 64] beside [b, t, 40]; not [t] beside
+# a batch-1 export's [1, t, 4]).
+BATCH_NAMES = frozenset({"b", "n", "bs", "batch", "batch_size", "batchsize", "nbatch", "num_batch", "batches",
+                         "batch_dim", "n_batch"})
 
 
 def axes_of(inputs: list[InputSpec]) -> dict[str, int]:
@@ -198,7 +211,7 @@ def sample_rows(inputs: list[InputSpec]) -> dict[str, int]:
 
 
 def to_rows(spec: InputSpec | None, array: np.ndarray) -> np.ndarray:
-    """`array` with its rows on the model's axis 0.
+    """`array` with its rows on the input's batch axis.
 
     A lone sample without the batch axis gains it; a stack of N whole inputs of a fixed
     batch B (shape [N, B, ...]) becomes its N*B rows, every B of which make one input again.
@@ -285,18 +298,25 @@ def check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
     array = to_rows(spec, array)
     if array.ndim == len(spec.shape) + 1 and spec.shape[0] is not None:  # a stack of unbatched inputs
         _check_static_dims(spec, array.shape[1:], range(len(spec.shape)))
+    axis = min(spec.batch_axis, max(array.ndim - 1, 0))
     if array.ndim != len(spec.shape):
-        dims = ["?" if d is None else str(d) for d in spec.shape[1:]]
+        dims = ["?" if d is None else str(d) for d in spec.shape]
+        dims[spec.batch_axis] = "samples"
         off = len(spec.shape) - array.ndim
         off_by = f"{abs(off)} ax{'i' if abs(off) == 1 else 'e'}s {'missing' if off > 0 else 'too many'}"
         raise CalibrationDataError(
-            f"calibration input {spec.name!r} has rank {array.ndim} (each sample {list(array.shape[1:])}), the "
-            f"model's input rank {len(spec.shape)} ({spec.describe()}): {off_by}; give arrays "
-            f"[{', '.join(['samples', *dims])}]"
+            f"calibration input {spec.name!r} has rank {array.ndim} (each sample {_sample(array.shape, axis)}), "
+            f"the model's input rank {len(spec.shape)} ({spec.describe()}): {off_by}; give arrays "
+            f"[{', '.join(dims)}]"
         )
     _check_static_dims(spec, array.shape, [a for a in range(len(spec.shape)) if a != spec.batch_axis],
-                       list(array.shape[1:]))
+                       _sample(array.shape, axis))
     return array
+
+
+def _sample(shape: tuple[int, ...], axis: int) -> list[int]:
+    """A batch's shape without its batch `axis`: one sample's."""
+    return [d for i, d in enumerate(shape) if i != axis]
 
 
 def _check_static_dims(spec: InputSpec, shape: tuple[int, ...], axes: Any, sample: list[int] | None = None) -> None:

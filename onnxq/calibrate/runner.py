@@ -16,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxq.calibrate.capture import CapturedOutputs
-from onnxq.calibrate.data import axes_of, feed_rows, iter_batches, model_inputs, sample_rows
+from onnxq.calibrate.data import axes_of, feed_rows, feed_samples, iter_batches, model_inputs
 from onnxq.calibrate.observers import Observer, make_observer
 from onnxq.calibrate.session import (
     REDUCED_SUFFIXES,
@@ -84,7 +84,7 @@ def stream_tensors(
     window: tuple[int, int] | None = None,
     capture: CapturedOutputs | None = None,
 ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-    """Yield (rows, {tensor: value}) for each calibration batch; nothing is kept.
+    """Yield (samples, {tensor: value}) for each calibration batch; nothing is kept.
 
     Tensors in `reduced` arrive as [min, max] of the batch, computed inside onnxruntime.
     `statistics` are fed from the same batches (`calibrate/statistics.py`). `window`:
@@ -92,7 +92,6 @@ def stream_tensors(
     `capture` keeps the model's outputs on the first batches, as it asks.
     """
     inputs = model_inputs(model)
-    rows_per_sample = max(sample_rows(inputs)[inputs[0].name], 1) if inputs else 1
     axes = axes_of(inputs)
     batch = calibration_batch(model, options)  # before any node is added: what count_batches sees
     bar = progress_bar(desc=purpose, unit="sample", enabled=progress, total=options.max_samples)
@@ -124,15 +123,16 @@ def stream_tensors(
             fetched = outputs + [n for n in captured if n not in outputs]
             got = dict(zip(fetched, run_on_data(session, fetched, feed)))
             if captured:
-                capture.add(feed, [got[n] for n in captured], max(rows // rows_per_sample, 1), rows,
+                capture.add(feed, [got[n] for n in captured], feed_samples(feed, inputs), rows,
                             cuttable=not any(axes.values()))
             if statistics is not None:
                 statistics.update(got, index)
             for n in names:
                 if n in reduced:
                     got[n] = np.array([got.pop(n + s) for s in REDUCED_SUFFIXES])
-            yield rows, {n: got[n] for n in names}
-            bar.update(rows)
+            samples = feed_samples(feed, inputs)
+            yield samples, {n: got[n] for n in names}
+            bar.update(samples)
 
 
 def collect(
@@ -253,19 +253,17 @@ def observe(
     captured = CapturedOutputs(*capture) if capture is not None and capture[0] and capture[1] > 0 else None
     groups = tensor_groups(model, list(state.observers), data, options,
                            {n for n, observer in state.observers.items() if observer.min_max_only})
-    inputs = model_inputs(model)
-    rows_per_sample = sample_rows(inputs)[inputs[0].name] if inputs else 1
     for index, group in enumerate(groups):
         purpose = "calibrating" if len(groups) == 1 else f"calibrating {index + 1}/{len(groups)}"
         reduced = {n for n in group if state.observers[n].min_max_only}
         stats = state.statistics if index == 0 else None
         keep = captured if index == 0 else None
-        for rows, values in stream_tensors(model, group, data, options, progress, purpose, reduced, stats, window,
-                                           keep):
+        for samples, values in stream_tensors(model, group, data, options, progress, purpose, reduced, stats, window,
+                                              keep):
             for name, value in values.items():
                 state.observers[name].update(np.asarray(value))
             if index == 0:
-                state.num_samples += rows // max(rows_per_sample, 1)
+                state.num_samples += samples
                 state.num_batches += 1
     if state.num_batches == 0 and window is None:
         raise empty_data(data)

@@ -55,8 +55,8 @@ def _guarded(items: Iterator[Any], what: str) -> Iterator[Any]:
 
 
 def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec], chunk: int = 1) -> Iterator[Feed]:
-    """Yield `chunk` samples at a time from arrays that hold samples on axis 0 (the last
-    part may hold fewer).
+    """Yield `chunk` samples at a time from arrays that hold samples on their input's
+    batch axis (axis 0 for arrays that are no model input; the last part may hold fewer).
 
     A sample is one row, or for an input with a fixed batch B its B rows; a last part
     that fills no whole sample is still yielded, for iter_batches to drop or report. A

@@ -34,7 +34,7 @@ from onnxq.analyze import analyze_models
 from onnxq.analyze.impact import layers_to_measure, noise_db
 from onnxq.calibrate.access import FIXES, data_access
 from onnxq.calibrate.data import CalibrationSource, axes_of
-from onnxq.calibrate.inputs import take_rows
+from onnxq.calibrate.inputs import recurrent_axes, take_rows
 from onnxq.config.spec import Config, MixedPrecisionConfig
 from onnxq.emit.latency import fixed_batches, median_ms
 from onnxq.errors import CalibrationDataError, ConfigError
@@ -183,7 +183,7 @@ def _scorable(target: Any, float_model: Any) -> None:
 def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:
     """One sample of the eval data: one row, or an input's fixed batch of them."""
     feed = next(iter(evalset.batches(session)))
-    specs = session_inputs(session)
+    specs = session_inputs(session, evalset.recurrent)
     fixed, axes = fixed_batches(specs), axes_of(specs)
     return {k: take_rows(v, axes.get(k, 0), 0, fixed.get(k, 1)) for k, v in feed.items()}
 
@@ -224,6 +224,7 @@ def quantize_to_target(
     base = run_pipeline(model, None, base_config, calibration_data, progress, keep_state=True)
     state = base.state
     _scorable(target, state.float_model)
+    evalset.recurrent = recurrent_axes(state.float_model.graph)
     float_session = deployed_session(state.float_model, providers)
     measure = measurer(target, evalset, evaluate)
 

@@ -64,11 +64,14 @@ class EvalSet:
     batch_size: int = 16
     reference: np.ndarray | None = None
     # Elements of each batch in the joined first output, where batches differ in shape
-    # (sequences of other lengths): each batch is then one sample of the score (`parts`).
+    # (sequences of other lengths): each batch is then one sample of the score (`_per_batch`).
     ragged: list[int] | None = None
+    # the float model's `inputs.recurrent_axes`: how its inputs are batched (a time-major
+    # LSTM's on axis 1), which a session does not show
+    recurrent: dict[str, int] | None = None
 
     def batches(self, session: ort.InferenceSession) -> Iterator[dict[str, np.ndarray]]:
-        return iter_batches(self.data, session_inputs(session), self.batch_size, self.max_samples,
+        return iter_batches(self.data, session_inputs(session, self.recurrent), self.batch_size, self.max_samples,
                             kind="evaluation")
 
     def positions(self, session: ort.InferenceSession) -> np.ndarray | None:
