@@ -569,3 +569,23 @@ def test_cosine_and_sqnr_targets_score_the_positions_the_mask_keeps(tmp_path):
     assert _sqnr(evalset.reference, noisy, kept).value == float("inf") and _sqnr(evalset.reference, noisy, None).value < 0
     assert _cosine(evalset.reference, noisy, kept).value == pytest.approx(1.0)
     assert not _sqnr(evalset.reference, noisy, kept).samples.any()  # each sample's noise: none where kept
+
+
+def test_a_target_met_without_int16_keeps_the_models_opset(tmp_path):
+    """The ladder's int16 rung widens every trial's opset to 21; a final model that keeps no
+    int16 layer is written at the opset its own types need (segmentation trial: an
+    int8-only model left at 21, which older onnxruntimes refuse)."""
+    from helpers import conv_relu_chain
+
+    import onnxq
+
+    model = conv_relu_chain()
+    assert {o.domain: o.version for o in model.opset_import}[""] < 21
+    data = {"x": np.random.default_rng(0).standard_normal((16, 3, 16, 16)).astype(np.float32)}
+    out = tmp_path / "q.onnx"
+    result = onnxq.quantize(model, out, {"mixed_precision": {"target": "sqnr>=10"}}, data, progress=False)
+    assert result.summary.mixed_precision.met
+    written = onnx.load(out)
+    assert {o.domain: o.version for o in written.opset_import}[""] == {o.domain: o.version
+                                                                        for o in model.opset_import}[""]
+    onnx.checker.check_model(written, full_check=True)

@@ -42,6 +42,7 @@ from onnxq.evaluate import deployed_session, session_inputs
 from onnxq.graph.save import check_output_path, weight_bytes
 from onnxq.graph.selection import selected_outputs
 from onnxq.notes import Note, Topic, notes
+from onnxq.pipeline.prepare import required_opset
 from onnxq.pipeline.run import run_pipeline, write_output
 from onnxq.plan import QuantPlan
 from onnxq.plan.rules import OP_RULES, OutputMode
@@ -294,14 +295,21 @@ def quantize_to_target(
                      "(the statistics files hold the first model's plan)")
     if config.calibration.measure_latency:  # measured once, on the model returned (not on every trial)
         final_config = with_calibration(final_config, measure_latency=True)
-    if outcome.promotions:
+    # The ladder's types widened the opset for every trial; a final model that keeps none of
+    # them is written at the opset its own types need (segmentation trial: an int8-only
+    # model at opset 21, where 17 runs on older onnxruntimes), quantized once more if need be.
+    unpinned = dataclasses.replace(final_config, opset=config.opset)
+    lowered = required_opset(unpinned) < final_config.opset
+    if lowered:
+        final_config = unpinned
+    if outcome.promotions or lowered:
         result = run_pipeline(model, output, final_config, calibration_data, progress, keep_state)
     else:
         result = base
         write_output(result.summary, model, base.ir_model, output, data=source, providers=providers,
                      measure_latency=config.calibration.measure_latency)
     final_session = deployed_session(result.ir_model, providers)
-    final_score = score(final_session) if outcome.promotions else climbed_score
+    final_score = score(final_session) if outcome.promotions or lowered else climbed_score
     feed = _first_sample(evalset, final_session)
     ranks = dict(order)
     before_ms, after_ms, float_ms = median_ms([base_session, final_session, float_session], feed)
