@@ -44,6 +44,8 @@ def upgrade_opset(proto: onnx.ModelProto, opset: int, target: int) -> onnx.Model
         )
     if opset >= target:
         return proto
+    if opset < 7:
+        proto = _aligned_broadcasts(proto)
     try:
         upgraded = onnx.version_converter.convert_version(proto, target)
     except Exception as exc:  # the converter raises bare RuntimeErrors of many kinds
@@ -54,6 +56,58 @@ def upgrade_opset(proto: onnx.ModelProto, opset: int, target: int) -> onnx.Model
     # The IR version that goes with the opset; initializers need not be inputs from IR 4 on.
     upgraded.ir_version = max(upgraded.ir_version, IR_FOR_OPSET.get(target, 10))
     return upgraded
+
+
+# Ops that broadcast by their `broadcast` and `axis` attributes before opset 7.
+_LEGACY_BROADCAST = ("Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Greater", "Less")
+
+
+def _aligned_broadcasts(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of an opset < 7 model whose constant operands broadcast at an `axis` (a
+    per-channel scale [C] on [N, C, H, W], broadcast=1 axis=1, as Caffe2-era exporters
+    wrote) are reshaped to align at the end ([C, 1, 1]), as numpy broadcasting reads them:
+    onnx's version converter unsqueezes [C] to [C, 1, 1, 1] instead, and the upgraded
+    model silently output [C, C, H, W] (legacy trial). A runtime operand, or one of unknown
+    rank, is refused."""
+    fixes: dict[str, tuple[int, ...]] = {}
+    inferred = None
+    weights = {t.name: t for t in proto.graph.initializer}
+    readers: dict[str, int] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    for node in proto.graph.node:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type not in _LEGACY_BROADCAST or not attrs.get("broadcast") or "axis" not in attrs:
+            continue
+        inferred = inferred or onnx.shape_inference.infer_shapes(proto)
+        ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*inferred.graph.value_info, *inferred.graph.input]
+                 if v.type.tensor_type.HasField("shape")}
+        a, b = node.input[0], node.input[1]
+        rank_a = ranks.get(a)
+        shape_b = tuple(weights[b].dims) if b in weights else None
+        if shape_b is not None and rank_a is not None and 0 <= attrs["axis"] <= rank_a - len(shape_b) \
+                and readers.get(b) == 1:
+            fixes[b] = shape_b + (1,) * (rank_a - attrs["axis"] - len(shape_b))
+            continue
+        raise ModelError(f"{node.op_type} node {node.name or node.output[0]!r} broadcasts its second input at axis "
+                         f"{attrs['axis']} (opset {default_opset(proto)}'s broadcast attribute), which onnx's version "
+                         "converter upgrades wrongly where the operand is not a constant of known rank read by this node "
+                         "alone; re-export "
+                         "the model with opset >= 7")
+    if not fixes:
+        return proto
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(proto)
+    for tensor in fixed.graph.initializer:
+        if tensor.name in fixes:
+            tensor.dims[:] = fixes[tensor.name]
+    for value in fixed.graph.input:  # IR 3 lists each initializer as an input too
+        if value.name in fixes and value.type.tensor_type.HasField("shape"):
+            del value.type.tensor_type.shape.dim[:]
+            for size in fixes[value.name]:
+                value.type.tensor_type.shape.dim.add().dim_value = size
+    return fixed
 
 
 def remove_initializer_inputs(graph: ir.Graph) -> list[str]:
