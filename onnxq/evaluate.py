@@ -12,7 +12,7 @@ the arithmetic stays float), which isolates what the int8 kernels of this CPU ad
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +25,17 @@ from tqdm import tqdm
 from onnxq.calibrate.data import CalibrationSource, InputSpec, feed_samples, iter_batches
 from onnxq.calibrate.decoder import LOGITS, DecoderFeeds, decoder_feeds, is_decoder, result_outputs
 from onnxq.calibrate.inputs import batch_axes, recurrent_axes
-from onnxq.calibrate.session import check_providers, open_session, run_on_data, run_quantized
+from onnxq.calibrate.session import (
+    OPEN_FAILURES,
+    check_providers,
+    open_session,
+    refusal,
+    run_on_data,
+    run_quantized,
+)
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
+from onnxq.graph.load import load_model
+from onnxq.graph.normalize import MIN_OPSET
 from onnxq.graph.quantized import describe, integer_kernel, quantized_ops
 from onnxq.graph.selection import selected_outputs
 from onnxq.graph.wire import read_structure
@@ -193,6 +202,34 @@ def open_any(model: str | os.PathLike | bytes | ir.Model, options: ort.SessionOp
     return ort.InferenceSession(source, options, providers=providers)
 
 
+def _opened(which: str, open_it: Callable[[], ort.InferenceSession]) -> ort.InferenceSession:
+    """`open_it()`, onnxruntime's refusal a one-line `ModelError` naming `which` model (it
+    had been a 30-line traceback with exit 1, legacy trial)."""
+    try:
+        return open_it()
+    except OPEN_FAILURES as exc:
+        raise ModelError(f"onnxruntime cannot open the {which} model: {refusal(str(exc))}; compare models a default "
+                         "onnxruntime session loads (onnxq's outputs always do)") from None
+
+
+def _float_session(model: Any, proto: onnx.ModelProto | None, providers: list[str]) -> ort.InferenceSession:
+    """The float model's default session; a model onnxruntime cannot open as given (an
+    opset-6 BatchNormalization, which it has no kernel for) is read as `quantize` reads
+    it, upgraded (`graph/load.py`), where that opens."""
+    try:
+        return deployed_session(model, providers, extended=_extends(proto))
+    except OPEN_FAILURES:
+        if proto is None or _default_opset(proto) >= MIN_OPSET:
+            return _opened("float", lambda: deployed_session(model, providers, extended=_extends(proto)))
+    upgraded, _ = load_model(model if isinstance(model, str | os.PathLike) else onnx.load_from_string(model)
+                             if isinstance(model, bytes) else model)
+    return _opened("float", lambda: deployed_session(upgraded, providers, extended=_extends(proto)))
+
+
+def _default_opset(proto: onnx.ModelProto) -> int:
+    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
+
+
 def top1_agreement(ref: np.ndarray, test: np.ndarray) -> float | None:
     """How often the two agree on the largest score per row, for outputs that look like
     class scores ([N, classes] floats; not unit-length rows with negative entries, which
@@ -329,10 +366,11 @@ def compare_models(
         raise OnnxqError(f"unknown kernels {kernels!r}; use one of: {', '.join(KERNELS)}")
     providers = check_providers(providers or ["CPUExecutionProvider"])
     float_proto = _structure(float_model)  # read once: for its opsets and its quantized ops
-    ref = deployed_session(float_model, providers, extended=_extends(float_proto))
+    ref = _float_session(float_model, float_proto, providers)
     runs = {"deployed": kernels in ("deployed", "both"), "reference": kernels in ("reference", "both")}
     extended = imports_extended(quant_model)  # read once: a file is parsed whole
-    sessions = {k: deployed_session(quant_model, providers, reference=k == "reference", extended=extended)
+    sessions = {k: _opened("quantized", lambda k=k: deployed_session(quant_model, providers, reference=k == "reference",
+                                                                       extended=extended))
                 for k, on in runs.items() if on}
     inputs = [i.name for i in ref.get_inputs()]
     names = result_outputs((o.name for o in ref.get_outputs()), inputs)

@@ -70,3 +70,36 @@ def test_a_broadcast_of_a_runtime_operand_is_refused(tmp_path):
         onnxq.quantize(str(tmp_path / "old.onnx"), None, None, {"x": np.zeros((2, 3, 8, 8), np.float32),
                                                                 "scale_in": np.ones((2, 4), np.float32)},
                        progress=False)
+
+
+def batchnorm_6() -> onnx.ModelProto:
+    """Opset 6: Conv -> BatchNormalization (is_test=1), which onnxruntime has no kernel for."""
+    stats = [numpy_helper.from_array(a, n) for a, n in ((SCALE, "gamma"), (SHIFT, "beta"),
+                                                         (np.zeros(4, np.float32), "mean"),
+                                                         (np.ones(4, np.float32), "var"))]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], ["y"], is_test=1,
+                              epsilon=1e-5)]
+    inits = [numpy_helper.from_array(WEIGHT, "w"), *stats]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])]
+    inputs += [helper.make_tensor_value_info(t.name, TensorProto.FLOAT, list(t.dims)) for t in inits]  # IR 3
+    graph = helper.make_graph(nodes, "bn6", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+                              inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 6)], ir_version=3)
+
+
+def test_compare_reads_an_old_float_model_as_quantize_does(tmp_path):
+    """compare opened the opset-6 float model as given, which onnxruntime refuses, and
+    printed a 30-line traceback with exit 1; it now reads it upgraded, as quantize did. A
+    quantized model onnxruntime refuses is one line naming it."""
+    from onnxq.evaluate import compare_models
+    onnx.save(batchnorm_6(), tmp_path / "old.onnx")
+    x = RNG.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    onnxq.quantize(str(tmp_path / "old.onnx"), str(tmp_path / "q.onnx"), None, {"x": x}, progress=False)
+    compared = compare_models(str(tmp_path / "old.onnx"), str(tmp_path / "q.onnx"), {"x": x})
+    assert compared.samples == 8 and compared.outputs[0].sqnr_db > 25
+    broken = onnx.load(tmp_path / "q.onnx")
+    broken.graph.node[0].op_type = "NoSuchOp"
+    onnx.save(broken, tmp_path / "broken.onnx")
+    with pytest.raises(ModelError, match="onnxruntime cannot open the quantized model: .*NoSuchOp"):
+        compare_models(str(tmp_path / "old.onnx"), str(tmp_path / "broken.onnx"), {"x": x})
