@@ -103,3 +103,18 @@ def test_compare_reads_an_old_float_model_as_quantize_does(tmp_path):
     onnx.save(broken, tmp_path / "broken.onnx")
     with pytest.raises(ModelError, match="onnxruntime cannot open the quantized model: .*NoSuchOp"):
         compare_models(str(tmp_path / "old.onnx"), str(tmp_path / "broken.onnx"), {"x": x})
+
+
+def test_an_op_onnx_removed_is_named_with_what_computes_it(tmp_path):
+    """ImageScaler (opset 8, the model zoo's tiny-yolov2) stopped onnx's version converter
+    with its raw C++ assertion and the advice to re-export at opset 13, where no such op
+    exists (legacy trial)."""
+    nodes = [helper.make_node("ImageScaler", ["x"], ["s"], scale=1 / 255, bias=[0.1, 0.2, 0.3]),
+             helper.make_node("Relu", ["s"], ["y"])]
+    graph = helper.make_graph(nodes, "scaler", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 8, 8])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 8)], ir_version=3), tmp_path / "o.onnx")
+    with pytest.raises(ModelError, match=r"ImageScaler was an experimental op that onnx removed; replace it with "
+                                         r"standard ops \(ImageScaler: Mul by its scale, then Add"):
+        onnxq.quantize(str(tmp_path / "o.onnx"), None, None, {"x": np.zeros((2, 3, 8, 8), np.float32)},
+                       progress=False)

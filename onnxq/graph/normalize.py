@@ -46,6 +46,7 @@ def upgrade_opset(proto: onnx.ModelProto, opset: int, target: int) -> onnx.Model
         return proto
     if opset < 7:
         proto = _aligned_broadcasts(proto)
+    _refuse_removed_ops(proto, opset, target)
     try:
         upgraded = onnx.version_converter.convert_version(proto, target)
     except Exception as exc:  # the converter raises bare RuntimeErrors of many kinds
@@ -56,6 +57,34 @@ def upgrade_opset(proto: onnx.ModelProto, opset: int, target: int) -> onnx.Model
     # The IR version that goes with the opset; initializers need not be inputs from IR 4 on.
     upgraded.ir_version = max(upgraded.ir_version, IR_FOR_OPSET.get(target, 10))
     return upgraded
+
+
+# Experimental ops of early opsets that later onnx removed (no schema, so no upgrade), and
+# the standard ops that compute them.
+REMOVED_OPS = {
+    "ImageScaler": "Mul by its scale, then Add of its per-channel bias",
+    "Scale": "Mul by its scale",
+    "Crop": "Slice",
+    "Affine": "Mul by alpha, then Add of beta",
+    "ScaledTanh": "Mul by beta, Tanh, Mul by alpha",
+    "ParametricSoftplus": "Mul by beta, Softplus, Mul by alpha",
+    "GivenTensorFill": "a Constant",
+    "DynamicSlice": "Slice (opset 10 and later takes its starts and ends as inputs)",
+}
+
+
+def _refuse_removed_ops(proto: onnx.ModelProto, opset: int, target: int) -> None:
+    """One line naming the ops onnx removed, and what computes each (onnx's version
+    converter stops on them with its C++ assertion; legacy trial: ImageScaler, in the
+    model zoo's tiny-yolov2)."""
+    removed = sorted({n.op_type for n in proto.graph.node if n.domain in ("", "ai.onnx")
+                      and not onnx.defs.has(n.op_type) and n.op_type in REMOVED_OPS})
+    if removed:
+        how = "; ".join(f"{op}: {REMOVED_OPS[op]}" for op in removed)
+        raise ModelError(f"cannot upgrade opset {opset} to {target}: {', '.join(removed)} "
+                         f"{'was an experimental op' if len(removed) == 1 else 'were experimental ops'} that onnx "
+                         f"removed; replace {'it' if len(removed) == 1 else 'each'} with standard ops ({how}) and "
+                         "quantize that model")
 
 
 # Ops that broadcast by their `broadcast` and `axis` attributes before opset 7.
