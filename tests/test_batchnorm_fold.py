@@ -120,7 +120,7 @@ def test_bn_after_non_foldable_op_stays_and_is_reported(op):
     model = _bn_after(op)
     folded, note = fold(model)
     (bn,) = [n for n in folded.graph.node if n.op_type == "BatchNormalization"]
-    assert note == f"0 BatchNormalization folded, 1 kept (no foldable producer): {bn.name}"
+    assert note == f"0 BatchNormalization folded, 1 kept: {bn.name} (after {op}, not Conv/ConvTranspose/Gemm)"
     assert_same_function(model, folded)
 
 
@@ -160,7 +160,7 @@ def test_skip_fusion_layers_option():
     bn = next(n for n in model.graph.node if n.op_type == "BatchNormalization")
     folded, note = fold(model, skip_fusion_layers=[bn.name])
     assert op_count(folded, "BatchNormalization") == 1
-    assert note.endswith(bn.name)
+    assert note.endswith(f"{bn.name} (skip_fusion_layers)")
 
 
 def test_fold_runs_by_default_and_can_be_disabled():
@@ -196,3 +196,21 @@ def test_misspelled_option_is_a_config_error_naming_the_option():
     model = conv_bn(bias=True)
     with pytest.raises(ConfigError, match="unknown option 'skip_fusion_layer'; did you mean 'skip_fusion_layers'"):
         fold(model, skip_fusion_layer=["bn"])
+
+
+def test_bn_in_training_mode_stays_and_says_why():
+    """A BatchNormalization with its five outputs (opset 9-13) is in training mode, even
+    with only Y read: onnxruntime normalizes by each batch's statistics, so folding its
+    running ones would change the model. It stays, and the note says why; it had said 'no
+    foldable producer' after a plain Conv (legacy trial)."""
+    b = GraphBuilder(3)
+    x = b.input("x", ["N", 4, 8, 8])
+    model = b.build([batchnorm(b, b.conv(x, 4, 4), 4)])
+    bn = next(n for n in model.graph.node if n.op_type == "BatchNormalization")
+    bn.output.extend(["running_mean", "running_var", "saved_mean", "saved_var"])
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            opset.version = 13
+    folded, note = fold(model)
+    assert note == f"0 BatchNormalization folded, 1 kept: {bn.name} (in training mode: it outputs its batch statistics)"
+    assert_same_function(model, folded)

@@ -87,21 +87,30 @@ def fold_batchnorm(model: ir.Model, opts: FoldBatchNormConfig, ctx: PassContext)
     graph = model.graph
     folded, kept = 0, []
     for bn in [n for n in graph if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]:
-        producer = bn.inputs[0].producer()
-        ok = (
-            bn.name not in skip
-            and producer is not None
-            and producer.op_type in FOLDABLE
-            and producer.name not in skip
-            and len(bn.outputs) == 1
-            and len(producer.outputs[0].uses()) == 1
-            and not producer.outputs[0].is_graph_output()
-        )
-        if ok and _fold(graph, producer, bn):
+        why = _unfoldable(bn, skip)
+        if why is None and _fold(graph, bn.inputs[0].producer(), bn):
             folded += 1
         else:
-            kept.append(bn.name)
+            kept.append(f"{bn.name} ({why or 'weights or statistics not constant'})")
     if not folded and not kept:  # said only where asked for: as a default it runs on every model
         return PassResult("no BatchNormalization", idle=True)
     note = f"{folded} BatchNormalization folded"
-    return note + (f", {len(kept)} kept (no foldable producer): {', '.join(kept[:5])}" if kept else "")
+    return note + (f", {len(kept)} kept: {', '.join(kept[:5])}" if kept else "")
+
+
+def _unfoldable(bn: ir.Node, skip: set[str]) -> str | None:
+    """Why `bn` cannot fold into the node before it; None where it can. A BatchNormalization
+    with more outputs than Y is in training mode whether or not anything reads them (ONNX
+    before opset 14; onnxruntime then normalizes by each batch's own statistics): folding
+    its running statistics would change what the model computes (legacy trial: an
+    opset-7 one with five outputs had been kept as having 'no foldable producer')."""
+    producer = bn.inputs[0].producer()
+    if bn.name in skip or (producer is not None and producer.name in skip):
+        return "skip_fusion_layers"
+    if producer is None or producer.op_type not in FOLDABLE:
+        return f"after {producer.op_type if producer is not None else 'a graph input'}, not {'/'.join(sorted(FOLDABLE))}"
+    if any(v is not None and v.name for v in bn.outputs[1:]):
+        return "in training mode: it outputs its batch statistics"
+    if len(producer.outputs[0].uses()) != 1 or producer.outputs[0].is_graph_output():
+        return f"its {producer.op_type}'s output is read elsewhere too"
+    return None
