@@ -213,9 +213,9 @@ def _opened(which: str, open_it: Callable[[], ort.InferenceSession]) -> ort.Infe
 
 
 def _float_session(model: Any, proto: onnx.ModelProto | None, providers: list[str]) -> ort.InferenceSession:
-    """The float model's default session; a model onnxruntime cannot open as given (an
-    opset-6 BatchNormalization, which it has no kernel for) is read as `quantize` reads
-    it, upgraded (`graph/load.py`), where that opens."""
+    """The float model's default session; a model file or serialized model onnxruntime
+    cannot open as given (an opset-6 BatchNormalization, which it has no kernel for) is
+    read as `quantize` reads it, upgraded (`graph/load.py`), where that opens."""
     try:
         return deployed_session(model, providers, extended=_extends(proto))
     except OPEN_FAILURES:

@@ -214,3 +214,15 @@ def test_bn_in_training_mode_stays_and_says_why():
     folded, note = fold(model)
     assert note == f"0 BatchNormalization folded, 1 kept: {bn.name} (in training mode: it outputs its batch statistics)"
     assert_same_function(model, folded)
+
+
+def test_bn_with_training_mode_set_stays():
+    """opset 14 on: training_mode 1 with only Y (a model onnxruntime refuses) is not
+    folded into a valid model of another meaning (review)."""
+    b = GraphBuilder(4)
+    x = b.input("x", ["N", 4, 8, 8])
+    model = b.build([batchnorm(b, b.conv(x, 4, 4), 4)])
+    bn = next(n for n in model.graph.node if n.op_type == "BatchNormalization")
+    bn.attribute.append(onnx.helper.make_attribute("training_mode", 1))
+    _, note = fold(model)
+    assert note == f"0 BatchNormalization folded, 1 kept: {bn.name} (in training mode (training_mode 1))"

@@ -118,3 +118,17 @@ def test_an_op_onnx_removed_is_named_with_what_computes_it(tmp_path):
                                          r"standard ops \(ImageScaler: Mul by its scale, then Add"):
         onnxq.quantize(str(tmp_path / "o.onnx"), None, None, {"x": np.zeros((2, 3, 8, 8), np.float32)},
                        progress=False)
+
+
+def test_a_broadcast_aligned_at_the_end_is_left_to_the_converter():
+    """A [3] operand on [N, 3] at axis 1 is aligned at the end already: onnx's converter
+    upgrades it right, whatever feeds it (review: a runtime operand had been refused)."""
+    nodes = [helper.make_node("Mul", ["x", "scale"], ["y"], broadcast=1, axis=1)]
+    graph = helper.make_graph(nodes, "aligned", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                                                 helper.make_tensor_value_info("scale", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 6)], ir_version=3)
+    from onnxq.graph.normalize import upgrade_opset
+    upgraded = upgrade_opset(model, 6, 13)
+    x, scale = RNG.standard_normal((2, 3)).astype(np.float32), np.array([1, 2, 3], np.float32)
+    assert np.allclose(run(upgraded, {"x": x, "scale": scale}), x * scale)

@@ -96,8 +96,9 @@ def _aligned_broadcasts(proto: onnx.ModelProto) -> onnx.ModelProto:
     per-channel scale [C] on [N, C, H, W], broadcast=1 axis=1, as Caffe2-era exporters
     wrote) are reshaped to align at the end ([C, 1, 1]), as numpy broadcasting reads them:
     onnx's version converter unsqueezes [C] to [C, 1, 1, 1] instead, and the upgraded
-    model silently output [C, C, H, W] (legacy trial). A runtime operand, or one of unknown
-    rank, is refused."""
+    model silently output [C, C, H, W] (legacy trial). An operand aligned at the end
+    already is left to the converter; one that needs the reshape but cannot take it (a
+    runtime value, one read by other nodes too, or one of unknown rank) is refused."""
     fixes: dict[str, tuple[int, ...]] = {}
     inferred = None
     weights = {t.name: t for t in proto.graph.initializer}
@@ -115,6 +116,9 @@ def _aligned_broadcasts(proto: onnx.ModelProto) -> onnx.ModelProto:
         a, b = node.input[0], node.input[1]
         rank_a = ranks.get(a)
         shape_b = tuple(weights[b].dims) if b in weights else None
+        rank_b = len(shape_b) if shape_b is not None else ranks.get(b)
+        if rank_a is not None and rank_b is not None and attrs["axis"] == rank_a - rank_b:
+            continue  # aligned at the end already: the converter reads it right
         if shape_b is not None and rank_a is not None and 0 <= attrs["axis"] <= rank_a - len(shape_b) \
                 and readers.get(b) == 1:
             fixes[b] = shape_b + (1,) * (rank_a - attrs["axis"] - len(shape_b))

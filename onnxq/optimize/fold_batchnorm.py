@@ -111,6 +111,8 @@ def _unfoldable(bn: ir.Node, skip: set[str]) -> str | None:
         return f"after {producer.op_type if producer is not None else 'a graph input'}, not {'/'.join(sorted(FOLDABLE))}"
     if any(v is not None and v.name for v in bn.outputs[1:]):
         return "in training mode: it outputs its batch statistics"
+    if bn.attributes.get_int("training_mode", 0):  # opset 14 on
+        return "in training mode (training_mode 1)"
     if len(producer.outputs[0].uses()) != 1 or producer.outputs[0].is_graph_output():
         return f"its {producer.op_type}'s output is read elsewhere too"
     return None

@@ -299,7 +299,8 @@ def quantize_to_target(
     # them is written at the opset its own types need (segmentation trial: an int8-only
     # model at opset 21, where 17 runs on older onnxruntimes), quantized once more if need be.
     unpinned = dataclasses.replace(final_config, opset=config.opset)
-    lowered = required_opset(unpinned) < final_config.opset
+    written = dict(base.ir_model.opset_imports).get("", final_config.opset)  # the trials' opset
+    lowered = max(required_opset(unpinned), base.summary.opset[0] if base.summary.opset else 0) < written
     if lowered:
         final_config = unpinned
     if outcome.promotions or lowered:

@@ -48,14 +48,18 @@ def output_sqnr(reference: onnx.ModelProto, models: list[onnx.ModelProto], batch
     names = [o.name for o in ref.get_outputs() if o.name not in picked] or [o.name for o in ref.get_outputs()]
     signal = 0.0
     noise = [0.0] * len(models)
+    compared = False
     for feed in batches:
         expected = [_centred(e) for e in ref.run(names, feed)]
         got = [[_centred(g) for g in other.run(names, feed)] for other in others]
         # an output whose shape differs between the models in this batch (other numbers of picks) is left out
         kept = [j for j, e in enumerate(expected) if e is not None and all(g[j].shape == e.shape for g in got)]
+        compared = compared or bool(kept)
         signal += sum(float(np.sum(np.square(expected[j]))) for j in kept)
         for i, outputs in enumerate(got):
             noise[i] += sum(float(np.sum(np.square(outputs[j] - expected[j]))) for j in kept)
+    if not compared:  # no batch's outputs could be compared (every one picked other rows): no figure
+        return [float("nan")] * len(models)
     return [float("inf") if n == 0 else 10 * np.log10(max(signal, 1e-30) / n) for n in noise]
 
 
@@ -72,6 +76,6 @@ def _centred(value: object) -> np.ndarray | None:
 def keep_learned(nearest: onnx.ModelProto, learned: onnx.ModelProto, reference: onnx.ModelProto,
                  batches: Iterable[Mapping[str, Any]], providers: list[str]) -> tuple[bool, float, float]:
     """(whether the learned model is at least as close as nearest rounding's, its output
-    SQNR, nearest rounding's)."""
+    SQNR, nearest rounding's); not where no output could be compared (NaN figures)."""
     near_db, learned_db = output_sqnr(reference, [nearest, learned], batches, providers)
     return learned_db >= near_db, learned_db, near_db
