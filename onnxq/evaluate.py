@@ -12,7 +12,7 @@ the arithmetic stays float), which isolates what the int8 kernels of this CPU ad
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,25 +22,26 @@ import onnx_ir as ir
 import onnxruntime as ort
 from tqdm import tqdm
 
-from onnxq.calibrate.data import CalibrationSource, InputSpec, feed_samples, iter_batches
+from onnxq.calibrate.data import CalibrationSource, feed_samples, iter_batches
 from onnxq.calibrate.decoder import LOGITS, DecoderFeeds, decoder_feeds, is_decoder, result_outputs
-from onnxq.calibrate.inputs import batch_axes, recurrent_axes
+from onnxq.calibrate.inputs import recurrent_axes
 from onnxq.calibrate.session import (
-    OPEN_FAILURES,
     check_providers,
-    open_session,
-    refusal,
     run_on_data,
     run_quantized,
 )
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
-from onnxq.graph.load import load_model
-from onnxq.graph.normalize import MIN_OPSET
 from onnxq.graph.quantized import describe, integer_kernel, quantized_ops
 from onnxq.graph.selection import selected_outputs
-from onnxq.graph.wire import read_structure
 from onnxq.perplexity import NextToken, scores_tokens
-from onnxq.runtime import DOMAIN, session_options
+from onnxq.sessions import (
+    deployed_session,
+    float_session,
+    imports_extended,
+    opened,
+    session_inputs,
+    structure,
+)
 
 KERNELS = ("deployed", "reference", "both")
 # Deployed and reference figures further apart than this get a one-line warning.
@@ -128,106 +129,6 @@ def cosine(ref: np.ndarray, test: np.ndarray) -> float:
         return 1.0 if na == nb else 0.0
     cos = float(a @ b / (na * nb))
     return cos if np.isfinite(cos) else 0.0
-
-
-def session_inputs(session: ort.InferenceSession, recurrent: Mapping[str, int] | None = None) -> list[InputSpec]:
-    """The session's inputs, batched as their names and `recurrent` (`inputs.recurrent_axes`
-    of the model it runs, which a session does not show) say (`inputs.batch_axes`)."""
-    kinds = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
-             "tensor(float16)": np.float16, "tensor(double)": np.float64, "tensor(uint8)": np.uint8,
-             "tensor(bool)": np.bool_, "tensor(int8)": np.int8}
-    named = lambda shape: [d if isinstance(d, int | str) else None for d in shape or []]  # noqa: E731
-    axes = batch_axes({i.name: named(i.shape) for i in session.get_inputs()},
-                      [named(o.shape) for o in session.get_outputs()], recurrent)
-    specs = []
-    for i in session.get_inputs():
-        shape = tuple(d if isinstance(d, int) else None for d in i.shape)
-        specs.append(InputSpec(i.name, np.dtype(kinds.get(i.type, np.float32)), shape, batch_axis=axes.get(i.name, 0)))
-    return specs
-
-
-def deployed_options(reference: bool = False, extended: bool = False) -> ort.SessionOptions:
-    """Default session options, as a deployment has them (quiet), or reference kernels;
-    onnxq's extended ops are registered (`onnxq.runtime`) only for a model that imports
-    them (`extended`, see `imports_extended`): a deployment of any other model runs
-    without that library."""
-    options = session_options() if extended else ort.SessionOptions()
-    options.log_severity_level = 4  # errors come as exceptions (`run_on_data`), not log lines too
-    if reference:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    return options
-
-
-def imports_extended(model: str | os.PathLike | bytes | ir.Model) -> bool:
-    """Whether `model` imports the extended ops' domain (an unreadable file: no, and
-    onnxruntime says why when it opens it)."""
-    if isinstance(model, ir.Model):
-        return DOMAIN in model.opset_imports
-    return _extends(_structure(model))
-
-
-def _structure(model: str | os.PathLike | bytes) -> onnx.ModelProto | None:
-    """The model's proto, a file's without its weights' bytes (`read_structure`); None
-    where it cannot be read (not a model: the session reports it)."""
-    try:
-        return onnx.load_from_string(model) if isinstance(model, bytes) else read_structure(model)
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _extends(proto: onnx.ModelProto | None) -> bool:
-    return proto is not None and any(o.domain == DOMAIN for o in proto.opset_import)
-
-
-def deployed_session(
-    model: str | os.PathLike | bytes | ir.Model, providers: list[str], reference: bool = False,
-    extended: bool | None = None,
-) -> ort.InferenceSession:
-    """A session as a deployment opens it (default options), or with reference kernels.
-    `extended`: whether the model imports the extended ops (None: read it from the model)."""
-    if extended is None:
-        extended = imports_extended(model)
-    return open_any(model, deployed_options(reference, extended), providers)
-
-
-def open_any(model: str | os.PathLike | bytes | ir.Model, options: ort.SessionOptions,
-             providers: list[str]) -> ort.InferenceSession:
-    """A session of a model file, serialized bytes, or an onnx-ir model as it is in
-    memory (`open_session`)."""
-    if isinstance(model, ir.Model):
-        return open_session(model, options, providers)
-    if isinstance(model, onnx.ModelProto):  # in memory, as the Python API takes it
-        model = model.SerializeToString()
-    source = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(source, options, providers=providers)
-
-
-def _opened(which: str, open_it: Callable[[], ort.InferenceSession]) -> ort.InferenceSession:
-    """`open_it()`, onnxruntime's refusal a one-line `ModelError` naming `which` model (it
-    had been a 30-line traceback with exit 1, legacy trial)."""
-    try:
-        return open_it()
-    except OPEN_FAILURES as exc:
-        raise ModelError(f"onnxruntime cannot open the {which} model: {refusal(str(exc))}; compare models a default "
-                         "onnxruntime session loads (onnxq's outputs always do)") from None
-
-
-def _float_session(model: Any, proto: onnx.ModelProto | None, providers: list[str]) -> ort.InferenceSession:
-    """The float model's default session; a model file or serialized model onnxruntime
-    cannot open as given (an opset-6 BatchNormalization, which it has no kernel for) is
-    read as `quantize` reads it, upgraded (`graph/load.py`), where that opens."""
-    try:
-        return deployed_session(model, providers, extended=_extends(proto))
-    except OPEN_FAILURES:
-        if proto is None or _default_opset(proto) >= MIN_OPSET:
-            return _opened("float", lambda: deployed_session(model, providers, extended=_extends(proto)))
-    upgraded, _ = load_model(model if isinstance(model, str | os.PathLike) else onnx.load_from_string(model)
-                             if isinstance(model, bytes) else model)
-    return _opened("float", lambda: deployed_session(upgraded, providers, extended=_extends(proto)))
-
-
-def _default_opset(proto: onnx.ModelProto) -> int:
-    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
 
 
 def top1_agreement(ref: np.ndarray, test: np.ndarray) -> float | None:
@@ -365,11 +266,11 @@ def compare_models(
     if kernels not in KERNELS:
         raise OnnxqError(f"unknown kernels {kernels!r}; use one of: {', '.join(KERNELS)}")
     providers = check_providers(providers or ["CPUExecutionProvider"])
-    float_proto = _structure(float_model)  # read once: for its opsets and its quantized ops
-    ref = _float_session(float_model, float_proto, providers)
+    float_proto = structure(float_model)  # read once: for its opsets and its quantized ops
+    ref = float_session(float_model, float_proto, providers)
     runs = {"deployed": kernels in ("deployed", "both"), "reference": kernels in ("reference", "both")}
     extended = imports_extended(quant_model)  # read once: a file is parsed whole
-    sessions = {k: _opened("quantized", lambda k=k: deployed_session(quant_model, providers, reference=k == "reference",
+    sessions = {k: opened("quantized", lambda k=k: deployed_session(quant_model, providers, reference=k == "reference",
                                                                        extended=extended))
                 for k, on in runs.items() if on}
     inputs = [i.name for i in ref.get_inputs()]
@@ -431,7 +332,7 @@ def compare_models(
     result.reference = results.get("reference") if "deployed" in results else None
     result.labels_unused = labels is not None and result.float_accuracy is None
     if runs["reference"] and isinstance(quant_model, str | os.PathLike | bytes):  # what a reference run cannot unfuse
-        proto = _structure(quant_model)
+        proto = structure(quant_model)
         result.integer_kernels = proto is not None and any(integer_kernel(n) for n in proto.graph.node)
     result.ignored = sorted(source.ignored)
     result.float_quantized = _quantized_ops(float_proto)
@@ -488,7 +389,7 @@ def run_model(model: str | os.PathLike, data: Any, max_samples: int | None = Non
         data = decoder_feeds(model, data, providers, decode_steps=0)
         names = result_outputs(names, inputs)
     outputs: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    proto = _structure(model)
+    proto = structure(model)
     recurrent = recurrent_axes(ir.from_proto(proto).graph) if proto is not None else None
     for feed in iter_batches(data, session_inputs(session, recurrent), batch_size, max_samples, kind="input"):
         for n, y in zip(names, run_on_data(session, names, feed, "input")):

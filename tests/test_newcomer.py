@@ -235,7 +235,8 @@ def test_compare_of_a_plain_model_needs_no_extensions_library(tmp_path, chain, m
     get the extended ops."""
     import onnxq.runtime as rt
     from onnxq.errors import OnnxqError
-    from onnxq.evaluate import compare_models, deployed_options, imports_extended
+    from onnxq.evaluate import compare_models
+    from onnxq.sessions import deployed_options, imports_extended
 
     out = tmp_path / "q.onnx"
     assert onnxq("quantize", str(chain[0]), str(out), "--calib-data", str(chain[1]), "--quiet").returncode == 0

@@ -52,16 +52,14 @@ from onnxq.calibrate.session import check_providers, exposed_session, run_quanti
 from onnxq.errors import ModelError
 from onnxq.evaluate import (
     check_same_shape,
-    deployed_options,
-    deployed_session,
     joined,
-    session_inputs,
 )
 from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
 from onnxq.graph.quantized import describe, extended_ops, integer_kernel, quantized_ops
 from onnxq.graph.save import weight_bytes, write_text_atomic
 from onnxq.graph.selection import selected_outputs
+from onnxq.sessions import deployed_options, deployed_session, session_inputs
 
 ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model
 # How the layer table is ordered: by each layer's effect on the model's output when it

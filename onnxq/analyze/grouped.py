@@ -27,8 +27,8 @@ from onnxq.analyze.qgraph import Layer
 from onnxq.calibrate.data import iter_batches
 from onnxq.calibrate.inputs import model_inputs, recurrent_axes
 from onnxq.calibrate.session import exposed_session, run_quantized
-from onnxq.evaluate import deployed_options, session_inputs
 from onnxq.graph.edit import values_by_name
+from onnxq.sessions import deployed_options, session_inputs
 
 WEIGHT_KERNELS = frozenset({("com.microsoft", "MatMulNBits"), ("com.microsoft", "GatherBlockQuantized")})
 # Bytes of exposed tensors per pass (three per layer, at one batch): each pass costs a

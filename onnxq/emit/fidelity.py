@@ -32,11 +32,9 @@ from onnxq.calibrate.session import refusal as ort_refusal
 from onnxq.evaluate import (
     EXTENDED_SESSION,
     Top1Tally,
-    deployed_options,
-    imports_extended,
     kept_positions,
-    open_any,
 )
+from onnxq.sessions import deployed_options, imports_extended, open_any
 
 REFERENCE_BYTES = 64 << 20
 # Worst-output SQNR below which the summary warns: the outputs are then off by more than

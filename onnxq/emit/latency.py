@@ -31,7 +31,7 @@ from onnxq.calibrate.access import Access, data_access, refusal
 from onnxq.calibrate.data import CalibrationSource, InputSpec, axes_of, iter_batches
 from onnxq.calibrate.decoder import PAST
 from onnxq.calibrate.inputs import take_rows
-from onnxq.evaluate import deployed_options, imports_extended, open_any
+from onnxq.sessions import deployed_options, imports_extended, open_any
 from onnxq.target.profile import GPU_PROVIDERS, cpu_isa, gpu_first
 
 BATCHES = (1, 8)

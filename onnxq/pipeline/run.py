@@ -15,7 +15,6 @@ from onnxq.emit.fidelity import check_outputs, samples_to_check
 from onnxq.emit.latency import measure_latency
 from onnxq.emit.loadcheck import prepacks
 from onnxq.errors import ConfigError
-from onnxq.evaluate import imports_extended
 from onnxq.graph.save import check_output_path, save_model, weight_bytes
 from onnxq.graph.selection import selected_outputs
 from onnxq.notes import Note, Topic, notes
@@ -32,6 +31,7 @@ from onnxq.plan.strategies.matmul_nbits import refused_note
 from onnxq.plan.strategies.static import coarser_note
 from onnxq.plan.unused_overrides import unused_override_notes
 from onnxq.report import Summary
+from onnxq.sessions import imports_extended
 
 
 def run_pipeline(

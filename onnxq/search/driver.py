@@ -38,7 +38,6 @@ from onnxq.calibrate.inputs import recurrent_axes, take_rows
 from onnxq.config.spec import Config, MixedPrecisionConfig
 from onnxq.emit.latency import fixed_batches, median_ms
 from onnxq.errors import CalibrationDataError, ConfigError
-from onnxq.evaluate import deployed_session, session_inputs
 from onnxq.graph.save import check_output_path, weight_bytes
 from onnxq.graph.selection import selected_outputs
 from onnxq.notes import Note, Topic, notes
@@ -63,6 +62,7 @@ from onnxq.search.target import (
     parse_target,
 )
 from onnxq.search.unmet import Candidate, Choice, choose_unmet, raised_words
+from onnxq.sessions import deployed_session, session_inputs
 
 # Rungs that keep a raised layer in an integer type: its tensors are the ones statistics files
 # hold; the float types calibrate others (`_writable`, the final model's calibration).

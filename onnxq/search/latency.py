@@ -48,7 +48,6 @@ from onnxq.emit.latency import (
     timed_on,
 )
 from onnxq.errors import ConfigError, OnnxqError
-from onnxq.evaluate import deployed_options, imports_extended, open_any
 from onnxq.notes import Note, Topic
 from onnxq.pipeline.prepare import ModelSource, calibrates_activations
 from onnxq.pipeline.result import PipelineState, QuantizationResult
@@ -58,6 +57,7 @@ from onnxq.progress import bar
 from onnxq.search import latency_cache
 from onnxq.search.base import with_calibration
 from onnxq.search.latency_changes import CHANGES
+from onnxq.sessions import deployed_options, imports_extended, open_any
 
 # A change is kept when the model gets at least this much faster at the largest batch
 # (the median ratio over rounds; the same model against itself, below, is within 7%, so

@@ -31,9 +31,9 @@ from onnxq.evaluate import (
     kept_positions,
     ragged,
     row_cosines,
-    session_inputs,
     sqnr_db,
 )
+from onnxq.sessions import session_inputs
 
 # The score of the float model against itself, for metrics measured against it.
 SELF_SCORE = {"cosine": 1.0, "sqnr": math.inf}
