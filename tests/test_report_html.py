@@ -109,6 +109,8 @@ def test_report_is_self_contained_and_matches_data(report, inputs):
     assert data == json.loads(json.dumps(data, allow_nan=False))
     for section in ("settings", "summary", "outputs", "layers", "tensors"):
         assert f'<section id="{section}">' in text
+    # the settings' 'preset: none' had read as "no preset" beside the summary's U8S8
+    assert "&#x27;preset: none&#x27; means this document needs no preset under it" in text
     assert 'id="mixed-precision"' not in text
     assert text.count("<svg") == 2  # the layer SQNR bars and the range plots
     keys = _check_cells(text, data)

@@ -296,7 +296,11 @@ def render_html(data: dict[str, Any], summary: Summary | None, config: Config | 
     """The whole page for `data` (from `report_data`)."""
     sections = []
     if config is not None:
-        yaml = html.escape(config_to_yaml(config))
+        # `preset: none` heads a whole config (the preset the run started from is already in
+        # it): read as "no preset", it contradicted the summary's U8S8 (vision-transformer trial)
+        said = ("# every setting of the run, the preset it started from included: 'preset: none' means this "
+                "document needs no preset under it (onnxq quantize ... --config this.yaml runs it again)\n")
+        yaml = html.escape(said + config_to_yaml(config))
         sections.append(_section("settings", "Settings", f"<pre>{yaml}</pre>"))
     if summary is not None:
         text = html.escape(format_summary(summary))
