@@ -36,6 +36,7 @@ from onnxq.graph.selection import selected_outputs
 from onnxq.perplexity import NextToken, scores_tokens
 from onnxq.sessions import (
     deployed_session,
+    extends,
     float_session,
     imports_extended,
     opened,
@@ -289,7 +290,8 @@ def compare_models(
     float_graph = ir.from_proto(float_proto).graph if float_proto is not None else None
     specs = session_inputs(ref, recurrent_axes(float_graph) if float_graph is not None else None)
     follows = selected_outputs(float_graph) if float_graph is not None else {}
-    picked = {n: [0, 0, False] for n in names if n in follows}  # rows each model picked; a batch's differed
+    picked = {n: [0, 0] for n in names if n in follows}  # rows each model picked, float and quantized
+    mismatched: set[str] = set()  # picked outputs of another shape in some batch: counted, not compared
     for feed in _progress(iter_batches(source, specs, batch_size, max_samples, kind="evaluation"), progress):
         got = {}
         for kind, session in (("float", ref), *sessions.items()):
@@ -301,7 +303,8 @@ def compare_models(
                 shapes = {np.shape(got[k][n]) for k in ("float", *sessions)}
                 picked[n][0] += len(got["float"][n]) if np.ndim(got["float"][n]) else 1
                 picked[n][1] += max(len(got[k][n]) if np.ndim(got[k][n]) else 1 for k in sessions)
-                picked[n][2] = picked[n][2] or len(shapes) > 1
+                if len(shapes) > 1:
+                    mismatched.add(n)
                 continue
             check_same_shape(n, got["float"][n], [got[k][n] for k in sessions])
         samples += feed_samples(feed, specs)  # of the inputs: an output may be [seq, N, ...] or unbatched
@@ -320,7 +323,7 @@ def compare_models(
     if streamed:
         results = {k: Comparison(samples, [sums[k][n].metrics(n) for n in names], kernels=k) for k in sessions}
     else:
-        differ = {n: (counts[0], counts[1]) for n, counts in picked.items() if counts[2]}
+        differ = {n: (picked[n][0], picked[n][1]) for n in names if n in mismatched}
         kept = [n for n in names if n not in differ]
         arrays = {k: {n: joined(per[n]) for n in kept} for k, per in outputs.items()}
         rows = {n for n in kept if ragged(outputs["float"][n])}  # joined as rows: no class scores per sample
@@ -382,14 +385,14 @@ def run_model(model: str | os.PathLike, data: Any, max_samples: int | None = Non
     decoder get its mask and empty cache built, as `compare` does (the present cache is
     left out of the outputs)."""
     providers = check_providers(providers or ["CPUExecutionProvider"])
-    session = deployed_session(model, providers)
+    proto = structure(model)  # read once: for its extended ops and its recurrent inputs
+    session = deployed_session(model, providers, extended=extends(proto))
     names = [o.name for o in session.get_outputs()]
     inputs = [i.name for i in session.get_inputs()]
     if is_decoder(inputs):
         data = decoder_feeds(model, data, providers, decode_steps=0)
         names = result_outputs(names, inputs)
     outputs: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    proto = structure(model)
     recurrent = recurrent_axes(ir.from_proto(proto).graph) if proto is not None else None
     for feed in iter_batches(data, session_inputs(session, recurrent), batch_size, max_samples, kind="input"):
         for n, y in zip(names, run_on_data(session, names, feed, "input")):

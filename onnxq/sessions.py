@@ -104,8 +104,12 @@ def opened(which: str, open_it: Callable[[], ort.InferenceSession]) -> ort.Infer
     try:
         return open_it()
     except OPEN_FAILURES as exc:
-        raise ModelError(f"onnxruntime cannot open the {which} model: {refusal(str(exc))}; compare models a default "
-                         "onnxruntime session loads (onnxq's outputs always do)") from None
+        raise _refused(which, exc) from None
+
+
+def _refused(which: str, exc: Exception) -> ModelError:
+    return ModelError(f"onnxruntime cannot open the {which} model: {refusal(str(exc))}; compare models a default "
+                      "onnxruntime session loads (onnxq's outputs always do)")
 
 
 def float_session(model: Any, proto: onnx.ModelProto | None, providers: list[str]) -> ort.InferenceSession:
@@ -114,9 +118,9 @@ def float_session(model: Any, proto: onnx.ModelProto | None, providers: list[str
     read as `quantize` reads it, upgraded (`graph/load.py`), where that opens."""
     try:
         return deployed_session(model, providers, extended=extends(proto))
-    except OPEN_FAILURES:
+    except OPEN_FAILURES as exc:
         if proto is None or default_opset(proto) >= MIN_OPSET:
-            return opened("float", lambda: deployed_session(model, providers, extended=extends(proto)))
+            raise _refused("float", exc) from None
     upgraded, _ = load_model(model if isinstance(model, str | os.PathLike) else onnx.load_from_string(model)
                              if isinstance(model, bytes) else model)
     return opened("float", lambda: deployed_session(upgraded, providers, extended=extends(proto)))

@@ -58,7 +58,7 @@ from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
 from onnxq.graph.quantized import describe, extended_ops, integer_kernel, quantized_ops
 from onnxq.graph.save import weight_bytes, write_text_atomic
-from onnxq.graph.selection import selected_outputs
+from onnxq.graph.selection import first_output_pick, selected_outputs
 from onnxq.sessions import deployed_options, deployed_session, session_inputs
 
 ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model
@@ -313,7 +313,7 @@ def analyze_models(
     tensor_reports.sort(key=lambda t: (t.sqnr_db, t.name))
     layer_reports.sort(key=_noise_order)
     ranked_samples = None
-    first_picked = picked.get(reference.graph.outputs[0].name) if reference.graph.outputs else None
+    first_picked = first_output_pick(reference.graph)
     if graph_picked := [n for n in graph_outputs if n in picked]:
         several = len(graph_picked) > 1
         notes.append(f"output{'s' if several else ''} {', '.join(map(repr, graph_picked))} hold{'' if several else 's'} "

@@ -37,8 +37,7 @@ def _shape_key(feed: Feed, axes: dict[str, int]) -> tuple:
 def _has_fixed_batch(inputs: list[InputSpec]) -> bool:
     """A fixed batch, or a scalar input (a Loop's trip count), which no batch can stack:
     each sample then runs on its own."""
-    return any((s.shape and len(s.shape) > s.batch_axis and s.shape[s.batch_axis] is not None) or s.shape == ()
-               for s in inputs)
+    return any(s.batch_dim is not None or s.shape == () for s in inputs)
 
 
 def _samples(feed: Feed, units: Mapping[str, int], fixed: bool, axes: Mapping[str, int]) -> Fraction:

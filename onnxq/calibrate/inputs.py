@@ -36,6 +36,11 @@ class InputSpec:
     batch_axis: int = 0  # where its samples lie (`batch_axes`)
 
     @property
+    def batch_dim(self) -> int | None:
+        """The static size of its batch axis; None where dynamic or where it has none."""
+        return self.shape[self.batch_axis] if self.shape and len(self.shape) > self.batch_axis else None
+
+    @property
     def batch_dynamic(self) -> bool:
         return self.shape is not None and len(self.shape) > self.batch_axis and self.shape[self.batch_axis] is None
 
@@ -173,13 +178,9 @@ def _kind(value_type: ir.TypeProtocol | None) -> str:
     return "tensor"
 
 
-def _batch_dim(spec: InputSpec) -> int | None:
-    return spec.shape[spec.batch_axis] if spec.shape and len(spec.shape) > spec.batch_axis else None
-
-
 def _fixed_batch(inputs: list[InputSpec]) -> int | None:
     """The static batch size of the model, or None when the batch axis is dynamic."""
-    sizes = {_batch_dim(s) for s in inputs if s.shape}
+    sizes = {s.batch_dim for s in inputs if s.shape}
     sizes.discard(None)
     return sizes.pop() if len(sizes) == 1 else None
 
@@ -207,7 +208,7 @@ def sample_rows(inputs: list[InputSpec]) -> dict[str, int]:
     else 1: a sample of a fixed-shape input is one whole input.
     """
     common = _fixed_batch(inputs) or 1
-    return {s.name: d if (d := _batch_dim(s)) is not None else common for s in inputs}
+    return {s.name: d if (d := s.batch_dim) is not None else common for s in inputs}
 
 
 def to_rows(spec: InputSpec | None, array: np.ndarray) -> np.ndarray:

@@ -118,19 +118,18 @@ def stream_tensors(
                 break
             if window is not None and index < window[0]:
                 continue
-            rows = feed_rows(feed, axes)
+            rows, samples = feed_rows(feed, axes), feed_samples(feed, inputs)
             captured = capture.names if capture is not None and capture.wanting else []
             fetched = outputs + [n for n in captured if n not in outputs]
             got = dict(zip(fetched, run_on_data(session, fetched, feed)))
             if captured:
-                capture.add(feed, [got[n] for n in captured], feed_samples(feed, inputs), rows,
+                capture.add(feed, [got[n] for n in captured], samples, rows,
                             cuttable=not any(axes.values()))
             if statistics is not None:
                 statistics.update(got, index)
             for n in names:
                 if n in reduced:
                     got[n] = np.array([got.pop(n + s) for s in REDUCED_SUFFIXES])
-            samples = feed_samples(feed, inputs)
             yield samples, {n: got[n] for n in names}
             bar.update(samples)
 

@@ -112,8 +112,7 @@ class Latency:
 
 def fixed_batches(inputs: list[InputSpec]) -> dict[str, int]:
     """The inputs of a fixed batch (a number on their batch axis), and it."""
-    return {s.name: s.shape[s.batch_axis] for s in inputs
-            if s.shape and len(s.shape) > s.batch_axis and isinstance(s.shape[s.batch_axis], int)}
+    return {s.name: s.batch_dim for s in inputs if s.batch_dim is not None}
 
 
 def decoder_steps(sample: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]] | None:

@@ -5,6 +5,7 @@ optional values keep their types), and old per-channel PRelu slopes made to broa
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
@@ -100,19 +101,18 @@ def _aligned_broadcasts(proto: onnx.ModelProto) -> onnx.ModelProto:
     already is left to the converter; one that needs the reshape but cannot take it (a
     runtime value, one read by other nodes too, or one of unknown rank) is refused."""
     fixes: dict[str, tuple[int, ...]] = {}
-    inferred = None
+    ranks: dict[str, int] | None = None  # inferred once, where some node needs them
     weights = {t.name: t for t in proto.graph.initializer}
-    readers: dict[str, int] = {}
-    for node in proto.graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
+    readers = Counter(name for node in proto.graph.node for name in node.input)
     for node in proto.graph.node:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type not in _LEGACY_BROADCAST or not attrs.get("broadcast") or "axis" not in attrs:
             continue
-        inferred = inferred or onnx.shape_inference.infer_shapes(proto)
-        ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*inferred.graph.value_info, *inferred.graph.input]
-                 if v.type.tensor_type.HasField("shape")}
+        if ranks is None:
+            inferred = onnx.shape_inference.infer_shapes(proto)
+            ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in [*inferred.graph.value_info,
+                                                                          *inferred.graph.input]
+                     if v.type.tensor_type.HasField("shape")}
         a, b = node.input[0], node.input[1]
         rank_a = ranks.get(a)
         shape_b = tuple(weights[b].dims) if b in weights else None
@@ -126,8 +126,7 @@ def _aligned_broadcasts(proto: onnx.ModelProto) -> onnx.ModelProto:
         raise ModelError(f"{node.op_type} node {node.name or node.output[0]!r} broadcasts its second input at axis "
                          f"{attrs['axis']} (opset {default_opset(proto)}'s broadcast attribute), which onnx's version "
                          "converter upgrades wrongly where the operand is not a constant of known rank read by this node "
-                         "alone; re-export "
-                         "the model with opset >= 7")
+                         "alone; re-export the model with opset >= 7")
     if not fixes:
         return proto
     fixed = onnx.ModelProto()

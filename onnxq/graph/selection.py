@@ -35,6 +35,12 @@ def selected_outputs(graph: ir.Graph) -> dict[str, str]:
     return out
 
 
+def first_output_pick(graph: ir.Graph) -> str | None:
+    """The selection op whose rows the graph's first output holds (what the accuracy
+    search and the analysis's ranking score), None where it holds none."""
+    return selected_outputs(graph).get(graph.outputs[0].name) if graph.outputs else None
+
+
 def _own_selection(node: ir.Node) -> str | None:
     """The selection op this node is, or holds in its subgraphs."""
     if node.domain in ("", "ai.onnx") and node.op_type in SELECTION_OPS:

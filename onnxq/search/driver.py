@@ -39,7 +39,7 @@ from onnxq.config.spec import Config, MixedPrecisionConfig
 from onnxq.emit.latency import fixed_batches, median_ms
 from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.graph.save import check_output_path, weight_bytes
-from onnxq.graph.selection import selected_outputs
+from onnxq.graph.selection import first_output_pick
 from onnxq.notes import Note, Topic, notes
 from onnxq.pipeline.prepare import required_opset
 from onnxq.pipeline.run import run_pipeline, write_output
@@ -120,8 +120,7 @@ def sensitivity_order(base: Any, config: Config, evalset: EvalSet, float_session
         promoted = effective({n: top for n in local if n != name}, base.plan)  # as the search will raise them
         return deployed_session(base.state.emit(with_promotions(config, promoted)), providers)
 
-    graph = base.state.float_model.graph
-    picked = graph.outputs and graph.outputs[0].name in selected_outputs(graph)  # no row-by-row noise to rank by
+    picked = first_output_pick(base.state.float_model.graph) is not None  # no row-by-row noise to rank by
     limit = 0 if picked else layers_to_measure(weight_bytes(base.state.float_model))
     return impact_order(local, local, evalset, float_session, session_with_only, limit)
 
@@ -171,11 +170,11 @@ def _scorable(target: Any, float_model: Any) -> None:
     (a detector's boxes after NonMaxSuppression): row-by-row figures do not measure the
     picks, and the models may pick different numbers of rows (it had raised numpy's
     broadcasting error)."""
-    first = float_model.graph.outputs[0].name if float_model.graph.outputs else None
-    op = selected_outputs(float_model.graph).get(first)
+    op = first_output_pick(float_model.graph)
     if op is not None and target.metric in ("sqnr", "cosine"):
         raise ConfigError(
-            f"accuracy target {target.describe()!r} scores the model's first output, {first!r}, whose rows a {op} "
+            f"accuracy target {target.describe()!r} scores the model's first output, "
+            f"{float_model.graph.outputs[0].name!r}, whose rows a {op} "
             "picks and orders: row-by-row figures do not measure the picks, and the quantized model may pick other "
             "rows; score the picks with your own function (Python: quantize(..., evaluate=fn) with a "
             "'custom>=VALUE' target, fn(session) -> mAP or mean IoU)")
