@@ -17,7 +17,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from onnxq.calibrate.data import InputSpec
-from onnxq.calibrate.inputs import batch_axes
+from onnxq.calibrate.inputs import axis_name, batch_axes
 from onnxq.calibrate.session import OPEN_FAILURES, open_session, refusal
 from onnxq.errors import ModelError
 from onnxq.graph.load import load_model
@@ -38,7 +38,9 @@ def session_inputs(session: ort.InferenceSession, recurrent: Mapping[str, int] |
     specs = []
     for i in session.get_inputs():
         shape = tuple(d if isinstance(d, int) else None for d in i.shape)
-        specs.append(InputSpec(i.name, np.dtype(kinds.get(i.type, np.float32)), shape, batch_axis=axes.get(i.name, 0)))
+        axis = axes.get(i.name, 0)
+        specs.append(InputSpec(i.name, np.dtype(kinds.get(i.type, np.float32)), shape, batch_axis=axis,
+                               batch_name=axis_name(named(i.shape), axis)))
     return specs
 
 

@@ -14,11 +14,13 @@ import numpy as np
 from onnxq.calibrate.inputs import (
     Feed,
     InputSpec,
+    as_scalars,
     axes_of,
     check_feed,
     rows_of,
     sample_rows,
     take_rows,
+    whole_feed,
 )
 from onnxq.calibrate.sources import CalibrationSource
 from onnxq.errors import CalibrationDataError
@@ -83,7 +85,8 @@ def iter_batches(
     """Validated batches of up to `batch_size` samples; one whole input with a fixed batch;
     at most `max_batches` of them.
 
-    `max_samples` counts samples as `sample_rows` defines them. A model with a fixed
+    `max_samples` counts samples as `sample_rows` defines them, and a feed whose inputs
+    share no batch axis (`inputs.whole_feed`) as one, run whole. A model with a fixed
     batch runs each whole input on its own; rows that fill no whole input are dropped, and
     data that fills none at all is an error naming the input and the shape it needs.
     `kind`: what the data is to the user, as errors call it ("calibration", "evaluation").
@@ -95,7 +98,7 @@ def iter_batches(
     try:
         for feed in _batches(source, inputs, batch_size, max_samples, purpose, max_batches):
             yielded = True
-            yield feed
+            yield as_scalars(feed, inputs)
     except CalibrationDataError as exc:
         if kind == "calibration":
             raise
@@ -119,6 +122,22 @@ def _batches(
     for raw in source.feeds(inputs, purpose, 1 if fixed else max(batch_size, 1)):
         feed = check_feed(raw, inputs)
         source.ignored.update(set(raw) - names)
+        if whole_feed(feed, inputs):  # one sample, neither cut nor merged
+            if pending and not fixed:
+                yield _concat(pending, axes)
+                batches += 1
+                if batches == max_batches:
+                    return
+            pending, pending_samples = [], Fraction(0)
+            if max_samples is not None and seen >= max_samples:
+                break
+            seen += 1
+            source.whole += 1
+            yield feed
+            batches += 1
+            if batches == max_batches:
+                return
+            continue
         if max_samples is not None:
             if max_samples - seen <= 0:
                 break

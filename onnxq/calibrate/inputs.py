@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,9 @@ class InputSpec:
     shape: tuple[int | None, ...] | None
     kind: str = "tensor"  # or "sequence", "optional": dtype and shape are then the element's
     batch_axis: int = 0  # where its samples lie (`batch_axes`)
+    # its batch axis as the model's shape gives it: a dimension's name, a static size, or
+    # None where unknown (`shared_batch`)
+    batch_name: str | int | None = None
 
     @property
     def batch_dim(self) -> int | None:
@@ -66,8 +70,34 @@ def model_inputs(model: ir.Model) -> list[InputSpec]:
         if value.shape is not None:
             shape = tuple(d if isinstance(d, int) else None for d in value.shape)
         dtype = np.dtype(value.dtype.numpy()) if value.dtype is not None else np.dtype(np.float32)
-        specs.append(InputSpec(value.name, dtype, shape, _kind(value.type), axes.get(value.name, 0)))
+        axis = axes.get(value.name, 0)
+        specs.append(InputSpec(value.name, dtype, shape, _kind(value.type), axis, axis_name(_dims(value.shape), axis)))
     return specs
+
+
+def axis_name(dims: Dims, axis: int) -> str | int | None:
+    """Dimension `axis` of `dims` as the model gives it (name, size or None)."""
+    return dims[axis] if axis < len(dims) else None
+
+
+def shared_batch(inputs: list[InputSpec]) -> bool:
+    """Whether the model's shapes make the inputs' batch axes one dimension: the same
+    name or size wherever they give one (an unknown one agrees with any)."""
+    return len({s.batch_name for s in inputs if s.shape and s.batch_name is not None}) <= 1
+
+
+def whole_feed(feed: Mapping[str, Any], inputs: list[InputSpec]) -> bool:
+    """Whether `feed` runs whole, as one sample: its inputs hold different numbers of
+    samples on their batch axes where the model's shapes give them no shared batch axis
+    (a graph's nodes [n, 16] beside its edges [2, e], bags' ids [total] beside their
+    offsets [N], a parameter [1] beside a batch [N, 10]). Such inputs cannot be cut into
+    samples or merged: each feed is what the model takes in one run."""
+    if shared_batch(inputs):
+        return False
+    units = sample_rows(inputs)
+    counts = {Fraction(rows_of(np.asarray(feed[s.name]), s.batch_axis), units[s.name])
+              for s in inputs if s.name in feed and np.ndim(feed[s.name])}
+    return len(counts) > 1
 
 
 Dims = list[int | str | None]
@@ -166,8 +196,18 @@ def rows_of(array: np.ndarray, axis: int) -> int:
 
 
 def take_rows(array: np.ndarray, axis: int, start: int, stop: int) -> np.ndarray:
-    """Rows [start, stop) of `array` on its batch `axis` (a view)."""
-    return array[(slice(None),) * axis + (slice(start, stop),)]
+    """Rows [start, stop) of `array` on its batch `axis` (a view); a scalar is every
+    sample's."""
+    return array[(slice(None),) * axis + (slice(start, stop),)] if np.ndim(array) else array
+
+
+def as_scalars(feed: Feed, inputs: list[InputSpec]) -> Feed:
+    """`feed` with the one value a batch holds for each scalar input as the 0-d array
+    the model takes (a stack of per-sample timesteps is cut to [1])."""
+    scalars = [s.name for s in inputs if s.shape == () and np.ndim(feed.get(s.name)) == 1]
+    if not scalars:
+        return feed
+    return {k: v.reshape(()) if k in scalars and v.size == 1 else v for k, v in feed.items()}
 
 
 def _kind(value_type: ir.TypeProtocol | None) -> str:
@@ -191,9 +231,19 @@ def feed_rows(feed: Feed, axes: Mapping[str, int] | None = None) -> int:
     return next((rows_of(v, (axes or {}).get(k, 0)) for k, v in feed.items() if np.ndim(v)), 1)
 
 
+def whole_feeds_note(inputs: list[InputSpec]) -> str:
+    """What the summary says where feeds ran whole (`whole_feed`)."""
+    dims = ", ".join(f"{s.name} {s.batch_name if s.batch_name is not None else '?'}" for s in inputs if s.shape)
+    return ("calibration data: each file or feed ran whole and counts as one sample: the model's inputs share no "
+            f"batch axis ({dims}), so their rows cannot be cut into samples or merged")
+
+
 def feed_samples(feed: Feed, inputs: list[InputSpec]) -> int:
     """Samples in a batch: its rows on the batch axis over the rows one sample takes (an
-    unbatched [3, H, W] image is one sample of 3 rows)."""
+    unbatched [3, H, W] image is one sample of 3 rows); a feed that runs whole
+    (`whole_feed`) is one."""
+    if whole_feed(feed, inputs):
+        return 1
     units = sample_rows(inputs)
     first = next((s for s in inputs if s.name in feed and np.ndim(feed[s.name])), None)
     if first is None:
@@ -205,10 +255,11 @@ def sample_rows(inputs: list[InputSpec]) -> dict[str, int]:
     """Rows (along its batch axis) of each input that make one sample.
 
     An input's static batch dimension, else the model's fixed batch when it has one,
-    else 1: a sample of a fixed-shape input is one whole input.
+    else 1: a sample of a fixed-shape input is one whole input. A scalar input (a
+    timestep) has one value per sample: a stack of them is [samples].
     """
     common = _fixed_batch(inputs) or 1
-    return {s.name: d if (d := s.batch_dim) is not None else common for s in inputs}
+    return {s.name: 1 if s.shape == () else d if (d := s.batch_dim) is not None else common for s in inputs}
 
 
 def to_rows(spec: InputSpec | None, array: np.ndarray) -> np.ndarray:
@@ -295,6 +346,13 @@ def check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
                    if array.dtype == np.uint8 and spec.dtype.kind == "f" else "")
             )
     if spec.shape is None:
+        return array
+    if spec.shape == ():  # a scalar, or a stack of one per sample
+        if array.ndim > 1 or (array.ndim == 1 and not len(array)):
+            raise CalibrationDataError(
+                f"calibration input {spec.name!r} is a scalar (one value a run), but the data has shape "
+                f"{list(array.shape)}; give one value per sample: a 0-d array in each file or feed, or "
+                "[samples] in one .npz or dict")
         return array
     array = to_rows(spec, array)
     if array.ndim == len(spec.shape) + 1 and spec.shape[0] is not None:  # a stack of unbatched inputs

@@ -24,6 +24,7 @@ from onnxq.calibrate.inputs import (
     check_finite,
     rows_of,
     sample_rows,
+    shared_batch,
     take_rows,
     to_rows,
 )
@@ -60,7 +61,9 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec], chunk
 
     A sample is one row, or for an input with a fixed batch B its B rows; a last part
     that fills no whole sample is still yielded, for iter_batches to drop or report. A
-    rank-0 array goes with every sample as it is. `chunk`: the batch the reader merges
+    rank-0 array goes with every sample as it is. Arrays of different sample counts for
+    inputs the model gives no shared batch axis are one feed, run whole
+    (`inputs.whole_feed`). `chunk`: the batch the reader merges
     samples into, so that it takes each batch as it comes (ResNet-20's 200 images one
     at a time: 4 ms of merging and checking, a fortieth of its quantize).
     """
@@ -74,6 +77,9 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec], chunk
     # a rank-0 array (a scalar input: a flag, a trip count) is the same for every sample
     counts = {name: Fraction(rows_of(a, axes.get(name, 0)), units.get(name, 1))
               for name, a in counted.items() if np.ndim(a)} or {"": 1}
+    if len(set(counts.values())) > 1 and not shared_batch(inputs):  # inputs of no shared batch: one whole feed
+        yield dict(arrays)
+        return
     if len(set(counts.values())) > 1:
         shown = {name: str(n) for name, n in counts.items()}
         raise CalibrationDataError(
@@ -187,6 +193,9 @@ class CalibrationSource:
         # Arrays in the data that are no model input (a `labels` array): left out, named
         # in the summary.
         self.ignored: set[str] = set()
+        # Feeds run whole, each one sample, where the inputs share no batch axis
+        # (`inputs.whole_feed`): the summary says so.
+        self.whole = 0
 
     @property
     def replayable(self) -> bool:

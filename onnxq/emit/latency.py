@@ -30,7 +30,7 @@ import onnxruntime as ort
 from onnxq.calibrate.access import Access, data_access, refusal
 from onnxq.calibrate.data import CalibrationSource, InputSpec, axes_of, iter_batches
 from onnxq.calibrate.decoder import PAST
-from onnxq.calibrate.inputs import take_rows
+from onnxq.calibrate.inputs import take_rows, whole_feed
 from onnxq.sessions import deployed_options, imports_extended, open_any
 from onnxq.target.profile import GPU_PROVIDERS, cpu_isa, gpu_first
 
@@ -148,6 +148,8 @@ def latency_feeds(inputs: list[InputSpec], data: CalibrationSource, session: ort
     steps = decoder_steps(sample)
     if steps is not None:
         return dict(steps), []
+    if whole_feed(sample, inputs):  # inputs of no shared batch axis: the sample is what one run takes
+        return {1: sample}, [f"batch {b} not measured: the inputs share no batch axis" for b in BATCHES if b != 1]
     fixed, axes = fixed_batches(inputs), axes_of(inputs)
     if fixed:
         name, batch = next(iter(fixed.items()))
@@ -156,7 +158,7 @@ def latency_feeds(inputs: list[InputSpec], data: CalibrationSource, session: ort
         return {batch: {k: take_rows(np.asarray(v), axes.get(k, 0), 0, fixed.get(k, batch))
                         for k, v in sample.items()}}, skipped
     return {batch: {k: np.repeat(take_rows(np.asarray(v), axes.get(k, 0), 0, 1), batch, axis=axes.get(k, 0))
-                    for k, v in sample.items()} for batch in BATCHES}, []
+                    if np.ndim(v) else v for k, v in sample.items()} for batch in BATCHES}, []
 
 
 def block_ms(session: ort.InferenceSession, feed: dict[str, np.ndarray]) -> list[float]:

@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 from onnxq.calibrate.data import CalibrationSource, model_inputs
+from onnxq.calibrate.inputs import whole_feeds_note
 from onnxq.config.spec import Config
 from onnxq.emit.fidelity import check_outputs, samples_to_check
 from onnxq.emit.latency import measure_latency
@@ -70,6 +71,8 @@ def run_pipeline(
         left_out = tuple(sorted(settings.data.ignored))
         summary.notes.append(Note(Topic.CALIBRATION, f"calibration data: left out {', '.join(left_out)} "
                                   "(no model input)", left_out))
+    if settings.data.whole:
+        summary.notes.append(Note(Topic.CALIBRATION, whole_feeds_note(model_inputs(model))))
     plan, dropped = drop_unquantizable(plan, calibration.ranges)
     summary.notes.extend(dropped)
     ranges, widened = clip_safe_ranges(model, plan, calibration.ranges)

@@ -34,7 +34,7 @@ from onnxq.analyze import analyze_models
 from onnxq.analyze.impact import layers_to_measure, noise_db
 from onnxq.calibrate.access import FIXES, data_access
 from onnxq.calibrate.data import CalibrationSource, axes_of
-from onnxq.calibrate.inputs import recurrent_axes, take_rows
+from onnxq.calibrate.inputs import recurrent_axes, take_rows, whole_feed
 from onnxq.config.spec import Config, MixedPrecisionConfig
 from onnxq.emit.latency import fixed_batches, median_ms
 from onnxq.errors import CalibrationDataError, ConfigError
@@ -184,6 +184,8 @@ def _first_sample(evalset: EvalSet, session: Any) -> dict[str, np.ndarray]:
     """One sample of the eval data: one row, or an input's fixed batch of them."""
     feed = next(iter(evalset.batches(session)))
     specs = session_inputs(session, evalset.recurrent)
+    if whole_feed(feed, specs):  # inputs of no shared batch axis: the feed is one sample
+        return feed
     fixed, axes = fixed_batches(specs), axes_of(specs)
     return {k: take_rows(v, axes.get(k, 0), 0, fixed.get(k, 1)) for k, v in feed.items()}
 
