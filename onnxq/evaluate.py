@@ -203,15 +203,18 @@ def _metrics(
     rows = {*rows, *follows}
     names = list(refs)
     result = Comparison(samples=len(refs[names[0]]) if samples is None else samples, kernels=kernels)
+    # the class scores labels are scored on: the first output, or the first float one after
+    # a first output of predicted labels (an sklearn classifier's label, then probabilities)
+    scored = next((n for n in names if refs[n].dtype.kind == "f"), None)
     for n in names:
         r, t = refs[n], tests[n]
-        if r.dtype.kind in "biu":
+        if r.dtype.kind != "f":  # indices, flags, class names: equal or not, no signal figures
             result.outputs.append(OutputMetrics(n, float("nan"), float("nan"), equal=float(np.mean(r == t)),
                                                 follows=follows.get(n)))
             continue
         metrics = OutputMetrics(n, sqnr_db(r, t), cosine(r, t), None if n in rows else top1_agreement(r, t),
                                 follows=follows.get(n))
-        if metrics.top1_agreement is not None and labels is not None and n == names[0]:
+        if metrics.top1_agreement is not None and labels is not None and n == scored:
             y = class_labels(labels, len(r), r.shape[1] if r.ndim == 2 else None)
             result.float_accuracy = float(np.mean(r.argmax(1) == y))
             result.quant_accuracy = float(np.mean(t.argmax(1) == y))
@@ -446,7 +449,7 @@ def _format_figures(c: Comparison, label: str) -> list[str]:
                          f"{m.rows_differ[1]} quantized over the samples: not compared row by row")
             continue
         if m.equal is not None:
-            lines.append(f"  {m.name}{label}: {m.equal:.2%} of its elements equal (an integer output){follows}")
+            lines.append(f"  {m.name}{label}: {m.equal:.2%} of its elements equal (not a float output){follows}")
             continue
         extra = f", top-1 agreement {m.top1_agreement:.2%}" if m.top1_agreement is not None else ""
         lines.append(f"  {m.name}{label}: SQNR {m.sqnr_db:.1f} dB, cosine {m.cosine:.5f}{extra}{follows}")

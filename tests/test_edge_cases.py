@@ -338,7 +338,7 @@ def test_compare_scores_an_integer_output_by_equality():
     test = {"pred": np.array([1, 2, 0, 4], np.int64), "y": np.ones((4, 3), np.float32)}
     compared = _metrics(ref, test, None, "deployed")
     assert compared.outputs[0].equal == 0.75
-    assert "pred: 75.00% of its elements equal (an integer output)" in format_comparison(compared)
+    assert "pred: 75.00% of its elements equal (not a float output)" in format_comparison(compared)
 
 
 def test_inspect_counts_the_files_nodes_then_what_onnxq_reads(tmp_path, capsys):
@@ -521,7 +521,7 @@ def test_picks_of_other_counts_are_counted_not_compared(tmp_path):
     analysis = analyze_models(str(tmp_path / "f.onnx"), str(tmp_path / "q.onnx"), data, progress=False)
     assert any("'kept_boxes' holds the rows a NonMaxSuppression picks" in note for note in analysis.notes)
     assert any("ranked by their channels' noise, not by the output" in note for note in analysis.notes)
-    with pytest.raises(ConfigError, match="scores the model's first output, 'kept_boxes', whose rows a "
+    with pytest.raises(ConfigError, match="scores the model's first float output, 'kept_boxes', whose rows a "
                                           "NonMaxSuppression picks"):
         onnxq.quantize(str(tmp_path / "f.onnx"), None, {"mixed_precision": {"target": "sqnr>=30"}}, data,
                        progress=False)

@@ -58,7 +58,13 @@ from onnxq.graph.edit import values_by_name
 from onnxq.graph.load import load_model, read_model
 from onnxq.graph.quantized import describe, extended_ops, integer_kernel, quantized_ops
 from onnxq.graph.save import weight_bytes, write_text_atomic
-from onnxq.graph.selection import first_output_pick, selected_outputs
+from onnxq.graph.selection import (
+    FLOAT_TYPES,
+    first_output_pick,
+    scored_output,
+    selected_outputs,
+    session_scored,
+)
 from onnxq.sessions import deployed_options, deployed_session, session_inputs
 
 ModelLike = str | os.PathLike | onnx.ModelProto | ir.Model
@@ -208,8 +214,10 @@ def analyze_models(
     found = layers(quant)
     kernels = [] if layers_only else kernel_layers(quant)  # the search ranks the plan's Q/DQ nodes only
     clean = reference.clone() if kernels else None  # before the Q/DQ layers' copies are added to it
-    graph_outputs = [] if layers_only else result_outputs((v.name for v in reference.graph.outputs),
-                                                          (v.name for v in reference.graph.inputs))
+    floats = {v.name for v in reference.graph.outputs if v.dtype in FLOAT_TYPES}  # labels, names: no signal
+    graph_outputs = [] if layers_only else [n for n in result_outputs((v.name for v in reference.graph.outputs),
+                                                                      (v.name for v in reference.graph.inputs))
+                                            if n in floats]
     picked = selected_outputs(reference.graph)  # before the layers' copies are added to it
     recurrent = recurrent_axes(reference.graph)  # how its inputs are batched, which a session does not show
     isolated, skipped = add_isolated_layers(reference, quant, found)
@@ -322,8 +330,8 @@ def analyze_models(
                      "models picked other numbers of rows are left out)")
     if pristine is not None and layer_reports:
         if first_picked is not None:
-            notes.append(f"layers ranked by their channels' noise, not by the output: the first output, "
-                         f"{reference.graph.outputs[0].name!r}, holds the rows a {first_picked} picks and orders")
+            notes.append(f"layers ranked by their channels' noise, not by the output: the scored output, "
+                         f"{scored_output(reference.graph).name!r}, holds the rows a {first_picked} picks and orders")
         elif _rereadable(data):
             layer_reports, ranked_samples = _by_output(layer_reports, pristine, quant, data, providers, batch_size,
                                                        max_samples, progress, samples)
@@ -422,7 +430,7 @@ def _by_output(reports: list[LayerReport], float_model: ir.Model, quant: ir.Mode
     fed: list[int] = []  # rows fed per run of the first output (the same on every model)
 
     def first_output(session: Any) -> np.ndarray:
-        name, got = session.get_outputs()[0].name, []
+        name, got = session_scored(session), []
         fed.append(0)
         specs = session_inputs(session, recurrent)
         for feed in iter_batches(data, specs, batch_size, samples, kind="evaluation"):

@@ -36,9 +36,35 @@ def selected_outputs(graph: ir.Graph) -> dict[str, str]:
 
 
 def first_output_pick(graph: ir.Graph) -> str | None:
-    """The selection op whose rows the graph's first output holds (what the accuracy
-    search and the analysis's ranking score), None where it holds none."""
-    return selected_outputs(graph).get(graph.outputs[0].name) if graph.outputs else None
+    """The selection op whose rows the graph's scored output holds (`scored_output`: what
+    the accuracy search and the analysis's ranking score), None where it holds none."""
+    scored = scored_output(graph)
+    return selected_outputs(graph).get(scored.name) if scored is not None else None
+
+
+FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+SESSION_FLOAT_TYPES = frozenset({"tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"})
+
+
+def scored_index(floats: list[bool]) -> int:
+    """Which output the accuracy search and the analysis's ranking score: the first
+    float one, else the first. An sklearn classifier's first output is its predicted
+    labels (int64 or class names), which carry no signal to measure noise on; its
+    probabilities come next."""
+    return next((i for i, is_float in enumerate(floats) if is_float), 0)
+
+
+def scored_output(graph: ir.Graph) -> ir.Value | None:
+    """The graph output `scored_index` picks, None in a graph without outputs."""
+    if not graph.outputs:
+        return None
+    return graph.outputs[scored_index([v.dtype in FLOAT_TYPES for v in graph.outputs])]
+
+
+def session_scored(session: object) -> str:
+    """The name of the session output `scored_index` picks."""
+    outputs = session.get_outputs()  # type: ignore[attr-defined]
+    return outputs[scored_index([o.type in SESSION_FLOAT_TYPES for o in outputs])].name
 
 
 def _own_selection(node: ir.Node) -> str | None:

@@ -39,7 +39,7 @@ from onnxq.config.spec import Config, MixedPrecisionConfig
 from onnxq.emit.latency import fixed_batches, median_ms
 from onnxq.errors import CalibrationDataError, ConfigError
 from onnxq.graph.save import check_output_path, weight_bytes
-from onnxq.graph.selection import first_output_pick
+from onnxq.graph.selection import first_output_pick, scored_output
 from onnxq.notes import Note, Topic, notes
 from onnxq.pipeline.prepare import required_opset
 from onnxq.pipeline.run import run_pipeline, write_output
@@ -165,6 +165,13 @@ def _no_slower(ms: float, than_ms: float) -> bool:
     return ms <= max(FASTER_THAN_FLOAT * than_ms, than_ms + SAME_TIME_MS)
 
 
+def _scored_name(graph: Any, builtin: bool) -> str:
+    """Which output a built-in metric scored, where it is not the first (a classifier's
+    probabilities after its labels: `selection.scored_index`)."""
+    scored = scored_output(graph)
+    return f", output {scored.name!r}" if builtin and scored is not None and scored is not graph.outputs[0] else ""
+
+
 def _scorable(target: Any, float_model: Any) -> None:
     """Refuse a sqnr or cosine target on a first output whose rows a selection op picks
     (a detector's boxes after NonMaxSuppression): row-by-row figures do not measure the
@@ -173,8 +180,8 @@ def _scorable(target: Any, float_model: Any) -> None:
     op = first_output_pick(float_model.graph)
     if op is not None and target.metric in ("sqnr", "cosine"):
         raise ConfigError(
-            f"accuracy target {target.describe()!r} scores the model's first output, "
-            f"{float_model.graph.outputs[0].name!r}, whose rows a {op} "
+            f"accuracy target {target.describe()!r} scores the model's first float output, "
+            f"{scored_output(float_model.graph).name!r}, whose rows a {op} "
             "picks and orders: row-by-row figures do not measure the picks, and the quantized model may pick other "
             "rows; score the picks with your own function (Python: quantize(..., evaluate=fn) with a "
             "'custom>=VALUE' target, fn(session) -> mAP or mean IoU)")
@@ -337,7 +344,8 @@ def quantize_to_target(
         seconds=time.perf_counter() - start,
         config=final_config,
         scored_on=("the eval data" if mp.eval_data is not None else
-                   "the custom evaluate" if evaluate is not None else "the calibration data"),
+                   "the custom evaluate" if evaluate is not None else "the calibration data") + _scored_name(
+                       base.state.float_model.graph, evaluate is None),
         best_score=None if choice is None else choice.best.scored.value,
         written=("the model with the layers the search raised" if outcome.promotions else
                  "the model with no layer raised") if choice is None else choice.written.what,

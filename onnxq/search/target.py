@@ -33,6 +33,7 @@ from onnxq.evaluate import (
     row_cosines,
     sqnr_db,
 )
+from onnxq.graph.selection import session_scored
 from onnxq.sessions import session_inputs
 
 # The score of the float model against itself, for metrics measured against it.
@@ -85,9 +86,9 @@ class EvalSet:
         return kept_positions(np.concatenate([np.asarray(m) for m in masks]), self.reference.shape)
 
     def first_output(self, session: ort.InferenceSession, user_model: bool = False) -> np.ndarray:
-        """The first output over the data; with `user_model` (the float model), a batch
+        """The scored output (the first float one, `selection.scored_index`) over the data; with `user_model` (the float model), a batch
         it cannot run on is the data's fault (`run_on_data`), else onnxq's."""
-        name = session.get_outputs()[0].name
+        name = session_scored(session)
         got = [(run_on_data(session, [name], feed, "evaluation") if user_model else session.run([name], feed))[0]
                for feed in self.batches(session)]
         self.ragged = [b.size for b in got] if ragged(got) else None
