@@ -22,9 +22,10 @@ from onnxq.calibrate.session import (
     REDUCED_SUFFIXES,
     calibration_options,
     exposed_session,
+    profiled_largest,
     run_on_data,
 )
-from onnxq.calibrate.sources import empty_data
+from onnxq.calibrate.sources import CalibrationSource, empty_data
 from onnxq.calibrate.statistics import Statistic, StatisticsSet
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import CalibrationConfig
@@ -42,12 +43,25 @@ from onnxq.progress import bar as progress_bar
 BATCH_IMAGE_BYTES = 6 << 20
 
 
-def calibration_batch(model: ir.Model, options: CalibrationConfig) -> int:
+# A calibration batch's largest activation, at most, where the inputs' own sizes are left
+# to the data (images of any height and width): a bound on memory rather than the cache's,
+# sized by onnxruntime's profiler on the first sample (`profiled_largest`). A VAE decoder
+# with dynamic height and width, 64x64 latents (its attention's scores 64 MB a sample):
+# batch 8 had peaked at 1.59 GB with min/max, 5.07 GB with entropy histograms (0.94 GB at
+# batch 1), and `--max-calib-memory` did not bound it (generative-model trial). Inputs with
+# one dynamic axis beside the batch (token windows) are not probed: the profiling session
+# costs MiniLM 0.18 s of its 1.6 s quantize, and its windows' activations stay small.
+DYNAMIC_BATCH_BYTES = 64 << 20
+
+
+def calibration_batch(model: ir.Model, options: CalibrationConfig, data: Any = None) -> int:
     """Samples per calibration run: `options.batch_size`, fewer where one sample's largest
     activation of known size (every axis but the first) times the batch would pass
-    `BATCH_IMAGE_BYTES`. The same for every calibration pass and shard of a model and
-    config; `batch_size` itself where `max_batches` counts batches of it (AMCT's batch_num),
-    and for the passes that stream data themselves (GPTQ, AdaRound)."""
+    `BATCH_IMAGE_BYTES`, or, for inputs of dynamic extent, the largest on the first
+    sample of `data` would pass `DYNAMIC_BATCH_BYTES`; with `max_memory_mb`, either times
+    the batch at most that. The same for every calibration pass and shard of a model,
+    config and data; `batch_size` itself where `max_batches` counts batches of it (AMCT's
+    batch_num), and for the passes that stream data themselves (GPTQ, AdaRound)."""
     if options.max_batches is not None:
         return options.batch_size
     largest = 0
@@ -57,7 +71,29 @@ def calibration_batch(model: ir.Model, options: CalibrationConfig) -> int:
             if dims and value.dtype not in (None, ir.DataType.STRING, ir.DataType.UNDEFINED) and all(
                     isinstance(d, int) for d in dims):
                 largest = max(largest, math.prod(dims) * int(value.dtype.itemsize))
-    return max(1, min(options.batch_size, BATCH_IMAGE_BYTES // largest)) if largest else options.batch_size
+    batch = max(1, min(options.batch_size, BATCH_IMAGE_BYTES // largest)) if largest else options.batch_size
+    probed = _probed_largest(model, data, options.providers) if batch > 1 and _dynamic_extent(model) else 0
+    if probed:
+        batch = max(1, min(batch, DYNAMIC_BATCH_BYTES // probed))
+    if options.max_memory_mb is not None and max(largest, probed):
+        batch = max(1, min(batch, (options.max_memory_mb << 20) // max(largest, probed)))
+    return batch
+
+
+def _dynamic_extent(model: ir.Model) -> bool:
+    """Whether an input has two or more dynamic axes beside its first (an image of any
+    height and width), so that its activations' sizes are the data's."""
+    return any(v.shape is not None and sum(not isinstance(d, int) for d in v.shape.dims[1:]) >= 2
+               for v in model.graph.inputs)
+
+
+def _probed_largest(model: ir.Model, data: Any, providers: list[str] | None) -> int:
+    """The largest activation on the first sample of `data` (0 for data that cannot be
+    read again: a one-shot reader is read once, by calibration)."""
+    if data is None or not (data if isinstance(data, CalibrationSource) else CalibrationSource(data)).replayable:
+        return 0
+    first = next(iter(iter_batches(data, model_inputs(model), 1, 1, purpose="sizing calibration batches")), None)
+    return 0 if first is None else profiled_largest(model, first, providers or ["CPUExecutionProvider"])
 
 
 @dataclass
@@ -93,7 +129,7 @@ def stream_tensors(
     """
     inputs = model_inputs(model)
     axes = axes_of(inputs)
-    batch = calibration_batch(model, options)  # before any node is added: what count_batches sees
+    batch = calibration_batch(model, options, data)  # before any node is added: what count_batches sees
     bar = progress_bar(desc=purpose, unit="sample", enabled=progress, total=options.max_samples)
     on_cpu = not options.providers or options.providers[0] == "CPUExecutionProvider"
     extra_nodes, extra_outputs, whole = statistics.attach(model, on_cpu) if statistics else ([], [], [])
@@ -176,7 +212,7 @@ def tensor_groups(model: ir.Model, names: list[str], data: Any, options: Calibra
         batches.close()
     groups: list[list[str]] = [free]
     used = 0
-    batch = calibration_batch(model, options)
+    batch = calibration_batch(model, options, data)
     for name in names:
         size = values[name].nbytes * batch
         if groups[-1] and used + size > limit:

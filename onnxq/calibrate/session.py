@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import tempfile
 from collections.abc import Collection, Iterator, Mapping
 
 import numpy as np
@@ -288,6 +290,26 @@ def open_session(model: ir.Model, options: ort.SessionOptions, providers: list[s
         if injected(tensor):
             drop_pages(tensor)
     return session
+
+
+def profiled_largest(model: ir.Model, feed: Mapping[str, np.ndarray], providers: list[str]) -> int:
+    """Bytes of the largest node output (all of a node's outputs) on one run of `feed`,
+    from onnxruntime's profiler in a default session: what shape inference cannot size
+    where shapes are computed at run time (a VAE's attention after Shape and Reshape).
+    0 where the run fails (calibration then says why)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    with tempfile.TemporaryDirectory(prefix="onnxq_probe_") as folder:
+        options.enable_profiling = True
+        options.profile_file_prefix = os.path.join(folder, "probe")
+        try:
+            session = open_session(model, options, providers)
+            session.run(None, dict(feed))
+            with open(session.end_profiling()) as events:
+                nodes = [e for e in json.load(events) if e.get("cat") == "Node"]
+        except Exception:  # noqa: BLE001  a probe: the calibration run reports any failure itself
+            return 0
+    return max((int(e.get("args", {}).get("output_size", 0)) for e in nodes), default=0)
 
 
 def place_observers(graph: ir.Graph, nodes: list[ir.Node]) -> None:

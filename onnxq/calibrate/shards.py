@@ -52,7 +52,7 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 def count_batches(model: ir.Model, data: Any, options: CalibrationConfig) -> int:
     """How many calibration batches the data makes (reads it once, runs nothing)."""
-    batches = iter_batches(data, model_inputs(model), calibration_batch(model, options), options.max_samples,
+    batches = iter_batches(data, model_inputs(model), calibration_batch(model, options, data), options.max_samples,
                            "counting calibration batches", options.max_batches)
     return sum(1 for _ in batches)
 
