@@ -31,7 +31,7 @@ def session_inputs(session: ort.InferenceSession, recurrent: Mapping[str, int] |
     of the model it runs, which a session does not show) say (`inputs.batch_axes`)."""
     kinds = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
              "tensor(float16)": np.float16, "tensor(double)": np.float64, "tensor(uint8)": np.uint8,
-             "tensor(bool)": np.bool_, "tensor(int8)": np.int8}
+             "tensor(bool)": np.bool_, "tensor(int8)": np.int8, "tensor(string)": np.object_}
     named = lambda shape: [d if isinstance(d, int | str) else None for d in shape or []]  # noqa: E731
     axes = batch_axes({i.name: named(i.shape) for i in session.get_inputs()},
                       [named(o.shape) for o in session.get_outputs()], recurrent)

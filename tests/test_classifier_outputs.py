@@ -73,3 +73,37 @@ def test_analyze_and_the_accuracy_search_score_the_probabilities(quantized, tmp_
     assert "output 'probabilities'" in search.scored_on
     assert search.final_score >= 60.0
     assert sqnr_db(run(model, held_out, output=1), run(result.model, held_out, output=1)) >= 60.0
+
+
+def test_a_string_input_takes_numpy_strings(tmp_path):
+    """A pipeline with a categorical string column (sklearn's OneHot/LabelEncoder): an .npz
+    of numpy strings (dtype <U, what np.array(texts) gives) had been refused ('convert it
+    with .astype(object)', after which numpy could not load the file without unpickling)."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((5, 3)).astype(np.float32)
+    nodes = [
+        helper.make_node("LabelEncoder", ["color"], ["code"], domain="ai.onnx.ml", keys_strings=["red", "green", "blue"],
+                         values_int64s=[0, 1, 2], default_int64=-1),
+        helper.make_node("Cast", ["code"], ["code_f"], to=TensorProto.FLOAT),
+        helper.make_node("Concat", ["x", "code_f"], ["features"], axis=1),
+        helper.make_node("MatMul", ["features", "w"], ["scores"], name="fc"),
+    ]
+    graph = helper.make_graph(nodes, "categorical", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+                                                     helper.make_tensor_value_info("color", TensorProto.STRING, ["N", 1])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 3])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 2)],
+                              ir_version=8)
+    data = {"x": rng.standard_normal((40, 4)).astype(np.float32),
+            "color": np.array([["red", "green", "blue", "red"][i % 4] for i in range(40)])[:, None]}
+    assert data["color"].dtype.kind == "U"
+    path = tmp_path / "calib.npz"
+    np.savez(path, **data)
+    result = onnxq.quantize(model, None, calibration_data=str(path), progress=False)
+    feeds = {"x": data["x"], "color": data["color"].astype(object)}
+    assert sqnr_db(run(model, feeds), run(result.model, feeds)) > 30.0
+    assert compare_models(model.SerializeToString(), result.model.SerializeToString(), str(path)).samples == 40
+
+    np.savez(tmp_path / "objects.npz", **{**data, "color": data["color"].astype(object)})
+    with pytest.raises(onnxq.errors.CalibrationDataError, match="object arrays, which onnxq does not unpickle"):
+        onnxq.quantize(model, None, calibration_data=str(tmp_path / "objects.npz"), progress=False)

@@ -336,7 +336,8 @@ def _layout_hint(got: tuple[int, ...], want: tuple[int | None, ...]) -> str:
 
 def check_array(spec: InputSpec, array: np.ndarray) -> np.ndarray:
     if array.dtype != spec.dtype:
-        if array.dtype.kind == spec.dtype.kind or {array.dtype.kind, spec.dtype.kind} <= {"i", "u"}:
+        if array.dtype.kind == spec.dtype.kind or {array.dtype.kind, spec.dtype.kind} <= {"i", "u"} or (
+                spec.dtype.kind == "O" and array.dtype.kind in "US"):  # numpy's strings: a string input's objects
             array = array.astype(spec.dtype)
         else:
             raise CalibrationDataError(

@@ -113,11 +113,22 @@ def _read_file(path: Path, inputs: list[InputSpec]) -> dict[str, np.ndarray]:
             return {inputs[0].name: np.load(path, allow_pickle=False)}
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise CalibrationDataError(
-            f"cannot read calibration file {path}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            "; check that it is a complete .npy/.npz written by numpy"
-        ) from None
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):  # dtype=object: loading it would run pickled code
+            raise CalibrationDataError(
+                f"cannot read calibration file {path}: it holds object arrays, which onnxq does not unpickle; "
+                "save strings as numpy strings (np.array(texts), dtype <U) instead of dtype=object") from None
+        raise _unreadable(path, exc) from None
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: Path, exc: Exception) -> CalibrationDataError:
+    """The error for a data file numpy cannot read."""
+    return CalibrationDataError(
+        f"cannot read calibration file {path}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        "; check that it is a complete .npy/.npz written by numpy"
+    )
 
 
 def _from_path(path: Path, inputs: list[InputSpec], chunk: int = 1) -> Iterator[Mapping[str, Any]]:
