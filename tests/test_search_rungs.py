@@ -8,8 +8,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import yaml
+from helpers import run, sqnr_db
+from onnx import TensorProto, helper, numpy_helper
 
+import onnxq
 from onnxq.cli import main
 from onnxq.config.compose import compose_config
 from onnxq.config.spec import ALGORITHM_RUNGS, DEFAULT_LADDER, PRECISION_RUNGS
@@ -192,3 +196,42 @@ def test_a_recipe_with_nothing_to_raise_says_so(tmp_path):
     assert any("no layer could be raised" in n for n in result.summary.note_texts)
     onnx.checker.check_model(str(tmp_path / "q.onnx"))
     assert ort.InferenceSession(str(tmp_path / "q.onnx")).get_outputs()[0].name == "logits"
+
+
+def _reshaped_chain(layers: int = 6) -> onnx.ModelProto:
+    """MatMuls [N, 16] with a Reshape -> Transpose -> Reshape between each two: raising a
+    MatMul to float leaves the data movement after it a tensor of its own to calibrate."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(np.array([-1, 4, 4], np.int64), "s3"),
+             numpy_helper.from_array(np.array([-1, 16], np.int64), "s2")]
+    nodes, prev = [], "x"
+    for i in range(layers):
+        inits.append(numpy_helper.from_array((rng.standard_normal((16, 16)) / 4).astype(np.float32), f"w{i}"))
+        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Reshape", [f"m{i}", "s3"], [f"r{i}"]),
+                  helper.make_node("Transpose", [f"r{i}"], [f"t{i}"], perm=[0, 2, 1]),
+                  helper.make_node("Reshape", [f"t{i}", "s2"], [f"b{i}"])]
+        prev = f"b{i}"
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info(prev, TensorProto.FLOAT, ["N", 16])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_tensors_a_trial_needs_anew_are_calibrated_in_one_pass(monkeypatch):
+    """Each trial that raised a layer to float asked for the tensor after it, and each such
+    ask was a calibration pass over the data (CoaT-lite: 60 passes, 238 of its search's 850
+    s): the first ask now calibrates every float tensor a trial could need (min/max,
+    reduced inside the session), and the search's result is the same."""
+    import onnxq.pipeline.result as result_module
+
+    passes: list[int] = []
+    observe = result_module.observe
+    monkeypatch.setattr(result_module, "observe", lambda *a, **k: (passes.append(len(a[1])), observe(*a, **k))[1])
+    data = {"x": np.random.default_rng(1).standard_normal((64, 16)).astype(np.float32)}
+    model = _reshaped_chain()
+    result = onnxq.quantize(model, None, {"mixed_precision": {"target": "sqnr>=40", "ladder": ["float"]}}, data,
+                            progress=False)
+    search = result.summary.mixed_precision
+    assert len(passes) == 1  # 10 passes of one tensor each before
+    assert search.final_score >= 40.0 and len(search.promotions) == 5
+    assert sqnr_db(run(model, data), run(result.model, data)) == pytest.approx(search.final_score, abs=0.01)
