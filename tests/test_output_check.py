@@ -113,6 +113,23 @@ def test_nothing_quantized_is_a_warning_with_the_config_level_named():
     assert any(n.startswith("warning: nothing was quantized") for n in empty.summary.note_texts)
 
 
+def test_a_model_without_layers_is_not_sent_to_another_recipe(tmp_path):
+    """A tree ensemble or a linear classifier (sklearn's ai.onnx.ml ops) has no layer any
+    recipe quantizes: the warning says so, where it had advised another recipe."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Scaler", ["x"], ["scaled"], domain="ai.onnx.ml", offset=[0.5] * 4, scale=[2.0] * 4),
+             helper.make_node("LinearRegressor", ["scaled"], ["y"], domain="ai.onnx.ml",
+                              coefficients=[0.1, 0.2, 0.3, 0.4], intercepts=[0.5])]
+    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)],
+                              ir_version=8)
+    result = onnxq.quantize(model, str(tmp_path / "out.onnx"), calibration_data=random_feeds(model, 8, seed=2))
+    (warning,) = of(result.summary.notes, Topic.WARNING)
+    assert "the model has no layer onnxq quantizes" in warning.text and "pick a recipe" not in warning.text
+
+
 def test_weight_only_matmul_with_its_constant_first_says_so():
     import onnx
     from onnx import TensorProto, helper, numpy_helper

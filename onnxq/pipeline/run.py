@@ -7,7 +7,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
+
+import onnx_ir as ir
 
 from onnxq.calibrate.data import CalibrationSource, model_inputs
 from onnxq.calibrate.inputs import whole_feeds_note
@@ -30,7 +33,7 @@ from onnxq.plan.kept_clips import clip_safe_ranges
 from onnxq.plan.kernel_pairs import float_inputs_note
 from onnxq.plan.strategies.matmul_nbits import refused_note
 from onnxq.plan.strategies.static import coarser_note
-from onnxq.plan.unused_overrides import unused_override_notes
+from onnxq.plan.unused_overrides import WEIGHTED_OPS, unused_override_notes
 from onnxq.report import Summary
 from onnxq.sessions import imports_extended
 
@@ -140,11 +143,25 @@ def run_pipeline(
         summary.notes.append(Note(Topic.WARNING, "warning: nothing was converted: no op of the model computes in "
                                   "float32 (see the float cast note)"))
     elif unchanged:
-        see = " (see 'left in float')" if summary.float_nodes else ""
-        summary.notes.append(Note(Topic.WARNING, f"warning: nothing was quantized: every node stayed float{see}; pick "
-                                  "a recipe that covers this model's ops (U8S8, the default, for convolutions; "
-                                  "W8_DYNAMIC quantizes MatMul, Gemm and LSTM only)"))
+        summary.notes.append(Note(Topic.WARNING, nothing_quantized(model, summary.float_nodes)))
     return QuantizationResult(model, summary, calibration.ranges, plan, state)
+
+
+def nothing_quantized(model: ir.Model, float_nodes: Mapping[str, tuple[str, str]]) -> str:
+    """The warning for a run that quantized nothing, with what would: another recipe where
+    the model has a layer one quantizes, float32 weights where its layers' are double,
+    nothing where it has no such layer (a tree ensemble, a linear classifier)."""
+    see = " (see 'left in float')" if float_nodes else ""
+    layers = {node.op_type for node in model.graph if node.domain in ("", "ai.onnx") and node.op_type in WEIGHTED_OPS}
+    double = any("is double" in why for _, why in float_nodes.values())
+    if not layers:
+        return (f"warning: nothing was quantized: every node stayed float{see}; the model has no layer onnxq "
+                f"quantizes ({', '.join(sorted(WEIGHTED_OPS))}), so no recipe makes it smaller or faster")
+    if double:
+        return (f"warning: nothing was quantized: every node stayed float{see}; its layers' weights are double: "
+                "export the model in float32")
+    return (f"warning: nothing was quantized: every node stayed float{see}; pick a recipe that covers this model's "
+            "ops (U8S8, the default, for convolutions; W8_DYNAMIC quantizes MatMul, Gemm and LSTM only)")
 
 
 def _passes_read_data(config: Config, calibration_data: Any) -> None:
