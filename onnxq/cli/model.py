@@ -26,9 +26,10 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
     conv = sub.add_parser("convert", help="rewrite a quantized model in another format")
     conv.add_argument("input", help="quantized ONNX model")
     conv.add_argument("output", help="where to write the converted model")
-    conv.add_argument("--to", required=True, choices=("qdq", "qoperator", "float"),
+    conv.add_argument("--to", "--format", dest="to", required=True, choices=("qdq", "qoperator", "float"),
                       help="qdq: Q/DQ around float ops; qoperator: integer kernels; float: every Q/DQ "
-                           "stripped (weights dequantized, activations clipped to their range), for debugging")
+                           "stripped (weights dequantized, activations clipped to their range), for debugging "
+                           "(--format, as quantize calls it, is the same)")
     conv.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     conv.set_defaults(func=_cmd_convert)
 

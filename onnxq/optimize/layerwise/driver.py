@@ -216,8 +216,12 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
         emitted(original, WeightCache()), emitted(model, ctx.weights), float_proto,
         split.validation(_batches(ctx, model, name)), ctx.settings.calibration.providers)
     where = f"{split.checked} {'held-out ' if split.hold_out else ''}calibration batches"
+    digits = 1 if round(learned_db, 1) != round(near_db, 1) else 3  # "fell to 15.7 from 15.7" said nothing
     if keep:
-        return f"; model output SQNR on {where} {learned_db:.1f} dB (nearest rounding {near_db:.1f} dB)"
+        return (f"; model output SQNR (each sample's mean removed) on {where} {learned_db:.{digits}f} dB "
+                f"(nearest rounding {near_db:.{digits}f} dB)")
+    per_tensor = any(qt.axis is None for _, qt in report.pinned.values())
+    hint = "; with per-tensor weights try cross-layer equalization first: --cle" if per_tensor else ""
     for layer, _ in report.pinned.values():
         ctx.weights.unpin(layer.weight)
         fitted.pop(layer.name, None)
@@ -226,9 +230,9 @@ def _guard(name: str, model: ir.Model, original: ir.Model, float_proto, plan: Qu
             before = original.graph.initializers.get(value.name) if value is not None else None
             if before is not None and before.const_value is not value.const_value:
                 set_constant(model.graph, holder, index, before.const_value.numpy(), value.name)
-    return (f"; undone: the model's output SQNR on {where} fell to "
-            f"{learned_db:.1f} dB from nearest rounding's {near_db:.1f} dB (errors of many layers add up "
-            f"differently; with per-tensor weights try cross-layer equalization first: --cle)")
+    return (f"; undone: the model's output SQNR (each sample's mean removed) on {where} fell to "
+            f"{learned_db:.{digits}f} dB from nearest rounding's {near_db:.{digits}f} dB (errors of many layers add "
+            f"up differently{hint})")
 
 
 def _one_layer(optimise: Optimiser, model: ir.Model, plan: QuantPlan, ranges: Mapping[str, tuple[float, float]],
