@@ -8,8 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from helpers import sqnr_db
+from onnx import TensorProto, helper, numpy_helper
 
 import onnxq
 from onnxq.config.compose import compose_config
@@ -71,11 +73,8 @@ def test_a_pass_that_reads_the_data_with_statistics_files_alone_says_what_to_pas
                  "--calib-data", CALIB, "--quiet"]) == 0
 
 
-def _dynamic_image_conv(channels: int = 64) -> "onnx.ModelProto":
+def _dynamic_image_conv(channels: int = 64) -> onnx.ModelProto:
     """x [N, 3, H, W] -> Conv 3x3 to `channels` -> Relu: its activations' size is the data's."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
     w = np.random.default_rng(0).standard_normal((channels, 3, 3, 3)).astype(np.float32) / 5
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
              helper.make_node("Relu", ["c"], ["y"])]

@@ -70,6 +70,9 @@ def test_in_memory_result_matches_saved_file(inputs, tmp_path):
     saved = onnx.load(str(out))
     assert saved.graph.SerializeToString() == result.model.graph.SerializeToString()
     assert result.summary.output == str(out)
+    # the file is written from the load check's bytes: those a fresh serialization writes
+    again = save_module.save_model(result.ir_model, tmp_path / "again.onnx")
+    assert again.read_bytes() == out.read_bytes()
 
 
 def test_overwriting_an_old_output_is_atomic(inputs, tmp_path):

@@ -209,8 +209,8 @@ def test_ctrl_c_leaves_no_partial_files(tmp_path, monkeypatch, capsys):
     models = Path(__file__).resolve().parent.parent / "models"
     real_write = save_module.write_model
 
-    def interrupted(model, path):
-        real_write(model, path)  # the temporary file is complete on disk...
+    def interrupted(model, path, *args):
+        real_write(model, path, *args)  # the temporary file is complete on disk...
         raise KeyboardInterrupt  # ...when the user presses Ctrl-C
 
     monkeypatch.setattr(save_module, "write_model", interrupted)

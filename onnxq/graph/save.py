@@ -221,8 +221,10 @@ def weight_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
-def save_model(model: ir.Model, output: str | os.PathLike) -> Path:
-    """Write `model` to `output` atomically; large models get `<name>.data` beside them."""
+def save_model(model: ir.Model, output: str | os.PathLike, serialized: bytes | None = None) -> Path:
+    """Write `model` to `output` atomically; large models get `<name>.data` beside them.
+    `serialized`: the model's bytes as `write_model` writes them, where a session already
+    serialized it whole (`calibrate.session.open_session`)."""
     out = Path(output)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -232,7 +234,7 @@ def save_model(model: ir.Model, output: str | os.PathLike) -> Path:
     clear_stale(out)
     if weight_bytes(model) > EXTERNAL_DATA_LIMIT:
         return _save_with_data(model, out)
-    return _write_atomic(out, lambda tmp: write_model(model, tmp))
+    return _write_atomic(out, lambda tmp: write_model(model, tmp, serialized))
 
 
 def _save_with_data(model: ir.Model, out: Path) -> Path:
@@ -303,11 +305,15 @@ def _small_external(tensor: ir.TensorProtocol) -> ir.Tensor | None:
     return None
 
 
-def write_model(model: ir.Model, path: str | os.PathLike) -> None:
+def write_model(model: ir.Model, path: str | os.PathLike, serialized: bytes | None = None) -> None:
     """Write `model` as one .onnx file without building its weights into one protobuf
     message: the structure is serialized by onnx-ir with the weights hollow, then each
     weight's bytes go to the file from its own buffer (SmolLM2 int4: 1.1 s -> 0.2 s, and
-    no second copy of the weights in memory). The bytes are those `onnx.save` writes."""
+    no second copy of the weights in memory). The bytes are those `onnx.save` writes.
+    `serialized`: those bytes, where a session serialized the model whole already."""
+    if serialized is not None:
+        Path(path).write_bytes(serialized)
+        return
     with tensors_replaced(model.graph, _small_external), tensors_replaced(model.graph, _streamable) as weights:
         message = ir.to_proto(model).SerializeToString()
     with open(path, "wb") as f:

@@ -116,6 +116,7 @@ def run_pipeline(
             summary.notes.append(Note(Topic.CHECK, checked))
         elif checked is not None:
             summary.fidelity = dataclasses.replace(checked, fitted_by=summary.fitted_by)
+    serialized = getattr(session, "_onnxq_message", None)  # the bytes the load check opened: saved as they are
     del session
     plan = emitted.plan
     summary.quantized_by_op = dict(sorted(Counter(plan.integer_nodes().values()).items()))
@@ -130,7 +131,7 @@ def run_pipeline(
     summary.notes.extend(kept)
 
     write_output(summary, source, model, output, data=settings.data, providers=options.providers,
-                 measure_latency=options.measure_latency)
+                 measure_latency=options.measure_latency, serialized=serialized)
     already = sum(why.startswith(ALREADY_QUANTIZED) for why in ready.keep_float.values())
     # no node quantized and no weight cast to a smaller float type (FP16 halves them): a
     # rewritten graph alone moves a small model's size by a few percent (digits: 95%)
@@ -177,13 +178,15 @@ def _passes_read_data(config: Config, calibration_data: Any) -> None:
 
 
 def write_output(summary: Summary, source: ModelSource, model: Any, output: str | os.PathLike | None, *,
-                 data: CalibrationSource, providers: list[str], measure_latency: bool) -> None:
-    """Save `model` to `output` (none: kept in memory), time it against `source` where
-    asked, and record its size (external data included): how a run ends, a search that
-    keeps its first model included."""
+                 data: CalibrationSource, providers: list[str], measure_latency: bool,
+                 serialized: bytes | None = None) -> None:
+    """Save `model` to `output` (none: kept in memory; `serialized`: its bytes, where the
+    load check's session serialized it whole), time it against `source` where asked, and
+    record its size (external data included): how a run ends, a search that keeps its
+    first model included."""
     if output is not None:
         with summary.stage("save"):
-            summary.output = str(save_model(model, output))
+            summary.output = str(save_model(model, output, serialized))
     if measure_latency:
         with summary.stage("latency"):
             record_latency(summary, source, model, data, providers)
