@@ -93,6 +93,11 @@ def test_range_stats_count_clipped_values():
     assert stats.saturation == pytest.approx(2 / 5)
     assert (stats.used_min, stats.used_max) == (-2.0, 1.5)
     assert stats.counts.sum() == 5
+    # on a uniform grid of step 0.1, values within half a step past an end round to it with
+    # no more error than any value inside: no clip (a SiLU's minimum had read as 10% clipped)
+    grid = RangeStats(-1.0, 1.0, step=0.1)
+    grid.update(np.array([-1.04, -0.5, 1.049, 1.06], np.float32))
+    assert grid.saturation == pytest.approx(1 / 4)
 
 
 def test_tensor_figures_match_a_direct_comparison(chain):

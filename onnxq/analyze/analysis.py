@@ -256,7 +256,7 @@ def analyze_models(
                                     + [n for n in prefix_names.values() if n in quant_values]))
 
     tensor_err = {a.name: ErrorStats() for a in activations}
-    ranges = {a.name: RangeStats(a.low, a.high) for a in activations}
+    ranges = {a.name: RangeStats(a.low, a.high, a.step) for a in activations}
     own = {i.layer.name: ErrorStats() for i in isolated}
     prefix = {i.layer.name: ErrorStats() for i in isolated}
     out_err = {n: ErrorStats() for n in graph_outputs}

@@ -39,6 +39,9 @@ class QuantizedActivation:
     # the DQ), the bounds it clips to: error and clipping count after it (`bounded`), since
     # values beyond them never reach the model.
     bounds: tuple[float, float] | None = None
+    # the grid's step where it is uniform (integer types): a value within half a step past
+    # an end rounds to it with no more error than any value inside
+    step: float | None = None
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,8 @@ def _activation(q: ir.Node) -> QuantizedActivation | None:
     if sub is not None:  # the grid is around each channel's offset: its real range varies by channel
         offset = constant_array(sub.inputs[1])
         grid = (grid[0] + float(offset.min()), grid[1] + float(offset.max()))
-    return QuantizedActivation(value.name, seen.name, str(zp.dtype), *grid, _bounds(seen))
+    step = float(scale.reshape(-1)[0]) if zp.dtype.kind in "iu" else None  # float8's grid is not uniform
+    return QuantizedActivation(value.name, seen.name, str(zp.dtype), *grid, _bounds(seen), step)
 
 
 def _bounds(value: ir.Value) -> tuple[float, float] | None:
@@ -165,7 +169,7 @@ def _extended_activation(node: ir.Node) -> QuantizedActivation | None:
     s, z = float(scale.reshape(-1)[0]), float(zero.reshape(-1)[0])
     grid = ((qmin.as_int() - z) * s, (qmax.as_int() - z) * s)
     return QuantizedActivation(value.name, node.outputs[0].name, f"int[{qmin.as_int()}, {qmax.as_int()}]", *grid,
-                               _bounds(node.outputs[0]))
+                               _bounds(node.outputs[0]), s)
 
 
 def quantized_activations(model: ir.Model) -> list[QuantizedActivation]:
