@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from onnxq.notes import Note, counted
+from onnxq.plan.plan import INTEGER_ONLY
 
 
 @dataclass(frozen=True)
@@ -127,11 +128,14 @@ def format_summary(s: Summary) -> str:
         lines.append(f"  Relu/Clip absorbed into the preceding op: {s.fused_activations}")
     if s.kept_activations:
         lines.append(f"  Relu/Clip kept (activation range not zero-based): {len(s.kept_activations)}")
-    reasons = Counter((op, why) for op, why in s.float_nodes.values())
-    if reasons:
+    reasons = Counter((op, why) for op, why in s.float_nodes.values() if why != INTEGER_ONLY)
+    integers = Counter(op for op, why in s.float_nodes.values() if why == INTEGER_ONLY)
+    if reasons or integers:
         lines.append(f"  left in float: {len(s.float_nodes)} nodes")
         for (op, why), n in sorted(reasons.items()):
             lines.append(f"    {op} x{n}: {why}")
+        if integers:  # shape and index arithmetic: one line
+            lines.append(f"    {', '.join(f'{op} x{n}' for op, n in sorted(integers.items()))}: {INTEGER_ONLY}")
     for bias in s.float_biases:
         lines.append(f"  bias kept in float: {bias}")
     passes = f" in {s.calibration_passes} passes" if s.calibration_passes > 1 else ""

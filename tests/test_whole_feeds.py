@@ -87,6 +87,9 @@ def test_inputs_of_no_shared_batch_axis_run_whole(tmp_path):
     # 2 read as a batch), and the ranges are those of every edge of every graph
     assert result.summary.calibration_samples == len(calib)
     assert any("ran whole" in n.text for n in result.summary.notes)
+    # the edge index's Gather computes integers: listed on one line with any such node
+    assert "    Gather x1: integer or boolean outputs (shapes, indices, masks): nothing to quantize" in \
+        onnxq.format_summary(result.summary).splitlines()
     low, high = _tensor_range(model, calib, "weighted")
     assert result.ranges["weighted"] == pytest.approx((min(low, 0.0), max(high, 0.0)), rel=1e-5)
 

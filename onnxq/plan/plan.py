@@ -19,6 +19,11 @@ from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import DType
 from onnxq.numerics.qmath import qdq_opset
 
+# Why a node whose outputs are all integers or booleans stays as it is: the summary lists
+# such nodes on one line (a graph network's shape and index arithmetic had filled 20 of its
+# 23 'left in float' lines, burying its ScatterND and ReduceMean).
+INTEGER_ONLY = "integer or boolean outputs (shapes, indices, masks): nothing to quantize"
+
 EMPTY: Mapping[Any, Any] = MappingProxyType({})
 
 
