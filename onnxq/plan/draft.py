@@ -10,7 +10,16 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import Config, DType
-from onnxq.plan.plan import Kind, Lowered, QuantPlan, TensorPlan, Tie, qparams_key
+from onnxq.plan.plan import (
+    FLOAT_DTYPES,
+    INTEGER_ONLY,
+    Kind,
+    Lowered,
+    QuantPlan,
+    TensorPlan,
+    Tie,
+    qparams_key,
+)
 from onnxq.target.narrowing import target_weight_spec
 from onnxq.target.profile import TargetProfile
 
@@ -61,7 +70,13 @@ class Draft:
     def quantized(self, node: ir.Node) -> None:
         self.quantized_nodes[node.name] = node.op_type
 
-    def float_node(self, node: ir.Node, reason: str) -> None:
+    def float_node(self, node: ir.Node, reason: str, as_given: bool = False) -> None:
+        """Keep `node` float for `reason`; a node whose outputs are all integers or booleans
+        (shape and index arithmetic) for `INTEGER_ONLY`, unless the reason is `as_given`
+        (the caller's: an already quantized kernel, a config's exclusion)."""
+        if not as_given and node.outputs and all(v.dtype is not None and v.dtype not in FLOAT_DTYPES
+                                                 for v in node.outputs):
+            reason = INTEGER_ONLY
         self.float_nodes[node.name] = (node.op_type, reason)
 
     def lower(self, node: ir.Node, strategy: str, spec: ResolvedSpec | DType) -> None:

@@ -15,6 +15,8 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Any
 
+import onnx_ir as ir
+
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import DType
 from onnxq.numerics.qmath import qdq_opset
@@ -23,6 +25,9 @@ from onnxq.numerics.qmath import qdq_opset
 # such nodes on one line (a graph network's shape and index arithmetic had filled 20 of its
 # 23 'left in float' lines, burying its ScatterND and ReduceMean).
 INTEGER_ONLY = "integer or boolean outputs (shapes, indices, masks): nothing to quantize"
+FLOAT_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE,
+                          ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2, ir.DataType.FLOAT8E4M3FNUZ,
+                          ir.DataType.FLOAT8E5M2FNUZ})
 
 EMPTY: Mapping[Any, Any] = MappingProxyType({})
 

@@ -22,7 +22,7 @@ from onnxq.numerics.qmath import FLOAT_TARGETS
 from onnxq.plan import strategies
 from onnxq.plan.draft import Draft
 from onnxq.plan.kernel_pairs import runnable
-from onnxq.plan.plan import INTEGER_ONLY, QuantPlan
+from onnxq.plan.plan import QuantPlan
 from onnxq.plan.prune import prune
 from onnxq.plan.tied import tie_tables
 from onnxq.target.profile import TargetProfile
@@ -53,27 +53,14 @@ def inside_gelus(model: ir.Model, config: Config) -> dict[str, str]:
     return kept
 
 
-_FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE,
-                     ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2, ir.DataType.FLOAT8E4M3FNUZ,
-                     ir.DataType.FLOAT8E5M2FNUZ})
-
-
-def _why_float(node: ir.Node, reason: str) -> str:
-    """`reason`, or for a node whose outputs are all integers or booleans (shape and index
-    arithmetic) the one reason the summary lists them under (`INTEGER_ONLY`)."""
-    if node.outputs and all(v.dtype is not None and v.dtype not in _FLOATS for v in node.outputs):
-        return INTEGER_ONLY
-    return reason
-
-
 def plan_node(draft: Draft, node: ir.Node, keep_float: Mapping[str, str]) -> None:
     """Offer `node` to each registered strategy until one decides (`plan/strategies`)."""
     if node.name in keep_float:
-        draft.float_node(node, keep_float[node.name])
+        draft.float_node(node, keep_float[node.name], as_given=True)
         return
     cfg = resolve_node_config(draft.config, node.name, node.op_type)
     if cfg is None:
-        draft.float_node(node, _why_float(node, float_reason(draft.config, node.name, node.op_type)))
+        draft.float_node(node, float_reason(draft.config, node.name, node.op_type))
         return
     cfg, relaxed = runnable(node, cfg)
     if relaxed is not None:
@@ -83,7 +70,7 @@ def plan_node(draft: Draft, node: ir.Node, keep_float: Mapping[str, str]) -> Non
         if decision is None:
             continue
         if isinstance(decision, strategies.Refuse):
-            draft.float_node(node, _why_float(node, decision.reason))
+            draft.float_node(node, decision.reason)
         elif isinstance(decision, strategies.Lower):
             draft.lower(node, strategy.name, decision.spec)
             if strategy.counted:
