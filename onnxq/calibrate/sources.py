@@ -20,13 +20,14 @@ from onnxq.calibrate.inputs import (
     Feed,
     InputSpec,
     axes_of,
+    batched,
     check_array,
     check_finite,
-    rows_of,
+    sample_counts,
     sample_rows,
-    shared_batch,
     take_rows,
     to_rows,
+    unbatchable,
 )
 from onnxq.errors import CalibrationDataError, OnnxqError
 
@@ -61,35 +62,36 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec], chunk
 
     A sample is one row, or for an input with a fixed batch B its B rows; a last part
     that fills no whole sample is still yielded, for iter_batches to drop or report. A
-    rank-0 array goes with every sample as it is. Arrays of different sample counts for
-    inputs the model gives no shared batch axis are one feed, run whole
-    (`inputs.whole_feed`). `chunk`: the batch the reader merges
+    rank-0 array and a parameter's (`inputs.with_parameters`) go with every sample as they
+    are. Arrays of different sample counts are a mistake, named, unless an input's batch
+    axis is no batch at all (`inputs.unbatchable`: a graph's edges [2, e] beside its nodes
+    [n, 16]): they are then one feed, run whole. `chunk`: the batch the reader merges
     samples into, so that it takes each batch as it comes (ResNet-20's 200 images one
     at a time: 4 ms of merging and checking, a fortieth of its quantize).
     """
     units = sample_rows(inputs)
     axes = axes_of(inputs)
     names = {spec.name for spec in inputs}
-    counted = {name: a for name, a in arrays.items() if name in names}  # the others are left out later
-    if not counted:  # no model input among them: the feed check names what is missing
+    if not any(name in names for name in arrays):  # no model input among them: the feed check names what is missing
         yield dict(arrays)
         return
-    # a rank-0 array (a scalar input: a flag, a trip count) is the same for every sample
-    counts = {name: Fraction(rows_of(a, axes.get(name, 0)), units.get(name, 1))
-              for name, a in counted.items() if np.ndim(a)} or {"": 1}
-    if len(set(counts.values())) > 1 and not shared_batch(inputs):  # inputs of no shared batch: one whole feed
-        yield dict(arrays)
-        return
+    counts = sample_counts(arrays, inputs) or {"": Fraction(1)}
     if len(set(counts.values())) > 1:
+        if unbatchable(inputs):
+            yield dict(arrays)
+            return
         shown = {name: str(n) for name, n in counts.items()}
         raise CalibrationDataError(
-            f"calibration arrays have different sample counts {shown}; give each input the same number of samples"
+            f"calibration arrays have different sample counts {shown}; give each input the same number of samples "
+            "(where the inputs are no batch of samples, a graph's nodes and edges or bags' ids and offsets, give one "
+            "feed per file of a folder or per item of a list)"
         )
     n = math.ceil(next(iter(counts.values()), 0))
     chunk = max(chunk, 1)
+    cut = {s.name for s in batched(inputs)}
     for i in range(0, n, chunk):
         yield {name: take_rows(a, axes.get(name, 0), i * units.get(name, 1), (i + chunk) * units.get(name, 1))
-               if np.ndim(a) else a for name, a in arrays.items()}
+               if np.ndim(a) and (name in cut or name not in names) else a for name, a in arrays.items()}
 
 
 def _read_file(path: Path, inputs: list[InputSpec]) -> dict[str, np.ndarray]:
