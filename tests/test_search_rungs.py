@@ -229,9 +229,17 @@ def test_tensors_a_trial_needs_anew_are_calibrated_in_one_pass(monkeypatch):
     monkeypatch.setattr(result_module, "observe", lambda *a, **k: (passes.append(len(a[1])), observe(*a, **k))[1])
     data = {"x": np.random.default_rng(1).standard_normal((64, 16)).astype(np.float32)}
     model = _reshaped_chain()
-    result = onnxq.quantize(model, None, {"mixed_precision": {"target": "sqnr>=40", "ladder": ["float"]}}, data,
-                            progress=False)
+    config_of_target = {"mixed_precision": {"target": "sqnr>=40", "ladder": ["float"]}}
+    result = onnxq.quantize(model, None, config_of_target, data, progress=False)
     search = result.summary.mixed_precision
     assert len(passes) == 1  # 10 passes of one tensor each before
     assert search.final_score >= 40.0 and len(search.promotions) == 5
     assert sqnr_db(run(model, data), run(result.model, data)) == pytest.approx(search.final_score, abs=0.01)
+
+    # a config that observes one layer's input otherwise (percentile) has each tensor
+    # calibrated with its own method, as asked: the first ask's min/max would have been
+    # that input's range in every later trial (review)
+    passes.clear()
+    overridden = {**config_of_target, "layer_quant_config": {"mm3": {"input_tensors": {"calib_method": "percentile"}}}}
+    onnxq.quantize(model, None, overridden, data, progress=False)
+    assert len(passes) > 1 and max(passes) == 1

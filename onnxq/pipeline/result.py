@@ -12,7 +12,7 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 
-from onnxq.calibrate.observers import make_observer
+from onnxq.calibrate.observers import observer_class
 from onnxq.calibrate.runner import observe
 from onnxq.calibrate.statistics import Statistic
 from onnxq.config.spec import Config
@@ -23,6 +23,7 @@ from onnxq.pipeline.calibration import within_ranges
 from onnxq.pipeline.emission import emit_loadable, layer_biases, trial_emitter
 from onnxq.plan import QuantPlan, plan_quantization
 from onnxq.plan.edges import with_edges
+from onnxq.plan.plan import FLOAT_DTYPES
 from onnxq.report import Summary
 from onnxq.target import TargetProfile
 
@@ -57,10 +58,11 @@ class PipelineState:
             # A tensor no plan calibrated before (the input of a node whose producer was
             # raised to float): calibrate it as a run of this config would, and with it, where
             # its observer reduces inside the session (a reduction each, no memory), every
-            # other float tensor such a trial could ask: one tensor at a time, CoaT-lite's
-            # search ran 60 calibration passes, 238 of its 850 s.
+            # other float tensor such a trial could ask, where the config observes every tensor
+            # alike (`_observed_alike`): one tensor at a time, CoaT-lite's search ran 60
+            # calibration passes, 238 of its 850 s.
             spec = next(iter(missing.values()))
-            if make_observer(spec).min_max_only:
+            if observer_class(spec.calib_method).min_max_only and _observed_alike(config):
                 missing = {**{n: spec for n in float_tensors(model.graph) if n not in self.ranges}, **missing}
             self.ranges.update(observe(model, missing, self.settings.data, self.settings.calibration,
                                        False).result().ranges)
@@ -74,13 +76,24 @@ class PipelineState:
         return model
 
 
-FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+CALIBRATED_FLOATS = FLOAT_DTYPES & {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}  # activations
 
 
 def float_tensors(graph: ir.Graph) -> list[str]:
     """The main graph's float activations: its inputs and its nodes' outputs."""
     values = [*graph.inputs, *(v for node in graph for v in node.outputs)]
-    return [v.name for v in values if v.name and v.dtype in FLOATS and not v.is_initializer()]
+    return [v.name for v in values if v.name and v.dtype in CALIBRATED_FLOATS and not v.is_initializer()]
+
+
+def _observed_alike(config: Config) -> bool:
+    """Whether no node or op-type override of `config` sets how activations are observed
+    (a method, its options or bins): every tensor is then observed as any other, and one
+    that a trial needs anew may be calibrated beside another's ask. An override's entropy
+    would otherwise take the first ask's method."""
+    overrides = [*config.layer_quant_config.values(), *config.layer_type_quant_config.values()]
+    return not any(getattr(tensors, field) is not None for q in overrides
+                   for tensors in (q.input_tensors, q.output_tensors) if tensors is not None
+                   for field in ("calib_method", "calib_options", "num_bins"))
 
 
 @dataclass
