@@ -19,15 +19,15 @@ import onnx_ir as ir
 
 from onnxq.config.resolve import ResolvedSpec
 from onnxq.config.spec import DType
+from onnxq.graph.selection import FLOAT_TYPES
 from onnxq.numerics.qmath import qdq_opset
 
 # Why a node whose outputs are all integers or booleans stays as it is: the summary lists
 # such nodes on one line (a graph network's shape and index arithmetic had filled 20 of its
 # 23 'left in float' lines, burying its ScatterND and ReduceMean).
 INTEGER_ONLY = "integer or boolean outputs (shapes, indices, masks): nothing to quantize"
-FLOAT_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE,
-                          ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2, ir.DataType.FLOAT8E4M3FNUZ,
-                          ir.DataType.FLOAT8E5M2FNUZ})
+FLOAT_DTYPES = FLOAT_TYPES | {ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2, ir.DataType.FLOAT8E4M3FNUZ,
+                              ir.DataType.FLOAT8E5M2FNUZ}
 
 EMPTY: Mapping[Any, Any] = MappingProxyType({})
 
