@@ -17,7 +17,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from onnxq.calibrate.data import InputSpec
-from onnxq.calibrate.inputs import axis_name, batch_axes, with_parameters
+from onnxq.calibrate.inputs import axis_name, batch_axes
 from onnxq.calibrate.session import OPEN_FAILURES, open_session, refusal
 from onnxq.errors import ModelError
 from onnxq.graph.load import load_model
@@ -41,7 +41,7 @@ def session_inputs(session: ort.InferenceSession, recurrent: Mapping[str, int] |
         axis = axes.get(i.name, 0)
         specs.append(InputSpec(i.name, np.dtype(kinds.get(i.type, np.float32)), shape, batch_axis=axis,
                                batch_name=axis_name(named(i.shape), axis)))
-    return with_parameters(specs)
+    return specs
 
 
 def deployed_options(reference: bool = False, extended: bool = False) -> ort.SessionOptions:

@@ -590,3 +590,23 @@ def test_an_algorithm_with_no_layer_is_not_said_to_have_fitted_the_check():
     result = onnxq.quantize(model, None, "FP8_E4M3", random_feeds(model, 16, seed=1))
     assert any("adaround: no quantized" in n for n in result.summary.note_texts)
     assert result.summary.fidelity.fitted_by == () and "fitted" not in result.summary.fidelity.line()
+
+
+def test_an_excluded_integer_node_keeps_its_exclusion_as_the_reason():
+    """Nodes with integer outputs share one reason in the summary, except where the user
+    excluded them: their reason is the exclusion, as written (review)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(3).standard_normal((4, 3)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["scores"], name="fc"),
+             helper.make_node("ArgMax", ["scores"], ["label"], axis=1, keepdims=0, name="argmax"),
+             helper.make_node("Shape", ["x"], ["shape"], name="shape")]
+    graph = helper.make_graph(nodes, "argmax", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("label", TensorProto.INT64, ["N"]),
+                               helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
+                               helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 3])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    result = onnxq.quantize(model, None, {"exclude": ["argmax"]}, random_feeds(model, 8, seed=4))
+    assert result.summary.float_nodes["argmax"] == ("ArgMax", "excluded by the config (exclude: argmax)")
+    assert result.summary.float_nodes["shape"][1].startswith("integer or boolean outputs")

@@ -116,38 +116,6 @@ def test_inputs_of_no_shared_batch_axis_run_whole(tmp_path):
     assert compared.outputs[0].sqnr_db == pytest.approx(sqnr_db(*joined), abs=0.05)
 
 
-def _tempered(seed: int = 3) -> onnx.ModelProto:
-    """x [N, 4] -> MatMul -> divided by a temperature [1]."""
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((FEATURES, HIDDEN)).astype(np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["logits"], name="fc"),
-             helper.make_node("Div", ["logits", "temperature"], ["y"])]
-    graph = helper.make_graph(nodes, "tempered", [
-        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", FEATURES]),
-        helper.make_tensor_value_info("temperature", TensorProto.FLOAT, [1])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", HIDDEN])], [numpy_helper.from_array(w, "w")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-
-
-def test_a_parameter_goes_with_every_sample():
-    """x [N, 4] beside a temperature [1]: the temperature goes with every batch as it is,
-    and the samples are x's (the whole data had been one sample, batched as one run)."""
-    model = _tempered()
-    rng = np.random.default_rng(3)
-    data = {"x": rng.standard_normal((64, FEATURES)).astype(np.float32), "temperature": np.array([2.0], np.float32)}
-    inputs = model_inputs(load_model(model)[0])
-    batches = list(iter_batches(data, inputs, 8, 20))
-    assert [b["x"].shape[0] for b in batches] == [8, 8, 4]
-    assert all(np.array_equal(b["temperature"], [2.0]) for b in batches)
-    result = onnxq.quantize(model, None, calibration_data=data, progress=False)
-    assert result.summary.calibration_samples == 64
-    assert sqnr_db(run(model, data), run(result.model, data)) > 30.0
-    # feeds of other temperatures are not merged into one batch
-    feeds = [{"x": data["x"][:3], "temperature": np.array([1.0], np.float32)},
-             {"x": data["x"][3:6], "temperature": np.array([3.0], np.float32)}]
-    assert [b["temperature"][0] for b in iter_batches(feeds, inputs, 8, None)] == [1.0, 3.0]
-
-
 def test_inputs_named_apart_still_need_equal_counts_in_one_file():
     """tf2onnx names each input's batch apart ([unk__1, 4] beside [unk__2, 3]): a stacked
     file whose counts differ is still the user's mistake, named."""
@@ -166,25 +134,10 @@ def test_inputs_named_apart_still_need_equal_counts_in_one_file():
     good = {"a": rng.standard_normal((20, FEATURES)).astype(np.float32),
             "b": rng.standard_normal((20, HIDDEN)).astype(np.float32)}
     assert onnxq.quantize(model, None, calibration_data=good, progress=False).summary.calibration_samples == 20
-
-
-def test_bags_of_one_id_each_are_neither_merged_nor_cut():
-    """ids [total] beside offsets [N]: a feed whose bags hold one id each has as many ids
-    as offsets, and is still not merged with the next (whose offsets start at 0 again) or
-    cut (its offsets would point past a part's ids)."""
-    nodes = [helper.make_node("Cast", ["ids"], ["idf"], to=TensorProto.FLOAT),
-             helper.make_node("ReduceSum", ["idf"], ["total"], keepdims=1),
-             helper.make_node("Cast", ["offsets"], ["off"], to=TensorProto.FLOAT),
-             helper.make_node("Add", ["off", "total"], ["y"])]
-    graph = helper.make_graph(nodes, "bags", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["total"]),
-                                              helper.make_tensor_value_info("offsets", TensorProto.INT64, ["N"])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    # equal counts are samples: cut to the batch and to max_samples as any model's
     inputs = model_inputs(load_model(model)[0])
-    feeds = [{"ids": np.arange(12, dtype=np.int64), "offsets": np.arange(12, dtype=np.int64)},
-             {"ids": np.arange(7, dtype=np.int64), "offsets": np.array([0, 3], np.int64)}]
-    got = list(iter_batches(feeds, inputs, 8, None))
-    assert [(len(b["ids"]), len(b["offsets"])) for b in got] == [(12, 12), (7, 2)]
+    assert [len(b["a"]) for b in iter_batches(good, inputs, 8, 10)] == [8, 2]
+    assert [len(b["a"]) for b in iter_batches([good, good], inputs, 8, None)] == [8] * 5
 
 
 def test_inputs_sharing_a_batch_name_still_need_equal_counts():

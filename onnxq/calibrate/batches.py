@@ -5,7 +5,7 @@ time; nothing is read ahead beyond one batch."""
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from typing import Any
 
@@ -16,13 +16,10 @@ from onnxq.calibrate.inputs import (
     InputSpec,
     as_scalars,
     axes_of,
-    batched,
     check_feed,
-    feed_samples,
     rows_of,
     sample_counts,
     sample_rows,
-    shared_batch,
     take_rows,
     whole_feed,
 )
@@ -30,35 +27,31 @@ from onnxq.calibrate.sources import CalibrationSource
 from onnxq.errors import CalibrationDataError
 
 
-def _concat(feeds: list[Feed], axes: dict[str, int], kept: Collection[str] = ()) -> Feed:
-    """Feeds merged on their batch axes; the `kept` inputs (parameters, equal in every
-    feed: `_shape_key`) as the first feed has them."""
-    return {k: np.concatenate([f[k] for f in feeds], axis=axes.get(k, 0)) if len(feeds) > 1 and k not in kept
-            else feeds[0][k] for k in feeds[0]}
+def _concat(feeds: list[Feed], axes: dict[str, int]) -> Feed:
+    return {k: np.concatenate([f[k] for f in feeds], axis=axes.get(k, 0)) if len(feeds) > 1 else feeds[0][k]
+            for k in feeds[0]}
 
 
-def _shape_key(feed: Feed, axes: dict[str, int], kept: Collection[str] = ()) -> tuple:
-    """What must match for feeds to merge: every shape but its batch axis, and the types;
-    a `kept` input's (a parameter's) values."""
-    return tuple((k, v.shape[:axes.get(k, 0)] + v.shape[axes.get(k, 0) + 1:], v.dtype.str,
-                  v.tobytes() if k in kept else b"") for k, v in feed.items())
+def _shape_key(feed: Feed, axes: dict[str, int]) -> tuple:
+    """What must match for feeds to merge: every shape but its batch axis, and the types."""
+    return tuple((k, v.shape[:axes.get(k, 0)] + v.shape[axes.get(k, 0) + 1:], v.dtype.str) for k, v in feed.items())
 
 
 def _has_fixed_batch(inputs: list[InputSpec]) -> bool:
     """A fixed batch, or a scalar input (a Loop's trip count), which no batch can stack:
     each sample then runs on its own."""
-    return any(s.batch_dim is not None or s.shape == () for s in batched(inputs))
+    return any(s.batch_dim is not None or s.shape == () for s in inputs)
 
 
 def _samples(feed: Feed, inputs: list[InputSpec], fixed: bool) -> Fraction:
-    """Samples in a checked feed: rows of its first batched input over rows per sample.
+    """Samples in a checked feed: rows of its first input over rows per sample.
 
     With a fixed batch every input must hold the same number of samples (rows may then
     arrive a part of a sample at a time); dynamic inputs may differ, as before.
     """
     counts = sample_counts(feed, inputs)
     if fixed and len(set(counts.values())) > 1:
-        rows = {s.name: rows_of(feed[s.name], s.batch_axis) for s in batched(inputs) if np.ndim(feed.get(s.name))}
+        rows = {s.name: rows_of(feed[s.name], s.batch_axis) for s in inputs if np.ndim(feed.get(s.name))}
         raise CalibrationDataError(
             f"calibration sample has inputs with different sample counts (rows {rows}, rows per sample "
             f"{sample_rows(inputs)}); give every input the same number of samples"
@@ -67,11 +60,10 @@ def _samples(feed: Feed, inputs: list[InputSpec], fixed: bool) -> Fraction:
 
 
 def _take(feed: Feed, units: Mapping[str, int], samples: Fraction, axes: Mapping[str, int],
-          start: Fraction = Fraction(0), kept: Collection[str] = ()) -> Feed:
-    """Samples [start, start + samples) of every input of a checked feed (the `kept` ones,
-    parameters, whole)."""
+          start: Fraction = Fraction(0)) -> Feed:
+    """Samples [start, start + samples) of every input of a checked feed."""
     return {k: take_rows(v, axes.get(k, 0), int(start * units[k]), int((start + samples) * units[k]))
-            if np.ndim(v) and k not in kept else v for k, v in feed.items()}
+            if np.ndim(v) else v for k, v in feed.items()}
 
 
 def _short_of_one_sample(inputs: list[InputSpec], feed: Feed, units: Mapping[str, int]) -> CalibrationDataError:
@@ -122,12 +114,8 @@ def _batches(
 ) -> Iterator[Feed]:
     if not isinstance(source, CalibrationSource):
         source = CalibrationSource(source)
-    if not shared_batch(inputs):
-        yield from _as_given(source, inputs, max_samples, purpose, max_batches, max(batch_size, 1))
-        return
     units = sample_rows(inputs)
     axes = axes_of(inputs)
-    kept = {s.name for s in inputs if s.parameter}
     fixed = _has_fixed_batch(inputs)
     target = Fraction(1 if fixed else max(batch_size, 1))
     seen, batches, pending, pending_samples = Fraction(0), 0, [], Fraction(0)
@@ -135,17 +123,33 @@ def _batches(
     for raw in source.feeds(inputs, purpose, 1 if fixed else max(batch_size, 1)):
         feed = check_feed(raw, inputs)
         source.ignored.update(set(raw) - names)
+        if whole_feed(feed, inputs):  # one sample, neither cut nor merged (`inputs.whole_feed`)
+            if pending and not fixed:
+                yield _concat(pending, axes)
+                batches += 1
+                if batches == max_batches:
+                    return
+            pending, pending_samples = [], Fraction(0)
+            if max_samples is not None and seen >= max_samples:
+                break
+            seen += 1
+            source.whole += 1
+            yield feed
+            batches += 1
+            if batches == max_batches:
+                return
+            continue
         if max_samples is not None:
             if max_samples - seen <= 0:
                 break
-            feed = _take(feed, units, min(_samples(feed, inputs, fixed), max_samples - seen), axes, kept=kept)
+            feed = _take(feed, units, min(_samples(feed, inputs, fixed), max_samples - seen), axes)
         samples = _samples(feed, inputs, fixed)
         if samples == 0:  # a feed of no rows (a reader's empty batch) adds nothing, and runs nothing
             continue
         seen += samples
-        if pending and _shape_key(pending[0], axes, kept) != _shape_key(feed, axes, kept):
+        if pending and _shape_key(pending[0], axes) != _shape_key(feed, axes):
             if not fixed:  # a fixed-batch model cannot run a partial input: drop it
-                yield _concat(pending, axes, kept)
+                yield _concat(pending, axes)
                 batches += 1
                 if batches == max_batches:
                     return
@@ -153,42 +157,16 @@ def _batches(
         pending.append(feed)
         pending_samples += samples
         while pending_samples >= target:
-            merged = _concat(pending, axes, kept)
-            yield _take(merged, units, target, axes, kept=kept)
+            merged = _concat(pending, axes)
+            yield _take(merged, units, target, axes)
             batches += 1
             if batches == max_batches:
                 return
             pending_samples -= target
-            pending = [_take(merged, units, pending_samples, axes, target, kept)] if pending_samples else []
+            pending = [_take(merged, units, pending_samples, axes, target)] if pending_samples else []
         if max_samples is not None and seen >= max_samples:
             break
     if pending and not fixed:
-        yield _concat(pending, axes, kept)
+        yield _concat(pending, axes)
     elif pending and not batches:
-        raise _short_of_one_sample(inputs, _concat(pending, axes, kept), units)
-
-
-def _as_given(source: CalibrationSource, inputs: list[InputSpec], max_samples: int | None, purpose: str,
-              max_batches: int | None, chunk: int) -> Iterator[Feed]:
-    """The feeds of a model whose inputs share no batch axis (`inputs.shared_batch`), each
-    as given: never cut or merged, since its rows need not be samples (bags' ids and
-    offsets that happen to hold as many rows are no more cut than those that do not).
-    A feed whose inputs hold other numbers of rows counts as one sample and is said in the
-    summary (`CalibrationSource.whole`); `max_samples` takes whole feeds."""
-    names = {spec.name for spec in inputs}
-    seen = batches = 0
-    for raw in source.feeds(inputs, purpose, chunk):
-        if max_samples is not None and seen >= max_samples:
-            return
-        feed = check_feed(raw, inputs)
-        source.ignored.update(set(raw) - names)
-        samples = feed_samples(feed, inputs)
-        if not samples:
-            continue
-        if whole_feed(feed, inputs):
-            source.whole += 1
-        seen += samples
-        yield feed
-        batches += 1
-        if batches == max_batches:
-            return
+        raise _short_of_one_sample(inputs, _concat(pending, axes), units)

@@ -13,7 +13,6 @@ by one make one sample.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -39,10 +38,6 @@ class InputSpec:
     # its batch axis as the model's shape gives it: a dimension's name, a static size, or
     # None where unknown (`shared_batch`)
     batch_name: str | int | None = None
-    # a fully static input beside an input of dynamic batch (a threshold [1], a
-    # temperature): the same array goes with every sample, never cut, merged or counted
-    # (`with_parameters`)
-    parameter: bool = False
 
     @property
     def batch_dim(self) -> int | None:
@@ -77,33 +72,15 @@ def model_inputs(model: ir.Model) -> list[InputSpec]:
         dtype = np.dtype(value.dtype.numpy()) if value.dtype is not None else np.dtype(np.float32)
         axis = axes.get(value.name, 0)
         specs.append(InputSpec(value.name, dtype, shape, _kind(value.type), axis, axis_name(_dims(value.shape), axis)))
-    return with_parameters(specs)
-
-
-def with_parameters(specs: list[InputSpec]) -> list[InputSpec]:
-    """`specs` with the parameters marked: inputs of a fully static shape with 1 on the
-    batch axis, beside an input whose batch axis is dynamic (images [N, 3, 64, 64] beside a
-    score threshold [1] had made the whole data one sample, and before that an error). A
-    static input of another size ([C] beside [N, C, H, W]) stays a fixed batch, stacked per
-    sample."""
-    if not any(s.batch_dynamic for s in specs):
-        return specs
-    return [dataclasses.replace(s, parameter=True) if s.shape and all(d is not None for d in s.shape)
-            and s.batch_dim == 1 else s for s in specs]
-
-
-def batched(inputs: list[InputSpec]) -> list[InputSpec]:
-    """The inputs that hold samples: all but the parameters (a scalar's stack holds one
-    value per sample)."""
-    return [s for s in inputs if not s.parameter]
+    return specs
 
 
 def sample_counts(feed: Mapping[str, Any], inputs: list[InputSpec]) -> dict[str, Fraction]:
-    """Samples each batched input of `feed` holds: its rows on its batch axis over the rows
-    a sample takes (`sample_rows`)."""
+    """Samples each input of `feed` holds: its rows on its batch axis over the rows a
+    sample takes (`sample_rows`)."""
     units = sample_rows(inputs)
     return {s.name: Fraction(rows_of(np.asarray(feed[s.name]), s.batch_axis), units[s.name])
-            for s in batched(inputs) if s.name in feed and np.ndim(feed[s.name])}
+            for s in inputs if s.name in feed and np.ndim(feed[s.name])}
 
 
 def axis_name(dims: Dims, axis: int) -> str | int | None:
@@ -112,30 +89,30 @@ def axis_name(dims: Dims, axis: int) -> str | int | None:
 
 
 def shared_batch(inputs: list[InputSpec]) -> bool:
-    """Whether the model's shapes make the batched inputs' dynamic batch axes one
-    dimension: the same name wherever they give one (an unnamed one agrees with any; static
-    sizes are fixed batches, `sample_rows`). Where they
-    do not, feeds run as given, never cut or merged (`batches.iter_batches`): a graph's
-    nodes [n, 16] beside its edges [2, e], bags' ids [total] beside their offsets [N]; and
-    so do a tf2onnx model's inputs, each of its own unnamed batch ([unk__1, 8] beside
-    [unk__2, 4]), which nothing tells apart from those."""
-    return len({s.batch_name for s in batched(inputs) if isinstance(s.batch_name, str)}) <= 1  # sizes: fixed batches
+    """Whether the model's shapes make the inputs' dynamic batch axes one dimension: the
+    same name wherever they give one (an unnamed one agrees with any; static sizes are
+    fixed batches, `sample_rows`). Where they do not (a graph's nodes [n, 16] beside its
+    edges [2, e], bags' ids [total] beside their offsets [N], a tf2onnx model's [unk__1, 8]
+    beside [unk__2, 4]), a feed whose inputs hold other numbers of samples runs whole
+    (`whole_feed`)."""
+    return len({s.batch_name for s in inputs if isinstance(s.batch_name, str)}) <= 1  # sizes: fixed batches
 
 
 def unbatchable(inputs: list[InputSpec]) -> bool:
-    """Whether an input's batch axis has a static size other than 1 that no other batched
-    input shares (a graph's edges [2, e] beside its nodes [n, 16]): axis 0 is then no
+    """Whether an input's batch axis has a static size other than 1 that no other input
+    shares (a graph's edges [2, e] beside its nodes [n, 16]): axis 0 is then no
     batch, so one file of arrays with other row counts is one feed, not a mistake."""
-    sizes = [s.batch_name for s in batched(inputs)]
-    return any(s.batch_dynamic for s in batched(inputs)) and any(
+    sizes = [s.batch_name for s in inputs]
+    return any(s.batch_dynamic for s in inputs) and any(
         isinstance(n, int) and n != 1 and sizes.count(n) < len(sizes) for n in sizes)
 
 
 def whole_feed(feed: Mapping[str, Any], inputs: list[InputSpec]) -> bool:
-    """Whether `feed` runs whole, as one sample: its batched inputs hold different numbers
-    of samples where the model's shapes give them no shared batch axis (`shared_batch`).
+    """Whether `feed` runs whole, as one sample: its inputs hold different numbers of
+    samples where the model's shapes give them no shared batch axis (`shared_batch`).
     Such inputs cannot be cut into samples or merged: the feed is what the model takes in
-    one run."""
+    one run. Bags of one id each (as many ids as offsets) look like samples and are
+    batched as such: give such data one bag per feed, or the model no such coincidence."""
     return not shared_batch(inputs) and len(set(sample_counts(feed, inputs).values())) > 1
 
 
@@ -259,7 +236,7 @@ def _kind(value_type: ir.TypeProtocol | None) -> str:
 
 def _fixed_batch(inputs: list[InputSpec]) -> int | None:
     """The static batch size of the model, or None when the batch axis is dynamic."""
-    sizes = {s.batch_dim for s in batched(inputs) if s.shape}
+    sizes = {s.batch_dim for s in inputs if s.shape}
     sizes.discard(None)
     return sizes.pop() if len(sizes) == 1 else None
 
@@ -284,7 +261,7 @@ def feed_samples(feed: Feed, inputs: list[InputSpec]) -> int:
     if whole_feed(feed, inputs):
         return 1
     units = sample_rows(inputs)
-    first = next((s for s in batched(inputs) if s.name in feed and np.ndim(feed[s.name])), None)
+    first = next((s for s in inputs if s.name in feed and np.ndim(feed[s.name])), None)
     if first is None:
         return 1
     return max(rows_of(np.asarray(feed[first.name]), first.batch_axis) // max(units[first.name], 1), 1)

@@ -20,7 +20,6 @@ from onnxq.calibrate.inputs import (
     Feed,
     InputSpec,
     axes_of,
-    batched,
     check_array,
     check_finite,
     sample_counts,
@@ -62,8 +61,7 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec], chunk
 
     A sample is one row, or for an input with a fixed batch B its B rows; a last part
     that fills no whole sample is still yielded, for iter_batches to drop or report. A
-    rank-0 array and a parameter's (`inputs.with_parameters`) go with every sample as they
-    are. Arrays of different sample counts are a mistake, named, unless an input's batch
+    rank-0 array goes with every sample as it is. Arrays of different sample counts are a mistake, named, unless an input's batch
     axis is no batch at all (`inputs.unbatchable`: a graph's edges [2, e] beside its nodes
     [n, 16]): they are then one feed, run whole. `chunk`: the batch the reader merges
     samples into, so that it takes each batch as it comes (ResNet-20's 200 images one
@@ -88,10 +86,9 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec], chunk
         )
     n = math.ceil(next(iter(counts.values()), 0))
     chunk = max(chunk, 1)
-    cut = {s.name for s in batched(inputs)}
     for i in range(0, n, chunk):
         yield {name: take_rows(a, axes.get(name, 0), i * units.get(name, 1), (i + chunk) * units.get(name, 1))
-               if np.ndim(a) and (name in cut or name not in names) else a for name, a in arrays.items()}
+               if np.ndim(a) else a for name, a in arrays.items()}
 
 
 def _read_file(path: Path, inputs: list[InputSpec]) -> dict[str, np.ndarray]:

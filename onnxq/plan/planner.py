@@ -60,7 +60,8 @@ def plan_node(draft: Draft, node: ir.Node, keep_float: Mapping[str, str]) -> Non
         return
     cfg = resolve_node_config(draft.config, node.name, node.op_type)
     if cfg is None:
-        draft.float_node(node, float_reason(draft.config, node.name, node.op_type))
+        why = float_reason(draft.config, node.name, node.op_type)
+        draft.float_node(node, why, as_given=why.startswith("excluded"))  # the user's exclusion, as they wrote it
         return
     cfg, relaxed = runnable(node, cfg)
     if relaxed is not None:
