@@ -198,3 +198,24 @@ def test_a_stack_of_scalar_timesteps_is_one_per_sample(tmp_path):
     with pytest.raises(CalibrationDataError, match=r"'timestep' is a scalar .* shape \[6, 1\]"):
         onnxq.quantize(model, None, calibration_data={**stacked, "timestep": stacked["timestep"][:, None]},
                        progress=False)
+
+
+def test_a_one_value_input_given_once_is_told_to_repeat_it():
+    """x [N, 4] beside a temperature [1] given once: the count error says how to give it,
+    and the data given so runs (each sample on its own: the model takes one value a run)."""
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["logits"], name="fc"),
+             helper.make_node("Div", ["logits", "temperature"], ["y"])]
+    graph = helper.make_graph(nodes, "tempered", [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", FEATURES]),
+        helper.make_tensor_value_info("temperature", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", HIDDEN])],
+        [numpy_helper.from_array(rng.standard_normal((FEATURES, HIDDEN)).astype(np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    x = rng.standard_normal((16, FEATURES)).astype(np.float32)
+    with pytest.raises(CalibrationDataError, match=r"'temperature' takes one value per sample: repeat it, stacked "
+                                                   r"\[samples, 1\]"):
+        onnxq.quantize(model, None, calibration_data={"x": x, "temperature": np.array([2.0], np.float32)},
+                       progress=False)
+    repeated = {"x": x, "temperature": np.full((16, 1), 2.0, np.float32)}
+    assert onnxq.quantize(model, None, calibration_data=repeated, progress=False).summary.calibration_samples == 16

@@ -79,10 +79,13 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec], chunk
             yield dict(arrays)
             return
         shown = {name: str(n) for name, n in counts.items()}
+        once = [s.name for s in inputs if s.shape and s.batch_dim == 1 and counts.get(s.name) == 1]
         raise CalibrationDataError(
             f"calibration arrays have different sample counts {shown}; give each input the same number of samples "
-            "(where the inputs are no batch of samples, a graph's nodes and edges or bags' ids and offsets, give one "
-            "feed per file of a folder or per item of a list)"
+            + (f"({', '.join(map(repr, once))} takes one value per sample: repeat it, stacked [samples, "
+               f"{', '.join(str(d) for d in next(s for s in inputs if s.name == once[0]).shape)}])" if once else
+               "(where the inputs are no batch of samples, a graph's nodes and edges or bags' ids and offsets, give "
+               "one feed per file of a folder or per item of a list)")
         )
     n = math.ceil(next(iter(counts.values()), 0))
     chunk = max(chunk, 1)
