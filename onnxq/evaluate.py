@@ -32,7 +32,7 @@ from onnxq.calibrate.session import (
 )
 from onnxq.errors import CalibrationDataError, ModelError, OnnxqError
 from onnxq.graph.quantized import describe, integer_kernel, quantized_ops
-from onnxq.graph.selection import selected_outputs
+from onnxq.graph.selection import scored_index, selected_outputs
 from onnxq.perplexity import NextToken, scores_tokens
 from onnxq.sessions import (
     deployed_session,
@@ -203,9 +203,9 @@ def _metrics(
     rows = {*rows, *follows}
     names = list(refs)
     result = Comparison(samples=len(refs[names[0]]) if samples is None else samples, kernels=kernels)
-    # the class scores labels are scored on: the first output, or the first float one after
-    # a first output of predicted labels (an sklearn classifier's label, then probabilities)
-    scored = next((n for n in names if refs[n].dtype.kind == "f"), None)
+    # the class scores labels are scored on: the first float output (an sklearn classifier's
+    # probabilities after its labels), as the search scores (`selection.scored_index`)
+    scored = names[scored_index([refs[n].dtype.kind == "f" for n in names])] if names else None
     for n in names:
         r, t = refs[n], tests[n]
         if r.dtype.kind != "f":  # indices, flags, class names: equal or not, no signal figures

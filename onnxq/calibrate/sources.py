@@ -61,9 +61,10 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec], chunk
 
     A sample is one row, or for an input with a fixed batch B its B rows; a last part
     that fills no whole sample is still yielded, for iter_batches to drop or report. A
-    rank-0 array goes with every sample as it is. Arrays of different sample counts are a mistake, named, unless an input's batch
-    axis is no batch at all (`inputs.unbatchable`: a graph's edges [2, e] beside its nodes
-    [n, 16]): they are then one feed, run whole. `chunk`: the batch the reader merges
+    rank-0 array goes with every sample as it is. Arrays of different sample counts are a
+    mistake, named, unless an input's batch axis is no batch at all (`inputs.unbatchable`:
+    a graph's edges [2, e] beside its nodes [n, 16]): they are then one feed, run whole.
+    `chunk`: the batch the reader merges
     samples into, so that it takes each batch as it comes (ResNet-20's 200 images one
     at a time: 4 ms of merging and checking, a fortieth of its quantize).
     """
@@ -79,14 +80,14 @@ def _split_rows(arrays: Mapping[str, np.ndarray], inputs: list[InputSpec], chunk
             yield dict(arrays)
             return
         shown = {name: str(n) for name, n in counts.items()}
-        once = [s.name for s in inputs if s.shape and s.batch_dim == 1 and counts.get(s.name) == 1]
+        once = next((s for s in inputs if s.shape and s.batch_dim == 1 and counts.get(s.name) == 1), None)
+        how = (f"{once.name!r} takes one value per sample: repeat it, stacked [samples, "
+               f"{', '.join(map(str, once.shape))}]" if once is not None else
+               "where the inputs are no batch of samples, a graph's nodes and edges or bags' ids and offsets, give one "
+               "feed per file of a folder or per item of a list")
         raise CalibrationDataError(
             f"calibration arrays have different sample counts {shown}; give each input the same number of samples "
-            + (f"({', '.join(map(repr, once))} takes one value per sample: repeat it, stacked [samples, "
-               f"{', '.join(str(d) for d in next(s for s in inputs if s.name == once[0]).shape)}])" if once else
-               "(where the inputs are no batch of samples, a graph's nodes and edges or bags' ids and offsets, give "
-               "one feed per file of a folder or per item of a list)")
-        )
+            f"({how})")
     n = math.ceil(next(iter(counts.values()), 0))
     chunk = max(chunk, 1)
     for i in range(0, n, chunk):

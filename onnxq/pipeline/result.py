@@ -23,7 +23,7 @@ from onnxq.pipeline.calibration import within_ranges
 from onnxq.pipeline.emission import emit_loadable, layer_biases, trial_emitter
 from onnxq.plan import QuantPlan, plan_quantization
 from onnxq.plan.edges import with_edges
-from onnxq.plan.plan import FLOAT_DTYPES
+from onnxq.plan.strategies.static import FLOAT_TYPES
 from onnxq.report import Summary
 from onnxq.target import TargetProfile
 
@@ -76,13 +76,11 @@ class PipelineState:
         return model
 
 
-CALIBRATED_FLOATS = FLOAT_DTYPES & {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}  # activations
-
-
 def float_tensors(graph: ir.Graph) -> list[str]:
-    """The main graph's float activations: its inputs and its nodes' outputs."""
+    """The main graph's float activations a static recipe reads (`static.FLOAT_TYPES`): its
+    inputs and its nodes' outputs."""
     values = [*graph.inputs, *(v for node in graph for v in node.outputs)]
-    return [v.name for v in values if v.name and v.dtype in CALIBRATED_FLOATS and not v.is_initializer()]
+    return [v.name for v in values if v.name and v.dtype in FLOAT_TYPES and not v.is_initializer()]
 
 
 def _observed_alike(config: Config) -> bool:

@@ -153,16 +153,14 @@ def nothing_quantized(model: ir.Model, float_nodes: Mapping[str, tuple[str, str]
     the model has a layer one quantizes, float32 weights where its layers' are double,
     nothing where it has no such layer (a tree ensemble, a linear classifier)."""
     see = " (see 'left in float')" if float_nodes else ""
-    layers = {node.op_type for node in model.graph if node.domain in ("", "ai.onnx") and node.op_type in WEIGHTED_OPS}
-    double = any("is double" in why for _, why in float_nodes.values())
-    if not layers:
-        return (f"warning: nothing was quantized: every node stayed float{see}; the model has no layer onnxq "
-                f"quantizes ({', '.join(sorted(WEIGHTED_OPS))}), so no recipe makes it smaller or faster")
-    if double:
-        return (f"warning: nothing was quantized: every node stayed float{see}; its layers' weights are double: "
-                "export the model in float32")
-    return (f"warning: nothing was quantized: every node stayed float{see}; pick a recipe that covers this model's "
-            "ops (U8S8, the default, for convolutions; W8_DYNAMIC quantizes MatMul, Gemm and LSTM only)")
+    said = f"warning: nothing was quantized: every node stayed float{see}; "
+    if not any(node.domain in ("", "ai.onnx") and node.op_type in WEIGHTED_OPS for node in model.graph):
+        return said + (f"the model has no layer onnxq quantizes ({', '.join(sorted(WEIGHTED_OPS))}), so no recipe "
+                       "makes it smaller or faster")
+    if any("is double" in why for _, why in float_nodes.values()):
+        return said + "its layers' weights are double: export the model in float32"
+    return said + ("pick a recipe that covers this model's ops (U8S8, the default, for convolutions; W8_DYNAMIC "
+                   "quantizes MatMul, Gemm and LSTM only)")
 
 
 def _passes_read_data(config: Config, calibration_data: Any) -> None:
